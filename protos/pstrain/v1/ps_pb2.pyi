@@ -1,0 +1,232 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Initializer(_message.Message):
+    __slots__ = ("kind", "value", "mean", "stddev", "minval", "maxval", "seed")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STDDEV_FIELD_NUMBER: _ClassVar[int]
+    MINVAL_FIELD_NUMBER: _ClassVar[int]
+    MAXVAL_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    value: float
+    mean: float
+    stddev: float
+    minval: float
+    maxval: float
+    seed: int
+    def __init__(self, kind: _Optional[str] = ..., value: _Optional[float] = ..., mean: _Optional[float] = ..., stddev: _Optional[float] = ..., minval: _Optional[float] = ..., maxval: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class CreateVariableRequest(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    initial_value: Tensor
+    initializer: Initializer
+    optimizer: OptimizerSpec
+    allow_nonfinite: bool
+    exist_ok: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class VariableMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    version: int
+    optimizer: OptimizerSpec
+    nbytes: int
+    slot_nbytes: int
+    allow_nonfinite: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ...) -> None: ...
+
+class VariableRef(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListReply(_message.Message):
+    __slots__ = ("variables",)
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    variables: _containers.RepeatedCompositeFieldContainer[VariableMeta]
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VariableValue(_message.Message):
+    __slots__ = ("name", "version", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    value: Tensor
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ReadReply(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[VariableValue]
+    def __init__(self, values: _Optional[_Iterable[_Union[VariableValue, _Mapping]]] = ...) -> None: ...
+
+class ReadFrame(_message.Message):
+    __slots__ = ("value", "chunk")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    value: VariableValue
+    chunk: bytes
+    def __init__(self, value: _Optional[_Union[VariableValue, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class DenseUpdate(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DenseUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ...) -> None: ...
+
+class AssignRequest(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DenseUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ...) -> None: ...
+
+class UpdateReply(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GatherRequest(_message.Message):
+    __slots__ = ("name", "ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: Tensor
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class GatherReply(_message.Message):
+    __slots__ = ("version", "rows")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rows: Tensor
+    def __init__(self, version: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class PushSparseRequest(_message.Message):
+    __slots__ = ("name", "ids", "values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: Tensor
+    values: Tensor
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class UploadFrame(_message.Message):
+    __slots__ = ("create", "push", "assign", "push_sparse", "chunk")
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SPARSE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    create: CreateVariableRequest
+    push: PushRequest
+    assign: AssignRequest
+    push_sparse: PushSparseRequest
+    chunk: bytes
+    def __init__(self, create: _Optional[_Union[CreateVariableRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., assign: _Optional[_Union[AssignRequest, _Mapping]] = ..., push_sparse: _Optional[_Union[PushSparseRequest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("created", "updated")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    created: VariableMeta
+    updated: UpdateReply
+    def __init__(self, created: _Optional[_Union[VariableMeta, _Mapping]] = ..., updated: _Optional[_Union[UpdateReply, _Mapping]] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    server_id: str
+    max_message_bytes: int
+    num_variables: int
+    total_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,5 @@
+import sys
+
+from psserver.server import main
+
+sys.exit(main())

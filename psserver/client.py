@@ -1,0 +1,378 @@
+"""PSClient: the Python client of one parameter-server task.
+
+Workers and the coordinator reach every parameter server through this class.
+Every method raises a subclass of ``psserver.errors.PSError`` on failure
+(``InvalidArgument``, ``NotFound``, ``AlreadyExists``, ``ResourceExhausted``,
+``Unauthenticated``, ``Unavailable``, ``DeadlineExceeded``...), carrying the
+server's message. Nothing waits forever: every call has a deadline
+(``timeout``, default 60 s; streamed transfers get extra time per byte).
+
+Delivery: reads, gathers and metadata calls are retried by gRPC on
+UNAVAILABLE (they are idempotent). Pushes and assigns are sent at most once
+by this client: an ``Unavailable`` error means the update may or may not have
+been applied.
+
+Non-blocking use: the ``*_async`` methods return a ``Handle`` at once; its
+``result()`` blocks for the value (or raises), as ps-lite's ``Wait(ts)``.
+
+Tensors larger than one message (``max_message_bytes``, 64 MiB by default)
+travel in frames over a stream; callers never see the difference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from concurrent import futures
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+import grpc
+import numpy as np
+
+from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver import tensor as T
+from psserver.errors import InvalidArgument, PSError, from_rpc_error
+from psserver.server import TOKEN_METADATA_KEY, grpc_options
+from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                               MESSAGE_OVERHEAD)
+from psserver.store import Initializer, VariableMeta
+
+DEFAULT_TIMEOUT = 60.0
+#: Extra deadline per byte of a streamed transfer: 20 MB/s is far below any
+#: link this runs on, so only a stuck transfer reaches it.
+_STREAM_SECONDS_PER_BYTE = 1 / 20e6
+
+# gRPC retries idempotent calls on UNAVAILABLE (start-up races, restarts).
+_IDEMPOTENT = ["GetServerInfo", "GetMeta", "ListVariables", "Read", "ReadStream", "Gather"]
+_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": "pstrain.v1.ParameterServer", "method": m} for m in _IDEMPOTENT],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A variable's value as read, with the version it belongs to."""
+    name: str
+    version: int
+    value: np.ndarray
+
+
+def _meta_from_proto(m: ps_pb2.VariableMeta) -> VariableMeta:
+    return VariableMeta(m.name, m.dtype, tuple(m.shape), m.version, m.optimizer.name,
+                        dict(m.optimizer.params), m.nbytes, m.slot_nbytes, m.allow_nonfinite)
+
+
+class Handle:
+    """The pending result of a non-blocking call."""
+
+    def __init__(self, fut, post: Callable = lambda r: r, target: str = "",
+                 recover: Callable[[PSError], object] | None = None):
+        self._fut, self._post, self._target = fut, post, target
+        self._recover = recover   # may turn an error into a result, or re-raise
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: float | None = None):
+        """Block until the call finishes; return its value or raise its PSError."""
+        try:
+            try:
+                return self._post(self._fut.result(timeout))
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, self._target) from exc
+        except PSError as exc:
+            if self._recover is None:
+                raise
+            return self._recover(exc)
+
+    wait = result
+
+
+class PSClient:
+    """Client of the parameter server at ``address`` ("host:port").
+
+    Args:
+      token: the cluster's auth token, sent on every call (None: no token).
+      timeout: deadline in seconds of each call (None: no deadline).
+      max_message_bytes: must match the server's; larger tensors are streamed.
+      chunk_bytes: frame size of streamed uploads.
+      wait_for_ready: queue calls until the server is up instead of failing
+        with UNAVAILABLE at once (useful while a cluster starts).
+    """
+
+    def __init__(self, address: str, *, token: str | None = None,
+                 timeout: float | None = DEFAULT_TIMEOUT,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 wait_for_ready: bool = False):
+        self.address = address
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = chunk_bytes
+        self._wait_for_ready = wait_for_ready
+        self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        options = grpc_options(max_message_bytes) + [
+            ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        self._nbytes: dict[str, int] = {}   # known sizes: picks unary vs stream
+        self._pool: futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._channel.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the server answers (raises DeadlineExceeded after timeout)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            from psserver.errors import DeadlineExceeded
+            raise DeadlineExceeded(f"parameter server {self.address} not ready after {timeout}s; "
+                                   "is it running and is the address right?") from None
+
+    # -- plumbing ------------------------------------------------------------
+    def _kw(self, timeout: float | None = None, extra_bytes: int = 0) -> dict:
+        t = self.timeout if timeout is None else timeout
+        if t is not None and extra_bytes:
+            t += extra_bytes * _STREAM_SECONDS_PER_BYTE
+        return {"timeout": t, "metadata": self._metadata, "wait_for_ready": self._wait_for_ready}
+
+    def _call(self, method, request, **kw):
+        try:
+            return method(request, **self._kw(**kw))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from exc
+
+    def _future(self, method, request, post, recover=None, **kw) -> Handle:
+        return Handle(method.future(request, **self._kw(**kw)), post, self.address, recover)
+
+    def _thread(self, fn, *args) -> Handle:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(4, thread_name_prefix="psclient")
+        return Handle(self._pool.submit(fn, *args), target=self.address)
+
+    def _fits(self, nbytes: int) -> bool:
+        return nbytes <= self.max_message_bytes - MESSAGE_OVERHEAD
+
+    def _upload(self, kind: str, request, arrays: Sequence[np.ndarray]) -> ps_pb2.UploadReply:
+        """Send a request whose tensors are too big for one message, in frames."""
+        total = sum(a.nbytes for a in arrays)
+
+        def frames() -> Iterator[ps_pb2.UploadFrame]:
+            yield ps_pb2.UploadFrame(**{kind: request})
+            step = self.chunk_bytes
+            for a in arrays:
+                flat = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                for off in range(0, len(flat), step):
+                    yield ps_pb2.UploadFrame(chunk=bytes(flat[off:off + step]))
+        return self._call(self._stub.Upload, frames(), extra_bytes=total)
+
+    # -- info ----------------------------------------------------------------
+    def server_info(self) -> ps_pb2.ServerInfo:
+        return self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
+
+    def get_meta(self, name: str) -> VariableMeta:
+        m = _meta_from_proto(self._call(self._stub.GetMeta, ps_pb2.VariableRef(name=name)))
+        self._nbytes[name] = m.nbytes
+        return m
+
+    def list_variables(self) -> list[VariableMeta]:
+        reply = self._call(self._stub.ListVariables, ps_pb2.ListRequest())
+        return [_meta_from_proto(m) for m in reply.variables]
+
+    # -- create / delete -----------------------------------------------------
+    def create_variable(self, name: str, shape: Sequence[int] | None = None,
+                        dtype: str | np.dtype | None = None, *,
+                        initial_value: np.ndarray | None = None,
+                        initializer: Initializer | str | None = None,
+                        optimizer: str = "sgd",
+                        optimizer_params: Mapping[str, float] | None = None,
+                        allow_nonfinite: bool = False,
+                        exist_ok: bool = False) -> VariableMeta:
+        """Create a variable on this server and return its metadata.
+
+        Give either ``initial_value`` (shape and dtype then default to its
+        own; dtype otherwise defaults to float32) or an ``initializer`` (an Initializer, or a kind name such as
+        "zeros"); with neither the variable starts at zeros.
+        Raises InvalidArgument, AlreadyExists, ResourceExhausted.
+        """
+        req = ps_pb2.CreateVariableRequest(
+            name=name, allow_nonfinite=allow_nonfinite, exist_ok=exist_ok,
+            optimizer=ps_pb2.OptimizerSpec(name=optimizer, params=dict(optimizer_params or {})))
+        arrays = []
+        if initial_value is not None:
+            if initializer is not None:
+                raise InvalidArgument("give initial_value or initializer, not both")
+            arr = np.asarray(initial_value)
+            if dtype is None:
+                dtype = arr.dtype if arr.dtype.kind == "f" else np.float32
+            arr = arr.astype(np.dtype(dtype), copy=False)
+            if shape is None:
+                shape = arr.shape
+            arrays = [arr]
+        if shape is None:
+            raise InvalidArgument(f"create_variable({name!r}) needs a shape or an initial_value")
+        dtype = "float32" if dtype is None else dtype
+        req.dtype = np.dtype(dtype).name
+        req.shape[:] = [int(d) for d in shape]
+        if initializer is not None:
+            init = Initializer(initializer) if isinstance(initializer, str) else initializer
+            req.initializer.CopyFrom(ps_pb2.Initializer(**dataclasses.asdict(init)))
+        if arrays and not self._fits(arrays[0].nbytes):
+            req.initial_value.CopyFrom(T.header(arrays[0]))
+            meta = self._upload("create", req, arrays).created
+        else:
+            if arrays:
+                req.initial_value.CopyFrom(T.encode(arrays[0]))
+            meta = self._call(self._stub.CreateVariable, req)
+        m = _meta_from_proto(meta)
+        self._nbytes[name] = m.nbytes
+        return m
+
+    def delete_variable(self, name: str) -> None:
+        self._call(self._stub.DeleteVariable, ps_pb2.VariableRef(name=name))
+        self._nbytes.pop(name, None)
+
+    # -- reads ---------------------------------------------------------------
+    def _read_stream(self, names: Sequence[str]) -> list[Snapshot]:
+        total = sum(self._nbytes.get(n, 0) for n in names)
+        try:
+            frames = self._stub.ReadStream(ps_pb2.ReadRequest(names=names),
+                                           **self._kw(extra_bytes=total))
+            out: list[Snapshot] = []
+            buf = fill = cur = None
+            for f in frames:
+                if f.HasField("value"):
+                    v = f.value
+                    dt, shape, n = T.spec(v.value)
+                    buf = np.empty(n, np.uint8)
+                    fill = len(v.value.data)
+                    buf[:fill] = np.frombuffer(v.value.data, np.uint8)
+                    cur = (v.name, v.version, dt, shape)
+                else:
+                    k = len(f.chunk)
+                    buf[fill:fill + k] = np.frombuffer(f.chunk, np.uint8)
+                    fill += k
+                if fill == buf.size:
+                    name, version, dt, shape = cur
+                    out.append(Snapshot(name, version, buf.view(dt).reshape(shape)))
+                    self._nbytes[name] = buf.size
+            return out
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from exc
+
+    def _read_unary_post(self, reply: ps_pb2.ReadReply) -> list[Snapshot]:
+        out = []
+        for v in reply.values:
+            arr = T.decode(v.value)
+            self._nbytes[v.name] = arr.nbytes
+            out.append(Snapshot(v.name, v.version, arr))
+        return out
+
+    def read_many_async(self, names: Sequence[str]) -> Handle:
+        """Read several variables in one call; ``result()`` is a list of Snapshot.
+
+        Values are read-only arrays (``.copy()`` one to change it).
+        """
+        names = list(names)
+        known = [self._nbytes.get(n) for n in names]
+        if None not in known and not self._fits(sum(known)):
+            return self._thread(self._read_stream, names)
+
+        def recover(exc: PSError):   # too big for one message: stream it instead
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return self._read_stream(names)
+            raise exc
+        return self._future(self._stub.Read, ps_pb2.ReadRequest(names=names),
+                            self._read_unary_post, recover)
+
+    def read_many(self, names: Sequence[str]) -> list[Snapshot]:
+        return self.read_many_async(names).result()
+
+    def read(self, name: str, *, with_version: bool = False):
+        """The value of ``name`` (a read-only array), or (value, version)."""
+        s = self.read_many([name])[0]
+        return (s.value, s.version) if with_version else s.value
+
+    def gather_async(self, name: str, ids) -> Handle:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"gather ids must be integers, got {ids.dtype.name}")
+        if ids.dtype.kind == "u" or ids.dtype.itemsize not in (4, 8):
+            ids = ids.astype(np.int64)
+        req = ps_pb2.GatherRequest(name=name, ids=T.encode(ids))
+        return self._future(self._stub.Gather, req,
+                            lambda r: (T.decode(r.rows), r.version))
+
+    def gather(self, name: str, ids, *, with_version: bool = False):
+        """Rows ``value[ids]`` (shape ids.shape + row shape), or (rows, version)."""
+        rows, version = self.gather_async(name, ids).result()
+        return (rows, version) if with_version else rows
+
+    # -- updates ---------------------------------------------------------------
+    def _dense(self, kind: str, updates: Mapping[str, np.ndarray] | Iterable) -> Handle:
+        items = list(updates.items()) if isinstance(updates, Mapping) else list(updates)
+        arrays = [np.asarray(g) for _, g in items]
+        msg_cls = ps_pb2.PushRequest if kind == "push" else ps_pb2.AssignRequest
+        method = self._stub.Push if kind == "push" else self._stub.Assign
+        total = sum(a.nbytes for a in arrays)
+        if self._fits(total):
+            req = msg_cls(updates=[ps_pb2.DenseUpdate(name=n, tensor=T.encode(a))
+                                   for (n, _), a in zip(items, arrays)])
+            return self._future(method, req, lambda r: list(r.versions))
+        req = msg_cls(updates=[ps_pb2.DenseUpdate(name=n, tensor=T.header(a))
+                               for (n, _), a in zip(items, arrays)])
+        return self._thread(lambda: list(self._upload(kind, req, arrays).updated.versions))
+
+    def push_many_async(self, grads) -> Handle:
+        """Apply dense gradients ({name: grad} or [(name, grad)]) in one call.
+
+        ``result()`` is the list of versions after each update. The request is
+        validated in full first: on an error nothing was applied.
+        """
+        return self._dense("push", grads)
+
+    def push_many(self, grads) -> list[int]:
+        return self.push_many_async(grads).result()
+
+    def push(self, name: str, grad) -> int:
+        """Apply one dense gradient; return the version after it."""
+        return self.push_many([(name, grad)])[0]
+
+    def assign_many(self, values) -> list[int]:
+        return self._dense("assign", values).result()
+
+    def assign(self, name: str, value) -> int:
+        """Overwrite a variable's value (optimizer slots are kept)."""
+        return self.assign_many([(name, value)])[0]
+
+    def push_sparse_async(self, name: str, ids, rows) -> Handle:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"sparse push ids must be integers, got {ids.dtype.name}")
+        if ids.dtype.kind == "u" or ids.dtype.itemsize not in (4, 8):
+            ids = ids.astype(np.int64)
+        rows = np.asarray(rows)
+        if self._fits(ids.nbytes + rows.nbytes):
+            req = ps_pb2.PushSparseRequest(name=name, ids=T.encode(ids), values=T.encode(rows))
+            return self._future(self._stub.PushSparse, req, lambda r: r.versions[0])
+        req = ps_pb2.PushSparseRequest(name=name, ids=T.header(ids), values=T.header(rows))
+        return self._thread(
+            lambda: self._upload("push_sparse", req, [ids, rows]).updated.versions[0])
+
+    def push_sparse(self, name: str, ids, rows) -> int:
+        """Apply a row-wise gradient (duplicate ids summed); return the version."""
+        return self.push_sparse_async(name, ids, rows).result()

@@ -1,0 +1,105 @@
+"""Start a task (``psserver``, ``psworker``) as a child process on a free port.
+
+Used by LocalCluster and the tests. The child binds port 0 and prints
+``<role> listening on HOST:PORT`` once serving; ``start_task`` reads that
+line (with a deadline) so the caller knows the real address, as TensorFlow's
+multi-process test clusters pass the bound address back over a pipe.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from typing import Sequence
+
+_LISTENING = re.compile(r"^(\w+) listening on (\S+)$")
+
+#: BLAS threads per child process. Several tasks share the machine's cores;
+#: numpy's default of one BLAS thread per core oversubscribes them badly.
+DEFAULT_BLAS_THREADS = "1"
+
+
+class TaskProcess:
+    """A running child task. ``address`` is where it listens."""
+
+    def __init__(self, proc: subprocess.Popen, address: str, role: str, log_lines: list[str]):
+        self.proc, self.address, self.role = proc, address, role
+        self.log_lines = log_lines   # everything the child printed (filled by a thread)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        """SIGTERM, wait up to timeout, then SIGKILL. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.kill()
+
+    def kill(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def output(self) -> str:
+        return "".join(self.log_lines)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, DEFAULT_BLAS_THREADS)
+    env["PYTHONUNBUFFERED"] = "1"
+    # The child imports this repository's packages even when not installed.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def start_task(module: str, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
+               timeout: float = 30.0) -> TaskProcess:
+    """Run ``python -m module args`` and wait until it prints its address.
+
+    Raises RuntimeError (with the child's output) if it exits or stays silent
+    for ``timeout`` seconds; the child is killed then.
+    """
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=child_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    found: "queue.Queue[tuple[str, str] | None]" = queue.Queue()
+
+    def pump() -> None:   # reads the child's output for its whole life
+        announced = False
+        for line in proc.stdout:
+            lines.append(line)
+            m = _LISTENING.match(line.strip())
+            if m and not announced:
+                announced = True
+                found.put((m.group(1), m.group(2)))
+        if not announced:
+            found.put(None)
+
+    threading.Thread(target=pump, name=f"{module}-output-{proc.pid}", daemon=True).start()
+    try:
+        got = found.get(timeout=timeout)
+    except queue.Empty:
+        got = None
+    if got is None:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{module} did not start within {timeout}s; it printed:\n{''.join(lines)}")
+    role, address = got
+    return TaskProcess(proc, address, role, lines)

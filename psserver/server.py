@@ -1,0 +1,187 @@
+"""Start a parameter-server task: ``create_server`` builds it, ``serve`` runs it.
+
+The ``psserver`` command (and ``python -m psserver``)::
+
+    psserver --port 0 --port-file /tmp/ps0.port      # prints "psserver listening on 127.0.0.1:PORT"
+
+On SIGTERM or SIGINT the server reports NOT_SERVING on the health service,
+stops taking new calls, lets the calls in flight finish (up to --grace
+seconds) and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.pstrain.v1 import ps_pb2_grpc
+from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                               MESSAGE_OVERHEAD, ParameterServerServicer)
+from psserver.store import VariableStore
+
+log = logging.getLogger("psserver")
+
+SERVICE_NAME = "pstrain.v1.ParameterServer"
+#: Environment variable holding the shared auth token (see docs/configuration.md).
+TOKEN_ENV = "PSTRAIN_AUTH_TOKEN"
+#: Metadata key of the token on every call.
+TOKEN_METADATA_KEY = "authorization"
+# Calls that stay open without a token, so probes need no secret.
+_PUBLIC_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel/server options shared by both sides of the wire."""
+    limit = max_message_bytes + MESSAGE_OVERHEAD
+    return [("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            # Keep idle connections alive through NATs and detect dead peers.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuse (UNAUTHENTICATED) every call whose metadata lacks the token."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong auth token: pass the cluster's token "
+                          f"(PSClient(token=...) or ${TOKEN_ENV})")
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_PUBLIC_PREFIXES):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                got = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+class ServerHandle:
+    """A running parameter server: its gRPC server, port, store and health."""
+
+    def __init__(self, server: grpc.Server, port: int, servicer: ParameterServerServicer,
+                 health_servicer: health.HealthServicer):
+        self.server, self.port, self.servicer, self.health = server, port, servicer, health_servicer
+
+    @property
+    def store(self) -> VariableStore:
+        return self.servicer.store
+
+    def start(self) -> "ServerHandle":
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Stop taking calls; let those in flight finish for up to ``grace`` s."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
+                  token: str | None = None,
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  max_workers: int = 16) -> ServerHandle:
+    """Build (not start) a parameter server bound to ``address``.
+
+    ``"127.0.0.1:0"`` binds a free port; ``handle.port`` says which. With a
+    token, every call but health checks must carry it.
+    Raises OSError if the address cannot be bound.
+    """
+    interceptors = [TokenAuthInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="psserver-rpc"),
+                         interceptors=interceptors,
+                         options=grpc_options(max_message_bytes))
+    servicer = ParameterServerServicer(store or VariableStore(),
+                                       max_message_bytes=max_message_bytes,
+                                       chunk_bytes=chunk_bytes)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return ServerHandle(server, port, servicer, health_servicer)
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write the port atomically, so a reader never sees a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = None,
+          host: str = "127.0.0.1") -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    handle.start()
+    print(f"psserver listening on {host}:{handle.port}", flush=True)
+    if port_file:
+        write_port_file(port_file, handle.port)
+    stop.wait()
+    log.info("signal received: stopping (grace %.1fs)", grace)
+    handle.stop(grace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="psserver", description="Run one parameter-server task.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 or [::] listens on all interfaces)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    p.add_argument("--port-file", help="write the bound port to this file once serving")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds calls in flight get to finish on SIGTERM (default 5)")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest message accepted; larger tensors move in frames (default 64 MiB)")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help="frame size of streamed reads (default 4 MiB)")
+    p.add_argument("--max-memory-bytes", type=int, default=None,
+                   help="refuse creates beyond this many bytes of values and slots")
+    p.add_argument("--threads", type=int, default=16, help="RPC worker threads (default 16)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s psserver %(levelname)s %(message)s")
+    host = args.host.strip("[]")
+    address = f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"
+    try:
+        handle = create_server(address, store=VariableStore(args.max_memory_bytes),
+                               token=os.environ.get(TOKEN_ENV) or None,
+                               max_message_bytes=args.max_message_bytes,
+                               chunk_bytes=args.chunk_bytes, max_workers=args.threads)
+    except (OSError, RuntimeError) as exc:
+        print(f"psserver: cannot listen on {address}: {exc}", file=sys.stderr)
+        return 2
+    serve(handle, grace=args.grace, port_file=args.port_file, host=args.host)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The gRPC servicer: wire messages in, VariableStore calls, wire messages out.
+
+Thin on purpose: validation and state live in ``store``; this module only
+converts messages and maps ``PSError`` types to gRPC status codes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver import tensor as T
+from psserver.errors import InvalidArgument, PSError, ResourceExhausted
+from psserver.store import Initializer, VariableMeta, VariableStore
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+#: Largest message either side accepts, and so the most tensor bytes one unary
+#: call carries. Larger tensors go over ReadStream / Upload in frames of
+#: DEFAULT_CHUNK_BYTES. 64 MiB keeps one message's copies cheap next to the
+#: machine's memory while letting typical layers travel in one call.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+#: Frame size on the streams: large enough that per-message overhead is small,
+#: small enough to pipeline (measured in bench/bench_ps.py).
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: Room for the non-tensor fields of a message on top of its tensor bytes.
+MESSAGE_OVERHEAD = 64 << 10
+
+
+def meta_to_proto(m: VariableMeta) -> ps_pb2.VariableMeta:
+    return ps_pb2.VariableMeta(
+        name=m.name, dtype=m.dtype, shape=m.shape, version=m.version,
+        optimizer=ps_pb2.OptimizerSpec(name=m.optimizer, params=m.optimizer_params),
+        nbytes=m.nbytes, slot_nbytes=m.slot_nbytes, allow_nonfinite=m.allow_nonfinite)
+
+
+def tensors_of(request) -> list[ps_pb2.Tensor]:
+    """The Tensor fields of a request, in their wire order (see UploadFrame)."""
+    if isinstance(request, ps_pb2.CreateVariableRequest):
+        return [request.initial_value] if request.HasField("initial_value") else []
+    if isinstance(request, (ps_pb2.PushRequest, ps_pb2.AssignRequest)):
+        return [u.tensor for u in request.updates]
+    if isinstance(request, ps_pb2.PushSparseRequest):
+        return [request.ids, request.values]
+    raise InvalidArgument(f"no tensors in a {type(request).__name__}")
+
+
+def _assemble(first_tensors: list[ps_pb2.Tensor], frames: Iterator[ps_pb2.UploadFrame],
+              max_bytes: int) -> list[np.ndarray]:
+    """Complete each tensor's data from the chunks of the frames that follow."""
+    specs = [T.spec(t, what=f"tensor {i}") for i, t in enumerate(first_tensors)]
+    total = sum(n for _, _, n in specs)
+    if total > max_bytes:
+        raise ResourceExhausted(
+            f"upload declares {total} bytes of tensors, over this server's limit of "
+            f"{max_bytes}; split the variable into more shards")
+    bufs = [np.empty(n, np.uint8) for _, _, n in specs]
+    fill = [0] * len(specs)
+    for i, t in enumerate(first_tensors):
+        if len(t.data) > specs[i][2]:
+            raise InvalidArgument(f"tensor {i} carries more bytes than its shape needs")
+        bufs[i][:len(t.data)] = np.frombuffer(t.data, np.uint8)
+        fill[i] = len(t.data)
+    cur = 0
+    for frame in frames:
+        if frame.WhichOneof("request") is not None:
+            raise InvalidArgument("only the first upload frame may carry a request")
+        chunk = np.frombuffer(frame.chunk, np.uint8)
+        while chunk.size:
+            while cur < len(specs) and fill[cur] == specs[cur][2]:
+                cur += 1
+            if cur == len(specs):
+                raise InvalidArgument("upload sent more bytes than its tensors declare")
+            take = min(chunk.size, specs[cur][2] - fill[cur])
+            bufs[cur][fill[cur]:fill[cur] + take] = chunk[:take]
+            fill[cur] += take
+            chunk = chunk[take:]
+    for i, (_, _, n) in enumerate(specs):
+        if fill[i] != n:
+            raise InvalidArgument(
+                f"upload ended after {fill[i]} of the {n} bytes tensor {i} declares; "
+                "nothing was applied")
+    return [b.view(dt).reshape(shape) for b, (dt, shape, _) in zip(bufs, specs)]
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, store: VariableStore, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 max_upload_bytes: int = 1 << 40):
+        self.store = store
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = chunk_bytes
+        self.max_upload_bytes = max_upload_bytes
+        self.server_id = uuid.uuid4().hex
+
+    # -- plumbing ----------------------------------------------------------
+    def _run(self, context, fn: Callable, *args):
+        try:
+            return fn(*args)
+        except PSError as exc:
+            context.abort(exc.code, str(exc))
+        except MemoryError:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "the parameter server ran out of memory for this request; "
+                          "nothing was applied")
+        except Exception as exc:   # a bug: report it, keep serving
+            log.exception("internal error in %s", getattr(fn, "__name__", fn))
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _decoded(self, request) -> list[np.ndarray]:
+        return [T.decode(t, what=f"tensor {i}") for i, t in enumerate(tensors_of(request))]
+
+    # -- handlers shared by the unary and the Upload paths -----------------
+    def _create(self, req: ps_pb2.CreateVariableRequest, arrays) -> ps_pb2.VariableMeta:
+        init = None
+        if req.HasField("initializer"):
+            i = req.initializer
+            init = Initializer(i.kind, i.value, i.mean, i.stddev, i.minval, i.maxval, i.seed)
+        opt = req.optimizer
+        meta = self.store.create(
+            req.name, req.dtype, req.shape,
+            initial_value=arrays[0] if arrays else None, initializer=init,
+            optimizer=opt.name or "sgd", optimizer_params=dict(opt.params),
+            allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok)
+        return meta_to_proto(meta)
+
+    def _push(self, req, arrays) -> ps_pb2.UpdateReply:
+        return ps_pb2.UpdateReply(versions=self.store.push(
+            zip([u.name for u in req.updates], arrays)))
+
+    def _assign(self, req, arrays) -> ps_pb2.UpdateReply:
+        return ps_pb2.UpdateReply(versions=self.store.assign(
+            zip([u.name for u in req.updates], arrays)))
+
+    def _push_sparse(self, req, arrays) -> ps_pb2.UpdateReply:
+        ids, values = arrays
+        if ids.dtype.name not in T.ID_DTYPES:
+            raise InvalidArgument(f"sparse push ids must be int32 or int64, got {ids.dtype.name}")
+        return ps_pb2.UpdateReply(versions=[self.store.push_sparse(req.name, ids, values)])
+
+    # -- RPCs ----------------------------------------------------------------
+    def GetServerInfo(self, request, context):
+        return ps_pb2.ServerInfo(
+            protocol_version=PROTOCOL_VERSION, server_id=self.server_id,
+            max_message_bytes=self.max_message_bytes,
+            num_variables=len(self.store), total_bytes=self.store.total_bytes())
+
+    def CreateVariable(self, request, context):
+        return self._run(context, lambda: self._create(request, self._decoded(request)))
+
+    def DeleteVariable(self, request, context):
+        self._run(context, self.store.delete, request.name)
+        return ps_pb2.DeleteReply()
+
+    def GetMeta(self, request, context):
+        return self._run(context, lambda: meta_to_proto(self.store.meta(request.name)))
+
+    def ListVariables(self, request, context):
+        return self._run(context, lambda: ps_pb2.ListReply(
+            variables=[meta_to_proto(m) for m in self.store.list()]))
+
+    def _read(self, request):
+        values, total = [], 0
+        for name in request.names:
+            dtype, shape, version, data = self.store.read_bytes(name)
+            total += len(data)
+            if total > self.max_message_bytes:
+                raise ResourceExhausted(
+                    f"reading {list(request.names)} returns over {self.max_message_bytes} "
+                    "bytes, more than one message may carry; use ReadStream "
+                    "(PSClient does so by itself)")
+            values.append(ps_pb2.VariableValue(
+                name=name, version=version,
+                value=ps_pb2.Tensor(dtype=dtype, shape=shape, data=data)))
+        return ps_pb2.ReadReply(values=values)
+
+    def Read(self, request, context):
+        return self._run(context, self._read, request)
+
+    def ReadStream(self, request, context):
+        step = self.chunk_bytes
+        for name in request.names:
+            version, arr = self._run(context, self.store.snapshot, name)
+            flat = memoryview(arr.reshape(-1).view(np.uint8))
+            yield ps_pb2.ReadFrame(value=ps_pb2.VariableValue(
+                name=name, version=version,
+                value=ps_pb2.Tensor(dtype=arr.dtype.name, shape=arr.shape,
+                                    data=bytes(flat[:step]))))
+            for off in range(step, len(flat), step):
+                yield ps_pb2.ReadFrame(chunk=bytes(flat[off:off + step]))
+
+    def Push(self, request, context):
+        return self._run(context, lambda: self._push(request, self._decoded(request)))
+
+    def Assign(self, request, context):
+        return self._run(context, lambda: self._assign(request, self._decoded(request)))
+
+    def Gather(self, request, context):
+        def go():
+            ids = T.decode(request.ids, T.ID_DTYPES, "gather ids")
+            version, rows = self.store.gather(request.name, ids)
+            if rows.nbytes > self.max_message_bytes:
+                raise ResourceExhausted(
+                    f"gather of {ids.size} rows returns {rows.nbytes} bytes, over the "
+                    f"{self.max_message_bytes}-byte message limit; gather fewer ids per "
+                    "call (PSClient splits large gathers by itself)")
+            return ps_pb2.GatherReply(version=version, rows=T.encode(rows))
+        return self._run(context, go)
+
+    def PushSparse(self, request, context):
+        return self._run(context, lambda: self._push_sparse(request, self._decoded(request)))
+
+    def Upload(self, request_iterator, context):
+        def go():
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("request") is None:
+                raise InvalidArgument("the first upload frame must carry a request")
+            kind = first.WhichOneof("request")
+            req = getattr(first, kind)
+            arrays = _assemble(tensors_of(req), request_iterator, self.max_upload_bytes)
+            if kind == "create":
+                return ps_pb2.UploadReply(created=self._create(req, arrays))
+            handler = {"push": self._push, "assign": self._assign,
+                       "push_sparse": self._push_sparse}[kind]
+            return ps_pb2.UploadReply(updated=handler(req, arrays))
+        return self._run(context, go)
+
+
+def frames_needed(nbytes: int, chunk_bytes: int) -> int:
+    return max(1, math.ceil(nbytes / chunk_bytes))

@@ -1,0 +1,352 @@
+"""VariableStore: the parameter server's state and logic, with no gRPC in it.
+
+Guarantees (each method's docstring repeats the ones that concern it):
+
+* Every request is validated in full before anything changes. A method that
+  raises a ``PSError`` has left every variable, slot and version exactly as
+  it was, also for requests that name several variables.
+* An update (push, sparse push, assign) is applied atomically on its
+  variable: it holds that variable's lock for the whole optimizer step. A read
+  or gather takes its copy under the same lock, so it never sees half of an
+  update, and reports the version its copy belongs to.
+* ``version`` starts at 0 on create and grows by exactly one per applied
+  update. Updates of one variable are applied one at a time, in the order
+  they take its lock (asynchronous SGD: no update is lost, none is merged).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from psserver import optimizers as optim
+from psserver.errors import (AlreadyExists, InvalidArgument, NotFound,
+                             ResourceExhausted)
+from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
+
+# Names are path-like so sharded variables can be called "dense/kernel/part_0".
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/:]{1,256}$")
+
+INITIALIZERS = ("zeros", "ones", "constant", "random_normal", "truncated_normal",
+                "random_uniform")
+
+
+@dataclasses.dataclass(frozen=True)
+class Initializer:
+    kind: str = "zeros"
+    value: float = 0.0
+    mean: float = 0.0
+    stddev: float = 1.0
+    minval: float = 0.0
+    maxval: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableMeta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    version: int
+    optimizer: str
+    optimizer_params: Mapping[str, float]
+    nbytes: int
+    slot_nbytes: int
+    allow_nonfinite: bool
+
+
+class Variable:
+    """One variable (or one shard of a sharded variable) and its slots."""
+
+    def __init__(self, name, value: np.ndarray, optimizer: optim.Optimizer,
+                 allow_nonfinite: bool):
+        self.name = name
+        self.value = value
+        self.optimizer = optimizer
+        self.slots = optimizer.create_slots(value)
+        self.allow_nonfinite = allow_nonfinite
+        self.version = 0
+        # Held for every read and write of value, slots and version.
+        self.lock = threading.Lock()
+
+    @property
+    def slot_nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots.values())
+
+    def meta(self) -> VariableMeta:
+        return VariableMeta(self.name, self.value.dtype.name, self.value.shape,
+                            self.version, self.optimizer.name,
+                            self.optimizer.config(), self.value.nbytes,
+                            self.slot_nbytes, self.allow_nonfinite)
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidArgument(
+            f"invalid variable name {name!r}: use 1 to 256 characters from "
+            "letters, digits and _ . - / :")
+    return name
+
+
+def make_initial_value(shape, dtype: np.dtype, init: Initializer) -> np.ndarray:
+    """A new array of shape/dtype filled as ``init`` says."""
+    if init.kind not in INITIALIZERS:
+        raise InvalidArgument(f"unknown initializer {init.kind!r}; use one of {list(INITIALIZERS)}")
+    if init.kind in ("random_normal", "truncated_normal") and not init.stddev >= 0:
+        raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
+    if init.kind == "random_uniform" and not init.maxval >= init.minval:
+        raise InvalidArgument(f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
+    try:
+        if init.kind == "zeros":
+            return np.zeros(shape, dtype)
+        if init.kind == "ones":
+            return np.ones(shape, dtype)
+        if init.kind == "constant":
+            return np.full(shape, init.value, dtype)
+        rng = np.random.default_rng(init.seed)
+        gen_dtype = np.float64 if dtype == np.float64 else np.float32
+        if init.kind == "random_uniform":
+            out = rng.random(shape, dtype=gen_dtype)
+            out *= init.maxval - init.minval
+            out += init.minval
+        else:
+            out = rng.standard_normal(shape, dtype=gen_dtype)
+            if init.kind == "truncated_normal":   # resample beyond 2 stddev, as TF does
+                bad = np.abs(out) > 2
+                while bad.any():
+                    out[bad] = rng.standard_normal(int(bad.sum()), dtype=gen_dtype)
+                    bad = np.abs(out) > 2
+            out *= init.stddev
+            out += init.mean
+        return out.astype(dtype, copy=False)
+    except MemoryError:
+        raise ResourceExhausted(
+            f"not enough memory for a {list(shape)} {dtype.name} variable") from None
+
+
+class VariableStore:
+    """All variables of one parameter-server task.
+
+    Args:
+      max_bytes: refuse creates that would make values and slots exceed this
+        many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
+    """
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = max_bytes
+        self._vars: dict[str, Variable] = {}
+        self._lock = threading.Lock()   # guards _vars (not the variables)
+
+    # -- lookup ------------------------------------------------------------
+    def _get(self, name: str) -> Variable:
+        try:
+            return self._vars[name]
+        except KeyError:
+            raise NotFound(
+                f"no variable {name!r} on this parameter server; create it first "
+                "(or check the name and which server holds it)") from None
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            vs = list(self._vars.values())
+        return sum(v.value.nbytes + v.slot_nbytes for v in vs)
+
+    def __len__(self) -> int:
+        return len(self._vars)
+
+    # -- create / delete / meta ---------------------------------------------
+    def create(self, name: str, dtype: str, shape: Sequence[int], *,
+               initial_value: np.ndarray | None = None,
+               initializer: Initializer | None = None,
+               optimizer: str = "sgd",
+               optimizer_params: Mapping[str, float] | None = None,
+               allow_nonfinite: bool = False,
+               exist_ok: bool = False) -> VariableMeta:
+        """Create a variable. Raises InvalidArgument, AlreadyExists, ResourceExhausted.
+
+        With exist_ok, an existing variable of the same dtype, shape and
+        optimizer is returned as it is (its value is not reset).
+        """
+        check_name(name)
+        dt = check_dtype(dtype, VALUE_DTYPES, "variable dtype")
+        shape = check_shape(shape, "variable shape")
+        try:
+            opt = optim.make_optimizer(optimizer, optimizer_params or {})
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if initial_value is not None:
+            if initial_value.dtype != dt or initial_value.shape != shape:
+                raise InvalidArgument(
+                    f"initial value of {name!r} is {initial_value.dtype.name} "
+                    f"{list(initial_value.shape)} but the variable is declared "
+                    f"{dt.name} {list(shape)}")
+            if not allow_nonfinite and not np.isfinite(initial_value).all():
+                raise InvalidArgument(
+                    f"initial value of {name!r} contains NaN or Inf; pass "
+                    "allow_nonfinite=True to keep such values")
+        with self._lock:
+            existing = self._vars.get(name)
+        if existing is not None:
+            if exist_ok:
+                m = existing.meta()
+                if (m.dtype, m.shape, m.optimizer, dict(m.optimizer_params)) == (
+                        dt.name, shape, opt.name, opt.config()):
+                    return m
+                raise AlreadyExists(
+                    f"variable {name!r} exists as {m.dtype} {list(m.shape)} with "
+                    f"{m.optimizer} {dict(m.optimizer_params)}, not as requested; "
+                    "delete it first or use another name")
+            raise AlreadyExists(
+                f"variable {name!r} exists already; delete it first, use another "
+                "name, or pass exist_ok=True to reuse it")
+        need = nbytes_of(shape, dt) * (1 + len([s for s in opt.slot_names if s != "iterations"]))
+        if self.max_bytes is not None and self.total_bytes() + need > self.max_bytes:
+            raise ResourceExhausted(
+                f"creating {name!r} needs {need} bytes with its slots, but this "
+                f"server holds {self.total_bytes()} of its {self.max_bytes}-byte "
+                "limit; shard the variable over more parameter servers or raise "
+                "--max-memory-bytes")
+        if initial_value is not None:
+            try:
+                value = np.array(initial_value, dtype=dt, copy=True)
+            except MemoryError:
+                raise ResourceExhausted(f"not enough memory for {name!r}") from None
+        else:
+            value = make_initial_value(shape, dt, initializer or Initializer())
+        try:
+            var = Variable(name, value, opt, allow_nonfinite)
+        except MemoryError:
+            raise ResourceExhausted(f"not enough memory for the slots of {name!r}") from None
+        with self._lock:
+            if name in self._vars:   # lost a race with another create
+                raise AlreadyExists(f"variable {name!r} exists already")
+            self._vars[name] = var
+        return var.meta()
+
+    def delete(self, name: str) -> None:
+        """Delete a variable. Raises NotFound."""
+        with self._lock:
+            self._get(name)
+            del self._vars[name]
+
+    def meta(self, name: str) -> VariableMeta:
+        var = self._get(name)
+        with var.lock:
+            return var.meta()
+
+    def list(self) -> list[VariableMeta]:
+        with self._lock:
+            vs = sorted(self._vars.values(), key=lambda v: v.name)
+        out = []
+        for v in vs:
+            with v.lock:
+                out.append(v.meta())
+        return out
+
+    # -- reads -------------------------------------------------------------
+    def snapshot(self, name: str) -> tuple[int, np.ndarray]:
+        """(version, a private copy of the value), consistent. Raises NotFound."""
+        var = self._get(name)
+        with var.lock:
+            return var.version, var.value.copy()
+
+    def read_bytes(self, name: str) -> tuple[str, tuple[int, ...], int, bytes]:
+        """(dtype, shape, version, raw bytes): one copy, taken under the lock."""
+        var = self._get(name)
+        with var.lock:
+            return var.value.dtype.name, var.value.shape, var.version, var.value.tobytes()
+
+    def _check_ids(self, var: Variable, ids: np.ndarray, what: str) -> np.ndarray:
+        if ids.dtype.kind != "i":
+            raise InvalidArgument(f"{what} ids must be int32 or int64, got {ids.dtype.name}")
+        if var.value.ndim == 0:
+            raise InvalidArgument(f"variable {var.name!r} is a scalar; it has no rows to {what}")
+        rows = var.value.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            bad = ids[(ids < 0) | (ids >= rows)].ravel()[:5].tolist()
+            raise InvalidArgument(
+                f"{what} ids out of range for {var.name!r} with {rows} rows "
+                f"(valid: 0..{rows - 1}); first bad ids: {bad}")
+        return ids
+
+    def gather(self, name: str, ids: np.ndarray) -> tuple[int, np.ndarray]:
+        """(version, rows value[ids]) with shape ids.shape + value.shape[1:].
+
+        Raises NotFound, InvalidArgument (ids not integer or out of range).
+        """
+        var = self._get(name)
+        ids = self._check_ids(var, ids, "gather")
+        with var.lock:
+            return var.version, var.value[ids]
+
+    # -- updates -----------------------------------------------------------
+    def _check_grad(self, var: Variable, grad: np.ndarray, shape, what: str) -> None:
+        if grad.dtype != var.value.dtype:
+            raise InvalidArgument(
+                f"{what} for {var.name!r} is {grad.dtype.name} but the variable is "
+                f"{var.value.dtype.name}; cast it before sending")
+        if tuple(grad.shape) != tuple(shape):
+            raise InvalidArgument(
+                f"{what} for {var.name!r} has shape {list(grad.shape)} but must have "
+                f"shape {list(shape)}")
+        if not var.allow_nonfinite and not np.isfinite(grad).all():
+            raise InvalidArgument(
+                f"{what} for {var.name!r} contains NaN or Inf and was rejected; "
+                "nothing was applied. Lower the learning rate or clip gradients, "
+                "or create the variable with allow_nonfinite=True")
+
+    def push(self, updates: Iterable[tuple[str, np.ndarray]]) -> list[int]:
+        """Apply dense gradients with each variable's optimizer.
+
+        All updates are validated before any is applied: on an error nothing
+        changed. Each is then applied atomically on its own variable.
+        Returns the version of each variable after its update.
+        """
+        updates = list(updates)
+        checked = []
+        for name, grad in updates:
+            var = self._get(name)
+            self._check_grad(var, grad, var.value.shape, "gradient")
+            checked.append((var, grad))
+        versions = []
+        for var, grad in checked:
+            with var.lock:
+                var.optimizer.apply_dense(var.value, var.slots, grad)
+                var.version += 1
+                versions.append(var.version)
+        return versions
+
+    def assign(self, updates: Iterable[tuple[str, np.ndarray]]) -> list[int]:
+        """Overwrite values (slots are kept). Validated in full first, like push."""
+        checked = []
+        for name, value in updates:
+            var = self._get(name)
+            self._check_grad(var, value, var.value.shape, "assigned value")
+            checked.append((var, value))
+        versions = []
+        for var, value in checked:
+            with var.lock:
+                np.copyto(var.value, value)
+                var.version += 1
+                versions.append(var.version)
+        return versions
+
+    def push_sparse(self, name: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        """Apply a row-wise gradient: rows[i] is the gradient of row ids[i].
+
+        Duplicate ids are summed first. Lazy: only the rows named, and their
+        slots, change. Returns the version after the update.
+        """
+        var = self._get(name)
+        if ids.ndim != 1:
+            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
+        ids = self._check_ids(var, ids, "sparse push")
+        self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
+        uniq, summed = optim.sum_duplicates(ids.astype(np.int64, copy=False), rows)
+        with var.lock:
+            var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
+            var.version += 1
+            return var.version

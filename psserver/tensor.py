@@ -1,0 +1,85 @@
+"""numpy arrays <-> wire ``Tensor`` messages: raw little-endian bytes.
+
+Decoding is ``np.frombuffer`` over the message's bytes: no per-element work
+and no copy (the result is read-only; callers that must write copy it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from protos.pstrain.v1 import ps_pb2
+from psserver.errors import InvalidArgument
+
+#: dtypes a variable may have (name -> little-endian numpy dtype).
+VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<")
+                for name in ("float16", "float32", "float64")}
+#: dtypes ids may have.
+ID_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ("int32", "int64")}
+WIRE_DTYPES = {**VALUE_DTYPES, **ID_DTYPES}
+
+MAX_RANK = 8
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def check_dtype(name: str, allowed=VALUE_DTYPES, what: str = "dtype") -> np.dtype:
+    try:
+        return allowed[name]
+    except KeyError:
+        raise InvalidArgument(
+            f"unsupported {what} {name!r}; use one of {sorted(allowed)}") from None
+
+
+def check_shape(shape: Sequence[int], what: str = "shape") -> tuple[int, ...]:
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(f"{what} {list(shape)} has rank {len(shape)}; at most {MAX_RANK} is supported")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{what} {list(shape)} has a negative dimension")
+    return shape
+
+
+def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def header(arr: np.ndarray) -> ps_pb2.Tensor:
+    """A Tensor with dtype and shape but no data (for framed transfers)."""
+    return ps_pb2.Tensor(dtype=arr.dtype.name, shape=arr.shape)
+
+
+def to_bytes(arr: np.ndarray) -> bytes:
+    """The raw little-endian, row-major bytes of arr (one copy)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr).tobytes()
+
+
+def encode(arr: np.ndarray) -> ps_pb2.Tensor:
+    arr = np.asarray(arr)
+    if arr.dtype.name not in WIRE_DTYPES:
+        raise InvalidArgument(
+            f"cannot send dtype {arr.dtype.name!r}; use one of {sorted(WIRE_DTYPES)}")
+    return ps_pb2.Tensor(dtype=arr.dtype.name, shape=arr.shape, data=to_bytes(arr))
+
+
+def spec(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> tuple[np.dtype, tuple[int, ...], int]:
+    """Validated (dtype, shape, nbytes) of a Tensor message."""
+    dt = check_dtype(t.dtype, allowed, f"{what} dtype")
+    shape = check_shape(t.shape, f"{what} shape")
+    return dt, shape, nbytes_of(shape, dt)
+
+
+def decode(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> np.ndarray:
+    """The array a Tensor message holds (read-only view of its bytes)."""
+    dt, shape, n = spec(t, allowed, what)
+    if len(t.data) != n:
+        raise InvalidArgument(
+            f"{what} data has {len(t.data)} bytes but dtype {t.dtype} and shape "
+            f"{list(shape)} need {n}")
+    return np.frombuffer(t.data, dtype=dt).reshape(shape)
