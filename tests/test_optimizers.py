@@ -1,0 +1,375 @@
+"""psserver.optimizers against an independent plain-numpy reference (Keras 3 formulas)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psserver.optimizers import OPTIMIZERS, make_optimizer, sum_duplicates
+
+STEPS = 5
+TOL = {np.float32: dict(rtol=1e-5, atol=0.0), np.float64: dict(rtol=1e-12, atol=0.0)}
+
+KERAS_DEFAULTS = {
+    "sgd": {"learning_rate": 0.01},
+    "momentum": {"learning_rate": 0.01, "momentum": 0.9, "nesterov": 0.0},
+    "adagrad": {"learning_rate": 0.001, "initial_accumulator_value": 0.1, "epsilon": 1e-7},
+    "adam": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7},
+}
+
+# (optimizer name, params): defaults and a few non-default settings.
+CASES = [
+    ("sgd", {}),
+    ("sgd", {"learning_rate": 0.3}),
+    ("momentum", {}),
+    ("momentum", {"learning_rate": 0.05, "momentum": 0.5, "nesterov": 1.0}),
+    ("adagrad", {}),
+    ("adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.0, "epsilon": 1e-3}),
+    ("adam", {}),
+    ("adam", {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "epsilon": 1e-3}),
+]
+CASE_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items()) or 'defaults'}" for n, p in CASES]
+
+
+# --------------------------------------------------------------------------
+# Reference: one step of each optimizer, written out plainly, in the array's
+# dtype, following keras/src/optimizers/{sgd,adagrad,adam}.py. ``state`` holds
+# the slots; returns nothing, replaces arrays in ``state`` and returns new var.
+# --------------------------------------------------------------------------
+def ref_init(name, p, var):
+    cfg = {**KERAS_DEFAULTS[name], **p}
+    if name == "momentum":
+        return {"momentum": np.zeros_like(var)}
+    if name == "adagrad":
+        return {"accumulator": np.full_like(var, cfg["initial_accumulator_value"])}
+    if name == "adam":
+        return {"m": np.zeros_like(var), "v": np.zeros_like(var)}
+    return {}
+
+
+def ref_step(name, p, var, state, g, step):
+    """New var; ``state`` updated. ``step`` is the 1-based Adam step."""
+    cfg = {**KERAS_DEFAULTS[name], **p}
+    f = var.dtype.type
+    lr = f(cfg["learning_rate"])
+    if name == "sgd":
+        return var - lr * g
+    if name == "momentum":
+        mu = f(cfg["momentum"])
+        m = mu * state["momentum"] - lr * g
+        state["momentum"] = m
+        if cfg["nesterov"]:
+            return var + (mu * m - lr * g)
+        return var + m
+    if name == "adagrad":
+        eps = f(cfg["epsilon"])
+        acc = state["accumulator"] + g * g
+        state["accumulator"] = acc
+        return var - (lr * g) / np.sqrt(acc + eps)
+    if name == "adam":
+        b1, b2, eps = f(cfg["beta_1"]), f(cfg["beta_2"]), f(cfg["epsilon"])
+        t = f(step)
+        alpha = lr * np.sqrt(f(1) - b2**t) / (f(1) - b1**t)
+        m = state["m"] + (g - state["m"]) * (f(1) - b1)
+        v = state["v"] + (g * g - state["v"]) * (f(1) - b2)
+        state["m"], state["v"] = m, v
+        return var - (m * alpha) / (np.sqrt(v) + eps)
+    raise AssertionError(name)
+
+
+def _close(actual, expected, dtype):
+    np.testing.assert_allclose(actual, expected, **TOL[dtype])
+
+
+# --------------------------------------------------------------------------
+# Dense
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(13,), (6, 5), ()], ids=["1d", "2d", "scalar"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_dense_matches_reference(name, params, shape, dtype):
+    rng = np.random.default_rng(1234)
+    opt = make_optimizer(name, params)
+    var = rng.standard_normal(shape).astype(dtype)
+    slots = opt.create_slots(var)
+    ref_var, ref_state = var.copy(), ref_init(name, params, var)
+    for step in range(1, STEPS + 1):
+        g = rng.standard_normal(shape).astype(dtype)
+        g_before = g.copy()
+        opt.apply_dense(var, slots, g)
+        ref_var = ref_step(name, params, ref_var, ref_state, g_before, step)
+        np.testing.assert_array_equal(g, g_before)  # gradient untouched
+        assert var.dtype == dtype and var.shape == shape
+        _close(var, ref_var, dtype)
+        for k, a in ref_state.items():
+            assert slots[k].dtype == dtype and slots[k].shape == shape
+            _close(slots[k], a, dtype)
+        if name == "adam":
+            assert slots["iterations"].dtype == np.int64 and slots["iterations"].shape == ()
+            assert int(slots["iterations"]) == step
+
+
+def test_dense_is_in_place():
+    opt = make_optimizer("adam")
+    var = np.ones((4, 3), np.float32)
+    slots = opt.create_slots(var)
+    ptrs = {k: a.__array_interface__["data"][0] for k, a in slots.items()}
+    vptr = var.__array_interface__["data"][0]
+    opt.apply_dense(var, slots, np.full((4, 3), 0.5, np.float32))
+    assert var.__array_interface__["data"][0] == vptr
+    assert {k: a.__array_interface__["data"][0] for k, a in slots.items()} == ptrs
+    assert not np.array_equal(var, np.ones((4, 3), np.float32))
+    assert not np.array_equal(slots["m"], np.zeros((4, 3), np.float32))
+
+
+# --------------------------------------------------------------------------
+# Sparse (lazy)
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("row_shape", [(), (4,), (2, 3)], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_sparse_matches_reference(name, params, row_shape, dtype):
+    rng = np.random.default_rng(99)
+    n_rows = 20
+    opt = make_optimizer(name, params)
+    var = rng.standard_normal((n_rows,) + row_shape).astype(dtype)
+    slots = opt.create_slots(var)
+    ref_var, ref_state = var.copy(), ref_init(name, params, var)
+    for step in range(1, STEPS + 1):
+        ids = rng.choice(n_rows, size=7, replace=False).astype(np.int64)  # unsorted, unique
+        rows = rng.standard_normal((len(ids),) + row_shape).astype(dtype)
+        var_before = var.copy()
+        slots_before = {k: a.copy() for k, a in slots.items()}
+
+        opt.apply_sparse(var, slots, ids, rows)
+
+        # Reference: the same step applied to the selected rows only.
+        sub_state = {k: a[ids] for k, a in ref_state.items()}
+        ref_var[ids] = ref_step(name, params, ref_var[ids], sub_state, rows, step)
+        for k, a in sub_state.items():
+            ref_state[k][ids] = a
+
+        untouched = np.setdiff1d(np.arange(n_rows), ids)
+        # Rows not in ids: bit-for-bit unchanged, variable and slots.
+        assert var[untouched].tobytes() == var_before[untouched].tobytes()
+        for k in ref_state:
+            assert slots[k][untouched].tobytes() == slots_before[k][untouched].tobytes()
+        # Rows in ids: as the reference.
+        _close(var[ids], ref_var[ids], dtype)
+        for k, a in ref_state.items():
+            _close(slots[k][ids], a[ids], dtype)
+        # Overall (untouched rows of the reference are untouched too).
+        _close(var, ref_var, dtype)
+        if name == "adam":
+            assert int(slots["iterations"]) == step
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sparse_empty_ids_changes_no_rows(name):
+    opt = make_optimizer(name)
+    var = np.arange(12, dtype=np.float32).reshape(4, 3)
+    slots = opt.create_slots(var)
+    before = var.copy()
+    opt.apply_sparse(var, slots, np.zeros(0, np.int64), np.zeros((0, 3), np.float32))
+    np.testing.assert_array_equal(var, before)
+
+
+def test_adam_iterations_count_dense_and_sparse_together():
+    opt = make_optimizer("adam")
+    var = np.zeros((5, 2), np.float64)
+    slots = opt.create_slots(var)
+    opt.apply_dense(var, slots, np.ones((5, 2)))
+    opt.apply_sparse(var, slots, np.array([3], np.int64), np.ones((1, 2)))
+    opt.apply_dense(var, slots, np.ones((5, 2)))
+    assert int(slots["iterations"]) == 3
+
+
+# --------------------------------------------------------------------------
+# float16: supported, dtype kept, close to a float64 reference
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_float16_close_to_float64(name, params):
+    rng = np.random.default_rng(5)
+    opt = make_optimizer(name, params)
+    var64 = rng.standard_normal((8, 3))
+    var16 = var64.astype(np.float16)
+    var64 = var16.astype(np.float64)
+    s16, s64 = opt.create_slots(var16), opt.create_slots(var64)
+    for _ in range(STEPS):
+        g16 = rng.standard_normal((8, 3)).astype(np.float16)
+        opt.apply_dense(var16, s16, g16)
+        opt.apply_dense(var64, s64, g16.astype(np.float64))
+    assert var16.dtype == np.float16
+    assert all(a.dtype == np.float16 for k, a in s16.items() if k != "iterations")
+    np.testing.assert_allclose(var16, var64, rtol=1e-2, atol=1e-2)
+
+
+def test_apply_does_not_raise_under_seterr_raise():
+    # Overflow (g*g in float16) must not interrupt an update half-way.
+    opt = make_optimizer("adagrad")
+    var = np.ones(4, np.float16)
+    slots = opt.create_slots(var)
+    with np.errstate(all="raise"):
+        opt.apply_dense(var, slots, np.full(4, 1000.0, np.float16))
+        opt.apply_sparse(var, slots, np.array([1], np.int64), np.full(1, 1000.0, np.float16))
+    assert np.isinf(slots["accumulator"]).all()
+
+
+# --------------------------------------------------------------------------
+# Slots
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_create_slots(name, dtype):
+    opt = make_optimizer(name)
+    value = np.ones((3, 2), dtype)
+    slots = opt.create_slots(value)
+    assert tuple(slots) == opt.slot_names
+    for k, a in slots.items():
+        assert not np.shares_memory(a, value)
+        if k == "iterations":
+            assert a.shape == () and a.dtype == np.int64 and int(a) == 0
+        else:
+            assert a.shape == value.shape and a.dtype == dtype
+    if name == "adagrad":
+        np.testing.assert_array_equal(slots["accumulator"], np.full((3, 2), 0.1, dtype))
+    expected = {"sgd": (), "momentum": ("momentum",), "adagrad": ("accumulator",),
+                "adam": ("m", "v", "iterations")}[name]
+    assert opt.slot_names == expected
+
+
+# --------------------------------------------------------------------------
+# sum_duplicates
+# --------------------------------------------------------------------------
+def naive_sum_duplicates(ids, rows):
+    acc = {}
+    for i, r in zip(ids.tolist(), rows):
+        acc[i] = acc[i] + r if i in acc else r.copy()
+    keys = sorted(acc)
+    out = np.stack([acc[k] for k in keys]) if keys else rows[:0]
+    return np.array(keys, np.int64), out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("n,vocab,row_shape", [
+    (0, 10, (3,)), (1, 10, (3,)), (50, 5, (3,)), (50, 1000, (3,)), (200, 150, ()),
+    (300, 40, (2, 2)), (64, 10**12, (4,)),
+], ids=lambda v: str(v))
+def test_sum_duplicates_matches_naive(n, vocab, row_shape, dtype):
+    rng = np.random.default_rng(n + vocab)
+    ids = rng.integers(0, vocab, n).astype(np.int64)
+    rows = rng.standard_normal((n,) + row_shape).astype(dtype)
+    uid, summed = sum_duplicates(ids, rows)
+    nid, nsum = naive_sum_duplicates(ids, rows)
+    assert uid.dtype == np.int64 and summed.dtype == dtype
+    assert summed.shape == (len(nid),) + row_shape
+    np.testing.assert_array_equal(uid, nid)
+    # numpy's reductions may sum in another order (and float16 via float32).
+    tol = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(summed, nsum, rtol=tol, atol=tol)
+    # Deterministic: the same input gives bit-identical output.
+    again = sum_duplicates(ids, rows)
+    assert again[1].tobytes() == summed.tobytes()
+
+
+def test_sum_duplicates_all_same_id():
+    ids = np.full(10, 7, np.int64)
+    rows = np.ones((10, 2), np.float32)
+    uid, summed = sum_duplicates(ids, rows)
+    np.testing.assert_array_equal(uid, [7])
+    np.testing.assert_array_equal(summed, [[10.0, 10.0]])
+
+
+# --------------------------------------------------------------------------
+# Hyper-parameters
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(KERAS_DEFAULTS))
+def test_config_returns_keras_defaults(name):
+    assert make_optimizer(name).config() == KERAS_DEFAULTS[name]
+    assert make_optimizer(name, None).config() == KERAS_DEFAULTS[name]
+    assert OPTIMIZERS[name]().config() == KERAS_DEFAULTS[name]
+
+
+def test_config_includes_overrides_and_is_a_copy():
+    opt = make_optimizer("adam", {"beta_1": 0.8})
+    cfg = opt.config()
+    assert cfg == {**KERAS_DEFAULTS["adam"], "beta_1": 0.8}
+    cfg["beta_1"] = 0.1
+    assert opt.config()["beta_1"] == 0.8
+
+
+def test_registry_and_names():
+    assert set(OPTIMIZERS) == {"sgd", "momentum", "adagrad", "adam"}
+    for name, cls in OPTIMIZERS.items():
+        assert cls.name == name
+        assert make_optimizer(name).name == name
+
+
+BAD_PARAMS = [
+    ("sgd", {"learning_rate": 0.0}),
+    ("sgd", {"learning_rate": -0.1}),
+    ("sgd", {"learning_rate": float("nan")}),
+    ("sgd", {"learning_rate": float("inf")}),
+    ("sgd", {"learning_rate": "fast"}),
+    ("momentum", {"learning_rate": 0.0}),
+    ("momentum", {"momentum": 1.0}),
+    ("momentum", {"momentum": -0.1}),
+    ("momentum", {"momentum": float("nan")}),
+    ("momentum", {"nesterov": 0.5}),
+    ("momentum", {"nesterov": 2.0}),
+    ("adagrad", {"learning_rate": -1.0}),
+    ("adagrad", {"initial_accumulator_value": -0.1}),
+    ("adagrad", {"epsilon": -1e-7}),
+    ("adagrad", {"initial_accumulator_value": 0.0, "epsilon": 0.0}),
+    ("adam", {"learning_rate": 0.0}),
+    ("adam", {"beta_1": 1.0}),
+    ("adam", {"beta_1": -0.1}),
+    ("adam", {"beta_2": 1.0}),
+    ("adam", {"beta_2": 1.5}),
+    ("adam", {"epsilon": -1e-7}),
+    ("adam", {"epsilon": 0.0}),
+]
+
+
+@pytest.mark.parametrize("name,params", BAD_PARAMS,
+                         ids=[f"{n}-{p}" for n, p in BAD_PARAMS])
+def test_bad_hyper_parameter_raises(name, params):
+    with pytest.raises(ValueError) as exc:
+        make_optimizer(name, params)
+    msg = str(exc.value)
+    assert name in msg and any(k in msg for k in params), msg
+    with pytest.raises(ValueError):
+        OPTIMIZERS[name](**params)
+
+
+@pytest.mark.parametrize("name,params", [
+    ("momentum", {"momentum": 0.0, "nesterov": True}),
+    ("adagrad", {"initial_accumulator_value": 0.0}),
+    ("adagrad", {"epsilon": 0.0}),
+    ("adam", {"beta_1": 0.0, "beta_2": 0.0}),
+    ("sgd", {"learning_rate": 1}),
+])
+def test_edge_hyper_parameters_accepted(name, params):
+    cfg = make_optimizer(name, params).config()
+    assert all(isinstance(v, float) for v in cfg.values())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_unknown_hyper_parameter_names_valid_keys(name):
+    with pytest.raises(ValueError) as exc:
+        make_optimizer(name, {"learning_rate": 0.1, "lr": 0.1})
+    msg = str(exc.value)
+    assert "'lr'" in msg
+    for key in KERAS_DEFAULTS[name]:
+        assert key in msg
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "", "sgdd"])
+def test_unknown_optimizer_raises_listing_known(name):
+    with pytest.raises(ValueError) as exc:
+        make_optimizer(name)
+    for known in OPTIMIZERS:
+        assert known in str(exc.value)
+
+
+def test_optimizer_name_is_case_insensitive():
+    assert make_optimizer("Adam").name == "adam"
