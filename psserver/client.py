@@ -352,8 +352,12 @@ class PSClient:
         """Apply one dense gradient; return the version after it."""
         return self.push_many([(name, grad)])[0]
 
+    def assign_many_async(self, values) -> Handle:
+        """Overwrite values ({name: value} or [(name, value)]) in one call."""
+        return self._dense("assign", values)
+
     def assign_many(self, values) -> list[int]:
-        return self._dense("assign", values).result()
+        return self.assign_many_async(values).result()
 
     def assign(self, name: str, value) -> int:
         """Overwrite a variable's value (optimizer slots are kept)."""

@@ -50,16 +50,19 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuse (UNAUTHENTICATED) every call whose metadata lacks the token."""
+    """Refuse (UNAUTHENTICATED) every call whose metadata lacks the token.
+
+    A refused call never reaches the servicer, so it changes nothing.
+    """
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong auth token: pass the cluster's token "
-                          f"(PSClient(token=...) or ${TOKEN_ENV})")
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+    @staticmethod
+    def _deny(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "missing or wrong auth token: pass the cluster's token "
+                      f"(PSClient(token=...) or ${TOKEN_ENV})")
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_PUBLIC_PREFIXES):
@@ -69,15 +72,27 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 got = value.encode() if isinstance(value, str) else value
                 if hmac.compare_digest(got, self._expected):
                     return continuation(handler_call_details)
-        return self._deny
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        # Deny with a handler of the same shape (unary or streaming) as the real one.
+        deny = self._deny
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: iter([deny(it, ctx)]))
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(lambda r, ctx: iter([deny(r, ctx)]))
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class ServerHandle:
-    """A running parameter server: its gRPC server, port, store and health."""
+    """A running gRPC task: its server, port, main servicer and health service."""
 
-    def __init__(self, server: grpc.Server, port: int, servicer: ParameterServerServicer,
-                 health_servicer: health.HealthServicer):
-        self.server, self.port, self.servicer, self.health = server, port, servicer, health_servicer
+    def __init__(self, server: grpc.Server, port: int, servicer,
+                 health_servicer: health.HealthServicer, service_names: tuple[str, ...]):
+        self.server, self.port, self.servicer = server, port, servicer
+        self.health, self.service_names = health_servicer, service_names
 
     @property
     def store(self) -> VariableStore:
@@ -85,7 +100,7 @@ class ServerHandle:
 
     def start(self) -> "ServerHandle":
         self.server.start()
-        for name in ("", SERVICE_NAME):
+        for name in ("",) + self.service_names:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
 
@@ -95,12 +110,11 @@ class ServerHandle:
         self.server.stop(grace).wait()
 
 
-def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
-                  token: str | None = None,
-                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  max_workers: int = 16) -> ServerHandle:
-    """Build (not start) a parameter server bound to ``address``.
+def make_server(address: str, servicer, add_to_server, service_name: str, *,
+                token: str | None = None,
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                max_workers: int = 16, thread_name_prefix: str = "rpc") -> ServerHandle:
+    """Build (not start) a gRPC server for one servicer, with health and auth.
 
     ``"127.0.0.1:0"`` binds a free port; ``handle.port`` says which. With a
     token, every call but health checks must carry it.
@@ -108,19 +122,33 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     """
     interceptors = [TokenAuthInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix="psserver-rpc"),
+                                                    thread_name_prefix=thread_name_prefix),
                          interceptors=interceptors,
                          options=grpc_options(max_message_bytes))
+    add_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"could not bind {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return ServerHandle(server, port, servicer, health_servicer, (service_name,))
+
+
+def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
+                  token: str | None = None,
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  max_workers: int = 16) -> ServerHandle:
+    """Build (not start) a parameter server bound to ``address``."""
     servicer = ParameterServerServicer(store or VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
-    return ServerHandle(server, port, servicer, health_servicer)
+    return make_server(address, servicer, ps_pb2_grpc.add_ParameterServerServicer_to_server,
+                       SERVICE_NAME, token=token, max_message_bytes=max_message_bytes,
+                       max_workers=max_workers, thread_name_prefix="psserver-rpc")
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -132,13 +160,13 @@ def write_port_file(path: str, port: int) -> None:
 
 
 def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = None,
-          host: str = "127.0.0.1") -> None:
+          host: str = "127.0.0.1", role: str = "psserver") -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     handle.start()
-    print(f"psserver listening on {host}:{handle.port}", flush=True)
+    print(f"{role} listening on {host}:{handle.port}", flush=True)
     if port_file:
         write_port_file(port_file, handle.port)
     stop.wait()
@@ -165,19 +193,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def join_host_port(host: str, port: int) -> str:
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s psserver %(levelname)s %(message)s")
-    host = args.host.strip("[]")
-    address = f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"
+    address = join_host_port(args.host, args.port)
     try:
         handle = create_server(address, store=VariableStore(args.max_memory_bytes),
                                token=os.environ.get(TOKEN_ENV) or None,
                                max_message_bytes=args.max_message_bytes,
                                chunk_bytes=args.chunk_bytes, max_workers=args.threads)
-    except (OSError, RuntimeError) as exc:
-        print(f"psserver: cannot listen on {address}: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"psserver: cannot listen on {address}: {exc}. Pick another --port, or 0 "
+              "for a free one", file=sys.stderr)
         return 2
     serve(handle, grace=args.grace, port_file=args.port_file, host=args.host)
     return 0

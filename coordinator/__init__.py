@@ -1,0 +1,22 @@
+"""The coordinator (chief) side: strategy, sharded variables, closures, clusters.
+
+    from coordinator import LocalCluster, ParameterServerStrategy, ClusterCoordinator
+"""
+from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
+from coordinator.coordinator import (ClosureCancelled, ClusterCoordinator, CoordinatorError,
+                                     RemoteValue, RemoteValueStatus, StepFunctionError,
+                                     WorkerCallError)
+from coordinator.datasets import InputContext, batches
+from coordinator.local import LocalCluster
+from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
+                                      MinSizePartitioner)
+from coordinator.strategy import ParameterServerStrategy
+from coordinator.variables import ShardedVariable, push_gradients, read_variables
+
+__all__ = [
+    "ClusterConfigError", "ClusterSpec", "TFConfigClusterResolver", "ClosureCancelled",
+    "ClusterCoordinator", "CoordinatorError", "RemoteValue", "RemoteValueStatus",
+    "StepFunctionError", "WorkerCallError", "InputContext", "batches", "LocalCluster",
+    "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
+    "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
+]

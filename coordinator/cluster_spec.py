@@ -1,0 +1,145 @@
+"""Cluster membership in TensorFlow's TF_CONFIG format.
+
+    {"cluster": {"chief": ["host:port"], "ps": ["host:port", ...],
+                 "worker": ["host:port", ...]},
+     "task": {"type": "worker", "index": 0}}
+
+A ``ClusterSpec`` is a value, and also its own resolver: anything with a
+``cluster_spec()`` method can describe the cluster, and the coordinator calls
+it again every few seconds, so membership may change while a job runs (a
+``LocalCluster`` that adds a worker, a TF_CONFIG file that a deployment
+rewrites). Parameter servers are fixed for the life of a job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from psserver.server import TOKEN_ENV
+
+TF_CONFIG_ENV = "TF_CONFIG"
+#: Alternative to TF_CONFIG: a path to a file holding the same JSON. The file
+#: is read again on each cluster_spec() call, so workers can be added to it.
+TF_CONFIG_FILE_ENV = "TF_CONFIG_FILE"
+
+ROLES = ("chief", "ps", "worker")
+
+
+class ClusterConfigError(ValueError):
+    """The cluster description is missing or malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskId:
+    type: str
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Addresses of each role. ``token`` is the shared auth token, if any.
+
+    The token never appears in ``as_dict()``/TF_CONFIG: deployments pass it in
+    the ``PSTRAIN_AUTH_TOKEN`` environment variable (a Kubernetes Secret).
+    """
+    ps: tuple[str, ...] = ()
+    worker: tuple[str, ...] = ()
+    chief: tuple[str, ...] = ()
+    token: str | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        for role in ROLES:
+            addrs = getattr(self, role)
+            if isinstance(addrs, str):
+                raise ClusterConfigError(f'cluster "{role}" must be a list of "host:port", got a string')
+            object.__setattr__(self, role, tuple(addrs))
+            for a in addrs:
+                if not isinstance(a, str) or ":" not in a:
+                    raise ClusterConfigError(f'bad {role} address {a!r}: expected "host:port"')
+
+    def cluster_spec(self) -> "ClusterSpec":
+        """A spec is its own (static) resolver."""
+        return self
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.ps)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker)
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {role: list(getattr(self, role)) for role in ROLES if getattr(self, role)}
+
+    def tf_config(self, task_type: str, index: int) -> str:
+        """The TF_CONFIG JSON for one task of this cluster."""
+        return json.dumps({"cluster": self.as_dict(), "task": {"type": task_type, "index": index}})
+
+    @classmethod
+    def from_dict(cls, cluster: Mapping[str, Any], token: str | None = None) -> "ClusterSpec":
+        unknown = set(cluster) - set(ROLES) - {"evaluator"}
+        if unknown:
+            raise ClusterConfigError(
+                f"unknown roles {sorted(unknown)} in cluster; use {list(ROLES)}")
+        return cls(ps=cluster.get("ps", ()), worker=cluster.get("worker", ()),
+                   chief=cluster.get("chief", ()), token=token)
+
+
+def parse_tf_config(text: str) -> tuple[ClusterSpec, TaskId | None]:
+    """(cluster spec, this task) from TF_CONFIG JSON text."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ClusterConfigError(f"TF_CONFIG is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("cluster"), dict):
+        raise ClusterConfigError('TF_CONFIG needs a "cluster" object: '
+                                 '{"cluster": {"ps": [...], "worker": [...]}, "task": {...}}')
+    spec = ClusterSpec.from_dict(cfg["cluster"], token=os.environ.get(TOKEN_ENV) or None)
+    task = None
+    if cfg.get("task"):
+        t = cfg["task"]
+        try:
+            task = TaskId(str(t["type"]), int(t.get("index", 0)))
+        except (KeyError, TypeError, ValueError):
+            raise ClusterConfigError(f'bad TF_CONFIG "task" {t!r}: expected {{"type": ..., "index": N}}') from None
+        addrs = getattr(spec, task.type, None) if task.type in ROLES else None
+        if addrs is not None and not 0 <= task.index < len(addrs):
+            raise ClusterConfigError(
+                f"TF_CONFIG task {task.type}:{task.index} is not in the cluster's "
+                f"{len(addrs)} {task.type} addresses")
+    return spec, task
+
+
+class TFConfigClusterResolver:
+    """Reads TF_CONFIG (or the file named by TF_CONFIG_FILE, or ``path``).
+
+    A file is read again on every ``cluster_spec()`` call, so a deployment can
+    add workers to a running job by rewriting it.
+    """
+
+    def __init__(self, path: str | None = None, environ: Mapping[str, str] = os.environ):
+        self._path = path or environ.get(TF_CONFIG_FILE_ENV)
+        self._text = None if self._path else environ.get(TF_CONFIG_ENV)
+        if self._path is None and not self._text:
+            raise ClusterConfigError(
+                f"no cluster description: set {TF_CONFIG_ENV} to the cluster JSON, or "
+                f"{TF_CONFIG_FILE_ENV} to a file holding it")
+        self.cluster_spec()   # fail now, not later, if it is malformed
+
+    def _read(self) -> tuple[ClusterSpec, TaskId | None]:
+        if self._path:
+            try:
+                with open(self._path) as f:
+                    return parse_tf_config(f.read())
+            except OSError as exc:
+                raise ClusterConfigError(f"cannot read cluster file {self._path}: {exc}") from None
+        return parse_tf_config(self._text)
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._read()[0]
+
+    def task(self) -> TaskId | None:
+        return self._read()[1]

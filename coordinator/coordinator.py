@@ -1,0 +1,506 @@
+"""ClusterCoordinator: schedule step closures on workers, get futures back.
+
+The ladder follows TensorFlow's cluster_coordinator.py:
+
+* ``Closure``        one scheduled call: function, arguments, its RemoteValue.
+* ``_ClosureQueue``  queued and in-flight closures and the first error.
+* ``_WorkerThread``  one named thread per worker task, feeding it closures.
+* ``_Membership``    keeps one _WorkerThread per worker in the cluster spec.
+* ``ClusterCoordinator`` the small public facade.
+
+Guarantees:
+
+* ``schedule`` returns at once. A scheduled function runs on some worker
+  **at least once**: if its worker dies or becomes unreachable mid-run, the
+  closure goes back to the front of the queue and runs again elsewhere (or on
+  the same worker when it returns). Write steps whose re-run is harmless,
+  as with TensorFlow's ParameterServerStrategy.
+* The first closure that raises puts the coordinator in an error state: the
+  closures still queued are cancelled (their ``fetch`` raises
+  ``ClosureCancelled``), and the next ``join()`` or ``done()`` raises that
+  error once, after which scheduling works again.
+* Workers listed in the cluster spec that are not up yet, that restart, or
+  that are added to the spec later are picked up within ``membership_interval``
+  seconds; they create every per-worker dataset before taking closures.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import logging
+import threading
+import uuid
+import weakref
+from typing import Any, Callable
+
+import grpc
+
+from coordinator import serialization
+from coordinator.datasets import PerWorkerDataset
+from coordinator.strategy import ParameterServerStrategy
+from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver.server import TOKEN_METADATA_KEY, grpc_options
+from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
+
+log = logging.getLogger("coordinator")
+
+#: Bound on queued closures: ``schedule`` blocks beyond it, so a fast loop of
+#: schedule() calls cannot hold unbounded arguments in memory (TF uses 256 per
+#: worker for the same reason).
+_CLOSURE_QUEUE_MAX_SIZE = 256 * 8
+#: gRPC codes that mean "the worker is gone or unreachable", not "the step
+#: failed": the closure is re-queued and the worker reconnected.
+_WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.CANCELLED)
+#: Deadline of the calls that check a worker is up and create its datasets.
+_CONTROL_TIMEOUT = 30.0
+
+
+# -- errors ------------------------------------------------------------------------
+class CoordinatorError(Exception):
+    """Base of the coordinator's errors."""
+
+
+class StepFunctionError(CoordinatorError):
+    """A scheduled function raised on a worker.
+
+    ``type_name`` is the worker-side exception's class name; ``remote_traceback``
+    its traceback text, which ``str()`` includes.
+    """
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str, worker: str = ""):
+        self.type_name, self.message = type_name, message
+        self.remote_traceback, self.worker = remote_traceback, worker
+        super().__init__(f"{type_name}: {message}\n\nraised on worker {worker}; worker "
+                         f"traceback:\n{remote_traceback}")
+
+
+class ClosureCancelled(CoordinatorError):
+    """The closure was not run because an earlier closure failed."""
+
+
+class WorkerCallError(CoordinatorError):
+    """A worker refused a closure (cannot import or unpickle it, bad token...)."""
+
+
+# -- futures -------------------------------------------------------------------------
+class RemoteValueStatus(enum.Enum):
+    """PENDING -> READY (value set) | FAILED (error set) | CANCELLED."""
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class RemoteValue:
+    """The future result of a scheduled function."""
+
+    def __init__(self):
+        self._done = threading.Event()   # set once, on leaving PENDING
+        self._status = RemoteValueStatus.PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def status(self) -> RemoteValueStatus:
+        return self._status
+
+    def _set_value(self, value) -> None:
+        self._value, self._status = value, RemoteValueStatus.READY
+        self._done.set()
+
+    def _set_error(self, error: BaseException, cancelled: bool = False) -> None:
+        self._error = error
+        self._status = RemoteValueStatus.CANCELLED if cancelled else RemoteValueStatus.FAILED
+        self._done.set()
+
+    def fetch(self, timeout: float | None = None):
+        """Block until the function has run; return its value or raise its error.
+
+        Raises StepFunctionError, ClosureCancelled, WorkerCallError, or
+        TimeoutError when ``timeout`` seconds pass first.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the closure did not finish within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class Closure:
+    _ids = itertools.count()
+
+    def __init__(self, fn_ref: worker_pb2.FunctionRef, args_payload: bytes, name: str):
+        self.closure_id = f"{next(self._ids)}"
+        self.fn_ref, self.args_payload, self.name = fn_ref, args_payload, name
+        self.remote_value = RemoteValue()
+        self.attempts = 0
+
+    def request(self) -> worker_pb2.ClosureRequest:
+        return worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
+                                         args=self.args_payload)
+
+
+# -- the queue -------------------------------------------------------------------------
+class _ClosureQueue:
+    def __init__(self, max_size: int = _CLOSURE_QUEUE_MAX_SIZE):
+        self._lock = threading.Lock()
+        self._queue: collections.deque[Closure] = collections.deque()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._max_size = max_size
+        # Signalled when a closure is queued (workers wait on it).
+        self._closures_queued = threading.Condition(self._lock)
+        # Signalled when the queue has room again (schedule waits on it).
+        self._free_slot = threading.Condition(self._lock)
+        # Signalled when queued+inflight may have reached 0 or an error arrived (join).
+        self._stop_waiting = threading.Condition(self._lock)
+
+    def put(self, closure: Closure) -> None:
+        with self._lock:
+            self._free_slot.wait_for(lambda: len(self._queue) < self._max_size)
+            self._queue.append(closure)
+            self._closures_queued.notify()
+
+    def get(self, timeout: float) -> Closure | None:
+        with self._lock:
+            if not self._closures_queued.wait_for(lambda: self._queue, timeout):
+                return None
+            closure = self._queue.popleft()
+            self._inflight += 1
+            self._free_slot.notify()
+            return closure
+
+    def put_back(self, closure: Closure) -> None:
+        """Re-queue an in-flight closure whose worker failed (at the front)."""
+        with self._lock:
+            self._inflight -= 1
+            if self._error is not None:
+                closure.remote_value._set_error(ClosureCancelled(
+                    f"closure {closure.name} cancelled: an earlier closure failed"), True)
+                self._stop_waiting.notify_all()
+            else:
+                self._queue.appendleft(closure)
+                self._closures_queued.notify()
+
+    def mark_finished(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            self._stop_waiting.notify_all()
+
+    def mark_failed(self, error: BaseException) -> None:
+        """A closure failed: keep the first error, cancel everything queued."""
+        with self._lock:
+            self._inflight -= 1
+            if self._error is None:
+                self._error = error
+            while self._queue:
+                c = self._queue.popleft()
+                c.remote_value._set_error(ClosureCancelled(
+                    f"closure {c.name} cancelled: an earlier closure failed with "
+                    f"{type(error).__name__}"), True)
+            self._free_slot.notify_all()
+            self._stop_waiting.notify_all()
+
+    def _raise_error_locked(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight; raise the first error."""
+        with self._lock:
+            ok = self._stop_waiting.wait_for(
+                lambda: self._error is not None or (not self._queue and self._inflight == 0),
+                timeout)
+            self._raise_error_locked()
+            return ok
+
+    def done(self) -> bool:
+        with self._lock:
+            self._raise_error_locked()
+            return not self._queue and self._inflight == 0
+
+    def counts(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._queue), self._inflight
+
+
+# -- one thread per worker ---------------------------------------------------------------
+class _WorkerThread:
+    """Feeds closures to one worker task; reconnects when it fails."""
+
+    def __init__(self, coord: "ClusterCoordinator", address: str, index: int):
+        self.coord, self.address, self.index = coord, address, index
+        self.alive = False            # answered its last call
+        self.worker_id: str | None = None
+        self._created: set[str] = set()   # datasets made on the current worker process
+        self._stop = threading.Event()
+        self._channel = grpc.insecure_channel(address, options=grpc_options(DEFAULT_MAX_MESSAGE_BYTES))
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"WorkerClosureProcessingLoop-{index}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        self._channel.close()
+
+    def _kw(self, timeout):
+        return {"timeout": timeout, "metadata": self.coord._metadata}
+
+    def _connect(self) -> bool:
+        """Check the worker is up; after a (re)start, create its datasets."""
+        try:
+            info = self._stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(),
+                                            wait_for_ready=True, **self._kw(1.0))
+        except grpc.RpcError:
+            return False
+        if info.worker_id != self.worker_id:
+            if self.worker_id is not None:
+                log.warning("worker %s restarted; re-creating its datasets", self.address)
+            self.worker_id, self._created = info.worker_id, set(info.datasets)
+        self.alive = True
+        return True
+
+    def _ensure_datasets(self) -> None:
+        for ds_id, fn_ref in list(self.coord._datasets.items()):
+            if ds_id not in self._created:
+                n, i = self.coord._worker_count_and_index(self.address)
+                self._stub.CreateDataset(worker_pb2.CreateDatasetRequest(
+                    dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n),
+                    **self._kw(_CONTROL_TIMEOUT))
+                self._created.add(ds_id)
+
+    def _loop(self) -> None:
+        queue = self.coord._queue
+        backoff = 0.05
+        while not self._stop.is_set():
+            if not self.alive:
+                if not self._connect():
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                backoff = 0.05
+            closure = queue.get(timeout=0.2)
+            if closure is None:
+                continue
+            self._run(closure)
+
+    def _run(self, closure: Closure) -> None:
+        queue = self.coord._queue
+        closure.attempts += 1
+        try:
+            self._ensure_datasets()
+            reply = self._stub.RunClosure(closure.request(), **self._kw(self.coord.closure_timeout))
+        except grpc.RpcError as exc:
+            if exc.code() in _WORKER_FAILURE_CODES:
+                log.warning("worker %s failed running closure %s (%s); re-queueing it",
+                            self.address, closure.name, exc.code().name)
+                self.alive = False
+                queue.put_back(closure)
+                return
+            err = WorkerCallError(f"worker {self.address} refused closure {closure.name}: "
+                                  f"{exc.code().name}: {exc.details()}")
+            closure.remote_value._set_error(err)
+            queue.mark_failed(err)
+            return
+        if reply.WhichOneof("outcome") == "error":
+            e = reply.error
+            err = StepFunctionError(e.type, e.message, e.traceback, self.address)
+            closure.remote_value._set_error(err)
+            queue.mark_failed(err)
+            return
+        try:
+            value = serialization.loads(reply.result, trusted=True)
+        except Exception as exc:   # e.g. a result type the coordinator cannot import
+            err = WorkerCallError(f"cannot unpickle the result of closure {closure.name}: "
+                                  f"{type(exc).__name__}: {exc}")
+            closure.remote_value._set_error(err)
+            queue.mark_failed(err)
+            return
+        closure.remote_value._set_value(value)
+        queue.mark_finished()
+
+
+class _Membership:
+    """Keeps one _WorkerThread per worker address in the cluster spec."""
+
+    def __init__(self, coord: "ClusterCoordinator", interval: float):
+        self.coord, self.interval = coord, interval
+        self.workers: dict[str, _WorkerThread] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._count = itertools.count()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ClusterMembership")
+        self._thread.start()
+
+    def refresh(self) -> None:
+        try:
+            spec = self.coord.strategy.cluster_resolver.cluster_spec()
+        except Exception as exc:   # a rewritten config file may be briefly invalid
+            log.warning("cannot read the cluster spec: %s", exc)
+            return
+        wanted = list(spec.worker)
+        with self._lock:
+            for addr in wanted:
+                if addr not in self.workers:
+                    w = self.workers[addr] = _WorkerThread(self.coord, addr, next(self._count))
+                    w.start()
+            for addr in [a for a in self.workers if a not in wanted]:
+                log.warning("worker %s left the cluster spec", addr)
+                self.workers.pop(addr).stop()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            w.stop()
+        for w in workers:
+            w.join()
+
+
+# -- the facade ----------------------------------------------------------------------
+class ClusterCoordinator:
+    """Schedules functions on the workers of ``strategy``'s cluster.
+
+    Args:
+      strategy: the ParameterServerStrategy whose variables the steps use.
+      closure_timeout: deadline in seconds of one closure on a worker; past it
+        the worker counts as failed and the closure is re-queued (None: none).
+      membership_interval: seconds between looks at the cluster spec for
+        workers that joined or left.
+
+    Use as a context manager, or call ``shutdown()``, to stop its threads.
+    """
+
+    def __init__(self, strategy: ParameterServerStrategy, *,
+                 closure_timeout: float | None = None, membership_interval: float = 1.0):
+        self.strategy = strategy
+        self.closure_timeout = closure_timeout
+        self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {strategy.token}"),) if strategy.token else ()
+        self._queue = _ClosureQueue()
+        self._datasets: dict[str, worker_pb2.FunctionRef] = {}
+        self._fn_refs: "weakref.WeakKeyDictionary[Callable, worker_pb2.FunctionRef]" = weakref.WeakKeyDictionary()
+        self._membership = _Membership(self, membership_interval)
+        self._closed = False
+
+    # -- public API --------------------------------------------------------------
+    def schedule(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` to run on a worker; return its RemoteValue.
+
+        Returns at once (blocks only while the queue is full). Arguments are
+        pickled now; a ``PerWorkerIterator`` among them becomes the running
+        worker's own iterator. Runs at least once (see the module docstring).
+        Raises TypeError if fn or its arguments cannot be sent.
+        """
+        if self._closed:
+            raise RuntimeError("this ClusterCoordinator was shut down")
+        ref = self._function_ref(fn)
+        try:
+            payload = serialization.dumps((tuple(args), dict(kwargs or {})))
+        except Exception as exc:
+            raise TypeError(f"cannot send the arguments of {_name(fn)} to a worker: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        closure = Closure(ref, payload, _name(fn))
+        self._queue.put(closure)
+        return closure.remote_value
+
+    def join(self, timeout: float | None = None) -> None:
+        """Block until every scheduled function has finished.
+
+        Raises the first error a closure raised (StepFunctionError with the
+        worker's traceback, or WorkerCallError), once. TimeoutError if
+        ``timeout`` seconds pass first.
+        """
+        if not self._queue.wait(timeout):
+            raise TimeoutError(f"scheduled closures still running after {timeout}s")
+
+    def done(self) -> bool:
+        """Whether all scheduled functions finished (raises a pending error)."""
+        return self._queue.done()
+
+    def fetch(self, values):
+        """Fetch a RemoteValue, or a list/tuple/dict of them (structure kept)."""
+        if isinstance(values, RemoteValue):
+            return values.fetch()
+        if isinstance(values, (list, tuple)):
+            return type(values)(self.fetch(v) for v in values)
+        if isinstance(values, dict):
+            return {k: self.fetch(v) for k, v in values.items()}
+        return values
+
+    def create_per_worker_dataset(self, dataset_fn: Callable) -> PerWorkerDataset:
+        """Make ``dataset_fn()`` (or ``dataset_fn(input_context)``) on every worker.
+
+        Workers that start or restart later create it before their first closure.
+        """
+        ds_id = uuid.uuid4().hex[:12]
+        self._datasets[ds_id] = self._function_ref(dataset_fn)
+        return PerWorkerDataset(ds_id, dataset_fn)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._membership.workers)
+
+    def workers_alive(self) -> int:
+        return sum(w.alive for w in list(self._membership.workers.values()))
+
+    def pending(self) -> tuple[int, int]:
+        """(queued, in flight) closures."""
+        return self._queue.counts()
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (closures in flight finish first)."""
+        if not self._closed:
+            self._closed = True
+            self._membership.stop()
+
+    def __enter__(self) -> "ClusterCoordinator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- internals -------------------------------------------------------------------
+    def _function_ref(self, fn: Callable) -> worker_pb2.FunctionRef:
+        try:
+            return self._fn_refs[fn]
+        except (KeyError, TypeError):
+            pass
+        try:
+            ref = serialization.encode_function(fn)
+        except Exception as exc:
+            raise TypeError(f"cannot send {_name(fn)} to the workers: {type(exc).__name__}: "
+                            f"{exc}. A step function may capture variables and plain data, "
+                            "not the strategy, the coordinator or open connections") from exc
+        try:
+            self._fn_refs[fn] = ref
+        except TypeError:   # not weak-referenceable: just don't cache
+            pass
+        return ref
+
+    def _worker_count_and_index(self, address: str) -> tuple[int, int]:
+        spec = self.strategy.cluster_resolver.cluster_spec()
+        workers = list(spec.worker)
+        return len(workers), workers.index(address) if address in workers else 0
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

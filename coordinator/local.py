@@ -1,0 +1,116 @@
+"""LocalCluster: real psserver and psworker processes on this machine.
+
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+
+Every task is a child process bound to a free port on 127.0.0.1. The
+cluster makes a fresh auth token and gives it to every task, so functions
+sent by value are accepted and nothing else on the machine can call the
+tasks. ``cluster.spec`` always describes the tasks running now:
+``add_worker()`` grows it while a job runs, and the coordinator picks the new
+worker up. Leaving the ``with`` block (or ``stop()``) ends every process.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+from concurrent import futures
+
+from coordinator.cluster_spec import ClusterSpec
+from psserver.process import TaskProcess, start_task
+from psserver.server import TOKEN_ENV
+
+
+class LocalCluster:
+    """Args:
+      num_ps, num_workers: how many tasks of each role to start.
+      token: the auth token (default: a new random one).
+      ps_args, worker_args: extra command-line arguments for those tasks.
+      env: extra environment variables for every task.
+    """
+
+    def __init__(self, num_ps: int = 2, num_workers: int = 2, *, token: str | None = None,
+                 ps_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, start_timeout: float = 60.0):
+        if num_ps < 1:
+            raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
+        if num_workers < 0:
+            raise ValueError("num_workers must be >= 0")
+        self.token = token or secrets.token_hex(16)
+        self._ps_args, self._worker_args = tuple(ps_args), tuple(worker_args)
+        # The tasks can import the user's modules the way this process can.
+        paths = [p for p in (os.getcwd(), sys.path[0] if sys.path else "") if p]
+        self._env = {TOKEN_ENV: self.token,
+                     "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
+                     **(env or {})}
+        self._timeout = start_timeout
+        self._lock = threading.Lock()
+        self.ps: list[TaskProcess] = []
+        self.workers: list[TaskProcess | None] = []
+        try:
+            with futures.ThreadPoolExecutor(max(1, num_ps + num_workers)) as pool:
+                ps = [pool.submit(self._start, "psserver", self._ps_args) for _ in range(num_ps)]
+                ws = [pool.submit(self._start, "psworker", self._worker_args)
+                      for _ in range(num_workers)]
+                self.ps = [f.result() for f in ps]
+                self.workers = [f.result() for f in ws]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, module: str, args: tuple[str, ...]) -> TaskProcess:
+        return start_task(module, ["--port", "0", *args], env=self._env, timeout=self._timeout)
+
+    @property
+    def spec(self) -> "LocalClusterSpec":
+        """The cluster as it is now (a ClusterSpec whose cluster_spec() stays current)."""
+        return LocalClusterSpec(self)
+
+    def snapshot(self) -> ClusterSpec:
+        with self._lock:
+            return ClusterSpec(ps=[p.address for p in self.ps],
+                               worker=[w.address for w in self.workers if w is not None],
+                               token=self.token)
+
+    def add_worker(self) -> int:
+        """Start one more worker; return its index. The coordinator adopts it."""
+        w = self._start("psworker", self._worker_args)
+        with self._lock:
+            self.workers.append(w)
+            return len(self.workers) - 1
+
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL a worker and drop it from the spec."""
+        with self._lock:
+            w, self.workers[index] = self.workers[index], None
+        if w is not None:
+            w.kill()
+
+    def stop(self) -> None:
+        """Stop every task (SIGTERM, then SIGKILL after a grace period)."""
+        tasks = [t for t in self.ps + self.workers if t is not None]
+        for t in tasks:
+            if t.alive():
+                t.proc.terminate()
+        for t in tasks:
+            t.terminate(timeout=10)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalClusterSpec(ClusterSpec):
+    """A ClusterSpec that re-reads its LocalCluster on each cluster_spec() call."""
+
+    def __init__(self, cluster: LocalCluster):
+        snap = cluster.snapshot()
+        super().__init__(ps=snap.ps, worker=snap.worker, chief=snap.chief, token=snap.token)
+        object.__setattr__(self, "_cluster", cluster)
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._cluster.snapshot()

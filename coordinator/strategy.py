@@ -1,0 +1,205 @@
+"""ParameterServerStrategy: where variables live and how they are split.
+
+As in TensorFlow, the strategy owns variable creation: each variable is split
+along axis 0 by the ``variable_partitioner`` and its shards are placed on the
+parameter servers round-robin, in creation order. Training itself is driven
+by a ``ClusterCoordinator`` built on the strategy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from coordinator import variables as V
+from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
+from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
+from psserver.errors import PSError
+from psserver.server import TOKEN_ENV
+from psserver.store import Initializer
+
+#: Initializers computed from the full (unsharded) shape, then sent to each
+#: shard as a server-side kind. Others ("zeros", "random_normal", ...) are
+#: applied by the servers as they are.
+_FAN_INITIALIZERS = ("glorot_uniform", "he_normal")
+
+
+def _fans(shape: Sequence[int]) -> tuple[float, float]:
+    if len(shape) < 1:
+        return 1.0, 1.0
+    if len(shape) == 1:
+        return float(shape[0]), float(shape[0])
+    receptive = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    return float(shape[-2] * receptive), float(shape[-1] * receptive)
+
+
+def resolve_initializer(init: Initializer | str | None, shape: Sequence[int],
+                        seed: int = 0) -> Initializer:
+    """A server-side Initializer for ``init`` (a kind name or an Initializer).
+
+    "glorot_uniform" (Keras' default kernel initializer) becomes
+    random_uniform(+-sqrt(6 / (fan_in + fan_out))); "he_normal" becomes
+    truncated_normal(stddev=sqrt(2 / fan_in) / .8796) as Keras computes it.
+    """
+    if init is None:
+        return Initializer("zeros")
+    if isinstance(init, Initializer):
+        return init
+    fan_in, fan_out = _fans(shape)
+    if init == "glorot_uniform":
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        return Initializer("random_uniform", minval=-limit, maxval=limit, seed=seed)
+    if init == "he_normal":
+        # Keras: truncated normal, stddev corrected for the truncation at 2 sigma.
+        return Initializer("truncated_normal", stddev=math.sqrt(2.0 / fan_in) / 0.87962566103423978,
+                           seed=seed)
+    return Initializer(init, seed=seed)
+
+
+def _as_resolver(cluster: Any):
+    if cluster is None:
+        return TFConfigClusterResolver()
+    if hasattr(cluster, "cluster_spec"):
+        return cluster
+    if isinstance(cluster, Mapping):
+        return ClusterSpec.from_dict(cluster.get("cluster", cluster))
+    raise ClusterConfigError(
+        f"cannot describe a cluster with {type(cluster).__name__}: pass a ClusterSpec, "
+        "a LocalCluster's .spec, a cluster dict, or nothing to read TF_CONFIG")
+
+
+class ParameterServerStrategy:
+    """Variables sharded over parameter servers; steps run by workers.
+
+    Args:
+      cluster_resolver: a ``ClusterSpec`` (e.g. ``LocalCluster.spec``), any
+        object with ``cluster_spec()``, a TF_CONFIG-style dict, or None to read
+        TF_CONFIG / TF_CONFIG_FILE from the environment.
+      variable_partitioner: a callable ``(shape, dtype) -> [num_shards, 1, ...]``
+        such as ``MinSizePartitioner``; None keeps every variable whole.
+      token: the cluster's auth token; defaults to the spec's (LocalCluster
+        makes one) or ``$PSTRAIN_AUTH_TOKEN``.
+
+    Raises:
+      ClusterConfigError: the cluster has no parameter servers.
+    """
+
+    def __init__(self, cluster_resolver: Any = None,
+                 variable_partitioner: Partitioner | None = None, *,
+                 token: str | None = None):
+        self.cluster_resolver = _as_resolver(cluster_resolver)
+        spec = self.cluster_resolver.cluster_spec()
+        if not spec.ps:
+            raise ClusterConfigError("the cluster has no parameter servers (\"ps\" is empty)")
+        self._ps = tuple(spec.ps)
+        self.variable_partitioner = variable_partitioner
+        self.token = token or spec.token or os.environ.get(TOKEN_ENV) or None
+        V.configure(self.token)
+        self._lock = threading.Lock()
+        self._next_ps = 0      # round-robin placement counter, as TF's
+        self._variables: dict[str, V.ShardedVariable] = {}
+
+    @property
+    def cluster_spec(self) -> ClusterSpec:
+        return self.cluster_resolver.cluster_spec()
+
+    @property
+    def num_ps(self) -> int:
+        return len(self._ps)
+
+    @property
+    def variables(self) -> list[V.ShardedVariable]:
+        return list(self._variables.values())
+
+    def _place(self, n: int) -> list[str]:
+        with self._lock:
+            out = [self._ps[(self._next_ps + i) % len(self._ps)] for i in range(n)]
+            self._next_ps += n
+        return out
+
+    def create_variable(self, name: str, shape: Sequence[int] | None = None,
+                        dtype: str | np.dtype | None = None, *,
+                        initial_value=None,
+                        initializer: Initializer | str | None = None,
+                        seed: int = 0,
+                        optimizer: str = "sgd",
+                        optimizer_params: Mapping[str, float] | None = None,
+                        partitioner: Partitioner | None | str = "default",
+                        allow_nonfinite: bool = False) -> V.ShardedVariable:
+        """Create a variable, sharded by the partitioner, with its optimizer.
+
+        Give ``initial_value`` (an array; shape and dtype default to its own)
+        or ``initializer``: a server-side kind ("zeros", "ones",
+        "random_normal", "truncated_normal", "random_uniform"), a shape-aware
+        kind ("glorot_uniform", "he_normal"), or an ``Initializer``. Random
+        kinds use ``seed + shard index`` on each shard.
+
+        ``optimizer`` is "sgd", "momentum", "adagrad" or "adam", with
+        tf.keras.optimizers' hyper-parameter names and defaults.
+
+        Creation is all-or-nothing: if one shard cannot be created, the shards
+        already made are deleted and the error is raised.
+
+        Raises: ValueError (bad arguments), psserver.errors.PSError (from the
+        servers: AlreadyExists, InvalidArgument, ResourceExhausted, ...).
+        """
+        if name in self._variables:
+            raise ValueError(f"a variable named {name!r} was already created by this strategy")
+        value = None
+        if initial_value is not None:
+            if initializer is not None:
+                raise ValueError("give initial_value or initializer, not both")
+            value = np.asarray(initial_value)
+            dtype = dtype or (value.dtype if value.dtype.kind == "f" else "float32")
+            value = value.astype(dtype, copy=False)
+            if shape is not None and tuple(shape) != value.shape:
+                raise ValueError(f"shape {tuple(shape)} does not match initial_value's {value.shape}")
+            shape = value.shape
+        if shape is None:
+            raise ValueError(f"create_variable({name!r}) needs a shape or an initial_value")
+        shape = tuple(int(d) for d in shape)
+        dtype = np.dtype(dtype or "float32").name
+        part = self.variable_partitioner if partitioner == "default" else partitioner
+        n = 1
+        if part is not None and shape and shape[0] > 0:
+            n = num_shards_of(part(shape, dtype))
+        offsets = shard_row_offsets(shape[0], n) if shape else [0, 0]
+        n = len(offsets) - 1
+        addrs = self._place(n)
+        init = None if value is not None else resolve_initializer(initializer, shape, seed)
+        shards = []
+        try:
+            for i, addr in enumerate(addrs):
+                lo, hi = offsets[i], offsets[i + 1]
+                sname = name if n == 1 else f"{name}/part_{i}"
+                sshape = (hi - lo,) + shape[1:] if shape else ()
+                kw: dict[str, Any] = {}
+                if value is not None:
+                    kw["initial_value"] = value[lo:hi] if shape else value
+                elif init.kind in ("random_normal", "truncated_normal", "random_uniform"):
+                    kw["initializer"] = dataclasses.replace(init, seed=init.seed + i)
+                else:
+                    kw["initializer"] = init
+                V.client_for(addr).create_variable(
+                    sname, sshape, dtype, optimizer=optimizer,
+                    optimizer_params=optimizer_params, allow_nonfinite=allow_nonfinite, **kw)
+                shards.append(V.Shard(addr, sname, lo, hi - lo))
+        except BaseException:
+            for s in shards:   # all-or-nothing
+                try:
+                    V.client_for(s.address).delete_variable(s.name)
+                except PSError:
+                    pass
+            raise
+        var = V.ShardedVariable(name, shape, dtype, tuple(shards), optimizer)
+        self._variables[name] = var
+        return var
+
+    def delete_variable(self, var: V.ShardedVariable) -> None:
+        for s in var.shards:
+            V.client_for(s.address).delete_variable(s.name)
+        self._variables.pop(var.name, None)

@@ -1,0 +1,215 @@
+"""Sharded variables: one logical variable, its rows split over parameter servers.
+
+A ``ShardedVariable`` is a small picklable description (name, shape, dtype,
+where each shard lives). It travels inside step closures to the workers and
+works the same there: every method talks to the parameter servers through
+this process's connection pool. The caller never sees shards: ``read``
+returns one array, ``push_gradient`` takes one gradient, and ``gather`` /
+``push_sparse`` route each row id to the shard that owns it.
+
+Reads and pushes of many variables at once (``read_variables``,
+``push_gradients``) make one call per parameter server, issued concurrently:
+a training step costs one round trip per server, not one per variable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from psserver.client import Handle, PSClient
+from psserver.server import TOKEN_ENV
+
+
+# -- this process's connections ------------------------------------------------
+_clients: dict[str, PSClient] = {}
+_clients_lock = threading.Lock()
+_token: str | None = os.environ.get(TOKEN_ENV) or None
+
+
+def configure(token: str | None) -> None:
+    """Set the auth token this process's connections send (closes old ones)."""
+    global _token
+    with _clients_lock:
+        if token != _token:
+            for c in _clients.values():
+                c.close()
+            _clients.clear()
+        _token = token
+
+
+def client_for(address: str) -> PSClient:
+    """The shared PSClient for a parameter-server address (created on first use)."""
+    c = _clients.get(address)
+    if c is None:
+        with _clients_lock:
+            c = _clients.get(address)
+            if c is None:
+                c = _clients[address] = PSClient(address, token=_token, wait_for_ready=True)
+    return c
+
+
+def close_clients() -> None:
+    with _clients_lock:
+        for c in _clients.values():
+            c.close()
+        _clients.clear()
+
+
+# -- the variable ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    address: str   # the parameter server holding it
+    name: str      # its variable name there
+    offset: int    # first row (axis 0) of the logical variable it holds
+    rows: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedVariable:
+    """A variable split along axis 0 into ``shards`` (one shard: not split)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[Shard, ...]
+    optimizer: str = "sgd"
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Row offsets: shard i holds rows offsets[i]:offsets[i+1]."""
+        return np.array([s.offset for s in self.shards] + [self.shards[-1].offset + self.shards[-1].rows])
+
+    def __repr__(self) -> str:
+        return (f"ShardedVariable({self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+                f"shards={self.num_shards})")
+
+    # -- dense -------------------------------------------------------------------
+    def read(self) -> np.ndarray:
+        """The whole value (a new array), assembled from consistent shard reads."""
+        return read_variables([self])[0]
+
+    def versions(self) -> list[int]:
+        """Each shard's version (the number of updates it has applied)."""
+        return [client_for(s.address).get_meta(s.name).version for s in self.shards]
+
+    def push_gradient(self, grad) -> None:
+        """Apply a dense gradient (split by rows; one push per shard)."""
+        push_gradients([(self, grad)])
+
+    def assign(self, value) -> None:
+        """Overwrite the value (optimizer slots are kept)."""
+        value = self._check_dense(value, "assigned value")
+        _wait([client_for(s.address).assign_many_async([(s.name, part)])
+               for s, part in zip(self.shards, self._split(value))])
+
+    def _check_dense(self, arr, what: str) -> np.ndarray:
+        arr = np.asarray(arr, dtype=self.dtype)
+        if arr.shape != self.shape:
+            raise ValueError(f"{what} for {self.name!r} has shape {arr.shape}, expected {self.shape}")
+        return arr
+
+    def _split(self, arr: np.ndarray) -> list[np.ndarray]:
+        if arr.ndim == 0:
+            return [arr]
+        return [arr[s.offset:s.offset + s.rows] for s in self.shards]
+
+    # -- sparse (rows by id) ---------------------------------------------------------
+    def _route(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index of each id, id local to that shard)."""
+        if not self.shape:
+            raise ValueError(f"variable {self.name!r} is a scalar: it has no rows")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be integers, got {ids.dtype.name}")
+        rows = self.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            raise ValueError(f"ids out of range for {self.name!r} with {rows} rows")
+        starts = self.offsets[:-1]
+        which = np.searchsorted(starts, ids, side="right") - 1
+        return which, ids - starts[which]
+
+    def gather(self, ids) -> np.ndarray:
+        """Rows ``value[ids]``: shape ids.shape + row shape, in the order of ids."""
+        ids = np.asarray(ids)
+        flat = ids.reshape(-1).astype(np.int64, copy=False)
+        which, local = self._route(flat)
+        out = np.empty((flat.size,) + self.shape[1:], np.dtype(self.dtype))
+        pending = []
+        for k, s in enumerate(self.shards):
+            pos = np.nonzero(which == k)[0]
+            if pos.size:
+                pending.append((pos, client_for(s.address).gather_async(s.name, local[pos])))
+        for pos, h in pending:
+            out[pos] = h.result()[0]
+        return out.reshape(ids.shape + self.shape[1:])
+
+    def push_sparse(self, ids, rows) -> None:
+        """Apply a row-wise gradient; duplicate ids are summed on the servers."""
+        ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+        rows = np.asarray(rows, dtype=self.dtype)
+        if rows.shape != (ids.size,) + self.shape[1:]:
+            raise ValueError(f"sparse gradient rows for {self.name!r} have shape {rows.shape}, "
+                             f"expected {(ids.size,) + self.shape[1:]}")
+        which, local = self._route(ids)
+        handles = []
+        for k, s in enumerate(self.shards):
+            pos = np.nonzero(which == k)[0]
+            if pos.size:
+                handles.append(client_for(s.address).push_sparse_async(s.name, local[pos], rows[pos]))
+        _wait(handles)
+
+
+def _wait(handles: Iterable[Handle]) -> list:
+    return [h.result() for h in handles]
+
+
+def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
+    groups: dict[str, list] = defaultdict(list)
+    for key, s in shards:
+        groups[s.address].append((key, s))
+    return groups
+
+
+def read_variables(variables: Sequence[ShardedVariable]) -> list[np.ndarray]:
+    """Read many variables: one call per parameter server, all at once."""
+    groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
+    handles = {addr: client_for(addr).read_many_async([s.name for _, s in items])
+               for addr, items in groups.items()}
+    parts: dict[tuple[int, str], np.ndarray] = {}
+    for addr, items in groups.items():
+        for (i, s), snap in zip(items, handles[addr].result()):
+            parts[(i, s.name)] = snap.value
+    out = []
+    for i, v in enumerate(variables):
+        if v.num_shards == 1:
+            out.append(parts[(i, v.shards[0].name)].copy())
+        else:
+            out.append(np.concatenate([parts[(i, s.name)] for s in v.shards]))
+    return out
+
+
+def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]]) -> None:
+    """Apply dense gradients to many variables: one call per parameter server.
+
+    Each shard's update is atomic on its server; shards of one variable on
+    different servers are updated independently (asynchronous training).
+    """
+    items = []
+    for v, g in pairs:
+        g = v._check_dense(g, "gradient")
+        items.extend(((s.name, part), s) for s, part in zip(v.shards, v._split(g)))
+    groups = _by_server(items)
+    _wait([client_for(addr).push_many_async([upd for upd, _ in its])
+           for addr, its in groups.items()])

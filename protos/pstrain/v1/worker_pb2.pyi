@@ -1,0 +1,75 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FunctionRef(_message.Message):
+    __slots__ = ("qualified_name", "pickled")
+    QUALIFIED_NAME_FIELD_NUMBER: _ClassVar[int]
+    PICKLED_FIELD_NUMBER: _ClassVar[int]
+    qualified_name: str
+    pickled: bytes
+    def __init__(self, qualified_name: _Optional[str] = ..., pickled: _Optional[bytes] = ...) -> None: ...
+
+class CreateDatasetRequest(_message.Message):
+    __slots__ = ("dataset_id", "fn", "worker_index", "num_workers")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    FN_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    fn: FunctionRef
+    worker_index: int
+    num_workers: int
+    def __init__(self, dataset_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class CreateDatasetReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClosureRequest(_message.Message):
+    __slots__ = ("closure_id", "fn", "args")
+    CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
+    FN_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    closure_id: str
+    fn: FunctionRef
+    args: bytes
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ...) -> None: ...
+
+class ErrorInfo(_message.Message):
+    __slots__ = ("type", "message", "traceback")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    traceback: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+
+class ClosureReply(_message.Message):
+    __slots__ = ("result", "error")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    result: bytes
+    error: ErrorInfo
+    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+
+class WorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("protocol_version", "worker_id", "datasets", "closures_run")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    CLOSURES_RUN_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    worker_id: str
+    datasets: _containers.RepeatedScalarFieldContainer[str]
+    closures_run: int
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The worker task: runs step closures sent by the coordinator (see psworker.worker)."""

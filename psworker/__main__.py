@@ -1,0 +1,5 @@
+import sys
+
+from psworker.worker import main
+
+sys.exit(main())

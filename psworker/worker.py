@@ -1,0 +1,155 @@
+"""A worker task: runs the step closures a coordinator sends it.
+
+The ``psworker`` command (and ``python -m psworker``)::
+
+    psworker --port 0                      # prints "psworker listening on 127.0.0.1:PORT"
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 1}}' psworker --host 0.0.0.0
+
+Under TF_CONFIG (or TF_CONFIG_FILE) the worker binds the port of its own
+entry in the cluster unless ``--port`` says otherwise. The auth token comes
+from ``$PSTRAIN_AUTH_TOKEN``; without one the worker refuses functions sent
+by value (see coordinator.serialization). A step function runs in this
+process: it reads and pushes variables through this process's connections to
+the parameter servers, and its return value goes back to the coordinator.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import traceback
+import uuid
+
+import grpc
+
+from coordinator import datasets, serialization
+from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
+from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver.server import TOKEN_ENV, join_host_port, make_server, serve
+from psserver.servicer import PROTOCOL_VERSION
+
+log = logging.getLogger("psworker")
+
+SERVICE_NAME = "pstrain.v1.Worker"
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Runs closures. ``trusted``: calls passed a token check, so pickles are allowed."""
+
+    def __init__(self, trusted: bool):
+        self.trusted = trusted
+        self.worker_id = uuid.uuid4().hex
+        self._count = 0
+        self._count_lock = threading.Lock()
+
+    def _function(self, ref: worker_pb2.FunctionRef, context):
+        kind = ref.WhichOneof("kind")
+        if kind == "qualified_name":
+            try:
+                return serialization.import_function(ref.qualified_name)
+            except serialization.FunctionImportError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if kind == "pickled":
+            if not self.trusted:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              "this worker has no auth token configured, so it does not "
+                              "accept functions sent by value (pickled); set "
+                              f"${TOKEN_ENV} on every task, or send an importable function")
+            try:
+                return serialization.loads(ref.pickled, trusted=True)
+            except Exception as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"cannot unpickle the function on this worker: "
+                              f"{type(exc).__name__}: {exc}. The worker needs the same "
+                              "packages (and versions) as the coordinator")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no function in the request")
+
+    def GetWorkerInfo(self, request, context):
+        return worker_pb2.WorkerInfo(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
+                                     datasets=datasets.dataset_ids(), closures_run=self._count)
+
+    def CreateDataset(self, request, context):
+        fn = self._function(request.fn, context)
+        ctx = datasets.InputContext(max(1, request.num_workers), request.worker_index)
+        try:
+            ds = datasets.call_dataset_fn(fn, ctx)
+        except Exception as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"dataset_fn raised on this worker: {type(exc).__name__}: {exc}\n"
+                          f"{traceback.format_exc()}")
+        datasets.register_dataset(request.dataset_id, ds)
+        return worker_pb2.CreateDatasetReply()
+
+    def RunClosure(self, request, context):
+        fn = self._function(request.fn, context)
+        try:
+            args, kwargs = serialization.loads(request.args, trusted=self.trusted)
+        except Exception as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}")
+        try:
+            result = fn(*args, **kwargs)
+            reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
+        except Exception as exc:
+            reply = worker_pb2.ClosureReply(error=worker_pb2.ErrorInfo(
+                type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc()))
+        with self._count_lock:
+            self._count += 1
+        return reply
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="psworker", description="Run one worker task.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 listens on all interfaces)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port to bind; 0 picks a free one (default: this task's TF_CONFIG "
+                        "entry, else 0)")
+    p.add_argument("--port-file", help="write the bound port to this file once serving")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds closures in flight get to finish on SIGTERM (default 5)")
+    p.add_argument("--threads", type=int, default=4,
+                   help="closures that may run at once (default 4)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _port_from_tf_config() -> int:
+    try:
+        resolver = TFConfigClusterResolver()
+    except ClusterConfigError:
+        return 0
+    task = resolver.task()
+    if task is None or task.type != "worker":
+        return 0
+    return int(resolver.cluster_spec().worker[task.index].rsplit(":", 1)[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s psworker %(levelname)s %(message)s")
+    try:
+        port = args.port if args.port is not None else _port_from_tf_config()
+    except ClusterConfigError as exc:
+        print(f"psworker: {exc}", file=sys.stderr)
+        return 2
+    address = join_host_port(args.host, port)
+    token = os.environ.get(TOKEN_ENV) or None
+    try:
+        handle = make_server(address, WorkerServicer(trusted=token is not None),
+                             worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME,
+                             token=token, max_workers=args.threads,
+                             thread_name_prefix="psworker-rpc")
+    except OSError as exc:
+        print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
+              "for a free one", file=sys.stderr)
+        return 2
+    serve(handle, grace=args.grace, port_file=args.port_file, host=args.host, role="psworker")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
