@@ -1,0 +1,77 @@
+"""TF_CONFIG parsing (pure logic) and a worker that takes its port from TF_CONFIG."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from coordinator.cluster_spec import (ClusterConfigError, ClusterSpec, TFConfigClusterResolver,
+                                      TaskId, parse_tf_config)
+from coordinator.strategy import ParameterServerStrategy
+from psserver.process import start_task
+
+CFG = {"cluster": {"chief": ["c:1"], "ps": ["p0:2", "p1:2"], "worker": ["w0:3", "w1:3", "w2:3"]},
+       "task": {"type": "worker", "index": 2}}
+
+
+def test_parse_tf_config():
+    spec, task = parse_tf_config(json.dumps(CFG))
+    assert spec.ps == ("p0:2", "p1:2") and spec.worker == ("w0:3", "w1:3", "w2:3")
+    assert spec.chief == ("c:1",)
+    assert task == TaskId("worker", 2)
+    assert json.loads(spec.tf_config("ps", 1)) == {"cluster": CFG["cluster"],
+                                                   "task": {"type": "ps", "index": 1}}
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "not valid JSON"),
+    ("[]", '"cluster" object'),
+    ('{"cluster": {"ps": "p0:1"}}', "must be a list"),
+    ('{"cluster": {"ps": ["nohostport"]}}', "host:port"),
+    ('{"cluster": {"ps": ["a:1"], "gpu": ["b:1"]}}', "unknown roles"),
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 3}}', "not in the cluster"),
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"index": 0}}', "bad TF_CONFIG"),
+])
+def test_bad_tf_config_is_explained(text, match):
+    with pytest.raises(ClusterConfigError, match=match):
+        parse_tf_config(text)
+
+
+def test_resolver_rereads_a_file(tmp_path):
+    path = tmp_path / "tf_config.json"
+    path.write_text(json.dumps(CFG))
+    r = TFConfigClusterResolver(environ={"TF_CONFIG_FILE": str(path)})
+    assert r.cluster_spec().num_workers == 3
+    cfg = json.loads(json.dumps(CFG))
+    cfg["cluster"]["worker"].append("w3:3")
+    path.write_text(json.dumps(cfg))
+    assert r.cluster_spec().num_workers == 4
+
+
+def test_resolver_without_config_says_what_to_set():
+    with pytest.raises(ClusterConfigError, match="TF_CONFIG"):
+        TFConfigClusterResolver(environ={})
+
+
+def test_strategy_needs_parameter_servers():
+    with pytest.raises(ClusterConfigError, match="no parameter servers"):
+        ParameterServerStrategy(ClusterSpec(worker=["w:1"]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_worker_binds_the_port_of_its_tf_config_entry():
+    port = _free_port()
+    cfg = {"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:1", f"127.0.0.1:{port}"]},
+           "task": {"type": "worker", "index": 1}}
+    w = start_task("psworker", [], env={"TF_CONFIG": json.dumps(cfg)})
+    try:
+        assert w.address == f"127.0.0.1:{port}"
+    finally:
+        w.kill()

@@ -1,0 +1,272 @@
+"""The coordinator against real clusters: closures, futures, errors, sharding, membership."""
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from coordinator import (ClosureCancelled, ClusterCoordinator, FixedShardsPartitioner,
+                         LocalCluster, MinSizePartitioner, ParameterServerStrategy,
+                         RemoteValueStatus, StepFunctionError, WorkerCallError)
+from coordinator import serialization
+from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver.process import start_task
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cluster():
+    with LocalCluster(num_ps=2, num_workers=2) as c:
+        yield c
+
+
+@pytest.fixture
+def strategy(cluster):
+    return ParameterServerStrategy(cluster.spec)
+
+
+@pytest.fixture
+def coord(strategy):
+    with ClusterCoordinator(strategy) as c:
+        yield c
+
+
+def worker_pid():
+    return os.getpid()
+
+
+def add(a, b):
+    return a + b
+
+
+def fail_with(message):
+    raise ValueError(message)
+
+
+# -- schedule / fetch / join ---------------------------------------------------------
+def test_schedule_returns_remote_values_with_results(coord):
+    rvs = [coord.schedule(add, args=(i, 10)) for i in range(20)]
+    coord.join()
+    assert coord.done()
+    assert [rv.fetch() for rv in rvs] == [i + 10 for i in range(20)]
+    assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
+    assert coord.fetch({"a": rvs[0], "b": [rvs[1], rvs[2]]}) == {"a": 10, "b": [11, 12]}
+
+
+def test_closures_run_on_worker_processes(cluster, coord):
+    pids = set(coord.fetch([coord.schedule(worker_pid) for _ in range(40)]))
+    worker_pids = {w.pid for w in cluster.workers}
+    assert pids <= worker_pids and os.getpid() not in pids
+
+
+def test_function_from_main_is_sent_by_value(coord):
+    offset = 7
+    fn = lambda x: x * 2 + offset   # noqa: E731  (a lambda cannot be imported)
+    assert serialization.encode_function(fn).WhichOneof("kind") == "pickled"
+    assert serialization.encode_function(add).qualified_name == f"{__name__}:add"
+    assert coord.schedule(fn, args=(5,)).fetch() == 17
+
+
+def test_error_surfaces_at_fetch_and_join_with_worker_traceback(coord):
+    rv = coord.schedule(fail_with, args=("the step broke",))
+    with pytest.raises(StepFunctionError) as info:
+        coord.join()
+    err = info.value
+    assert err.type_name == "ValueError" and err.message == "the step broke"
+    assert "Traceback (most recent call last)" in err.remote_traceback
+    assert "fail_with" in str(err) and "the step broke" in str(err)
+    with pytest.raises(StepFunctionError, match="the step broke"):
+        rv.fetch()
+    assert rv.status is RemoteValueStatus.FAILED
+    # join raised the error once; the coordinator keeps working afterwards.
+    assert coord.schedule(add, args=(1, 2)).fetch() == 3
+    coord.join()
+
+
+def fail_when_released(fifo_path):
+    """Block until the test opens the FIFO for writing, then fail."""
+    with open(fifo_path) as f:
+        f.read()
+    raise ValueError("first")
+
+
+def test_queued_closures_are_cancelled_after_an_error(tmp_path):
+    fifo = str(tmp_path / "release")
+    os.mkfifo(fifo)
+    # One worker: the closures behind the failing one stay queued until it fails.
+    with LocalCluster(num_ps=1, num_workers=1) as one:
+        strategy = ParameterServerStrategy(one.spec)
+        with ClusterCoordinator(strategy) as coord:
+            failing = coord.schedule(fail_when_released, args=(fifo,))
+            later = [coord.schedule(add, args=(i, i)) for i in range(20)]
+            with open(fifo, "w") as f:   # opens once the worker has started the closure
+                f.write("go")
+            with pytest.raises(StepFunctionError, match="first"):
+                coord.join()
+            assert failing.status is RemoteValueStatus.FAILED
+            assert all(rv.status is RemoteValueStatus.CANCELLED for rv in later)
+            with pytest.raises(ClosureCancelled):
+                later[0].fetch()
+
+
+def test_unimportable_step_function_names_the_module(coord):
+    ref = worker_pb2.FunctionRef(qualified_name="no_such_module_xyz:step")
+    coord._fn_refs[add] = ref   # pretend `add` lives in a module the workers lack
+    try:
+        rv = coord.schedule(add, args=(1, 2))
+        with pytest.raises(WorkerCallError, match="no_such_module_xyz"):
+            coord.join()
+        with pytest.raises(WorkerCallError, match="cannot import module"):
+            rv.fetch()
+    finally:
+        del coord._fn_refs[add]
+
+
+def test_closure_arguments_that_cannot_be_pickled_fail_at_schedule(coord):
+    import threading
+    with pytest.raises(TypeError, match="cannot send the arguments"):
+        coord.schedule(add, args=(threading.Lock(), 1))
+
+
+# -- per-worker datasets ------------------------------------------------------------------
+def test_per_worker_dataset_gives_each_worker_its_shard(coord):
+    def dataset_fn(ctx):
+        return iter(range(ctx.input_pipeline_id, 10_000, ctx.num_input_pipelines))
+
+    def take(it):
+        return next(it), os.getpid()
+
+    it = iter(coord.create_per_worker_dataset(dataset_fn))
+    got = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(60)])
+    by_pid: dict[int, list[int]] = {}
+    for value, pid in got:
+        by_pid.setdefault(pid, []).append(value)
+    values = [v for v, _ in got]
+    assert len(set(values)) == len(values), "an element was produced twice"
+    for vals in by_pid.values():   # each worker walks its own shard in order
+        assert len({v % 2 for v in vals}) == 1 and vals == sorted(vals)
+
+
+# -- sharded variables ----------------------------------------------------------------------
+def test_sharded_gather_and_sparse_push_route_every_id(cluster):
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(3))
+    table0 = np.arange(10 * 4, dtype=np.float64).reshape(10, 4)   # 10 rows over 3 shards: 4,3,3
+    table = strategy.create_variable("table", initial_value=table0, optimizer="sgd",
+                                     optimizer_params={"learning_rate": 1.0})
+    assert [s.rows for s in table.shards] == [4, 3, 3]
+    assert len({s.address for s in table.shards}) == 2   # round-robin over both servers
+    ids = np.array([[9, 0, 4], [3, 7, 3]])               # every shard, out of order, repeated
+    np.testing.assert_array_equal(table.gather(ids), table0[ids])
+    grad = np.ones((6, 4))
+    table.push_sparse(ids.ravel(), grad)
+    expected = table0.copy()
+    np.subtract.at(expected, ids.ravel(), grad)           # duplicates summed
+    np.testing.assert_array_equal(table.read(), expected)
+    np.testing.assert_array_equal(table.gather([3]), expected[[3]])
+
+
+def test_min_size_partitioner_shards_a_large_table(cluster):
+    strategy = ParameterServerStrategy(
+        cluster.spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2))
+    small = strategy.create_variable("small", shape=(10, 10), initializer="ones")
+    big = strategy.create_variable("big", shape=(100_000, 8), initializer="random_normal", seed=3)
+    assert small.num_shards == 1 and big.num_shards == 2
+    assert [s.rows for s in big.shards] == [50_000, 50_000]
+    value = big.read()
+    assert value.shape == (100_000, 8) and value.dtype == np.float32
+    assert 0.9 < value.std() < 1.1
+    np.testing.assert_array_equal(big.gather([0, 49_999, 50_000, 99_999]),
+                                  value[[0, 49_999, 50_000, 99_999]])
+
+
+def test_failed_shard_creation_leaves_nothing_behind(cluster):
+    from psserver.client import PSClient
+    from psserver.errors import AlreadyExists
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+    # Occupy the name the second shard would take, so creating it fails.
+    second_ps = cluster.spec.ps[1]
+    with PSClient(second_ps, token=cluster.token) as c:
+        c.create_variable("v/part_1", (2,))
+        with pytest.raises(AlreadyExists):
+            strategy.create_variable("v", shape=(4,))
+        names = {m.name for m in c.list_variables()}
+    with PSClient(cluster.spec.ps[0], token=cluster.token) as c0:
+        assert "v/part_0" not in {m.name for m in c0.list_variables()}
+    assert names == {"v/part_1"}
+
+
+# -- membership -----------------------------------------------------------------------------------
+def test_worker_started_after_training_began_takes_closures(cluster, coord):
+    first = set(coord.fetch([coord.schedule(worker_pid) for _ in range(10)]))
+    index = cluster.add_worker()
+    new_pid = cluster.workers[index].pid
+    assert new_pid not in first
+    # With the original workers gone, only the late one can run the closures.
+    cluster.kill_worker(0)
+    cluster.kill_worker(1)
+    pids = coord.fetch([coord.schedule(worker_pid) for _ in range(10)])
+    assert set(pids) == {new_pid}
+    assert coord.num_workers == 1
+
+
+def crash_first_time(marker_path):
+    """Crash the worker process on the first attempt; succeed on the re-run."""
+    try:
+        fd = os.open(marker_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return os.getpid()
+    os.close(fd)
+    os._exit(1)   # the worker dies in the middle of the step
+
+
+def test_closure_requeued_when_its_worker_dies(cluster, coord, tmp_path):
+    rv = coord.schedule(crash_first_time, args=(str(tmp_path / "attempted"),))
+    pid = rv.fetch(timeout=60)
+    dead = [w for w in cluster.workers if not w.alive()]
+    assert len(dead) == 1, "exactly one worker should have crashed on the first attempt"
+    assert pid != dead[0].pid and pid in {w.pid for w in cluster.workers}
+    coord.join()
+
+
+# -- worker security ------------------------------------------------------------------------------
+def _worker_stub(address):
+    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+
+
+def test_worker_without_token_refuses_pickled_functions_but_runs_importable_ones():
+    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": ""})
+    try:
+        stub = _worker_stub(w.address)
+        args = serialization.dumps(((2, 3), {}))
+        reply = stub.RunClosure(worker_pb2.ClosureRequest(
+            fn=worker_pb2.FunctionRef(qualified_name="operator:add"), args=args), timeout=10)
+        assert serialization.loads(reply.result, trusted=True) == 5
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RunClosure(worker_pb2.ClosureRequest(
+                fn=serialization.encode_function(lambda a, b: a * b), args=args), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "PSTRAIN_AUTH_TOKEN" in info.value.details()
+        # Arguments too are unpickled with the restricted unpickler: no code objects.
+        evil = serialization.dumps(((os.system, "true"), {}))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RunClosure(worker_pb2.ClosureRequest(
+                fn=worker_pb2.FunctionRef(qualified_name="operator:add"), args=evil), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        w.kill()
+
+
+def test_worker_with_token_refuses_calls_without_it(cluster):
+    stub = _worker_stub(cluster.spec.worker[0])
+    req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
+                                    args=serialization.dumps(((1, 1), {})))
+    for md in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RunClosure(req, metadata=md, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    reply = stub.RunClosure(req, metadata=(("authorization", f"Bearer {cluster.token}"),), timeout=10)
+    assert serialization.loads(reply.result, trusted=True) == 2
