@@ -49,10 +49,11 @@ log = logging.getLogger("coordinator")
 #: schedule() calls cannot hold unbounded arguments in memory (TF uses 256 per
 #: worker for the same reason).
 _CLOSURE_QUEUE_MAX_SIZE = 256 * 8
-#: gRPC codes that mean "the worker is gone or unreachable", not "the step
-#: failed": the closure is re-queued and the worker reconnected.
+#: gRPC codes that mean "the worker is gone, unreachable, or restarted" (ABORTED:
+#: the fencing worker_id did not match), not "the step failed": the closure is
+#: re-queued and the worker reconnected.
 _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.CANCELLED)
+                         grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
 #: Deadline of the calls that check a worker is up and create its datasets.
 _CONTROL_TIMEOUT = 30.0
 
@@ -140,9 +141,9 @@ class Closure:
         self.remote_value = RemoteValue()
         self.attempts = 0
 
-    def request(self) -> worker_pb2.ClosureRequest:
+    def request(self, worker_id: str) -> worker_pb2.ClosureRequest:
         return worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
-                                         args=self.args_payload)
+                                         args=self.args_payload, worker_id=worker_id)
 
 
 # -- the queue -------------------------------------------------------------------------
@@ -277,7 +278,8 @@ class _WorkerThread:
             if ds_id not in self._created:
                 n, i = self.coord._worker_count_and_index(self.address)
                 self._stub.CreateDataset(worker_pb2.CreateDatasetRequest(
-                    dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n),
+                    dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
+                    worker_id=self.worker_id),
                     **self._kw(_CONTROL_TIMEOUT))
                 self._created.add(ds_id)
 
@@ -301,7 +303,8 @@ class _WorkerThread:
         closure.attempts += 1
         try:
             self._ensure_datasets()
-            reply = self._stub.RunClosure(closure.request(), **self._kw(self.coord.closure_timeout))
+            reply = self._stub.RunClosure(closure.request(self.worker_id),
+                                          **self._kw(self.coord.closure_timeout))
         except grpc.RpcError as exc:
             if exc.code() in _WORKER_FAILURE_CODES:
                 log.warning("worker %s failed running closure %s (%s); re-queueing it",

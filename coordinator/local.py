@@ -81,6 +81,23 @@ class LocalCluster:
             self.workers.append(w)
             return len(self.workers) - 1
 
+    def restart_worker(self, index: int) -> None:
+        """SIGKILL worker ``index`` (if running) and start a new one on its address.
+
+        The spec does not change; the coordinator reconnects to the new
+        process, re-creates its datasets and re-queues what the old one lost.
+        """
+        with self._lock:
+            old = self.workers[index]
+        if old is None:
+            raise ValueError(f"worker {index} was removed with kill_worker; use add_worker")
+        old.kill()
+        port = old.address.rsplit(":", 1)[1]
+        args = [a for a in self._worker_args]
+        new = start_task("psworker", ["--port", port, *args], env=self._env, timeout=self._timeout)
+        with self._lock:
+            self.workers[index] = new
+
     def kill_worker(self, index: int) -> None:
         """SIGKILL a worker and drop it from the spec."""
         with self._lock:

@@ -66,11 +66,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                               "packages (and versions) as the coordinator")
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no function in the request")
 
+    def _check_fence(self, worker_id: str, context) -> None:
+        if worker_id and worker_id != self.worker_id:
+            context.abort(grpc.StatusCode.ABORTED,
+                          f"this worker restarted (it is {self.worker_id}, the caller expected "
+                          f"{worker_id}); reconnect and re-create its datasets")
+
     def GetWorkerInfo(self, request, context):
         return worker_pb2.WorkerInfo(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                                      datasets=datasets.dataset_ids(), closures_run=self._count)
 
     def CreateDataset(self, request, context):
+        self._check_fence(request.worker_id, context)
         fn = self._function(request.fn, context)
         ctx = datasets.InputContext(max(1, request.num_workers), request.worker_index)
         try:
@@ -83,6 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.CreateDatasetReply()
 
     def RunClosure(self, request, context):
+        self._check_fence(request.worker_id, context)
         fn = self._function(request.fn, context)
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)

@@ -232,6 +232,26 @@ def test_closure_requeued_when_its_worker_dies(cluster, coord, tmp_path):
     coord.join()
 
 
+def test_restarted_worker_rejoins_with_its_datasets(cluster, coord):
+    def dataset_fn():
+        return iter(range(1_000_000))
+
+    def take(it):
+        return os.getpid(), next(it)
+
+    it = iter(coord.create_per_worker_dataset(dataset_fn))
+    coord.fetch([coord.schedule(take, args=(it,)) for _ in range(10)])
+    old_pid = cluster.workers[0].pid
+    cluster.restart_worker(0)
+    new_pid = cluster.workers[0].pid
+    assert new_pid != old_pid
+    cluster.kill_worker(1)   # from now on only the restarted worker can run closures
+    got = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(5)])
+    assert {pid for pid, _ in got} == {new_pid}
+    # Its dataset was created afresh on the new process: it starts from the beginning.
+    assert [v for _, v in got] == [0, 1, 2, 3, 4]
+
+
 # -- worker security ------------------------------------------------------------------------------
 def _worker_stub(address):
     return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))

@@ -15,30 +15,34 @@ class FunctionRef(_message.Message):
     def __init__(self, qualified_name: _Optional[str] = ..., pickled: _Optional[bytes] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
-    __slots__ = ("dataset_id", "fn", "worker_index", "num_workers")
+    __slots__ = ("dataset_id", "fn", "worker_index", "num_workers", "worker_id")
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     dataset_id: str
     fn: FunctionRef
     worker_index: int
     num_workers: int
-    def __init__(self, dataset_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, dataset_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class CreateDatasetReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "fn", "args")
+    __slots__ = ("closure_id", "fn", "args", "worker_id")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     fn: FunctionRef
     args: bytes
-    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("type", "message", "traceback")
