@@ -110,14 +110,17 @@ class PSClient:
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
-        self.chunk_bytes = chunk_bytes
+        # A frame must fit in one message, whatever the two options say.
+        self.chunk_bytes = max(1, min(chunk_bytes, max_message_bytes))
         self._wait_for_ready = wait_for_ready
         self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
         options = grpc_options(max_message_bytes) + [
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
-        self._nbytes: dict[str, int] = {}   # known sizes: picks unary vs stream
+        # Known sizes (bytes, rows) by name: they pick unary calls or streams.
+        self._nbytes: dict[str, int] = {}
+        self._rows: dict[str, int] = {}
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -164,6 +167,10 @@ class PSClient:
                 self._pool = futures.ThreadPoolExecutor(4, thread_name_prefix="psclient")
         return Handle(self._pool.submit(fn, *args), target=self.address)
 
+    def _remember(self, name: str, nbytes: int, shape: Sequence[int]) -> None:
+        self._nbytes[name] = nbytes
+        self._rows[name] = shape[0] if len(shape) else 0
+
     def _fits(self, nbytes: int) -> bool:
         return nbytes <= self.max_message_bytes - MESSAGE_OVERHEAD
 
@@ -186,7 +193,7 @@ class PSClient:
 
     def get_meta(self, name: str) -> VariableMeta:
         m = _meta_from_proto(self._call(self._stub.GetMeta, ps_pb2.VariableRef(name=name)))
-        self._nbytes[name] = m.nbytes
+        self._remember(name, m.nbytes, m.shape)
         return m
 
     def list_variables(self) -> list[VariableMeta]:
@@ -239,12 +246,13 @@ class PSClient:
                 req.initial_value.CopyFrom(T.encode(arrays[0]))
             meta = self._call(self._stub.CreateVariable, req)
         m = _meta_from_proto(meta)
-        self._nbytes[name] = m.nbytes
+        self._remember(name, m.nbytes, m.shape)
         return m
 
     def delete_variable(self, name: str) -> None:
         self._call(self._stub.DeleteVariable, ps_pb2.VariableRef(name=name))
         self._nbytes.pop(name, None)
+        self._rows.pop(name, None)
 
     # -- reads ---------------------------------------------------------------
     def _read_stream(self, names: Sequence[str]) -> list[Snapshot]:
@@ -269,7 +277,7 @@ class PSClient:
                 if fill == buf.size:
                     name, version, dt, shape = cur
                     out.append(Snapshot(name, version, buf.view(dt).reshape(shape)))
-                    self._nbytes[name] = buf.size
+                    self._remember(name, buf.size, shape)
             return out
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from exc
@@ -278,7 +286,7 @@ class PSClient:
         out = []
         for v in reply.values:
             arr = T.decode(v.value)
-            self._nbytes[v.name] = arr.nbytes
+            self._remember(v.name, arr.nbytes, arr.shape)
             out.append(Snapshot(v.name, v.version, arr))
         return out
 
@@ -307,15 +315,44 @@ class PSClient:
         s = self.read_many([name])[0]
         return (s.value, s.version) if with_version else s.value
 
+    def _gather_one(self, name: str, ids: np.ndarray, recover=None) -> Handle:
+        req = ps_pb2.GatherRequest(name=name, ids=T.encode(ids))
+        return self._future(self._stub.Gather, req, lambda r: (T.decode(r.rows), r.version),
+                            recover)
+
+    def _gather_split(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """A gather too big for one message, as several (each one consistent)."""
+        meta = self.get_meta(name)
+        row_bytes = max(1, meta.nbytes // meta.shape[0]) if meta.shape and meta.shape[0] else 1
+        per_call = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // row_bytes)
+        flat = ids.reshape(-1)
+        parts = [h.result() for h in [self._gather_one(name, flat[i:i + per_call])
+                                      for i in range(0, flat.size, per_call)]]
+        rows = np.concatenate([p[0] for p in parts]) if parts else np.empty(
+            (0,) + meta.shape[1:], meta.dtype)
+        return rows.reshape(ids.shape + meta.shape[1:]), min((p[1] for p in parts), default=meta.version)
+
     def gather_async(self, name: str, ids) -> Handle:
+        """Rows by id; ``result()`` is (rows, version).
+
+        A gather whose rows exceed one message is split into several calls;
+        each piece is a consistent snapshot and the version reported is the
+        oldest piece's.
+        """
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise InvalidArgument(f"gather ids must be integers, got {ids.dtype.name}")
         if ids.dtype.kind == "u" or ids.dtype.itemsize not in (4, 8):
             ids = ids.astype(np.int64)
-        req = ps_pb2.GatherRequest(name=name, ids=T.encode(ids))
-        return self._future(self._stub.Gather, req,
-                            lambda r: (T.decode(r.rows), r.version))
+        nbytes, rows = self._nbytes.get(name), self._rows.get(name)
+        if nbytes is not None and rows and not self._fits(ids.size * (nbytes // rows)):
+            return self._thread(self._gather_split, name, ids)
+
+        def recover(exc: PSError):   # too big for one message: split it
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return self._gather_split(name, ids)
+            raise exc
+        return self._gather_one(name, ids, recover)
 
     def gather(self, name: str, ids, *, with_version: bool = False):
         """Rows ``value[ids]`` (shape ids.shape + row shape), or (rows, version)."""

@@ -46,7 +46,9 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
             # Keep idle connections alive through NATs and detect dead peers.
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0)]
+            ("grpc.http2.max_pings_without_data", 0),
+            # A second server on a port in use must fail, not share the port.
+            ("grpc.so_reuseport", 0)]
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -143,7 +145,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   max_workers: int = 16) -> ServerHandle:
     """Build (not start) a parameter server bound to ``address``."""
-    servicer = ParameterServerServicer(store or VariableStore(),
+    servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
     return make_server(address, servicer, ps_pb2_grpc.add_ParameterServerServicer_to_server,
@@ -166,9 +168,9 @@ def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = N
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     handle.start()
-    print(f"{role} listening on {host}:{handle.port}", flush=True)
-    if port_file:
+    if port_file:   # before the announcement, so a reader of either sees both
         write_port_file(port_file, handle.port)
+    print(f"{role} listening on {host}:{handle.port}", flush=True)
     stop.wait()
     log.info("signal received: stopping (grace %.1fs)", grace)
     handle.stop(grace)

@@ -97,7 +97,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                  max_upload_bytes: int = 1 << 40):
         self.store = store
         self.max_message_bytes = max_message_bytes
-        self.chunk_bytes = chunk_bytes
+        # A frame must fit in one message, whatever the two options say.
+        self.chunk_bytes = max(1, min(chunk_bytes, max_message_bytes))
         self.max_upload_bytes = max_upload_bytes
         self.server_id = uuid.uuid4().hex
 
@@ -168,11 +169,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             variables=[meta_to_proto(m) for m in self.store.list()]))
 
     def _read(self, request):
+        total = sum(self.store.meta(name).nbytes for name in request.names)
+        if total > self.max_message_bytes:
+            raise ResourceExhausted(
+                f"reading {list(request.names)} returns {total} bytes, more than one "
+                f"{self.max_message_bytes}-byte message may carry; use ReadStream "
+                "(PSClient does so by itself)")
         values, total = [], 0
         for name in request.names:
             dtype, shape, version, data = self.store.read_bytes(name)
             total += len(data)
-            if total > self.max_message_bytes:
+            if total > self.max_message_bytes:   # a concurrent re-create grew it
                 raise ResourceExhausted(
                     f"reading {list(request.names)} returns over {self.max_message_bytes} "
                     "bytes, more than one message may carry; use ReadStream "
