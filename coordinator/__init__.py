@@ -12,6 +12,7 @@ from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner
                                       MinSizePartitioner)
 from coordinator.strategy import ParameterServerStrategy
 from coordinator.variables import ShardedVariable, push_gradients, read_variables
+from psserver.store import Initializer
 
 __all__ = [
     "ClusterConfigError", "ClusterSpec", "TFConfigClusterResolver", "ClosureCancelled",
@@ -19,4 +20,5 @@ __all__ = [
     "StepFunctionError", "WorkerCallError", "InputContext", "batches", "LocalCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
+    "Initializer",
 ]

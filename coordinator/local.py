@@ -23,6 +23,26 @@ from psserver.process import TaskProcess, start_task
 from psserver.server import TOKEN_ENV
 
 
+def _user_pythonpath() -> str:
+    """This process's own import paths (not the interpreter's), for the tasks.
+
+    Step functions sent by reference are imported on the workers, so they must
+    find the user's modules the way this process does: its working directory,
+    its script's directory, and any path the script added to sys.path.
+    """
+    interpreter = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    paths = [os.getcwd()]
+    for p in sys.path:
+        if not p or "site-packages" in p or "dist-packages" in p:
+            continue
+        real = os.path.realpath(p)
+        if any(real == q or real.startswith(q + os.sep) for q in interpreter):
+            continue
+        if p not in paths:
+            paths.append(p)
+    return os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])
+
+
 class LocalCluster:
     """Args:
       num_ps, num_workers: how many tasks of each role to start.
@@ -40,11 +60,7 @@ class LocalCluster:
             raise ValueError("num_workers must be >= 0")
         self.token = token or secrets.token_hex(16)
         self._ps_args, self._worker_args = tuple(ps_args), tuple(worker_args)
-        # The tasks can import the user's modules the way this process can.
-        paths = [p for p in (os.getcwd(), sys.path[0] if sys.path else "") if p]
-        self._env = {TOKEN_ENV: self.token,
-                     "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
-                     **(env or {})}
+        self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(), **(env or {})}
         self._timeout = start_timeout
         self._lock = threading.Lock()
         self.ps: list[TaskProcess] = []
