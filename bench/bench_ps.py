@@ -14,7 +14,7 @@ process, as a worker's would:
   float32 from a 1,000,000-row table;
 * sweeps that inform the defaults: the 64 MiB read and push by stream frame
   size (``--chunk-bytes``) and unary, and 1 / 4 / 16 MiB by unary vs streamed
-  (the threshold, which is ``max_message_bytes``). Each setting has its own
+  (the client's ``stream_threshold_bytes``). Each setting has its own
   psserver; client and server are configured alike.
 
 Each group of workloads is timed round-robin (``time_interleaved``: one call
@@ -154,22 +154,25 @@ class Setting:
 
     def streams(self, nbytes: int) -> bool:
         """Whether PSClient moves a tensor of nbytes in frames with this setting."""
-        return nbytes > self.config.max_message_bytes - MESSAGE_OVERHEAD
+        return nbytes > min(self.config.stream_threshold_bytes,
+                            self.config.max_message_bytes - MESSAGE_OVERHEAD)
 
 
 def frame_settings(plan: Plan) -> list[Setting]:
     out = [Setting(f"stream, {fmt_bytes(c)} frames", PSConfig(chunk_bytes=c))
            for c in plan.frame_sizes]
     # Room for 64 MiB plus the message overhead: one unary call.
-    out.append(Setting("unary (max_message 128 MiB)", PSConfig(max_message_bytes=128 * MiB)))
+    out.append(Setting("unary (max_message 128 MiB)", PSConfig(
+        max_message_bytes=128 * MiB, stream_threshold_bytes=128 * MiB)))
     return out
 
 
 def threshold_settings(plan: Plan) -> list[Setting]:
-    """Unary (the default up to 64 MiB) against streaming everything above one frame."""
-    return [Setting("unary (default max_message 64 MiB)", PSConfig())] + [
-        Setting(f"stream, {fmt_bytes(c)} frames (max_message {fmt_bytes(c)})",
-                PSConfig(max_message_bytes=c, chunk_bytes=c))
+    """Unary (up to the 64 MiB message limit) against streaming everything."""
+    return [Setting("unary (stream threshold 64 MiB)",
+                    PSConfig(stream_threshold_bytes=DEFAULT_MAX_MESSAGE_BYTES))] + [
+        Setting(f"stream, {fmt_bytes(c)} frames (stream threshold 0)",
+                PSConfig(chunk_bytes=c, stream_threshold_bytes=0))
         for c in plan.threshold_frames]
 
 

@@ -47,7 +47,8 @@ import numpy as np
 
 from psserver.process import TaskProcess, start_task
 from psserver.server import grpc_options
-from psserver.servicer import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                               DEFAULT_STREAM_THRESHOLD_BYTES)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -195,6 +196,8 @@ class PSConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     extra_args: tuple[str, ...] = ()
+    #: client side only: tensors above this move in frames
+    stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES
 
     def args(self) -> list[str]:
         return ["--port", "0", "--max-message-bytes", str(self.max_message_bytes),
@@ -227,6 +230,7 @@ def running_psservers(configs: Sequence[PSConfig], *, client_timeout: float = 30
         out = []
         for task, c in zip(tasks, configs):
             client = PSClient(task.address, max_message_bytes=c.max_message_bytes,
+                              stream_threshold_bytes=c.stream_threshold_bytes,
                               chunk_bytes=c.chunk_bytes, timeout=client_timeout)
             stack.callback(client.close)
             client.wait_ready(30)

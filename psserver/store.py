@@ -83,6 +83,16 @@ class Variable:
                             self.slot_nbytes, self.allow_nonfinite)
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """No NaN or Inf in a. Fast path: a sum is finite only if every term is
+    (NaN and Inf propagate), and costs no temporary; only a sum that
+    overflowed needs the element-wise check."""
+    with np.errstate(all="ignore"):
+        if np.isfinite(np.sum(a, dtype=np.float64 if a.dtype == np.float16 else None)):
+            return True
+    return bool(np.isfinite(a).all())
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidArgument(
@@ -183,7 +193,7 @@ class VariableStore:
                     f"initial value of {name!r} is {initial_value.dtype.name} "
                     f"{list(initial_value.shape)} but the variable is declared "
                     f"{dt.name} {list(shape)}")
-            if not allow_nonfinite and not np.isfinite(initial_value).all():
+            if not allow_nonfinite and not all_finite(initial_value):
                 raise InvalidArgument(
                     f"initial value of {name!r} contains NaN or Inf; pass "
                     "allow_nonfinite=True to keep such values")
@@ -292,7 +302,7 @@ class VariableStore:
             raise InvalidArgument(
                 f"{what} for {var.name!r} has shape {list(grad.shape)} but must have "
                 f"shape {list(shape)}")
-        if not var.allow_nonfinite and not np.isfinite(grad).all():
+        if not var.allow_nonfinite and not all_finite(grad):
             raise InvalidArgument(
                 f"{what} for {var.name!r} contains NaN or Inf and was rejected; "
                 "nothing was applied. Lower the learning rate or clip gradients, "

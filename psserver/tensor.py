@@ -48,9 +48,10 @@ def nbytes_of(shape: Sequence[int], dtype: np.dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def header(arr: np.ndarray) -> ps_pb2.Tensor:
-    """A Tensor with dtype and shape but no data (for framed transfers)."""
-    return ps_pb2.Tensor(dtype=arr.dtype.name, shape=arr.shape)
+def _check_wire(arr: np.ndarray) -> None:
+    if arr.dtype.name not in WIRE_DTYPES:
+        raise InvalidArgument(
+            f"cannot send dtype {arr.dtype.name!r}; use one of {sorted(WIRE_DTYPES)}")
 
 
 def to_bytes(arr: np.ndarray) -> bytes:
@@ -60,12 +61,23 @@ def to_bytes(arr: np.ndarray) -> bytes:
     return np.ascontiguousarray(arr).tobytes()
 
 
-def encode(arr: np.ndarray) -> ps_pb2.Tensor:
+def fill(t: ps_pb2.Tensor, arr: np.ndarray, with_data: bool = True) -> ps_pb2.Tensor:
+    """Write arr into the Tensor field t in place (without data: a frame header).
+
+    Filling the field of the message being built, instead of building a
+    Tensor and copying it in, saves a copy of the data per message level.
+    """
     arr = np.asarray(arr)
-    if arr.dtype.name not in WIRE_DTYPES:
-        raise InvalidArgument(
-            f"cannot send dtype {arr.dtype.name!r}; use one of {sorted(WIRE_DTYPES)}")
-    return ps_pb2.Tensor(dtype=arr.dtype.name, shape=arr.shape, data=to_bytes(arr))
+    _check_wire(arr)
+    t.dtype = arr.dtype.name
+    t.shape.extend(arr.shape)
+    if with_data:
+        t.data = to_bytes(arr)
+    return t
+
+
+def encode(arr: np.ndarray) -> ps_pb2.Tensor:
+    return fill(ps_pb2.Tensor(), arr)
 
 
 def spec(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> tuple[np.dtype, tuple[int, ...], int]:
@@ -78,8 +90,9 @@ def spec(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> tuple[n
 def decode(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> np.ndarray:
     """The array a Tensor message holds (read-only view of its bytes)."""
     dt, shape, n = spec(t, allowed, what)
-    if len(t.data) != n:
+    data = t.data   # each access of a bytes field makes a new copy: take it once
+    if len(data) != n:
         raise InvalidArgument(
-            f"{what} data has {len(t.data)} bytes but dtype {t.dtype} and shape "
+            f"{what} data has {len(data)} bytes but dtype {t.dtype} and shape "
             f"{list(shape)} need {n}")
-    return np.frombuffer(t.data, dtype=dt).reshape(shape)
+    return np.frombuffer(data, dtype=dt).reshape(shape)

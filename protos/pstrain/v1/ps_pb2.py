@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/pstrain/v1/ps.proto\x12\npstrain.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"v\n\x0bInitializer\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x0e\n\x06stddev\x18\x04 \x01(\x01\x12\x0e\n\x06minval\x18\x05 \x01(\x01\x12\x0e\n\x06maxval\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\x83\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x35\n\x06params\x18\x02 \x03(\x0b\x32%.pstrain.v1.OptimizerSpec.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x81\x02\n\x15\x43reateVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12+\n\rinitial_value\x18\x04 \x01(\x0b\x32\x12.pstrain.v1.TensorH\x00\x12.\n\x0binitializer\x18\x05 \x01(\x0b\x32\x17.pstrain.v1.InitializerH\x00\x12,\n\toptimizer\x18\x06 \x01(\x0b\x32\x19.pstrain.v1.OptimizerSpec\x12\x17\n\x0f\x61llow_nonfinite\x18\x07 \x01(\x08\x12\x10\n\x08\x65xist_ok\x18\x08 \x01(\x08\x42\x06\n\x04init\"\xb7\x01\n\x0cVariableMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12,\n\toptimizer\x18\x05 \x01(\x0b\x32\x19.pstrain.v1.OptimizerSpec\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x13\n\x0bslot_nbytes\x18\x07 \x01(\x03\x12\x17\n\x0f\x61llow_nonfinite\x18\x08 \x01(\x08\"\x1b\n\x0bVariableRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\r\n\x0b\x44\x65leteReply\"\r\n\x0bListRequest\"8\n\tListReply\x12+\n\tvariables\x18\x01 \x03(\x0b\x32\x18.pstrain.v1.VariableMeta\"\x1c\n\x0bReadRequest\x12\r\n\x05names\x18\x01 \x03(\t\"Q\n\rVariableValue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x05value\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"6\n\tReadReply\x12)\n\x06values\x18\x01 \x03(\x0b\x32\x19.pstrain.v1.VariableValue\"D\n\tReadFrame\x12(\n\x05value\x18\x01 \x01(\x0b\x32\x19.pstrain.v1.VariableValue\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"?\n\x0b\x44\x65nseUpdate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"7\n\x0bPushRequest\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pstrain.v1.DenseUpdate\"9\n\rAssignRequest\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pstrain.v1.DenseUpdate\"\x1f\n\x0bUpdateReply\x12\x10\n\x08versions\x18\x01 \x03(\x03\">\n\rGatherRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x03ids\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"@\n\x0bGatherReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12 \n\x04rows\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"f\n\x11PushSparseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x03ids\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\"\n\x06values\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"\xe8\x01\n\x0bUploadFrame\x12\x33\n\x06\x63reate\x18\x01 \x01(\x0b\x32!.pstrain.v1.CreateVariableRequestH\x00\x12\'\n\x04push\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.PushRequestH\x00\x12+\n\x06\x61ssign\x18\x03 \x01(\x0b\x32\x19.pstrain.v1.AssignRequestH\x00\x12\x34\n\x0bpush_sparse\x18\x04 \x01(\x0b\x32\x1d.pstrain.v1.PushSparseRequestH\x00\x12\r\n\x05\x63hunk\x18\n \x01(\x0c\x42\t\n\x07request\"b\n\x0bUploadReply\x12)\n\x07\x63reated\x18\x01 \x01(\x0b\x32\x18.pstrain.v1.VariableMeta\x12(\n\x07updated\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.UpdateReply\"\x13\n\x11ServerInfoRequest\"\x80\x01\n\nServerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x03\x12\x15\n\rnum_variables\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x32\x9d\x06\n\x0fParameterServer\x12\x46\n\rGetServerInfo\x12\x1d.pstrain.v1.ServerInfoRequest\x1a\x16.pstrain.v1.ServerInfo\x12M\n\x0e\x43reateVariable\x12!.pstrain.v1.CreateVariableRequest\x1a\x18.pstrain.v1.VariableMeta\x12\x42\n\x0e\x44\x65leteVariable\x12\x17.pstrain.v1.VariableRef\x1a\x17.pstrain.v1.DeleteReply\x12<\n\x07GetMeta\x12\x17.pstrain.v1.VariableRef\x1a\x18.pstrain.v1.VariableMeta\x12?\n\rListVariables\x12\x17.pstrain.v1.ListRequest\x1a\x15.pstrain.v1.ListReply\x12\x36\n\x04Read\x12\x17.pstrain.v1.ReadRequest\x1a\x15.pstrain.v1.ReadReply\x12>\n\nReadStream\x12\x17.pstrain.v1.ReadRequest\x1a\x15.pstrain.v1.ReadFrame0\x01\x12\x38\n\x04Push\x12\x17.pstrain.v1.PushRequest\x1a\x17.pstrain.v1.UpdateReply\x12<\n\x06\x41ssign\x12\x19.pstrain.v1.AssignRequest\x1a\x17.pstrain.v1.UpdateReply\x12<\n\x06Gather\x12\x19.pstrain.v1.GatherRequest\x1a\x17.pstrain.v1.GatherReply\x12\x44\n\nPushSparse\x12\x1d.pstrain.v1.PushSparseRequest\x1a\x17.pstrain.v1.UpdateReply\x12<\n\x06Upload\x12\x17.pstrain.v1.UploadFrame\x1a\x17.pstrain.v1.UploadReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/pstrain/v1/ps.proto\x12\npstrain.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"v\n\x0bInitializer\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0c\n\x04mean\x18\x03 \x01(\x01\x12\x0e\n\x06stddev\x18\x04 \x01(\x01\x12\x0e\n\x06minval\x18\x05 \x01(\x01\x12\x0e\n\x06maxval\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\x83\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x35\n\x06params\x18\x02 \x03(\x0b\x32%.pstrain.v1.OptimizerSpec.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x81\x02\n\x15\x43reateVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12+\n\rinitial_value\x18\x04 \x01(\x0b\x32\x12.pstrain.v1.TensorH\x00\x12.\n\x0binitializer\x18\x05 \x01(\x0b\x32\x17.pstrain.v1.InitializerH\x00\x12,\n\toptimizer\x18\x06 \x01(\x0b\x32\x19.pstrain.v1.OptimizerSpec\x12\x17\n\x0f\x61llow_nonfinite\x18\x07 \x01(\x08\x12\x10\n\x08\x65xist_ok\x18\x08 \x01(\x08\x42\x06\n\x04init\"\xb7\x01\n\x0cVariableMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12,\n\toptimizer\x18\x05 \x01(\x0b\x32\x19.pstrain.v1.OptimizerSpec\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\x12\x13\n\x0bslot_nbytes\x18\x07 \x01(\x03\x12\x17\n\x0f\x61llow_nonfinite\x18\x08 \x01(\x08\"\x1b\n\x0bVariableRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\r\n\x0b\x44\x65leteReply\"\r\n\x0bListRequest\"8\n\tListReply\x12+\n\tvariables\x18\x01 \x03(\x0b\x32\x18.pstrain.v1.VariableMeta\"/\n\x0bReadRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x11\n\tmax_bytes\x18\x02 \x01(\x03\"Q\n\rVariableValue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x05value\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"6\n\tReadReply\x12)\n\x06values\x18\x01 \x03(\x0b\x32\x19.pstrain.v1.VariableValue\"D\n\tReadFrame\x12(\n\x05value\x18\x01 \x01(\x0b\x32\x19.pstrain.v1.VariableValue\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"?\n\x0b\x44\x65nseUpdate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"7\n\x0bPushRequest\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pstrain.v1.DenseUpdate\"9\n\rAssignRequest\x12(\n\x07updates\x18\x01 \x03(\x0b\x32\x17.pstrain.v1.DenseUpdate\"\x1f\n\x0bUpdateReply\x12\x10\n\x08versions\x18\x01 \x03(\x03\">\n\rGatherRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x03ids\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"@\n\x0bGatherReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12 \n\x04rows\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"f\n\x11PushSparseRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x03ids\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\"\n\x06values\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"\xe8\x01\n\x0bUploadFrame\x12\x33\n\x06\x63reate\x18\x01 \x01(\x0b\x32!.pstrain.v1.CreateVariableRequestH\x00\x12\'\n\x04push\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.PushRequestH\x00\x12+\n\x06\x61ssign\x18\x03 \x01(\x0b\x32\x19.pstrain.v1.AssignRequestH\x00\x12\x34\n\x0bpush_sparse\x18\x04 \x01(\x0b\x32\x1d.pstrain.v1.PushSparseRequestH\x00\x12\r\n\x05\x63hunk\x18\n \x01(\x0c\x42\t\n\x07request\"b\n\x0bUploadReply\x12)\n\x07\x63reated\x18\x01 \x01(\x0b\x32\x18.pstrain.v1.VariableMeta\x12(\n\x07updated\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.UpdateReply\"\x13\n\x11ServerInfoRequest\"\x80\x01\n\nServerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x03\x12\x15\n\rnum_variables\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x32\x9d\x06\n\x0fParameterServer\x12\x46\n\rGetServerInfo\x12\x1d.pstrain.v1.ServerInfoRequest\x1a\x16.pstrain.v1.ServerInfo\x12M\n\x0e\x43reateVariable\x12!.pstrain.v1.CreateVariableRequest\x1a\x18.pstrain.v1.VariableMeta\x12\x42\n\x0e\x44\x65leteVariable\x12\x17.pstrain.v1.VariableRef\x1a\x17.pstrain.v1.DeleteReply\x12<\n\x07GetMeta\x12\x17.pstrain.v1.VariableRef\x1a\x18.pstrain.v1.VariableMeta\x12?\n\rListVariables\x12\x17.pstrain.v1.ListRequest\x1a\x15.pstrain.v1.ListReply\x12\x36\n\x04Read\x12\x17.pstrain.v1.ReadRequest\x1a\x15.pstrain.v1.ReadReply\x12>\n\nReadStream\x12\x17.pstrain.v1.ReadRequest\x1a\x15.pstrain.v1.ReadFrame0\x01\x12\x38\n\x04Push\x12\x17.pstrain.v1.PushRequest\x1a\x17.pstrain.v1.UpdateReply\x12<\n\x06\x41ssign\x12\x19.pstrain.v1.AssignRequest\x1a\x17.pstrain.v1.UpdateReply\x12<\n\x06Gather\x12\x19.pstrain.v1.GatherRequest\x1a\x17.pstrain.v1.GatherReply\x12\x44\n\nPushSparse\x12\x1d.pstrain.v1.PushSparseRequest\x1a\x17.pstrain.v1.UpdateReply\x12<\n\x06Upload\x12\x17.pstrain.v1.UploadFrame\x1a\x17.pstrain.v1.UploadReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREPLY']._serialized_start=855
   _globals['_LISTREPLY']._serialized_end=911
   _globals['_READREQUEST']._serialized_start=913
-  _globals['_READREQUEST']._serialized_end=941
-  _globals['_VARIABLEVALUE']._serialized_start=943
-  _globals['_VARIABLEVALUE']._serialized_end=1024
-  _globals['_READREPLY']._serialized_start=1026
-  _globals['_READREPLY']._serialized_end=1080
-  _globals['_READFRAME']._serialized_start=1082
-  _globals['_READFRAME']._serialized_end=1150
-  _globals['_DENSEUPDATE']._serialized_start=1152
-  _globals['_DENSEUPDATE']._serialized_end=1215
-  _globals['_PUSHREQUEST']._serialized_start=1217
-  _globals['_PUSHREQUEST']._serialized_end=1272
-  _globals['_ASSIGNREQUEST']._serialized_start=1274
-  _globals['_ASSIGNREQUEST']._serialized_end=1331
-  _globals['_UPDATEREPLY']._serialized_start=1333
-  _globals['_UPDATEREPLY']._serialized_end=1364
-  _globals['_GATHERREQUEST']._serialized_start=1366
-  _globals['_GATHERREQUEST']._serialized_end=1428
-  _globals['_GATHERREPLY']._serialized_start=1430
-  _globals['_GATHERREPLY']._serialized_end=1494
-  _globals['_PUSHSPARSEREQUEST']._serialized_start=1496
-  _globals['_PUSHSPARSEREQUEST']._serialized_end=1598
-  _globals['_UPLOADFRAME']._serialized_start=1601
-  _globals['_UPLOADFRAME']._serialized_end=1833
-  _globals['_UPLOADREPLY']._serialized_start=1835
-  _globals['_UPLOADREPLY']._serialized_end=1933
-  _globals['_SERVERINFOREQUEST']._serialized_start=1935
-  _globals['_SERVERINFOREQUEST']._serialized_end=1954
-  _globals['_SERVERINFO']._serialized_start=1957
-  _globals['_SERVERINFO']._serialized_end=2085
-  _globals['_PARAMETERSERVER']._serialized_start=2088
-  _globals['_PARAMETERSERVER']._serialized_end=2885
+  _globals['_READREQUEST']._serialized_end=960
+  _globals['_VARIABLEVALUE']._serialized_start=962
+  _globals['_VARIABLEVALUE']._serialized_end=1043
+  _globals['_READREPLY']._serialized_start=1045
+  _globals['_READREPLY']._serialized_end=1099
+  _globals['_READFRAME']._serialized_start=1101
+  _globals['_READFRAME']._serialized_end=1169
+  _globals['_DENSEUPDATE']._serialized_start=1171
+  _globals['_DENSEUPDATE']._serialized_end=1234
+  _globals['_PUSHREQUEST']._serialized_start=1236
+  _globals['_PUSHREQUEST']._serialized_end=1291
+  _globals['_ASSIGNREQUEST']._serialized_start=1293
+  _globals['_ASSIGNREQUEST']._serialized_end=1350
+  _globals['_UPDATEREPLY']._serialized_start=1352
+  _globals['_UPDATEREPLY']._serialized_end=1383
+  _globals['_GATHERREQUEST']._serialized_start=1385
+  _globals['_GATHERREQUEST']._serialized_end=1447
+  _globals['_GATHERREPLY']._serialized_start=1449
+  _globals['_GATHERREPLY']._serialized_end=1513
+  _globals['_PUSHSPARSEREQUEST']._serialized_start=1515
+  _globals['_PUSHSPARSEREQUEST']._serialized_end=1617
+  _globals['_UPLOADFRAME']._serialized_start=1620
+  _globals['_UPLOADFRAME']._serialized_end=1852
+  _globals['_UPLOADREPLY']._serialized_start=1854
+  _globals['_UPLOADREPLY']._serialized_end=1952
+  _globals['_SERVERINFOREQUEST']._serialized_start=1954
+  _globals['_SERVERINFOREQUEST']._serialized_end=1973
+  _globals['_SERVERINFO']._serialized_start=1976
+  _globals['_SERVERINFO']._serialized_end=2104
+  _globals['_PARAMETERSERVER']._serialized_start=2107
+  _globals['_PARAMETERSERVER']._serialized_end=2904
 # @@protoc_insertion_point(module_scope)

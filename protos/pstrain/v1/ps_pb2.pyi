@@ -110,10 +110,12 @@ class ListReply(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "max_bytes")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_bytes: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class VariableValue(_message.Message):
     __slots__ = ("name", "version", "value")
