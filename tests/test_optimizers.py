@@ -373,3 +373,147 @@ def test_unknown_optimizer_raises_listing_known(name):
 
 def test_optimizer_name_is_case_insensitive():
     assert make_optimizer("Adam").name == "adam"
+
+
+# --------------------------------------------------------------------------
+# Blocked dense apply: same bits whatever the block size, small scratch only
+# --------------------------------------------------------------------------
+import tracemalloc  # noqa: E402
+
+import psserver.optimizers as optimizers_module  # noqa: E402
+
+
+def _run_steps(name, params, var, grads, sparse=None):
+    opt = make_optimizer(name, params)
+    var = var.copy()
+    slots = opt.create_slots(var)
+    for i, g in enumerate(grads):
+        opt.apply_dense(var, slots, g)
+        if sparse is not None:
+            ids, rows = sparse[i]
+            opt.apply_sparse(var, slots, ids, rows)
+    return var, slots
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_block_size_does_not_change_bits(name, params, dtype, monkeypatch):
+    rng = np.random.default_rng(7)
+    shape = (37, 29)  # 1073 elements: many blocks, a ragged last one
+    var = rng.standard_normal(shape).astype(dtype)
+    grads = [rng.standard_normal(shape).astype(dtype) for _ in range(STEPS)]
+    sparse = []
+    for _ in range(STEPS):
+        ids = rng.choice(shape[0], size=11, replace=False).astype(np.int64)
+        sparse.append((ids, rng.standard_normal((11, shape[1])).astype(dtype)))
+    monkeypatch.setattr(optimizers_module, "BLOCK_BYTES", 1 << 30)  # one block
+    whole_var, whole_slots = _run_steps(name, params, var, grads, sparse)
+    for block_bytes in (1, 40, 1000):  # 1 element per block, and odd sizes
+        monkeypatch.setattr(optimizers_module, "BLOCK_BYTES", block_bytes)
+        v, s = _run_steps(name, params, var, grads, sparse)
+        assert v.tobytes() == whole_var.tobytes()
+        for k in whole_slots:
+            assert s[k].tobytes() == whole_slots[k].tobytes()
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=CASE_IDS)
+def test_dense_grad_layouts_give_same_bits(name, params, monkeypatch):
+    # Read-only (wire) views, Fortran order, strided, another dtype: all read
+    # block by block, never written, same result as a plain C-ordered grad.
+    monkeypatch.setattr(optimizers_module, "BLOCK_BYTES", 256)
+    rng = np.random.default_rng(11)
+    shape = (23, 17)
+    var = rng.standard_normal(shape).astype(np.float32)
+    grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
+    want_var, want_slots = _run_steps(name, params, var, grads)
+    layouts = [
+        lambda g: np.frombuffer(g.tobytes(), np.float32).reshape(shape),
+        np.asfortranarray,
+        lambda g: np.repeat(g, 2, axis=1)[:, ::2],
+        lambda g: g.astype(np.float64),
+    ]
+    for make in layouts:
+        gs = [make(g) for g in grads]
+        before = [g.copy() for g in gs]
+        v, s = _run_steps(name, params, var, gs)
+        for g, b in zip(gs, before):
+            np.testing.assert_array_equal(g, b)
+        assert v.tobytes() == want_var.tobytes()
+        for k in want_slots:
+            assert s[k].tobytes() == want_slots[k].tobytes()
+
+
+def _peak_bytes(fn):
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_dense_apply_allocates_one_block_not_the_variable(name):
+    n = 1 << 20  # 4 MiB of float32
+    opt = make_optimizer(name)
+    var = np.ones(n, np.float32)
+    slots = opt.create_slots(var)
+    g = np.frombuffer(np.full(n, 0.5, np.float32).tobytes(), np.float32)
+    opt.apply_dense(var, slots, g)
+    block = optimizers_module.BLOCK_BYTES
+    assert block <= 1 << 20
+    assert _peak_bytes(lambda: opt.apply_dense(var, slots, g)) < block + 64 * 1024
+    # A grad of another dtype/layout is cast through a block-sized buffer.
+    g64 = np.full((n // 2, 2), 0.5)[:, ::-1].reshape(n // 2, 2)
+    var2, slots2 = var.reshape(n // 2, 2), {k: (a.reshape(n // 2, 2) if a.ndim else a)
+                                           for k, a in slots.items()}
+    assert _peak_bytes(lambda: opt.apply_dense(var2, slots2, g64)) < 2 * block + 64 * 1024
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sparse_apply_temporaries_scale_with_rows_not_variable(name):
+    opt = make_optimizer(name)
+    var = np.ones((1 << 16, 16), np.float32)  # 4 MiB
+    slots = opt.create_slots(var)
+    ids = np.arange(0, 1 << 16, 64, dtype=np.int64)  # 1024 rows = 64 KiB
+    rows = np.full((ids.size, 16), 0.5, np.float32)
+    opt.apply_sparse(var, slots, ids, rows)
+    n_copies = 1 + sum(1 for k in opt.slot_names if k != "iterations")  # gathered
+    limit = (n_copies + 1) * rows.nbytes + 64 * 1024  # + one scratch block <= rows
+    assert _peak_bytes(lambda: opt.apply_sparse(var, slots, ids, rows)) < limit
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_dense_rejects_non_contiguous_value_before_writing(name):
+    opt = make_optimizer(name)
+    base = np.arange(24, dtype=np.float64).reshape(4, 6)
+    var = base[:, ::2]
+    slots = opt.create_slots(np.ascontiguousarray(var))
+    before = base.copy(), {k: a.copy() for k, a in slots.items()}
+    with pytest.raises(ValueError, match="C-contiguous"):
+        opt.apply_dense(var, slots, np.ones(var.shape))
+    np.testing.assert_array_equal(base, before[0])
+    for k, a in slots.items():
+        np.testing.assert_array_equal(a, before[1][k])
+
+
+def test_dense_rejects_wrong_grad_shape_before_writing():
+    opt = make_optimizer("adam")
+    var = np.ones((3, 4), np.float32)
+    slots = opt.create_slots(var)
+    with pytest.raises(ValueError, match="shape"):
+        opt.apply_dense(var, slots, np.ones((4,), np.float32))  # would broadcast
+    np.testing.assert_array_equal(var, np.ones((3, 4), np.float32))
+    assert int(slots["iterations"]) == 0 and not slots["m"].any()
+
+
+def test_blocked_apply_does_not_raise_under_seterr_raise(monkeypatch):
+    monkeypatch.setattr(optimizers_module, "BLOCK_BYTES", 4)
+    opt = make_optimizer("adam", {"learning_rate": 1e6})  # alpha overflows float16
+    var = np.ones(9, np.float16)
+    slots = opt.create_slots(var)
+    with np.errstate(all="raise"):
+        opt.apply_dense(var, slots, np.full(9, 1000.0, np.float16))
+        opt.apply_dense(var, slots, np.full(9, 1000.0))  # float64 grad, cast per block
+    assert int(slots["iterations"]) == 2
