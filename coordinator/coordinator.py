@@ -10,11 +10,20 @@ The ladder follows TensorFlow's cluster_coordinator.py:
 
 Guarantees:
 
-* ``schedule`` returns at once. A scheduled function runs on some worker
-  **at least once**: if its worker dies or becomes unreachable mid-run, the
-  closure goes back to the front of the queue and runs again elsewhere (or on
-  the same worker when it returns). Write steps whose re-run is harmless,
-  as with TensorFlow's ParameterServerStrategy.
+* ``schedule`` returns at once. In async and bounded modes a scheduled
+  function runs on some worker **at least once**: if its worker dies or
+  becomes unreachable mid-run, the closure goes back to the front of the
+  queue and runs again elsewhere (or on the same worker when it returns).
+  Write steps whose re-run is harmless, as with TensorFlow's
+  ParameterServerStrategy.
+* In sync mode a scheduled step is ``num_replicas_in_sync`` closures, one
+  per replica, in the queue together; the step's RemoteValue combines their
+  results. A replica whose worker dies is **not** re-run: it is abandoned on
+  every parameter server, and the step completes with the replicas that
+  pushed (at most once per replica; the step counter never skips or
+  repeats while any replica of a step pushes).
+* In bounded mode (staleness s) a worker that has completed c steps starts
+  another only while c - (the fewest steps completed by a live worker) <= s.
 * The first closure that raises puts the coordinator in an error state: the
   closures still queued are cancelled (their ``fetch`` raises
   ``ClosureCancelled``), and the next ``join()`` or ``done()`` raises that
@@ -26,10 +35,12 @@ Guarantees:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import itertools
 import logging
 import threading
+import time
 import uuid
 import weakref
 from typing import Any, Callable
@@ -39,7 +50,9 @@ import grpc
 from coordinator import serialization
 from coordinator.datasets import PerWorkerDataset
 from coordinator.strategy import ParameterServerStrategy
-from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
+from psserver.errors import PSError
+from psserver.sync import SyncSpec
 from psserver.server import TOKEN_METADATA_KEY, grpc_options
 from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -132,18 +145,75 @@ class RemoteValue:
         return self._done.is_set()
 
 
+#: The value of a sync replica that was abandoned (its worker died).
+ABANDONED = object()
+
+
+def reduce_mean(values: list):
+    """Mean of numbers or arrays, per key for dicts; other values as a list."""
+    if not values:
+        return None
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: reduce_mean([v[k] for v in values]) for k in first}
+    try:
+        import numpy as np
+        out = np.mean(np.stack([np.asarray(v, dtype=float) for v in values]), axis=0)
+        return float(out) if out.ndim == 0 else out
+    except (TypeError, ValueError):
+        return list(values)
+
+
+class StepRemoteValue(RemoteValue):
+    """The future of a sync step: done when all its replicas are.
+
+    ``fetch()`` returns the mean of the replicas' results (numbers, arrays,
+    or dicts of them, per key; other results as a list), over the replicas
+    that ran; None if every replica was abandoned. It raises the first
+    replica error. ``replicas`` holds the per-replica RemoteValues.
+    """
+
+    def __init__(self, replicas: list[RemoteValue]):
+        super().__init__()
+        self.replicas = replicas
+
+    @property
+    def status(self) -> RemoteValueStatus:
+        states = [r.status for r in self.replicas]
+        for st in (RemoteValueStatus.FAILED, RemoteValueStatus.CANCELLED, RemoteValueStatus.PENDING):
+            if st in states:
+                return st
+        return RemoteValueStatus.READY
+
+    def done(self) -> bool:
+        return all(r.done() for r in self.replicas)
+
+    def fetch(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        values = []
+        for r in self.replicas:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            values.append(r.fetch(left))
+        return reduce_mean([v for v in values if v is not ABANDONED])
+
+
 class Closure:
     _ids = itertools.count()
 
-    def __init__(self, fn_ref: worker_pb2.FunctionRef, args_payload: bytes, name: str):
+    def __init__(self, fn_ref: worker_pb2.FunctionRef, args_payload: bytes, name: str,
+                 sync: SyncSpec | None = None):
         self.closure_id = f"{next(self._ids)}"
         self.fn_ref, self.args_payload, self.name = fn_ref, args_payload, name
+        self.sync = sync
         self.remote_value = RemoteValue()
         self.attempts = 0
 
     def request(self, worker_id: str) -> worker_pb2.ClosureRequest:
-        return worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
-                                         args=self.args_payload, worker_id=worker_id)
+        req = worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
+                                        args=self.args_payload, worker_id=worker_id)
+        if self.sync is not None:
+            req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(self.sync)))
+        return req
 
 
 # -- the queue -------------------------------------------------------------------------
@@ -238,6 +308,7 @@ class _WorkerThread:
     def __init__(self, coord: "ClusterCoordinator", address: str, index: int):
         self.coord, self.address, self.index = coord, address, index
         self.alive = False            # answered its last call
+        self.clock = 0                # closures completed (bounded mode's clock)
         self.worker_id: str | None = None
         self._created: set[str] = set()   # datasets made on the current worker process
         self._stop = threading.Event()
@@ -270,7 +341,10 @@ class _WorkerThread:
             if self.worker_id is not None:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id, self._created = info.worker_id, set(info.datasets)
+        # A worker that (re)joins starts at the slowest live clock, not behind it.
+        self.clock = max(self.clock, self.coord._min_clock(exclude=self))
         self.alive = True
+        self.coord._clocks_changed()
         return True
 
     def _ensure_datasets(self) -> None:
@@ -293,9 +367,12 @@ class _WorkerThread:
                     backoff = min(backoff * 2, 1.0)
                     continue
                 backoff = 0.05
+            if not self.coord._may_start(self):
+                continue
             closure = queue.get(timeout=0.2)
             if closure is None:
                 continue
+            self.coord._record_start(self)
             self._run(closure)
 
     def _run(self, closure: Closure) -> None:
@@ -307,10 +384,13 @@ class _WorkerThread:
                                           **self._kw(self.coord.closure_timeout))
         except grpc.RpcError as exc:
             if exc.code() in _WORKER_FAILURE_CODES:
-                log.warning("worker %s failed running closure %s (%s); re-queueing it",
-                            self.address, closure.name, exc.code().name)
                 self.alive = False
-                queue.put_back(closure)
+                if closure.sync is not None:
+                    self._abandon(closure, exc.code().name)
+                else:
+                    log.warning("worker %s failed running closure %s (%s); re-queueing it",
+                                self.address, closure.name, exc.code().name)
+                    queue.put_back(closure)
                 return
             err = WorkerCallError(f"worker {self.address} refused closure {closure.name}: "
                                   f"{exc.code().name}: {exc.details()}")
@@ -332,7 +412,26 @@ class _WorkerThread:
             queue.mark_failed(err)
             return
         closure.remote_value._set_value(value)
+        self.clock += 1
+        self.coord._clocks_changed()
         queue.mark_finished()
+
+    def _abandon(self, closure: Closure, why: str) -> None:
+        """A sync replica's worker failed: the step goes on without it."""
+        sync = closure.sync
+        log.warning("worker %s failed running replica %d of sync step %d (%s); abandoning "
+                    "the replica so the step completes with the others",
+                    self.address, sync.replica, sync.step, why)
+        try:
+            self.coord.strategy.abandon(sync.step, sync.replica)
+        except PSError as exc:
+            err = WorkerCallError(f"could not abandon replica {sync.replica} of step "
+                                  f"{sync.step} on the parameter servers: {exc}")
+            closure.remote_value._set_error(err)
+            self.coord._queue.mark_failed(err)
+            return
+        closure.remote_value._set_value(ABANDONED)
+        self.coord._queue.mark_finished()
 
 
 class _Membership:
@@ -401,6 +500,10 @@ class ClusterCoordinator:
         self._queue = _ClosureQueue()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
         self._fn_refs: "weakref.WeakKeyDictionary[Callable, worker_pb2.FunctionRef]" = weakref.WeakKeyDictionary()
+        self._steps = itertools.count()   # sync mode's global step counter
+        # Bounded mode: signalled when a worker's clock or liveness changes.
+        self._clock_cond = threading.Condition()
+        self._max_clock_gap = 0
         self._membership = _Membership(self, membership_interval)
         self._closed = False
 
@@ -421,6 +524,14 @@ class ClusterCoordinator:
         except Exception as exc:
             raise TypeError(f"cannot send the arguments of {_name(fn)} to a worker: "
                             f"{type(exc).__name__}: {exc}") from exc
+        if self.strategy.mode == "sync":
+            step = next(self._steps)
+            closures = [Closure(ref, payload, f"{_name(fn)}[step {step} replica {i}]",
+                                self.strategy.sync_spec(step, i))
+                        for i in range(self.strategy.num_replicas)]
+            for c in closures:
+                self._queue.put(c)
+            return StepRemoteValue([c.remote_value for c in closures])
         closure = Closure(ref, payload, _name(fn))
         self._queue.put(closure)
         return closure.remote_value
@@ -498,6 +609,39 @@ class ClusterCoordinator:
         except TypeError:   # not weak-referenceable: just don't cache
             pass
         return ref
+
+    # -- bounded staleness ----------------------------------------------------------
+    def _live(self):
+        return [w for w in list(self._membership.workers.values()) if w.alive] \
+            if hasattr(self, "_membership") else []
+
+    def _min_clock(self, exclude=None) -> int:
+        clocks = [w.clock for w in self._live() if w is not exclude]
+        return min(clocks) if clocks else 0
+
+    def _clocks_changed(self) -> None:
+        with self._clock_cond:
+            self._clock_cond.notify_all()
+
+    def _may_start(self, worker: _WorkerThread) -> bool:
+        """Bounded mode: wait (briefly) until worker is within the bound."""
+        s = self.strategy.staleness
+        if s is None:
+            return True
+        with self._clock_cond:
+            return self._clock_cond.wait_for(
+                lambda: worker.clock - self._min_clock() <= s, timeout=0.2)
+
+    def _record_start(self, worker: _WorkerThread) -> None:
+        gap = worker.clock - self._min_clock()
+        with self._clock_cond:
+            self._max_clock_gap = max(self._max_clock_gap, gap)
+
+    def staleness_stats(self) -> dict:
+        """Clocks (steps completed) per live worker, and the largest gap seen
+        between a worker starting a step and the slowest live worker."""
+        return {"clocks": {w.address: w.clock for w in self._live()},
+                "max_gap": self._max_clock_gap}
 
     def _worker_count_and_index(self, address: str) -> tuple[int, int]:
         spec = self.strategy.cluster_resolver.cluster_spec()

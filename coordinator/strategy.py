@@ -21,6 +21,9 @@ from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offse
 from psserver.errors import PSError
 from psserver.server import TOKEN_ENV
 from psserver.store import Initializer
+from psserver.sync import SyncSpec
+
+MODES = ("async", "sync", "bounded")
 
 #: Initializers computed from the full (unsharded) shape, then sent to each
 #: shard as a server-side kind. Others ("zeros", "random_normal", ...) are
@@ -83,14 +86,47 @@ class ParameterServerStrategy:
         such as ``MinSizePartitioner``; None keeps every variable whole.
       token: the cluster's auth token; defaults to the spec's (LocalCluster
         makes one) or ``$PSTRAIN_AUTH_TOKEN``.
+      mode: how workers' gradients meet the parameters:
+
+        * ``"async"`` (default): each push is applied as it arrives
+          (ParameterServerStrategy's behaviour).
+        * ``"sync"``: synchronous data parallelism (MirroredStrategy,
+          MultiWorkerMirroredStrategy; with one parameter server,
+          CentralStorageStrategy). Each scheduled step runs as
+          ``num_replicas`` closures, one per replica; every variable waits
+          for the step's gradients, combines them (``aggregation``) and
+          applies its optimizer once; reads of the next step wait for that.
+        * ``"bounded"``: asynchronous, but no worker starts a step more than
+          ``staleness`` steps ahead of the slowest live worker (stale
+          synchronous parallel). 0 runs the workers in lock-step; a large
+          value is plain async.
+      num_replicas: sync mode: replicas per step (default: the number of
+        workers in the cluster spec now). Replicas are slices of the global
+        batch, not processes: any worker may run any replica.
+      backup_workers: sync mode: a step completes once ``num_replicas -
+        backup_workers`` replicas pushed; later gradients of that step are
+        dropped and counted (``VariableMeta.dropped_gradients``).
+      aggregation: sync mode: ``"mean"`` (default) averages the replicas'
+        gradients, right for per-replica mean losses; ``"sum"`` adds them,
+        right for losses already scaled by the global batch size as
+        ``tf.nn.compute_average_loss`` does.
+      step_timeout: sync mode: seconds after a step's first gradient after
+        which the step is applied with the gradients that arrived (a replica
+        that hangs). A replica whose worker dies is abandoned at once. 0:
+        wait for every replica.
+      staleness: bounded mode: the bound s (required).
 
     Raises:
       ClusterConfigError: the cluster has no parameter servers.
+      ValueError: bad mode options.
     """
 
     def __init__(self, cluster_resolver: Any = None,
                  variable_partitioner: Partitioner | None = None, *,
-                 token: str | None = None):
+                 token: str | None = None, mode: str = "async",
+                 num_replicas: int | None = None, backup_workers: int = 0,
+                 aggregation: str = "mean", step_timeout: float = 30.0,
+                 staleness: int | None = None):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -102,10 +138,61 @@ class ParameterServerStrategy:
         self._lock = threading.Lock()
         self._next_ps = 0      # round-robin placement counter, as TF's
         self._variables: dict[str, V.ShardedVariable] = {}
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        if aggregation not in ("mean", "sum"):
+            raise ValueError(f'aggregation must be "mean" or "sum", got {aggregation!r}')
+        self.aggregation = aggregation
+        if not step_timeout >= 0:
+            raise ValueError(f"step_timeout must be >= 0, got {step_timeout}")
+        self.step_timeout = float(step_timeout)
+        self.num_replicas = 1
+        self.backup_workers = 0
+        if mode == "sync":
+            n = num_replicas if num_replicas is not None else max(1, len(spec.worker))
+            if n < 1:
+                raise ValueError(f"num_replicas must be >= 1, got {n}")
+            if not 0 <= backup_workers < n:
+                raise ValueError(f"backup_workers must be in [0, num_replicas={n}), "
+                                 f"got {backup_workers}")
+            self.num_replicas, self.backup_workers = n, backup_workers
+        elif num_replicas is not None or backup_workers:
+            raise ValueError("num_replicas and backup_workers apply to mode=\"sync\" only")
+        self.staleness = None
+        if mode == "bounded":
+            if staleness is None or staleness < 0:
+                raise ValueError('mode="bounded" needs staleness=s with s >= 0')
+            self.staleness = int(staleness)
+        elif staleness is not None:
+            raise ValueError('staleness applies to mode="bounded" only')
 
     @property
     def cluster_spec(self) -> ClusterSpec:
         return self.cluster_resolver.cluster_spec()
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas whose gradients make one update: num_replicas in sync mode, else 1."""
+        return self.num_replicas if self.mode == "sync" else 1
+
+    def scale_learning_rate(self, learning_rate: float) -> float:
+        """The linear scaling rule (Goyal et al., 2017): when the global batch
+        grows k-fold (k replicas of the same per-replica batch), multiply the
+        learning rate by k. Returns ``learning_rate * num_replicas_in_sync``.
+        Pair it with a warm-up for large k, as that paper does."""
+        return learning_rate * self.num_replicas_in_sync
+
+    def sync_spec(self, step: int, replica: int) -> SyncSpec:
+        """What the parameter servers need to know of replica ``replica`` of ``step``."""
+        return SyncSpec(step, replica, self.num_replicas,
+                        self.num_replicas - self.backup_workers,
+                        self.aggregation == "sum", self.step_timeout)
+
+    def abandon(self, step: int, replica: int) -> None:
+        """Tell every parameter server that a replica will not push for a step."""
+        for addr in self._ps:
+            V.client_for(addr).abandon_step(step, replica)
 
     @property
     def num_ps(self) -> int:

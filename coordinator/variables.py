@@ -10,6 +10,11 @@ returns one array, ``push_gradient`` takes one gradient, and ``gather`` /
 Reads and pushes of many variables at once (``read_variables``,
 ``push_gradients``) make one call per parameter server, issued concurrently:
 a training step costs one round trip per server, not one per variable.
+
+In sync mode (inside a replica of a sync step, see coordinator.replica)
+reads wait for the previous step to be applied, and pushes join the step's
+gradients on the servers instead of being applied one by one. A sync sparse
+push reaches every shard (an empty push counts as this replica's share).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from coordinator.replica import current_sync
 from psserver.client import Handle, PSClient
 from psserver.server import TOKEN_ENV
 
@@ -101,6 +107,10 @@ class ShardedVariable:
         """The whole value (a new array), assembled from consistent shard reads."""
         return read_variables([self])[0]
 
+    def meta(self) -> list:
+        """Each shard's VariableMeta (version, sync_steps, dropped_gradients...)."""
+        return [client_for(s.address).get_meta(s.name) for s in self.shards]
+
     def versions(self) -> list[int]:
         """Each shard's version (the number of updates it has applied)."""
         return [client_for(s.address).get_meta(s.name).version for s in self.shards]
@@ -146,11 +156,14 @@ class ShardedVariable:
         flat = ids.reshape(-1).astype(np.int64, copy=False)
         which, local = self._route(flat)
         out = np.empty((flat.size,) + self.shape[1:], np.dtype(self.dtype))
+        sync = current_sync()
+        step = sync.step if sync is not None else None
         pending = []
         for k, s in enumerate(self.shards):
             pos = np.nonzero(which == k)[0]
             if pos.size:
-                pending.append((pos, client_for(s.address).gather_async(s.name, local[pos])))
+                pending.append((pos, client_for(s.address).gather_async(
+                    s.name, local[pos], sync_step=step)))
         for pos, h in pending:
             out[pos] = h.result()[0]
         return out.reshape(ids.shape + self.shape[1:])
@@ -163,11 +176,13 @@ class ShardedVariable:
             raise ValueError(f"sparse gradient rows for {self.name!r} have shape {rows.shape}, "
                              f"expected {(ids.size,) + self.shape[1:]}")
         which, local = self._route(ids)
+        sync = current_sync()
         handles = []
         for k, s in enumerate(self.shards):
             pos = np.nonzero(which == k)[0]
-            if pos.size:
-                handles.append(client_for(s.address).push_sparse_async(s.name, local[pos], rows[pos]))
+            if pos.size or sync is not None:   # sync: every shard counts this replica
+                handles.append(client_for(s.address).push_sparse_async(
+                    s.name, local[pos], rows[pos], sync=sync))
         _wait(handles)
 
 
@@ -182,21 +197,30 @@ def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
     return groups
 
 
-def read_variables(variables: Sequence[ShardedVariable]) -> list[np.ndarray]:
-    """Read many variables: one call per parameter server, all at once."""
+def read_variables(variables: Sequence[ShardedVariable], *, with_versions: bool = False):
+    """Read many variables: one call per parameter server, all at once.
+
+    Returns the values, or (values, versions) with ``with_versions``, where
+    versions[i] lists the version of each shard of variables[i] as read.
+    """
+    sync = current_sync()
+    step = sync.step if sync is not None else None
     groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
-    handles = {addr: client_for(addr).read_many_async([s.name for _, s in items])
+    handles = {addr: client_for(addr).read_many_async([s.name for _, s in items], sync_step=step)
                for addr, items in groups.items()}
     parts: dict[tuple[int, str], np.ndarray] = {}
+    versions: dict[tuple[int, str], int] = {}
     for addr, items in groups.items():
         for (i, s), snap in zip(items, handles[addr].result()):
-            parts[(i, s.name)] = snap.value
+            parts[(i, s.name)], versions[(i, s.name)] = snap.value, snap.version
     out = []
     for i, v in enumerate(variables):
         if v.num_shards == 1:
             out.append(parts[(i, v.shards[0].name)].copy())
         else:
             out.append(np.concatenate([parts[(i, s.name)] for s in v.shards]))
+    if with_versions:
+        return out, [[versions[(i, s.name)] for s in v.shards] for i, v in enumerate(variables)]
     return out
 
 
@@ -210,6 +234,7 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]]) -> None:
     for v, g in pairs:
         g = v._check_dense(g, "gradient")
         items.extend(((s.name, part), s) for s, part in zip(v.shards, v._split(g)))
+    sync = current_sync()
     groups = _by_server(items)
-    _wait([client_for(addr).push_many_async([upd for upd, _ in its])
+    _wait([client_for(addr).push_many_async([upd for upd, _ in its], sync=sync)
            for addr, its in groups.items()])

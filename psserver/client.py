@@ -36,6 +36,7 @@ from psserver.server import TOKEN_METADATA_KEY, grpc_options
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD)
 from psserver.store import Initializer, VariableMeta
+from psserver.sync import SyncSpec
 
 DEFAULT_TIMEOUT = 60.0
 #: Extra deadline per byte of a streamed transfer: 20 MB/s is far below any
@@ -43,7 +44,8 @@ DEFAULT_TIMEOUT = 60.0
 _STREAM_SECONDS_PER_BYTE = 1 / 20e6
 
 # gRPC retries idempotent calls on UNAVAILABLE (start-up races, restarts).
-_IDEMPOTENT = ["GetServerInfo", "GetMeta", "ListVariables", "Read", "ReadStream", "Gather"]
+_IDEMPOTENT = ["GetServerInfo", "GetMeta", "ListVariables", "Read", "ReadStream", "Gather",
+               "AbandonStep"]
 _SERVICE_CONFIG = json.dumps({"methodConfig": [{
     "name": [{"service": "pstrain.v1.ParameterServer", "method": m} for m in _IDEMPOTENT],
     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s",
@@ -61,7 +63,18 @@ class Snapshot:
 
 def _meta_from_proto(m: ps_pb2.VariableMeta) -> VariableMeta:
     return VariableMeta(m.name, m.dtype, tuple(m.shape), m.version, m.optimizer.name,
-                        dict(m.optimizer.params), m.nbytes, m.slot_nbytes, m.allow_nonfinite)
+                        dict(m.optimizer.params), m.nbytes, m.slot_nbytes, m.allow_nonfinite,
+                        m.sync_steps, m.dropped_gradients)
+
+
+def _set_sync_read(req, sync_step: int | None) -> None:
+    if sync_step is not None:
+        req.sync.step = sync_step
+
+
+def _set_sync(req, sync: SyncSpec | None) -> None:
+    if sync is not None:
+        req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(sync)))
 
 
 class Handle:
@@ -288,11 +301,12 @@ class PSClient:
         self._rows.pop(name, None)
 
     # -- reads ---------------------------------------------------------------
-    def _read_stream(self, names: Sequence[str]) -> list[Snapshot]:
+    def _read_stream(self, names: Sequence[str], sync_step: int | None = None) -> list[Snapshot]:
         total = sum(self._nbytes.get(n, 0) for n in names)
+        req = ps_pb2.ReadRequest(names=names)
+        _set_sync_read(req, sync_step)
         try:
-            frames = self._stub.ReadStream(ps_pb2.ReadRequest(names=names),
-                                           **self._kw(extra_bytes=total))
+            frames = self._stub.ReadStream(req, **self._kw(extra_bytes=total))
             out: list[Snapshot] = []
             buf = fill = cur = None
             for f in frames:
@@ -323,102 +337,115 @@ class PSClient:
             out.append(Snapshot(v.name, v.version, arr))
         return out
 
-    def _read_many(self, names: Sequence[str], wait: bool):
+    def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None):
         names = list(names)
         known = [self._nbytes.get(n) for n in names]
         if None not in known and not self._fits(sum(known)):
-            return self._run(wait, self._read_stream, names)
+            return self._run(wait, self._read_stream, names, sync_step)
 
         def recover(exc: PSError):   # larger than a unary read should carry: stream it
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return self._read_stream(names)
+                return self._read_stream(names, sync_step)
             raise exc
         req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, self.stream_threshold_bytes))
+        _set_sync_read(req, sync_step)
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
 
-    def read_many_async(self, names: Sequence[str]) -> Handle:
+    def read_many_async(self, names: Sequence[str], *, sync_step: int | None = None) -> Handle:
         """Read several variables in one call; ``result()`` is a list of Snapshot.
 
-        Values are read-only arrays (``.copy()`` one to change it).
+        Values are read-only arrays (``.copy()`` one to change it). With
+        ``sync_step`` (sync mode), the read waits while an earlier step is
+        still being gathered on a variable (see psserver.sync).
         """
-        return self._read_many(names, wait=False)
+        return self._read_many(names, False, sync_step)
 
-    def read_many(self, names: Sequence[str]) -> list[Snapshot]:
-        return self._read_many(names, wait=True)
+    def read_many(self, names: Sequence[str], *, sync_step: int | None = None) -> list[Snapshot]:
+        return self._read_many(names, True, sync_step)
 
     def read(self, name: str, *, with_version: bool = False):
         """The value of ``name`` (a read-only array), or (value, version)."""
         s = self.read_many([name])[0]
         return (s.value, s.version) if with_version else s.value
 
-    def _gather_one(self, name: str, ids: np.ndarray, wait: bool = False, recover=None):
+    def _gather_one(self, name: str, ids: np.ndarray, wait: bool = False, recover=None,
+                    sync_step: int | None = None):
         req = ps_pb2.GatherRequest(name=name)
         T.fill(req.ids, ids)
+        _set_sync_read(req, sync_step)
         return self._invoke(wait, self._stub.Gather, req,
                             lambda r: (T.decode(r.rows), r.version), recover)
 
-    def _gather_split(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, int]:
+    def _gather_split(self, name: str, ids: np.ndarray,
+                      sync_step: int | None = None) -> tuple[np.ndarray, int]:
         """A gather too big for one message, as several (each one consistent)."""
         meta = self.get_meta(name)
         row_bytes = max(1, meta.nbytes // meta.shape[0]) if meta.shape and meta.shape[0] else 1
         per_call = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // row_bytes)
         flat = ids.reshape(-1)
-        parts = [h.result() for h in [self._gather_one(name, flat[i:i + per_call])
+        parts = [h.result() for h in [self._gather_one(name, flat[i:i + per_call],
+                                                       sync_step=sync_step)
                                       for i in range(0, flat.size, per_call)]]
         rows = np.concatenate([p[0] for p in parts]) if parts else np.empty(
             (0,) + meta.shape[1:], meta.dtype)
         return rows.reshape(ids.shape + meta.shape[1:]), min((p[1] for p in parts), default=meta.version)
 
-    def _gather(self, name: str, ids, wait: bool):
+    def _gather(self, name: str, ids, wait: bool, sync_step: int | None = None):
         ids = _as_ids(ids, "gather")
         nbytes, rows = self._nbytes.get(name), self._rows.get(name)
         if nbytes is not None and rows and not self._fits_message(ids.size * (nbytes // rows)):
-            return self._run(wait, self._gather_split, name, ids)
+            return self._run(wait, self._gather_split, name, ids, sync_step)
 
         def recover(exc: PSError):   # too big for one message: split it
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return self._gather_split(name, ids)
+                return self._gather_split(name, ids, sync_step)
             raise exc
-        return self._gather_one(name, ids, wait, recover)
+        return self._gather_one(name, ids, wait, recover, sync_step)
 
-    def gather_async(self, name: str, ids) -> Handle:
+    def gather_async(self, name: str, ids, *, sync_step: int | None = None) -> Handle:
         """Rows by id; ``result()`` is (rows, version).
 
         A gather whose rows exceed one message is split into several calls;
         each piece is a consistent snapshot and the version reported is the
         oldest piece's.
         """
-        return self._gather(name, ids, wait=False)
+        return self._gather(name, ids, False, sync_step)
 
-    def gather(self, name: str, ids, *, with_version: bool = False):
+    def gather(self, name: str, ids, *, with_version: bool = False,
+               sync_step: int | None = None):
         """Rows ``value[ids]`` (shape ids.shape + row shape), or (rows, version)."""
-        rows, version = self._gather(name, ids, wait=True)
+        rows, version = self._gather(name, ids, True, sync_step)
         return (rows, version) if with_version else rows
 
     # -- updates ---------------------------------------------------------------
-    def _dense(self, kind: str, updates: Mapping[str, np.ndarray] | Iterable, wait: bool):
+    def _dense(self, kind: str, updates: Mapping[str, np.ndarray] | Iterable, wait: bool,
+               sync: SyncSpec | None = None):
         items = list(updates.items()) if isinstance(updates, Mapping) else list(updates)
         arrays = [np.asarray(g) for _, g in items]
         msg_cls = ps_pb2.PushRequest if kind == "push" else ps_pb2.AssignRequest
         method = self._stub.Push if kind == "push" else self._stub.Assign
         streamed = not self._fits(sum(a.nbytes for a in arrays))
         req = msg_cls()
+        if sync is not None:
+            _set_sync(req, sync)
         for (name, _), a in zip(items, arrays):
             T.fill(req.updates.add(name=name).tensor, a, with_data=not streamed)
         if streamed:
             return self._run(wait, lambda: list(self._upload(kind, req, arrays).updated.versions))
         return self._invoke(wait, method, req, lambda r: list(r.versions))
 
-    def push_many_async(self, grads) -> Handle:
+    def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Handle:
         """Apply dense gradients ({name: grad} or [(name, grad)]) in one call.
 
         ``result()`` is the list of versions after each update. The request is
-        validated in full first: on an error nothing was applied.
+        validated in full first: on an error nothing was applied. With
+        ``sync`` (sync mode), the gradients join their step instead (see
+        psserver.sync); a late one is dropped and counted on the server.
         """
-        return self._dense("push", grads, wait=False)
+        return self._dense("push", grads, False, sync)
 
-    def push_many(self, grads) -> list[int]:
-        return self._dense("push", grads, wait=True)
+    def push_many(self, grads, *, sync: SyncSpec | None = None) -> list[int]:
+        return self._dense("push", grads, True, sync)
 
     def push(self, name: str, grad) -> int:
         """Apply one dense gradient; return the version after it."""
@@ -435,11 +462,13 @@ class PSClient:
         """Overwrite a variable's value (optimizer slots are kept)."""
         return self.assign_many([(name, value)])[0]
 
-    def _push_sparse(self, name: str, ids, rows, wait: bool):
+    def _push_sparse(self, name: str, ids, rows, wait: bool, sync: SyncSpec | None = None):
         ids = _as_ids(ids, "sparse push")
         rows = np.asarray(rows)
         streamed = not self._fits(ids.nbytes + rows.nbytes)
         req = ps_pb2.PushSparseRequest(name=name)
+        if sync is not None:
+            _set_sync(req, sync)
         T.fill(req.ids, ids, with_data=not streamed)
         T.fill(req.values, rows, with_data=not streamed)
         if streamed:
@@ -447,12 +476,16 @@ class PSClient:
                 "push_sparse", req, [ids, rows]).updated.versions[0])
         return self._invoke(wait, self._stub.PushSparse, req, lambda r: r.versions[0])
 
-    def push_sparse_async(self, name: str, ids, rows) -> Handle:
-        return self._push_sparse(name, ids, rows, wait=False)
+    def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None) -> Handle:
+        return self._push_sparse(name, ids, rows, False, sync)
 
-    def push_sparse(self, name: str, ids, rows) -> int:
+    def push_sparse(self, name: str, ids, rows, *, sync: SyncSpec | None = None) -> int:
         """Apply a row-wise gradient (duplicate ids summed); return the version."""
-        return self._push_sparse(name, ids, rows, wait=True)
+        return self._push_sparse(name, ids, rows, True, sync)
+
+    def abandon_step(self, step: int, replica: int) -> None:
+        """Sync mode: replica will not push for step; stop waiting for it."""
+        self._call(self._stub.AbandonStep, ps_pb2.AbandonRequest(step=step, replica=replica))
 
 
 def _as_ids(ids, what: str) -> np.ndarray:

@@ -143,7 +143,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                   token: str | None = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  max_workers: int = 16) -> ServerHandle:
+                  max_workers: int = 64) -> ServerHandle:
     """Build (not start) a parameter server bound to ``address``."""
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frame size of streamed reads (default 4 MiB)")
     p.add_argument("--max-memory-bytes", type=int, default=None,
                    help="refuse creates beyond this many bytes of values and slots")
-    p.add_argument("--threads", type=int, default=16, help="RPC worker threads (default 16)")
+    p.add_argument("--threads", type=int, default=64,
+                   help="RPC handler threads (default 64; sync-mode reads wait in one each)")
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import uuid
 from typing import Callable, Iterator
 
@@ -17,6 +18,7 @@ from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
 from psserver.errors import InvalidArgument, PSError, ResourceExhausted
 from psserver.store import Initializer, VariableMeta, VariableStore
+from psserver.sync import SyncSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,25 @@ def meta_to_proto(m: VariableMeta) -> ps_pb2.VariableMeta:
     return ps_pb2.VariableMeta(
         name=m.name, dtype=m.dtype, shape=m.shape, version=m.version,
         optimizer=ps_pb2.OptimizerSpec(name=m.optimizer, params=m.optimizer_params),
-        nbytes=m.nbytes, slot_nbytes=m.slot_nbytes, allow_nonfinite=m.allow_nonfinite)
+        nbytes=m.nbytes, slot_nbytes=m.slot_nbytes, allow_nonfinite=m.allow_nonfinite,
+        sync_steps=m.sync_steps, dropped_gradients=m.dropped_gradients)
+
+
+def _sync_spec(request) -> SyncSpec | None:
+    if not request.HasField("sync"):
+        return None
+    i = request.sync
+    return SyncSpec(i.step, i.replica, i.num_replicas, i.required, i.sum, i.step_timeout)
+
+
+def _sync_step(request) -> int | None:
+    return request.sync.step if request.HasField("sync") else None
+
+
+def _deadline(context) -> float | None:
+    """The call's deadline on time.monotonic()'s clock (None: no deadline)."""
+    remaining = context.time_remaining() if context is not None else None
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def tensors_of(request) -> list[ps_pb2.Tensor]:
@@ -138,19 +158,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok)
         return meta_to_proto(meta)
 
-    def _push(self, req, arrays) -> ps_pb2.UpdateReply:
-        return ps_pb2.UpdateReply(versions=self.store.push(
-            zip([u.name for u in req.updates], arrays)))
+    def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
+        updates = zip([u.name for u in req.updates], arrays)
+        spec = _sync_spec(req)
+        if spec is None:
+            return ps_pb2.UpdateReply(versions=self.store.push(updates))
+        out = self.store.push_sync(updates, spec, _deadline(context))
+        return ps_pb2.UpdateReply(versions=[v for v, _ in out], dropped=[d for _, d in out])
 
-    def _assign(self, req, arrays) -> ps_pb2.UpdateReply:
+    def _assign(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         return ps_pb2.UpdateReply(versions=self.store.assign(
             zip([u.name for u in req.updates], arrays)))
 
-    def _push_sparse(self, req, arrays) -> ps_pb2.UpdateReply:
+    def _push_sparse(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         ids, values = arrays
         if ids.dtype.name not in T.ID_DTYPES:
             raise InvalidArgument(f"sparse push ids must be int32 or int64, got {ids.dtype.name}")
-        return ps_pb2.UpdateReply(versions=[self.store.push_sparse(req.name, ids, values)])
+        spec = _sync_spec(req)
+        if spec is None:
+            return ps_pb2.UpdateReply(versions=[self.store.push_sparse(req.name, ids, values)])
+        version, dropped = self.store.push_sparse_sync(req.name, ids, values, spec,
+                                                       _deadline(context))
+        return ps_pb2.UpdateReply(versions=[version], dropped=[dropped])
 
     # -- RPCs ----------------------------------------------------------------
     def GetServerInfo(self, request, context):
@@ -173,7 +202,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._run(context, lambda: ps_pb2.ListReply(
             variables=[meta_to_proto(m) for m in self.store.list()]))
 
-    def _read(self, request):
+    def _read(self, request, context=None):
         limit = self.max_message_bytes
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
@@ -185,9 +214,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         total = sum(self.store.meta(name).nbytes for name in request.names)
         if total > limit:
             raise too_big(total)
+        step, deadline = _sync_step(request), _deadline(context)
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:
-            dtype, shape, version, data = self.store.read_bytes(name)
+            dtype, shape, version, data = self.store.read_bytes(name, step, deadline)
             total += len(data)
             if total > limit:   # a concurrent re-create grew it
                 raise too_big(total)
@@ -198,12 +228,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return reply
 
     def Read(self, request, context):
-        return self._run(context, self._read, request)
+        return self._run(context, self._read, request, context)
 
     def ReadStream(self, request, context):
         step = self.chunk_bytes
+        sync_step, deadline = _sync_step(request), _deadline(context)
         for name in request.names:
-            version, arr = self._run(context, self.store.snapshot, name)
+            version, arr = self._run(context, self.store.snapshot, name, sync_step, deadline)
             flat = memoryview(arr.reshape(-1).view(np.uint8))
             yield ps_pb2.ReadFrame(value=ps_pb2.VariableValue(
                 name=name, version=version,
@@ -213,7 +244,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield ps_pb2.ReadFrame(chunk=bytes(flat[off:off + step]))
 
     def Push(self, request, context):
-        return self._run(context, lambda: self._push(request, self._decoded(request)))
+        return self._run(context, lambda: self._push(request, self._decoded(request), context))
 
     def Assign(self, request, context):
         return self._run(context, lambda: self._assign(request, self._decoded(request)))
@@ -221,7 +252,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Gather(self, request, context):
         def go():
             ids = T.decode(request.ids, T.ID_DTYPES, "gather ids")
-            version, rows = self.store.gather(request.name, ids)
+            version, rows = self.store.gather(request.name, ids, _sync_step(request),
+                                              _deadline(context))
             if rows.nbytes > self.max_message_bytes:
                 raise ResourceExhausted(
                     f"gather of {ids.size} rows returns {rows.nbytes} bytes, over the "
@@ -233,7 +265,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._run(context, go)
 
     def PushSparse(self, request, context):
-        return self._run(context, lambda: self._push_sparse(request, self._decoded(request)))
+        return self._run(context, lambda: self._push_sparse(request, self._decoded(request),
+                                                            context))
+
+    def AbandonStep(self, request, context):
+        self._run(context, self.store.abandon, request.step, request.replica)
+        return ps_pb2.AbandonReply()
 
     def Upload(self, request_iterator, context):
         def go():
@@ -247,7 +284,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 return ps_pb2.UploadReply(created=self._create(req, arrays))
             handler = {"push": self._push, "assign": self._assign,
                        "push_sparse": self._push_sparse}[kind]
-            return ps_pb2.UploadReply(updated=handler(req, arrays))
+            return ps_pb2.UploadReply(updated=handler(req, arrays, context))
         return self._run(context, go)
 
 

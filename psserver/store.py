@@ -23,6 +23,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from psserver import optimizers as optim
+from psserver import sync as S
 from psserver.errors import (AlreadyExists, InvalidArgument, NotFound,
                              ResourceExhausted)
 from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
@@ -56,6 +57,8 @@ class VariableMeta:
     nbytes: int
     slot_nbytes: int
     allow_nonfinite: bool
+    sync_steps: int = 0
+    dropped_gradients: int = 0
 
 
 class Variable:
@@ -69,8 +72,13 @@ class Variable:
         self.slots = optimizer.create_slots(value)
         self.allow_nonfinite = allow_nonfinite
         self.version = 0
-        # Held for every read and write of value, slots and version.
+        # Held for every read and write of value, slots, version and sync state.
         self.lock = threading.Lock()
+        # Signalled when a sync step is applied (sync.wait_for_earlier_steps waits on it).
+        self.cond = threading.Condition(self.lock)
+        self.sync_steps = 0                     # sync steps applied
+        self.acc: S.Accumulation | None = None  # the sync step being gathered
+        self.dropped = 0                        # late sync gradients dropped
 
     @property
     def slot_nbytes(self) -> int:
@@ -80,7 +88,8 @@ class Variable:
         return VariableMeta(self.name, self.value.dtype.name, self.value.shape,
                             self.version, self.optimizer.name,
                             self.optimizer.config(), self.value.nbytes,
-                            self.slot_nbytes, self.allow_nonfinite)
+                            self.slot_nbytes, self.allow_nonfinite,
+                            self.sync_steps, self.dropped)
 
 
 def all_finite(a: np.ndarray) -> bool:
@@ -148,7 +157,9 @@ class VariableStore:
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = max_bytes
         self._vars: dict[str, Variable] = {}
-        self._lock = threading.Lock()   # guards _vars (not the variables)
+        self._lock = threading.Lock()   # guards _vars and _abandoned (not the variables)
+        # Sync mode: step -> replicas that will not push for it (their worker died).
+        self._abandoned: dict[int, set[int]] = {}
 
     # -- lookup ------------------------------------------------------------
     def _get(self, name: str) -> Variable:
@@ -257,16 +268,26 @@ class VariableStore:
         return out
 
     # -- reads -------------------------------------------------------------
-    def snapshot(self, name: str) -> tuple[int, np.ndarray]:
-        """(version, a private copy of the value), consistent. Raises NotFound."""
+    def snapshot(self, name: str, sync_step: int | None = None,
+                 deadline: float | None = None) -> tuple[int, np.ndarray]:
+        """(version, a private copy of the value), consistent. Raises NotFound.
+
+        With ``sync_step``, first waits while an earlier sync step is pending
+        (see psserver.sync); DeadlineExceeded if ``deadline`` passes first.
+        """
         var = self._get(name)
         with var.lock:
+            if sync_step is not None:
+                S.wait_for_earlier_steps(var, sync_step, deadline)
             return var.version, var.value.copy()
 
-    def read_bytes(self, name: str) -> tuple[str, tuple[int, ...], int, bytes]:
+    def read_bytes(self, name: str, sync_step: int | None = None,
+                   deadline: float | None = None) -> tuple[str, tuple[int, ...], int, bytes]:
         """(dtype, shape, version, raw bytes): one copy, taken under the lock."""
         var = self._get(name)
         with var.lock:
+            if sync_step is not None:
+                S.wait_for_earlier_steps(var, sync_step, deadline)
             return var.value.dtype.name, var.value.shape, var.version, var.value.tobytes()
 
     def _check_ids(self, var: Variable, ids: np.ndarray, what: str) -> np.ndarray:
@@ -282,7 +303,8 @@ class VariableStore:
                 f"(valid: 0..{rows - 1}); first bad ids: {bad}")
         return ids
 
-    def gather(self, name: str, ids: np.ndarray) -> tuple[int, np.ndarray]:
+    def gather(self, name: str, ids: np.ndarray, sync_step: int | None = None,
+               deadline: float | None = None) -> tuple[int, np.ndarray]:
         """(version, rows value[ids]) with shape ids.shape + value.shape[1:].
 
         Raises NotFound, InvalidArgument (ids not integer or out of range).
@@ -290,6 +312,8 @@ class VariableStore:
         var = self._get(name)
         ids = self._check_ids(var, ids, "gather")
         with var.lock:
+            if sync_step is not None:
+                S.wait_for_earlier_steps(var, sync_step, deadline)
             return var.version, var.value[ids]
 
     # -- updates -----------------------------------------------------------
@@ -360,3 +384,64 @@ class VariableStore:
             var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
             var.version += 1
             return var.version
+
+    # -- synchronous mode (see psserver.sync) -----------------------------------
+    def _abandoned_for(self, step: int) -> set[int]:
+        with self._lock:
+            return set(self._abandoned.get(step, ()))
+
+    def push_sync(self, updates: Iterable[tuple[str, np.ndarray]], spec: S.SyncSpec,
+                  deadline: float | None = None) -> list[tuple[int, bool]]:
+        """Add one replica's dense gradients to their sync step.
+
+        Validated in full first, like push. Returns (version, dropped) per
+        update: the version after the call (one more than before when this
+        gradient completed the step), and whether it came too late and was
+        dropped. Raises DeadlineExceeded if an earlier step does not complete
+        before ``deadline`` (time.monotonic()).
+        """
+        spec.validate()
+        checked = []
+        for name, grad in updates:
+            var = self._get(name)
+            self._check_grad(var, grad, var.value.shape, "gradient")
+            checked.append((var, grad))
+        abandoned = self._abandoned_for(spec.step)
+        out = []
+        for var, grad in checked:
+            with var.lock:
+                dropped = S.push(var, spec, grad, False, abandoned, deadline)
+                out.append((var.version, dropped))
+        return out
+
+    def push_sparse_sync(self, name: str, ids: np.ndarray, rows: np.ndarray,
+                         spec: S.SyncSpec, deadline: float | None = None) -> tuple[int, bool]:
+        """Add one replica's row gradient to its sync step (an empty one counts)."""
+        spec.validate()
+        var = self._get(name)
+        if ids.ndim != 1:
+            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
+        ids = self._check_ids(var, ids, "sparse push")
+        self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
+        abandoned = self._abandoned_for(spec.step)
+        with var.lock:
+            dropped = S.push(var, spec, (ids, rows), True, abandoned, deadline)
+            return var.version, dropped
+
+    #: How many steps of abandoned replicas to remember.
+    _ABANDONED_KEPT = 1024
+
+    def abandon(self, step: int, replica: int) -> None:
+        """Replica ``replica`` will not push for ``step``: stop waiting for it."""
+        if step < 0 or replica < 0:
+            raise InvalidArgument(f"bad step {step} or replica {replica}")
+        with self._lock:
+            self._abandoned.setdefault(step, set()).add(replica)
+            while len(self._abandoned) > self._ABANDONED_KEPT:
+                del self._abandoned[min(self._abandoned)]
+            abandoned = set(self._abandoned[step])
+            vs = list(self._vars.values())
+        for var in vs:
+            with var.lock:
+                if var.acc is not None and var.acc.step == step:
+                    S.maybe_complete(var, abandoned)

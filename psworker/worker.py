@@ -25,6 +25,8 @@ import uuid
 import grpc
 
 from coordinator import datasets, serialization
+from coordinator.replica import replica_scope
+from psserver.sync import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver.server import TOKEN_ENV, join_host_port, make_server, serve
@@ -97,8 +99,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}")
+        sync = None
+        if request.HasField("sync"):
+            i = request.sync
+            sync = SyncSpec(i.step, i.replica, i.num_replicas, i.required, i.sum, i.step_timeout)
         try:
-            result = fn(*args, **kwargs)
+            with replica_scope(sync):
+                result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
         except Exception as exc:
             reply = worker_pb2.ClosureReply(error=worker_pb2.ErrorInfo(

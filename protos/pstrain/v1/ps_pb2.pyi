@@ -69,8 +69,32 @@ class CreateVariableRequest(_message.Message):
     exist_ok: bool
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
 
+class SyncInfo(_message.Message):
+    __slots__ = ("step", "replica", "num_replicas", "required", "sum", "step_timeout")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    replica: int
+    num_replicas: int
+    required: int
+    sum: bool
+    step_timeout: float
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., required: _Optional[int] = ..., sum: _Optional[bool] = ..., step_timeout: _Optional[float] = ...) -> None: ...
+
+class SyncRead(_message.Message):
+    __slots__ = ("step", "step_timeout")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    step_timeout: float
+    def __init__(self, step: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
+
 class VariableMeta(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite")
+    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite", "sync_steps", "dropped_gradients")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +103,8 @@ class VariableMeta(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_NBYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -87,7 +113,9 @@ class VariableMeta(_message.Message):
     nbytes: int
     slot_nbytes: int
     allow_nonfinite: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ...) -> None: ...
+    sync_steps: int
+    dropped_gradients: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., dropped_gradients: _Optional[int] = ...) -> None: ...
 
 class VariableRef(_message.Message):
     __slots__ = ("name",)
@@ -110,12 +138,14 @@ class ListReply(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("names", "max_bytes")
+    __slots__ = ("names", "max_bytes", "sync")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    sync: SyncRead
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ...) -> None: ...
 
 class VariableValue(_message.Message):
     __slots__ = ("name", "version", "value")
@@ -150,10 +180,12 @@ class DenseUpdate(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("updates",)
+    __slots__ = ("updates", "sync")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[DenseUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ...) -> None: ...
+    sync: SyncInfo
+    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("updates",)
@@ -162,18 +194,22 @@ class AssignRequest(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ...) -> None: ...
 
 class UpdateReply(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "dropped")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    dropped: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class GatherRequest(_message.Message):
-    __slots__ = ("name", "ids")
+    __slots__ = ("name", "ids", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     ids: Tensor
-    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    sync: SyncRead
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ...) -> None: ...
 
 class GatherReply(_message.Message):
     __slots__ = ("version", "rows")
@@ -184,14 +220,16 @@ class GatherReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PushSparseRequest(_message.Message):
-    __slots__ = ("name", "ids", "values")
+    __slots__ = ("name", "ids", "values", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     ids: Tensor
     values: Tensor
-    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    sync: SyncInfo
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ...) -> None: ...
 
 class UploadFrame(_message.Message):
     __slots__ = ("create", "push", "assign", "push_sparse", "chunk")
@@ -214,6 +252,18 @@ class UploadReply(_message.Message):
     created: VariableMeta
     updated: UpdateReply
     def __init__(self, created: _Optional[_Union[VariableMeta, _Mapping]] = ..., updated: _Optional[_Union[UpdateReply, _Mapping]] = ...) -> None: ...
+
+class AbandonRequest(_message.Message):
+    __slots__ = ("step", "replica")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    replica: int
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
+
+class AbandonReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UploadFrame.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.AbandonStep = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/AbandonStep',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +176,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbandonStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Upload,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UploadFrame.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UploadReply.SerializeToString,
+            ),
+            'AbandonStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbandonStep,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Upload',
             protos_dot_pstrain_dot_v1_dot_ps__pb2.UploadFrame.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_ps__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbandonStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/AbandonStep',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from protos.pstrain.v1 import ps_pb2 as _ps_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -33,16 +34,18 @@ class CreateDatasetReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "fn", "args", "worker_id")
+    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     fn: FunctionRef
     args: bytes
     worker_id: str
-    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    sync: _ps_pb2.SyncInfo
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("type", "message", "traceback")
