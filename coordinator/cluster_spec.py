@@ -43,11 +43,13 @@ class ClusterSpec:
 
     The token never appears in ``as_dict()``/TF_CONFIG: deployments pass it in
     the ``PSTRAIN_AUTH_TOKEN`` environment variable (a Kubernetes Secret).
+    ``tls`` likewise (``PSTRAIN_TLS_*``).
     """
     ps: tuple[str, ...] = ()
     worker: tuple[str, ...] = ()
     chief: tuple[str, ...] = ()
     token: str | None = dataclasses.field(default=None, repr=False, compare=False)
+    tls: Any = dataclasses.field(default=None, repr=False, compare=False)   # psserver.tls.TLSConfig
 
     def __post_init__(self):
         for role in ROLES:

@@ -53,6 +53,7 @@ from coordinator.strategy import ParameterServerStrategy
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.errors import PSError
 from psserver.sync import SyncSpec
+from psserver.tls import make_channel
 from psserver.server import TOKEN_METADATA_KEY, grpc_options
 from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -312,7 +313,8 @@ class _WorkerThread:
         self.worker_id: str | None = None
         self._created: set[str] = set()   # datasets made on the current worker process
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(address, options=grpc_options(DEFAULT_MAX_MESSAGE_BYTES))
+        self._channel = make_channel(address, grpc_options(DEFAULT_MAX_MESSAGE_BYTES),
+                                     coord.strategy.tls)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")

@@ -4,9 +4,10 @@
         strategy = ParameterServerStrategy(cluster.spec)
 
 Every task is a child process bound to a free port on 127.0.0.1. The
-cluster makes a fresh auth token and gives it to every task, so functions
-sent by value are accepted and nothing else on the machine can call the
-tasks. ``cluster.spec`` always describes the tasks running now:
+cluster makes a fresh auth token, and a throwaway CA and certificate, and
+gives them to every task: all calls are mutual TLS with the token, so
+functions sent by value are accepted and nothing else on the machine can
+call the tasks or read the traffic (``tls=False`` turns TLS off). ``cluster.spec`` always describes the tasks running now:
 ``add_worker()`` grows it while a job runs, and the coordinator picks the new
 worker up. Leaving the ``with`` block (or ``stop()``) ends every process.
 """
@@ -14,13 +15,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 from concurrent import futures
 
 from coordinator.cluster_spec import ClusterSpec
 from psserver.process import TaskProcess, start_task
 from psserver.server import TOKEN_ENV
+from psserver.tls import TLSConfig, generate_self_signed
 
 
 def _user_pythonpath() -> str:
@@ -47,20 +51,29 @@ class LocalCluster:
     """Args:
       num_ps, num_workers: how many tasks of each role to start.
       token: the auth token (default: a new random one).
+      tls: True (default) makes a CA and certificate for mutual TLS; False
+        runs plaintext; or a psserver.tls.TLSConfig to use.
       ps_args, worker_args: extra command-line arguments for those tasks.
       env: extra environment variables for every task.
     """
 
     def __init__(self, num_ps: int = 2, num_workers: int = 2, *, token: str | None = None,
                  ps_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, start_timeout: float = 60.0):
+                 env: dict[str, str] | None = None, start_timeout: float = 60.0,
+                 tls: bool | TLSConfig = True):
         if num_ps < 1:
             raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
         if num_workers < 0:
             raise ValueError("num_workers must be >= 0")
         self.token = token or secrets.token_hex(16)
         self._ps_args, self._worker_args = tuple(ps_args), tuple(worker_args)
-        self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(), **(env or {})}
+        self._tls_dir = None
+        if tls is True:
+            self._tls_dir = tempfile.mkdtemp(prefix="pstrain-tls-")
+            tls = generate_self_signed(self._tls_dir)
+        self.tls: TLSConfig | None = tls or None
+        self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(),
+                     **(self.tls.env() if self.tls else {}), **(env or {})}
         self._timeout = start_timeout
         self._lock = threading.Lock()
         self.ps: list[TaskProcess] = []
@@ -88,7 +101,7 @@ class LocalCluster:
         with self._lock:
             return ClusterSpec(ps=[p.address for p in self.ps],
                                worker=[w.address for w in self.workers if w is not None],
-                               token=self.token)
+                               token=self.token, tls=self.tls)
 
     def add_worker(self) -> int:
         """Start one more worker; return its index. The coordinator adopts it."""
@@ -129,6 +142,8 @@ class LocalCluster:
                 t.proc.terminate()
         for t in tasks:
             t.terminate(timeout=10)
+        if self._tls_dir:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self
@@ -142,7 +157,8 @@ class LocalClusterSpec(ClusterSpec):
 
     def __init__(self, cluster: LocalCluster):
         snap = cluster.snapshot()
-        super().__init__(ps=snap.ps, worker=snap.worker, chief=snap.chief, token=snap.token)
+        super().__init__(ps=snap.ps, worker=snap.worker, chief=snap.chief, token=snap.token,
+                         tls=snap.tls)
         object.__setattr__(self, "_cluster", cluster)
 
     def cluster_spec(self) -> ClusterSpec:

@@ -22,6 +22,7 @@ from psserver.errors import PSError
 from psserver.server import TOKEN_ENV
 from psserver.store import Initializer
 from psserver.sync import SyncSpec
+from psserver.tls import TLSConfig
 
 MODES = ("async", "sync", "bounded")
 
@@ -86,6 +87,8 @@ class ParameterServerStrategy:
         such as ``MinSizePartitioner``; None keeps every variable whole.
       token: the cluster's auth token; defaults to the spec's (LocalCluster
         makes one) or ``$PSTRAIN_AUTH_TOKEN``.
+      tls: a psserver.tls.TLSConfig; defaults to the spec's (LocalCluster
+        makes one) or ``$PSTRAIN_TLS_*``; None of those: plaintext.
       mode: how workers' gradients meet the parameters:
 
         * ``"async"`` (default): each push is applied as it arrives
@@ -126,7 +129,7 @@ class ParameterServerStrategy:
                  token: str | None = None, mode: str = "async",
                  num_replicas: int | None = None, backup_workers: int = 0,
                  aggregation: str = "mean", step_timeout: float = 30.0,
-                 staleness: int | None = None):
+                 staleness: int | None = None, tls: TLSConfig | None = None):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -134,7 +137,8 @@ class ParameterServerStrategy:
         self._ps = tuple(spec.ps)
         self.variable_partitioner = variable_partitioner
         self.token = token or spec.token or os.environ.get(TOKEN_ENV) or None
-        V.configure(self.token)
+        self.tls = tls or getattr(spec, "tls", None) or TLSConfig.from_env()
+        V.configure(self.token, self.tls)
         self._lock = threading.Lock()
         self._next_ps = 0      # round-robin placement counter, as TF's
         self._variables: dict[str, V.ShardedVariable] = {}

@@ -29,23 +29,25 @@ import numpy as np
 from coordinator.replica import current_sync
 from psserver.client import Handle, PSClient
 from psserver.server import TOKEN_ENV
+from psserver.tls import TLSConfig
 
 
 # -- this process's connections ------------------------------------------------
 _clients: dict[str, PSClient] = {}
 _clients_lock = threading.Lock()
 _token: str | None = os.environ.get(TOKEN_ENV) or None
+_tls: TLSConfig | None = TLSConfig.from_env()
 
 
-def configure(token: str | None) -> None:
-    """Set the auth token this process's connections send (closes old ones)."""
-    global _token
+def configure(token: str | None, tls: TLSConfig | None = None) -> None:
+    """Set the token and TLS this process's connections use (closes old ones)."""
+    global _token, _tls
     with _clients_lock:
-        if token != _token:
+        if (token, tls) != (_token, _tls):
             for c in _clients.values():
                 c.close()
             _clients.clear()
-        _token = token
+        _token, _tls = token, tls
 
 
 def client_for(address: str) -> PSClient:
@@ -55,7 +57,8 @@ def client_for(address: str) -> PSClient:
         with _clients_lock:
             c = _clients.get(address)
             if c is None:
-                c = _clients[address] = PSClient(address, token=_token, wait_for_ready=True)
+                c = _clients[address] = PSClient(address, token=_token, tls=_tls,
+                                                 wait_for_ready=True)
     return c
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
+from psserver.tls import TLSConfig, make_channel
 from psserver.errors import InvalidArgument, PSError, from_rpc_error
 from psserver.server import TOKEN_METADATA_KEY, grpc_options
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
@@ -108,6 +109,8 @@ class PSClient:
 
     Args:
       token: the cluster's auth token, sent on every call (None: no token).
+      tls: a TLSConfig to connect with TLS (its CA to trust the server; its
+        certificate and key for mutual TLS). None: plaintext.
       timeout: deadline in seconds of each call (None: no deadline).
       max_message_bytes: must match the server's; no message is larger.
       chunk_bytes: frame size of streamed uploads.
@@ -118,6 +121,7 @@ class PSClient:
     """
 
     def __init__(self, address: str, *, token: str | None = None,
+                 tls: TLSConfig | None = None,
                  timeout: float | None = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -134,7 +138,7 @@ class PSClient:
         self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
         options = grpc_options(max_message_bytes) + [
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
-        self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = make_channel(address, options, tls)
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         # Known sizes (bytes, rows) by name: they pick unary calls or streams.
         self._nbytes: dict[str, int] = {}

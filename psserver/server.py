@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2_grpc
+from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                MESSAGE_OVERHEAD, ParameterServerServicer)
 from psserver.store import VariableStore
@@ -113,13 +114,14 @@ class ServerHandle:
 
 
 def make_server(address: str, servicer, add_to_server, service_name: str, *,
-                token: str | None = None,
+                token: str | None = None, tls: "TLS.TLSConfig | None" = None,
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 max_workers: int = 16, thread_name_prefix: str = "rpc") -> ServerHandle:
     """Build (not start) a gRPC server for one servicer, with health and auth.
 
     ``"127.0.0.1:0"`` binds a free port; ``handle.port`` says which. With a
-    token, every call but health checks must carry it.
+    token, every call but health checks must carry it; with ``tls``, the port
+    serves TLS (mutual TLS when it has a CA).
     Raises OSError if the address cannot be bound.
     """
     interceptors = [TokenAuthInterceptor(token)] if token else []
@@ -131,7 +133,7 @@ def make_server(address: str, servicer, add_to_server, service_name: str, *,
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(address)
+        port = TLS.add_port(server, address, tls)
     except RuntimeError as exc:
         raise OSError(f"could not bind {address}: {exc}") from None
     if port == 0:
@@ -140,7 +142,7 @@ def make_server(address: str, servicer, add_to_server, service_name: str, *,
 
 
 def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
-                  token: str | None = None,
+                  token: str | None = None, tls: "TLS.TLSConfig | None" = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   max_workers: int = 64) -> ServerHandle:
@@ -149,7 +151,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
     return make_server(address, servicer, ps_pb2_grpc.add_ParameterServerServicer_to_server,
-                       SERVICE_NAME, token=token, max_message_bytes=max_message_bytes,
+                       SERVICE_NAME, token=token, tls=tls, max_message_bytes=max_message_bytes,
                        max_workers=max_workers, thread_name_prefix="psserver-rpc")
 
 
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=64,
                    help="RPC handler threads (default 64; sync-mode reads wait in one each)")
     p.add_argument("--log-level", default="INFO")
+    TLS.add_arguments(p)
     return p
 
 
@@ -207,8 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s psserver %(levelname)s %(message)s")
     address = join_host_port(args.host, args.port)
     try:
+        tls = TLS.from_arguments(args)
+    except ValueError as exc:
+        print(f"psserver: {exc}", file=sys.stderr)
+        return 2
+    try:
         handle = create_server(address, store=VariableStore(args.max_memory_bytes),
-                               token=os.environ.get(TOKEN_ENV) or None,
+                               token=os.environ.get(TOKEN_ENV) or None, tls=tls,
                                max_message_bytes=args.max_message_bytes,
                                chunk_bytes=args.chunk_bytes, max_workers=args.threads)
     except OSError as exc:

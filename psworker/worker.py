@@ -29,6 +29,7 @@ from coordinator.replica import replica_scope
 from psserver.sync import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver import tls as TLS
 from psserver.server import TOKEN_ENV, join_host_port, make_server, serve
 from psserver.servicer import PROTOCOL_VERSION
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=4,
                    help="closures that may run at once (default 4)")
     p.add_argument("--log-level", default="INFO")
+    TLS.add_arguments(p)
     return p
 
 
@@ -154,9 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     address = join_host_port(args.host, port)
     token = os.environ.get(TOKEN_ENV) or None
     try:
+        tls = TLS.from_arguments(args)
+    except ValueError as exc:
+        print(f"psworker: {exc}", file=sys.stderr)
+        return 2
+    try:
         handle = make_server(address, WorkerServicer(trusted=token is not None),
                              worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME,
-                             token=token, max_workers=args.threads,
+                             token=token, tls=tls, max_workers=args.threads,
                              thread_name_prefix="psworker-rpc")
     except OSError as exc:
         print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "

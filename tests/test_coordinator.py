@@ -14,6 +14,7 @@ from coordinator import (ClosureCancelled, ClusterCoordinator, FixedShardsPartit
 from coordinator import serialization
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver.process import start_task
+from psserver.tls import make_channel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,12 +190,12 @@ def test_failed_shard_creation_leaves_nothing_behind(cluster):
     strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
     # Occupy the name the second shard would take, so creating it fails.
     second_ps = cluster.spec.ps[1]
-    with PSClient(second_ps, token=cluster.token) as c:
+    with PSClient(second_ps, token=cluster.token, tls=cluster.tls) as c:
         c.create_variable("v/part_1", (2,))
         with pytest.raises(AlreadyExists):
             strategy.create_variable("v", shape=(4,))
         names = {m.name for m in c.list_variables()}
-    with PSClient(cluster.spec.ps[0], token=cluster.token) as c0:
+    with PSClient(cluster.spec.ps[0], token=cluster.token, tls=cluster.tls) as c0:
         assert "v/part_0" not in {m.name for m in c0.list_variables()}
     assert names == {"v/part_1"}
 
@@ -253,8 +254,8 @@ def test_restarted_worker_rejoins_with_its_datasets(cluster, coord):
 
 
 # -- worker security ------------------------------------------------------------------------------
-def _worker_stub(address):
-    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
+def _worker_stub(address, tls=None):
+    return worker_pb2_grpc.WorkerStub(make_channel(address, [], tls))
 
 
 def test_worker_without_token_refuses_pickled_functions_but_runs_importable_ones():
@@ -281,7 +282,7 @@ def test_worker_without_token_refuses_pickled_functions_but_runs_importable_ones
 
 
 def test_worker_with_token_refuses_calls_without_it(cluster):
-    stub = _worker_stub(cluster.spec.worker[0])
+    stub = _worker_stub(cluster.spec.worker[0], cluster.tls)
     req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
                                     args=serialization.dumps(((1, 1), {})))
     for md in ((), (("authorization", "Bearer wrong"),)):

@@ -1,0 +1,75 @@
+"""Token authentication and (mutual) TLS on real tasks: refused calls change nothing."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from psserver.client import PSClient
+from psserver.errors import PSError, Unauthenticated, Unavailable
+from psserver.tls import TLSConfig, generate_self_signed
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "cluster-secret"
+
+
+@pytest.fixture
+def secured(start_ps, tmp_path):
+    """A psserver with a token and mutual TLS, and a variable on it."""
+    tls = generate_self_signed(str(tmp_path / "good"))
+    ps = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN, **tls.env()})
+    with PSClient(ps.address, token=TOKEN, tls=tls, timeout=10) as good:
+        good.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+        yield ps, tls, good
+
+
+def _unchanged(good: PSClient) -> None:
+    value, version = good.read("w", with_version=True)
+    np.testing.assert_array_equal(value, np.arange(4, dtype=np.float32))
+    assert version == 0
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + " "])
+def test_missing_or_wrong_token_is_refused(secured, token):
+    ps, tls, good = secured
+    with PSClient(ps.address, token=token, tls=tls, timeout=10) as c:
+        with pytest.raises(Unauthenticated, match="token"):
+            c.push("w", np.ones(4, np.float32))
+        with pytest.raises(Unauthenticated):
+            c.read("w")
+    _unchanged(good)
+
+
+def test_client_that_does_not_trust_the_server_certificate_is_refused(secured, tmp_path):
+    ps, tls, good = secured
+    other = generate_self_signed(str(tmp_path / "other"))   # another CA, another identity
+    with PSClient(ps.address, token=TOKEN, tls=other, timeout=5) as c:
+        with pytest.raises(Unavailable):
+            c.push("w", np.ones(4, np.float32))
+    _unchanged(good)
+
+
+def test_client_without_a_certificate_is_refused_by_mutual_tls(secured):
+    ps, tls, good = secured
+    ca_only = dataclasses.replace(tls, cert=None, key=None)   # trusts the server, no identity
+    with PSClient(ps.address, token=TOKEN, tls=ca_only, timeout=5) as c:
+        with pytest.raises(Unavailable):
+            c.push("w", np.ones(4, np.float32))
+    _unchanged(good)
+
+
+def test_plaintext_client_is_refused(secured):
+    ps, tls, good = secured
+    with PSClient(ps.address, token=TOKEN, timeout=5) as c:
+        with pytest.raises(PSError):
+            c.push("w", np.ones(4, np.float32))
+    _unchanged(good)
+    assert good.push("w", np.ones(4, np.float32)) == 1   # the right client still works
+
+
+def test_half_a_key_pair_is_a_clear_error(tmp_path):
+    tls = generate_self_signed(str(tmp_path))
+    with pytest.raises(ValueError, match="both"):
+        TLSConfig.from_files(tls.paths[0], None, None)
