@@ -6,7 +6,6 @@ converts messages and maps ``PSError`` types to gRPC status codes.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from typing import Callable, Iterator
@@ -286,7 +285,3 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                        "push_sparse": self._push_sparse}[kind]
             return ps_pb2.UploadReply(updated=handler(req, arrays, context))
         return self._run(context, go)
-
-
-def frames_needed(nbytes: int, chunk_bytes: int) -> int:
-    return max(1, math.ceil(nbytes / chunk_bytes))

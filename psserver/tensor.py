@@ -23,10 +23,6 @@ WIRE_DTYPES = {**VALUE_DTYPES, **ID_DTYPES}
 MAX_RANK = 8
 
 
-def dtype_name(dtype) -> str:
-    return np.dtype(dtype).name
-
-
 def check_dtype(name: str, allowed=VALUE_DTYPES, what: str = "dtype") -> np.dtype:
     try:
         return allowed[name]
