@@ -7,10 +7,19 @@ training set. Test accuracy is measured on the coordinator after each epoch::
 
     python examples/digits.py
     python -m examples.digits --epochs 20 --num-workers 4
+
+By default (``--cluster local``) it starts its own LocalCluster. With
+``--cluster tf_config`` it trains on the running cluster that TF_CONFIG /
+TF_CONFIG_FILE describe instead (``--num-ps``/``--num-workers`` are then
+ignored), as the chief: ``coordinator run examples/digits.py --cluster
+tf_config`` in docker-compose.yml and deploy/. It writes nothing to disk, and
+deletes the variables it made on the parameter servers when it ends, so it
+can run again against the same servers.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -21,7 +30,8 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 import numpy as np
 
 from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, batches, read_variables)
+                         ParameterServerStrategy, TFConfigClusterResolver, batches,
+                         read_variables)
 from examples.nn import MLP, make_train_step
 
 
@@ -52,18 +62,30 @@ def main(argv=None) -> dict:
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster", choices=("local", "tf_config"), default="local",
+                   help="local: start a LocalCluster (default); tf_config: use the running "
+                        "cluster in TF_CONFIG / TF_CONFIG_FILE")
     args = p.parse_args(argv)
 
     x_tr, y_tr, x_te, y_te = load_data(args.seed)
     model = MLP([64, 64, 10], loss="softmax_cross_entropy")
     total = args.epochs * args.steps_per_epoch
-    print(f"digits: {len(x_tr)} train / {len(x_te)} test images, MLP {model.sizes}, "
-          f"{args.num_ps} ps, {args.num_workers} workers, {total} steps", flush=True)
 
-    with LocalCluster(num_ps=args.num_ps, num_workers=args.num_workers) as cluster:
+    with contextlib.ExitStack() as stack:
+        if args.cluster == "local":
+            cluster = stack.enter_context(LocalCluster(num_ps=args.num_ps,
+                                                       num_workers=args.num_workers))
+            resolver = cluster.spec
+        else:
+            resolver = TFConfigClusterResolver()
+        spec = resolver.cluster_spec()
+        print(f"digits: {len(x_tr)} train / {len(x_te)} test images, MLP {model.sizes}, "
+              f"{spec.num_ps} ps, {spec.num_workers} workers, {total} steps", flush=True)
         strategy = ParameterServerStrategy(
-            cluster.spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10,
-                                                                  max_shards=args.num_ps))
+            resolver, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10,
+                                                              max_shards=spec.num_ps))
+        if args.cluster == "tf_config":   # leave the shared servers as we found them
+            stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
         model.create_variables(strategy, "digits", optimizer="adam",
                                optimizer_params={"learning_rate": args.lr}, seed=args.seed)
         train_step = make_train_step(model)

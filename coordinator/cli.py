@@ -1,0 +1,308 @@
+"""The ``coordinator`` command (also ``python -m coordinator``): deployment glue.
+
+    coordinator run [--wait-ready S] [--worker-dns HOST:PORT] SCRIPT [ARGS...]
+        Run a training script as the chief of the cluster in TF_CONFIG /
+        TF_CONFIG_FILE, once every parameter server and worker answers the
+        gRPC health check.
+    coordinator health [--timeout S] HOST:PORT
+        Exit 0 when the task at HOST:PORT reports SERVING (compose health checks).
+    coordinator task --type {ps,worker} [--index N] [-- TASK ARGS...]
+        Start this pod's psserver / psworker: the index is the StatefulSet
+        ordinal of the hostname (ps-1 -> 1), the port that entry's port.
+
+Exit status: 2 for a bad cluster description, 3 when tasks do not come up.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import runpy
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
+                                      TFConfigClusterResolver, parse_tf_config)
+from psserver.server import TOKEN_ENV, TOKEN_METADATA_KEY, join_host_port
+from psserver.tls import TLSConfig, make_channel
+
+EXIT_CONFIG, EXIT_NOT_READY = 2, 3
+_MODULES = {"ps": "psserver", "worker": "psworker"}
+
+
+class NotReady(RuntimeError):
+    """Some tasks did not pass the health check in time."""
+
+
+# -- health -----------------------------------------------------------------------------------
+def check_health(address: str, timeout: float = 5.0, service: str = "",
+                 environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
+    """(serving?, what the task said) for the grpc.health.v1 service at address.
+
+    Health checks are public; the token ($PSTRAIN_AUTH_TOKEN) is sent only if
+    the task asks for it. TLS settings come from $PSTRAIN_TLS_*.
+    """
+    try:
+        tls = TLSConfig.from_env(environ)
+    except ValueError as exc:
+        return False, f"bad TLS settings: {exc}"
+    token = environ.get(TOKEN_ENV) or None
+    with make_channel(address, [], tls) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            try:
+                reply = stub.Check(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAUTHENTICATED or not token:
+                    raise
+                reply = stub.Check(request, timeout=timeout,
+                                   metadata=((TOKEN_METADATA_KEY, f"Bearer {token}"),))
+        except grpc.RpcError as exc:
+            return False, f"{exc.code().name}: {exc.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def wait_ready(resolver, timeout: float, poll: float = 1.0, out=None) -> None:
+    """Wait until every ps and worker in the (re-read) spec is SERVING.
+
+    Raises NotReady naming the tasks that are not, with what they answered.
+    """
+    out = out or sys.stderr
+    deadline = time.monotonic() + timeout
+    ready: set[str] = set()
+    while True:
+        spec = resolver.cluster_spec()
+        problems = []
+        for role, addrs in (("ps", spec.ps), ("worker", spec.worker)):
+            for i, addr in enumerate(addrs):
+                if addr in ready:
+                    continue
+                left = deadline - time.monotonic()
+                ok, detail = check_health(addr, timeout=min(5.0, max(0.5, left)))
+                if ok:
+                    ready.add(addr)
+                    print(f"coordinator: {role} {i} at {addr} is serving", file=out, flush=True)
+                else:
+                    problems.append(f"{role} {i} at {addr}: {detail}")
+        if not spec.worker:
+            problems.append('no workers: the cluster has no "worker" addresses (add them to '
+                            "TF_CONFIG, or pass --worker-dns SERVICE:PORT)")
+        if not problems:
+            return
+        if time.monotonic() >= deadline:
+            raise NotReady(
+                f"after {timeout:g}s these tasks are still not serving:\n  "
+                + "\n  ".join(problems)
+                + "\nCheck that they run (their logs), that their names resolve from here "
+                  "and the ports match the cluster spec, that $PSTRAIN_TLS_* match theirs; "
+                  "or wait longer with --wait-ready SECONDS")
+        time.sleep(poll)
+
+
+# -- worker discovery by DNS (compose --scale, a Kubernetes headless Service) -----------------
+def resolve_workers(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to, as sorted "ip:port" (IPv4 if it has any)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    ips = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    v4 = {ip for ip in ips if ip.version == 4}
+    return [join_host_port(str(ip), port) for ip in sorted(v4 or ips)]
+
+
+def _config_text(environ: Mapping[str, str]) -> str:
+    path = environ.get(TF_CONFIG_FILE_ENV)
+    if path:
+        with open(path) as f:
+            return f.read()
+    return environ.get(TF_CONFIG_ENV, "")
+
+
+class WorkerDiscovery:
+    """Keeps a TF_CONFIG file whose workers are the configured ones plus the
+    addresses a DNS name resolves to now; the coordinator re-reads the file,
+    so workers that come and go (``--scale worker=N``) join and leave the job.
+    """
+
+    def __init__(self, target: str, environ: Mapping[str, str], interval: float = 2.0):
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit():
+            raise ClusterConfigError(f"--worker-dns wants HOST:PORT, got {target!r}")
+        self.host, self.port, self.interval = host.strip("[]"), int(port), interval
+        self._environ = dict(environ)
+        TFConfigClusterResolver(environ=self._environ)   # missing or malformed: say so now
+        self.path = os.path.join(tempfile.mkdtemp(prefix="pstrain-"), "tf_config.json")
+        self._text = None
+        self._stop = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="WorkerDiscovery")
+        self._thread.start()
+
+    def refresh(self) -> None:
+        try:
+            cfg = json.loads(_config_text(self._environ))
+            cluster = cfg["cluster"]
+            listed = list(cluster.get("worker", []))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return   # a file being rewritten: keep the last good one
+        cluster["worker"] = listed + [a for a in resolve_workers(self.host, self.port)
+                                      if a not in listed]
+        text = json.dumps(cfg)
+        if text != self._text:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+            self._text = text
+            print(f"coordinator: workers now {cluster['worker']}", file=sys.stderr, flush=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+# -- task entry point (Kubernetes StatefulSets) -----------------------------------------------
+def ordinal(hostname: str) -> int:
+    """The StatefulSet ordinal of a pod's hostname: "ps-1" -> 1."""
+    m = re.fullmatch(r".+-(\d+)", hostname.split(".")[0])
+    if not m:
+        raise ClusterConfigError(
+            f"cannot take a task index from hostname {hostname!r}: expected a StatefulSet "
+            "pod name ending in -N (e.g. ps-0); pass --index N")
+    return int(m.group(1))
+
+
+def task_command(config_text: str, task_type: str, index: int, host: str = "0.0.0.0",
+                 extra: tuple[str, ...] = ()) -> tuple[list[str], str]:
+    """(argv, TF_CONFIG) that start task ``task_type:index`` of the cluster in config_text."""
+    parse_tf_config(config_text)   # a clear error for anything malformed
+    cluster = json.loads(config_text)["cluster"]
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+    spec, _ = parse_tf_config(tf_config)   # checks the index is in the cluster
+    port = getattr(spec, task_type)[index].rsplit(":", 1)[1]
+    argv = [sys.executable, "-m", _MODULES[task_type], "--host", host, "--port", port, *extra]
+    return argv, tf_config
+
+
+# -- commands ---------------------------------------------------------------------------------
+def _run(args) -> int:
+    discovery = None
+    try:
+        try:
+            if args.worker_dns:
+                discovery = WorkerDiscovery(args.worker_dns, os.environ)
+                os.environ[TF_CONFIG_FILE_ENV] = discovery.path
+            resolver = TFConfigClusterResolver()
+            spec, task = resolver.cluster_spec(), resolver.task()
+            if not spec.ps:
+                raise ClusterConfigError('the cluster has no parameter servers: add "ps" '
+                                         "addresses to TF_CONFIG")
+            if task is not None and task.type != "chief":
+                raise ClusterConfigError(
+                    f"TF_CONFIG's task is {task.type}:{task.index}, but `coordinator run` is "
+                    'the chief: drop "task", or make it {"type": "chief", "index": 0}')
+            if not os.path.isfile(args.script):
+                raise ClusterConfigError(f"no such script: {args.script}")
+            if args.wait_ready > 0:
+                print(f"coordinator: waiting up to {args.wait_ready:g}s for {len(spec.ps)} ps "
+                      "and the workers to serve", file=sys.stderr, flush=True)
+                wait_ready(resolver, args.wait_ready)
+        except ClusterConfigError as exc:
+            print(f"coordinator: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        except NotReady as exc:
+            print(f"coordinator: {exc}", file=sys.stderr)
+            return EXIT_NOT_READY
+        script = os.path.abspath(args.script)
+        sys.argv = [args.script, *args.script_args]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")   # its SystemExit / errors propagate
+        return 0
+    finally:
+        if discovery is not None:
+            discovery.stop()
+
+
+def _health(args) -> int:
+    ok, detail = check_health(args.address, timeout=args.timeout, service=args.service)
+    print(f"{args.address}: {detail}", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def _task(args) -> int:
+    index = args.index if args.index is not None else ordinal(args.hostname or socket.gethostname())
+    extra = args.task_args[1:] if args.task_args[:1] == ["--"] else args.task_args
+    try:
+        text = _config_text(os.environ)
+    except OSError as exc:
+        raise ClusterConfigError(f"cannot read cluster file {os.environ[TF_CONFIG_FILE_ENV]}: "
+                                 f"{exc}") from None
+    if not text:
+        TFConfigClusterResolver()   # raises: no cluster description
+    argv, tf_config = task_command(text, args.type, index, args.host, tuple(extra))
+    env = {k: v for k, v in os.environ.items() if k != TF_CONFIG_FILE_ENV}
+    env[TF_CONFIG_ENV] = tf_config
+    print(f"coordinator: starting {args.type} {index}: {' '.join(argv[1:])}", flush=True)
+    os.execve(argv[0], argv, env)   # the task becomes this process (it gets the signals)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coordinator", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a training script as the chief of the TF_CONFIG cluster")
+    r.add_argument("--wait-ready", type=float, default=120.0, metavar="SECONDS",
+                   help="wait up to this long for every ps and worker to pass the health "
+                        "check (default 120; 0: do not wait)")
+    r.add_argument("--worker-dns", metavar="HOST:PORT",
+                   help="also use as workers every address HOST resolves to, looked up again "
+                        "every 2s (docker compose --scale, a headless Service)")
+    r.add_argument("script", help="the training script, run as __main__")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+    h = sub.add_parser("health", help="exit 0 if the task at HOST:PORT is SERVING")
+    h.add_argument("address", metavar="HOST:PORT")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    h.add_argument("--service", default="", help='health service name (default "": the server)')
+
+    t = sub.add_parser("task", help="start this pod's psserver/psworker from the cluster spec")
+    t.add_argument("--type", required=True, choices=sorted(_MODULES))
+    t.add_argument("--index", type=int, help="task index (default: the hostname's ordinal)")
+    t.add_argument("--hostname", help=argparse.SUPPRESS)
+    t.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    t.add_argument("task_args", nargs=argparse.REMAINDER,
+                   help="after --: more arguments for psserver/psworker")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    try:
+        return _health(args) if args.command == "health" else _task(args)
+    except ClusterConfigError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())
