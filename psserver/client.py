@@ -258,16 +258,22 @@ class PSClient:
                         optimizer: str = "sgd",
                         optimizer_params: Mapping[str, float] | None = None,
                         allow_nonfinite: bool = False,
-                        exist_ok: bool = False) -> VariableMeta:
+                        exist_ok: bool = False,
+                        slots: Mapping[str, np.ndarray] | None = None,
+                        version: int = 0,
+                        overwrite: bool = False) -> VariableMeta:
         """Create a variable on this server and return its metadata.
 
         Give either ``initial_value`` (shape and dtype then default to its
         own; dtype otherwise defaults to float32) or an ``initializer`` (an Initializer, or a kind name such as
         "zeros"); with neither the variable starts at zeros.
+        Restoring: ``slots`` (every optimizer slot, by name), ``version``, and
+        ``overwrite`` to replace an existing variable's state at once.
         Raises InvalidArgument, AlreadyExists, ResourceExhausted.
         """
         req = ps_pb2.CreateVariableRequest(
             name=name, allow_nonfinite=allow_nonfinite, exist_ok=exist_ok,
+            version=version, overwrite=overwrite,
             optimizer=ps_pb2.OptimizerSpec(name=optimizer, params=dict(optimizer_params or {})))
         arrays = []
         if initial_value is not None:
@@ -288,12 +294,16 @@ class PSClient:
         if initializer is not None:
             init = Initializer(initializer) if isinstance(initializer, str) else initializer
             req.initializer.CopyFrom(ps_pb2.Initializer(**dataclasses.asdict(init)))
-        if arrays and not self._fits(arrays[0].nbytes):
-            T.fill(req.initial_value, arrays[0], with_data=False)
-            meta = self._upload("create", req, arrays).created
+        slot_items = [(k, np.asarray(v)) for k, v in (slots or {}).items()]
+        tensors = arrays + [v for _, v in slot_items]
+        streamed = not self._fits(sum(a.nbytes for a in tensors))
+        if arrays:
+            T.fill(req.initial_value, arrays[0], with_data=not streamed)
+        for k, v in slot_items:
+            T.fill(req.slots.add(name=k).tensor, v, with_data=not streamed)
+        if streamed:
+            meta = self._upload("create", req, tensors).created
         else:
-            if arrays:
-                T.fill(req.initial_value, arrays[0])
             meta = self._call(self._stub.CreateVariable, req)
         m = _meta_from_proto(meta)
         self._remember(name, m.nbytes, m.shape)
@@ -486,6 +496,11 @@ class PSClient:
     def push_sparse(self, name: str, ids, rows, *, sync: SyncSpec | None = None) -> int:
         """Apply a row-wise gradient (duplicate ids summed); return the version."""
         return self._push_sparse(name, ids, rows, True, sync)
+
+    def save(self, directory: str, names: Sequence[str] = ()) -> list[ps_pb2.SavedFile]:
+        """Have the server write variables (all by default) to its directory."""
+        return list(self._call(self._stub.Save, ps_pb2.SaveRequest(
+            directory=directory, names=list(names)), timeout=max(self.timeout or 0, 600.0)).files)
 
     def abandon_step(self, step: int, replica: int) -> None:
         """Sync mode: replica will not push for step; stop waiting for it."""

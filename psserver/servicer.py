@@ -68,7 +68,8 @@ def _deadline(context) -> float | None:
 def tensors_of(request) -> list[ps_pb2.Tensor]:
     """The Tensor fields of a request, in their wire order (see UploadFrame)."""
     if isinstance(request, ps_pb2.CreateVariableRequest):
-        return [request.initial_value] if request.HasField("initial_value") else []
+        first = [request.initial_value] if request.HasField("initial_value") else []
+        return first + [s.tensor for s in request.slots]
     if isinstance(request, (ps_pb2.PushRequest, ps_pb2.AssignRequest)):
         return [u.tensor for u in request.updates]
     if isinstance(request, ps_pb2.PushSparseRequest):
@@ -150,11 +151,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             i = req.initializer
             init = Initializer(i.kind, i.value, i.mean, i.stddev, i.minval, i.maxval, i.seed)
         opt = req.optimizer
+        has_value = req.HasField("initial_value")
+        value = arrays[0] if has_value else None
+        slot_arrays = arrays[1:] if has_value else arrays
+        slots = {s.name: a for s, a in zip(req.slots, slot_arrays)} if req.slots else None
+        if slots is not None and len(slots) != len(req.slots):
+            raise InvalidArgument("a slot name appears twice")
         meta = self.store.create(
             req.name, req.dtype, req.shape,
-            initial_value=arrays[0] if arrays else None, initializer=init,
+            initial_value=value, initializer=init,
             optimizer=opt.name or "sgd", optimizer_params=dict(opt.params),
-            allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok)
+            allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok,
+            slots=slots, version=req.version, overwrite=req.overwrite)
         return meta_to_proto(meta)
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
@@ -266,6 +274,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def PushSparse(self, request, context):
         return self._run(context, lambda: self._push_sparse(request, self._decoded(request),
                                                             context))
+
+    def Save(self, request, context):
+        saved = self._run(context, self.store.save, request.directory, list(request.names))
+        return ps_pb2.SaveReply(files=[ps_pb2.SavedFile(name=n, file=f, version=v, bytes=b)
+                                       for n, f, v, b in saved])
 
     def AbandonStep(self, request, context):
         self._run(context, self.store.abandon, request.step, request.replica)

@@ -16,8 +16,11 @@ Guarantees (each method's docstring repeats the ones that concern it):
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import threading
+import urllib.parse
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -30,6 +33,10 @@ from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
 
 # Names are path-like so sharded variables can be called "dense/kernel/part_0".
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/:]{1,256}$")
+
+#: Testing switch: a parameter server with this set dies in the middle of a
+#: save (after writing a temporary file, before renaming it).
+FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
 
 INITIALIZERS = ("zeros", "ones", "constant", "random_normal", "truncated_normal",
                 "random_uniform")
@@ -185,11 +192,19 @@ class VariableStore:
                optimizer: str = "sgd",
                optimizer_params: Mapping[str, float] | None = None,
                allow_nonfinite: bool = False,
-               exist_ok: bool = False) -> VariableMeta:
+               exist_ok: bool = False,
+               slots: Mapping[str, np.ndarray] | None = None,
+               version: int = 0,
+               overwrite: bool = False) -> VariableMeta:
         """Create a variable. Raises InvalidArgument, AlreadyExists, ResourceExhausted.
 
         With exist_ok, an existing variable of the same dtype, shape and
         optimizer is returned as it is (its value is not reset).
+
+        Restoring a checkpoint: ``slots`` gives every optimizer slot and
+        ``version`` the version to start at. With ``overwrite``, an existing
+        variable of the same dtype, shape and optimizer gets the new value,
+        slots and version at once (it is created if missing).
         """
         check_name(name)
         dt = check_dtype(dtype, VALUE_DTYPES, "variable dtype")
@@ -208,8 +223,14 @@ class VariableStore:
                 raise InvalidArgument(
                     f"initial value of {name!r} contains NaN or Inf; pass "
                     "allow_nonfinite=True to keep such values")
+        if version < 0:
+            raise InvalidArgument(f"version must be >= 0, got {version}")
+        if slots is not None:
+            slots = self._check_slots(name, opt, dt, shape, slots)
         with self._lock:
             existing = self._vars.get(name)
+        if existing is not None and overwrite:
+            return self._overwrite(existing, dt, shape, opt, initial_value, slots, version)
         if existing is not None:
             if exist_ok:
                 m = existing.meta()
@@ -241,11 +262,81 @@ class VariableStore:
             var = Variable(name, value, opt, allow_nonfinite)
         except MemoryError:
             raise ResourceExhausted(f"not enough memory for the slots of {name!r}") from None
+        if slots is not None:
+            for k, v in slots.items():
+                np.copyto(var.slots[k], v)
+        var.version = version
         with self._lock:
             if name in self._vars:   # lost a race with another create
                 raise AlreadyExists(f"variable {name!r} exists already")
             self._vars[name] = var
         return var.meta()
+
+    def _check_slots(self, name, opt, dt, shape, slots) -> dict[str, np.ndarray]:
+        proto = opt.create_slots(np.zeros(shape if shape else (), dt)) if opt.slot_names else {}
+        if set(slots) != set(proto):
+            raise InvalidArgument(
+                f"slots for {name!r} with optimizer {opt.name} must be exactly "
+                f"{sorted(proto)}, got {sorted(slots)}")
+        for k, v in slots.items():
+            if v.dtype != proto[k].dtype or v.shape != proto[k].shape:
+                raise InvalidArgument(
+                    f"slot {k!r} of {name!r} must be {proto[k].dtype.name} "
+                    f"{list(proto[k].shape)}, got {v.dtype.name} {list(v.shape)}")
+        return dict(slots)
+
+    def _overwrite(self, var: Variable, dt, shape, opt, value, slots, version) -> VariableMeta:
+        if (var.value.dtype, var.value.shape, var.optimizer.name) != (dt, shape, opt.name):
+            raise InvalidArgument(
+                f"cannot overwrite {var.name!r} ({var.value.dtype.name} {list(var.value.shape)}, "
+                f"{var.optimizer.name}) with {dt.name} {list(shape)} {opt.name}; delete it first")
+        if value is None:
+            raise InvalidArgument(f"overwriting {var.name!r} needs an initial_value")
+        with var.lock:
+            np.copyto(var.value, value)
+            fresh = slots if slots is not None else opt.create_slots(var.value)
+            for k in var.slots:
+                np.copyto(var.slots[k], fresh[k])
+            var.version = version
+            var.acc = None
+            return var.meta()
+
+    def save(self, directory: str, names: Sequence[str] = ()) -> list[tuple[str, str, int, int]]:
+        """Write variables to directory, one safetensors file each.
+
+        Each file holds "value" and "slot/<name>" tensors and, in its
+        metadata, the variable's name, version and optimizer. It is written
+        under a temporary name and renamed, so a file that exists is whole.
+        Each variable is copied under its lock first (a consistent snapshot of
+        that variable; variables are taken one after another). Returns
+        (name, file, version, bytes) per variable.
+        """
+        from safetensors.numpy import save_file
+
+        if not os.path.isdir(directory):
+            raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
+                                  "parameter server (it must see the same filesystem)")
+        with self._lock:
+            chosen = [self._get(n) for n in names] if names else list(self._vars.values())
+        out = []
+        for var in chosen:
+            with var.lock:
+                tensors = {"value": var.value.copy(),
+                           **{f"slot/{k}": v.copy() for k, v in var.slots.items()}}
+                meta = {"name": var.name, "version": str(var.version),
+                        "optimizer": var.optimizer.name,
+                        "optimizer_params": json.dumps(var.optimizer.config()),
+                        "allow_nonfinite": json.dumps(var.allow_nonfinite)}
+                version = var.version
+            file = urllib.parse.quote(var.name, safe="") + ".safetensors"
+            path = os.path.join(directory, file)
+            tmp = f"{path}.tmp{os.getpid()}"
+            save_file(tensors, tmp, metadata=meta)
+            if os.environ.get(FAULT_CRASH_IN_SAVE_ENV):   # fault injection for tests
+                os._exit(3)
+            os.replace(tmp, path)
+            out.append((var.name, file, version, os.path.getsize(path)))
+        return out
 
     def delete(self, name: str) -> None:
         """Delete a variable. Raises NotFound."""

@@ -50,7 +50,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CreateVariableRequest(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok")
+    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok", "slots", "version", "overwrite")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,9 @@ class CreateVariableRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +70,18 @@ class CreateVariableRequest(_message.Message):
     optimizer: OptimizerSpec
     allow_nonfinite: bool
     exist_ok: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+    slots: _containers.RepeatedCompositeFieldContainer[SlotValue]
+    version: int
+    overwrite: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotValue, _Mapping]]] = ..., version: _Optional[int] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+
+class SlotValue(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SyncInfo(_message.Message):
     __slots__ = ("step", "replica", "num_replicas", "required", "sum", "step_timeout")
@@ -264,6 +278,32 @@ class AbandonRequest(_message.Message):
 class AbandonReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("directory", "names")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, directory: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SaveReply(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[SavedFile]
+    def __init__(self, files: _Optional[_Iterable[_Union[SavedFile, _Mapping]]] = ...) -> None: ...
+
+class SavedFile(_message.Message):
+    __slots__ = ("name", "file", "version", "bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    file: str
+    version: int
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -99,6 +99,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonReply.FromString,
                 _registered_method=True)
+        self.Save = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Save',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -182,6 +187,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Save(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +260,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.AbandonStep,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonRequest.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonReply.SerializeToString,
+            ),
+            'Save': grpc.unary_unary_rpc_method_handler(
+                    servicer.Save,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +618,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/AbandonStep',
             protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonRequest.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_ps__pb2.AbandonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Save(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Save',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,246 @@
+"""Checkpoints: every variable with its optimizer slots, written by the shards.
+
+    ckpt = CheckpointManager(strategy, "/checkpoints", max_to_keep=3)
+    ckpt.save(step=100, extra={"epoch": 4})     # after coord.join(), for a consistent cut
+    ...
+    state = ckpt.restore()                      # the latest, into the strategy's variables
+
+Layout of one checkpoint (a directory; readable without this package)::
+
+    ckpt-00000100/
+      manifest.json              the variables, their shards and files, step, extra
+      ps-0/<shard name>.safetensors   written by parameter server 0: "value",
+      ps-1/...                        "slot/<name>" tensors; name, version and
+                                      optimizer in the file's metadata
+
+Guarantees:
+
+* Atomic: a checkpoint is written under ``ckpt-XXXX.tmp-<id>/`` and renamed
+  to ``ckpt-XXXX/`` only after every shard file and the manifest are on disk.
+  A crash at any point (of a parameter server or of the coordinator) leaves
+  the previous checkpoints intact; ``latest()`` never returns a partial one,
+  and the next ``save`` clears leftovers.
+* Keeps the newest ``max_to_keep`` checkpoints, deleting older ones after a
+  save succeeds.
+* Consistency: each shard is copied under its lock (one consistent value +
+  slots + version per shard). Shards are taken one after another, so with
+  asynchronous training in flight the checkpoint is not one global cut; save
+  between steps (after ``ClusterCoordinator.join()``) for that. In sync mode
+  that cut is exact.
+* Restore reshards: values and slots are reassembled along axis 0 from the
+  saved shards and split again by the *current* variables' shards, so a
+  checkpoint restores into any number of parameter servers or any
+  partitioner. Adam's per-shard step count becomes the largest saved one.
+
+The parameter servers write their own shard files, so every parameter
+server must see ``directory`` at the same path (a shared volume: the
+Kubernetes PersistentVolumeClaim, the compose named volume, or simply the
+local disk for LocalCluster). The coordinator writes the manifest and reads
+the files back on restore.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+
+from coordinator import variables as V
+
+FORMAT_VERSION = 1
+_CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete, or does not match the variables."""
+
+
+class CheckpointManager:
+    """Save and restore the strategy's variables under ``directory``.
+
+    Args:
+      strategy: the ParameterServerStrategy whose variables to save.
+      directory: where checkpoints go (created if missing).
+      max_to_keep: how many newest checkpoints survive a save.
+      every_n_steps / every_seconds: what ``maybe_save`` waits for between
+        saves (either may be None).
+    """
+
+    def __init__(self, strategy, directory: str, *, max_to_keep: int = 5,
+                 every_n_steps: int | None = None, every_seconds: float | None = None):
+        if max_to_keep < 1:
+            raise ValueError("max_to_keep must be >= 1")
+        self.strategy = strategy
+        self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
+        self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
+        self._last_step: int | None = None
+        self._last_time = time.monotonic()
+        os.makedirs(self.directory, exist_ok=True)
+
+    # -- listing -----------------------------------------------------------------------
+    def checkpoints(self) -> list[str]:
+        """Complete checkpoints, oldest first."""
+        found = []
+        for name in os.listdir(self.directory):
+            m = _CKPT_RE.match(name)
+            path = os.path.join(self.directory, name)
+            if m and os.path.isfile(os.path.join(path, "manifest.json")):
+                found.append((int(m.group(1)), path))
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> str | None:
+        ckpts = self.checkpoints()
+        return ckpts[-1] if ckpts else None
+
+    # -- saving ---------------------------------------------------------------------------
+    def maybe_save(self, step: int, extra: dict | None = None) -> str | None:
+        """Save if every_n_steps steps or every_seconds seconds have passed."""
+        due = False
+        if self.every_n_steps and (self._last_step is None
+                                   or step - self._last_step >= self.every_n_steps):
+            due = True
+        if self.every_seconds and time.monotonic() - self._last_time >= self.every_seconds:
+            due = True
+        return self.save(step, extra) if due else None
+
+    def save(self, step: int, extra: dict | None = None) -> str:
+        """Write a checkpoint of every variable; return its directory.
+
+        ``extra`` (JSON-serialisable: epoch, data positions...) is stored in
+        the manifest and returned by ``restore``.
+        Raises PSError if a parameter server fails; nothing is left behind
+        as a checkpoint then.
+        """
+        self._clear_leftovers()
+        final = os.path.join(self.directory, f"ckpt-{step:08d}")
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp)
+        variables = self.strategy.variables
+        ps_index = {addr: i for i, addr in enumerate(self.strategy.cluster_spec.ps)}
+        by_ps: dict[str, list[V.Shard]] = {}
+        for v in variables:
+            for s in v.shards:
+                by_ps.setdefault(s.address, []).append(s)
+        files: dict[str, Any] = {}
+        try:
+            with futures.ThreadPoolExecutor(max(1, len(by_ps))) as pool:
+                jobs = {}
+                for addr, shards in by_ps.items():
+                    sub = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
+                    os.makedirs(sub)
+                    jobs[addr] = (sub, pool.submit(V.client_for(addr).save, sub,
+                                                   [s.name for s in shards]))
+                for addr, (sub, job) in jobs.items():
+                    for f in job.result():
+                        files[f.name] = {"file": os.path.relpath(os.path.join(sub, f.file), tmp),
+                                         "version": f.version, "bytes": f.bytes}
+            manifest = {
+                "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+                "extra": extra or {},
+                "variables": {v.name: {
+                    "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
+                    "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
+                                **files[s.name]} for s in v.shards]}
+                    for v in variables},
+            }
+            _write_json(os.path.join(tmp, "manifest.json"), manifest)
+            if os.path.exists(final):   # saving the same step again replaces it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._last_step, self._last_time = step, time.monotonic()
+        for old in self.checkpoints()[:-self.max_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _clear_leftovers(self) -> None:
+        for name in os.listdir(self.directory):
+            if ".tmp-" in name and name.startswith("ckpt-"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # -- restoring ------------------------------------------------------------------------
+    def restore(self, path: str | None = None) -> dict:
+        """Load a checkpoint (default: the latest) into the strategy's variables.
+
+        Every variable of the strategy must be in the checkpoint with the same
+        shape, dtype and optimizer (its sharding may differ). Returns
+        {"step", "extra", "path"}. Raises CheckpointError.
+        """
+        path = path or self.latest()
+        if path is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read the manifest of {path}: {exc}") from None
+        saved = manifest["variables"]
+        with futures.ThreadPoolExecutor(4) as pool:
+            for v in self.strategy.variables:
+                self._restore_variable(v, saved.get(v.name), path, pool)
+        return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
+
+    def _restore_variable(self, v: V.ShardedVariable, info: dict | None, path: str,
+                          pool: futures.Executor) -> None:
+        from safetensors.numpy import load_file
+
+        if info is None:
+            raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
+        if (tuple(info["shape"]), info["dtype"], info["optimizer"]) != (v.shape, v.dtype, v.optimizer):
+            raise CheckpointError(
+                f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
+                f"{info['dtype']} {info['shape']} {info['optimizer']} in {path}")
+        parts = [load_file(os.path.join(path, s["file"])) for s in info["shards"]]
+        value = _join([p["value"] for p in parts], v.shape)
+        slots = {}
+        for key in parts[0]:
+            if key.startswith("slot/"):
+                arrays = [p[key] for p in parts]
+                slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
+                                  if arrays[0].ndim == 0 else _join(arrays, v.shape))
+        version = max(s["version"] for s in info["shards"])
+        handles = []
+        for s in v.shards:
+            def cut(a, lo=s.offset, hi=s.offset + s.rows):
+                return a if a.ndim == 0 else a[lo:hi]
+            handles.append(pool.submit(
+                V.client_for(s.address).create_variable, s.name, None, v.dtype,
+                initial_value=cut(value), optimizer=v.optimizer,
+                slots={k: cut(a) for k, a in slots.items()},
+                version=version, overwrite=True))
+        for h in handles:
+            h.result()
+
+
+def _join(arrays: list[np.ndarray], shape) -> np.ndarray:
+    if not shape:
+        return arrays[0]
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

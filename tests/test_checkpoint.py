@@ -1,0 +1,169 @@
+"""Checkpoints on real clusters: round trip, resharding, crash mid-save, retention."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from coordinator import (FixedShardsPartitioner, LocalCluster, MinSizePartitioner,
+                         ParameterServerStrategy)
+from coordinator.checkpoint import CheckpointError, CheckpointManager
+from coordinator.variables import push_gradients, read_variables
+from psserver.errors import PSError
+
+pytestmark = pytest.mark.timeout(120)
+
+ROWS, COLS = 10, 3
+
+
+def make_variables(strategy):
+    rng = np.random.default_rng(0)
+    w = strategy.create_variable("dense/w", initial_value=rng.normal(size=(ROWS, COLS)).astype(np.float32),
+                                 optimizer="adam", optimizer_params={"learning_rate": 0.05})
+    b = strategy.create_variable("dense/b", initial_value=np.zeros(COLS, np.float32),
+                                 optimizer="momentum", optimizer_params={"learning_rate": 0.1})
+    return w, b
+
+
+def train(w, b, steps: int, seed: int):
+    """Deterministic pushes from the coordinator: the same seed, the same updates."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        push_gradients([(w, rng.normal(size=(ROWS, COLS)).astype(np.float32)),
+                        (b, rng.normal(size=COLS).astype(np.float32))])
+
+
+def test_restore_continues_training_exactly(tmp_path):
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        w, b = make_variables(strategy)
+        train(w, b, 5, seed=1)
+        ckpt = CheckpointManager(strategy, str(tmp_path))
+        path = ckpt.save(step=5, extra={"epoch": 2})
+        train(w, b, 5, seed=2)                      # uninterrupted: 5 more steps
+        expected = read_variables([w, b])
+        versions = [m.version for m in w.meta()]
+        train(w, b, 3, seed=99)                     # wander off...
+        state = ckpt.restore()                      # ...and come back
+        assert state == {"step": 5, "extra": {"epoch": 2}, "path": path}
+        train(w, b, 5, seed=2)                      # the same 5 steps again
+        got = read_variables([w, b])
+        for e, g in zip(expected, got):
+            np.testing.assert_array_equal(g, e)     # slots restored too, or Adam would differ
+        assert [m.version for m in w.meta()] == versions
+
+
+def test_checkpoint_files_are_plain_safetensors(tmp_path):
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        w, b = make_variables(strategy)
+        train(w, b, 2, seed=1)
+        path = CheckpointManager(strategy, str(tmp_path)).save(step=2)
+        value = w.read()
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    shards = manifest["variables"]["dense/w"]["shards"]
+    assert [s["rows"] for s in shards] == [5, 5]
+    parts = [load_file(os.path.join(path, s["file"])) for s in shards]
+    np.testing.assert_array_equal(np.concatenate([p["value"] for p in parts]), value)
+    assert {"value", "slot/m", "slot/v", "slot/iterations"} <= set(parts[0])
+
+
+@pytest.mark.parametrize("num_ps", [1, 3])
+def test_two_shard_checkpoint_restores_into_other_cluster_sizes(tmp_path, num_ps):
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        w, b = make_variables(strategy)
+        train(w, b, 4, seed=1)
+        CheckpointManager(strategy, str(tmp_path)).save(step=4)
+        saved = read_variables([w, b])
+        assert w.num_shards == 2
+    with LocalCluster(num_ps=num_ps, num_workers=0) as other:
+        strategy = ParameterServerStrategy(other.spec, variable_partitioner=FixedShardsPartitioner(num_ps))
+        w2, b2 = make_variables(strategy)
+        assert w2.num_shards == num_ps
+        CheckpointManager(strategy, str(tmp_path)).restore()
+        for e, g in zip(saved, read_variables([w2, b2])):
+            np.testing.assert_array_equal(g, e)
+
+
+def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    # Parameter server 1 dies while writing its shard files (fault-injection switch).
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        w, b = make_variables(strategy)
+        train(w, b, 2, seed=1)
+        ckpt = CheckpointManager(strategy, str(tmp_path))
+        good = ckpt.save(step=2)
+        saved = read_variables([w, b])
+        # Restart ps 1 with the fault switch on, with its shards restored.
+        from psserver.process import start_task
+        victim = cluster.ps[1]
+        victim.kill()
+        port = victim.address.rsplit(":", 1)[1]
+        cluster.ps[1] = start_task("psserver", ["--port", port],
+                                   env={**cluster._env, "PSTRAIN_FAULT_CRASH_IN_SAVE": "1"})
+        from coordinator import variables as V
+        for v in (w, b):
+            for s in v.shards:
+                if s.address == victim.address:
+                    V.client_for(s.address).create_variable(
+                        s.name, None, v.dtype, initial_value=np.zeros((s.rows,) + v.shape[1:], v.dtype),
+                        optimizer=v.optimizer)
+        ckpt.restore(good)
+        train(w, b, 2, seed=3)
+        with pytest.raises(PSError):
+            ckpt.save(step=4)
+        assert not cluster.ps[1].alive()
+        assert ckpt.checkpoints() == [good] and ckpt.latest() == good
+        assert not [n for n in os.listdir(tmp_path) if n != os.path.basename(good)]
+    # The previous checkpoint is whole: it restores on a fresh cluster.
+    with LocalCluster(num_ps=1, num_workers=0) as fresh:
+        strategy = ParameterServerStrategy(fresh.spec)
+        w2, b2 = make_variables(strategy)
+        assert CheckpointManager(strategy, str(tmp_path)).restore()["step"] == 2
+        for e, g in zip(saved, read_variables([w2, b2])):
+            np.testing.assert_array_equal(g, e)
+
+
+def test_keeps_the_last_k_and_saves_on_schedule(tmp_path):
+    with LocalCluster(num_ps=1, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        w, b = make_variables(strategy)
+        ckpt = CheckpointManager(strategy, str(tmp_path), max_to_keep=2, every_n_steps=10)
+        saved_at = [step for step in range(0, 50, 5) if ckpt.maybe_save(step)]
+        assert saved_at == [0, 10, 20, 30, 40]
+        assert [os.path.basename(p) for p in ckpt.checkpoints()] == ["ckpt-00000030",
+                                                                       "ckpt-00000040"]
+
+
+def test_restore_refuses_a_mismatched_variable(tmp_path):
+    with LocalCluster(num_ps=1, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        make_variables(strategy)
+        ckpt = CheckpointManager(strategy, str(tmp_path))
+        ckpt.save(step=1)
+        strategy.create_variable("extra", shape=(2,))
+        with pytest.raises(CheckpointError, match="'extra' is not in checkpoint"):
+            ckpt.restore()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        with LocalCluster(num_ps=1, num_workers=0) as c2:
+            CheckpointManager(ParameterServerStrategy(c2.spec), str(tmp_path / "empty")).restore()
+
+
+def test_min_size_sharded_table_round_trip(tmp_path):
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(
+            cluster.spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=1 << 10, max_shards=2))
+        table = strategy.create_variable("emb", shape=(1000, 8), initializer="random_normal", seed=1,
+                                         optimizer="adagrad")
+        table.push_sparse([1, 999, 1], np.ones((3, 8), np.float32))
+        ckpt = CheckpointManager(strategy, str(tmp_path))
+        ckpt.save(step=1)
+        before = table.read()
+        table.push_sparse([5], np.ones((1, 8), np.float32))
+        ckpt.restore()
+        np.testing.assert_array_equal(table.read(), before)
