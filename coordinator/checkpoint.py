@@ -41,6 +41,7 @@ the files back on restore.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -52,6 +53,9 @@ from typing import Any
 import numpy as np
 
 from coordinator import variables as V
+from psserver.errors import DeadlineExceeded, NotFound, Unavailable
+
+log = logging.getLogger("coordinator.checkpoint")
 
 FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
@@ -99,16 +103,33 @@ class CheckpointManager:
         ckpts = self.checkpoints()
         return ckpts[-1] if ckpts else None
 
+    def restore_or_initialize(self) -> dict | None:
+        """Restore the latest checkpoint if there is one (a restarted
+        coordinator resumes from it); else leave the variables as created.
+        Returns restore()'s dict, or None when there was nothing to restore."""
+        return self.restore() if self.latest() else None
+
     # -- saving ---------------------------------------------------------------------------
     def maybe_save(self, step: int, extra: dict | None = None) -> str | None:
-        """Save if every_n_steps steps or every_seconds seconds have passed."""
+        """Save if every_n_steps steps or every_seconds seconds have passed.
+
+        A save that fails because a parameter server is unreachable is
+        skipped with a warning (the next one is due at once): a periodic
+        checkpoint must not end a job that the coordinator is recovering.
+        """
         due = False
         if self.every_n_steps and (self._last_step is None
                                    or step - self._last_step >= self.every_n_steps):
             due = True
         if self.every_seconds and time.monotonic() - self._last_time >= self.every_seconds:
             due = True
-        return self.save(step, extra) if due else None
+        if not due:
+            return None
+        try:
+            return self.save(step, extra)
+        except (Unavailable, DeadlineExceeded, NotFound) as exc:
+            log.warning("checkpoint at step %d skipped: %s", step, exc)
+            return None
 
     def save(self, step: int, extra: dict | None = None) -> str:
         """Write a checkpoint of every variable; return its directory.
@@ -169,12 +190,14 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # -- restoring ------------------------------------------------------------------------
-    def restore(self, path: str | None = None) -> dict:
+    def restore(self, path: str | None = None, *, address: str | None = None) -> dict:
         """Load a checkpoint (default: the latest) into the strategy's variables.
 
         Every variable of the strategy must be in the checkpoint with the same
-        shape, dtype and optimizer (its sharding may differ). Returns
-        {"step", "extra", "path"}. Raises CheckpointError.
+        shape, dtype and optimizer (its sharding may differ). With
+        ``address``, only the shards on that parameter server are restored
+        (recovering a server that restarted). Returns {"step", "extra",
+        "path"}. Raises CheckpointError.
         """
         path = path or self.latest()
         if path is None:
@@ -187,11 +210,12 @@ class CheckpointManager:
         saved = manifest["variables"]
         with futures.ThreadPoolExecutor(4) as pool:
             for v in self.strategy.variables:
-                self._restore_variable(v, saved.get(v.name), path, pool)
+                if address is None or any(s.address == address for s in v.shards):
+                    self._restore_variable(v, saved.get(v.name), path, pool, address)
         return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
 
     def _restore_variable(self, v: V.ShardedVariable, info: dict | None, path: str,
-                          pool: futures.Executor) -> None:
+                          pool: futures.Executor, address: str | None = None) -> None:
         from safetensors.numpy import load_file
 
         if info is None:
@@ -211,6 +235,9 @@ class CheckpointManager:
         version = max(s["version"] for s in info["shards"])
         handles = []
         for s in v.shards:
+            if address is not None and s.address != address:
+                continue
+
             def cut(a, lo=s.offset, hi=s.offset + s.rows):
                 return a if a.ndim == 0 else a[lo:hi]
             handles.append(pool.submit(

@@ -278,6 +278,12 @@ class _ClosureQueue:
             self._free_slot.notify_all()
             self._stop_waiting.notify_all()
 
+    def mark_failed_external(self, error: BaseException) -> None:
+        """An error outside any closure (a server that never came back)."""
+        with self._lock:
+            self._inflight += 1
+        self.mark_failed(error)
+
     def _raise_error_locked(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
@@ -401,6 +407,12 @@ class _WorkerThread:
             return
         if reply.WhichOneof("outcome") == "error":
             e = reply.error
+            if e.unreachable_ps and closure.sync is None:
+                log.warning("closure %s could not reach parameter server %s; re-queueing it "
+                            "and checking that server", closure.name, e.unreachable_ps)
+                self.coord._recovery.report(e.unreachable_ps)
+                queue.put_back(closure)
+                return
             err = StepFunctionError(e.type, e.message, e.traceback, self.address)
             closure.remote_value._set_error(err)
             queue.mark_failed(err)
@@ -434,6 +446,80 @@ class _WorkerThread:
             return
         closure.remote_value._set_value(ABANDONED)
         self.coord._queue.mark_finished()
+
+
+class _PSRecovery:
+    """Brings a parameter server back after a step could not reach it.
+
+    Decide, then act: while dispatching is paused, wait for the server to
+    answer; if its server_id is the one the strategy created shards on, the
+    trouble was the network and nothing is lost; if it changed, the process
+    restarted empty, and its shards are restored from the latest checkpoint
+    (or, without one, created again as they were first created). Then
+    dispatching resumes. A server that stays away longer than
+    ``ps_recovery_timeout`` fails the job with WorkerCallError.
+    """
+
+    def __init__(self, coord: "ClusterCoordinator"):
+        self.coord = coord
+        self._lock = threading.Lock()
+        self._active: dict[str, threading.Thread] = {}
+        self.recoveries = 0   # restarts recovered (a metric)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until no recovery is in progress."""
+        with self._lock:
+            threads = list(self._active.values())
+        for t in threads:
+            t.join(timeout)
+
+    def report(self, address: str) -> None:
+        with self._lock:
+            if address in self._active:
+                return
+            t = threading.Thread(target=self._recover, args=(address,), daemon=True,
+                                 name=f"PSRecovery-{address}")
+            self._active[address] = t
+            self.coord._paused.set()
+            t.start()
+
+    def _recover(self, address: str) -> None:
+        from coordinator import variables as V
+
+        coord, strategy = self.coord, self.coord.strategy
+        deadline = time.monotonic() + coord.ps_recovery_timeout
+        try:
+            client = V.client_for(address)
+            while True:
+                try:
+                    info = client.server_info()
+                    break
+                except PSError:
+                    if time.monotonic() > deadline or coord._closed:
+                        raise
+                    time.sleep(0.2)   # backoff between probes of a server that is down
+            if info.server_id != strategy.server_ids.get(address):
+                ckpt = coord.checkpoint_manager
+                if ckpt is not None and ckpt.latest():
+                    log.warning("parameter server %s restarted; restoring its shards from %s",
+                                address, ckpt.latest())
+                    ckpt.restore(address=address)
+                else:
+                    log.warning("parameter server %s restarted and no checkpoint holds its "
+                                "shards; creating them again as first created", address)
+                    strategy.recreate_shards(address)
+                strategy.server_ids[address] = info.server_id
+                self.recoveries += 1
+        except Exception as exc:
+            err = WorkerCallError(f"parameter server {address} did not come back within "
+                                  f"{coord.ps_recovery_timeout}s: {exc}")
+            coord._queue.mark_failed_external(err)
+        finally:
+            with self._lock:
+                del self._active[address]
+                if not self._active:
+                    coord._paused.clear()
+            coord._clocks_changed()
 
 
 class _Membership:
@@ -490,14 +576,27 @@ class ClusterCoordinator:
         the worker counts as failed and the closure is re-queued (None: none).
       membership_interval: seconds between looks at the cluster spec for
         workers that joined or left.
+      checkpoint_manager: a coordinator.checkpoint.CheckpointManager. When a
+        step cannot reach a parameter server, the closure is re-queued and
+        the coordinator pauses, waits for the server, and, if it restarted
+        empty, restores its shards from the manager's latest checkpoint
+        (without one: creates them again as first created). Async and
+        bounded modes; in sync mode the step fails.
+      ps_recovery_timeout: how long to wait for such a server (seconds).
 
     Use as a context manager, or call ``shutdown()``, to stop its threads.
     """
 
     def __init__(self, strategy: ParameterServerStrategy, *,
-                 closure_timeout: float | None = None, membership_interval: float = 1.0):
+                 closure_timeout: float | None = None, membership_interval: float = 1.0,
+                 checkpoint_manager=None, ps_recovery_timeout: float = 300.0):
         self.strategy = strategy
         self.closure_timeout = closure_timeout
+        self.checkpoint_manager = checkpoint_manager
+        self.ps_recovery_timeout = ps_recovery_timeout
+        # Set while a parameter server is being recovered: no closure starts.
+        self._paused = threading.Event()
+        self._recovery = _PSRecovery(self)
         self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {strategy.token}"),) if strategy.token else ()
         self._queue = _ClosureQueue()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
@@ -547,6 +646,7 @@ class ClusterCoordinator:
         """
         if not self._queue.wait(timeout):
             raise TimeoutError(f"scheduled closures still running after {timeout}s")
+        self._recovery.wait(timeout)   # a server being restored is not done yet
 
     def done(self) -> bool:
         """Whether all scheduled functions finished (raises a pending error)."""
@@ -626,7 +726,12 @@ class ClusterCoordinator:
             self._clock_cond.notify_all()
 
     def _may_start(self, worker: _WorkerThread) -> bool:
-        """Bounded mode: wait (briefly) until worker is within the bound."""
+        """Wait (briefly) while a parameter server is being recovered, and in
+        bounded mode until worker is within the bound."""
+        if self._paused.is_set():
+            with self._clock_cond:
+                self._clock_cond.wait(0.2)
+            return False
         s = self.strategy.staleness
         if s is None:
             return True

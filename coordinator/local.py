@@ -53,6 +53,10 @@ class LocalCluster:
       token: the auth token (default: a new random one).
       tls: True (default) makes a CA and certificate for mutual TLS; False
         runs plaintext; or a psserver.tls.TLSConfig to use.
+      restart: roles whose tasks are started again, on the same port, when
+        they die (as docker-compose's and Kubernetes' restart policies do).
+        Default ("ps",): a killed parameter server comes back (empty; the
+        coordinator restores it). Add "worker" to restart workers too.
       ps_args, worker_args: extra command-line arguments for those tasks.
       env: extra environment variables for every task.
     """
@@ -60,7 +64,7 @@ class LocalCluster:
     def __init__(self, num_ps: int = 2, num_workers: int = 2, *, token: str | None = None,
                  ps_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, start_timeout: float = 60.0,
-                 tls: bool | TLSConfig = True):
+                 tls: bool | TLSConfig = True, restart: tuple[str, ...] = ("ps",)):
         if num_ps < 1:
             raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
         if num_workers < 0:
@@ -75,6 +79,9 @@ class LocalCluster:
         self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(),
                      **(self.tls.env() if self.tls else {}), **(env or {})}
         self._timeout = start_timeout
+        self._restart = tuple(restart)
+        self._stopping = threading.Event()
+        self.restarts = 0   # tasks restarted by the supervisor
         self._lock = threading.Lock()
         self.ps: list[TaskProcess] = []
         self.workers: list[TaskProcess | None] = []
@@ -88,6 +95,46 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        for i in range(len(self.ps)):
+            self._supervise("ps", i)
+        for i in range(len(self.workers)):
+            self._supervise("worker", i)
+
+    def _tasks(self, role: str) -> list:
+        return self.ps if role == "ps" else self.workers
+
+    def _supervise(self, role: str, index: int) -> None:
+        """Start the task again on its port whenever it exits, until stop()."""
+        if role not in self._restart:
+            return
+
+        def watch() -> None:
+            while not self._stopping.is_set():
+                with self._lock:
+                    task = self._tasks(role)[index]
+                if task is None:
+                    return
+                task.proc.wait()
+                if self._stopping.is_set():
+                    return
+                with self._lock:
+                    if self._tasks(role)[index] is not task:   # replaced by hand
+                        continue
+                port = task.address.rsplit(":", 1)[1]
+                module = "psserver" if role == "ps" else "psworker"
+                args = self._ps_args if role == "ps" else self._worker_args
+                try:
+                    new = start_task(module, ["--port", port, *args], env=self._env,
+                                     timeout=self._timeout)
+                except RuntimeError:
+                    if self._stopping.wait(0.5):   # port still held: try again shortly
+                        return
+                    continue
+                with self._lock:
+                    self._tasks(role)[index] = new
+                    self.restarts += 1
+        threading.Thread(target=watch, name=f"LocalCluster-supervise-{role}{index}",
+                         daemon=True).start()
 
     def _start(self, module: str, args: tuple[str, ...]) -> TaskProcess:
         return start_task(module, ["--port", "0", *args], env=self._env, timeout=self._timeout)
@@ -108,7 +155,9 @@ class LocalCluster:
         w = self._start("psworker", self._worker_args)
         with self._lock:
             self.workers.append(w)
-            return len(self.workers) - 1
+            index = len(self.workers) - 1
+        self._supervise("worker", index)
+        return index
 
     def restart_worker(self, index: int) -> None:
         """SIGKILL worker ``index`` (if running) and start a new one on its address.
@@ -116,6 +165,9 @@ class LocalCluster:
         The spec does not change; the coordinator reconnects to the new
         process, re-creates its datasets and re-queues what the old one lost.
         """
+        if "worker" in self._restart:
+            raise ValueError("workers are restarted by the cluster itself (restart includes "
+                             "\"worker\"): kill the process and it comes back")
         with self._lock:
             old = self.workers[index]
         if old is None:
@@ -134,9 +186,17 @@ class LocalCluster:
         if w is not None:
             w.kill()
 
+    def kill_ps(self, index: int) -> None:
+        """SIGKILL parameter server ``index`` (restarted if "ps" is in restart)."""
+        with self._lock:
+            task = self.ps[index]
+        task.kill()
+
     def stop(self) -> None:
         """Stop every task (SIGTERM, then SIGKILL after a grace period)."""
-        tasks = [t for t in self.ps + self.workers if t is not None]
+        self._stopping.set()
+        with self._lock:
+            tasks = [t for t in self.ps + self.workers if t is not None]
         for t in tasks:
             if t.alive():
                 t.proc.terminate()

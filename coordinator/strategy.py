@@ -118,6 +118,10 @@ class ParameterServerStrategy:
         that hangs). A replica whose worker dies is abandoned at once. 0:
         wait for every replica.
       staleness: bounded mode: the bound s (required).
+      reuse_existing: a coordinator that restarts while its parameter
+        servers keep running: ``create_variable`` adopts a variable of the
+        same name, shape, dtype and optimizer that is already there, with its
+        trained value, instead of raising AlreadyExists.
 
     Raises:
       ClusterConfigError: the cluster has no parameter servers.
@@ -129,7 +133,8 @@ class ParameterServerStrategy:
                  token: str | None = None, mode: str = "async",
                  num_replicas: int | None = None, backup_workers: int = 0,
                  aggregation: str = "mean", step_timeout: float = 30.0,
-                 staleness: int | None = None, tls: TLSConfig | None = None):
+                 staleness: int | None = None, tls: TLSConfig | None = None,
+                 reuse_existing: bool = False):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -142,6 +147,13 @@ class ParameterServerStrategy:
         self._lock = threading.Lock()
         self._next_ps = 0      # round-robin placement counter, as TF's
         self._variables: dict[str, V.ShardedVariable] = {}
+        # How each shard was created, to create it again on a parameter server
+        # that restarted empty when no checkpoint holds it.
+        self._creation: dict[str, dict] = {}
+        # server_id of each parameter server when we created shards there: a
+        # different one later means the process restarted and lost them.
+        self.server_ids: dict[str, str] = {}
+        self.reuse_existing = reuse_existing
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -275,10 +287,13 @@ class ParameterServerStrategy:
                     kw["initializer"] = dataclasses.replace(init, seed=init.seed + i)
                 else:
                     kw["initializer"] = init
-                V.client_for(addr).create_variable(
-                    sname, sshape, dtype, optimizer=optimizer,
-                    optimizer_params=optimizer_params, allow_nonfinite=allow_nonfinite, **kw)
+                create = dict(name=sname, shape=sshape, dtype=dtype, optimizer=optimizer,
+                              optimizer_params=optimizer_params,
+                              allow_nonfinite=allow_nonfinite, **kw)
+                V.client_for(addr).create_variable(**create, exist_ok=self.reuse_existing)
+                self._note_server(addr)
                 shards.append(V.Shard(addr, sname, lo, hi - lo))
+                self._creation[sname] = create
         except BaseException:
             for s in shards:   # all-or-nothing
                 try:
@@ -289,6 +304,19 @@ class ParameterServerStrategy:
         var = V.ShardedVariable(name, shape, dtype, tuple(shards), optimizer)
         self._variables[name] = var
         return var
+
+    def _note_server(self, addr: str) -> None:
+        if addr not in self.server_ids:
+            self.server_ids[addr] = V.client_for(addr).server_info().server_id
+
+    def shards_on(self, addr: str) -> list[tuple[V.ShardedVariable, V.Shard]]:
+        return [(v, s) for v in self._variables.values() for s in v.shards if s.address == addr]
+
+    def recreate_shards(self, addr: str) -> None:
+        """Create again, as first created, the shards that lived on ``addr``
+        (their training is lost: used when no checkpoint holds them)."""
+        for _, s in self.shards_on(addr):
+            V.client_for(addr).create_variable(**self._creation[s.name], exist_ok=True)
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
         for s in var.shards:

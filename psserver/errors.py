@@ -10,9 +10,14 @@ import grpc
 
 
 class PSError(Exception):
-    """Base class of every error the service reports."""
+    """Base class of every error the service reports.
+
+    ``address`` is the parameter server the failed call went to, when the
+    error came from a call (the coordinator uses it to recover that server).
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    address: str = ""
 
 
 class InvalidArgument(PSError, ValueError):
@@ -90,4 +95,5 @@ def from_rpc_error(exc: grpc.RpcError, target: str = "") -> PSError:
     where = f" [{target}]" if target else ""
     err = cls(f"{details}{where}")
     err.code = code
+    err.address = target
     return err

@@ -85,6 +85,7 @@ class Variable:
         self.cond = threading.Condition(self.lock)
         self.sync_steps = 0                     # sync steps applied
         self.acc: S.Accumulation | None = None  # the sync step being gathered
+        self.sync_buffer: np.ndarray | None = None   # sync mode's sum buffer, reused
         self.dropped = 0                        # late sync gradients dropped
 
     @property

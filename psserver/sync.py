@@ -57,17 +57,23 @@ class SyncSpec:
 class Accumulation:
     """The gradients of one step on one variable, until the step is applied."""
 
-    def __init__(self, step: int, spec: SyncSpec, sparse: bool, value: np.ndarray):
+    def __init__(self, step: int, spec: SyncSpec, sparse: bool, buffer: np.ndarray | None):
         self.step, self.spec, self.sparse = step, spec, sparse
         self.first_time = time.monotonic()
         self.replicas: set[int] = set()
-        # Dense: a running sum (one variable-sized buffer while a step is open).
-        self.total = None if sparse else np.zeros_like(value)
+        # Dense: the running sum, in a variable-sized buffer kept by the
+        # variable from step to step (no allocation per step).
+        self.total = buffer
         self.parts: list[tuple[np.ndarray, np.ndarray]] = []   # sparse: (ids, rows)
 
     def add(self, replica: int, grad) -> None:
         if self.sparse:
             self.parts.append(grad)
+        elif not self.replicas:   # the first gradient: copy it in (no zeroing, no add)
+            if self.total is None or self.total.shape != grad.shape:
+                self.total = np.array(grad, copy=True)
+            else:
+                np.copyto(self.total, grad)
         else:
             np.add(self.total, grad, out=self.total)
         self.replicas.add(replica)
@@ -117,6 +123,7 @@ def apply(var, forced: bool = False) -> None:
             if scale is not None:
                 acc.total *= acc.total.dtype.type(scale)
             var.optimizer.apply_dense(var.value, var.slots, acc.total)
+            var.sync_buffer = acc.total   # reused by the next step
     var.version += 1
     var.sync_steps = acc.step + 1
     var.cond.notify_all()
@@ -131,7 +138,7 @@ def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
         var.dropped += 1
         return True
     if var.acc is None:
-        var.acc = Accumulation(spec.step, spec, sparse, var.value)
+        var.acc = Accumulation(spec.step, spec, sparse, None if sparse else var.sync_buffer)
     elif var.acc.sparse != sparse:
         raise InvalidArgument(
             f"{var.name!r} got dense and sparse gradients in sync step {spec.step}; push "

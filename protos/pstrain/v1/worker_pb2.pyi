@@ -48,14 +48,16 @@ class ClosureRequest(_message.Message):
     def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
-    __slots__ = ("type", "message", "traceback")
+    __slots__ = ("type", "message", "traceback", "unreachable_ps")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_PS_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+    unreachable_ps: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., unreachable_ps: _Optional[str] = ...) -> None: ...
 
 class ClosureReply(_message.Message):
     __slots__ = ("result", "error")
