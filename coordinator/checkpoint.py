@@ -216,15 +216,17 @@ class CheckpointManager:
 
     def _restore_variable(self, v: V.ShardedVariable, info: dict | None, path: str,
                           pool: futures.Executor, address: str | None = None) -> None:
-        from safetensors.numpy import load_file
-
         if info is None:
             raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
         if (tuple(info["shape"]), info["dtype"], info["optimizer"]) != (v.shape, v.dtype, v.optimizer):
             raise CheckpointError(
                 f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
                 f"{info['dtype']} {info['shape']} {info['optimizer']} in {path}")
-        parts = [load_file(os.path.join(path, s["file"])) for s in info["shards"]]
+        loaded = [_load_shard(os.path.join(path, s["file"])) for s in info["shards"]]
+        parts = [tensors for tensors, _ in loaded]
+        meta = loaded[0][1]
+        optimizer_params = json.loads(meta.get("optimizer_params", "{}"))
+        allow_nonfinite = json.loads(meta.get("allow_nonfinite", "false"))
         value = _join([p["value"] for p in parts], v.shape)
         slots = {}
         for key in parts[0]:
@@ -243,10 +245,22 @@ class CheckpointManager:
             handles.append(pool.submit(
                 V.client_for(s.address).create_variable, s.name, None, v.dtype,
                 initial_value=cut(value), optimizer=v.optimizer,
+                optimizer_params=optimizer_params, allow_nonfinite=allow_nonfinite,
                 slots={k: cut(a) for k, a in slots.items()},
                 version=version, overwrite=True))
         for h in handles:
             h.result()
+
+
+def _load_shard(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of one shard file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
 
 
 def _join(arrays: list[np.ndarray], shape) -> np.ndarray:

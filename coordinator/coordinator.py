@@ -407,11 +407,11 @@ class _WorkerThread:
             return
         if reply.WhichOneof("outcome") == "error":
             e = reply.error
-            if e.unreachable_ps and closure.sync is None:
-                log.warning("closure %s could not reach parameter server %s; re-queueing it "
-                            "and checking that server", closure.name, e.unreachable_ps)
-                self.coord._recovery.report(e.unreachable_ps)
-                queue.put_back(closure)
+            if e.ps_address and closure.sync is None:
+                log.warning("closure %s failed on parameter server %s (%s); checking that "
+                            "server before deciding", closure.name, e.ps_address, e.ps_code)
+                err = StepFunctionError(e.type, e.message, e.traceback, self.address)
+                self.coord._recovery.report(e.ps_address, closure, e.ps_code, err)
                 return
             err = StepFunctionError(e.type, e.message, e.traceback, self.address)
             closure.remote_value._set_error(err)
@@ -464,6 +464,8 @@ class _PSRecovery:
         self.coord = coord
         self._lock = threading.Lock()
         self._active: dict[str, threading.Thread] = {}
+        # Closures waiting for the verdict on a server: (closure, code, error).
+        self._pending: dict[str, list] = {}
         self.recoveries = 0   # restarts recovered (a metric)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -473,8 +475,16 @@ class _PSRecovery:
         for t in threads:
             t.join(timeout)
 
-    def report(self, address: str) -> None:
+    def report(self, address: str, closure: Closure | None = None, code: str = "UNAVAILABLE",
+               error: BaseException | None = None) -> None:
+        """A closure failed on ``address``: recover it, then decide the closure.
+
+        The closure is re-run if the server was unreachable or had restarted;
+        a NOT_FOUND from a server that did not restart fails it with ``error``.
+        """
         with self._lock:
+            if closure is not None:
+                self._pending.setdefault(address, []).append((closure, code, error))
             if address in self._active:
                 return
             t = threading.Thread(target=self._recover, args=(address,), daemon=True,
@@ -483,42 +493,73 @@ class _PSRecovery:
             self.coord._paused.set()
             t.start()
 
+    def _decide(self, address: str, restarted: bool | None, error: BaseException | None) -> None:
+        """Settle the closures that failed on address, until none is left.
+
+        restarted None means the server could not be recovered: every such
+        closure fails with ``error``. Runs until the pending list is empty
+        *and* the recovery is deregistered, under one lock, so a closure
+        reported meanwhile is never left waiting.
+        """
+        queue = self.coord._queue
+        while True:
+            with self._lock:
+                pending = self._pending.pop(address, [])
+                if not pending:
+                    del self._active[address]
+                    if not self._active:
+                        self.coord._paused.clear()
+                    return
+            for closure, code, closure_error in pending:
+                if restarted is None:
+                    closure.remote_value._set_error(error)
+                    queue.mark_failed(error)
+                elif code == "NOT_FOUND" and not restarted:
+                    closure.remote_value._set_error(closure_error)
+                    queue.mark_failed(closure_error)
+                else:
+                    queue.put_back(closure)
+
     def _recover(self, address: str) -> None:
         from coordinator import variables as V
 
         coord, strategy = self.coord, self.coord.strategy
         deadline = time.monotonic() + coord.ps_recovery_timeout
+        restarted, error = None, None
         try:
             client = V.client_for(address)
-            while True:
+            while True:   # until recovered; a server that fails again mid-restore is retried
                 try:
                     info = client.server_info()
+                    restarted = info.server_id != strategy.server_ids.get(address)
+                    if restarted:
+                        ckpt = coord.checkpoint_manager
+                        if ckpt is not None and ckpt.latest():
+                            log.warning("parameter server %s restarted; restoring its shards "
+                                        "from %s", address, ckpt.latest())
+                            ckpt.restore(address=address)
+                        else:
+                            log.warning("parameter server %s restarted and no checkpoint holds "
+                                        "its shards; creating them again as first created",
+                                        address)
+                            strategy.recreate_shards(address)
+                        strategy.server_ids[address] = info.server_id
+                        self.recoveries += 1
                     break
                 except PSError:
                     if time.monotonic() > deadline or coord._closed:
                         raise
                     time.sleep(0.2)   # backoff between probes of a server that is down
-            if info.server_id != strategy.server_ids.get(address):
-                ckpt = coord.checkpoint_manager
-                if ckpt is not None and ckpt.latest():
-                    log.warning("parameter server %s restarted; restoring its shards from %s",
-                                address, ckpt.latest())
-                    ckpt.restore(address=address)
-                else:
-                    log.warning("parameter server %s restarted and no checkpoint holds its "
-                                "shards; creating them again as first created", address)
-                    strategy.recreate_shards(address)
-                strategy.server_ids[address] = info.server_id
-                self.recoveries += 1
         except Exception as exc:
-            err = WorkerCallError(f"parameter server {address} did not come back within "
-                                  f"{coord.ps_recovery_timeout}s: {exc}")
-            coord._queue.mark_failed_external(err)
-        finally:
+            restarted = None
+            error = WorkerCallError(f"parameter server {address} could not be recovered "
+                                    f"(waited up to {coord.ps_recovery_timeout}s): {exc}")
             with self._lock:
-                del self._active[address]
-                if not self._active:
-                    coord._paused.clear()
+                nothing_pending = not self._pending.get(address)
+            if nothing_pending:
+                coord._queue.mark_failed_external(error)
+        finally:
+            self._decide(address, restarted, error)
             coord._clocks_changed()
 
 

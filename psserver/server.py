@@ -44,10 +44,15 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     limit = max_message_bytes + MESSAGE_OVERHEAD
     return [("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
-            # Keep idle connections alive through NATs and detect dead peers.
-            ("grpc.keepalive_time_ms", 30_000),
+            # Detect a dead or cut-off peer within KEEPALIVE (10 s) + 5 s even
+            # when no call is in flight, and keep idle connections through NATs.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # Servers accept those pings (the default minimum is 5 minutes).
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             # A second server on a port in use must fail, not share the port.
             ("grpc.so_reuseport", 0)]
 

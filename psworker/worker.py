@@ -30,7 +30,7 @@ from psserver.sync import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver import tls as TLS
-from psserver.errors import DeadlineExceeded, Unavailable
+from psserver.errors import DeadlineExceeded, NotFound, Unavailable
 from psserver.server import TOKEN_ENV, join_host_port, make_server, serve
 from psserver.servicer import PROTOCOL_VERSION
 
@@ -112,19 +112,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             reply = worker_pb2.ClosureReply(error=worker_pb2.ErrorInfo(
                 type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc(),
-                unreachable_ps=_unreachable_ps(exc)))
+                **_ps_failure(exc)))
         with self._count_lock:
             self._count += 1
         return reply
 
 
-def _unreachable_ps(exc: BaseException) -> str:
-    """The parameter server a step failed to reach, if that is why it failed."""
+def _ps_failure(exc: BaseException) -> dict:
+    """ErrorInfo fields naming the parameter server a step failed on, if any."""
     while exc is not None:
-        if isinstance(exc, (Unavailable, DeadlineExceeded)) and exc.address:
-            return exc.address
+        if isinstance(exc, (Unavailable, DeadlineExceeded, NotFound)) and exc.address:
+            return {"ps_address": exc.address, "ps_code": exc.code.name}
         exc = exc.__cause__ or exc.__context__
-    return ""
+    return {}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,16 +48,18 @@ class ClosureRequest(_message.Message):
     def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
-    __slots__ = ("type", "message", "traceback", "unreachable_ps")
+    __slots__ = ("type", "message", "traceback", "ps_address", "ps_code")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
-    UNREACHABLE_PS_FIELD_NUMBER: _ClassVar[int]
+    PS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PS_CODE_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
-    unreachable_ps: str
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., unreachable_ps: _Optional[str] = ...) -> None: ...
+    ps_address: str
+    ps_code: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., ps_address: _Optional[str] = ..., ps_code: _Optional[str] = ...) -> None: ...
 
 class ClosureReply(_message.Message):
     __slots__ = ("result", "error")

@@ -1,0 +1,231 @@
+"""Failures of every role on real clusters: the job goes on, nothing hangs."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from coordinator import (ClusterCoordinator, ClusterSpec, FixedShardsPartitioner, LocalCluster,
+                         ParameterServerStrategy, batches, read_variables)
+from coordinator.checkpoint import CheckpointManager
+from coordinator.variables import push_gradients
+
+pytestmark = pytest.mark.timeout(180)
+
+ROWS = 8
+
+
+def counting_step(w_var):
+    """Each step adds 1 to every element (SGD, lr 1, gradient -1)."""
+    def step():
+        push_gradients([(w_var, -np.ones((ROWS, 4), np.float32))])
+        return os.getpid()
+    return step
+
+
+def kill_once(marker: str, pid: int) -> bool:
+    """SIGKILL pid the first time any closure gets here (a marker file decides)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def make_killing_step(w_var, marker, ps_pid):
+    inner = counting_step(w_var)
+
+    def step(kill):
+        if kill:
+            kill_once(marker, ps_pid)
+        return inner()
+    return step
+
+
+def _sgd_table(strategy):
+    return strategy.create_variable("w", initial_value=np.zeros((ROWS, 4), np.float32),
+                                    optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+
+
+@pytest.mark.parametrize("with_checkpoint", [True, False])
+def test_killed_parameter_server_is_restored_and_training_goes_on(tmp_path, with_checkpoint):
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:   # restarts a dead ps by default
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        w = _sgd_table(strategy)
+        ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt")) if with_checkpoint else None
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt) as coord:
+            step = make_killing_step(w, str(tmp_path / "killed"), cluster.ps[1].pid)
+            coord.fetch([coord.schedule(step, args=(False,)) for _ in range(10)])
+            if ckpt:
+                ckpt.save(step=10)
+            coord.fetch([coord.schedule(step, args=(i == 5,)) for i in range(20)])
+            coord.join()
+            assert coord._recovery.recoveries == 1
+            value = w.read()
+        assert cluster.restarts == 1
+    top, bottom = value[:ROWS // 2], value[ROWS // 2:]   # ps 0 holds the top rows
+    assert (top >= 30).all() and (top <= 32).all()        # every step, a re-run at most twice
+    floor = 10 if with_checkpoint else 0                  # the rest came back from the checkpoint
+    assert (bottom >= floor + 14).all() and (bottom <= 30).all()
+    assert len(np.unique(bottom)) == 1
+
+
+class CuttableProxy:
+    """A TCP forwarder that can cut its link (close everything, refuse new)."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self._lock = threading.Condition()
+        self._cut = False
+        self._conns: list[socket.socket] = []
+        self.refused = 0
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    def _accept(self):
+        while not self._stop:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._cut:
+                    self.refused += 1
+                    self._lock.notify_all()
+                    client.close()
+                    continue
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self):
+        with self._lock:
+            self._cut = True
+            for c in self._conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._conns.clear()
+
+    def wait_refused(self, timeout: float) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: self.refused > 0, timeout)
+
+    def restore(self):
+        with self._lock:
+            self._cut = False
+
+    def close(self):
+        self._stop = True
+        self.listener.close()
+        self.cut()
+
+
+def test_worker_cut_off_from_a_parameter_server_recovers_when_the_link_returns(tmp_path):
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        proxy = CuttableProxy(cluster.ps[0].address)
+        try:
+            snap = cluster.snapshot()
+            spec = ClusterSpec(ps=[proxy.address, snap.ps[1]], worker=snap.worker,
+                               token=snap.token, tls=snap.tls)
+            strategy = ParameterServerStrategy(spec, variable_partitioner=FixedShardsPartitioner(2))
+            w = _sgd_table(strategy)
+            with ClusterCoordinator(strategy) as coord:
+                step = counting_step(w)
+                coord.fetch([coord.schedule(step) for _ in range(10)])
+                proxy.cut()
+                pending = [coord.schedule(step) for _ in range(10)]
+                assert proxy.wait_refused(timeout=60), "nobody tried the cut link"
+                proxy.restore()
+                coord.fetch(pending)
+                coord.join()
+                assert coord._recovery.recoveries == 0   # same server: nothing to restore
+                value = w.read()
+        finally:
+            proxy.close()
+    assert (value >= 20).all() and (value <= 24).all()   # every step at least once
+
+
+# -- chaos -----------------------------------------------------------------------------------
+def test_chaos_digits_survives_random_kills_of_every_role(tmp_path):
+    from examples.digits import load_data
+    from examples.nn import MLP, make_train_step
+
+    x_tr, y_tr, x_te, y_te = load_data(seed=0)
+    kills = {"ps": 0, "worker": 0}
+    with LocalCluster(num_ps=2, num_workers=2, restart=("ps", "worker")) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        model = MLP([64, 64, 10], loss="softmax_cross_entropy")
+        model.create_variables(strategy, "mlp", optimizer="adam",
+                               optimizer_params={"learning_rate": 3e-3}, seed=0)
+        ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt"), every_n_steps=50)
+        stop = threading.Event()
+        rng = random.Random(1234)
+
+        def chaos():   # a kill every 0.3-0.8 s, alternating roles, 12 in all
+            for i in range(12):
+                if stop.wait(rng.uniform(0.3, 0.8)):
+                    return
+                role = "worker" if i % 2 == 0 else "ps"
+                tasks = cluster.workers if role == "worker" else cluster.ps
+                victim = tasks[rng.randrange(len(tasks))]
+                if victim is not None and victim.alive():
+                    victim.kill()
+                    kills[role] += 1
+
+        def dataset_fn(ctx):
+            x, y = ctx.shard(x_tr, y_tr)
+            return batches(x, y, batch_size=32, seed=ctx.input_pipeline_id)
+
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt) as coord:
+            it = iter(coord.create_per_worker_dataset(dataset_fn))
+            train_step = make_train_step(model)
+            driver = threading.Thread(target=chaos, name="chaos")
+            driver.start()
+            step = 0
+            try:
+                while driver.is_alive() or step < 600:
+                    coord.fetch([coord.schedule(train_step, args=(it,)) for _ in range(50)])
+                    step += 50
+                    ckpt.maybe_save(step)
+                    if step >= 3000:
+                        break
+            finally:
+                stop.set()
+                driver.join()
+            coord.fetch([coord.schedule(train_step, args=(it,)) for _ in range(100)])
+            coord.join()
+            params = read_variables(model.variables)
+        accuracy = float((model.predict(params, x_te).argmax(axis=1) == y_te).mean())
+    assert kills["ps"] >= 5 and kills["worker"] >= 5, kills
+    assert accuracy >= 0.90, accuracy
