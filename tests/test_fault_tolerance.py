@@ -229,3 +229,55 @@ def test_chaos_digits_survives_random_kills_of_every_role(tmp_path):
         accuracy = float((model.predict(params, x_te).argmax(axis=1) == y_te).mean())
     assert kills["ps"] >= 5 and kills["worker"] >= 5, kills
     assert accuracy >= 0.90, accuracy
+
+
+# -- coordinator restart ------------------------------------------------------------------------
+COORDINATOR_SCRIPT = '''
+import os, sys
+import numpy as np
+from coordinator import ClusterCoordinator, ParameterServerStrategy, TFConfigClusterResolver
+from coordinator.checkpoint import CheckpointManager
+from coordinator.variables import push_gradients
+
+strategy = ParameterServerStrategy(TFConfigClusterResolver(), reuse_existing=True)
+w = strategy.create_variable("w", initial_value=np.zeros(4, np.float32), optimizer="sgd",
+                             optimizer_params={"learning_rate": 1.0})
+ckpt = CheckpointManager(strategy, sys.argv[1])
+state = ckpt.restore_or_initialize()
+start = state["step"] if state else 0
+print("resumed from", start, flush=True)
+
+def step():
+    push_gradients([(w, -np.ones(4, np.float32))])
+
+with ClusterCoordinator(strategy) as coord:
+    for s in range(start, 100, 10):
+        coord.fetch([coord.schedule(step) for _ in range(10)])
+        ckpt.save(step=s + 10)
+        if s + 10 == 50 and sys.argv[2] == "crash":
+            coord.fetch([coord.schedule(step) for _ in range(5)])   # progress after the checkpoint
+            os._exit(1)                                             # the coordinator dies
+print("final", float(w.read()[0]), flush=True)
+'''
+
+
+def test_restarted_coordinator_resumes_from_the_latest_checkpoint(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(COORDINATOR_SCRIPT)
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        config = tmp_path / "tf_config.json"
+        config.write_text(json.dumps({"cluster": cluster.snapshot().as_dict()}))
+        env = {**os.environ, **cluster._env, "TF_CONFIG_FILE": str(config)}
+        run = [sys.executable, str(script), str(tmp_path / "ckpt")]
+        first = subprocess.run(run + ["crash"], env=env, capture_output=True, text=True, timeout=120)
+        assert first.returncode == 1, first.stderr
+        assert "resumed from 0" in first.stdout
+        second = subprocess.run(run + ["finish"], env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert second.returncode == 0, second.stderr
+    assert "resumed from 50" in second.stdout
+    assert "final 100.0" in second.stdout   # the 5 steps after checkpoint 50 were rolled back
