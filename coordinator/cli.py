@@ -1,4 +1,4 @@
-"""The ``coordinator`` command (also ``python -m coordinator``): deployment glue.
+"""The ``coordinator`` command (also ``python -m coordinator``): deployment and operator tools.
 
     coordinator run [--wait-ready S] [--worker-dns HOST:PORT] SCRIPT [ARGS...]
         Run a training script as the chief of the cluster in TF_CONFIG /
@@ -10,11 +10,32 @@
         Start this pod's psserver / psworker: the index is the StatefulSet
         ordinal of the hostname (ps-1 -> 1), the port that entry's port.
 
-Exit status: 2 for a bad cluster description, 3 when tasks do not come up.
+Operator tools, on the cluster in TF_CONFIG / TF_CONFIG_FILE or
+``--ps HOST:PORT,...`` (token: $PSTRAIN_AUTH_TOKEN or --token; TLS: $PSTRAIN_TLS_*):
+
+    coordinator ps list [--json]
+        Every variable on every parameter server: its logical variable and
+        shard, dtype, shape, version, optimizer, bytes; per-server totals.
+    coordinator ps health [--json]
+        gRPC health of every ps and worker; server_info of each ps.
+    coordinator checkpoint save DIR [--step N] [--extra JSON] [--json]
+        Have the parameter servers write a checkpoint under DIR, in
+        CheckpointManager's format; prints its path.
+    coordinator checkpoint restore DIR [--path ckpt-N] [--json]
+        Put a checkpoint (default: the latest) back into the running
+        servers, shard by shard; the layout must be the same.
+    coordinator checkpoint list DIR [--json]
+        The complete checkpoints in DIR.
+
+Exit status: run: 2 for a bad cluster description, 3 when tasks do not come
+up. Operator tools: 0 ok, 1 failure (a task unreachable or refusing, no
+checkpoint, a layout mismatch), 2 usage or configuration (bad arguments, no
+or malformed cluster description, unreadable TLS files).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import os
@@ -26,17 +47,22 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Mapping
+import uuid
+from concurrent import futures
+from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator import checkpoint as C
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       TFConfigClusterResolver, parse_tf_config)
+from psserver.client import PSClient
+from psserver.errors import PSError
 from psserver.server import TOKEN_ENV, TOKEN_METADATA_KEY, join_host_port
-from psserver.tls import TLSConfig, make_channel
+from psserver.tls import CA_ENV, CERT_ENV, KEY_ENV, TLSConfig, make_channel
 
-EXIT_CONFIG, EXIT_NOT_READY = 2, 3
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_NOT_READY = 0, 1, 2, 3
 _MODULES = {"ps": "psserver", "worker": "psworker"}
 
 
@@ -264,6 +290,596 @@ def _task(args) -> int:
     os.execve(argv[0], argv, env)   # the task becomes this process (it gets the signals)
 
 
+# == operator tools: coordinator ps list|health, coordinator checkpoint save|restore|list =====
+class OperatorError(Exception):
+    """A failure to report to the operator, with the exit status to end with."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The cluster an operator command talks to, and how."""
+    ps: tuple[str, ...]
+    worker: tuple[str, ...]
+    source: str                 # where the addresses came from (for messages)
+    token: str | None
+    tls: TLSConfig | None
+    timeout: float
+
+    def client(self, address: str) -> PSClient:
+        return PSClient(address, token=self.token, tls=self.tls, timeout=self.timeout)
+
+    def health_environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.token:
+            env[TOKEN_ENV] = self.token
+        return env
+
+
+def _split_addresses(text: str | None, flag: str) -> tuple[str, ...]:
+    out = tuple(a.strip() for a in (text or "").split(",") if a.strip())
+    for a in out:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ClusterConfigError(f'bad {flag} address {a!r}: expected "host:port"')
+    return out
+
+
+def target_from_args(args, environ: Mapping[str, str] = os.environ) -> Target:
+    """The cluster of --ps/--worker, else of TF_CONFIG / TF_CONFIG_FILE.
+
+    Raises ClusterConfigError (exit 2) when there is none or it is malformed.
+    """
+    try:
+        tls = TLSConfig.from_env(environ)
+    except ValueError as exc:
+        raise ClusterConfigError(f"bad TLS settings (${CERT_ENV}, ${KEY_ENV}, ${CA_ENV}): "
+                                 f"{exc}") from None
+    token = args.token or environ.get(TOKEN_ENV) or None
+    if args.ps or args.worker:
+        ps, worker = _split_addresses(args.ps, "--ps"), _split_addresses(args.worker, "--worker")
+        source = "--ps" if not worker else "--ps / --worker"
+    else:
+        try:
+            spec = TFConfigClusterResolver(environ=environ).cluster_spec()
+        except ClusterConfigError as exc:
+            if "no cluster description" in str(exc):
+                raise ClusterConfigError(f"{exc}; or pass --ps HOST:PORT,HOST:PORT") from None
+            raise
+        ps, worker = spec.ps, spec.worker
+        path = environ.get(TF_CONFIG_FILE_ENV)
+        source = f"{TF_CONFIG_FILE_ENV}={path}" if path else TF_CONFIG_ENV
+    if not ps:
+        raise ClusterConfigError(f"the cluster in {source} has no parameter servers: list their "
+                                 'addresses under "ps" (or pass --ps HOST:PORT,...)')
+    return Target(tuple(ps), tuple(worker), source, token, tls, args.timeout)
+
+
+# -- errors a person can act on ---------------------------------------------------------------
+def _reachability(address: str, timeout: float) -> tuple[str, str]:
+    """("dns" | "closed" | "open", detail): can a TCP connection to address open?"""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, ValueError, UnicodeError) as exc:
+        return "dns", f"cannot resolve {host!r}: {exc}"
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.settimeout(timeout)
+                s.connect(sockaddr)
+                return "open", ""
+        except OSError as exc:
+            last = exc
+    if isinstance(last, TimeoutError):   # socket.timeout is TimeoutError
+        return "closed", f"no answer to a TCP connect within {timeout:g}s"
+    return "closed", (last.strerror if last is not None and last.strerror else str(last))
+
+
+def _tls_words(tls: TLSConfig | None) -> str:
+    if tls is None:
+        return f"plaintext (no ${CERT_ENV} / ${KEY_ENV} / ${CA_ENV} set)"
+    return ("TLS with a client certificate" if tls.cert else "TLS without a client certificate") \
+        + (" and a CA" if tls.ca else " and the system's trusted CAs")
+
+
+def explain(target: Target, what: str, address: str, code: grpc.StatusCode | None,
+            details: str) -> str:
+    """What went wrong calling ``what`` ("ps 0") at address, and what to do about it."""
+    details = details.replace(f" [{address}]", "")
+    where = f"{what} at {address}"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        if not target.token:
+            return (f"{where} demands the cluster's auth token and none was given: set "
+                    f"${TOKEN_ENV} (or pass --token) to the token the tasks were started with")
+        return (f"{where} refused the auth token (UNAUTHENTICATED): ${TOKEN_ENV} (or --token) is "
+                "not this cluster's token; use the one the tasks were started with (Kubernetes: "
+                f"Secret pstrain-auth, key token; compose: {TOKEN_ENV} in .env)")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+        kind, why = _reachability(address, min(5.0, target.timeout))
+        if kind == "dns":
+            return (f"{where}: {why}. Check the address in {target.source}: is the host name "
+                    "right and resolvable from here?")
+        if kind == "closed":
+            return (f"nothing answers at {address} ({what}, from {target.source}): {why}. Check "
+                    f"that the address in {target.source} is right and that the task is running "
+                    "there")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return (f"{where} accepts connections but did not answer within {target.timeout:g}s: "
+                    "it may be overloaded or not a pstrain task; try a longer --timeout")
+        return (f"{where} accepts connections but the gRPC handshake fails ({details}): most "
+                f"likely a TLS mismatch. This command speaks {_tls_words(target.tls)}; set "
+                f"${CA_ENV} to the CA that signed the tasks' certificate (and ${CERT_ENV} / "
+                f"${KEY_ENV} when they demand client certificates), or unset all three if the "
+                "tasks run plaintext; the tasks' certificate must name the address used")
+    return f"{where}: {code.name}: {details}"
+
+
+def _explain_error(target: Target, what: str, address: str, exc: Exception,
+                   answered: bool = False) -> str:
+    """explain() for an exception; ``answered``: the task answered earlier calls of this
+    command, so losing it now means it went away (not a wrong address)."""
+    lost = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    if answered and isinstance(exc, PSError) and exc.code in lost:
+        return (f"{what} at {address} stopped answering ({exc.code.name}: "
+                f"{str(exc).replace(f' [{address}]', '')}); it answered moments before, so it "
+                "probably crashed or restarted: check its logs and health "
+                "(coordinator ps health)")
+    if isinstance(exc, PSError):
+        return explain(target, what, address, exc.code, str(exc))
+    return f"{what} at {address}: {type(exc).__name__}: {exc}"
+
+
+def _fan_out(fn: Callable, items: Sequence,
+             threads: int = 16) -> list[tuple[Any, Exception | None]]:
+    """[(fn(item), None) or (None, the exception)] in the order of items."""
+    def safe(item):
+        try:
+            return fn(item), None
+        except Exception as exc:  # noqa: BLE001 -- reported per item by the caller
+            return None, exc
+    if not items:
+        return []
+    with futures.ThreadPoolExecutor(min(threads, len(items))) as pool:
+        return list(pool.map(safe, items))
+
+
+def _listing(target: Target) -> list[tuple[int, str, list | None, str | None]]:
+    """(index, address, variables or None, error or None) of every parameter server."""
+    def one(address):
+        with target.client(address) as c:
+            return c.list_variables()
+    out = []
+    for i, (addr, (metas, exc)) in enumerate(zip(target.ps, _fan_out(one, target.ps))):
+        out.append((i, addr, metas, None if exc is None
+                    else _explain_error(target, f"ps {i}", addr, exc)))
+    return out
+
+
+def _listing_or_fail(target: Target) -> dict[str, list]:
+    """{address: variables} of every parameter server; OperatorError if one fails."""
+    listing = _listing(target)
+    errors = [err for _, _, _, err in listing if err]
+    if errors:
+        raise OperatorError("\n".join(errors))
+    return {addr: metas for _, addr, metas, _ in listing}
+
+
+# -- formatting ---------------------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n} B"   # not reached
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: set[int] = frozenset(),
+           indent: str = "") -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append((indent + "  ".join(parts)).rstrip())
+    return "\n".join(lines)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+# -- coordinator ps list --------------------------------------------------------------------
+def _ps_list(args) -> int:
+    target = target_from_args(args)
+    listing = _listing(target)
+    good = {addr: metas for _, addr, metas, err in listing if err is None}
+    counts: dict[str, int] = {}
+    for metas in good.values():
+        for m in metas:
+            base, index = C.split_shard_name(m.name)
+            if index is not None:
+                counts[base] = counts.get(base, 0) + 1
+    cuts: dict[str, tuple[int, int]] = {}
+    if len(good) == len(listing):
+        try:
+            for v in C.layout_from_listing(good):
+                cuts.update({s.name: (s.offset, s.rows) for s in v.shards if v.shape})
+        except C.CheckpointError:
+            pass   # not one consistent layout: shown without row ranges
+    servers, grand = [], {"variables": 0, "value_bytes": 0, "slot_bytes": 0, "bytes": 0}
+    for i, addr, metas, err in listing:
+        if err is not None:
+            servers.append({"index": i, "address": addr, "error": err})
+            continue
+        rows = []
+        for m in metas:
+            base, index = C.split_shard_name(m.name)
+            offset, nrows = cuts.get(m.name, (None, None))
+            rows.append({
+                "name": m.name, "variable": base, "shard": index,
+                "num_shards": counts.get(base) if index is not None else 1,
+                "offset": offset, "rows": nrows, "dtype": m.dtype, "shape": list(m.shape),
+                "version": m.version, "optimizer": m.optimizer,
+                "optimizer_params": dict(m.optimizer_params),
+                "value_bytes": m.nbytes, "slot_bytes": m.slot_nbytes,
+                "bytes": m.nbytes + m.slot_nbytes})
+        total = {"variables": len(rows), "value_bytes": sum(r["value_bytes"] for r in rows),
+                 "slot_bytes": sum(r["slot_bytes"] for r in rows)}
+        total["bytes"] = total["value_bytes"] + total["slot_bytes"]
+        for k in grand:
+            grand[k] += total[k]
+        servers.append({"index": i, "address": addr, "variables": rows, "total": total})
+    failed = [s for s in servers if "error" in s]
+    if args.json:
+        _print_json({"source": target.source, "servers": servers, "total": grand})
+    elif len(failed) < len(servers):
+        for s in servers:
+            if "error" in s:
+                print(f"ps {s['index']} at {s['address']}: not listed (see the error below)\n")
+                continue
+            print(f"ps {s['index']} at {s['address']}")
+            if s["variables"]:
+                print(_table(
+                    ["NAME", "VARIABLE", "SHARD", "ROWS", "DTYPE", "SHAPE", "VERSION",
+                     "OPTIMIZER", "BYTES"],
+                    [[r["name"], r["variable"],
+                      "-" if r["shard"] is None else f"{r['shard']} of {r['num_shards']}",
+                      "-" if r["offset"] is None else f"{r['offset']}:{r['offset'] + r['rows']}",
+                      r["dtype"], _shape(r["shape"]), r["version"], r["optimizer"],
+                      human_bytes(r["bytes"])] for r in s["variables"]],
+                    right={6, 8}, indent="  "))
+            else:
+                print("  (no variables)")
+            t = s["total"]
+            print(f"  total: {t['variables']} variable(s), {human_bytes(t['bytes'])} "
+                  f"(values {human_bytes(t['value_bytes'])} + slots "
+                  f"{human_bytes(t['slot_bytes'])})\n")
+        print(f"all: {grand['variables']} variable(s) on {len(servers) - len(failed)} of "
+              f"{len(servers)} parameter server(s), {human_bytes(grand['bytes'])}")
+    for s in failed:
+        print(f"coordinator: {s['error']}", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+# -- coordinator ps health --------------------------------------------------------------------
+def _ps_health(args) -> int:
+    target = target_from_args(args)
+    env = target.health_environ()
+    tasks = [("ps", i, a) for i, a in enumerate(target.ps)] + \
+            [("worker", i, a) for i, a in enumerate(target.worker)]
+
+    def probe(task):
+        role, i, addr = task
+        ok, detail = check_health(addr, timeout=target.timeout, environ=env)
+        entry: dict[str, Any] = {"role": role, "index": i, "address": addr,
+                                 "status": detail if ok else detail.split(":", 1)[0],
+                                 "serving": ok, "server_info": None, "error": None}
+        if not ok:
+            name, _, rest = detail.partition(": ")
+            code = getattr(grpc.StatusCode, name, None) if rest else None
+            entry["error"] = (explain(target, f"{role} {i}", addr, code, rest) if code
+                              else f"{role} {i} at {addr}: {detail}")
+            return entry
+        if role == "ps":
+            try:
+                with target.client(addr) as c:
+                    info = c.server_info()
+                entry["server_info"] = {
+                    "protocol_version": info.protocol_version, "server_id": info.server_id,
+                    "num_variables": info.num_variables, "total_bytes": info.total_bytes,
+                    "max_message_bytes": info.max_message_bytes}
+            except PSError as exc:
+                entry["error"] = _explain_error(target, f"{role} {i}", addr, exc)
+        return entry
+    entries = [r for r, _ in _fan_out(probe, tasks)]
+    bad = [e for e in entries if e["error"] or not e["serving"]]
+    if args.json:
+        _print_json({"source": target.source, "ok": not bad, "tasks": entries})
+    else:
+        rows = []
+        for e in entries:
+            si = e["server_info"] or {}
+            rows.append([e["role"], e["index"], e["address"], e["status"],
+                         si.get("protocol_version", ""), si.get("server_id", ""),
+                         si.get("num_variables", ""),
+                         human_bytes(si["total_bytes"]) if si else ""])
+        print(_table(["ROLE", "TASK", "ADDRESS", "HEALTH", "PROTOCOL", "SERVER ID", "VARIABLES",
+                      "BYTES"], rows, right={1, 4, 6, 7}))
+        print(f"{len(entries) - len(bad)} of {len(entries)} task(s) healthy"
+              + ("" if target.worker else f" (no workers in {target.source})"))
+    for e in bad:
+        why = e["error"] or f"{e['role']} {e['index']} at {e['address']}: {e['status']}"
+        print(f"coordinator: {why}", file=sys.stderr)
+    return EXIT_FAILURE if bad else EXIT_OK
+
+
+# -- coordinator checkpoint save / restore / list ------------------------------------------
+def _step_of(path: str) -> int:
+    return int(os.path.basename(path).split("-", 1)[1])
+
+
+def _ckpt_save(args) -> int:
+    target = target_from_args(args)
+    try:
+        extra = json.loads(args.extra) if args.extra else {}
+    except ValueError as exc:
+        raise ClusterConfigError(f"--extra is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ClusterConfigError('--extra must be a JSON object, e.g. \'{"epoch": 3}\'')
+    if args.step is not None and args.step < 0:
+        raise ClusterConfigError(f"--step must be >= 0, got {args.step}")
+    listing = _listing_or_fail(target)
+    try:
+        layout = C.layout_from_listing(listing)
+    except C.CheckpointError as exc:
+        raise OperatorError(f"{exc}\nNo checkpoint written. Check that {target.source} lists "
+                            "every parameter server.") from None
+    if not layout:
+        raise OperatorError("nothing to save: the parameter servers hold no variables")
+    directory = os.path.abspath(args.directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise OperatorError(f"cannot create checkpoint directory {directory}: {exc}") from None
+    existing = C.find_checkpoints(directory)
+    if args.step is not None:
+        step = args.step
+    else:
+        step = max(m.version for metas in listing.values() for m in metas)
+        if existing:
+            step = max(step, _step_of(existing[-1]) + 1)
+    final = os.path.join(directory, f"ckpt-{step:08d}")
+    if os.path.exists(final):
+        raise OperatorError(f"{final} exists already: pass another --step, or delete it first")
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    ps_index = {addr: i for i, addr in enumerate(target.ps)}
+    by_ps: dict[str, list[str]] = {}
+    for v in layout:
+        for s in v.shards:
+            by_ps.setdefault(s.address, []).append(s.name)
+    try:
+        os.makedirs(tmp)
+        subdirs = {}
+        for addr in by_ps:
+            subdirs[addr] = os.path.join(tmp, f"ps-{ps_index[addr]}")
+            os.makedirs(subdirs[addr])
+
+        def save(addr):
+            with target.client(addr) as c:
+                return c.save(subdirs[addr], by_ps[addr])
+        files: dict[str, dict] = {}
+        errors = []
+        for addr, (saved, exc) in zip(by_ps, _fan_out(save, list(by_ps))):
+            what = f"ps {ps_index[addr]}"
+            if exc is not None:
+                msg = _explain_error(target, what, addr, exc, answered=True)
+                if "does not exist on this parameter server" in msg:
+                    msg += ("\nThe parameter servers write the shard files themselves: DIR must "
+                            "be on storage they see at the same path (a shared volume); run "
+                            "this command where it is mounted (e.g. kubectl exec into the "
+                            "coordinator pod)")
+                errors.append(msg)
+                continue
+            for f in saved:
+                files[f.name] = {"file": os.path.relpath(os.path.join(subdirs[addr], f.file), tmp),
+                                 "version": f.version, "bytes": f.bytes}
+        if errors:
+            raise OperatorError("\n".join(errors) + "\nNo checkpoint written.")
+        gone = [s.name for v in layout for s in v.shards if s.name not in files]
+        if gone:
+            raise OperatorError(f"these shards disappeared during the save: {', '.join(gone)}; "
+                                "no checkpoint written")
+        manifest = {
+            "format_version": C.FORMAT_VERSION, "step": step, "time": time.time(),
+            "extra": extra,
+            "variables": {v.name: {
+                "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
+                "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
+                            **files[s.name]} for s in v.shards]}
+                for v in layout},
+        }
+        C._write_json(os.path.join(tmp, "manifest.json"), manifest)
+        if os.path.exists(final):
+            raise OperatorError(f"{final} appeared during the save (another saver?); "
+                                "no checkpoint written")
+        os.replace(tmp, final)
+        C._fsync_dir(directory)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OperatorError(f"cannot write the checkpoint under {directory}: {exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    nshards = sum(len(v.shards) for v in layout)
+    nbytes = sum(f["bytes"] for f in files.values())
+    if args.json:
+        _print_json({"path": final, "step": step, "variables": len(layout), "shards": nshards,
+                     "bytes": nbytes, "parameter_servers": len(by_ps)})
+    else:
+        print(final)
+        print(f"coordinator: saved {len(layout)} variable(s) ({nshards} shard(s), "
+              f"{human_bytes(nbytes)}) from {len(by_ps)} parameter server(s) as step {step}",
+              file=sys.stderr)
+    return EXIT_OK
+
+
+def _checkpoint_path(directory: str, path: str | None) -> str:
+    """The checkpoint to restore: --path (under DIR, or as given), else DIR's latest."""
+    if path:
+        candidates = [path] if os.path.isabs(path) else [os.path.join(directory, path), path]
+        for p in candidates:
+            if os.path.isfile(os.path.join(p, "manifest.json")):
+                return os.path.abspath(p)
+        raise OperatorError(f"no checkpoint at {' or '.join(map(os.path.abspath, candidates))} "
+                            "(no manifest.json there); `coordinator checkpoint list "
+                            f"{directory}` shows the checkpoints")
+    if not os.path.isdir(directory):
+        raise OperatorError(f"no checkpoint found: {directory} does not exist")
+    found = C.find_checkpoints(directory)
+    if not found:
+        raise OperatorError(f"no checkpoint found in {directory}: no ckpt-NNNNNNNN/ directory "
+                            "with a manifest.json (unfinished ckpt-*.tmp-* saves do not count)")
+    return found[-1]
+
+
+def _read_manifest(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise OperatorError(f"cannot read the manifest of {path}: {exc}") from None
+    if not isinstance(manifest, dict) or "variables" not in manifest:
+        raise OperatorError(f"{path}/manifest.json is not a checkpoint manifest")
+    if manifest.get("format_version", 1) > C.FORMAT_VERSION:
+        raise OperatorError(f"{path} has format_version {manifest['format_version']}; this "
+                            f"version of pstrain reads up to {C.FORMAT_VERSION}")
+    return manifest
+
+
+def _ckpt_restore(args) -> int:
+    target = target_from_args(args)
+    directory = os.path.abspath(args.directory)
+    path = _checkpoint_path(directory, args.path)
+    manifest = _read_manifest(path)
+    listing = _listing_or_fail(target)
+    try:
+        layout = C.layout_from_listing(listing)
+        plan = C.restore_plan(layout, manifest, path)
+    except C.CheckpointError as exc:
+        raise OperatorError(
+            f"{exc}\nNothing was restored. `coordinator checkpoint restore` overwrites each "
+            "shard by name, so the checkpoint must have the layout of the variables on the "
+            "servers (the same variables, partitioner and number of parameter servers). To "
+            "restore into another layout, restore from the training program: "
+            f"CheckpointManager(strategy, {directory!r}).restore({path!r}) reassembles each "
+            "variable and reshards it.") from None
+    missing = [os.path.join(path, e["file"]) for _, _, e in plan
+               if not os.path.isfile(os.path.join(path, e["file"]))]
+    if missing:
+        raise OperatorError(f"checkpoint {path} is incomplete: missing {', '.join(missing[:5])}"
+                            f"{' ...' if len(missing) > 5 else ''}; nothing was restored")
+    clients = {addr: target.client(addr) for addr in target.ps}
+    ps_index = {addr: i for i, addr in enumerate(target.ps)}
+
+    def put(item):
+        v, s, entry = item
+        tensors, meta = C._load_shard(os.path.join(path, entry["file"]))
+        value = tensors.pop("value")
+        slots = {k[len("slot/"):]: a for k, a in tensors.items() if k.startswith("slot/")}
+        clients[s.address].create_variable(
+            s.name, None, v.dtype, initial_value=value, optimizer=v.optimizer,
+            optimizer_params=json.loads(meta.get("optimizer_params", "{}")),
+            allow_nonfinite=json.loads(meta.get("allow_nonfinite", "false")),
+            slots=slots, version=int(entry["version"]), overwrite=True)
+    try:
+        results = _fan_out(put, plan, threads=8)
+    finally:
+        for c in clients.values():
+            c.close()
+    errors = []
+    for (v, s, _), (_, exc) in zip(plan, results):
+        if exc is not None:
+            if isinstance(exc, C.CheckpointError):
+                errors.append(str(exc))
+            else:
+                errors.append(f"{s.name}: " + _explain_error(
+                    target, f"ps {ps_index[s.address]}", s.address, exc, answered=True))
+    if errors:
+        raise OperatorError(f"restored {len(plan) - len(errors)} of {len(plan)} shard(s) from "
+                            f"{path}; these failed (their shards keep their current state, so "
+                            "the variables are now mixed: fix the cause and restore again):\n  "
+                            + "\n  ".join(errors))
+    nvars = len({v.name for v, _, _ in plan})
+    if args.json:
+        _print_json({"path": path, "step": manifest.get("step"), "extra": manifest.get("extra", {}),
+                     "variables": nvars, "shards": len(plan)})
+    else:
+        print(f"restored {path} (step {manifest.get('step')}): {nvars} variable(s), "
+              f"{len(plan)} shard(s) on {len(target.ps)} parameter server(s)")
+    return EXIT_OK
+
+
+def _ckpt_list(args) -> int:
+    directory = os.path.abspath(args.directory)
+    out = []
+    for path in C.find_checkpoints(directory):
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                m = json.load(f)
+            shards = [s for v in m["variables"].values() for s in v["shards"]]
+            out.append({"path": path, "step": m.get("step"), "time": m.get("time"),
+                        "variables": len(m["variables"]), "shards": len(shards),
+                        "bytes": sum(s.get("bytes", 0) for s in shards),
+                        "extra": m.get("extra", {})})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            out.append({"path": path, "error": f"unreadable manifest: {exc}"})
+    if args.json:
+        _print_json({"directory": directory, "checkpoints": out})
+        return EXIT_OK
+    if not out:
+        print(f"no checkpoint in {directory}", file=sys.stderr)
+        return EXIT_OK
+    print(_table(["STEP", "SAVED", "VARIABLES", "SHARDS", "BYTES", "PATH"], [
+        [c.get("step", "?"), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"]))
+         if c.get("time") else "?", c.get("variables", "?"), c.get("shards", "?"),
+         human_bytes(c["bytes"]) if "bytes" in c else c.get("error"), c["path"]]
+        for c in out], right={0, 2, 3, 4}))
+    return EXIT_OK
+
+
+_OPERATOR_COMMANDS = {("ps", "list"): _ps_list, ("ps", "health"): _ps_health,
+                      ("checkpoint", "save"): _ckpt_save,
+                      ("checkpoint", "restore"): _ckpt_restore,
+                      ("checkpoint", "list"): _ckpt_list}
+
+
+def _operator(args) -> int:
+    try:
+        return _OPERATOR_COMMANDS[(args.command, args.action)](args)
+    except ClusterConfigError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OperatorError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return exc.code
+    except C.CheckpointError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -290,6 +906,67 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     t.add_argument("task_args", nargs=argparse.REMAINDER,
                    help="after --: more arguments for psserver/psworker")
+
+    # Operator tools: the cluster's address, token and TLS; output format.
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--ps", metavar="HOST:PORT,...",
+                         help="parameter servers, in order (default: the cluster in TF_CONFIG / "
+                              "TF_CONFIG_FILE, which --ps / --worker replace)")
+    cluster.add_argument("--worker", metavar="HOST:PORT,...", help="workers (ps health)")
+    cluster.add_argument("--token", help=f"auth token (default ${TOKEN_ENV}; prefer the "
+                                         "variable: arguments are visible to other users)")
+    cluster.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                         help="deadline of each call (default 10; saves get at least 600)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    epilog = ("TLS: $PSTRAIN_TLS_CERT, $PSTRAIN_TLS_KEY, $PSTRAIN_TLS_CA. Exit status: 0 ok, "
+              "1 failure, 2 usage or configuration.")
+
+    ps = sub.add_parser("ps", help="inspect the parameter servers and workers",
+                        description="Inspect the cluster's parameter servers and workers.",
+                        epilog=epilog)
+    ps_sub = ps.add_subparsers(dest="action", required=True)
+    ps_sub.add_parser("list", parents=[cluster, as_json], epilog=epilog,
+                      help="every variable on every parameter server",
+                      description="Every variable on every parameter server: its logical "
+                                  "variable and shard (x/part_3 is shard 3 of x), rows, dtype, "
+                                  "shape, version, optimizer, bytes of value + slots; "
+                                  "per-server totals.")
+    ps_sub.add_parser("health", parents=[cluster, as_json], epilog=epilog,
+                      help="gRPC health of every ps and worker, server info of each ps",
+                      description="The gRPC health status of every parameter server and "
+                                  "worker, and each parameter server's server_info (protocol, "
+                                  "server id, variables, bytes). Exit 1 unless all serve.")
+
+    ck = sub.add_parser("checkpoint", help="save, restore, list checkpoints of the variables",
+                        description="Checkpoints of the variables on the parameter servers, in "
+                                    "CheckpointManager's format.", epilog=epilog)
+    ck_sub = ck.add_subparsers(dest="action", required=True)
+    sv = ck_sub.add_parser("save", parents=[cluster, as_json], epilog=epilog,
+                           help="have the parameter servers write a checkpoint under DIR",
+                           description="Have every parameter server write its shards into a "
+                                       "new DIR/ckpt-NNNNNNNN (atomically: a tmp directory "
+                                       "renamed when complete), with the manifest "
+                                       "CheckpointManager writes and restores. DIR must be on "
+                                       "storage the parameter servers see at the same path. "
+                                       "Prints the checkpoint's path.")
+    sv.add_argument("directory", metavar="DIR")
+    sv.add_argument("--step", type=int,
+                    help="the checkpoint's step (default: the largest shard version, or one "
+                         "past DIR's latest checkpoint if that is larger)")
+    sv.add_argument("--extra", metavar="JSON",
+                    help='JSON object stored as the manifest\'s "extra" (e.g. \'{"epoch": 3}\')')
+    rs = ck_sub.add_parser("restore", parents=[cluster, as_json], epilog=epilog,
+                           help="put a checkpoint back into the running parameter servers",
+                           description="Overwrite every shard on the running parameter servers "
+                                       "(value, optimizer slots, version) from a checkpoint. "
+                                       "The layout must be the same; to reshard, use "
+                                       "CheckpointManager.restore in the training program.")
+    rs.add_argument("directory", metavar="DIR")
+    rs.add_argument("--path", help="the checkpoint: a ckpt-NNNNNNNN under DIR or a path "
+                                   "(default: DIR's latest)")
+    ls = ck_sub.add_parser("list", parents=[as_json], help="the checkpoints in DIR")
+    ls.add_argument("directory", metavar="DIR")
     return p
 
 
@@ -297,6 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
+    if args.command in ("ps", "checkpoint"):
+        return _operator(args)
     try:
         return _health(args) if args.command == "health" else _task(args)
     except ClusterConfigError as exc:

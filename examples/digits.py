@@ -12,9 +12,17 @@ By default (``--cluster local``) it starts its own LocalCluster. With
 ``--cluster tf_config`` it trains on the running cluster that TF_CONFIG /
 TF_CONFIG_FILE describe instead (``--num-ps``/``--num-workers`` are then
 ignored), as the chief: ``coordinator run examples/digits.py --cluster
-tf_config`` in docker-compose.yml and deploy/. It writes nothing to disk, and
-deletes the variables it made on the parameter servers when it ends, so it
-can run again against the same servers.
+tf_config`` in docker-compose.yml and deploy/. It deletes the variables it
+made on the parameter servers when it ends, so it can run again against the
+same servers.
+
+Training runs through ``coordinator.fit.fit``: a progress bar on a terminal
+(periodic lines on stderr otherwise), one line per epoch, validation on the
+test split after each epoch (``val_loss``, ``val_accuracy``). With a local
+cluster it writes the loss curve to ``runs/digits/loss.png`` (``--plot PATH``
+elsewhere, ``--no-plot`` for none); with ``--cluster tf_config`` it writes
+nothing to disk unless given ``--plot PATH`` (e.g. on the /checkpoints
+volume: the image's working directory is read-only to its user).
 """
 from __future__ import annotations
 
@@ -32,7 +40,11 @@ import numpy as np
 from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy, TFConfigClusterResolver, batches,
                          read_variables)
-from examples.nn import MLP, make_train_step
+from coordinator.fit import fit
+from coordinator.plots import try_plot_history
+from examples.nn import LOSSES, MLP, make_train_step
+
+DEFAULT_PLOT = os.path.join("runs", "digits", "loss.png")
 
 
 def load_data(seed: int = 0, test_fraction: float = 0.2):
@@ -65,7 +77,16 @@ def main(argv=None) -> dict:
     p.add_argument("--cluster", choices=("local", "tf_config"), default="local",
                    help="local: start a LocalCluster (default); tf_config: use the running "
                         "cluster in TF_CONFIG / TF_CONFIG_FILE")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help=f"write the loss curve PNG there (default with a local cluster: "
+                        f"{DEFAULT_PLOT}; with tf_config: none)")
+    p.add_argument("--no-plot", action="store_true", help="write no loss curve")
+    p.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
+                   help="1: progress bar (terminal) or periodic lines, and epoch lines; "
+                        "2: epoch lines only; 0: quiet")
     args = p.parse_args(argv)
+    plot_path = None if args.no_plot else (
+        args.plot or (DEFAULT_PLOT if args.cluster == "local" else None))
 
     x_tr, y_tr, x_te, y_te = load_data(args.seed)
     model = MLP([64, 64, 10], loss="softmax_cross_entropy")
@@ -95,27 +116,31 @@ def main(argv=None) -> dict:
             xs, ys = ctx.shard(x_tr, y_tr)
             return batches(xs, ys, batch_size=batch_size, seed=seed + ctx.input_pipeline_id)
 
+        def validate(epoch):   # on the coordinator, after each epoch's join()
+            logits = model.predict(read_variables(model.variables), x_te)
+            return {"loss": LOSSES[model.loss](logits, y_te)[0],
+                    "accuracy": float(np.mean(logits.argmax(axis=1) == y_te))}
+
         with ClusterCoordinator(strategy) as coord:
-            it = iter(coord.create_per_worker_dataset(dataset_fn))
-            losses: list[float] = []
             t0 = time.perf_counter()
-            for epoch in range(1, args.epochs + 1):
-                results = [coord.schedule(train_step, args=(it,))
-                           for _ in range(args.steps_per_epoch)]
-                coord.join()
-                losses += coord.fetch(results)
-                acc = accuracy(model, read_variables(model.variables), x_te, y_te)
-                rate = len(losses) / (time.perf_counter() - t0)
-                print(f"epoch {epoch}/{args.epochs}  steps {len(losses)}/{total}  "
-                      f"loss {np.mean(losses[-args.steps_per_epoch:]):.4f}  test_acc {acc:.4f}  "
-                      f"steps/s {rate:.1f}  workers {coord.workers_alive()}", flush=True)
+            history = fit(coord, train_step, dataset_fn, epochs=args.epochs,
+                          steps_per_epoch=args.steps_per_epoch, validation_fn=validate,
+                          verbose=args.verbose)
             elapsed = time.perf_counter() - t0
         params = read_variables(model.variables)
+    losses = list(history.step_history.get("loss", []))
+    plot = None
+    if plot_path:
+        plot, message = try_plot_history(history, plot_path,
+                                         title=f"digits: MLP {model.sizes}, {spec.num_ps} ps, "
+                                               f"{spec.num_workers} workers")
+        print(message, flush=True)
     test_acc = accuracy(model, params, x_te, y_te)
     train_acc = accuracy(model, params, x_tr, y_tr)
     print(f"test accuracy: {test_acc:.4f}", flush=True)
     return {"test_accuracy": test_acc, "train_accuracy": train_acc, "losses": losses,
-            "steps": len(losses), "seconds": elapsed, "steps_per_second": len(losses) / elapsed}
+            "steps": len(losses), "seconds": elapsed, "steps_per_second": len(losses) / elapsed,
+            "history": history.history, "plot": plot}
 
 
 if __name__ == "__main__":
