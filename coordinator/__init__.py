@@ -12,6 +12,13 @@ from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner
                                       MinSizePartitioner)
 from coordinator.strategy import ParameterServerStrategy
 from coordinator.variables import ShardedVariable, push_gradients, read_variables
+from coordinator.checkpoint import CheckpointManager
+from coordinator.fit import FitState, fit
+from coordinator.callbacks import (Callback, CheckpointCallback, EarlyStopping, History,
+                                   LambdaCallback, PlotHistory, TensorBoard, TerminateOnNaN)
+from coordinator.progress import Progress
+from coordinator.plots import plot_history
+from coordinator.replica import ReplicaContext, get_replica_context
 from psserver.store import Initializer
 
 __all__ = [
@@ -20,5 +27,7 @@ __all__ = [
     "StepFunctionError", "WorkerCallError", "InputContext", "batches", "LocalCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
-    "Initializer",
+    "Initializer", "CheckpointManager", "FitState", "fit", "Callback", "CheckpointCallback",
+    "EarlyStopping", "History", "LambdaCallback", "PlotHistory", "TensorBoard",
+    "TerminateOnNaN", "Progress", "plot_history", "ReplicaContext", "get_replica_context",
 ]
