@@ -1,0 +1,722 @@
+"""The benchmark suite: ours against references measured in the same run, one command.
+
+    python -m bench.suite [--quick] [--json PATH] [--no-tf] [--tls]
+
+Workloads (2 parameter servers + 2 workers + this process as the chief, every
+task its own process on 127.0.0.1):
+
+* (a) ``mlp``: a dense MLP 784-512-512-10 (ReLU, softmax cross-entropy),
+  per-worker batch 128, SGD; synthetic data made in ``dataset_fn`` from a
+  fixed seed; variables sharded by ``MinSizePartitioner(256 KiB,
+  max_shards=2)`` (both kernels in two shards, so both parameter servers
+  carry the load). Ours: ``examples.nn.make_train_step`` (read_variables,
+  numpy forward/backward, push_gradients), asynchronous and
+  ``ParameterServerStrategy(mode="sync")``. A step is one closure of batch
+  128 in both modes (sync: one scheduled global step is 2 replica closures,
+  so 2 steps; the JSON also has global steps/s).
+* (b) ``emb``: a 1,000,000 x 64 float32 table sharded by the same
+  partitioner (two shards of 128 MB, one per server), 128 bags x 20 ids per
+  step drawn uniformly or Zipf (a = 1.1 over a fixed random permutation of
+  the rows), mean-pooled, a 64 -> 1 logistic head, sparse SGD. Ours:
+  ``examples.embedding_bag.make_train_step`` (ShardedVariable.gather, read
+  the head, push_sparse, push the head). steps/s and rows/s (ids looked up
+  per second; the same number of rows is pushed back).
+* (c) ``raw``: read and push (SGD) of a 64 MiB float32 variable on one
+  parameter server, in GB/s.
+
+References, measured in the same run:
+
+* (c): raw loopback TCP (``bench.common.TCPReference``), interleaved call by
+  call with ours.
+* (a), (b): TensorFlow's ParameterServerStrategy + ClusterCoordinator on the
+  same shapes, partitioner and process count (``bench.tf_reference``);
+  skipped with a message when tensorflow is not installed
+  (``pip install -e ".[bench]"``).
+* (a) ceiling: the same forward+backward in this process with numpy and one
+  BLAS thread, no communication, times the workers the cores can run at once
+  (min(cores, workers) = 2 here).
+
+Threads: every process of ours and of TensorFlow runs with
+OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = MKL_NUM_THREADS = 1. TensorFlow's
+processes also get intra-op 1 everywhere and inter-op 1 on the parameter
+servers and the chief, 2 on the workers (with 1 a worker deadlocks on its
+first step), each set three ways: TF_NUM_INTRAOP_THREADS /
+TF_NUM_INTEROP_THREADS, ``tf.config.threading.set_intra_op_parallelism_threads``
+/ ``set_inter_op_parallelism_threads``, and the servers'
+``ConfigProto(intra_op_parallelism_threads, inter_op_parallelism_threads)``.
+
+Timing: a *block* schedules a fixed number of steps and joins. Blocks of
+every variant of a workload are taken in turn (the order reversed every
+other round), after an untimed warm-up block of each, so a noisy spell of
+this shared machine hits ours and the reference alike. Rates are at the
+median block; the JSON also has the best and every block. CPU seconds of
+every process (from /proc) are summed over the timed blocks: CPU ms per
+step by role.
+
+Memory: each of our parameter servers' resident memory (VmRSS) when the
+suite ends, above its own VmRSS as an empty process (measured right after it
+started), against the bytes of the variables and slots it holds (the sum of
+``nbytes + slot_nbytes`` of its variables).
+
+Transport: ours runs plaintext gRPC like TensorFlow's (``--tls`` runs ours
+with LocalCluster's default mutual TLS instead).
+"""
+from __future__ import annotations
+
+import os
+
+# One BLAS thread in this process (the ceiling is measured here) and, through
+# the environment, in every task it starts. Set before numpy is imported.
+BLAS_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+os.environ.update(BLAS_ENV)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+#: Partitioner of every sharded variable, ours and TensorFlow's.
+SHARD_MIN_BYTES = 256 << 10
+SHARD_MAX = 2
+NUM_PS = 2
+NUM_WORKERS = 2
+SEED = 0
+
+MLP_SIZES = (784, 512, 512, 10)
+MLP_BATCH = 128
+MLP_LR = 0.01
+MLP_EXAMPLES = 16 * MLP_BATCH        # per worker, repeated
+
+EMB_ROWS = 1_000_000
+EMB_DIM = 64
+EMB_BATCH = 128
+EMB_BAG = 20
+EMB_LR = 0.5                         # sparse SGD of the table (mean-pooled: small gradients)
+EMB_HEAD_LR = 0.05
+EMB_BATCHES = 32                     # per worker, repeated
+ZIPF_A = 1.1
+EMB_DISTS = ("uniform", "zipf")
+EMB_IDS = EMB_BATCH * EMB_BAG        # ids per step
+
+RAW_BYTES = 64 << 20
+
+#: TensorFlow's thread pools per process. inter_op 1 on the workers deadlocks
+#: the first step (a worker's function waits on its remote reads with its only
+#: inter-op thread), so the workers get 2: the least that runs.
+TF_INTRA_OP = 1
+TF_INTER_OP = {"ps": 1, "worker": 2, "chief": 1}
+
+TARGETS = {                          # key -> (comparison, bound) on the ratio
+    "raw_read": (">=", 0.70), "raw_push": (">=", 0.70),
+    "mlp_async_vs_tf": (">=", 2.0), "mlp_sync_vs_tf_async": (">=", 1.0),
+    "mlp_async_vs_ceiling": (">=", 0.60),
+    "emb_uniform_vs_tf": (">=", 2.0), "emb_zipf_vs_tf": (">=", 2.0),
+    "ps_memory": ("<=", 1.5),
+}
+
+
+# -- data (numpy only: the TensorFlow chief imports these too) ----------------------
+def mlp_data(n: int, seed: int, worker: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x (n, 784) float32, labels (n,) int64) from a fixed seed."""
+    rng = np.random.default_rng([seed, worker])
+    x = rng.standard_normal((n, MLP_SIZES[0]), dtype=np.float32)
+    y = rng.integers(0, MLP_SIZES[-1], n, dtype=np.int64)
+    return x, y
+
+
+def emb_data(dist: str, n_batches: int, batch: int, bag: int, rows: int, seed: int,
+             worker: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (n_batches * batch, bag) int64, labels (n_batches * batch,) float32).
+
+    "uniform": ids uniform over the rows. "zipf": row of rank k drawn with
+    probability proportional to k**-ZIPF_A, ranks mapped to rows by a fixed
+    random permutation (hot rows spread over the shards, as hashed ids are).
+    """
+    n = n_batches * batch
+    rng = np.random.default_rng([seed, worker, EMB_DISTS.index(dist)])
+    if dist == "uniform":
+        ids = rng.integers(0, rows, (n, bag), dtype=np.int64)
+    elif dist == "zipf":
+        p = np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_A
+        cdf = np.cumsum(p)
+        cdf /= cdf[-1]
+        ranks = np.minimum(np.searchsorted(cdf, rng.random((n, bag))), rows - 1)
+        perm = np.random.default_rng([seed, 12345]).permutation(rows)
+        ids = perm[ranks].astype(np.int64)
+    else:
+        raise ValueError(f"unknown id distribution {dist!r}")
+    labels = rng.integers(0, 2, n).astype(np.float32)
+    return ids, labels
+
+
+# -- our per-worker datasets (module level: workers import them by name) --------------
+def mlp_dataset(ctx):
+    from coordinator import batches
+    x, y = mlp_data(MLP_EXAMPLES, SEED, ctx.input_pipeline_id)
+    return batches(x, y, batch_size=MLP_BATCH, shuffle=False)
+
+
+def emb_dataset(dist: str, ctx):
+    from coordinator import batches
+    ids, labels = emb_data(dist, EMB_BATCHES, EMB_BATCH, EMB_BAG, EMB_ROWS, SEED,
+                           ctx.input_pipeline_id)
+    return batches(ids, labels, batch_size=EMB_BATCH, shuffle=False)
+
+
+def emb_dataset_uniform(ctx):
+    return emb_dataset("uniform", ctx)
+
+
+def emb_dataset_zipf(ctx):
+    return emb_dataset("zipf", ctx)
+
+
+# -- the plan ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    raw_rounds: int          # 64 MiB read/push rounds (each: ours + TCP, interleaved)
+    mlp_steps: int           # steps per (a) block
+    emb_steps: int           # steps per (b) block
+    rounds: int              # timed blocks per variant
+    warmup_blocks: float     # untimed warm-up, in blocks per variant
+
+
+FULL = Plan(raw_rounds=12, mlp_steps=200, emb_steps=300, rounds=6, warmup_blocks=0.5)
+QUICK = Plan(raw_rounds=4, mlp_steps=80, emb_steps=120, rounds=2, warmup_blocks=0.5)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- /proc -----------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """user + system CPU seconds of a process (all threads); None: this one."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a process, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return -1
+
+
+class CPUMeter:
+    """CPU seconds by role of a set of processes."""
+
+    def __init__(self, pids: dict[str, list[int | None]]):
+        self.pids = pids
+
+    def read(self) -> dict[str, float]:
+        return {role: sum(cpu_seconds(p) for p in ps) for role, ps in self.pids.items()}
+
+
+# -- timing blocks ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Variant:
+    """One thing timed in blocks: run(n) does n steps and returns seconds."""
+    key: str
+    run: Callable[[int], float]
+    steps: int                       # steps per block
+    meter: CPUMeter | None = None
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
+    others: float = 0.0              # CPU seconds of other processes during the blocks
+
+    def block(self, timed: bool = True, steps: int | None = None) -> float:
+        n = steps or self.steps
+        meter = self.meter or CPUMeter({"chief": [None]})
+        c0, m0, w0 = meter.read(), machine_busy(), time.perf_counter()
+        secs = self.run(n)
+        c1, m1 = meter.read(), machine_busy()
+        if timed:
+            self.seconds.append(secs)
+            ours = 0.0
+            for role, c in c1.items():
+                ours += c - c0[role]
+                if self.meter:
+                    self.cpu[role] = self.cpu.get(role, 0.0) + c - c0[role]
+            self.others += max(0.0, (m1 - m0) - ours) * secs / (time.perf_counter() - w0)
+        return secs
+
+    def result(self) -> dict:
+        a = np.asarray(self.seconds)
+        med, best = float(np.median(a)), float(a.min())
+        out = {"steps_per_block": self.steps, "blocks_s": self.seconds,
+               "steps_per_s": self.steps / med, "steps_per_s_best": self.steps / best}
+        if self.cpu:
+            total = len(self.seconds) * self.steps
+            out["cpu_ms_per_step"] = {r: 1e3 * c / total for r, c in self.cpu.items()}
+            out["busy_cores"] = sum(self.cpu.values()) / float(a.sum())
+        out["other_processes_busy_cores"] = self.others / float(a.sum())
+        return out
+
+
+def run_interleaved(variants: list[Variant], rounds: int, warmup_blocks: float,
+                    what: str) -> None:
+    for v in variants:
+        log(f"{what}: warm-up {v.key}")
+        v.block(timed=False, steps=max(4, int(v.steps * warmup_blocks)))
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            secs = v.block()
+            log(f"{what} round {r + 1}/{rounds}: {v.key} {v.steps / secs:.1f} steps/s")
+
+
+def _gc_paused(fn: Callable[[], object]) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+# -- (c) raw 64 MiB ---------------------------------------------------------------------
+def measure_raw(plan: Plan) -> dict:
+    from bench.common import TCPReference, running_psserver, time_interleaved
+    log(f"(c) 64 MiB read/push vs raw TCP: {plan.raw_rounds} rounds")
+    with TCPReference() as tcp, running_psserver() as (_, ps):
+        n = RAW_BYTES // 4
+        ps.create_variable("raw", (n,), "float32", initializer="zeros", optimizer="sgd")
+        g = np.full(n, 1e-3, np.float32)
+        st = time_interleaved({
+            "ours_read": lambda: ps.read("raw"), "tcp_download": lambda: tcp.download(RAW_BYTES),
+            "ours_push": lambda: ps.push("raw", g), "tcp_upload": lambda: tcp.upload(RAW_BYTES),
+        }, plan.raw_rounds, warmup=2)
+    out = {k: {"best_GBps": RAW_BYTES / s.best / 1e9, "median_GBps": RAW_BYTES / s.p50 / 1e9,
+               "p50_ms": s.p50 * 1e3, "n": s.n} for k, s in st.items()}
+    return out
+
+
+# -- (a) ceiling -------------------------------------------------------------------------
+def make_ceiling():
+    """run(n): n forward+backward passes of the MLP here, numpy, one BLAS thread."""
+    from examples.nn import MLP
+    model = MLP(list(MLP_SIZES))
+    params = model.init_params(SEED, dtype="float32")
+    x, y = mlp_data(MLP_EXAMPLES, SEED, 0)
+    xb = [x[i:i + MLP_BATCH] for i in range(0, len(x), MLP_BATCH)]
+    yb = [y[i:i + MLP_BATCH] for i in range(0, len(y), MLP_BATCH)]
+
+    def run(n: int) -> float:
+        def go():
+            for i in range(n):
+                model.loss_and_grads(params, xb[i % len(xb)], yb[i % len(yb)])
+        return _gc_paused(go)
+    return run
+
+
+def blas_threads() -> list[dict]:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    return [{"api": i.get("internal_api"), "num_threads": i.get("num_threads")}
+            for i in threadpool_info()]
+
+
+# -- ours ---------------------------------------------------------------------------------
+class Ours:
+    """Our cluster, strategies, variables and step functions for (a) and (b)."""
+
+    def __init__(self, tls: bool, token: str | None = None, env: dict[str, str] | None = None):
+        from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
+                                 ParameterServerStrategy)
+        self.stack = contextlib.ExitStack()
+        try:
+            self.cluster = self.stack.enter_context(
+                LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS, tls=tls, token=token,
+                             env=env))
+            time.sleep(0.5)
+            self.ps_baseline = {t.pid: rss_bytes(t.pid) for t in self.cluster.ps}
+            part = MinSizePartitioner(min_shard_bytes=SHARD_MIN_BYTES, max_shards=SHARD_MAX)
+            self.strategy = {m: ParameterServerStrategy(self.cluster.spec, variable_partitioner=part,
+                                                        mode=m) for m in ("async", "sync")}
+            self.coord = {m: self.stack.enter_context(ClusterCoordinator(s))
+                          for m, s in self.strategy.items()}
+        except BaseException:
+            self.stack.close()
+            raise
+        self.meter = CPUMeter({"chief": [None], "ps": [t.pid for t in self.cluster.ps],
+                               "workers": [t.pid for t in self.cluster.workers]})
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def setup_mlp(self) -> None:
+        from examples.nn import MLP, make_train_step
+        self.mlp = {}
+        for mode, strategy in self.strategy.items():
+            model = MLP(list(MLP_SIZES))
+            model.create_variables(strategy, f"{mode}/mlp", optimizer="sgd",
+                                   optimizer_params={"learning_rate": MLP_LR}, seed=SEED)
+            it = iter(self.coord[mode].create_per_worker_dataset(mlp_dataset))
+            self.mlp[mode] = (make_train_step(model), it, model)
+
+    def setup_emb(self) -> None:
+        from examples.embedding_bag import make_train_step
+        from psserver.store import Initializer
+        s = self.strategy["async"]
+        self.table = s.create_variable(
+            "emb/table", (EMB_ROWS, EMB_DIM), "float32",
+            initializer=Initializer("random_uniform", minval=-0.05, maxval=0.05, seed=SEED),
+            optimizer="sgd", optimizer_params={"learning_rate": EMB_LR})
+        head = dict(optimizer="sgd", optimizer_params={"learning_rate": EMB_HEAD_LR})
+        w = s.create_variable("emb/head/kernel", (EMB_DIM, 1), initializer="glorot_uniform",
+                              seed=SEED + 1, **head)
+        b = s.create_variable("emb/head/bias", (1,), initializer="zeros", **head)
+        step = make_train_step(self.table, w, b)
+        coord = self.coord["async"]
+        fns = {"uniform": emb_dataset_uniform, "zipf": emb_dataset_zipf}
+        self.emb = {d: (step, iter(coord.create_per_worker_dataset(fns[d]))) for d in EMB_DISTS}
+
+    def run_mlp(self, mode: str, n: int) -> float:
+        step, it, _ = self.mlp[mode]
+        coord = self.coord[mode]
+        per = self.strategy[mode].num_replicas_in_sync   # closures per scheduled step
+        holder = []
+
+        def go():
+            holder.extend(coord.schedule(step, args=(it,)) for _ in range(n // per))
+            coord.join()
+        secs = _gc_paused(go)
+        holder[-1].fetch()
+        return secs
+
+    def run_emb(self, dist: str, n: int) -> float:
+        step, it = self.emb[dist]
+        coord = self.coord["async"]
+        holder = []
+
+        def go():
+            holder.extend(coord.schedule(step, args=(it,)) for _ in range(n))
+            coord.join()
+        secs = _gc_paused(go)
+        holder[-1].fetch()
+        return secs
+
+    def memory(self) -> list[dict]:
+        from coordinator.variables import client_for
+        out = []
+        for t in self.cluster.ps:
+            metas = client_for(t.address).list_variables()
+            held = sum(m.nbytes + m.slot_nbytes for m in metas)
+            rss = rss_bytes(t.pid)
+            base = self.ps_baseline[t.pid]
+            out.append({"address": t.address, "variables": len(metas), "held_bytes": held,
+                        "rss_bytes": rss, "baseline_rss_bytes": base,
+                        "ratio": (rss - base) / held if held else float("nan")})
+        return out
+
+
+# -- TensorFlow -----------------------------------------------------------------------------
+def tf_missing_reason() -> str | None:
+    if importlib.util.find_spec("tensorflow") is None:
+        return ('tensorflow is not installed: TensorFlow rows skipped '
+                '(install the reference with: pip install -e ".[bench]")')
+    return None
+
+
+class TF:
+    def __init__(self, log_path: str):
+        from bench.tf_reference import TFCluster
+        self.cluster = TFCluster(NUM_PS, NUM_WORKERS, log_path=log_path,
+                                 intra_op=TF_INTRA_OP, inter_op=TF_INTER_OP)
+        self.chief = self.cluster.chief
+        self.meter = CPUMeter(self.cluster.pids())
+        self.ps_baseline = {p: rss_bytes(p) for p in self.cluster.pids()["ps"]}
+
+    def setup(self) -> None:
+        self.chief.call("setup_mlp", sizes=list(MLP_SIZES), batch=MLP_BATCH, lr=MLP_LR,
+                        examples=MLP_EXAMPLES, seed=SEED)
+        self.chief.call("setup_emb", rows=EMB_ROWS, dim=EMB_DIM, batch=EMB_BATCH, bag=EMB_BAG,
+                        lr=EMB_LR, head_lr=EMB_HEAD_LR, n_batches=EMB_BATCHES, seed=SEED,
+                        dists=list(EMB_DISTS))
+
+    def run(self, workload: str, n: int) -> float:
+        return self.chief.call("run", workload=workload, steps=n)["seconds"]
+
+    def memory(self) -> list[dict]:
+        by_dev = self.chief.call("placement")["bytes_by_device"]
+        out = []
+        for i, pid in enumerate(self.cluster.pids()["ps"]):
+            held = by_dev.get(f"/job:ps/replica:0/task:{i}", 0)
+            rss, base = rss_bytes(pid), self.ps_baseline[pid]
+            out.append({"task": f"ps:{i}", "held_bytes": held, "rss_bytes": rss,
+                        "baseline_rss_bytes": base,
+                        "ratio": (rss - base) / held if held else float("nan")})
+        return out
+
+    def threads(self) -> dict[str, list[int]]:
+        return {r: [thread_count(p) for p in ps] for r, ps in self.cluster.pids().items()}
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+# -- report -------------------------------------------------------------------------------------
+def _row(key: str, workload: str, ours: float | None, ref_name: str, ref: float | None,
+         unit: str, note: str = "") -> dict:
+    ratio = ours / ref if ours is not None and ref else None
+    target = TARGETS.get(key)
+    met = None
+    if target and ratio is not None:
+        op, bound = target
+        met = ratio >= bound if op == ">=" else ratio <= bound
+    return {"key": key, "workload": workload, "ours": ours, "reference_name": ref_name,
+            "reference": ref, "unit": unit, "ratio": ratio, "note": note,
+            "target": f"{target[0]} {target[1]}" if target else None, "met": met}
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "skipped"
+    if unit == "GB/s":
+        return f"{v:.2f} GB/s"
+    if unit == "MB":
+        return f"{v / 1e6:.1f} MB"
+    return f"{v:,.1f} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+
+
+def build_rows(res: dict) -> list[dict]:
+    raw = res["raw"]
+    a, b, tf = res.get("mlp", {}), res.get("emb", {}), res.get("tf_skipped")
+    tfname = "TF PS strategy async" if not tf else "TF (skipped)"
+
+    def sps(d: dict, k: str) -> float | None:
+        return d[k]["steps_per_s"] if k in d else None
+
+    rows = [
+        _row("raw_read", "(c) 64 MiB read", raw["ours_read"]["best_GBps"], "raw TCP download",
+             raw["tcp_download"]["best_GBps"], "GB/s", "best of rounds"),
+        _row("raw_push", "(c) 64 MiB push (SGD)", raw["ours_push"]["best_GBps"], "raw TCP upload",
+             raw["tcp_upload"]["best_GBps"], "GB/s", "best of rounds"),
+        _row("mlp_async_vs_tf", "(a) MLP async", sps(a, "ours_async"), tfname,
+             sps(a, "tf_async"), "steps/s"),
+        _row("mlp_sync_vs_tf_async", "(a) MLP sync (2 replicas)", sps(a, "ours_sync"), tfname,
+             sps(a, "tf_async"), "steps/s", "a step = one replica closure of batch 128"),
+        _row("mlp_async_vs_ceiling", "(a) MLP async", sps(a, "ours_async"),
+             "ceiling: numpy fwd+bwd x 2", a["ceiling"]["steps_per_s"] if "ceiling" in a else None,
+             "steps/s"),
+    ]
+    for d in EMB_DISTS:
+        k = f"ours_{d}"
+        note = ""
+        if k in b:
+            note = f"ours {b[k]['steps_per_s'] * EMB_IDS / 1e3:,.0f} k rows/s"
+            if f"tf_{d}" in b:
+                note += f", TF {b[f'tf_{d}']['steps_per_s'] * EMB_IDS / 1e3:,.0f} k rows/s"
+        rows.append(_row(f"emb_{d}_vs_tf", f"(b) embedding {d} async", sps(b, k), tfname,
+                         sps(b, f"tf_{d}"), "steps/s", note))
+    mem = res.get("memory")
+    if mem:
+        worst = max(mem["ours"], key=lambda m: m["ratio"])
+        rows.append(_row("ps_memory", "PS RSS above empty baseline (worst ps)",
+                         worst["rss_bytes"] - worst["baseline_rss_bytes"],
+                         "bytes of variables + slots held", worst["held_bytes"], "MB"))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    from bench.common import print_table
+    table = []
+    for r in rows:
+        verdict = "" if r["target"] is None else (
+            f"{r['target']}: " + ("n/a" if r["met"] is None else "met" if r["met"] else "NOT met"))
+        table.append([r["workload"], _fmt(r["ours"], r["unit"]),
+                      f"{r['reference_name']}: {_fmt(r['reference'], r['unit'])}",
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}", verdict, r["note"]])
+    print_table(["workload", "ours", "reference (same run)", "ratio", "target", "note"], table,
+                title="## bench.suite: ours vs references (ratio = ours / reference)")
+
+
+def print_details(res: dict) -> None:
+    from bench.common import print_table
+    rows = []
+    for wl, block in (("(a) mlp", res.get("mlp", {})), ("(b) emb", res.get("emb", {}))):
+        for k, v in block.items():
+            c = v.get("cpu_ms_per_step")
+            rows.append([wl, k, f"{v['steps_per_s']:.1f}", f"{v['steps_per_s_best']:.1f}",
+                         "" if not c else "  ".join(f"{r} {ms:.2f}" for r, ms in c.items()),
+                         "" if not c else f"{sum(c.values()):.2f}",
+                         "" if "busy_cores" not in v else f"{v['busy_cores']:.2f}",
+                         "" if "other_processes_busy_cores" not in v
+                         else f"{v['other_processes_busy_cores']:.2f}"])
+    print_table(["workload", "variant", "steps/s (median)", "steps/s (best)",
+                 "CPU ms per step by role", "CPU ms/step", "busy cores",
+                 "other processes' busy cores"], rows,
+                title="## details (timed blocks)")
+    mem = res.get("memory", {})
+    mrows = []
+    for side in ("ours", "tf"):
+        for m in mem.get(side, []):
+            mrows.append([side, m.get("address") or m.get("task"), f"{m['held_bytes'] / 1e6:.1f} MB",
+                          f"{m['baseline_rss_bytes'] / 1e6:.1f} MB", f"{m['rss_bytes'] / 1e6:.1f} MB",
+                          f"{m['ratio']:.2f}"])
+    if mrows:
+        print_table(["side", "parameter server", "variables + slots", "RSS empty", "RSS at end",
+                     "(RSS - empty) / held"], mrows, title="## parameter-server memory")
+
+
+# -- main -------------------------------------------------------------------------------------
+def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
+              task_env: dict[str, str] | None = None) -> dict:
+    res: dict = {"threads": {"env": BLAS_ENV, "suite_blas": blas_threads()}}
+    res["raw"] = measure_raw(plan)
+
+    reason = None if use_tf else "--no-tf given: TensorFlow rows skipped"
+    reason = reason or tf_missing_reason()
+    tf = None
+    with contextlib.ExitStack() as stack:
+        log(f"starting our cluster ({NUM_PS} ps + {NUM_WORKERS} workers"
+            f"{', mutual TLS' if tls else ', plaintext'})")
+        ours = Ours(tls, env=task_env)
+        stack.callback(ours.close)
+        if reason is None:
+            log("starting the TensorFlow cluster (2 ps + 2 workers + chief)")
+            try:
+                tf = TF(tf_log)
+                stack.callback(tf.close)
+                res["tensorflow"] = tf.chief.hello.get("tensorflow")
+                log("TensorFlow: creating variables and datasets")
+                tf.setup()
+            except Exception as exc:
+                reason = f"the TensorFlow reference failed to start: {exc}"
+                if tf is not None:
+                    tf.close()
+                tf = None
+        if reason:
+            log(reason)
+            res["tf_skipped"] = reason
+        log("ours: creating variables and datasets")
+        ours.setup_mlp()
+        ours.setup_emb()
+
+        ceiling_run = make_ceiling()
+        cores = min(os.cpu_count() or 1, NUM_WORKERS)
+        variants = [Variant("ours_async", functools.partial(ours.run_mlp, "async"), plan.mlp_steps,
+                            ours.meter),
+                    Variant("ours_sync", functools.partial(ours.run_mlp, "sync"), plan.mlp_steps,
+                            ours.meter)]
+        if tf:
+            variants.append(Variant("tf_async", functools.partial(tf.run, "mlp"), plan.mlp_steps,
+                                    tf.meter))
+        ceiling = Variant("ceiling_1proc", ceiling_run, plan.mlp_steps // 2)
+        variants.append(ceiling)
+        run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(a) mlp")
+        res["mlp"] = {v.key: v.result() for v in variants}
+        c = res["mlp"]["ceiling_1proc"]
+        res["mlp"]["ceiling"] = {"steps_per_s": c["steps_per_s"] * cores,
+                                 "steps_per_s_best": c["steps_per_s_best"] * cores,
+                                 "processes": cores}
+        sync = res["mlp"]["ours_sync"]
+        sync["global_steps_per_s"] = sync["steps_per_s"] / NUM_WORKERS
+
+        variants = []
+        for d in EMB_DISTS:
+            variants.append(Variant(f"ours_{d}", functools.partial(ours.run_emb, d), plan.emb_steps,
+                                    ours.meter))
+            if tf:
+                variants.append(Variant(f"tf_{d}", functools.partial(tf.run, f"emb_{d}"),
+                                        plan.emb_steps, tf.meter))
+        run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(b) emb")
+        res["emb"] = {v.key: {**v.result(), "rows_per_s": v.result()["steps_per_s"] * EMB_IDS}
+                      for v in variants}
+
+        res["memory"] = {"ours": ours.memory()}
+        res["threads"]["ours_tasks"] = {
+            "ps": [thread_count(t.pid) for t in ours.cluster.ps],
+            "workers": [thread_count(t.pid) for t in ours.cluster.workers]}
+        if tf:
+            res["memory"]["tf"] = tf.memory()
+            res["threads"]["tf_tasks"] = tf.threads()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer, shorter blocks (under 2 minutes)")
+    p.add_argument("--json", metavar="PATH",
+                   help="where to write every number (default bench/results/suite[-quick].json)")
+    p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow reference")
+    p.add_argument("--task-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable for our parameter servers and workers "
+                        "(repeatable; for A/B runs of a setting)")
+    p.add_argument("--tls", action="store_true",
+                   help="run our cluster with mutual TLS (LocalCluster's default); "
+                        "default plaintext, as TensorFlow's gRPC here")
+    args = p.parse_args(argv)
+    from bench.common import machine_info, write_json
+    plan = QUICK if args.quick else FULL
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out_dir = os.path.join(root, "bench", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = args.json or os.path.join(out_dir, f"suite{'-quick' if args.quick else ''}.json")
+    t0 = time.perf_counter()
+    task_env = dict(kv.split("=", 1) for kv in args.task_env)
+    res = run_suite(plan, use_tf=not args.no_tf, tls=args.tls,
+                    tf_log=os.path.join(out_dir, "tf_chief.log"), task_env=task_env)
+    elapsed = time.perf_counter() - t0
+    rows = build_rows(res)
+    print_rows(rows)
+    print_details(res)
+    if res.get("tf_skipped"):
+        print(f"\nNOTE: {res['tf_skipped']}")
+    print(f"\n({'quick' if args.quick else 'full'} plan, {elapsed:.0f} s, {os.cpu_count()} CPUs; "
+          f"threads: {', '.join(f'{k}={v}' for k, v in BLAS_ENV.items())} in every process; "
+          f"TensorFlow intra_op {TF_INTRA_OP}, inter_op "
+          f"{', '.join(f'{k} {v}' for k, v in TF_INTER_OP.items())}; ours "
+          f"{'mutual TLS' if args.tls else 'plaintext'} gRPC"
+          + (f"; our tasks' extra env: {task_env}" if task_env else "") + ")")
+    write_json(path, {"benchmark": "suite", "machine": machine_info(), "plan": dataclasses.asdict(plan),
+                      "elapsed_s": elapsed, "tls": args.tls, "task_env": task_env,
+                      "tf_threads": {"intra_op": TF_INTRA_OP, "inter_op": TF_INTER_OP},
+                      "summary": rows, **res})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as the module bench.suite (not __main__) so workers import its functions by name.
+    from bench.suite import main as _main
+    sys.exit(_main())
