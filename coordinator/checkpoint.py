@@ -246,6 +246,9 @@ class CheckpointManager:
                 slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
                                   if arrays[0].ndim == 0 else _join(arrays, v.shape))
         version = max(s["version"] for s in info["shards"])
+        # A shard restored into the same place keeps its idempotency keys.
+        same_cut = {(e["name"], e["offset"], e["rows"]): p.get("applied_ids", ())
+                    for e, p in zip(info["shards"], parts)}
         handles = []
         for s in v.shards:
             if address is not None and s.address != address:
@@ -258,9 +261,31 @@ class CheckpointManager:
                 initial_value=cut(value), optimizer=v.optimizer,
                 optimizer_params=optimizer_params, allow_nonfinite=allow_nonfinite,
                 slots={k: cut(a) for k, a in slots.items()},
-                version=version, overwrite=True))
+                version=version, overwrite=True,
+                applied_ids=same_cut.get((s.name, s.offset, s.rows), ())))
         for h in handles:
             h.result()
+
+
+def copy_shard_state(src: V.Shard, dst: V.Shard, directory: str, optimizer: str) -> None:
+    """Copy one shard's whole state (value, slots, version, idempotency keys)
+    from src's server to dst's, through a file that src's server writes into
+    ``directory`` (which both that server and this process must see)."""
+    tmp = os.path.join(directory, f"shard-copy-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        (saved,) = V.client_for(src.address).save(tmp, [src.name])
+        tensors, meta = _load_shard(os.path.join(tmp, saved.file))
+        V.client_for(dst.address).create_variable(
+            dst.name, None, tensors["value"].dtype, initial_value=tensors["value"],
+            optimizer=optimizer,
+            optimizer_params=json.loads(meta.get("optimizer_params", "{}")),
+            allow_nonfinite=json.loads(meta.get("allow_nonfinite", "false")),
+            slots={k[5:]: a for k, a in tensors.items() if k.startswith("slot/")},
+            version=int(meta.get("version", 0)), overwrite=True,
+            applied_ids=tensors.get("applied_ids", ()))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_shard(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:

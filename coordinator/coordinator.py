@@ -39,6 +39,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import tempfile
 import threading
 import time
 import uuid
@@ -47,6 +48,7 @@ from typing import Any, Callable
 
 import grpc
 
+from coordinator import metrics as _metrics
 from coordinator import serialization
 from coordinator.datasets import PerWorkerDataset
 from coordinator.strategy import ParameterServerStrategy
@@ -124,11 +126,13 @@ class RemoteValue:
     def _set_value(self, value) -> None:
         self._value, self._status = value, RemoteValueStatus.READY
         self._done.set()
+        _metrics.closure_result(abandoned=value is ABANDONED)
 
     def _set_error(self, error: BaseException, cancelled: bool = False) -> None:
         self._error = error
         self._status = RemoteValueStatus.CANCELLED if cancelled else RemoteValueStatus.FAILED
         self._done.set()
+        _metrics.closure_error(error, cancelled)
 
     def fetch(self, timeout: float | None = None):
         """Block until the function has run; return its value or raise its error.
@@ -237,6 +241,7 @@ class _ClosureQueue:
             self._free_slot.wait_for(lambda: len(self._queue) < self._max_size)
             self._queue.append(closure)
             self._closures_queued.notify()
+        _metrics.CLOSURES_SCHEDULED.inc()
 
     def get(self, timeout: float) -> Closure | None:
         with self._lock:
@@ -258,6 +263,7 @@ class _ClosureQueue:
             else:
                 self._queue.appendleft(closure)
                 self._closures_queued.notify()
+                _metrics.CLOSURES_RETRIED.inc()
 
     def mark_finished(self) -> None:
         with self._lock:
@@ -467,6 +473,14 @@ class _PSRecovery:
         # Closures waiting for the verdict on a server: (closure, code, error).
         self._pending: dict[str, list] = {}
         self.recoveries = 0   # restarts recovered (a metric)
+        # Signalled when a recovery ends (wait_for_recoveries waits on it).
+        self._ended = threading.Condition(self._lock)
+
+    def wait_for_recoveries(self, count: int, timeout: float | None = None) -> bool:
+        """Block until ``count`` restarts have been recovered and none is running."""
+        with self._lock:
+            return self._ended.wait_for(
+                lambda: self.recoveries >= count and not self._active, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until no recovery is in progress."""
@@ -509,6 +523,7 @@ class _PSRecovery:
                     del self._active[address]
                     if not self._active:
                         self.coord._paused.clear()
+                    self._ended.notify_all()
                     return
             for closure, code, closure_error in pending:
                 if restarted is None:
@@ -532,19 +547,28 @@ class _PSRecovery:
                 try:
                     info = client.server_info()
                     restarted = info.server_id != strategy.server_ids.get(address)
+                    outcome = "unchanged"
                     if restarted:
                         ckpt = coord.checkpoint_manager
-                        if ckpt is not None and ckpt.latest():
+                        if strategy.replication:
+                            log.warning("parameter server %s restarted; refilling its shards "
+                                        "from their replicas", address)
+                            strategy.restore_from_replicas(address, coord.transfer_dir)
+                            outcome = "replicated"
+                        elif ckpt is not None and ckpt.latest():
                             log.warning("parameter server %s restarted; restoring its shards "
                                         "from %s", address, ckpt.latest())
                             ckpt.restore(address=address)
+                            outcome = "restored"
                         else:
                             log.warning("parameter server %s restarted and no checkpoint holds "
                                         "its shards; creating them again as first created",
                                         address)
                             strategy.recreate_shards(address)
+                            outcome = "recreated"
                         strategy.server_ids[address] = info.server_id
                         self.recoveries += 1
+                    _metrics.PS_RECOVERIES.labels(outcome).inc()
                     break
                 except PSError:
                     if time.monotonic() > deadline or coord._closed:
@@ -552,6 +576,7 @@ class _PSRecovery:
                     time.sleep(0.2)   # backoff between probes of a server that is down
         except Exception as exc:
             restarted = None
+            _metrics.PS_RECOVERIES.labels("failed").inc()
             error = WorkerCallError(f"parameter server {address} could not be recovered "
                                     f"(waited up to {coord.ps_recovery_timeout}s): {exc}")
             with self._lock:
@@ -561,6 +586,45 @@ class _PSRecovery:
         finally:
             self._decide(address, restarted, error)
             coord._clocks_changed()
+
+
+class _PSWatch:
+    """Looks at every parameter server's server_id every ``interval`` seconds
+    and hands one that restarted or stopped answering to _PSRecovery."""
+
+    def __init__(self, coord: "ClusterCoordinator", interval: float):
+        self.coord, self.interval = coord, interval
+        self._stop = threading.Event()
+        self._clients: dict = {}
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="PSWatch")
+        self._thread.start()
+
+    def _probe(self, address: str):
+        from psserver.client import PSClient
+
+        c = self._clients.get(address)
+        if c is None:   # its own short-deadline connection, not the shared one
+            strategy = self.coord.strategy
+            c = self._clients[address] = PSClient(address, token=strategy.token,
+                                                  tls=strategy.tls, timeout=2.0)
+        return c.server_info().server_id
+
+    def _loop(self) -> None:
+        strategy = self.coord.strategy
+        while not self._stop.wait(self.interval):
+            for address, known in list(strategy.server_ids.items()):
+                try:
+                    changed = self._probe(address) != known
+                except PSError:
+                    changed = True
+                if changed and not self._stop.is_set():
+                    self.coord._recovery.report(address)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for c in self._clients.values():
+            c.close()
 
 
 class _Membership:
@@ -624,13 +688,18 @@ class ClusterCoordinator:
         (without one: creates them again as first created). Async and
         bounded modes; in sync mode the step fails.
       ps_recovery_timeout: how long to wait for such a server (seconds).
+      ps_check_interval: seconds between looks at every parameter server's
+        identity: one that restarted (or stopped answering) is recovered even
+        while no step has failed on it yet (steps resend their calls
+        meanwhile, see coordinator.variables).
 
     Use as a context manager, or call ``shutdown()``, to stop its threads.
     """
 
     def __init__(self, strategy: ParameterServerStrategy, *,
                  closure_timeout: float | None = None, membership_interval: float = 1.0,
-                 checkpoint_manager=None, ps_recovery_timeout: float = 300.0):
+                 checkpoint_manager=None, ps_recovery_timeout: float = 300.0,
+                 ps_check_interval: float = 1.0):
         self.strategy = strategy
         self.closure_timeout = closure_timeout
         self.checkpoint_manager = checkpoint_manager
@@ -638,6 +707,11 @@ class ClusterCoordinator:
         # Set while a parameter server is being recovered: no closure starts.
         self._paused = threading.Event()
         self._recovery = _PSRecovery(self)
+        #: Where a replicated shard's state passes from one server to another
+        #: (both servers and this process must see it; see restore_from_replicas).
+        self.transfer_dir = (checkpoint_manager.directory if checkpoint_manager is not None
+                             else tempfile.gettempdir())
+        self._ps_watch = _PSWatch(self, ps_check_interval)
         self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {strategy.token}"),) if strategy.token else ()
         self._queue = _ClosureQueue()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
@@ -648,6 +722,7 @@ class ClusterCoordinator:
         self._max_clock_gap = 0
         self._membership = _Membership(self, membership_interval)
         self._closed = False
+        _metrics.track(self)   # the gauges; serves metrics if $PSTRAIN_METRICS_PORT says
 
     # -- public API --------------------------------------------------------------
     def schedule(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> RemoteValue:
@@ -727,6 +802,7 @@ class ClusterCoordinator:
         """Stop the worker threads (closures in flight finish first)."""
         if not self._closed:
             self._closed = True
+            self._ps_watch.stop()
             self._membership.stop()
 
     def __enter__(self) -> "ClusterCoordinator":

@@ -25,6 +25,8 @@ from psserver.sync import SyncSpec
 from psserver.tls import TLSConfig
 
 MODES = ("async", "sync", "bounded")
+#: Name prefix of backup shards (replication=True): "_backup/<shard name>".
+BACKUP_PREFIX = "_backup/"
 
 #: Initializers computed from the full (unsharded) shape, then sent to each
 #: shard as a server-side kind. Others ("zeros", "random_normal", ...) are
@@ -118,6 +120,12 @@ class ParameterServerStrategy:
         that hangs). A replica whose worker dies is abandoned at once. 0:
         wait for every replica.
       staleness: bounded mode: the bound s (required).
+      replication: keep a backup of every shard on the next parameter server
+        (primary-backup): every push goes to both with one idempotency key
+        and is acknowledged once both applied it, so losing one parameter
+        server loses no acknowledged update; the coordinator restores a
+        restarted server's shards from their copies. Costs twice the memory
+        and push traffic. Needs two or more parameter servers.
       reuse_existing: a coordinator that restarts while its parameter
         servers keep running: ``create_variable`` adopts a variable of the
         same name, shape, dtype and optimizer that is already there, with its
@@ -134,7 +142,7 @@ class ParameterServerStrategy:
                  num_replicas: int | None = None, backup_workers: int = 0,
                  aggregation: str = "mean", step_timeout: float = 30.0,
                  staleness: int | None = None, tls: TLSConfig | None = None,
-                 reuse_existing: bool = False):
+                 reuse_existing: bool = False, replication: bool = False):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -154,6 +162,9 @@ class ParameterServerStrategy:
         # different one later means the process restarted and lost them.
         self.server_ids: dict[str, str] = {}
         self.reuse_existing = reuse_existing
+        if replication and len(self._ps) < 2:
+            raise ValueError("replication needs at least two parameter servers")
+        self.replication = replication
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -274,7 +285,7 @@ class ParameterServerStrategy:
         n = len(offsets) - 1
         addrs = self._place(n)
         init = None if value is not None else resolve_initializer(initializer, shape, seed)
-        shards = []
+        shards, backups = [], []
         try:
             for i, addr in enumerate(addrs):
                 lo, hi = offsets[i], offsets[i + 1]
@@ -294,14 +305,21 @@ class ParameterServerStrategy:
                 self._note_server(addr)
                 shards.append(V.Shard(addr, sname, lo, hi - lo))
                 self._creation[sname] = create
+                if self.replication:   # the same start on the next server
+                    baddr = self._ps[(self._ps.index(addr) + 1) % len(self._ps)]
+                    bcreate = dict(create, name=f"{BACKUP_PREFIX}{sname}")
+                    V.client_for(baddr).create_variable(**bcreate, exist_ok=self.reuse_existing)
+                    self._note_server(baddr)
+                    backups.append(V.Shard(baddr, bcreate["name"], lo, hi - lo))
+                    self._creation[bcreate["name"]] = bcreate
         except BaseException:
-            for s in shards:   # all-or-nothing
+            for s in shards + backups:   # all-or-nothing
                 try:
                     V.client_for(s.address).delete_variable(s.name)
                 except PSError:
                     pass
             raise
-        var = V.ShardedVariable(name, shape, dtype, tuple(shards), optimizer)
+        var = V.ShardedVariable(name, shape, dtype, tuple(shards), optimizer, tuple(backups))
         self._variables[name] = var
         return var
 
@@ -310,7 +328,23 @@ class ParameterServerStrategy:
             self.server_ids[addr] = V.client_for(addr).server_info().server_id
 
     def shards_on(self, addr: str) -> list[tuple[V.ShardedVariable, V.Shard]]:
-        return [(v, s) for v in self._variables.values() for s in v.shards if s.address == addr]
+        """(variable, shard) for every shard and backup shard on addr."""
+        return [(v, s) for v in self._variables.values() for s in v.shards + v.backups
+                if s.address == addr]
+
+    def restore_from_replicas(self, addr: str, directory: str) -> None:
+        """Replication: refill a restarted server from the other copy of each
+        of its shards (primaries from their backups and backups from their
+        primaries), value, slots, version and idempotency keys."""
+        from coordinator.checkpoint import copy_shard_state
+
+        for v, s in self.shards_on(addr):
+            pairs = list(zip(v.shards, v.backups))
+            for primary, backup in pairs:
+                if s == primary:
+                    copy_shard_state(backup, primary, directory, v.optimizer)
+                elif s == backup:
+                    copy_shard_state(primary, backup, directory, v.optimizer)
 
     def recreate_shards(self, addr: str) -> None:
         """Create again, as first created, the shards that lived on ``addr``
@@ -319,6 +353,6 @@ class ParameterServerStrategy:
             V.client_for(addr).create_variable(**self._creation[s.name], exist_ok=True)
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
-        for s in var.shards:
+        for s in var.shards + var.backups:
             V.client_for(s.address).delete_variable(s.name)
         self._variables.pop(var.name, None)

@@ -11,6 +11,14 @@ Reads and pushes of many variables at once (``read_variables``,
 ``push_gradients``) make one call per parameter server, issued concurrently:
 a training step costs one round trip per server, not one per variable.
 
+Calls ride out a parameter server that restarts: a read, gather or push
+that fails with UNAVAILABLE, NOT_FOUND (a restarted server before the
+coordinator restored it) or DEADLINE_EXCEEDED is sent again, for up to
+``PSTRAIN_RETRY_SECONDS`` (default 120) seconds. Every push carries an
+idempotency key (``update_id``), so a resent push is applied at most once.
+With replication, each shard's push also goes to its backup shard with the
+same key, and returns once both acknowledged it.
+
 In sync mode (inside a replica of a sync step, see coordinator.replica)
 reads wait for the previous step to be applied, and pushes join the step's
 gradients on the servers instead of being applied one by one. A sync sparse
@@ -20,14 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
+import time
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from coordinator.replica import current_sync
 from psserver.client import Handle, PSClient
+from psserver.errors import DeadlineExceeded, NotFound, Unavailable
 from psserver.server import TOKEN_ENV
 from psserver.tls import TLSConfig
 
@@ -62,6 +73,37 @@ def client_for(address: str) -> PSClient:
     return c
 
 
+#: How long calls are resent while a parameter server is away (seconds).
+RETRY_SECONDS = float(os.environ.get("PSTRAIN_RETRY_SECONDS", "120"))
+_RETRYABLE = (Unavailable, NotFound, DeadlineExceeded)
+
+
+def _settle(starts: Sequence[Callable[[], Handle]]) -> list:
+    """Start every call, then wait for each, resending one that failed in a
+    retryable way (same request, so same idempotency keys) until RETRY_SECONDS."""
+    handles = [start() for start in starts]
+    deadline = time.monotonic() + RETRY_SECONDS
+    out = []
+    for start, handle in zip(starts, handles):
+        backoff = 0.05
+        while True:
+            try:
+                out.append(handle.result())
+                break
+            except _RETRYABLE:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(backoff)   # the server is restarting: wait before resending
+                backoff = min(backoff * 2, 1.0)
+                handle = start()
+    return out
+
+
+def new_update_id() -> int:
+    """A random non-zero 63-bit idempotency key."""
+    return secrets.randbits(63) or 1
+
+
 def close_clients() -> None:
     with _clients_lock:
         for c in _clients.values():
@@ -87,6 +129,8 @@ class ShardedVariable:
     dtype: str
     shards: tuple[Shard, ...]
     optimizer: str = "sgd"
+    #: With replication: shard i's backup, on another parameter server.
+    backups: tuple[Shard, ...] = ()
 
     @property
     def num_shards(self) -> int:
@@ -123,10 +167,13 @@ class ShardedVariable:
         push_gradients([(self, grad)])
 
     def assign(self, value) -> None:
-        """Overwrite the value (optimizer slots are kept)."""
+        """Overwrite the value (optimizer slots are kept), backups included."""
         value = self._check_dense(value, "assigned value")
-        _wait([client_for(s.address).assign_many_async([(s.name, part)])
-               for s, part in zip(self.shards, self._split(value))])
+        parts = self._split(value)
+        targets = [(s, p) for s, p in zip(self.shards, parts)]
+        targets += [(b, p) for b, p in zip(self.backups, parts)]
+        _settle([lambda t=t, p=p: client_for(t.address).assign_many_async([(t.name, p)])
+                 for t, p in targets])
 
     def _check_dense(self, arr, what: str) -> np.ndarray:
         arr = np.asarray(arr, dtype=self.dtype)
@@ -161,14 +208,15 @@ class ShardedVariable:
         out = np.empty((flat.size,) + self.shape[1:], np.dtype(self.dtype))
         sync = current_sync()
         step = sync.step if sync is not None else None
-        pending = []
+        positions, starts = [], []
         for k, s in enumerate(self.shards):
             pos = np.nonzero(which == k)[0]
             if pos.size:
-                pending.append((pos, client_for(s.address).gather_async(
-                    s.name, local[pos], sync_step=step)))
-        for pos, h in pending:
-            out[pos] = h.result()[0]
+                positions.append(pos)
+                starts.append(lambda s=s, ids=local[pos]: client_for(s.address).gather_async(
+                    s.name, ids, sync_step=step))
+        for pos, (rows, _) in zip(positions, _settle(starts)):
+            out[pos] = rows
         return out.reshape(ids.shape + self.shape[1:])
 
     def push_sparse(self, ids, rows) -> None:
@@ -180,13 +228,16 @@ class ShardedVariable:
                              f"expected {(ids.size,) + self.shape[1:]}")
         which, local = self._route(ids)
         sync = current_sync()
-        handles = []
+        starts = []
         for k, s in enumerate(self.shards):
             pos = np.nonzero(which == k)[0]
             if pos.size or sync is not None:   # sync: every shard counts this replica
-                handles.append(client_for(s.address).push_sparse_async(
-                    s.name, local[pos], rows[pos], sync=sync))
-        _wait(handles)
+                uid = 0 if sync is not None else new_update_id()
+                for target in (s,) + ((self.backups[k],) if self.backups else ()):
+                    starts.append(lambda t=target, i=local[pos], r=rows[pos], u=uid:
+                                  client_for(t.address).push_sparse_async(
+                                      t.name, i, r, sync=sync, update_id=u))
+        _settle(starts)
 
 
 def _wait(handles: Iterable[Handle]) -> list:
@@ -209,12 +260,13 @@ def read_variables(variables: Sequence[ShardedVariable], *, with_versions: bool 
     sync = current_sync()
     step = sync.step if sync is not None else None
     groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
-    handles = {addr: client_for(addr).read_many_async([s.name for _, s in items], sync_step=step)
-               for addr, items in groups.items()}
+    starts = [lambda addr=addr, names=[s.name for _, s in items]:
+              client_for(addr).read_many_async(names, sync_step=step)
+              for addr, items in groups.items()]
     parts: dict[tuple[int, str], np.ndarray] = {}
     versions: dict[tuple[int, str], int] = {}
-    for addr, items in groups.items():
-        for (i, s), snap in zip(items, handles[addr].result()):
+    for items, snaps in zip(groups.values(), _settle(starts)):
+        for (i, s), snap in zip(items, snaps):
             parts[(i, s.name)], versions[(i, s.name)] = snap.value, snap.version
     out = []
     for i, v in enumerate(variables):
@@ -233,11 +285,15 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]]) -> None:
     Each shard's update is atomic on its server; shards of one variable on
     different servers are updated independently (asynchronous training).
     """
+    sync = current_sync()
     items = []
     for v, g in pairs:
         g = v._check_dense(g, "gradient")
-        items.extend(((s.name, part), s) for s, part in zip(v.shards, v._split(g)))
-    sync = current_sync()
+        for k, (s, part) in enumerate(zip(v.shards, v._split(g))):
+            uid = 0 if sync is not None else new_update_id()
+            for target in (s,) + ((v.backups[k],) if v.backups else ()):
+                items.append(((target.name, part, uid), target))
     groups = _by_server(items)
-    _wait([client_for(addr).push_many_async([upd for upd, _ in its], sync=sync)
-           for addr, its in groups.items()])
+    _settle([lambda addr=addr, upds=[upd for upd, _ in its]:
+             client_for(addr).push_many_async(upds, sync=sync)
+             for addr, its in groups.items()])

@@ -261,7 +261,8 @@ class PSClient:
                         exist_ok: bool = False,
                         slots: Mapping[str, np.ndarray] | None = None,
                         version: int = 0,
-                        overwrite: bool = False) -> VariableMeta:
+                        overwrite: bool = False,
+                        applied_ids=()) -> VariableMeta:
         """Create a variable on this server and return its metadata.
 
         Give either ``initial_value`` (shape and dtype then default to its
@@ -274,6 +275,7 @@ class PSClient:
         req = ps_pb2.CreateVariableRequest(
             name=name, allow_nonfinite=allow_nonfinite, exist_ok=exist_ok,
             version=version, overwrite=overwrite,
+            applied_ids=[int(i) for i in np.asarray(applied_ids, np.uint64).ravel()],
             optimizer=ps_pb2.OptimizerSpec(name=optimizer, params=dict(optimizer_params or {})))
         arrays = []
         if initial_value is not None:
@@ -435,21 +437,24 @@ class PSClient:
     def _dense(self, kind: str, updates: Mapping[str, np.ndarray] | Iterable, wait: bool,
                sync: SyncSpec | None = None):
         items = list(updates.items()) if isinstance(updates, Mapping) else list(updates)
-        arrays = [np.asarray(g) for _, g in items]
+        arrays = [np.asarray(item[1]) for item in items]
         msg_cls = ps_pb2.PushRequest if kind == "push" else ps_pb2.AssignRequest
         method = self._stub.Push if kind == "push" else self._stub.Assign
         streamed = not self._fits(sum(a.nbytes for a in arrays))
         req = msg_cls()
         if sync is not None:
             _set_sync(req, sync)
-        for (name, _), a in zip(items, arrays):
-            T.fill(req.updates.add(name=name).tensor, a, with_data=not streamed)
+        for item, a in zip(items, arrays):
+            upd = req.updates.add(name=item[0], update_id=item[2] if len(item) > 2 else 0)
+            T.fill(upd.tensor, a, with_data=not streamed)
         if streamed:
             return self._run(wait, lambda: list(self._upload(kind, req, arrays).updated.versions))
         return self._invoke(wait, method, req, lambda r: list(r.versions))
 
     def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Handle:
-        """Apply dense gradients ({name: grad} or [(name, grad)]) in one call.
+        """Apply dense gradients ({name: grad}, [(name, grad)] or
+        [(name, grad, update_id)]) in one call. A non-zero update_id makes the
+        update idempotent: resending it after an error applies it at most once.
 
         ``result()`` is the list of versions after each update. The request is
         validated in full first: on an error nothing was applied. With
@@ -476,11 +481,12 @@ class PSClient:
         """Overwrite a variable's value (optimizer slots are kept)."""
         return self.assign_many([(name, value)])[0]
 
-    def _push_sparse(self, name: str, ids, rows, wait: bool, sync: SyncSpec | None = None):
+    def _push_sparse(self, name: str, ids, rows, wait: bool, sync: SyncSpec | None = None,
+                     update_id: int = 0):
         ids = _as_ids(ids, "sparse push")
         rows = np.asarray(rows)
         streamed = not self._fits(ids.nbytes + rows.nbytes)
-        req = ps_pb2.PushSparseRequest(name=name)
+        req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
         if sync is not None:
             _set_sync(req, sync)
         T.fill(req.ids, ids, with_data=not streamed)
@@ -490,12 +496,16 @@ class PSClient:
                 "push_sparse", req, [ids, rows]).updated.versions[0])
         return self._invoke(wait, self._stub.PushSparse, req, lambda r: r.versions[0])
 
-    def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None) -> Handle:
-        return self._push_sparse(name, ids, rows, False, sync)
+    def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
+                          update_id: int = 0) -> Handle:
+        return self._push_sparse(name, ids, rows, False, sync, update_id)
 
-    def push_sparse(self, name: str, ids, rows, *, sync: SyncSpec | None = None) -> int:
-        """Apply a row-wise gradient (duplicate ids summed); return the version."""
-        return self._push_sparse(name, ids, rows, True, sync)
+    def push_sparse(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
+                    update_id: int = 0) -> int:
+        """Apply a row-wise gradient (duplicate ids summed); return the version.
+
+        A non-zero update_id makes it idempotent, as in push_many_async."""
+        return self._push_sparse(name, ids, rows, True, sync, update_id)
 
     def save(self, directory: str, names: Sequence[str] = ()) -> list[ps_pb2.SavedFile]:
         """Have the server write variables (all by default) to its directory."""

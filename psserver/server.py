@@ -3,6 +3,7 @@
 The ``psserver`` command (and ``python -m psserver``)::
 
     psserver --port 0 --port-file /tmp/ps0.port      # prints "psserver listening on 127.0.0.1:PORT"
+    psserver --port 0 --metrics-port 0   # also serves metrics: "psserver metrics on 127.0.0.1:PORT"
 
 On SIGTERM or SIGINT the server reports NOT_SERVING on the health service,
 stops taking new calls, lets the calls in flight finish (up to --grace
@@ -23,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2_grpc
+from psserver import metrics
 from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                MESSAGE_OVERHEAD, ParameterServerServicer)
@@ -121,15 +123,22 @@ class ServerHandle:
 def make_server(address: str, servicer, add_to_server, service_name: str, *,
                 token: str | None = None, tls: "TLS.TLSConfig | None" = None,
                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                max_workers: int = 16, thread_name_prefix: str = "rpc") -> ServerHandle:
+                max_workers: int = 16, thread_name_prefix: str = "rpc",
+                rpc_metrics=None) -> ServerHandle:
     """Build (not start) a gRPC server for one servicer, with health and auth.
 
     ``"127.0.0.1:0"`` binds a free port; ``handle.port`` says which. With a
     token, every call but health checks must carry it; with ``tls``, the port
-    serves TLS (mutual TLS when it has a CA).
+    serves TLS (mutual TLS when it has a CA). With ``rpc_metrics`` (a
+    psserver.metrics.RpcMetrics), every call is counted and timed, refused
+    ones included.
     Raises OSError if the address cannot be bound.
     """
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+    interceptors = []
+    if rpc_metrics is not None:   # first: it sees the calls the token check refuses
+        interceptors.append(metrics.MetricsInterceptor(rpc_metrics))
+    if token:
+        interceptors.append(TokenAuthInterceptor(token))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix=thread_name_prefix),
                          interceptors=interceptors,
@@ -150,14 +159,19 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                   token: str | None = None, tls: "TLS.TLSConfig | None" = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  max_workers: int = 64) -> ServerHandle:
-    """Build (not start) a parameter server bound to ``address``."""
+                  max_workers: int = 64, rpc_metrics=None) -> ServerHandle:
+    """Build (not start) a parameter server bound to ``address``.
+
+    ``rpc_metrics``: a psserver.metrics.RpcMetrics counting every call (see
+    make_server); the store's own metrics come with ``VariableStore(observer=...)``.
+    """
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
     return make_server(address, servicer, ps_pb2_grpc.add_ParameterServerServicer_to_server,
                        SERVICE_NAME, token=token, tls=tls, max_message_bytes=max_message_bytes,
-                       max_workers=max_workers, thread_name_prefix="psserver-rpc")
+                       max_workers=max_workers, thread_name_prefix="psserver-rpc",
+                       rpc_metrics=rpc_metrics)
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -201,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RPC handler threads (default 64; sync-mode reads wait in one each)")
     p.add_argument("--log-level", default="INFO")
     TLS.add_arguments(p)
+    metrics.add_arguments(p)
     return p
 
 
@@ -220,10 +235,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psserver: {exc}", file=sys.stderr)
         return 2
     try:
-        handle = create_server(address, store=VariableStore(args.max_memory_bytes),
+        served = metrics.start_from_arguments(args, "psserver", args.host)
+    except (ValueError, OSError) as exc:
+        print(f"psserver: cannot serve metrics: {exc}. Pick another --metrics-port, or 0 "
+              "for a free one", file=sys.stderr)
+        return 2
+    store, rpc_metrics = VariableStore(args.max_memory_bytes), None
+    if served is not None:
+        registry = served[0]
+        store.observer = metrics.StoreMetrics(registry).watch(store)
+        rpc_metrics = metrics.RpcMetrics(registry)
+    try:
+        handle = create_server(address, store=store,
                                token=os.environ.get(TOKEN_ENV) or None, tls=tls,
                                max_message_bytes=args.max_message_bytes,
-                               chunk_bytes=args.chunk_bytes, max_workers=args.threads)
+                               chunk_bytes=args.chunk_bytes, max_workers=args.threads,
+                               rpc_metrics=rpc_metrics)
     except OSError as exc:
         print(f"psserver: cannot listen on {address}: {exc}. Pick another --port, or 0 "
               "for a free one", file=sys.stderr)

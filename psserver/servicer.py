@@ -33,9 +33,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 #: (each frame is copied a few times, and small frames stay in the L2 cache).
 DEFAULT_CHUNK_BYTES = 1 << 20
 #: Tensors above this go over the streams even when they would fit one
-#: message: a 4 MiB read streamed in 1 MiB frames was 1.6x faster than unary,
-#: a 16 MiB one 4.7x (bench/bench_ps.py sweep); at 1 MiB the two tie.
-DEFAULT_STREAM_THRESHOLD_BYTES = 1 << 20
+#: message. Streams win for large tensors (a 16 MiB read in 1 MiB frames was
+#: 1.8-4.7x faster than unary, bench/bench_ps.py sweep) but cost a thread and
+#: per-frame work: the MLP benchmark's 1.33 MB shard transfers ran its steps
+#: 1.36x faster unary (bench/suite.py A/B, with MALLOC_ENV).
+DEFAULT_STREAM_THRESHOLD_BYTES = 4 << 20
 #: Room for the non-tensor fields of a message on top of its tensor bytes.
 MESSAGE_OVERHEAD = 64 << 10
 
@@ -162,15 +164,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             initial_value=value, initializer=init,
             optimizer=opt.name or "sgd", optimizer_params=dict(opt.params),
             allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok,
-            slots=slots, version=req.version, overwrite=req.overwrite)
+            slots=slots, version=req.version, overwrite=req.overwrite,
+            applied_ids=list(req.applied_ids))
         return meta_to_proto(meta)
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
-        updates = zip([u.name for u in req.updates], arrays)
+        updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays)]
         spec = _sync_spec(req)
         if spec is None:
             return ps_pb2.UpdateReply(versions=self.store.push(updates))
-        out = self.store.push_sync(updates, spec, _deadline(context))
+        out = self.store.push_sync([(n, a) for n, a, _ in updates], spec, _deadline(context))
         return ps_pb2.UpdateReply(versions=[v for v, _ in out], dropped=[d for _, d in out])
 
     def _assign(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
@@ -183,7 +186,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgument(f"sparse push ids must be int32 or int64, got {ids.dtype.name}")
         spec = _sync_spec(req)
         if spec is None:
-            return ps_pb2.UpdateReply(versions=[self.store.push_sparse(req.name, ids, values)])
+            return ps_pb2.UpdateReply(versions=[self.store.push_sparse(req.name, ids, values,
+                                                                       req.update_id)])
         version, dropped = self.store.push_sparse_sync(req.name, ids, values, spec,
                                                        _deadline(context))
         return ps_pb2.UpdateReply(versions=[version], dropped=[dropped])

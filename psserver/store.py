@@ -15,11 +15,13 @@ Guarantees (each method's docstring repeats the ones that concern it):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import re
 import threading
+import time
 import urllib.parse
 from typing import Iterable, Mapping, Sequence
 
@@ -68,6 +70,24 @@ class VariableMeta:
     dropped_gradients: int = 0
 
 
+class StoreObserver:
+    """What a VariableStore tells about its work as it happens (psserver.metrics
+    counts it); these defaults do nothing. Called with a variable's lock held:
+    keep them quick and never call back into the store."""
+
+    def gradients(self, kind: str, mode: str, n: int = 1) -> None:
+        """n gradients accepted: kind dense|sparse, mode async (applied) | sync (summed)."""
+
+    def dropped(self, kind: str) -> None:
+        """A sync gradient dropped (late, abandoned replica, or a replica's second)."""
+
+    def sync_wait(self, op: str, seconds: float) -> None:
+        """A sync call (op read|gather|push) waited this long for an earlier step."""
+
+    def sync_staleness(self, steps: int) -> None:
+        """A sync gradient arrived when its variable had applied this many steps past it."""
+
+
 class Variable:
     """One variable (or one shard of a sharded variable) and its slots."""
 
@@ -87,6 +107,24 @@ class Variable:
         self.acc: S.Accumulation | None = None  # the sync step being gathered
         self.sync_buffer: np.ndarray | None = None   # sync mode's sum buffer, reused
         self.dropped = 0                        # late sync gradients dropped
+        # Keys of the most recent updates applied (idempotent retries), oldest first.
+        self.applied: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    #: How many update keys a variable remembers: a resent update older than
+    #: this many later updates would be applied again. Retries come within
+    #: seconds, when far fewer updates have happened.
+    APPLIED_IDS_KEPT = 8192
+
+    def first_time(self, update_id: int) -> bool:
+        """Record update_id (lock held); False if it was applied already."""
+        if not update_id:
+            return True
+        if update_id in self.applied:
+            return False
+        self.applied[update_id] = None
+        if len(self.applied) > self.APPLIED_IDS_KEPT:
+            self.applied.popitem(last=False)
+        return True
 
     @property
     def slot_nbytes(self) -> int:
@@ -162,8 +200,9 @@ class VariableStore:
         many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
     """
 
-    def __init__(self, max_bytes: int | None = None):
+    def __init__(self, max_bytes: int | None = None, observer: StoreObserver | None = None):
         self.max_bytes = max_bytes
+        self.observer = observer or StoreObserver()
         self._vars: dict[str, Variable] = {}
         self._lock = threading.Lock()   # guards _vars and _abandoned (not the variables)
         # Sync mode: step -> replicas that will not push for it (their worker died).
@@ -186,6 +225,19 @@ class VariableStore:
     def __len__(self) -> int:
         return len(self._vars)
 
+    def variables_snapshot(self) -> list[Variable]:
+        """The variables held now (for metrics: read sizes only, no values)."""
+        with self._lock:
+            return list(self._vars.values())
+
+    def _barrier(self, var: Variable, step: int, deadline: float | None, op: str) -> None:
+        """sync.wait_for_earlier_steps (lock held), timed for the observer."""
+        start = time.monotonic()
+        try:
+            S.wait_for_earlier_steps(var, step, deadline)
+        finally:
+            self.observer.sync_wait(op, time.monotonic() - start)
+
     # -- create / delete / meta ---------------------------------------------
     def create(self, name: str, dtype: str, shape: Sequence[int], *,
                initial_value: np.ndarray | None = None,
@@ -196,7 +248,8 @@ class VariableStore:
                exist_ok: bool = False,
                slots: Mapping[str, np.ndarray] | None = None,
                version: int = 0,
-               overwrite: bool = False) -> VariableMeta:
+               overwrite: bool = False,
+               applied_ids: Sequence[int] = ()) -> VariableMeta:
         """Create a variable. Raises InvalidArgument, AlreadyExists, ResourceExhausted.
 
         With exist_ok, an existing variable of the same dtype, shape and
@@ -231,7 +284,8 @@ class VariableStore:
         with self._lock:
             existing = self._vars.get(name)
         if existing is not None and overwrite:
-            return self._overwrite(existing, dt, shape, opt, initial_value, slots, version)
+            return self._overwrite(existing, dt, shape, opt, initial_value, slots, version,
+                                   applied_ids)
         if existing is not None:
             if exist_ok:
                 m = existing.meta()
@@ -267,6 +321,7 @@ class VariableStore:
             for k, v in slots.items():
                 np.copyto(var.slots[k], v)
         var.version = version
+        var.applied = collections.OrderedDict.fromkeys(int(i) for i in applied_ids)
         with self._lock:
             if name in self._vars:   # lost a race with another create
                 raise AlreadyExists(f"variable {name!r} exists already")
@@ -286,7 +341,8 @@ class VariableStore:
                     f"{list(proto[k].shape)}, got {v.dtype.name} {list(v.shape)}")
         return dict(slots)
 
-    def _overwrite(self, var: Variable, dt, shape, opt, value, slots, version) -> VariableMeta:
+    def _overwrite(self, var: Variable, dt, shape, opt, value, slots, version,
+                   applied_ids=()) -> VariableMeta:
         if (var.value.dtype, var.value.shape, var.optimizer.name) != (dt, shape, opt.name):
             raise InvalidArgument(
                 f"cannot overwrite {var.name!r} ({var.value.dtype.name} {list(var.value.shape)}, "
@@ -300,6 +356,7 @@ class VariableStore:
                 np.copyto(var.slots[k], fresh[k])
             var.version = version
             var.acc = None
+            var.applied = collections.OrderedDict.fromkeys(int(i) for i in applied_ids)
             return var.meta()
 
     def save(self, directory: str, names: Sequence[str] = ()) -> list[tuple[str, str, int, int]]:
@@ -323,7 +380,8 @@ class VariableStore:
         for var in chosen:
             with var.lock:
                 tensors = {"value": var.value.copy(),
-                           **{f"slot/{k}": v.copy() for k, v in var.slots.items()}}
+                           **{f"slot/{k}": v.copy() for k, v in var.slots.items()},
+                           "applied_ids": np.fromiter(var.applied, np.uint64, len(var.applied))}
                 meta = {"name": var.name, "version": str(var.version),
                         "optimizer": var.optimizer.name,
                         "optimizer_params": json.dumps(var.optimizer.config()),
@@ -370,7 +428,7 @@ class VariableStore:
         var = self._get(name)
         with var.lock:
             if sync_step is not None:
-                S.wait_for_earlier_steps(var, sync_step, deadline)
+                self._barrier(var, sync_step, deadline, "read")
             return var.version, var.value.copy()
 
     def read_bytes(self, name: str, sync_step: int | None = None,
@@ -379,7 +437,7 @@ class VariableStore:
         var = self._get(name)
         with var.lock:
             if sync_step is not None:
-                S.wait_for_earlier_steps(var, sync_step, deadline)
+                self._barrier(var, sync_step, deadline, "read")
             return var.value.dtype.name, var.value.shape, var.version, var.value.tobytes()
 
     def _check_ids(self, var: Variable, ids: np.ndarray, what: str) -> np.ndarray:
@@ -405,7 +463,7 @@ class VariableStore:
         ids = self._check_ids(var, ids, "gather")
         with var.lock:
             if sync_step is not None:
-                S.wait_for_earlier_steps(var, sync_step, deadline)
+                self._barrier(var, sync_step, deadline, "gather")
             return var.version, var.value[ids]
 
     # -- updates -----------------------------------------------------------
@@ -424,24 +482,27 @@ class VariableStore:
                 "nothing was applied. Lower the learning rate or clip gradients, "
                 "or create the variable with allow_nonfinite=True")
 
-    def push(self, updates: Iterable[tuple[str, np.ndarray]]) -> list[int]:
+    def push(self, updates: Iterable[tuple]) -> list[int]:
         """Apply dense gradients with each variable's optimizer.
 
-        All updates are validated before any is applied: on an error nothing
-        changed. Each is then applied atomically on its own variable.
-        Returns the version of each variable after its update.
+        ``updates``: (name, grad) or (name, grad, update_id). All updates are
+        validated before any is applied: on an error nothing changed. Each is
+        then applied atomically on its own variable, unless its update_id
+        (non-zero) was applied before: then it is acknowledged and skipped
+        (idempotent retries). Returns each variable's version after the call.
         """
-        updates = list(updates)
         checked = []
-        for name, grad in updates:
+        for name, grad, *uid in updates:
             var = self._get(name)
             self._check_grad(var, grad, var.value.shape, "gradient")
-            checked.append((var, grad))
+            checked.append((var, grad, uid[0] if uid else 0))
         versions = []
-        for var, grad in checked:
+        for var, grad, uid in checked:
             with var.lock:
-                var.optimizer.apply_dense(var.value, var.slots, grad)
-                var.version += 1
+                if var.first_time(uid):
+                    var.optimizer.apply_dense(var.value, var.slots, grad)
+                    var.version += 1
+                    self.observer.gradients("dense", "async")
                 versions.append(var.version)
         return versions
 
@@ -460,11 +521,13 @@ class VariableStore:
                 versions.append(var.version)
         return versions
 
-    def push_sparse(self, name: str, ids: np.ndarray, rows: np.ndarray) -> int:
+    def push_sparse(self, name: str, ids: np.ndarray, rows: np.ndarray,
+                    update_id: int = 0) -> int:
         """Apply a row-wise gradient: rows[i] is the gradient of row ids[i].
 
         Duplicate ids are summed first. Lazy: only the rows named, and their
-        slots, change. Returns the version after the update.
+        slots, change. An update_id seen before is acknowledged and skipped,
+        as in push. Returns the version after the update.
         """
         var = self._get(name)
         if ids.ndim != 1:
@@ -473,8 +536,10 @@ class VariableStore:
         self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
         uniq, summed = optim.sum_duplicates(ids.astype(np.int64, copy=False), rows)
         with var.lock:
-            var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
-            var.version += 1
+            if var.first_time(update_id):
+                var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
+                var.version += 1
+                self.observer.gradients("sparse", "async")
             return var.version
 
     # -- synchronous mode (see psserver.sync) -----------------------------------
@@ -502,7 +567,7 @@ class VariableStore:
         out = []
         for var, grad in checked:
             with var.lock:
-                dropped = S.push(var, spec, grad, False, abandoned, deadline)
+                dropped = self._sync_push(var, spec, grad, False, abandoned, deadline)
                 out.append((var.version, dropped))
         return out
 
@@ -517,8 +582,27 @@ class VariableStore:
         self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
         abandoned = self._abandoned_for(spec.step)
         with var.lock:
-            dropped = S.push(var, spec, (ids, rows), True, abandoned, deadline)
+            dropped = self._sync_push(var, spec, (ids, rows), True, abandoned, deadline)
             return var.version, dropped
+
+    def _sync_push(self, var: Variable, spec: S.SyncSpec, grad, sparse: bool,
+                   abandoned: set[int], deadline: float | None) -> bool:
+        """sync.push (lock held), with its barrier wait timed and its outcome counted.
+
+        Waits here first, so that sync.push's own wait finds nothing to wait for.
+        """
+        self._barrier(var, spec.step, deadline, "push")
+        # Steps the variable moved past this gradient's step (applied, or begun
+        # gathering): 0 on time; more: late (sync.push drops it).
+        ahead = max(var.sync_steps, var.acc.step if var.acc is not None else 0)
+        self.observer.sync_staleness(max(0, ahead - spec.step))
+        dropped = S.push(var, spec, grad, sparse, abandoned, deadline)
+        kind = "sparse" if sparse else "dense"
+        if dropped:
+            self.observer.dropped(kind)
+        else:
+            self.observer.gradients(kind, "sync")
+        return dropped
 
     #: How many steps of abandoned replicas to remember.
     _ABANDONED_KEPT = 1024

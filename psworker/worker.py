@@ -3,6 +3,7 @@
 The ``psworker`` command (and ``python -m psworker``)::
 
     psworker --port 0                      # prints "psworker listening on 127.0.0.1:PORT"
+    psworker --port 0 --metrics-port 0     # first prints "psworker metrics on 127.0.0.1:PORT"
     TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 1}}' psworker --host 0.0.0.0
 
 Under TF_CONFIG (or TF_CONFIG_FILE) the worker binds the port of its own
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 import uuid
 
@@ -29,6 +31,7 @@ from coordinator.replica import replica_scope
 from psserver.sync import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
 from psserver.server import TOKEN_ENV, join_host_port, make_server, serve
@@ -40,10 +43,12 @@ SERVICE_NAME = "pstrain.v1.Worker"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Runs closures. ``trusted``: calls passed a token check, so pickles are allowed."""
+    """Runs closures. ``trusted``: calls passed a token check, so pickles are allowed.
+    ``metrics``: a psserver.metrics.WorkerMetrics counting the closures run."""
 
-    def __init__(self, trusted: bool):
+    def __init__(self, trusted: bool, metrics: "M.WorkerMetrics | None" = None):
         self.trusted = trusted
+        self.metrics = metrics
         self.worker_id = uuid.uuid4().hex
         self._count = 0
         self._count_lock = threading.Lock()
@@ -91,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                           f"dataset_fn raised on this worker: {type(exc).__name__}: {exc}\n"
                           f"{traceback.format_exc()}")
         datasets.register_dataset(request.dataset_id, ds)
+        if self.metrics is not None:
+            self.metrics.dataset_created()
         return worker_pb2.CreateDatasetReply()
 
     def RunClosure(self, request, context):
@@ -105,14 +112,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.HasField("sync"):
             i = request.sync
             sync = SyncSpec(i.step, i.replica, i.num_replicas, i.required, i.sum, i.step_timeout)
+        m, outcome, start = self.metrics, "error", time.perf_counter()
+        if m is not None:
+            m.running.inc()
         try:
             with replica_scope(sync):
                 result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
+            outcome = "ok"
         except Exception as exc:
             reply = worker_pb2.ClosureReply(error=worker_pb2.ErrorInfo(
                 type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc(),
                 **_ps_failure(exc)))
+        finally:
+            if m is not None:
+                m.running.dec()
+                m.closure(outcome, time.perf_counter() - start)
         with self._count_lock:
             self._count += 1
         return reply
@@ -141,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closures that may run at once (default 4)")
     p.add_argument("--log-level", default="INFO")
     TLS.add_arguments(p)
+    M.add_arguments(p)
     return p
 
 
@@ -172,10 +188,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psworker: {exc}", file=sys.stderr)
         return 2
     try:
-        handle = make_server(address, WorkerServicer(trusted=token is not None),
+        served = M.start_from_arguments(args, "psworker", args.host)
+    except (ValueError, OSError) as exc:
+        print(f"psworker: cannot serve metrics: {exc}. Pick another --metrics-port, or 0 "
+              "for a free one", file=sys.stderr)
+        return 2
+    worker_metrics = rpc_metrics = None
+    if served is not None:
+        worker_metrics, rpc_metrics = M.WorkerMetrics(served[0]), M.RpcMetrics(served[0])
+    try:
+        handle = make_server(address, WorkerServicer(trusted=token is not None,
+                                                     metrics=worker_metrics),
                              worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME,
                              token=token, tls=tls, max_workers=args.threads,
-                             thread_name_prefix="psworker-rpc")
+                             thread_name_prefix="psworker-rpc", rpc_metrics=rpc_metrics)
     except OSError as exc:
         print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
               "for a free one", file=sys.stderr)

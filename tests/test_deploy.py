@@ -37,6 +37,7 @@ COMPOSE = os.path.join(ROOT, "docker-compose.yml")
 #: Kubernetes version the manifests are validated against (grpc probes: GA in 1.27).
 K8S_VERSION = "1.31.0"
 PORT = 2222
+METRICS_PORT = 9100   # Prometheus metrics (tests/test_metrics.py checks them in full)
 
 
 def load_all(path):
@@ -145,7 +146,8 @@ def test_manifests_are_namespace_agnostic_and_fit_together():
         assert svc["spec"]["selector"].items() <= labels.items()
         c = sts["spec"]["template"]["spec"]["containers"][0]
         assert c["command"][:4] == ["coordinator", "task", "--type", role]
-        assert {p["containerPort"] for p in c["ports"]} == {PORT}
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+            "grpc": PORT, "metrics": METRICS_PORT}
         for probe in ("readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == PORT, (role, probe)
     assert sets["ps"]["spec"]["replicas"] == 2
@@ -158,7 +160,7 @@ def test_manifests_are_namespace_agnostic_and_fit_together():
     (policy,) = by_kind("NetworkPolicy").values()
     selected = policy["spec"]["podSelector"]["matchLabels"]
     (rule,) = policy["spec"]["ingress"]
-    assert [p["port"] for p in rule["ports"]] == [PORT]
+    assert [p["port"] for p in rule["ports"]] == [PORT, METRICS_PORT]
     (peer,) = rule["from"]
     for name, spec, labels in pod_specs():
         assert selected.items() <= labels.items(), name

@@ -50,7 +50,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CreateVariableRequest(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok", "slots", "version", "overwrite")
+    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok", "slots", "version", "overwrite", "applied_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class CreateVariableRequest(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +74,8 @@ class CreateVariableRequest(_message.Message):
     slots: _containers.RepeatedCompositeFieldContainer[SlotValue]
     version: int
     overwrite: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotValue, _Mapping]]] = ..., version: _Optional[int] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    applied_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotValue, _Mapping]]] = ..., version: _Optional[int] = ..., overwrite: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SlotValue(_message.Message):
     __slots__ = ("name", "tensor")
@@ -186,12 +188,14 @@ class ReadFrame(_message.Message):
     def __init__(self, value: _Optional[_Union[VariableValue, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class DenseUpdate(_message.Message):
-    __slots__ = ("name", "tensor")
+    __slots__ = ("name", "tensor", "update_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     tensor: Tensor
-    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    update_id: int
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("updates", "sync")
@@ -234,16 +238,18 @@ class GatherReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PushSparseRequest(_message.Message):
-    __slots__ = ("name", "ids", "values", "sync")
+    __slots__ = ("name", "ids", "values", "sync", "update_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     ids: Tensor
     values: Tensor
     sync: SyncInfo
-    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ...) -> None: ...
+    update_id: int
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class UploadFrame(_message.Message):
     __slots__ = ("create", "push", "assign", "push_sparse", "chunk")

@@ -1,0 +1,465 @@
+"""Prometheus metrics of a task: gRPC calls, the parameter server's state, closures.
+
+Each process keeps its metrics in a ``prometheus_client.CollectorRegistry``
+of its own (never the library's global default), made by the command that
+starts the task, so tasks and tests in one process never collide. Nothing
+here runs unless metrics are switched on: ``psserver --metrics-port N`` /
+``psworker --metrics-port N`` (or ``$PSTRAIN_METRICS_PORT``); 0 picks a free
+port, and the task prints ``<role> metrics on HOST:PORT`` before its
+``<role> listening on HOST:PORT`` line. The endpoint is plain HTTP
+(``GET /metrics``), unauthenticated: it exposes counts and timings, never
+variable values or names.
+
+* ``RpcMetrics`` + ``MetricsInterceptor``: every call's count, latency,
+  status code, and bytes in and out, per method (psserver and psworker). The
+  names follow go-grpc-prometheus (``grpc_server_handled_total`` ...), so
+  existing gRPC dashboards work.
+* ``StoreMetrics``: a ``psserver.store.StoreObserver`` (gradients accepted,
+  dropped, sync barrier waits, sync staleness) plus the variables and bytes
+  held, read from the store at scrape time.
+* ``WorkerMetrics``: closures run on a worker, by outcome, and their duration.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+import grpc
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, start_http_server)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from psserver.store import StoreObserver
+
+#: Default of ``--metrics-port`` (psserver, psworker) and of the coordinator's
+#: metrics (coordinator.metrics): a port number, 0 for a free one. Unset: off.
+PORT_ENV = "PSTRAIN_METRICS_PORT"
+#: Default bind address of the metrics endpoint (tasks: their ``--host``
+#: otherwise; the coordinator: 127.0.0.1 otherwise).
+HOST_ENV = "PSTRAIN_METRICS_HOST"
+
+#: Seconds: gRPC calls, sync barrier waits.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Seconds: a step closure on a worker.
+CLOSURE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: Steps a gradient is behind.
+STALENESS_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+
+
+def new_registry(process: bool = True) -> CollectorRegistry:
+    """A registry of this task's own, with the process collectors
+    (``process_*`` CPU, memory, open files; ``python_gc_*``; ``python_info``)."""
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+    registry = CollectorRegistry(auto_describe=True)
+    if process:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+    return registry
+
+
+def env_port(environ=os.environ) -> int | None:
+    """$PSTRAIN_METRICS_PORT as a port number, None if unset or empty.
+
+    Raises ValueError if it is not a port number."""
+    raw = (environ.get(PORT_ENV) or "").strip()
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"${PORT_ENV} must be a port number (0: a free one), "
+                         f"got {raw!r}") from None
+    check_port(port, f"${PORT_ENV}")
+    return port
+
+
+def check_port(port: int, what: str = "--metrics-port") -> int:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{what} must be in 0..65535 (0: a free one), got {port}")
+    return port
+
+
+class MetricsServer:
+    """A running metrics endpoint: ``host``, ``port`` (the bound one), ``address``."""
+
+    def __init__(self, httpd, thread: threading.Thread, host: str):
+        self._httpd, self._thread = httpd, thread
+        self.host, self.port = host, httpd.server_port
+
+    @property
+    def address(self) -> str:
+        host = self.host.strip("[]")
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``registry`` at http://host:port/metrics from a daemon thread.
+
+    Port 0 binds a free port (``.port`` says which). Raises OSError if the
+    address cannot be bound.
+    """
+    check_port(port)
+    httpd, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    return MetricsServer(httpd, thread, host)
+
+
+# -- gRPC calls ------------------------------------------------------------------------
+class RpcMetrics:
+    """The server-side gRPC metrics of one task (psserver or psworker)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        names = ["grpc_type", "grpc_service", "grpc_method"]
+        self.started = Counter(
+            "grpc_server_started_total", "RPCs started on the server.", names,
+            registry=registry)
+        self.handled = Counter(
+            "grpc_server_handled_total",
+            "RPCs completed on the server, by final status code.", names + ["grpc_code"],
+            registry=registry)
+        self.seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from the call reaching its handler to its last response (seconds), "
+            "by final status code.", names + ["grpc_code"], buckets=LATENCY_BUCKETS,
+            registry=registry)
+        self.msg_received = Counter(
+            "grpc_server_msg_received_total", "Messages received (stream frames count "
+            "one each).", names, registry=registry)
+        self.msg_sent = Counter(
+            "grpc_server_msg_sent_total", "Messages sent (stream frames count one each).",
+            names, registry=registry)
+        self.bytes_received = Counter(
+            "grpc_server_received_bytes_total",
+            "Serialized request bytes received (protobuf payloads, before gRPC framing).",
+            names, registry=registry)
+        self.bytes_sent = Counter(
+            "grpc_server_sent_bytes_total",
+            "Serialized response bytes sent (protobuf payloads, before gRPC framing).",
+            names, registry=registry)
+
+
+def _rpc_type(handler) -> str:
+    if handler.request_streaming and handler.response_streaming:
+        return "bidi_stream"
+    if handler.request_streaming:
+        return "client_stream"
+    if handler.response_streaming:
+        return "server_stream"
+    return "unary"
+
+
+def _split_method(full: str) -> tuple[str, str]:
+    """'/pstrain.v1.ParameterServer/Push' -> ('pstrain.v1.ParameterServer', 'Push')."""
+    _, _, rest = full.partition("/")
+    service, _, method = rest.partition("/")
+    return (service, method) if method else ("unknown", full)
+
+
+def _code_name(code) -> str:
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return str(code).rsplit(".", 1)[-1].upper() if code is not None else "UNKNOWN"
+
+
+class _MethodMetrics:
+    """The label children of one method (labels() lookups cost more than the counting)."""
+
+    def __init__(self, m: RpcMetrics, labels: tuple[str, str, str]):
+        self._m, self.labels = m, labels
+        self.started = m.started.labels(*labels)
+        self.recv_msgs = m.msg_received.labels(*labels)
+        self.recv_bytes = m.bytes_received.labels(*labels)
+        self.sent_msgs = m.msg_sent.labels(*labels)
+        self.sent_bytes = m.bytes_sent.labels(*labels)
+        self._by_code: dict[str, tuple] = {}
+
+    def finished(self, code: str, seconds: float) -> None:
+        try:
+            handled, histogram = self._by_code[code]
+        except KeyError:
+            handled = self._m.handled.labels(*self.labels, code)
+            histogram = self._m.seconds.labels(*self.labels, code)
+            self._by_code[code] = (handled, histogram)
+        handled.inc()
+        histogram.observe(seconds)
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Count and time every call, with its final status code and its bytes.
+
+    Put it first among the interceptors, so calls other interceptors refuse
+    (UNAUTHENTICATED) are counted too. The handler is wrapped, not replaced:
+    the time runs from the handler's start to its return (unary responses)
+    or its last frame (streamed responses); the code is what the handler
+    set or aborted with (``context.abort`` raises: the exception is
+    re-raised untouched), UNKNOWN for any other exception, CANCELLED when
+    the client went away first. Bytes are the serialized messages as they
+    pass through the request deserializer and response serializer, so
+    counting costs no extra serialization. Calls to unknown methods
+    (UNIMPLEMENTED, never reaching a handler) and non-blocking handlers
+    (the health service's Watch) are not counted.
+    """
+
+    def __init__(self, metrics: RpcMetrics):
+        self.m = metrics
+        self._methods: dict[tuple[str, str], _MethodMetrics] = {}
+
+    def _method(self, full_name: str, rpc_type: str) -> _MethodMetrics:
+        try:
+            return self._methods[(full_name, rpc_type)]
+        except KeyError:
+            mm = _MethodMetrics(self.m, (rpc_type, *_split_method(full_name)))
+            self._methods[(full_name, rpc_type)] = mm
+            return mm
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                    or handler.stream_stream)
+        if getattr(behavior, "experimental_non_blocking", False):
+            # Health/Watch: answers through a callback, off the handler thread;
+            # wrapping it would make it hold a thread. Left as it is, uncounted.
+            return handler
+        mm = self._method(handler_call_details.method, _rpc_type(handler))
+        mm.started.inc()
+        done = [False]   # one record per call, whichever path ends it
+        start = time.perf_counter()
+
+        def finish(code_name: str) -> None:
+            if not done[0]:
+                done[0] = True
+                mm.finished(code_name, time.perf_counter() - start)
+
+        deserialize, serialize = handler.request_deserializer, handler.response_serializer
+
+        def request_deserializer(data: bytes):
+            mm.recv_msgs.inc()
+            mm.recv_bytes.inc(len(data))
+            if deserialize is None:
+                return data
+            try:
+                return deserialize(data)
+            except Exception:   # grpc answers INTERNAL; the handler never runs
+                finish("INTERNAL")
+                raise
+
+        def response_serializer(message) -> bytes:
+            data = serialize(message) if serialize is not None else message
+            mm.sent_msgs.inc()
+            mm.sent_bytes.inc(len(data))
+            return data
+
+        def outcome(context, failed: bool) -> str:
+            code = context.code()
+            if code is not None:
+                return _code_name(code)
+            if failed:
+                return "UNKNOWN"
+            if not context.is_active():   # the client cancelled or its deadline passed
+                remaining = context.time_remaining()
+                return ("DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0
+                        else "CANCELLED")
+            return "OK"
+
+        def unary_response(behavior: Callable):
+            def wrapped(request_or_iterator, context):
+                try:
+                    response = behavior(request_or_iterator, context)
+                except BaseException:
+                    finish(outcome(context, True))
+                    raise
+                finish(outcome(context, False))
+                return response
+            return wrapped
+
+        def streamed_response(behavior: Callable):
+            def wrapped(request_or_iterator, context):
+                try:
+                    yield from behavior(request_or_iterator, context)
+                except GeneratorExit:   # grpc stopped iterating: the call ended early
+                    finish(_code_name(context.code()) if context.code() is not None
+                           else "CANCELLED")
+                    raise
+                except BaseException:
+                    finish(outcome(context, True))
+                    raise
+                finish(outcome(context, False))
+            return wrapped
+
+        kw = {"request_deserializer": request_deserializer,
+              "response_serializer": response_serializer}
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                streamed_response(handler.stream_stream), **kw)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                unary_response(handler.stream_unary), **kw)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                streamed_response(handler.unary_stream), **kw)
+        return grpc.unary_unary_rpc_method_handler(unary_response(handler.unary_unary), **kw)
+
+
+# -- the parameter server's state ---------------------------------------------------------
+class _StoreCollector(Collector):
+    """Variables and bytes held, read from the store at each scrape."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        vs = self.store.variables_snapshot()
+        held = GaugeMetricFamily("pstrain_ps_variables", "Variables (shards) held.")
+        held.add_metric([], len(vs))
+        yield held
+        b = GaugeMetricFamily("pstrain_ps_bytes",
+                              "Bytes held in variable values and optimizer slots.",
+                              labels=["part"])
+        b.add_metric(["values"], sum(v.value.nbytes for v in vs))
+        b.add_metric(["slots"], sum(v.slot_nbytes for v in vs))
+        yield b
+        if self.store.max_bytes is not None:
+            lim = GaugeMetricFamily("pstrain_ps_memory_limit_bytes",
+                                    "--max-memory-bytes: the limit on values + slots.")
+            lim.add_metric([], self.store.max_bytes)
+            yield lim
+
+    def describe(self):   # no describe-time scrape of the store
+        return []
+
+
+class StoreMetrics(StoreObserver):
+    """Counts what a VariableStore does (pass as ``VariableStore(observer=...)``),
+    and reports what it holds."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self._gradients = Counter(
+            "pstrain_ps_gradients_total",
+            "Gradients accepted, one per variable (shard) per push: kind dense|sparse; mode "
+            "async (applied by the optimizer at once) | sync (added to its step, which "
+            "applies the mean once).", ["kind", "mode"], registry=registry)
+        for kind in ("dense", "sparse"):
+            for mode in ("async", "sync"):
+                self._gradients.labels(kind, mode)
+        self._dropped = Counter(
+            "pstrain_ps_dropped_gradients_total",
+            "Sync gradients dropped: late (their step was applied already: a straggler "
+            "beyond the backup workers), from an abandoned replica, or a replica's second.",
+            ["kind"], registry=registry)
+        for kind in ("dense", "sparse"):
+            self._dropped.labels(kind)
+        self._wait = Histogram(
+            "pstrain_ps_sync_wait_seconds",
+            "Seconds a sync call waited at the barrier for an earlier step of its variable "
+            "(sync.wait_for_earlier_steps), one per variable per call: op read|gather|push.",
+            ["op"], buckets=LATENCY_BUCKETS, registry=registry)
+        self._staleness = Histogram(
+            "pstrain_ps_sync_gradient_staleness_steps",
+            "Sync gradients: steps the variable had already applied past the step the "
+            "gradient was computed for, when it arrived (0: on time; more: late, dropped). "
+            "Asynchronous pushes are not measured: the wire does not say which version they "
+            "were computed on.", buckets=STALENESS_BUCKETS, registry=registry)
+        self._store_collector = None
+
+    def watch(self, store) -> "StoreMetrics":
+        """Report ``store``'s variables and bytes held at each scrape."""
+        self._store_collector = _StoreCollector(store)
+        self.registry.register(self._store_collector)
+        return self
+
+    # -- StoreObserver ---------------------------------------------------------------
+    def gradients(self, kind: str, mode: str, n: int = 1) -> None:
+        self._gradients.labels(kind, mode).inc(n)
+
+    def dropped(self, kind: str) -> None:
+        self._dropped.labels(kind).inc()
+
+    def sync_wait(self, op: str, seconds: float) -> None:
+        self._wait.labels(op).observe(seconds)
+
+    def sync_staleness(self, steps: int) -> None:
+        self._staleness.observe(steps)
+
+
+# -- a worker's closures ---------------------------------------------------------------------
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self._closures = Counter(
+            "pstrain_worker_closures_total",
+            "Step closures run on this worker, by outcome: ok (returned) | error (raised; "
+            "the coordinator gets a StepFunctionError).", ["outcome"], registry=registry)
+        self._seconds = Histogram(
+            "pstrain_worker_closure_seconds",
+            "Seconds a step function ran on this worker, by outcome.", ["outcome"],
+            buckets=CLOSURE_BUCKETS, registry=registry)
+        for outcome in ("ok", "error"):
+            self._closures.labels(outcome)
+            self._seconds.labels(outcome)
+        self.running = Gauge("pstrain_worker_closures_running",
+                             "Step closures running on this worker now.", registry=registry)
+        self._datasets = Counter("pstrain_worker_datasets_created_total",
+                                 "Per-worker datasets created on this worker.",
+                                 registry=registry)
+
+    def closure(self, outcome: str, seconds: float) -> None:
+        self._closures.labels(outcome).inc()
+        self._seconds.labels(outcome).observe(seconds)
+
+    def dataset_created(self) -> None:
+        self._datasets.inc()
+
+
+# -- the --metrics-port / --metrics-host options of psserver and psworker ---------------------
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("metrics (Prometheus)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free "
+                        f"port, printed as '<role> metrics on HOST:PORT' (default: ${PORT_ENV} "
+                        "if set, else no metrics)")
+    g.add_argument("--metrics-host", default=None,
+                   help=f"address the metrics endpoint binds (default: ${HOST_ENV} if set, "
+                        "else --host)")
+
+
+def start_from_arguments(args, role: str, default_host: str) -> tuple[CollectorRegistry,
+                                                                      MetricsServer] | None:
+    """Start the metrics endpoint the options (or $PSTRAIN_METRICS_PORT) ask for.
+
+    Returns (registry, server), or None when metrics are off. Prints
+    ``<role> metrics on HOST:PORT``. Raises ValueError for a bad port, and
+    OSError when ``--metrics-port`` cannot be bound. A port that comes from
+    ``$PSTRAIN_METRICS_PORT`` and cannot be bound (tasks started by
+    LocalCluster inherit the variable) only warns: the task runs without metrics.
+    """
+    explicit = args.metrics_port is not None
+    port = check_port(args.metrics_port) if explicit else env_port()
+    if port is None:
+        return None
+    host = args.metrics_host or os.environ.get(HOST_ENV) or default_host
+    # A task process's own exposition: no "<counter>_created" series (they only
+    # double the output; process_start_time_seconds says when counting began).
+    disable_created_metrics()
+    registry = new_registry()
+    try:
+        server = serve(registry, port, host)
+    except OSError as exc:
+        if explicit:
+            raise
+        print(f"{role}: no metrics: cannot listen on {host}:{port} (from ${PORT_ENV}): {exc}",
+              file=sys.stderr, flush=True)
+        return None
+    print(f"{role} metrics on {server.address}", flush=True)
+    return registry, server
