@@ -73,6 +73,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         env.setdefault(var, DEFAULT_BLAS_THREADS)
     for var, value in MALLOC_ENV.items():
         env.setdefault(var, value)
+    env["PSTRAIN_PARENT_PID"] = str(os.getpid())   # the task ends if this process dies
     env["PYTHONUNBUFFERED"] = "1"
     # The child imports this repository's packages even when not installed.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -148,6 +148,14 @@ def all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidArgument(
@@ -393,6 +401,8 @@ class VariableStore:
             save_file(tensors, tmp, metadata=meta)
             if os.environ.get(FAULT_CRASH_IN_SAVE_ENV):   # fault injection for tests
                 os._exit(3)
+            _fsync_file(tmp)    # on disk before it gets its final name
+            os.chmod(tmp, 0o644)   # safetensors writes 0600: let a coordinator of another user read it
             os.replace(tmp, path)
             out.append((var.name, file, version, os.path.getsize(path)))
         return out
