@@ -56,7 +56,7 @@ from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.errors import PSError
 from psserver.sync import SyncSpec
 from psserver.tls import make_channel
-from psserver.server import TOKEN_METADATA_KEY, grpc_options
+from psserver.server import call_metadata, grpc_options
 from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("coordinator")
@@ -712,7 +712,7 @@ class ClusterCoordinator:
         self.transfer_dir = (checkpoint_manager.directory if checkpoint_manager is not None
                              else tempfile.gettempdir())
         self._ps_watch = _PSWatch(self, ps_check_interval)
-        self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {strategy.token}"),) if strategy.token else ()
+        self._metadata = call_metadata(strategy.token)
         self._queue = _ClosureQueue()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
         self._fn_refs: "weakref.WeakKeyDictionary[Callable, worker_pb2.FunctionRef]" = weakref.WeakKeyDictionary()

@@ -33,7 +33,7 @@ from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
 from psserver.tls import TLSConfig, make_channel
 from psserver.errors import InvalidArgument, PSError, from_rpc_error
-from psserver.server import TOKEN_METADATA_KEY, grpc_options
+from psserver.server import call_metadata, grpc_options
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD)
 from psserver.store import Initializer, VariableMeta
@@ -135,7 +135,7 @@ class PSClient:
         self.stream_threshold_bytes = max(
             0, min(stream_threshold_bytes, max_message_bytes - MESSAGE_OVERHEAD))
         self._wait_for_ready = wait_for_ready
-        self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        self._metadata = call_metadata(token)
         options = grpc_options(max_message_bytes) + [
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         self._channel = make_channel(address, options, tls)

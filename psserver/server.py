@@ -27,6 +27,7 @@ from protos.pstrain.v1 import ps_pb2_grpc
 from psserver import metrics
 from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                               PROTOCOL_VERSION,
                                MESSAGE_OVERHEAD, ParameterServerServicer)
 from psserver.store import VariableStore
 
@@ -37,8 +38,16 @@ SERVICE_NAME = "pstrain.v1.ParameterServer"
 TOKEN_ENV = "PSTRAIN_AUTH_TOKEN"
 #: Metadata key of the token on every call.
 TOKEN_METADATA_KEY = "authorization"
+#: Metadata key carrying the caller's protocol version (PROTOCOL_VERSION).
+PROTOCOL_METADATA_KEY = "x-pstrain-protocol"
 # Calls that stay open without a token, so probes need no secret.
 _PUBLIC_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Metadata every client call carries: the protocol version, the token."""
+    md = ((PROTOCOL_METADATA_KEY, str(PROTOCOL_VERSION)),)
+    return md + ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else md
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -64,6 +73,23 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
+def refusing_handler(handler, code: grpc.StatusCode, message: str):
+    """A handler of the same shape (unary or streaming) as ``handler`` that
+    aborts every call with code and message, so the servicer never runs."""
+    if handler is None:
+        return None
+
+    def deny(request_or_iterator, context):
+        context.abort(code, message)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(lambda it, ctx: iter([deny(it, ctx)]))
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(lambda r, ctx: iter([deny(r, ctx)]))
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuse (UNAUTHENTICATED) every call whose metadata lacks the token.
 
@@ -73,12 +99,6 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-    @staticmethod
-    def _deny(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "missing or wrong auth token: pass the cluster's token "
-                      f"(PSClient(token=...) or ${TOKEN_ENV})")
-
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_PUBLIC_PREFIXES):
             return continuation(handler_call_details)
@@ -87,18 +107,32 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 got = value.encode() if isinstance(value, str) else value
                 if hmac.compare_digest(got, self._expected):
                     return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        # Deny with a handler of the same shape (unary or streaming) as the real one.
-        deny = self._deny
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: iter([deny(it, ctx)]))
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(lambda r, ctx: iter([deny(r, ctx)]))
-        return grpc.unary_unary_rpc_method_handler(deny)
+        return refusing_handler(
+            continuation(handler_call_details), grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong auth token: pass the cluster's token "
+            f"(PSClient(token=...) or ${TOKEN_ENV})")
+
+
+class ProtocolVersionInterceptor(grpc.ServerInterceptor):
+    """Refuse (FAILED_PRECONDITION) a caller that announces another protocol
+    version in ``x-pstrain-protocol``, saying which side is older. Callers
+    that announce none (grpcurl, probes) pass."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == PROTOCOL_METADATA_KEY:
+                try:
+                    theirs = int(value)
+                except ValueError:
+                    theirs = -1
+                if theirs != PROTOCOL_VERSION:
+                    older = "the client" if theirs < PROTOCOL_VERSION else "this server"
+                    return refusing_handler(
+                        continuation(handler_call_details), grpc.StatusCode.FAILED_PRECONDITION,
+                        f"protocol version mismatch: the client speaks pstrain protocol {theirs}, "
+                        f"this server speaks {PROTOCOL_VERSION}; {older} is older: install the "
+                        "same pstrain version on every task and the coordinator")
+        return continuation(handler_call_details)
 
 
 class ServerHandle:
@@ -142,6 +176,7 @@ def make_server(address: str, servicer, add_to_server, service_name: str, *,
     interceptors = []
     if rpc_metrics is not None:   # first: it sees the calls the token check refuses
         interceptors.append(metrics.MetricsInterceptor(rpc_metrics))
+    interceptors.append(ProtocolVersionInterceptor())
     if token:
         interceptors.append(TokenAuthInterceptor(token))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,

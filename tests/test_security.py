@@ -73,3 +73,22 @@ def test_half_a_key_pair_is_a_clear_error(tmp_path):
     tls = generate_self_signed(str(tmp_path))
     with pytest.raises(ValueError, match="both"):
         TLSConfig.from_files(tls.paths[0], None, None)
+
+
+@pytest.mark.parametrize("theirs, older", [("0", "the client is older"),
+                                           ("99", "this server is older")])
+def test_protocol_version_mismatch_names_the_older_side(ps, theirs, older):
+    import grpc
+
+    from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+    with grpc.insecure_channel(ps.address) as ch:
+        stub = ps_pb2_grpc.ParameterServerStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListVariables(ps_pb2.ListRequest(), metadata=(("x-pstrain-protocol", theirs),),
+                               timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert older in info.value.details() and "protocol version mismatch" in info.value.details()
+        # The current client announces the same version and is served.
+        stub.ListVariables(ps_pb2.ListRequest(), metadata=(("x-pstrain-protocol", "1"),), timeout=10)
+    with PSClient(ps.address) as c:
+        assert c.list_variables() == []
