@@ -283,21 +283,34 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class TaskSetupError(Exception):
+    """A task's TLS files or metrics port are unusable (the command exits 2)."""
+
+
+def task_setup(args, role: str):
+    """(TLS config, metrics endpoint) from a task's command line, shared by
+    psserver and psworker. Raises TaskSetupError with what to change."""
+    try:
+        tls = TLS.from_arguments(args)
+    except ValueError as exc:
+        raise TaskSetupError(str(exc)) from None
+    try:
+        served = metrics.start_from_arguments(args, role, args.host)
+    except (ValueError, OSError) as exc:
+        raise TaskSetupError(f"cannot serve metrics: {exc}. Pick another --metrics-port, "
+                             "or 0 for a free one") from None
+    return tls, served
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s psserver %(levelname)s %(message)s")
     address = join_host_port(args.host, args.port)
     try:
-        tls = TLS.from_arguments(args)
-    except ValueError as exc:
+        tls, served = task_setup(args, "psserver")
+    except TaskSetupError as exc:
         print(f"psserver: {exc}", file=sys.stderr)
-        return 2
-    try:
-        served = metrics.start_from_arguments(args, "psserver", args.host)
-    except (ValueError, OSError) as exc:
-        print(f"psserver: cannot serve metrics: {exc}. Pick another --metrics-port, or 0 "
-              "for a free one", file=sys.stderr)
         return 2
     store, rpc_metrics = VariableStore(args.max_memory_bytes), None
     if served is not None:

@@ -34,7 +34,8 @@ from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
-from psserver.server import TOKEN_ENV, join_host_port, make_server, serve
+from psserver.server import (TOKEN_ENV, TaskSetupError, join_host_port, make_server, serve,
+                             task_setup)
 from psserver.servicer import PROTOCOL_VERSION
 
 log = logging.getLogger("psworker")
@@ -183,15 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     address = join_host_port(args.host, port)
     token = os.environ.get(TOKEN_ENV) or None
     try:
-        tls = TLS.from_arguments(args)
-    except ValueError as exc:
+        tls, served = task_setup(args, "psworker")
+    except TaskSetupError as exc:
         print(f"psworker: {exc}", file=sys.stderr)
-        return 2
-    try:
-        served = M.start_from_arguments(args, "psworker", args.host)
-    except (ValueError, OSError) as exc:
-        print(f"psworker: cannot serve metrics: {exc}. Pick another --metrics-port, or 0 "
-              "for a free one", file=sys.stderr)
         return 2
     worker_metrics = rpc_metrics = None
     if served is not None:
