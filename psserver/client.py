@@ -31,6 +31,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
+from psserver import wire
 from psserver.tls import TLSConfig, make_channel
 from psserver.errors import InvalidArgument, PSError, from_rpc_error
 from psserver.server import call_metadata, grpc_options
@@ -116,6 +117,9 @@ class PSClient:
       chunk_bytes: frame size of streamed uploads.
       stream_threshold_bytes: tensors above this size travel over streams
         even when they would fit one message (streams are faster for them).
+      bulk: read and push through ParameterServerBulk (hand-framed messages,
+        one copy of the tensor data per side; psserver/wire.py), falling back
+        to the generated path on a server without it.
       wait_for_ready: queue calls until the server is up instead of failing
         with UNAVAILABLE at once (useful while a cluster starts).
     """
@@ -126,7 +130,7 @@ class PSClient:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES,
-                 wait_for_ready: bool = False):
+                 wait_for_ready: bool = False, bulk: bool = True):
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -140,6 +144,13 @@ class PSClient:
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         self._channel = make_channel(address, options, tls)
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        self.bulk = bulk
+        self._bulk_read = self._channel.unary_unary(   # reply bytes kept as they came
+            "/pstrain.v1.ParameterServerBulk/Read",
+            request_serializer=ps_pb2.ReadRequest.SerializeToString)
+        self._bulk_push = self._channel.unary_unary(   # request bytes framed by hand
+            "/pstrain.v1.ParameterServerBulk/Push",
+            response_deserializer=ps_pb2.UpdateReply.FromString)
         # Known sizes (bytes, rows) by name: they pick unary calls or streams.
         self._nbytes: dict[str, int] = {}
         self._rows: dict[str, int] = {}
@@ -359,13 +370,27 @@ class PSClient:
         if None not in known and not self._fits(sum(known)):
             return self._run(wait, self._read_stream, names, sync_step)
 
+        bulk = self.bulk
+
         def recover(exc: PSError):   # larger than a unary read should carry: stream it
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return self._read_stream(names, sync_step)
+            if bulk and exc.code == grpc.StatusCode.UNIMPLEMENTED:   # an older server
+                self.bulk = False
+                return self._read_many(names, True, sync_step)
             raise exc
         req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, self.stream_threshold_bytes))
         _set_sync_read(req, sync_step)
+        if bulk:
+            return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover)
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
+
+    def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
+        out = []
+        for name, version, arr in wire.decode_read_reply(raw):
+            self._remember(name, arr.nbytes, arr.shape)
+            out.append(Snapshot(name, version, arr))
+        return out
 
     def read_many_async(self, names: Sequence[str], *, sync_step: int | None = None) -> Handle:
         """Read several variables in one call; ``result()`` is a list of Snapshot.
@@ -438,18 +463,35 @@ class PSClient:
                sync: SyncSpec | None = None):
         items = list(updates.items()) if isinstance(updates, Mapping) else list(updates)
         arrays = [np.asarray(item[1]) for item in items]
+        uids = [item[2] if len(item) > 2 else 0 for item in items]
         msg_cls = ps_pb2.PushRequest if kind == "push" else ps_pb2.AssignRequest
         method = self._stub.Push if kind == "push" else self._stub.Assign
         streamed = not self._fits(sum(a.nbytes for a in arrays))
-        req = msg_cls()
-        if sync is not None:
-            _set_sync(req, sync)
-        for item, a in zip(items, arrays):
-            upd = req.updates.add(name=item[0], update_id=item[2] if len(item) > 2 else 0)
-            T.fill(upd.tensor, a, with_data=not streamed)
+
+        def request(with_data: bool):
+            req = msg_cls()
+            if sync is not None:
+                _set_sync(req, sync)
+            for item, a, uid in zip(items, arrays, uids):
+                T.fill(req.updates.add(name=item[0], update_id=uid).tensor, a, with_data)
+            return req
         if streamed:
+            req = request(with_data=False)
             return self._run(wait, lambda: list(self._upload(kind, req, arrays).updated.versions))
-        return self._invoke(wait, method, req, lambda r: list(r.versions))
+        if kind == "push" and self.bulk:
+            sync_raw = b""
+            if sync is not None:
+                sync_raw = ps_pb2.SyncInfo(**dataclasses.asdict(sync)).SerializeToString()
+            raw = wire.encode_push_request(
+                [(item[0], a, uid) for item, a, uid in zip(items, arrays, uids)], sync_raw)
+
+            def recover(exc: PSError):
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED:   # an older server
+                    self.bulk = False
+                    return self._invoke(True, method, request(True), lambda r: list(r.versions))
+                raise exc
+            return self._invoke(wait, self._bulk_push, raw, lambda r: list(r.versions), recover)
+        return self._invoke(wait, method, request(True), lambda r: list(r.versions))
 
     def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Handle:
         """Apply dense gradients ({name: grad}, [(name, grad)] or

@@ -23,7 +23,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos.pstrain.v1 import ps_pb2_grpc
+from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import metrics
 from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
@@ -195,6 +195,22 @@ def make_server(address: str, servicer, add_to_server, service_name: str, *,
     return ServerHandle(server, port, servicer, health_servicer, (service_name,))
 
 
+BULK_SERVICE_NAME = "pstrain.v1.ParameterServerBulk"
+
+
+def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """The generated ParameterServer service, and ParameterServerBulk with
+    hand-framed messages (psserver/wire.py): its Read returns bytes already
+    serialized, its Push takes the request's bytes as they came."""
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(BULK_SERVICE_NAME, {
+        "Read": grpc.unary_unary_rpc_method_handler(
+            servicer.bulk_read, request_deserializer=ps_pb2.ReadRequest.FromString),
+        "Push": grpc.unary_unary_rpc_method_handler(
+            servicer.bulk_push, response_serializer=ps_pb2.UpdateReply.SerializeToString),
+    }),))
+
+
 def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
                   token: str | None = None, tls: "TLS.TLSConfig | None" = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -208,8 +224,8 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
-    return make_server(address, servicer, ps_pb2_grpc.add_ParameterServerServicer_to_server,
-                       SERVICE_NAME, token=token, tls=tls, max_message_bytes=max_message_bytes,
+    return make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
+                       tls=tls, max_message_bytes=max_message_bytes,
                        max_workers=max_workers, thread_name_prefix="psserver-rpc",
                        rpc_metrics=rpc_metrics)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
+from psserver import wire
 from psserver.errors import InvalidArgument, PSError, ResourceExhausted
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
@@ -169,7 +170,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return meta_to_proto(meta)
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
-        updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays)]
+        return self._push_updates(
+            req, [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays)], context)
+
+    def _push_updates(self, req, updates, context=None) -> ps_pb2.UpdateReply:
+        """updates: [(name, array, update_id)]; req supplies the sync info."""
         spec = _sync_spec(req)
         if spec is None:
             return ps_pb2.UpdateReply(versions=self.store.push(updates))
@@ -213,25 +218,47 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._run(context, lambda: ps_pb2.ListReply(
             variables=[meta_to_proto(m) for m in self.store.list()]))
 
-    def _read(self, request, context=None):
+    def _read_limit(self, request) -> int:
         limit = self.max_message_bytes
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
-
-        def too_big(total):
-            return ResourceExhausted(
-                f"reading {list(request.names)} returns {total} bytes, more than this "
-                f"call allows ({limit}); use ReadStream (PSClient does so by itself)")
         total = sum(self.store.meta(name).nbytes for name in request.names)
         if total > limit:
-            raise too_big(total)
+            raise ResourceExhausted(
+                f"reading {list(request.names)} returns {total} bytes, more than this "
+                f"call allows ({limit}); use ReadStream (PSClient does so by itself)")
+        return limit
+
+    def bulk_read(self, request, context):
+        """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
+        def go():
+            self._read_limit(request)
+            with self.store.locked_values(list(request.names), _sync_step(request),
+                                          _deadline(context)) as values:
+                return wire.encode_read_reply(values)
+        return self._run(context, go)
+
+    def bulk_push(self, raw: bytes, context):
+        """ParameterServerBulk.Push: the request read by hand, arrays are views of it."""
+        def go():
+            updates, sync_raw = wire.decode_push_request(raw)
+            req = ps_pb2.PushRequest()
+            if sync_raw:
+                req.sync.ParseFromString(sync_raw)
+            return self._push_updates(req, updates, context)
+        return self._run(context, go)
+
+    def _read(self, request, context=None):
+        limit = self._read_limit(request)
         step, deadline = _sync_step(request), _deadline(context)
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:
             dtype, shape, version, data = self.store.read_bytes(name, step, deadline)
             total += len(data)
             if total > limit:   # a concurrent re-create grew it
-                raise too_big(total)
+                raise ResourceExhausted(
+                    f"reading {list(request.names)} returns over {limit} bytes; use "
+                    "ReadStream (PSClient does so by itself)")
             v = reply.values.add(name=name, version=version)
             v.value.dtype = dtype
             v.value.shape.extend(shape)

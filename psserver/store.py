@@ -16,6 +16,7 @@ Guarantees (each method's docstring repeats the ones that concern it):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -440,6 +441,28 @@ class VariableStore:
             if sync_step is not None:
                 self._barrier(var, sync_step, deadline, "read")
             return var.version, var.value.copy()
+
+    @contextlib.contextmanager
+    def locked_values(self, names: Sequence[str], sync_step: int | None = None,
+                      deadline: float | None = None):
+        """Yield [(name, version, live value array)] with all their locks held.
+
+        For encoding a reply straight from the variables' memory (one copy):
+        the caller must not keep the arrays past the ``with``. Locks are
+        taken in name order (no deadlock with other multi-variable readers;
+        updates take one lock at a time). With ``sync_step``, waits for
+        earlier sync steps first (see snapshot).
+        """
+        vars_ = [self._get(n) for n in names]
+        if sync_step is not None:
+            for var in vars_:
+                with var.lock:
+                    self._barrier(var, sync_step, deadline, "read")
+        unique = sorted({id(v): v for v in vars_}.values(), key=lambda v: v.name)
+        with contextlib.ExitStack() as stack:
+            for var in unique:
+                stack.enter_context(var.lock)
+            yield [(v.name, v.version, v.value) for v in vars_]
 
     def read_bytes(self, name: str, sync_step: int | None = None,
                    deadline: float | None = None) -> tuple[str, tuple[int, ...], int, bytes]:

@@ -30,6 +30,7 @@ from psserver.sync import SyncSpec
 pytestmark = pytest.mark.timeout(120)
 
 PS = "pstrain.v1.ParameterServer"
+BULK = "pstrain.v1.ParameterServerBulk"   # PSClient's reads and pushes (psserver/wire.py)
 WORKER = "pstrain.v1.Worker"
 
 
@@ -99,17 +100,17 @@ def test_psserver_counts_calls_codes_bytes_and_pushes(start_ps):
         s = scrape(m)
         assert s.value("pstrain_ps_gradients_total", kind="dense", mode="async") == 7
         assert s.value("pstrain_ps_gradients_total", kind="sparse", mode="async") == 0
-        assert s.value("grpc_server_handled_total", **rpc(PS, "Push", "OK")) == 7
-        assert s.value("grpc_server_handled_total", **rpc(PS, "Push", "INVALID_ARGUMENT")) == 1
-        assert s.value("grpc_server_handling_seconds_count", **rpc(PS, "Push", "OK")) == 7
-        assert s.value("grpc_server_started_total", **rpc(PS, "Push")) == 8
-        assert s.value("grpc_server_msg_received_total", **rpc(PS, "Push")) == 8
+        assert s.value("grpc_server_handled_total", **rpc(BULK, "Push", "OK")) == 7
+        assert s.value("grpc_server_handled_total", **rpc(BULK, "Push", "INVALID_ARGUMENT")) == 1
+        assert s.value("grpc_server_handling_seconds_count", **rpc(BULK, "Push", "OK")) == 7
+        assert s.value("grpc_server_started_total", **rpc(BULK, "Push")) == 8
+        assert s.value("grpc_server_msg_received_total", **rpc(BULK, "Push")) == 8
         # No reply to the bad push.
-        assert s.value("grpc_server_msg_sent_total", **rpc(PS, "Push")) == 7
+        assert s.value("grpc_server_msg_sent_total", **rpc(BULK, "Push")) == 7
         # Each push carries its 16 tensor bytes plus the name, dtype and shape.
-        pushed = s.value("grpc_server_received_bytes_total", **rpc(PS, "Push"))
+        pushed = s.value("grpc_server_received_bytes_total", **rpc(BULK, "Push"))
         assert 7 * 16 + 20 < pushed < 8 * 100
-        assert s.value("grpc_server_sent_bytes_total", **rpc(PS, "Push")) > 0
+        assert s.value("grpc_server_sent_bytes_total", **rpc(BULK, "Push")) > 0
         assert s.value("grpc_server_handled_total", **rpc(PS, "CreateVariable", "OK")) == 1
         assert s.value("pstrain_ps_variables") == 1
         assert s.value("pstrain_ps_bytes", part="values") == 16
@@ -133,7 +134,7 @@ def test_psserver_counts_calls_codes_bytes_and_pushes(start_ps):
 
     s = scrape(m)
     assert s.value("pstrain_ps_gradients_total", kind="dense", mode="async") == 8
-    assert s.value("grpc_server_handled_total", **rpc(PS, "Push", "OK")) == 7
+    assert s.value("grpc_server_handled_total", **rpc(BULK, "Push", "OK")) == 7
     upload = rpc(PS, "Upload", kind="client_stream")
     assert s.value("grpc_server_handled_total", **upload, grpc_code="OK") == 1
     assert s.value("grpc_server_received_bytes_total", **upload) >= 2_400_000
@@ -165,7 +166,7 @@ def test_psserver_sync_barrier_waits_staleness_and_dropped_gradients(start_ps):
             snap=c.read_many(["v"], sync_step=1)))          # waits for step 0 to complete
         reader.start()
         deadline = time.monotonic() + 30
-        while scrape(m).value("grpc_server_started_total", **rpc(PS, "Read")) < 1:
+        while scrape(m).value("grpc_server_started_total", **rpc(BULK, "Read")) < 1:
             assert time.monotonic() < deadline, "the sync read never reached the server"
             time.sleep(0.05)
         time.sleep(0.5)                                     # the read waits at the barrier
@@ -298,7 +299,7 @@ def test_worker_coordinator_and_checkpoint_metrics(tmp_path):
 
         pss = scrape(ps_m)
         assert pss.value("pstrain_ps_gradients_total", kind="dense", mode="async") == 5
-        assert pss.value("grpc_server_handled_total", **rpc(PS, "Push", "OK")) == 5
+        assert pss.value("grpc_server_handled_total", **rpc(BULK, "Push", "OK")) == 5
         assert pss.value("grpc_server_handled_total", **rpc(PS, "Save", "OK")) == 1
         assert pss.value("pstrain_ps_variables") == 1
 

@@ -654,3 +654,130 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ParameterServerBulkStub:
+    """The two calls that carry nearly nothing but tensor bytes, with the same
+    messages and meaning as ParameterServer.Read and .Push. The server writes
+    and reads these messages by hand (psserver/wire.py) so tensor data is
+    copied once per side; any generated client may use them as usual.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Read = channel.unary_unary(
+                '/pstrain.v1.ParameterServerBulk/Read',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReadRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReadReply.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/pstrain.v1.ParameterServerBulk/Push',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UpdateReply.FromString,
+                _registered_method=True)
+
+
+class ParameterServerBulkServicer:
+    """The two calls that carry nearly nothing but tensor bytes, with the same
+    messages and meaning as ParameterServer.Read and .Push. The server writes
+    and reads these messages by hand (psserver/wire.py) so tensor data is
+    copied once per side; any generated client may use them as usual.
+    """
+
+    def Read(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ParameterServerBulkServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Read': grpc.unary_unary_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReadRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReadReply.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.PushRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UpdateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pstrain.v1.ParameterServerBulk', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pstrain.v1.ParameterServerBulk', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ParameterServerBulk:
+    """The two calls that carry nearly nothing but tensor bytes, with the same
+    messages and meaning as ParameterServer.Read and .Push. The server writes
+    and reads these messages by hand (psserver/wire.py) so tensor data is
+    copied once per side; any generated client may use them as usual.
+    """
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServerBulk/Read',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ReadRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ReadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServerBulk/Push',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.UpdateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,208 @@
+"""Hand-framed protobuf for the bulk methods: tensor bytes copied once.
+
+``ReadReply`` and ``PushRequest`` carry almost nothing but tensor bytes. The
+generated code copies those bytes several times on each side (into the
+message, out of it, through serialization): measured 182 us to serialize a
+1.33 MB reply against 26 us to join its bytes. The ``ParameterServerBulk``
+service (ps.proto) has the same messages; its server side and PSClient
+write and read them here, in the protobuf wire format, so any generated
+client still understands them:
+
+* ``encode_read_reply`` joins each value's header and its array's memory in
+  one copy; ``decode_read_reply`` returns arrays that are views of the
+  received bytes (no copy).
+* ``encode_push_request`` / ``decode_push_request`` likewise for pushes.
+
+Only the fields these messages have today are written or read; a decoder
+skips fields it does not know, as protobuf does.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from psserver.errors import InvalidArgument
+from psserver.tensor import WIRE_DTYPES, check_dtype, check_shape, nbytes_of
+
+_VARINT, _LEN = 0, 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def _len_field(field: int, payload_len: int) -> bytes:
+    return _key(field, _LEN) + _varint(payload_len)
+
+
+def _tensor_head(dtype: str, shape: Sequence[int], nbytes: int) -> bytes:
+    """Tensor's dtype and shape fields and the key + length of its data."""
+    dt = dtype.encode()
+    head = _len_field(1, len(dt)) + dt
+    if shape:
+        packed = b"".join(_varint(int(d)) for d in shape)
+        head += _len_field(2, len(packed)) + packed
+    return head + _len_field(3, nbytes)
+
+
+def _string(field: int, text: str) -> bytes:
+    raw = text.encode()
+    return _len_field(field, len(raw)) + raw
+
+
+def _contiguous_bytes(arr: np.ndarray) -> memoryview:
+    if arr.dtype.name not in WIRE_DTYPES:
+        raise InvalidArgument(
+            f"cannot send dtype {arr.dtype.name!r}; use one of {sorted(WIRE_DTYPES)}")
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]]) -> bytes:
+    """ReadReply{values: [VariableValue{name, version, value: Tensor}]} as bytes.
+
+    Call with the arrays' locks held: the join is the one copy of their data.
+    """
+    parts: list = []
+    for name, version, arr in values:
+        data = _contiguous_bytes(arr)
+        tensor_head = _tensor_head(arr.dtype.name, arr.shape, len(data))
+        tensor_len = len(tensor_head) + len(data)
+        vv_head = (_string(1, name) + (_key(2, _VARINT) + _varint(version) if version else b"")
+                   + _len_field(3, tensor_len) + tensor_head)
+        parts += [_len_field(1, len(vv_head) + len(data)), vv_head, data]
+    return b"".join(parts)
+
+
+def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
+                        sync: bytes = b"") -> bytes:
+    """PushRequest{updates: [DenseUpdate{name, tensor, update_id}], sync} as bytes.
+
+    ``sync`` is a serialized SyncInfo (b"": none)."""
+    parts: list = []
+    for name, arr, uid in updates:
+        data = _contiguous_bytes(arr)
+        tensor_head = _tensor_head(arr.dtype.name, arr.shape, len(data))
+        head = _string(1, name) + _len_field(2, len(tensor_head) + len(data)) + tensor_head
+        tail = _key(3, _VARINT) + _varint(uid) if uid else b""
+        parts += [_len_field(1, len(head) + len(data) + len(tail)), head, data, tail]
+    if sync:
+        parts += [_len_field(2, len(sync)), sync]
+    return b"".join(parts)
+
+
+# -- decoding ------------------------------------------------------------------------------
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if pos >= end:
+            raise InvalidArgument("truncated message (a varint runs past its end)")
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return n, pos
+        shift += 7
+        if shift > 63:
+            raise InvalidArgument("malformed message (a varint is too long)")
+
+
+def _fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field, wire type, value or start, end) for each field in buf[pos:end]."""
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wt = key >> 3, key & 7
+        if wt == _VARINT:
+            value, pos = _read_varint(buf, pos, end)
+            yield field, wt, value, pos
+        elif wt == _LEN:
+            n, pos = _read_varint(buf, pos, end)
+            if pos + n > end:
+                raise InvalidArgument("truncated message (a field runs past its end)")
+            yield field, wt, pos, pos + n
+            pos += n
+        elif wt == 5:
+            pos += 4
+        elif wt == 1:
+            pos += 8
+        else:
+            raise InvalidArgument(f"malformed message (wire type {wt})")
+
+
+def _decode_tensor(raw: bytes, buf: memoryview, pos: int, end: int, what: str) -> np.ndarray:
+    dtype, shape, data = "", [], (0, 0)
+    for field, wt, a, b in _fields(buf, pos, end):
+        if field == 1 and wt == _LEN:
+            dtype = bytes(buf[a:b]).decode()
+        elif field == 2 and wt == _LEN:   # packed
+            p = a
+            while p < b:
+                d, p = _read_varint(buf, p, b)
+                shape.append(d)
+        elif field == 2 and wt == _VARINT:   # unpacked, as some writers send
+            shape.append(a)
+        elif field == 3 and wt == _LEN:
+            data = (a, b)
+    dt = check_dtype(dtype, WIRE_DTYPES, f"{what} dtype")
+    shape = check_shape(shape, f"{what} shape")
+    n = nbytes_of(shape, dt)
+    if data[1] - data[0] != n:
+        raise InvalidArgument(f"{what} data has {data[1] - data[0]} bytes but dtype {dtype} and "
+                              f"shape {list(shape)} need {n}")
+    return np.frombuffer(raw, dtype=dt, count=n // dt.itemsize, offset=data[0]).reshape(shape)
+
+
+def decode_read_reply(raw: bytes) -> list[tuple[str, int, np.ndarray]]:
+    """[(name, version, array view of raw)] from ReadReply bytes."""
+    buf = memoryview(raw)
+    out = []
+    for field, wt, a, b in _fields(buf, 0, len(raw)):
+        if field != 1 or wt != _LEN:
+            continue
+        name, version, arr = "", 0, None
+        for f2, wt2, c, d in _fields(buf, a, b):
+            if f2 == 1 and wt2 == _LEN:
+                name = bytes(buf[c:d]).decode()
+            elif f2 == 2 and wt2 == _VARINT:
+                version = c
+            elif f2 == 3 and wt2 == _LEN:
+                arr = _decode_tensor(raw, buf, c, d, f"value of {name!r}")
+        out.append((name, version, arr))
+    return out
+
+
+def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes]:
+    """([(name, array view of raw, update_id)], serialized SyncInfo or b"")."""
+    buf = memoryview(raw)
+    updates, sync = [], b""
+    for field, wt, a, b in _fields(buf, 0, len(raw)):
+        if field == 1 and wt == _LEN:
+            name, arr, uid = "", None, 0
+            for f2, wt2, c, d in _fields(buf, a, b):
+                if f2 == 1 and wt2 == _LEN:
+                    name = bytes(buf[c:d]).decode()
+                elif f2 == 2 and wt2 == _LEN:
+                    arr = _decode_tensor(raw, buf, c, d, f"gradient of {name!r}")
+                elif f2 == 3 and wt2 == _VARINT:
+                    uid = c
+            if arr is None:
+                raise InvalidArgument(f"update of {name!r} carries no tensor")
+            updates.append((name, arr, uid))
+        elif field == 2 and wt == _LEN:
+            sync = bytes(buf[a:b])
+    return updates, sync
