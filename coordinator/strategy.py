@@ -130,6 +130,13 @@ class ParameterServerStrategy:
         servers keep running: ``create_variable`` adopts a variable of the
         same name, shape, dtype and optimizer that is already there, with its
         trained value, instead of raising AlreadyExists.
+      gradient_compression: None (default: gradients sent as they are),
+        ``"fp16"``, ``"bf16"`` (emulated: precision only, no bytes saved) or
+        ``coordinator.compression.TopK(ratio)`` (top-k rows with error
+        feedback); see coordinator.compression. Asynchronous modes only.
+        The strategy does not reach the workers, so step functions pass
+        ``compression=strategy.gradient_compression_spec`` to
+        ``push_gradients`` (it is small and picklable).
 
     Raises:
       ClusterConfigError: the cluster has no parameter servers.
@@ -142,7 +149,8 @@ class ParameterServerStrategy:
                  num_replicas: int | None = None, backup_workers: int = 0,
                  aggregation: str = "mean", step_timeout: float = 30.0,
                  staleness: int | None = None, tls: TLSConfig | None = None,
-                 reuse_existing: bool = False, replication: bool = False):
+                 reuse_existing: bool = False, replication: bool = False,
+                 gradient_compression: Any = None):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -193,6 +201,12 @@ class ParameterServerStrategy:
             self.staleness = int(staleness)
         elif staleness is not None:
             raise ValueError('staleness applies to mode="bounded" only')
+        from coordinator.compression import resolve as _resolve_compression
+        #: What step functions pass to push_gradients(..., compression=...).
+        self.gradient_compression_spec = _resolve_compression(gradient_compression)
+        if self.gradient_compression_spec is not None and mode == "sync":
+            raise ValueError('gradient_compression applies to mode="async" or "bounded", '
+                             'not "sync"')
 
     @property
     def cluster_spec(self) -> ClusterSpec:

@@ -279,13 +279,29 @@ def read_variables(variables: Sequence[ShardedVariable], *, with_versions: bool 
     return out
 
 
-def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]]) -> None:
+def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
+                   compression=None) -> None:
     """Apply dense gradients to many variables: one call per parameter server.
 
     Each shard's update is atomic on its server; shards of one variable on
     different servers are updated independently (asynchronous training).
+
+    ``compression`` (default None: gradients sent as they are) compresses
+    them on the wire: "fp16", "bf16" or ``TopK(ratio)`` (see
+    coordinator.compression). The strategy does not travel to the workers,
+    so a step function passes it explicitly, capturing it like the variables::
+
+        spec = strategy.gradient_compression_spec
+        def step(it):
+            ...
+            push_gradients(zip(variables, grads), compression=spec)
+
+    Compression applies to asynchronous pushes only: ValueError in a sync step.
     """
     sync = current_sync()
+    if compression is not None:
+        _push_compressed(pairs, compression, sync)
+        return
     items = []
     for v, g in pairs:
         g = v._check_dense(g, "gradient")
@@ -297,3 +313,46 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]]) -> None:
     _settle([lambda addr=addr, upds=[upd for upd, _ in its]:
              client_for(addr).push_many_async(upds, sync=sync)
              for addr, its in groups.items()])
+
+
+def _push_compressed(pairs, compression, sync) -> None:
+    """push_gradients with a compressor: dense pushes grouped per server as
+    usual (fp16/bf16 parts, or top-k's 1-D variables), plus one sparse push
+    per shard (and backup) for top-k; all started at once, each with its
+    own idempotency key."""
+    from coordinator import compression as C   # only when compression is used
+    spec = C.resolve(compression)
+    if spec is None:
+        return push_gradients(pairs)
+    if sync is not None:
+        raise ValueError("gradient compression applies to asynchronous pushes only, "
+                         "not to a sync-mode step")
+    items, sparse = [], []
+    for v, g in pairs:
+        g = v._check_dense(g, "gradient")
+        backups = v.backups or (None,) * v.num_shards
+        if isinstance(spec, C.TopK) and g.ndim >= 2:
+            acc, picks = C.residuals.compensate_and_select(
+                v.name, g, [(s.offset, s.rows) for s in v.shards], spec)
+            for s, b, ids in zip(v.shards, backups, picks):
+                rows = acc[s.offset + ids]
+                uid = new_update_id()
+                for target in (s,) + ((b,) if b is not None else ()):
+                    sparse.append(lambda t=target, i=ids, r=rows, u=uid:
+                                  client_for(t.address).push_sparse_async(
+                                      t.name, i, r, update_id=u))
+            continue
+        if isinstance(spec, C.FP16):
+            g = C.to_fp16(g)
+        elif isinstance(spec, C.BF16):
+            g = C.to_bf16(g)
+            if v.dtype != "float32":   # the server wants its own dtype (or float16)
+                g = g.astype(v.dtype)
+        for s, b, part in zip(v.shards, backups, v._split(g)):
+            uid = new_update_id()
+            for target in (s,) + ((b,) if b is not None else ()):
+                items.append(((target.name, part, uid), target))
+    starts = [lambda addr=addr, upds=[upd for upd, _ in its]:
+              client_for(addr).push_many_async(upds)
+              for addr, its in _by_server(items).items()]
+    _settle(starts + sparse)

@@ -501,7 +501,11 @@ class VariableStore:
 
     # -- updates -----------------------------------------------------------
     def _check_grad(self, var: Variable, grad: np.ndarray, shape, what: str) -> None:
-        if grad.dtype != var.value.dtype:
+        # A float16 gradient is accepted for a float32/float64 variable (wire
+        # compression: coordinator.compression) and applied in the variable's
+        # dtype; every other mismatch is rejected.
+        if grad.dtype != var.value.dtype and not (
+                grad.dtype == np.float16 and var.value.dtype in (np.float32, np.float64)):
             raise InvalidArgument(
                 f"{what} for {var.name!r} is {grad.dtype.name} but the variable is "
                 f"{var.value.dtype.name}; cast it before sending")
