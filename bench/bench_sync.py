@@ -47,7 +47,8 @@ import time
 
 import numpy as np
 
-from bench.common import MiB, Stats, machine_info, print_table, write_json
+from bench.common import (MiB, Stats, cpu_seconds, machine_busy, machine_info, print_table,
+                          write_json)
 from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluster,
                          MinSizePartitioner, ParameterServerStrategy, batches, push_gradients,
                          read_variables)
@@ -135,33 +136,6 @@ class DenseModel:
 
 
 # -- measurement -----------------------------------------------------------------------------
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _cpu_of(pid: int | None) -> float:
-    """CPU seconds (user + system, all threads) of a process; None: this one."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK   # utime, stime
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def _machine_busy() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    return (user + nice + system + irq + softirq + steal) / _TICK
-
-
 def _ours() -> float:
     """CPU seconds of this process and of its children that have exited (the clusters)."""
     t = os.times()
@@ -176,7 +150,7 @@ class CPUMeter:
                      "workers": [t.pid for t in cluster.workers if t is not None]}
 
     def read(self) -> dict[str, float]:
-        return {role: sum(_cpu_of(p) for p in pids) for role, pids in self.pids.items()}
+        return {role: sum(cpu_seconds(p) for p in pids) for role, pids in self.pids.items()}
 
 
 def _block(model, n: int, meter: CPUMeter) -> tuple[float, dict[str, float]]:
@@ -305,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "the coordinator: the larger clusters oversubscribe this machine")
     from examples.digits import load_data
     x_tr, y_tr, _, _ = load_data(0)
-    busy0, ours0 = _machine_busy(), _ours()
+    busy0, ours0 = machine_busy(), _ours()
     t0 = time.perf_counter()
     rows = []
     for model_cls, mp in ((DigitsModel, plan.digits), (DenseModel, plan.dense)):
@@ -325,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     print_results(rows)
     print_cpu(rows)
-    busy1, ours1 = _machine_busy(), _ours()
+    busy1, ours1 = machine_busy(), _ours()
     # Busy CPU time of the machine not spent by this benchmark (its tasks have exited).
     others = None if busy0 is None else max(0.0, (busy1 - busy0) - (ours1 - ours0)) / elapsed
     print(f"\n({'quick' if args.quick else 'full'} plan, {elapsed:.0f} s, {cpus} CPUs"

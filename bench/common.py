@@ -460,6 +460,34 @@ class GrpcReference:
 
 
 # -- output -----------------------------------------------------------------------------
+# -- /proc: CPU accounting ---------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """user + system CPU seconds of a process (all threads); None: this one; NaN if gone."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK   # utime, stime
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine_busy() -> float | None:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
                 title: str | None = None, file=None) -> None:
     """A Markdown table (pastes into reports as it is), columns padded to fit."""

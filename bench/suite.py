@@ -82,6 +82,8 @@ from typing import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from bench.common import cpu_seconds, machine_busy  # noqa: E402
+
 #: Partitioner of every sharded variable, ours and TensorFlow's.
 SHARD_MIN_BYTES = 256 << 10
 SHARD_MAX = 2
@@ -197,30 +199,6 @@ def log(msg: str) -> None:
 
 
 # -- /proc -----------------------------------------------------------------------------
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """user + system CPU seconds of a process (all threads); None: this one."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def machine_busy() -> float:
-    """CPU seconds the whole machine has been busy since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    return (user + nice + system + irq + softirq + steal) / _TICK
-
-
 def rss_bytes(pid: int) -> int:
     """VmRSS of a process, in bytes."""
     with open(f"/proc/{pid}/status") as f:
