@@ -292,23 +292,56 @@ def _docker_usable() -> str | None:
     return None
 
 
+KILL_PSSERVER = ("import os\n"
+                 "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+                 "    try:\n"
+                 "        if b'psserver' in open(f'/proc/{p}/cmdline', 'rb').read():\n"
+                 "            os.kill(int(p), 9)\n"
+                 "    except OSError:\n"
+                 "        pass\n")
+
+
 @pytest.mark.timeout(1500)
-def test_image_builds_and_compose_trains_digits():
+def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill():
     why = _docker_usable()
     if why:
         pytest.skip(why)
     project = ["docker", "compose", "-f", COMPOSE, "-p", "pstrain-test"]
     env = {**os.environ, "PSTRAIN_AUTH_TOKEN": os.urandom(8).hex(),
            "PSTRAIN_IMAGE": "pstrain:test"}
+
+    def compose(*args, timeout=600):
+        return subprocess.run(project + list(args), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
     try:
-        r = subprocess.run(project + ["up", "--build", "--scale", "worker=2",
-                                      "--exit-code-from", "coordinator"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
+        # 1. The shipped job, as `docker compose up` runs it.
+        r = compose("up", "--build", "--scale", "worker=2", "--exit-code-from", "coordinator",
+                    timeout=1400)
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
         assert "test accuracy:" in r.stdout and "workers 2" in r.stdout, r.stdout[-5000:]
+        # 2. A longer run, with ps1's server process SIGKILLed after the first epoch:
+        #    its restart policy brings it back and the coordinator recovers it.
+        assert compose("up", "-d", "--scale", "worker=2", "ps0", "ps1", "worker").returncode == 0
+        run = subprocess.Popen(project + ["run", "--rm", "coordinator", "coordinator", "run",
+                                          "--wait-ready", "180", "--worker-dns", "worker:2222",
+                                          "examples/digits.py", "--cluster", "tf_config",
+                                          "--epochs", "40"],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if line.startswith("epoch 2/"):
+                killed = compose("exec", "-T", "ps1", "python", "-c", KILL_PSSERVER)
+                assert killed.returncode in (0, 137), killed.stderr
+                break
+        lines += run.stdout.readlines()
+        assert run.wait(timeout=900) == 0, "".join(lines)[-5000:]
+        out = "".join(lines)
+        assert "test accuracy:" in out, out[-5000:]
+        assert "epoch 40/40" in out, out[-5000:]
     finally:
-        subprocess.run(project + ["down", "-v", "--remove-orphans"], cwd=ROOT, env=env,
-                       capture_output=True, timeout=120)
+        compose("down", "-v", "--remove-orphans", timeout=120)
 
 
 # -- coordinator CLI: pieces -----------------------------------------------------------------
