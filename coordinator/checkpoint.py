@@ -98,13 +98,7 @@ class CheckpointManager:
     # -- listing -----------------------------------------------------------------------
     def checkpoints(self) -> list[str]:
         """Complete checkpoints, oldest first."""
-        found = []
-        for name in os.listdir(self.directory):
-            m = _CKPT_RE.match(name)
-            path = os.path.join(self.directory, name)
-            if m and os.path.isfile(os.path.join(path, "manifest.json")):
-                found.append((int(m.group(1)), path))
-        return [p for _, p in sorted(found)]
+        return find_checkpoints(self.directory)
 
     def latest(self) -> str | None:
         ckpts = self.checkpoints()

@@ -240,10 +240,6 @@ class ShardedVariable:
         _settle(starts)
 
 
-def _wait(handles: Iterable[Handle]) -> list:
-    return [h.result() for h in handles]
-
-
 def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
     groups: dict[str, list] = defaultdict(list)
     for key, s in shards:

@@ -356,13 +356,16 @@ class PSClient:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from exc
 
-    def _read_unary_post(self, reply: ps_pb2.ReadReply) -> list[Snapshot]:
+    def _snapshots(self, values) -> list[Snapshot]:
+        """Snapshots of (name, version, array), remembering each size."""
         out = []
-        for v in reply.values:
-            arr = T.decode(v.value)
-            self._remember(v.name, arr.nbytes, arr.shape)
-            out.append(Snapshot(v.name, v.version, arr))
+        for name, version, arr in values:
+            self._remember(name, arr.nbytes, arr.shape)
+            out.append(Snapshot(name, version, arr))
         return out
+
+    def _read_unary_post(self, reply: ps_pb2.ReadReply) -> list[Snapshot]:
+        return self._snapshots((v.name, v.version, T.decode(v.value)) for v in reply.values)
 
     def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None):
         names = list(names)
@@ -386,11 +389,7 @@ class PSClient:
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
 
     def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
-        out = []
-        for name, version, arr in wire.decode_read_reply(raw):
-            self._remember(name, arr.nbytes, arr.shape)
-            out.append(Snapshot(name, version, arr))
-        return out
+        return self._snapshots(wire.decode_read_reply(raw))
 
     def read_many_async(self, names: Sequence[str], *, sync_step: int | None = None) -> Handle:
         """Read several variables in one call; ``result()`` is a list of Snapshot.
