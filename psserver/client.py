@@ -31,7 +31,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
-from psserver import wire
+from psserver import shm, wire
 from psserver.tls import TLSConfig, make_channel
 from psserver.errors import InvalidArgument, PSError, from_rpc_error
 from psserver.server import call_metadata, grpc_options
@@ -41,6 +41,10 @@ from psserver.store import Initializer, VariableMeta
 from psserver.sync import SyncSpec
 
 DEFAULT_TIMEOUT = 60.0
+#: Reads and pushes of at least this many tensor bytes go through shared
+#: memory when the server shares this host (psserver/shm.py). Below it the
+#: bulk gRPC path is as fast (bench/bench_ps.py, "shm" rows).
+DEFAULT_SHM_MIN_BYTES = 64 << 10
 #: Extra deadline per byte of a streamed transfer: 20 MB/s is far below any
 #: link this runs on, so only a stuck transfer reaches it.
 _STREAM_SECONDS_PER_BYTE = 1 / 20e6
@@ -49,7 +53,8 @@ _STREAM_SECONDS_PER_BYTE = 1 / 20e6
 _IDEMPOTENT = ["GetServerInfo", "GetMeta", "ListVariables", "Read", "ReadStream", "Gather",
                "AbandonStep"]
 _SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": "pstrain.v1.ParameterServer", "method": m} for m in _IDEMPOTENT],
+    "name": [{"service": "pstrain.v1.ParameterServer", "method": m} for m in _IDEMPOTENT]
+    + [{"service": "pstrain.v1.SharedMemory", "method": "Read"}],
     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s",
                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
 }]})
@@ -122,6 +127,10 @@ class PSClient:
         to the generated path on a server without it.
       wait_for_ready: queue calls until the server is up instead of failing
         with UNAVAILABLE at once (useful while a cluster starts).
+      shared_memory: read and push tensors of ``shm_min_bytes`` or more
+        through shared memory when the server runs on this host
+        (psserver/shm.py; the first such call finds out, and a server
+        elsewhere costs that one call). ``PSTRAIN_SHM=0`` turns it off.
     """
 
     def __init__(self, address: str, *, token: str | None = None,
@@ -130,7 +139,8 @@ class PSClient:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES,
-                 wait_for_ready: bool = False, bulk: bool = True):
+                 wait_for_ready: bool = False, bulk: bool = True,
+                 shared_memory: bool = True, shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES):
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -151,12 +161,18 @@ class PSClient:
         self._bulk_push = self._channel.unary_unary(   # request bytes framed by hand
             "/pstrain.v1.ParameterServerBulk/Push",
             response_deserializer=ps_pb2.UpdateReply.FromString)
+        self._shm_stub = ps_pb2_grpc.SharedMemoryStub(self._channel)
+        self.shm_min_bytes = shm_min_bytes
+        self._arena: shm.Arena | None = None
+        self._shm_on = shared_memory and shm.available()
         # Known sizes (bytes, rows) by name: they pick unary calls or streams.
         self._nbytes: dict[str, int] = {}
         self._rows: dict[str, int] = {}
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
         self._channel.close()
 
     def __enter__(self) -> "PSClient":
@@ -370,6 +386,8 @@ class PSClient:
     def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None):
         names = list(names)
         known = [self._nbytes.get(n) for n in names]
+        if None not in known and self._shm_for(sum(known)):
+            return self._shm_read(names, known, wait, sync_step)
         if None not in known and not self._fits(sum(known)):
             return self._run(wait, self._read_stream, names, sync_step)
 
@@ -387,6 +405,121 @@ class PSClient:
         if bulk:
             return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover)
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
+
+    # -- shared memory (same host) ------------------------------------------------------
+    def _shm_for(self, nbytes: int) -> bool:
+        return self._shm_on and nbytes >= self.shm_min_bytes
+
+    def _shm_take(self, nbytes: int) -> shm.Segment | None:
+        """A segment of nbytes or more, or None: use gRPC (turned off for good when
+        the server is elsewhere or does not offer shared memory)."""
+        if self._arena is None:
+            self._arena = shm.Arena(self._shm_attach, self._shm_detach)
+        try:
+            return self._arena.take(nbytes)
+        except PSError as exc:
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                self._shm_on = False   # another host, an older server, or switched off there
+                return None
+            raise
+        except OSError:   # /dev/shm full: this transfer goes over gRPC
+            return None
+
+    def _shm_attach(self, name: str, nbytes: int) -> int:
+        return self._call(self._shm_stub.Attach,
+                          ps_pb2.ShmAttachRequest(name=name, nbytes=nbytes)).segment
+
+    def _shm_detach(self, seg_id: int) -> None:
+        self._shm_stub.Detach(ps_pb2.ShmDetachRequest(segment=seg_id), timeout=2.0,
+                              metadata=self._metadata)
+
+    def _shm_invoke(self, wait: bool, method, req, seg: shm.Segment, finish, fallback):
+        """A SharedMemory call using ``seg``: finish(reply) turns the reply into the
+        result before the segment goes back; fallback(exc) answers an error that
+        says the server lost the segment (by redoing the call over gRPC)."""
+        def on_error(exc: PSError):
+            lost = exc.code == grpc.StatusCode.FAILED_PRECONDITION and \
+                shm.UNKNOWN_SEGMENT in str(exc)
+            self._arena.give(seg, broken=lost)
+            if lost:
+                self._arena.forget()   # the server restarted or expired them: attach anew
+                return fallback(exc)
+            if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._shm_on = False
+                return fallback(exc)
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and shm.TOO_SMALL in str(exc):
+                return fallback(exc)
+            raise exc
+
+        def done(reply):
+            try:
+                return finish(reply)
+            finally:
+                self._arena.give(seg)
+        if wait:
+            try:
+                reply = self._call(method, req)
+            except PSError as exc:
+                return on_error(exc)
+            return done(reply)
+        out: futures.Future = futures.Future()
+
+        def complete(f):
+            try:
+                out.set_result(done(f.result()))
+            except grpc.RpcError as exc:
+                out.set_exception(from_rpc_error(exc, self.address))
+            except BaseException as exc:
+                out.set_exception(exc)
+        method.future(req, **self._kw()).add_done_callback(complete)
+        return Handle(out, target=self.address, recover=on_error)
+
+    def _shm_read(self, names: list[str], known: list[int], wait: bool, sync_step: int | None):
+        seg = self._shm_take(sum(shm.align(n) for n in known))
+        if seg is None:
+            self._forget_sizes(names)
+            return self._read_many(names, wait, sync_step)
+        req = ps_pb2.ShmReadRequest(segment=seg.seg_id, names=names)
+        _set_sync_read(req, sync_step)
+
+        def finish(reply: ps_pb2.ShmReadReply) -> list[Snapshot]:
+            out = []
+            for v in reply.values:
+                dt = T.check_dtype(v.dtype, T.WIRE_DTYPES, f"value of {v.name!r}")
+                n = T.nbytes_of(v.shape, dt)
+                arr = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
+                                    offset=v.offset).reshape(tuple(v.shape)).copy()
+                arr.flags.writeable = False
+                out.append((v.name, v.version, arr))
+            return self._snapshots(out)
+
+        def fallback(exc: PSError):   # over gRPC, relearning the sizes
+            self._forget_sizes(names)
+            return self._read_many(names, True, sync_step)
+        return self._shm_invoke(wait, self._shm_stub.Read, req, seg, finish, fallback)
+
+    def _forget_sizes(self, names: Sequence[str]) -> None:
+        for n in names:
+            self._nbytes.pop(n, None)
+
+    def _shm_push(self, items, arrays, uids, wait: bool, sync: SyncSpec | None, fallback):
+        datas = [wire._contiguous_bytes(a) for a in arrays]
+        offsets, end = [], 0
+        for d in datas:
+            offsets.append(end)
+            end += shm.align(len(d))
+        seg = self._shm_take(end)
+        if seg is None:
+            return None
+        req = ps_pb2.ShmPushRequest(segment=seg.seg_id)
+        if sync is not None:
+            _set_sync(req, sync)
+        for item, a, d, off, uid in zip(items, arrays, datas, offsets, uids):
+            seg.array[off:off + len(d)] = np.frombuffer(d, dtype=np.uint8)
+            req.updates.add(name=item[0], dtype=a.dtype.name, shape=a.shape, offset=off,
+                            update_id=uid)
+        return self._shm_invoke(wait, self._shm_stub.Push, req, seg,
+                                lambda r: list(r.versions), fallback)
 
     def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
         return self._snapshots(wire.decode_read_reply(raw))
@@ -459,7 +592,7 @@ class PSClient:
 
     # -- updates ---------------------------------------------------------------
     def _dense(self, kind: str, updates: Mapping[str, np.ndarray] | Iterable, wait: bool,
-               sync: SyncSpec | None = None):
+               sync: SyncSpec | None = None, use_shm: bool = True):
         items = list(updates.items()) if isinstance(updates, Mapping) else list(updates)
         arrays = [np.asarray(item[1]) for item in items]
         uids = [item[2] if len(item) > 2 else 0 for item in items]
@@ -474,6 +607,12 @@ class PSClient:
             for item, a, uid in zip(items, arrays, uids):
                 T.fill(req.updates.add(name=item[0], update_id=uid).tensor, a, with_data)
             return req
+        if kind == "push" and use_shm and self._shm_for(sum(a.nbytes for a in arrays)):
+            def redo(exc: PSError):   # the server applied nothing: send it over gRPC
+                return self._dense(kind, items, True, sync, use_shm=False)
+            out = self._shm_push(items, arrays, uids, wait, sync, redo)
+            if out is not None:
+                return out
         if streamed:
             req = request(with_data=False)
             return self._run(wait, lambda: list(self._upload(kind, req, arrays).updated.versions))

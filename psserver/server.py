@@ -157,6 +157,9 @@ class ServerHandle:
         """Stop taking calls; let those in flight finish for up to ``grace`` s."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        shared = getattr(self.servicer, "shared_memory", None)
+        if shared is not None:
+            shared.segments.close()
 
 
 def make_server(address: str, servicer, add_to_server, service_name: str, *,
@@ -203,6 +206,7 @@ def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server
     hand-framed messages (psserver/wire.py): its Read returns bytes already
     serialized, its Push takes the request's bytes as they came."""
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    ps_pb2_grpc.add_SharedMemoryServicer_to_server(servicer.shared_memory, server)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(BULK_SERVICE_NAME, {
         "Read": grpc.unary_unary_rpc_method_handler(
             servicer.bulk_read, request_deserializer=ps_pb2.ReadRequest.FromString),

@@ -15,7 +15,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
-from psserver import wire
+from psserver import shm, wire
 from psserver.errors import InvalidArgument, PSError, ResourceExhausted
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
@@ -129,6 +129,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.chunk_bytes = max(1, min(chunk_bytes, max_message_bytes))
         self.max_upload_bytes = max_upload_bytes
         self.server_id = uuid.uuid4().hex
+        self.shared_memory = SharedMemoryServicer(self)
 
     # -- plumbing ----------------------------------------------------------
     def _run(self, context, fn: Callable, *args):
@@ -329,3 +330,75 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                        "push_sparse": self._push_sparse}[kind]
             return ps_pb2.UploadReply(updated=handler(req, arrays, context))
         return self._run(context, go)
+
+
+class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
+    """Same-host reads and pushes through client segments (psserver/shm.py)."""
+
+    def __init__(self, ps: ParameterServerServicer, segments: shm.Segments | None = None):
+        self.ps = ps
+        self.segments = segments if segments is not None else shm.Segments()
+
+    def Attach(self, request, context):
+        return self.ps._run(context, lambda: ps_pb2.ShmAttachReply(
+            segment=self.segments.attach(request.name, request.nbytes)))
+
+    def Detach(self, request, context):
+        self.segments.detach(request.segment)
+        return ps_pb2.ShmDetachReply()
+
+    def Read(self, request, context):
+        def go():
+            names = list(request.names)
+            with self.segments.mapped(request.segment) as buf:
+                seg = np.frombuffer(buf, dtype=np.uint8)
+                try:
+                    with self.ps.store.locked_values(names, _sync_step(request),
+                                                     _deadline(context)) as values:
+                        offsets, end = [], 0
+                        for _, _, arr in values:
+                            offsets.append(end)
+                            end = shm.align(end + arr.nbytes)
+                        if offsets and offsets[-1] + values[-1][2].nbytes > seg.size:
+                            raise ResourceExhausted(
+                                f"shared-memory segment of {seg.size} bytes is "
+                                f"{shm.TOO_SMALL} of {names} ({end} bytes); attach a larger one")
+                        reply = ps_pb2.ShmReadReply()
+                        for (name, version, arr), off in zip(values, offsets):
+                            flat = arr.reshape(-1).view(np.uint8)
+                            seg[off:off + flat.size] = flat
+                            reply.values.add(name=name, dtype=arr.dtype.name, shape=arr.shape,
+                                             offset=off, version=version)
+                finally:
+                    del seg
+            return reply
+        return self.ps._run(context, go)
+
+    def Push(self, request, context):
+        def go():
+            with self.segments.mapped(request.segment) as buf:
+                updates = _segment_updates(request, buf)
+                try:
+                    # Applied before the segment is unmapped; the store keeps no
+                    # reference to a dense gradient (sync mode adds it into its own sum).
+                    return self.ps._push_updates(request, updates, context)
+                finally:
+                    updates.clear()
+        return self.ps._run(context, go)
+
+
+def _segment_updates(request: ps_pb2.ShmPushRequest, buf: memoryview) -> list:
+    """[(name, array viewing buf, update_id)] for a ShmPushRequest, each checked."""
+    updates = []
+    for i, u in enumerate(request.updates):
+        what = f"update {i} ({u.name!r})"
+        dt = T.check_dtype(u.dtype, T.WIRE_DTYPES, f"{what} dtype")
+        shape = T.check_shape(u.shape, f"{what} shape")
+        n = T.nbytes_of(shape, dt)
+        if u.offset < 0 or u.offset % dt.itemsize or u.offset + n > len(buf):
+            raise InvalidArgument(
+                f"{what}: {n} bytes at offset {u.offset} do not lie in the "
+                f"{len(buf)}-byte segment at a multiple of {dt.itemsize}")
+        updates.append((u.name, np.frombuffer(buf, dtype=dt, count=n // dt.itemsize,
+                                              offset=u.offset).reshape(shape), u.update_id))
+    return updates

@@ -683,18 +683,23 @@ def test_max_memory_bytes_limits_creates(start_ps):
 SMALL_LIMIT = ("--max-message-bytes", str(MiB), "--chunk-bytes", str(256 * KiB))
 
 
-def small_client(address: str, **kw) -> PSClient:
-    return PSClient(address, max_message_bytes=MiB, chunk_bytes=256 * KiB, **kw)
+def small_client(address: str, shared_memory: bool = False, **kw) -> PSClient:
+    """A client with a 1 MiB message limit; gRPC only unless shared_memory."""
+    return PSClient(address, max_message_bytes=MiB, chunk_bytes=256 * KiB,
+                    shared_memory=shared_memory, **kw)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_large_tensors_are_streamed_exactly(start_ps, dtype):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_large_tensors_are_streamed_exactly(start_ps, dtype, shared_memory):
+    """Tensors over the message limit: in frames over gRPC, or through shared
+    memory (psserver/shm.py) when the client may use it."""
     ps = start_ps(*SMALL_LIMIT)
     rng = np.random.default_rng(4)
     rows, cols = 2048, 768                              # 6 MiB (f32) / 12 MiB (f64)
     init = rng.standard_normal((rows, cols)).astype(dtype)
-    with small_client(ps.address) as c:
+    with small_client(ps.address, shared_memory) as c:
         meta = c.create_variable("big", initial_value=init,
                                  optimizer_params={"learning_rate": 0.5})
         assert meta.nbytes == init.nbytes > 4 * MiB
@@ -741,6 +746,7 @@ def test_large_tensors_are_streamed_exactly(start_ps, dtype):
         for s in c.read_many(list(parts)):
             np.testing.assert_array_equal(s.value, parts[s.name] - 1)
             assert s.version == 1
+        assert (c._arena is not None) == shared_memory   # the path under test was taken
 
     # a fresh client does not know the sizes: it falls back to the stream
     with small_client(ps.address) as fresh:
@@ -771,13 +777,18 @@ def test_small_message_limit_with_default_chunk_bytes_server(start_ps):
 def test_small_message_limit_with_default_chunk_bytes_client(start_ps):
     ps = start_ps(*SMALL_LIMIT)
     value = np.arange(2 * MiB, dtype=F32)                          # 8 MiB
-    with PSClient(ps.address, max_message_bytes=MiB) as c:
+    with PSClient(ps.address, max_message_bytes=MiB, shared_memory=False) as c:
         c.create_variable("big", initial_value=value)
         np.testing.assert_array_equal(c.read("big"), value)
 
 
 @pytest.mark.timeout(300)
-def test_one_gib_variable(client):
+def test_one_gib_variable(ps):
+    with PSClient(ps.address, shared_memory=False) as client:   # gRPC frames
+        _one_gib_variable(client)
+
+
+def _one_gib_variable(client: PSClient) -> None:
     n = GiB // 4                                                    # float32 elements
     meta = client.create_variable("huge", (n,), "float32", initializer="zeros",
                                   optimizer_params={"learning_rate": 0.5})

@@ -328,3 +328,69 @@ class ServerInfo(_message.Message):
     num_variables: int
     total_bytes: int
     def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ShmAttachRequest(_message.Message):
+    __slots__ = ("name", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ShmAttachReply(_message.Message):
+    __slots__ = ("segment",)
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    def __init__(self, segment: _Optional[int] = ...) -> None: ...
+
+class ShmDetachRequest(_message.Message):
+    __slots__ = ("segment",)
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    def __init__(self, segment: _Optional[int] = ...) -> None: ...
+
+class ShmDetachReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShmTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "version", "update_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    version: int
+    update_id: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ..., update_id: _Optional[int] = ...) -> None: ...
+
+class ShmReadRequest(_message.Message):
+    __slots__ = ("segment", "names", "sync")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    sync: SyncRead
+    def __init__(self, segment: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ...) -> None: ...
+
+class ShmReadReply(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[ShmTensor]
+    def __init__(self, values: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ...) -> None: ...
+
+class ShmPushRequest(_message.Message):
+    __slots__ = ("segment", "updates", "sync")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    updates: _containers.RepeatedCompositeFieldContainer[ShmTensor]
+    sync: SyncInfo
+    def __init__(self, segment: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ...) -> None: ...

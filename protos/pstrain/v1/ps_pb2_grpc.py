@@ -781,3 +781,207 @@ class ParameterServerBulk:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SharedMemoryStub:
+    """Same-host reads and pushes; see the Shm* messages.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Attach = channel.unary_unary(
+                '/pstrain.v1.SharedMemory/Attach',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachReply.FromString,
+                _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/pstrain.v1.SharedMemory/Detach',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmDetachRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmDetachReply.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_unary(
+                '/pstrain.v1.SharedMemory/Read',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmReadRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmReadReply.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/pstrain.v1.SharedMemory/Push',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmPushRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UpdateReply.FromString,
+                _registered_method=True)
+
+
+class SharedMemoryServicer:
+    """Same-host reads and pushes; see the Shm* messages.
+    """
+
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SharedMemoryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachReply.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmDetachRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmDetachReply.SerializeToString,
+            ),
+            'Read': grpc.unary_unary_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmReadRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmReadReply.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmPushRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.UpdateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pstrain.v1.SharedMemory', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pstrain.v1.SharedMemory', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SharedMemory:
+    """Same-host reads and pushes; see the Shm* messages.
+    """
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SharedMemory/Attach',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SharedMemory/Detach',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmDetachRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmDetachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SharedMemory/Read',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmReadRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmReadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SharedMemory/Push',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmPushRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.UpdateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,293 @@
+"""Same-host transfers through shared memory (psserver/shm.py), against real
+psserver processes.
+
+What is checked: values and versions equal the gRPC path's; the server
+really holds the client's segment (its /proc fd table) and nothing is left
+in /dev/shm, also after a client is SIGKILLed; a server elsewhere (here:
+shared memory switched off) or one that lost the segment (restarted) is
+answered by gRPC transparently; every malformed SharedMemory call is refused
+with the right code and changes nothing.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import numpy as np
+import pytest
+
+from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver import shm
+from psserver.client import PSClient
+from psserver.errors import FailedPrecondition
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this system")]
+
+N = 1 << 18   # 1 MiB of float32: above the client's shm_min_bytes
+
+
+def _server_segments(pid: int) -> list[str]:
+    """The pstrain segments a process holds open (by its fd table)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{shm.SHM_DIR}/{shm.NAME_PREFIX}"):
+            out.append(target)
+    return out
+
+
+def _our_names() -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.NAME_PREFIX)}
+
+
+def _make(c: PSClient, name: str = "w", n: int = N) -> np.ndarray:
+    init = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    c.create_variable(name, initial_value=init, optimizer="sgd",
+                      optimizer_params={"learning_rate": 0.5})
+    return init
+
+
+def test_shared_memory_matches_grpc_and_leaves_nothing(ps):
+    before = _our_names()
+    with PSClient(ps.address) as fast, PSClient(ps.address, shared_memory=False) as slow:
+        init = _make(fast)
+        fast.read("w")   # learns the size; the next read goes through shared memory
+        grads = np.random.default_rng(1).standard_normal((5, N)).astype(np.float32)
+        for i, g in enumerate(grads):
+            assert fast.push("w", g) == i + 1
+            v_fast, ver_fast = fast.read("w", with_version=True)
+            v_slow, ver_slow = slow.read("w", with_version=True)
+            assert ver_fast == ver_slow == i + 1
+            np.testing.assert_array_equal(v_fast, v_slow)
+        np.testing.assert_allclose(v_fast, init - 0.5 * grads.sum(0), rtol=1e-5, atol=1e-5)
+        assert not v_fast.flags.writeable   # as the gRPC path's snapshots
+        assert fast._shm_on and fast._arena is not None
+        held = _server_segments(ps.pid)
+        assert held and all(t.endswith("(deleted)") for t in held), held
+        assert _our_names() == before   # names are removed once attached
+    # close() detaches: the server lets go of the memory
+    with PSClient(ps.address) as c:
+        c.read("w")
+        assert not _server_segments(ps.pid)
+
+
+def test_concurrent_async_calls_each_get_their_own_segment(ps):
+    with PSClient(ps.address) as c:
+        init = _make(c)
+        c.read("w")
+        pushes = [c.push_many_async({"w": np.ones(N, np.float32)}) for _ in range(6)]
+        reads = [c.read_many_async(["w"]) for _ in range(6)]
+        assert sorted(h.result()[0] for h in pushes) == [1, 2, 3, 4, 5, 6]
+        for h in reads:
+            s = h.result()[0]
+            # a consistent snapshot: value matches its version exactly
+            np.testing.assert_allclose(s.value, init - 0.5 * s.version, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(c.read("w"), init - 3.0, rtol=1e-6, atol=1e-6)
+
+
+def test_multi_variable_read_and_push(ps):
+    with PSClient(ps.address) as c:
+        a, b = _make(c, "a"), _make(c, "b", N // 2 + 3)   # odd size: offsets are aligned
+        c.read_many(["a", "b"])
+        c.push_many({"a": np.ones(N, np.float32), "b": np.full(N // 2 + 3, 2, np.float32)})
+        ra, rb = c.read_many(["a", "b"])
+        np.testing.assert_allclose(ra.value, a - 0.5, rtol=1e-6)
+        np.testing.assert_allclose(rb.value, b - 1.0, rtol=1e-6)
+        assert (ra.version, rb.version) == (1, 1)
+
+
+def test_server_without_shared_memory_is_answered_over_grpc(start_ps):
+    ps = start_ps(env={shm.ENV: "0"})
+    with PSClient(ps.address) as c:
+        init = _make(c)
+        c.read("w")
+        c.push("w", np.ones(N, np.float32))
+        np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
+        assert not c._shm_on   # found out once, then kept to gRPC
+        assert not _server_segments(ps.pid)
+
+
+def test_restarted_server_lost_the_segment_client_recovers(start_ps):
+    ps = start_ps()
+    with PSClient(ps.address, wait_for_ready=True) as c:
+        _make(c)
+        c.read("w")
+        c.push("w", np.ones(N, np.float32))   # a segment is attached now
+        port = ps.address.rsplit(":", 1)[1]
+        ps.kill()
+        ps2 = start_ps("--port", port)
+        init = _make(c)
+        c.read("w")   # the old segment id is unknown to the new server: gRPC, then re-attach
+        assert c.push("w", np.ones(N, np.float32)) == 1
+        np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
+        assert c._shm_on and _server_segments(ps2.pid)
+
+
+def test_sigkilled_client_leaves_nothing_in_dev_shm(ps):
+    before = _our_names()
+    code = textwrap.dedent(f"""
+        import os, signal, numpy as np
+        from psserver.client import PSClient
+        c = PSClient({ps.address!r})
+        c.create_variable("k", initial_value=np.zeros({N}, np.float32))
+        c.read("k"); c.read("k"); c.push("k", np.ones({N}, np.float32))
+        assert c._arena is not None
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], timeout=30)
+    assert r.returncode == -9
+    assert _our_names() == before
+
+
+# -- bad input: every malformed call refused, nothing changed ------------------------
+@pytest.fixture
+def raw(ps):
+    """(generated SharedMemory stub, PSClient) on one server, with a 1 MiB variable."""
+    with PSClient(ps.address) as c, grpc.insecure_channel(ps.address) as ch:
+        _make(c)
+        yield ps_pb2_grpc.SharedMemoryStub(ch), c
+
+
+def _code(fn, *args) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, timeout=10)
+    return info.value.code()
+
+
+@pytest.mark.parametrize("name, code", [
+    ("../../etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
+    ("pstrain-xyz", grpc.StatusCode.INVALID_ARGUMENT),
+    ("", grpc.StatusCode.INVALID_ARGUMENT),
+    ("pstrain-" + "0" * 32, grpc.StatusCode.FAILED_PRECONDITION),   # not on this host
+])
+def test_attach_refuses_bad_names(raw, name, code):
+    stub, _ = raw
+    assert _code(stub.Attach, ps_pb2.ShmAttachRequest(name=name, nbytes=4096)) == code
+
+
+def test_attach_refuses_wrong_size_and_symlinks(raw, tmp_path):
+    stub, _ = raw
+    seg = shm.Segment(1 << 20)
+    try:
+        for n in (0, -1, 4096):
+            assert _code(stub.Attach, ps_pb2.ShmAttachRequest(name=seg.name, nbytes=n)) == \
+                grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        seg.close()
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 4096)
+    link = os.path.join(shm.SHM_DIR, shm.NAME_PREFIX + secrets.token_hex(16))
+    os.symlink(target, link)
+    try:
+        assert _code(stub.Attach, ps_pb2.ShmAttachRequest(
+            name=os.path.basename(link), nbytes=4096)) == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        os.unlink(link)
+    assert target.read_bytes() == b"x" * 4096
+
+
+def test_malformed_push_and_read_change_nothing(raw):
+    stub, c = raw
+    value0, version0 = c.read("w", with_version=True)
+    seg = shm.Segment(1 << 22)
+    try:
+        seg_id = stub.Attach(ps_pb2.ShmAttachRequest(name=seg.name, nbytes=seg.nbytes)).segment
+        seg.unlink()
+        grad = np.ones(N, np.float32)
+        seg.array[:grad.nbytes] = grad.view(np.uint8)
+
+        def push(**kw):
+            u = dict(name="w", dtype="float32", shape=[N], offset=0)
+            u.update(kw)
+            return ps_pb2.ShmPushRequest(segment=kw.pop("segment", seg_id),
+                                         updates=[ps_pb2.ShmTensor(**u)])
+        bad = {
+            "past the end": push(offset=seg.nbytes - 8),
+            "negative offset": push(offset=-4),
+            "misaligned": push(offset=2),
+            "wrong shape": push(shape=[N + 1]),
+            "wrong dtype": push(dtype="float64"),
+            "unknown dtype": push(dtype="complex64"),
+            "negative dim": push(shape=[-N]),
+            "no such variable": push(name="nope"),
+        }
+        codes = {k: _code(stub.Push, req) for k, req in bad.items()}
+        assert set(codes.values()) <= {grpc.StatusCode.INVALID_ARGUMENT,
+                                        grpc.StatusCode.NOT_FOUND}, codes
+        assert codes["no such variable"] == grpc.StatusCode.NOT_FOUND
+        unknown = ps_pb2.ShmPushRequest(segment=seg_id + 1, updates=[
+            ps_pb2.ShmTensor(name="w", dtype="float32", shape=[N])])
+        assert _code(stub.Push, unknown) == grpc.StatusCode.FAILED_PRECONDITION
+        seg.array[:4] = np.array([np.nan], np.float32).view(np.uint8)
+        assert _code(stub.Push, push()) == grpc.StatusCode.INVALID_ARGUMENT   # NaN
+        value, version = c.read("w", with_version=True)
+        assert version == version0
+        np.testing.assert_array_equal(value, value0)
+
+        small = shm.Segment(1 << 20)   # 1 MiB: the variable plus alignment does not fit...
+        try:
+            sid = stub.Attach(ps_pb2.ShmAttachRequest(name=small.name,
+                                                      nbytes=small.nbytes)).segment
+            assert _code(stub.Read, ps_pb2.ShmReadRequest(segment=sid, names=["w", "w"])) == \
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+            # ...but one copy does, at offset 0
+            r = stub.Read(ps_pb2.ShmReadRequest(segment=sid, names=["w"]))
+            assert (r.values[0].offset, r.values[0].version) == (0, version0)
+            np.testing.assert_array_equal(small.array[:N * 4].view(np.float32), value0)
+        finally:
+            small.close()
+        assert _code(stub.Read, ps_pb2.ShmReadRequest(segment=seg_id, names=["nope"])) == \
+            grpc.StatusCode.NOT_FOUND
+        stub.Detach(ps_pb2.ShmDetachRequest(segment=seg_id))
+        assert _code(stub.Read, ps_pb2.ShmReadRequest(segment=seg_id, names=["w"])) == \
+            grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        seg.close()
+
+
+def test_segments_expire_when_idle():
+    """A client that died never detaches: its segments close after idle_seconds."""
+    segs = shm.Segments(idle_seconds=0.0)
+    a = shm.Segment(1 << 20)
+    try:
+        seg_id = segs.attach(a.name, a.nbytes)
+        a.unlink()
+        with segs.mapped(seg_id) as buf:
+            assert len(buf) == a.nbytes
+        b = shm.Segment(1 << 20)
+        try:
+            segs.attach(b.name, b.nbytes)   # sweeps the idle one
+            with pytest.raises(FailedPrecondition, match=shm.UNKNOWN_SEGMENT):
+                with segs.mapped(seg_id):
+                    pass
+        finally:
+            b.close()
+    finally:
+        a.close()
+        segs.close()
+    assert len(segs) == 0
+
+
+def test_arena_reuses_and_bounds_segments():
+    attached, detached = [], []
+    arena = shm.Arena(lambda name, n: attached.append(n) or len(attached),
+                      lambda seg_id: detached.append(seg_id), max_free=2)
+    s1 = arena.take(100)
+    assert s1.nbytes == 1 << 20 and not os.path.exists(os.path.join(shm.SHM_DIR, s1.name))
+    arena.give(s1)
+    assert arena.take(5000) is s1   # reused
+    s2, s3 = arena.take(3 << 20), arena.take(10)
+    assert s2.nbytes == 4 << 20
+    for s in (s1, s2, s3):
+        arena.give(s)
+    assert len(detached) == 1   # only the largest max_free kept
+    arena.close()
+    assert len(detached) == 3
