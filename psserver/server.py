@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
-from psserver import metrics
+from psserver import ipc, metrics, shm
 from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                PROTOCOL_VERSION,
@@ -142,6 +142,7 @@ class ServerHandle:
                  health_servicer: health.HealthServicer, service_names: tuple[str, ...]):
         self.server, self.port, self.servicer = server, port, servicer
         self.health, self.service_names = health_servicer, service_names
+        self.ipc = None   # an ipc.IpcServer beside gRPC (parameter servers on Linux)
 
     @property
     def store(self) -> VariableStore:
@@ -149,6 +150,8 @@ class ServerHandle:
 
     def start(self) -> "ServerHandle":
         self.server.start()
+        if self.ipc is not None:
+            self.ipc.start()
         for name in ("",) + self.service_names:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -156,6 +159,8 @@ class ServerHandle:
     def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls; let those in flight finish for up to ``grace`` s."""
         self.health.enter_graceful_shutdown()
+        if self.ipc is not None:
+            self.ipc.stop()
         self.server.stop(grace).wait()
         shared = getattr(self.servicer, "shared_memory", None)
         if shared is not None:
@@ -228,10 +233,20 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
-    return make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
-                       tls=tls, max_message_bytes=max_message_bytes,
-                       max_workers=max_workers, thread_name_prefix="psserver-rpc",
-                       rpc_metrics=rpc_metrics)
+    handle = make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
+                         tls=tls, max_message_bytes=max_message_bytes,
+                         max_workers=max_workers, thread_name_prefix="psserver-rpc",
+                         rpc_metrics=rpc_metrics)
+    if shm.available() and ipc.available():
+        shared = servicer.shared_memory
+        handle.ipc = ipc.IpcServer({
+            ipc.SHM_READ: (ps_pb2.ShmReadRequest.FromString, shared.Read),
+            ipc.SHM_PUSH: (ps_pb2.ShmPushRequest.FromString, shared.Push),
+            ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
+            ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
+        }, token, rpc_metrics)
+        shared.ipc_socket = handle.ipc.name
+    return handle
 
 
 def write_port_file(path: str, port: int) -> None:

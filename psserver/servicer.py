@@ -338,10 +338,12 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
     def __init__(self, ps: ParameterServerServicer, segments: shm.Segments | None = None):
         self.ps = ps
         self.segments = segments if segments is not None else shm.Segments()
+        self.ipc_socket = ""   # set by create_server when it serves psserver/ipc.py
 
     def Attach(self, request, context):
         return self.ps._run(context, lambda: ps_pb2.ShmAttachReply(
-            segment=self.segments.attach(request.name, request.nbytes)))
+            segment=self.segments.attach(request.name, request.nbytes),
+            ipc_socket=self.ipc_socket))
 
     def Detach(self, request, context):
         self.segments.detach(request.segment)

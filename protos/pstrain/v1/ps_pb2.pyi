@@ -338,10 +338,12 @@ class ShmAttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ShmAttachReply(_message.Message):
-    __slots__ = ("segment",)
+    __slots__ = ("segment", "ipc_socket")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    IPC_SOCKET_FIELD_NUMBER: _ClassVar[int]
     segment: int
-    def __init__(self, segment: _Optional[int] = ...) -> None: ...
+    ipc_socket: str
+    def __init__(self, segment: _Optional[int] = ..., ipc_socket: _Optional[str] = ...) -> None: ...
 
 class ShmDetachRequest(_message.Message):
     __slots__ = ("segment",)
