@@ -11,7 +11,8 @@ from coordinator.local import LocalCluster
 from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
                                       MinSizePartitioner)
 from coordinator.strategy import ParameterServerStrategy
-from coordinator.variables import ShardedVariable, push_gradients, read_variables
+from coordinator.variables import (IndexedSlices, Lookup, ShardedVariable, push_gradients,
+                                   read_variables)
 from coordinator.checkpoint import CheckpointManager
 from coordinator.fit import FitState, fit
 from coordinator.callbacks import (Callback, CheckpointCallback, EarlyStopping, History,
@@ -27,6 +28,7 @@ __all__ = [
     "StepFunctionError", "WorkerCallError", "InputContext", "batches", "LocalCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
+    "IndexedSlices", "Lookup",
     "Initializer", "CheckpointManager", "FitState", "fit", "Callback", "CheckpointCallback",
     "EarlyStopping", "History", "LambdaCallback", "PlotHistory", "TensorBoard",
     "TerminateOnNaN", "Progress", "plot_history", "ReplicaContext", "get_replica_context",

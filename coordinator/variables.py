@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent import futures
 from collections import defaultdict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -122,27 +122,78 @@ class _FanOut:
 _fanout = _FanOut()
 
 
-def _with_retries(call: Callable, deadline: float):
-    backoff = 0.05
-    while True:
-        try:
-            return call()
-        except _RETRYABLE:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(backoff)   # the server is restarting: wait before resending
-            backoff = min(backoff * 2, 1.0)
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self._exc = exc
+
+    def result(self):
+        raise self._exc
 
 
-def _settle(calls: Sequence[Callable]) -> list:
-    """Run blocking calls (one per parameter server) at once: the first on
-    this thread, the others on the fan-out threads. A call that fails in a
-    retryable way is resent (same request, so same idempotency keys) until
-    RETRY_SECONDS. Returns their results in order."""
+class _Now:
+    """A call run when its result is asked for, on the asking thread."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self._fn = fn
+
+    def result(self):
+        return self._fn()
+
+
+def _op(address: str, blocking: Callable[[PSClient], object],
+        non_blocking: Callable[[PSClient], object] | None = None) -> Callable:
+    """One call to one parameter server, for _settle: ``start(first)`` returns
+    something whose ``result()`` is the call's. A client with the same-host
+    socket (psserver/ipc.py) sends the request at once and reads the reply in
+    result(): calls to several servers overlap on this thread. Otherwise the
+    first call runs on this thread and the others on the fan-out threads."""
+    def start(first: bool):
+        client = client_for(address)
+        if non_blocking is not None and client.local:
+            return non_blocking(client)
+        if first:
+            return _Now(lambda: blocking(client))
+        return _fanout.submit(blocking, client)
+    return start
+
+
+def _dense_op(address: str, updates: list, sync) -> Callable:
+    return _op(address, lambda c: c.push_many(updates, sync=sync),
+               lambda c: c.push_many_async(updates, sync=sync))
+
+
+def _sparse_op(target: "Shard", ids: np.ndarray, rows: np.ndarray, sync, uid: int) -> Callable:
+    return _op(target.address,
+               lambda c: c.push_sparse(target.name, ids, rows, sync=sync, update_id=uid),
+               lambda c: c.push_sparse_async(target.name, ids, rows, sync=sync, update_id=uid))
+
+
+def _settle(starts: Sequence[Callable]) -> list:
+    """Run calls (made by _op, one per parameter server) at once; resend one
+    that failed in a retryable way (same request, so same idempotency keys)
+    until RETRY_SECONDS. Returns their results in order."""
     deadline = time.monotonic() + RETRY_SECONDS
-    others = [_fanout.submit(_with_retries, call, deadline) for call in calls[1:]]
-    out = [_with_retries(calls[0], deadline)] if calls else []
-    return out + [f.result() for f in others]
+
+    def begin(start, first: bool):
+        try:
+            return start(first)
+        except _RETRYABLE as exc:   # failed while sending: report it in result()
+            return _Failed(exc)
+    pending = [begin(start, i == 0) for i, start in enumerate(starts)]
+    out = []
+    for start, p in zip(starts, pending):
+        backoff = 0.05
+        while True:
+            try:
+                out.append(p.result())
+                break
+            except _RETRYABLE:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(backoff)   # the server is restarting: wait before resending
+                backoff = min(backoff * 2, 1.0)
+                p = begin(start, True)
+    return out
 
 
 def new_update_id() -> int:
@@ -218,7 +269,7 @@ class ShardedVariable:
         parts = self._split(value)
         targets = [(s, p) for s, p in zip(self.shards, parts)]
         targets += [(b, p) for b, p in zip(self.backups, parts)]
-        _settle([lambda t=t, p=p: client_for(t.address).assign_many([(t.name, p)])
+        _settle([_op(t.address, lambda c, t=t, p=p: c.assign_many([(t.name, p)]))
                  for t, p in targets])
 
     def _check_dense(self, arr, what: str) -> np.ndarray:
@@ -259,31 +310,44 @@ class ShardedVariable:
             pos = np.nonzero(which == k)[0]
             if pos.size:
                 positions.append(pos)
-                starts.append(lambda s=s, ids=local[pos]: client_for(s.address).gather(
-                    s.name, ids, with_version=True, sync_step=step))
+                starts.append(_op(
+                    s.address,
+                    lambda c, s=s, ids=local[pos]: c.gather(s.name, ids, with_version=True,
+                                                            sync_step=step),
+                    lambda c, s=s, ids=local[pos]: c.gather_async(s.name, ids, sync_step=step)))
         for pos, (rows, _) in zip(positions, _settle(starts)):
             out[pos] = rows
         return out.reshape(ids.shape + self.shape[1:])
 
+    def lookup(self, ids) -> "Lookup":
+        """A request for ``gather(ids)``'s rows, to pass to read_variables with
+        other variables: one call per server for all of them."""
+        return Lookup(self, np.asarray(ids))
+
     def push_sparse(self, ids, rows) -> None:
         """Apply a row-wise gradient; duplicate ids are summed on the servers."""
+        _settle(self._sparse_ops(ids, rows, current_sync()))
+
+    def _sparse_parts(self, ids, rows, sync=None) -> list[tuple["Shard", np.ndarray, np.ndarray, int]]:
+        """(target shard or backup, local ids, rows, update_id) per shard with ids
+        (every shard in sync mode: an empty push counts the replica)."""
         ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
         rows = np.asarray(rows, dtype=self.dtype)
         if rows.shape != (ids.size,) + self.shape[1:]:
             raise ValueError(f"sparse gradient rows for {self.name!r} have shape {rows.shape}, "
                              f"expected {(ids.size,) + self.shape[1:]}")
         which, local = self._route(ids)
-        sync = current_sync()
-        starts = []
+        out = []
         for k, s in enumerate(self.shards):
             pos = np.nonzero(which == k)[0]
             if pos.size or sync is not None:   # sync: every shard counts this replica
                 uid = 0 if sync is not None else new_update_id()
                 for target in (s,) + ((self.backups[k],) if self.backups else ()):
-                    starts.append(lambda t=target, i=local[pos], r=rows[pos], u=uid:
-                                  client_for(t.address).push_sparse(
-                                      t.name, i, r, sync=sync, update_id=u))
-        _settle(starts)
+                    out.append((target, local[pos], rows[pos], uid))
+        return out
+
+    def _sparse_ops(self, ids, rows, sync) -> list[Callable]:
+        return [_sparse_op(t, i, r, sync, uid) for t, i, r, uid in self._sparse_parts(ids, rows, sync)]
 
 
 def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
@@ -293,31 +357,102 @@ def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
     return groups
 
 
-def read_variables(variables: Sequence[ShardedVariable], *, with_versions: bool = False):
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """Rows of ``variable`` by id, to read with other variables in one call per
+    server: ``read_variables([table.lookup(ids), w, b])`` (see
+    ShardedVariable.lookup). Its value is ``table.gather(ids)``'s."""
+    variable: "ShardedVariable"
+    ids: np.ndarray
+
+
+class IndexedSlices(NamedTuple):
+    """A row-wise gradient, as tf.IndexedSlices: ``values[i]`` is the gradient
+    of row ``indices[i]`` (duplicates are summed). Pass it to push_gradients
+    as a variable's gradient to push it with the dense ones, in one call per
+    server (as ``variable.push_sparse(indices, values)`` would, alone)."""
+    values: np.ndarray
+    indices: np.ndarray
+
+
+def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
+                   with_versions: bool = False):
     """Read many variables: one call per parameter server, all at once.
 
+    An item may be a ``Lookup`` (``table.lookup(ids)``): its rows are gathered
+    in the same call to each server as the dense reads (same host: one call;
+    across hosts: a read and a gather per server).
+
     Returns the values, or (values, versions) with ``with_versions``, where
-    versions[i] lists the version of each shard of variables[i] as read.
+    versions[i] lists the version of each shard of variables[i] as read (for
+    a Lookup: of each shard rows were gathered from).
     """
     sync = current_sync()
     step = sync.step if sync is not None else None
-    groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
-    starts = [lambda addr=addr, names=[s.name for _, s in items]:
-              client_for(addr).read_many(names, sync_step=step)
-              for addr, items in groups.items()]
+    if not any(isinstance(v, Lookup) for v in variables):
+        groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
+        starts = [_op(addr, lambda c, names=[s.name for _, s in items]:
+                      c.read_many(names, sync_step=step),
+                      lambda c, names=[s.name for _, s in items]:
+                      c.read_many_async(names, sync_step=step))
+                  for addr, items in groups.items()]
+        results = [(snaps, []) for snaps in _settle(starts)]
+        gather_groups: dict[str, list] = {addr: [] for addr in groups}
+    else:
+        groups, gather_groups, shaped = defaultdict(list), defaultdict(list), {}
+        for i, v in enumerate(variables):
+            if not isinstance(v, Lookup):
+                for s in v.shards:
+                    groups[s.address].append((i, s))
+                continue
+            ids = np.asarray(v.ids)
+            flat = ids.reshape(-1).astype(np.int64, copy=False)
+            which, local = v.variable._route(flat)
+            shaped[i] = (ids.shape, flat.size)
+            for k, s in enumerate(v.variable.shards):
+                pos = np.nonzero(which == k)[0]
+                if pos.size:
+                    gather_groups[s.address].append((i, pos, s, local[pos]))
+        addrs = list(dict.fromkeys([*groups, *gather_groups]))
+        starts = [_op(addr,
+                      lambda c, n=[s.name for _, s in groups[addr]],
+                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]]:
+                      c.read_and_gather(n, g, sync_step=step),
+                      lambda c, n=[s.name for _, s in groups[addr]],
+                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]]:
+                      c.read_and_gather_async(n, g, sync_step=step))
+                  for addr in addrs]
+        results = _settle(starts)
+        groups = {addr: groups[addr] for addr in addrs}
+        gather_groups = {addr: gather_groups[addr] for addr in addrs}
     parts: dict[tuple[int, str], np.ndarray] = {}
-    versions: dict[tuple[int, str], int] = {}
-    for items, snaps in zip(groups.values(), _settle(starts)):
-        for (i, s), snap in zip(items, snaps):
-            parts[(i, s.name)], versions[(i, s.name)] = snap.value, snap.version
+    versions: dict[int, dict[str, int]] = defaultdict(dict)
+    rows_out: dict[int, np.ndarray] = {}
+    for addr, (snaps, gathered) in zip(groups, results):
+        for (i, s), snap in zip(groups[addr], snaps):
+            parts[(i, s.name)], versions[i][s.name] = snap.value, snap.version
+        for (i, pos, s, _), (rows, version) in zip(gather_groups[addr], gathered):
+            if i not in rows_out:
+                v = variables[i].variable
+                rows_out[i] = np.empty((shaped[i][1],) + v.shape[1:], np.dtype(v.dtype))
+            rows_out[i][pos] = rows
+            versions[i][s.name] = version
     out = []
     for i, v in enumerate(variables):
-        if v.num_shards == 1:
+        if isinstance(v, Lookup):
+            shape, n = shaped[i]
+            rows = rows_out.get(i)
+            if rows is None:   # no ids
+                rows = np.empty((n,) + v.variable.shape[1:], np.dtype(v.variable.dtype))
+            out.append(rows.reshape(shape + v.variable.shape[1:]))
+        elif v.num_shards == 1:
             out.append(parts[(i, v.shards[0].name)].copy())
         else:
             out.append(np.concatenate([parts[(i, s.name)] for s in v.shards]))
     if with_versions:
-        return out, [[versions[(i, s.name)] for s in v.shards] for i, v in enumerate(variables)]
+        shards = [v.variable.shards if isinstance(v, Lookup) else v.shards for v in variables]
+        return out, [[versions[i][s.name] for s in shards[i] if s.name in versions[i]]
+                     for i in range(len(variables))]
     return out
 
 
@@ -344,17 +479,32 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
     if compression is not None:
         _push_compressed(pairs, compression, sync)
         return
-    items = []
+    items, sparse, sparse_ops = [], defaultdict(list), []
     for v, g in pairs:
+        if isinstance(g, IndexedSlices):
+            if sync is not None:   # every shard must count this replica: PushSparse each
+                sparse_ops += v._sparse_ops(g.indices, g.values, sync)
+                continue
+            for target, ids, rows, uid in v._sparse_parts(g.indices, g.values):
+                sparse[target.address].append((target.name, ids, rows, uid))
+            continue
         g = v._check_dense(g, "gradient")
         for k, (s, part) in enumerate(zip(v.shards, v._split(g))):
             uid = 0 if sync is not None else new_update_id()
             for target in (s,) + ((v.backups[k],) if v.backups else ()):
                 items.append(((target.name, part, uid), target))
     groups = _by_server(items)
-    _settle([lambda addr=addr, upds=[upd for upd, _ in its]:
-             client_for(addr).push_many(upds, sync=sync)
-             for addr, its in groups.items()])
+    starts = []
+    for addr in dict.fromkeys([*groups, *sparse]):
+        dense = [upd for upd, _ in groups.get(addr, ())]
+        if addr in sparse:
+            starts.append(_op(addr,
+                              lambda c, d=dense, sp=sparse[addr]: c.push_dense_and_sparse(d, sp),
+                              lambda c, d=dense, sp=sparse[addr]:
+                              c.push_dense_and_sparse_async(d, sp)))
+        else:
+            starts.append(_dense_op(addr, dense, sync))
+    _settle(starts + sparse_ops)
 
 
 def _push_compressed(pairs, compression, sync) -> None:
@@ -371,6 +521,9 @@ def _push_compressed(pairs, compression, sync) -> None:
                          "not to a sync-mode step")
     items, sparse = [], []
     for v, g in pairs:
+        if isinstance(g, IndexedSlices):   # row-wise gradients go as they are
+            sparse += v._sparse_ops(g.indices, g.values, None)
+            continue
         g = v._check_dense(g, "gradient")
         backups = v.backups or (None,) * v.num_shards
         if isinstance(spec, C.TopK) and g.ndim >= 2:
@@ -380,9 +533,7 @@ def _push_compressed(pairs, compression, sync) -> None:
                 rows = acc[s.offset + ids]
                 uid = new_update_id()
                 for target in (s,) + ((b,) if b is not None else ()):
-                    sparse.append(lambda t=target, i=ids, r=rows, u=uid:
-                                  client_for(t.address).push_sparse(
-                                      t.name, i, r, update_id=u))
+                    sparse.append(_sparse_op(target, ids, rows, None, uid))
             continue
         if isinstance(spec, C.FP16):
             g = C.to_fp16(g)
@@ -394,7 +545,6 @@ def _push_compressed(pairs, compression, sync) -> None:
             uid = new_update_id()
             for target in (s,) + ((b,) if b is not None else ()):
                 items.append(((target.name, part, uid), target))
-    starts = [lambda addr=addr, upds=[upd for upd, _ in its]:
-              client_for(addr).push_many(upds)
+    starts = [_dense_op(addr, [upd for upd, _ in its], None)
               for addr, its in _by_server(items).items()]
     _settle(starts + sparse)

@@ -28,7 +28,7 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
+from coordinator import (ClusterCoordinator, IndexedSlices, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy, batches, push_gradients, read_variables)
 from examples.nn import dense, dense_backward, sigmoid_cross_entropy
 
@@ -76,11 +76,12 @@ def make_train_step(table, w_var, b_var):
 
     def train_step(iterator):
         ids, labels = next(iterator)
-        rows = table.gather(ids)                      # (batch, bag, dim): only the rows needed
-        w, b = read_variables([w_var, b_var])
+        # One call per parameter server for the rows needed (batch, bag, dim) and the head.
+        rows, w, b = read_variables([table.lookup(ids), w_var, b_var])
         loss, drows, dw, db = loss_and_grads(rows, w, b, labels)
-        table.push_sparse(ids.ravel(), drows.reshape(-1, drows.shape[-1]))  # duplicates summed
-        push_gradients([(w_var, dw), (b_var, db)])
+        # And one for the row-wise gradient (duplicate ids summed) with the head's.
+        push_gradients([(table, IndexedSlices(drows.reshape(-1, drows.shape[-1]), ids.ravel())),
+                        (w_var, dw), (b_var, db)])
         return loss
 
     return train_step

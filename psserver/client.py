@@ -84,6 +84,29 @@ def _set_sync(req, sync: SyncSpec | None) -> None:
         req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(sync)))
 
 
+class _Later:
+    """A future whose value is computed by the first result() call (a reply
+    read from a socket the request was sent on earlier)."""
+
+    def __init__(self, fn: Callable[[], object], ready: Callable[[], bool] | None = None):
+        self._fn, self._done, self._value, self._exc = fn, False, None, None
+        self._ready = ready   # whether the reply is there to read
+
+    def done(self) -> bool:
+        return self._done or (self._ready is not None and self._ready())
+
+    def result(self, timeout: float | None = None):
+        if not self._done:
+            try:
+                self._value = self._fn()
+            except BaseException as exc:
+                self._exc = exc
+            self._done, self._fn = True, None
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
 class Handle:
     """The pending result of a non-blocking call."""
 
@@ -173,6 +196,12 @@ class PSClient:
         self._nbytes: dict[str, int] = {}
         self._rows: dict[str, int] = {}
 
+    @property
+    def local(self) -> bool:
+        """Whether calls go over the same-host socket (psserver/ipc.py): then the
+        ``*_async`` methods send at once and cost no thread."""
+        return self._ipc is not None
+
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
         if self._arena is not None:
@@ -223,6 +252,11 @@ class PSClient:
         when there is one (psserver/ipc.py).
         """
         if not wait:
+            if local is not None and self._ipc is not None:   # sent now, read in result()
+                receive = self._local_send(local, request,
+                                           method if method in self._idempotent else None)
+                return Handle(_Later(receive, getattr(receive, "ready", None)),
+                              post, self.address, recover)
             return self._future(method, request, post, recover)
         try:
             if local is not None and self._ipc is not None:
@@ -453,22 +487,40 @@ class PSClient:
         return reply.segment
 
     def _local(self, local: tuple[int, type], request, idempotent_via=None):
-        """A blocking call over the same-host socket. A lost connection drops
-        the socket (a restarted server has another; gRPC is used until the
-        next attach learns it); then an idempotent call is made again over
-        gRPC (``idempotent_via``, its stub method), any other raises
-        Unavailable, as it would over gRPC (applied or not: see update_id)."""
+        """A blocking call over the same-host socket: see _local_send."""
+        return self._local_send(local, request, idempotent_via)()
+
+    def _local_send(self, local: tuple[int, type], request,
+                    idempotent_via=None) -> Callable[[], object]:
+        """Send a call over the same-host socket now; the function returned
+        waits for its reply. A lost connection drops the socket (a restarted
+        server has another; gRPC is used until the next attach learns it);
+        then an idempotent call is made again over gRPC (``idempotent_via``,
+        its stub method), any other raises Unavailable, as it would over
+        gRPC (applied or not: see update_id)."""
         method, reply_cls = local
-        try:
-            return reply_cls.FromString(self._ipc.call(method, request.SerializeToString(),
-                                                       self.timeout))
-        except Unavailable:
-            client, self._ipc = self._ipc, None
-            if client is not None:
-                client.close()
+        client = self._ipc
+
+        def lost(exc: Unavailable):
+            if self._ipc is client:
+                self._ipc = None
+            client.close()
             if idempotent_via is None:
-                raise
-        return self._call(idempotent_via, request)
+                raise exc
+            return self._call(idempotent_via, request)
+        try:
+            receive = client.send(method, request.SerializeToString(), self.timeout)
+        except Unavailable as exc:
+            failed = exc
+            return lambda: lost(failed)
+
+        def finish():
+            try:
+                return reply_cls.FromString(receive())
+            except Unavailable as exc:
+                return lost(exc)
+        finish.ready = receive.ready
+        return finish
 
     def _ensure_attached(self) -> None:
         """Attach one segment (and so learn the server's local socket) the
@@ -516,6 +568,10 @@ class PSClient:
             except PSError as exc:
                 return on_error(exc)
             return done(reply)
+        if self._ipc is not None:   # sent now, its reply read in result()
+            receive = self._local_send(local, req, method if method in self._idempotent else None)
+            return Handle(_Later(lambda: done(receive()), getattr(receive, "ready", None)),
+                          target=self.address, recover=on_error)
         out: futures.Future = futures.Future()
 
         def complete(f):
@@ -528,54 +584,157 @@ class PSClient:
         method.future(req, **self._kw()).add_done_callback(complete)
         return Handle(out, target=self.address, recover=on_error)
 
-    def _shm_read(self, names: list[str], known: list[int], wait: bool, sync_step: int | None):
-        seg = self._shm_take(sum(shm.align(n) for n in known))
+    def _shm_read(self, names: list[str], known: list[int], wait: bool, sync_step: int | None,
+                  gathers: Sequence[tuple[str, np.ndarray]] | None = None):
+        """Read ``names`` (their sizes ``known``) through a segment: a list of
+        Snapshot; with ``gathers`` ([(name, 1-D ids)], row sizes known too),
+        (snapshots, [(rows, version)]) from the same call."""
+        gathers = list(gathers or ())
+        out_offset = sum(shm.align(ids.nbytes) for _, ids in gathers)
+        need = out_offset + sum(shm.align(n) for n in known) + sum(
+            shm.align(ids.size * self._row_bytes(name)) for name, ids in gathers)
+
+        def fallback(exc: PSError | None = None):   # over gRPC, relearning the sizes
+            self._forget_sizes(names)
+            snaps = self._read_many(names, True, sync_step) if names else []
+            if not gathers:
+                return snaps
+            return snaps, [self._gather(name, ids, True, sync_step) for name, ids in gathers]
+        seg = self._shm_take(need)
         if seg is None:
-            self._forget_sizes(names)
-            return self._read_many(names, wait, sync_step)
-        req = ps_pb2.ShmReadRequest(segment=seg.seg_id, names=names)
+            return self._run(wait, fallback)
+        req = ps_pb2.ShmReadRequest(segment=seg.seg_id, names=names, out_offset=out_offset)
         _set_sync_read(req, sync_step)
+        off = 0
+        for name, ids in gathers:
+            seg.array[off:off + ids.nbytes] = ids.view(np.uint8)
+            req.gathers.add(name=name, ids=ps_pb2.ShmTensor(
+                dtype=ids.dtype.name, shape=ids.shape, offset=off))
+            off += shm.align(ids.nbytes)
 
-        def finish(reply: ps_pb2.ShmReadReply) -> list[Snapshot]:
-            out = []
-            for v in reply.values:
-                dt = T.check_dtype(v.dtype, T.WIRE_DTYPES, f"value of {v.name!r}")
-                n = T.nbytes_of(v.shape, dt)
-                arr = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
-                                    offset=v.offset).reshape(tuple(v.shape)).copy()
-                arr.flags.writeable = False
-                out.append((v.name, v.version, arr))
-            return self._snapshots(out)
+        def copy_out(t: ps_pb2.ShmTensor) -> np.ndarray:
+            dt = T.check_dtype(t.dtype, T.WIRE_DTYPES, f"value of {t.name!r}")
+            n = T.nbytes_of(t.shape, dt)
+            arr = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
+                                offset=t.offset).reshape(tuple(t.shape)).copy()
+            arr.flags.writeable = False
+            return arr
 
-        def fallback(exc: PSError):   # over gRPC, relearning the sizes
-            self._forget_sizes(names)
-            return self._read_many(names, True, sync_step)
+        def finish(reply: ps_pb2.ShmReadReply):
+            snaps = self._snapshots([(v.name, v.version, copy_out(v)) for v in reply.values])
+            if not gathers:
+                return snaps
+            return snaps, [(copy_out(g), g.version) for g in reply.gathered]
         return self._shm_invoke(wait, self._shm_stub.Read, req, seg, finish, fallback,
                                 (ipc.SHM_READ, ps_pb2.ShmReadReply))
+
+    def _row_bytes(self, name: str) -> int:
+        """Bytes of one row of ``name`` (asks the server the first time)."""
+        if name not in self._nbytes or not self._rows.get(name):
+            meta = self.get_meta(name)
+            self._remember(name, meta.nbytes, meta.shape)
+        rows = self._rows.get(name) or 1
+        return self._nbytes[name] // rows
 
     def _forget_sizes(self, names: Sequence[str]) -> None:
         for n in names:
             self._nbytes.pop(n, None)
 
-    def _shm_push(self, items, arrays, uids, wait: bool, sync: SyncSpec | None, fallback):
+    def _shm_push(self, items, arrays, uids, wait: bool, sync: SyncSpec | None, fallback,
+                  sparse: Sequence[tuple[str, np.ndarray, np.ndarray, int]] = ()):
+        """Dense updates (and, async only, sparse ones) through a segment; None
+        when there is no segment to be had (the caller uses gRPC)."""
         datas = [wire._contiguous_bytes(a) for a in arrays]
-        offsets, end = [], 0
-        for d in datas:
-            offsets.append(end)
-            end += shm.align(len(d))
-        seg = self._shm_take(end)
+        sparse_datas = [(wire._contiguous_bytes(ids), wire._contiguous_bytes(rows))
+                        for _, ids, rows, _ in sparse]
+        sizes = [len(d) for d in datas] + [len(d) for pair in sparse_datas for d in pair]
+        seg = self._shm_take(sum(shm.align(n) for n in sizes))
         if seg is None:
             return None
         req = ps_pb2.ShmPushRequest(segment=seg.seg_id)
         if sync is not None:
             _set_sync(req, sync)
-        for item, a, d, off, uid in zip(items, arrays, datas, offsets, uids):
+        end = 0
+
+        def put(d: memoryview, arr: np.ndarray, name: str = "") -> ps_pb2.ShmTensor:
+            nonlocal end
+            off = end
             seg.array[off:off + len(d)] = np.frombuffer(d, dtype=np.uint8)
-            req.updates.add(name=item[0], dtype=a.dtype.name, shape=a.shape, offset=off,
-                            update_id=uid)
+            end = off + shm.align(len(d))
+            return ps_pb2.ShmTensor(name=name, dtype=arr.dtype.name, shape=arr.shape, offset=off)
+        for item, a, d, uid in zip(items, arrays, datas, uids):
+            t = put(d, a, item[0])
+            t.update_id = uid
+            req.updates.append(t)
+        for (name, ids, rows, uid), (di, dr) in zip(sparse, sparse_datas):
+            req.sparse.add(name=name, ids=put(di, ids), rows=put(dr, rows), update_id=uid)
         return self._shm_invoke(wait, self._shm_stub.Push, req, seg,
                                 lambda r: list(r.versions), fallback,
                                 (ipc.SHM_PUSH, ps_pb2.UpdateReply))
+
+    # -- a step's calls to one server, as one -----------------------------------------
+    def read_and_gather(self, names: Sequence[str], gathers: Sequence[tuple[str, object]], *,
+                        sync_step: int | None = None):
+        """Read variables and look up rows of others in one call (same host;
+        elsewhere, the separate calls): (snapshots, [(rows, version)]), rows
+        shaped ids.shape + row shape, as gather. See read_many and gather."""
+        return self._read_and_gather(names, gathers, True, sync_step)
+
+    def read_and_gather_async(self, names: Sequence[str], gathers: Sequence[tuple[str, object]],
+                              *, sync_step: int | None = None) -> Handle:
+        return self._read_and_gather(names, gathers, False, sync_step)
+
+    def _read_and_gather(self, names, gathers, wait: bool, sync_step: int | None):
+        names = list(names)
+        shaped = [(name, _as_ids(ids, "gather")) for name, ids in gathers]
+        flat = [(name, ids.reshape(-1)) for name, ids in shaped]
+
+        def reshape(result):
+            snaps, rows = result
+            return snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
+                           for (r, v), (_, ids) in zip(rows, shaped)]
+        known = [self._nbytes.get(n) for n in names]
+        if self._shm_on and None not in known:
+            out = self._shm_read(names, known, wait, sync_step, flat)
+            if wait:
+                return reshape(out)
+            return Handle(_Later(lambda: reshape(out.result()),
+                                 getattr(out, "done", None)), target=self.address)
+
+        def separate():
+            snaps = self._read_many(names, True, sync_step) if names else []
+            return snaps, [self._gather(name, ids, True, sync_step) for name, ids in shaped]
+        return self._run(wait, separate)
+
+    def push_dense_and_sparse(self, dense, sparse: Sequence[tuple], *,
+                              sync: SyncSpec | None = None) -> list[int]:
+        """Dense updates ([(name, grad[, update_id])]) and row-wise ones
+        ([(name, ids, rows, update_id)]) in one call (same host, async;
+        otherwise the separate calls). Returns the versions after the dense
+        updates, then after the sparse ones. Validated in full first when
+        one call; see push_many and push_sparse."""
+        return self._push_dense_and_sparse(dense, sparse, True, sync)
+
+    def push_dense_and_sparse_async(self, dense, sparse: Sequence[tuple], *,
+                                    sync: SyncSpec | None = None) -> Handle:
+        return self._push_dense_and_sparse(dense, sparse, False, sync)
+
+    def _push_dense_and_sparse(self, dense, sparse, wait: bool, sync: SyncSpec | None):
+        items = list(dense.items()) if isinstance(dense, Mapping) else list(dense)
+        sparse = [(name, _as_ids(ids, "sparse push").reshape(-1), np.asarray(rows), uid)
+                  for name, ids, rows, uid in sparse]
+
+        def separate(exc: PSError | None = None):
+            versions = self._dense("push", items, True, sync, use_shm=False) if items else []
+            return versions + [self._push_sparse(name, ids, rows, True, sync, uid)
+                               for name, ids, rows, uid in sparse]
+        if self._shm_on and sync is None and (sparse or items):
+            arrays = [np.asarray(item[1]) for item in items]
+            uids = [item[2] if len(item) > 2 else 0 for item in items]
+            out = self._shm_push(items, arrays, uids, wait, None, separate, sparse)
+            if out is not None:
+                return out
+        return self._run(wait, separate)
 
     def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
         return self._snapshots(wire.decode_read_reply(raw))

@@ -33,6 +33,7 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -216,6 +217,22 @@ class IpcServer:
 
 
 # -- client ----------------------------------------------------------------------------
+class _Pending:
+    """A sent call: calling it waits for the reply; ready() says whether it came."""
+
+    def __init__(self, client: "IpcClient", sock: socket.socket, timeout: float | None):
+        self._client, self._sock, self._timeout = client, sock, timeout
+
+    def ready(self) -> bool:
+        try:
+            return bool(select.select([self._sock], [], [], 0)[0])
+        except (OSError, ValueError):   # closed: calling it reports the error
+            return True
+
+    def __call__(self) -> bytes:
+        return self._client._receive(self._sock, self._timeout)
+
+
 def _error(code_number: int, message: str, target: str) -> PSError:
     code = _CODES.get(code_number, grpc.StatusCode.UNKNOWN)
     err = _BY_CODE.get(code, PSError)(f"{message} [{target}]")
@@ -259,6 +276,16 @@ class IpcClient:
         s.close()
 
     def call(self, method: int, request: bytes, timeout: float | None) -> bytes:
+        """Send a request and wait for its reply (raises the call's PSError)."""
+        return self.send(method, request, timeout)()
+
+    def send(self, method: int, request: bytes, timeout: float | None) -> Callable[[], bytes]:
+        """Send a request now; the returned function waits for the reply.
+
+        Calls to several servers overlap this way on one thread: send to
+        each, then collect each reply. Until collected, the call holds its
+        connection (a reply never collected costs that connection).
+        """
         with self._lock:
             s = self._free.pop() if self._free else None
         try:
@@ -266,21 +293,32 @@ class IpcClient:
                 s = self._connect()
             s.settimeout(timeout)
             s.sendall(_REQUEST.pack(method, len(request), timeout or 0.0) + request)
+        except BaseException as exc:
+            raise self._broken(s, exc) from None
+        return _Pending(self, s, timeout)
+
+    def _receive(self, s: socket.socket, timeout: float | None) -> bytes:
+        try:
             code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
             body = _recv_exact(s, n)
-        except socket.timeout:
-            s.close()
-            raise DeadlineExceeded(f"call did not finish within {timeout}s [{self.target}]") \
-                from None
-        except (ConnectionError, OSError) as exc:
-            if s is not None:
-                s.close()
-            raise Unavailable(f"lost the local connection to the parameter server: {exc} "
-                              f"[{self.target}]") from None
+        except BaseException as exc:
+            raise self._broken(s, exc, timeout) from None
         self._give(s)
         if code:
             raise _error(code, body.decode(errors="replace"), self.target)
         return bytes(body)
+
+    def _broken(self, s: socket.socket | None, exc: BaseException,
+                timeout: float | None = None) -> BaseException:
+        """The error for a call whose connection failed (the connection is dropped)."""
+        if s is not None:
+            s.close()
+        if isinstance(exc, socket.timeout):
+            return DeadlineExceeded(f"call did not finish within {timeout}s [{self.target}]")
+        if isinstance(exc, (ConnectionError, OSError)):
+            return Unavailable(f"lost the local connection to the parameter server: {exc} "
+                               f"[{self.target}]")
+        return exc
 
     def close(self) -> None:
         with self._lock:

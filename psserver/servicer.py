@@ -351,56 +351,92 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
 
     def Read(self, request, context):
         def go():
-            names = list(request.names)
             with self.segments.mapped(request.segment) as buf:
-                seg = np.frombuffer(buf, dtype=np.uint8)
-                try:
-                    with self.ps.store.locked_values(names, _sync_step(request),
-                                                     _deadline(context)) as values:
-                        offsets, end = [], 0
-                        for _, _, arr in values:
-                            offsets.append(end)
-                            end = shm.align(end + arr.nbytes)
-                        if offsets and offsets[-1] + values[-1][2].nbytes > seg.size:
-                            raise ResourceExhausted(
-                                f"shared-memory segment of {seg.size} bytes is "
-                                f"{shm.TOO_SMALL} of {names} ({end} bytes); attach a larger one")
-                        reply = ps_pb2.ShmReadReply()
-                        for (name, version, arr), off in zip(values, offsets):
-                            flat = arr.reshape(-1).view(np.uint8)
-                            seg[off:off + flat.size] = flat
-                            reply.values.add(name=name, dtype=arr.dtype.name, shape=arr.shape,
-                                             offset=off, version=version)
-                finally:
-                    del seg
-            return reply
+                return self._read_into(request, buf, context)
         return self.ps._run(context, go)
+
+    def _read_into(self, request: ps_pb2.ShmReadRequest, buf: memoryview,
+                   context) -> ps_pb2.ShmReadReply:
+        names, step, deadline = list(request.names), _sync_step(request), _deadline(context)
+        # The ids are copied out first: the client's memory may change under us.
+        gathers = [(g.name, _segment_array(g.ids, buf, f"gather {i} ids ({g.name!r})",
+                                           T.ID_DTYPES).copy())
+                   for i, g in enumerate(request.gathers)]
+        if not 0 <= request.out_offset <= len(buf):
+            raise InvalidArgument(f"out_offset {request.out_offset} is outside the "
+                                  f"{len(buf)}-byte segment")
+        seg = np.frombuffer(buf, dtype=np.uint8)
+        reply = ps_pb2.ShmReadReply()
+        end = shm.align(request.out_offset)
+
+        def place(arr: np.ndarray, what: str) -> int:
+            nonlocal end
+            off = end
+            if off + arr.nbytes > seg.size:
+                raise ResourceExhausted(
+                    f"shared-memory segment of {seg.size} bytes is {shm.TOO_SMALL} of "
+                    f"{what} (it needs {off + arr.nbytes}); attach a larger one")
+            seg[off:off + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+            end = shm.align(off + arr.nbytes)
+            return off
+        try:
+            if names:
+                with self.ps.store.locked_values(names, step, deadline) as values:
+                    for name, version, arr in values:
+                        reply.values.add(name=name, dtype=arr.dtype.name, shape=arr.shape,
+                                         offset=place(arr, repr(name)), version=version)
+            for name, ids in gathers:
+                version, rows = self.ps.store.gather(name, ids, step, deadline)
+                reply.gathered.add(name=name, dtype=rows.dtype.name, shape=rows.shape,
+                                   offset=place(rows, f"the rows of {name!r}"),
+                                   version=version)
+        finally:
+            del seg
+        return reply
 
     def Push(self, request, context):
         def go():
             with self.segments.mapped(request.segment) as buf:
                 updates = _segment_updates(request, buf)
+                sparse = [(u.name,
+                           _segment_array(u.ids, buf, f"sparse update {i} ids ({u.name!r})",
+                                          T.ID_DTYPES).copy(),
+                           _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"),
+                           u.update_id)
+                          for i, u in enumerate(request.sparse)]
                 try:
                     # Applied before the segment is unmapped; the store keeps no
-                    # reference to a dense gradient (sync mode adds it into its own sum).
+                    # reference to a dense gradient (sync mode adds it into its
+                    # own sum) nor to a sparse one (its duplicates are summed
+                    # into new arrays first).
+                    if sparse:
+                        if request.HasField("sync"):
+                            raise InvalidArgument("sparse updates in a shared-memory push "
+                                                  "are asynchronous only; send sync ones "
+                                                  "with PushSparse")
+                        return ps_pb2.UpdateReply(
+                            versions=self.ps.store.push_mixed(updates, sparse))
                     return self.ps._push_updates(request, updates, context)
                 finally:
                     updates.clear()
+                    sparse.clear()
         return self.ps._run(context, go)
 
 
+def _segment_array(t: ps_pb2.ShmTensor, buf: memoryview, what: str,
+                   allowed=T.WIRE_DTYPES) -> np.ndarray:
+    """The array a ShmTensor describes, viewing buf (checked to lie inside it)."""
+    dt = T.check_dtype(t.dtype, allowed, f"{what} dtype")
+    shape = T.check_shape(t.shape, f"{what} shape")
+    n = T.nbytes_of(shape, dt)
+    if t.offset < 0 or t.offset % dt.itemsize or t.offset + n > len(buf):
+        raise InvalidArgument(
+            f"{what}: {n} bytes at offset {t.offset} do not lie in the "
+            f"{len(buf)}-byte segment at a multiple of {dt.itemsize}")
+    return np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=t.offset).reshape(shape)
+
+
 def _segment_updates(request: ps_pb2.ShmPushRequest, buf: memoryview) -> list:
-    """[(name, array viewing buf, update_id)] for a ShmPushRequest, each checked."""
-    updates = []
-    for i, u in enumerate(request.updates):
-        what = f"update {i} ({u.name!r})"
-        dt = T.check_dtype(u.dtype, T.WIRE_DTYPES, f"{what} dtype")
-        shape = T.check_shape(u.shape, f"{what} shape")
-        n = T.nbytes_of(shape, dt)
-        if u.offset < 0 or u.offset % dt.itemsize or u.offset + n > len(buf):
-            raise InvalidArgument(
-                f"{what}: {n} bytes at offset {u.offset} do not lie in the "
-                f"{len(buf)}-byte segment at a multiple of {dt.itemsize}")
-        updates.append((u.name, np.frombuffer(buf, dtype=dt, count=n // dt.itemsize,
-                                              offset=u.offset).reshape(shape), u.update_id))
-    return updates
+    """[(name, array viewing buf, update_id)] for a ShmPushRequest's dense updates."""
+    return [(u.name, _segment_array(u, buf, f"update {i} ({u.name!r})"), u.update_id)
+            for i, u in enumerate(request.updates)]

@@ -528,20 +528,15 @@ class VariableStore:
         (non-zero) was applied before: then it is acknowledged and skipped
         (idempotent retries). Returns each variable's version after the call.
         """
-        checked = []
-        for name, grad, *uid in updates:
-            var = self._get(name)
-            self._check_grad(var, grad, var.value.shape, "gradient")
-            checked.append((var, grad, uid[0] if uid else 0))
-        versions = []
-        for var, grad, uid in checked:
-            with var.lock:
-                if var.first_time(uid):
-                    var.optimizer.apply_dense(var.value, var.slots, grad)
-                    var.version += 1
-                    self.observer.gradients("dense", "async")
-                versions.append(var.version)
-        return versions
+        return self.push_mixed(updates, ())
+
+    def _apply_dense(self, var: Variable, grad: np.ndarray, update_id: int) -> int:
+        with var.lock:
+            if var.first_time(update_id):
+                var.optimizer.apply_dense(var.value, var.slots, grad)
+                var.version += 1
+                self.observer.gradients("dense", "async")
+            return var.version
 
     def assign(self, updates: Iterable[tuple[str, np.ndarray]]) -> list[int]:
         """Overwrite values (slots are kept). Validated in full first, like push."""
@@ -566,18 +561,41 @@ class VariableStore:
         slots, change. An update_id seen before is acknowledged and skipped,
         as in push. Returns the version after the update.
         """
+        return self._apply_sparse(*self._check_sparse(name, ids, rows), update_id)
+
+    def _check_sparse(self, name: str, ids: np.ndarray,
+                      rows: np.ndarray) -> tuple[Variable, np.ndarray, np.ndarray]:
+        """(variable, unique ids, summed rows): new arrays, nothing of the inputs kept."""
         var = self._get(name)
         if ids.ndim != 1:
             raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
         ids = self._check_ids(var, ids, "sparse push")
         self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
         uniq, summed = optim.sum_duplicates(ids.astype(np.int64, copy=False), rows)
+        return var, uniq, summed
+
+    def _apply_sparse(self, var: Variable, uniq: np.ndarray, summed: np.ndarray,
+                      update_id: int) -> int:
         with var.lock:
             if var.first_time(update_id):
                 var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                 var.version += 1
                 self.observer.gradients("sparse", "async")
             return var.version
+
+    def push_mixed(self, dense: Iterable[tuple], sparse: Iterable[tuple]) -> list[int]:
+        """Dense updates (as push) and row-wise ones ((name, ids, rows, update_id),
+        as push_sparse) in one call: all validated before any is applied.
+        Returns the versions after the dense updates, then the sparse ones."""
+        checked = []
+        for name, grad, *uid in dense:
+            var = self._get(name)
+            self._check_grad(var, grad, var.value.shape, "gradient")
+            checked.append((var, grad, uid[0] if uid else 0))
+        sparse_checked = [(*self._check_sparse(name, ids, rows), uid)
+                          for name, ids, rows, uid in sparse]
+        versions = [self._apply_dense(var, grad, uid) for var, grad, uid in checked]
+        return versions + [self._apply_sparse(*item) for item in sparse_checked]
 
     # -- synchronous mode (see psserver.sync) -----------------------------------
     def _abandoned_for(self, step: int) -> set[int]:

@@ -371,28 +371,56 @@ class ShmTensor(_message.Message):
     update_id: int
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ..., update_id: _Optional[int] = ...) -> None: ...
 
+class ShmGather(_message.Message):
+    __slots__ = ("name", "ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: ShmTensor
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[ShmTensor, _Mapping]] = ...) -> None: ...
+
 class ShmReadRequest(_message.Message):
-    __slots__ = ("segment", "names", "sync")
+    __slots__ = ("segment", "names", "sync", "gathers", "out_offset")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    GATHERS_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     segment: int
     names: _containers.RepeatedScalarFieldContainer[str]
     sync: SyncRead
-    def __init__(self, segment: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ...) -> None: ...
+    gathers: _containers.RepeatedCompositeFieldContainer[ShmGather]
+    out_offset: int
+    def __init__(self, segment: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ..., gathers: _Optional[_Iterable[_Union[ShmGather, _Mapping]]] = ..., out_offset: _Optional[int] = ...) -> None: ...
 
 class ShmReadReply(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "gathered")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    GATHERED_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedCompositeFieldContainer[ShmTensor]
-    def __init__(self, values: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ...) -> None: ...
+    gathered: _containers.RepeatedCompositeFieldContainer[ShmTensor]
+    def __init__(self, values: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ..., gathered: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ...) -> None: ...
+
+class ShmSparse(_message.Message):
+    __slots__ = ("name", "ids", "rows", "update_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: ShmTensor
+    rows: ShmTensor
+    update_id: int
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[ShmTensor, _Mapping]] = ..., rows: _Optional[_Union[ShmTensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class ShmPushRequest(_message.Message):
-    __slots__ = ("segment", "updates", "sync")
+    __slots__ = ("segment", "updates", "sync", "sparse")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     segment: int
     updates: _containers.RepeatedCompositeFieldContainer[ShmTensor]
     sync: SyncInfo
-    def __init__(self, segment: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ...) -> None: ...
+    sparse: _containers.RepeatedCompositeFieldContainer[ShmSparse]
+    def __init__(self, segment: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., sparse: _Optional[_Iterable[_Union[ShmSparse, _Mapping]]] = ...) -> None: ...
