@@ -188,6 +188,11 @@ class IpcServer:
         if entry is None:
             return grpc.StatusCode.UNIMPLEMENTED, f"no method {method}".encode()
         parse, handler = entry
+        mm = self._metrics_of(method)
+        if mm is not None:   # counted as started before it runs, as the gRPC interceptor does
+            mm.started.inc()
+            mm.recv_msgs.inc()
+            mm.recv_bytes.inc(len(payload))
         try:
             reply = handler(parse(bytes(payload)), _Context(timeout))
             code, body = grpc.StatusCode.OK, reply.SerializeToString()
@@ -195,25 +200,23 @@ class IpcServer:
             code, body = exc.code, exc.details.encode()
         except Exception as exc:   # unparsable request, or a bug
             code, body = grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}".encode()
-        self._count(method, code, len(payload), len(body), time.perf_counter() - start)
+        if mm is not None:
+            if code == grpc.StatusCode.OK:
+                mm.sent_msgs.inc()
+                mm.sent_bytes.inc(len(body))
+            mm.finished(code.name, time.perf_counter() - start)
         return code, body
 
-    def _count(self, method: int, code: grpc.StatusCode, received: int, sent: int,
-               seconds: float) -> None:
+    def _metrics_of(self, method: int):
+        """The method's metric children (grpc_type "unix"), or None without metrics."""
         if self._metrics is None or method not in METHOD_NAMES:
-            return
-        from psserver.metrics import _MethodMetrics
+            return None
         mm = self._method_metrics.get(method)
         if mm is None:
+            from psserver.metrics import _MethodMetrics
             mm = self._method_metrics[method] = _MethodMetrics(
                 self._metrics, ("unix", *METHOD_NAMES[method]))
-        mm.started.inc()
-        mm.recv_msgs.inc()
-        mm.recv_bytes.inc(received)
-        if code == grpc.StatusCode.OK:
-            mm.sent_msgs.inc()
-            mm.sent_bytes.inc(sent)
-        mm.finished(code.name, seconds)
+        return mm
 
 
 # -- client ----------------------------------------------------------------------------
