@@ -53,6 +53,7 @@ from coordinator import serialization
 from coordinator.datasets import PerWorkerDataset
 from coordinator.strategy import ParameterServerStrategy
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
+from psserver import ipc
 from psserver.errors import PSError
 from psserver.sync import SyncSpec
 from psserver.tls import make_channel
@@ -315,6 +316,20 @@ class _ClosureQueue:
 
 
 # -- one thread per worker ---------------------------------------------------------------
+class _CallError(grpc.RpcError):
+    """A failed call over a worker's local socket, as a gRPC error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 class _WorkerThread:
     """Feeds closures to one worker task; reconnects when it fails."""
 
@@ -328,6 +343,7 @@ class _WorkerThread:
         self._channel = make_channel(address, grpc_options(DEFAULT_MAX_MESSAGE_BYTES),
                                      coord.strategy.tls)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._ipc: ipc.IpcClient | None = None   # the worker's local socket, same host
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")
 
@@ -340,6 +356,8 @@ class _WorkerThread:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
         self._channel.close()
+        if self._ipc is not None:
+            self._ipc.close()
 
     def _kw(self, timeout):
         return {"timeout": timeout, "metadata": self.coord._metadata}
@@ -355,11 +373,42 @@ class _WorkerThread:
             if self.worker_id is not None:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id, self._created = info.worker_id, set(info.datasets)
+            self._use_socket("")   # the old process's socket is gone
+        if self._ipc is None:
+            self._use_socket(info.ipc_socket)
         # A worker that (re)joins starts at the slowest live clock, not behind it.
         self.clock = max(self.clock, self.coord._min_clock(exclude=self))
         self.alive = True
         self.coord._clocks_changed()
         return True
+
+    def _use_socket(self, name: str) -> None:
+        """Send closures over the worker's local socket when this process can
+        reach it (same host, same network namespace); else over gRPC."""
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
+        if not name or not ipc.available():
+            return
+        client = ipc.IpcClient(name, self.coord.strategy.token, self.address, max_free=1)
+        try:
+            client.connect()
+            self._ipc = client
+        except (OSError, PSError):
+            client.close()
+
+    def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
+        timeout = self.coord.closure_timeout
+        if self._ipc is None:
+            return self._stub.RunClosure(request, **self._kw(timeout))
+        try:
+            return worker_pb2.ClosureReply.FromString(
+                self._ipc.call(ipc.RUN_CLOSURE, request.SerializeToString(), timeout))
+        except PSError as exc:   # as the gRPC call would have failed
+            if exc.code in _WORKER_FAILURE_CODES:
+                self._ipc.close()
+                self._ipc = None
+            raise _CallError(exc.code, str(exc)) from exc
 
     def _ensure_datasets(self) -> None:
         for ds_id, fn_ref in list(self.coord._datasets.items()):
@@ -394,8 +443,7 @@ class _WorkerThread:
         closure.attempts += 1
         try:
             self._ensure_datasets()
-            reply = self._stub.RunClosure(closure.request(self.worker_id),
-                                          **self._kw(self.coord.closure_timeout))
+            reply = self._run_closure(closure.request(self.worker_id))
         except grpc.RpcError as exc:
             if exc.code() in _WORKER_FAILURE_CODES:
                 self.alive = False

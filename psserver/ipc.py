@@ -36,6 +36,7 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Callable
@@ -53,17 +54,21 @@ _PEERCRED = struct.Struct("3i")
 #: tensors themselves go through shared memory, so this bounds gathers).
 MAX_FRAME_BYTES = 1 << 30
 
-HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE = range(5)
+HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE = range(6)
 #: (service, method) of each call, for the metrics.
 METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 SHM_PUSH: ("pstrain.v1.SharedMemory", "Push"),
                 GATHER: ("pstrain.v1.ParameterServer", "Gather"),
-                PUSH_SPARSE: ("pstrain.v1.ParameterServer", "PushSparse")}
+                PUSH_SPARSE: ("pstrain.v1.ParameterServer", "PushSparse"),
+                RUN_CLOSURE: ("pstrain.v1.Worker", "RunClosure")}
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def available() -> bool:
-    return hasattr(socket, "AF_UNIX") and hasattr(socket, "SO_PEERCRED")
+    """Whether this process may serve and use local sockets (Linux; not turned
+    off with PSTRAIN_SHM=0, the switch of the whole same-host path)."""
+    return (os.environ.get("PSTRAIN_SHM", "1") != "0" and hasattr(socket, "AF_UNIX")
+            and hasattr(socket, "SO_PEERCRED") and sys.platform.startswith("linux"))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

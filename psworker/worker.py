@@ -31,6 +31,7 @@ from coordinator.replica import replica_scope
 from psserver.sync import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver import ipc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
@@ -51,6 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.trusted = trusted
         self.metrics = metrics
         self.worker_id = uuid.uuid4().hex
+        self.ipc_socket = ""   # set by main when it serves psserver/ipc.py
         self._count = 0
         self._count_lock = threading.Lock()
 
@@ -84,7 +86,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def GetWorkerInfo(self, request, context):
         return worker_pb2.WorkerInfo(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
-                                     datasets=datasets.dataset_ids(), closures_run=self._count)
+                                     datasets=datasets.dataset_ids(), closures_run=self._count,
+                                     ipc_socket=self.ipc_socket)
 
     def CreateDataset(self, request, context):
         self._check_fence(request.worker_id, context)
@@ -201,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
               "for a free one", file=sys.stderr)
         return 2
+    if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)
+        handle.ipc = ipc.IpcServer(
+            {ipc.RUN_CLOSURE: (worker_pb2.ClosureRequest.FromString, handle.servicer.RunClosure)},
+            token, rpc_metrics)
+        handle.servicer.ipc_socket = handle.ipc.name
     serve(handle, grace=args.grace, port_file=args.port_file, host=args.host, role="psworker")
     return 0
 
