@@ -390,11 +390,16 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
     sync = current_sync()
     step = sync.step if sync is not None else None
     if not any(isinstance(v, Lookup) for v in variables):
+        # Each value lands in its final array (a slice of it per shard): on this
+        # host that is the only copy, made straight from shared memory.
+        full = [np.empty(v.shape, np.dtype(v.dtype)) for v in variables]
         groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
-        starts = [_op(addr, lambda c, names=[s.name for _, s in items]:
-                      c.read_many(names, sync_step=step),
-                      lambda c, names=[s.name for _, s in items]:
-                      c.read_many_async(names, sync_step=step))
+        starts = [_op(addr, lambda c, names=[s.name for _, s in items],
+                      out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
+                      c.read_many(names, sync_step=step, out=out),
+                      lambda c, names=[s.name for _, s in items],
+                      out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
+                      c.read_many_async(names, sync_step=step, out=out))
                   for addr, items in groups.items()]
         results = [(snaps, []) for snaps in _settle(starts)]
         gather_groups: dict[str, list] = {addr: [] for addr in groups}
@@ -423,6 +428,7 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
                       c.read_and_gather_async(n, g, sync_step=step))
                   for addr in addrs]
         results = _settle(starts)
+        full = None
         groups = {addr: groups[addr] for addr in addrs}
         gather_groups = {addr: gather_groups[addr] for addr in addrs}
     parts: dict[tuple[int, str], np.ndarray] = {}
@@ -439,7 +445,13 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
             versions[i][s.name] = version
     out = []
     for i, v in enumerate(variables):
-        if isinstance(v, Lookup):
+        if full is not None:
+            for s in v.shards:   # a part the read did not write in place (the other paths)
+                part = parts[(i, s.name)]
+                if not np.may_share_memory(part, full[i]):
+                    _shard_view(full[i], s, v)[...] = part
+            out.append(full[i])
+        elif isinstance(v, Lookup):
             shape, n = shaped[i]
             rows = rows_out.get(i)
             if rows is None:   # no ids
@@ -454,6 +466,11 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
         return out, [[versions[i][s.name] for s in shards[i] if s.name in versions[i]]
                      for i in range(len(variables))]
     return out
+
+
+def _shard_view(full: np.ndarray, s: "Shard", v: "ShardedVariable") -> np.ndarray:
+    """The part of a variable's array that shard s holds (a view)."""
+    return full if full.ndim == 0 or v.num_shards == 1 else full[s.offset:s.offset + s.rows]
 
 
 def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,

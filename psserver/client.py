@@ -429,11 +429,17 @@ class PSClient:
     def _read_unary_post(self, reply: ps_pb2.ReadReply) -> list[Snapshot]:
         return self._snapshots((v.name, v.version, T.decode(v.value)) for v in reply.values)
 
-    def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None):
+    def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None,
+                   out: Sequence[np.ndarray | None] | None = None):
         names = list(names)
         known = [self._nbytes.get(n) for n in names]
         if None not in known and self._shm_for(sum(known)):
-            return self._shm_read(names, known, wait, sync_step)
+            return self._shm_read(names, known, wait, sync_step, out=out)
+        if out is not None:   # the other paths fill it from what they return
+            got = self._read_many(names, wait, sync_step)
+            if wait:
+                return _fill(got, out)
+            return Handle(_Later(lambda: _fill(got.result(), out), got.done), target=self.address)
         if None not in known and not self._fits(sum(known)):
             return self._run(wait, self._read_stream, names, sync_step)
 
@@ -585,10 +591,12 @@ class PSClient:
         return Handle(out, target=self.address, recover=on_error)
 
     def _shm_read(self, names: list[str], known: list[int], wait: bool, sync_step: int | None,
-                  gathers: Sequence[tuple[str, np.ndarray]] | None = None):
+                  gathers: Sequence[tuple[str, np.ndarray]] | None = None,
+                  out: Sequence[np.ndarray | None] | None = None):
         """Read ``names`` (their sizes ``known``) through a segment: a list of
-        Snapshot; with ``gathers`` ([(name, 1-D ids)], row sizes known too),
-        (snapshots, [(rows, version)]) from the same call."""
+        Snapshot (values copied into ``out``'s arrays where given); with
+        ``gathers`` ([(name, 1-D ids)], row sizes known too), (snapshots,
+        [(rows, version)]) from the same call."""
         gathers = list(gathers or ())
         out_offset = sum(shm.align(ids.nbytes) for _, ids in gathers)
         need = out_offset + sum(shm.align(n) for n in known) + sum(
@@ -596,7 +604,7 @@ class PSClient:
 
         def fallback(exc: PSError | None = None):   # over gRPC, relearning the sizes
             self._forget_sizes(names)
-            snaps = self._read_many(names, True, sync_step) if names else []
+            snaps = self._read_many(names, True, sync_step, out) if names else []
             if not gathers:
                 return snaps
             return snaps, [self._gather(name, ids, True, sync_step) for name, ids in gathers]
@@ -612,16 +620,23 @@ class PSClient:
                 dtype=ids.dtype.name, shape=ids.shape, offset=off))
             off += shm.align(ids.nbytes)
 
-        def copy_out(t: ps_pb2.ShmTensor) -> np.ndarray:
+        def copy_out(t: ps_pb2.ShmTensor, dest: np.ndarray | None = None) -> np.ndarray:
             dt = T.check_dtype(t.dtype, T.WIRE_DTYPES, f"value of {t.name!r}")
             n = T.nbytes_of(t.shape, dt)
-            arr = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
-                                offset=t.offset).reshape(tuple(t.shape)).copy()
+            src = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
+                                offset=t.offset).reshape(tuple(t.shape))
+            if dest is not None and dest.shape == src.shape and dest.dtype == dt:
+                np.copyto(dest, src)
+                return dest
+            arr = src.copy()
             arr.flags.writeable = False
             return arr
+        dests = list(out) if out is not None else []
 
         def finish(reply: ps_pb2.ShmReadReply):
-            snaps = self._snapshots([(v.name, v.version, copy_out(v)) for v in reply.values])
+            snaps = self._snapshots([
+                (v.name, v.version, copy_out(v, dests[i] if i < len(dests) else None))
+                for i, v in enumerate(reply.values)])
             if not gathers:
                 return snaps
             return snaps, [(copy_out(g), g.version) for g in reply.gathered]
@@ -739,17 +754,22 @@ class PSClient:
     def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
         return self._snapshots(wire.decode_read_reply(raw))
 
-    def read_many_async(self, names: Sequence[str], *, sync_step: int | None = None) -> Handle:
+    def read_many_async(self, names: Sequence[str], *, sync_step: int | None = None,
+                        out: Sequence[np.ndarray | None] | None = None) -> Handle:
         """Read several variables in one call; ``result()`` is a list of Snapshot.
 
-        Values are read-only arrays (``.copy()`` one to change it). With
-        ``sync_step`` (sync mode), the read waits while an earlier step is
-        still being gathered on a variable (see psserver.sync).
+        Values are read-only arrays (``.copy()`` one to change it), or the
+        arrays of ``out`` (one per name, None: a new one) when given with the
+        value's shape and dtype: the value is copied into it (on this host,
+        straight from shared memory: the only copy). With ``sync_step`` (sync
+        mode), the read waits while an earlier step is still being gathered
+        on a variable (see psserver.sync).
         """
-        return self._read_many(names, False, sync_step)
+        return self._read_many(names, False, sync_step, out)
 
-    def read_many(self, names: Sequence[str], *, sync_step: int | None = None) -> list[Snapshot]:
-        return self._read_many(names, True, sync_step)
+    def read_many(self, names: Sequence[str], *, sync_step: int | None = None,
+                  out: Sequence[np.ndarray | None] | None = None) -> list[Snapshot]:
+        return self._read_many(names, True, sync_step, out)
 
     def read(self, name: str, *, with_version: bool = False):
         """The value of ``name`` (a read-only array), or (value, version)."""
@@ -916,6 +936,18 @@ class PSClient:
     def abandon_step(self, step: int, replica: int) -> None:
         """Sync mode: replica will not push for step; stop waiting for it."""
         self._call(self._stub.AbandonStep, ps_pb2.AbandonRequest(step=step, replica=replica))
+
+
+def _fill(snaps: list[Snapshot], out: Sequence[np.ndarray | None]) -> list[Snapshot]:
+    """Snapshots with their values copied into out's arrays (where given and fitting)."""
+    filled = []
+    for i, s in enumerate(snaps):
+        dest = out[i] if i < len(out) else None
+        if dest is not None and dest.shape == s.value.shape and dest.dtype == s.value.dtype:
+            np.copyto(dest, s.value)
+            s = Snapshot(s.name, s.version, dest)
+        filled.append(s)
+    return filled
 
 
 def _as_ids(ids, what: str) -> np.ndarray:

@@ -291,3 +291,22 @@ def test_arena_reuses_and_bounds_segments():
     assert len(detached) == 1   # only the largest max_free kept
     arena.close()
     assert len(detached) == 3
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
+def test_read_into_given_arrays(ps, shared_memory):
+    with PSClient(ps.address, shared_memory=shared_memory) as c:
+        init = _make(c)
+        c.read("w")
+        c.push("w", np.ones(N, np.float32))
+        dest, wrong = np.empty(N, np.float32), np.empty(N + 1, np.float32)
+        for _ in range(2):   # (the first read of a client may take another path)
+            s1, s2, s3 = c.read_many(["w", "w", "w"], out=[dest, wrong, None])
+        assert s1.value is dest and s1.version == 1
+        np.testing.assert_allclose(dest, init - 0.5, rtol=1e-6)
+        assert s2.value is not wrong   # a shape that does not fit: a new array
+        np.testing.assert_array_equal(s2.value, dest)
+        np.testing.assert_array_equal(s3.value, dest)
+        h = c.read_many_async(["w"], out=[dest])
+        assert h.result()[0].value is dest
+        assert c.local == (shared_memory and shm.available())
