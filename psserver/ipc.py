@@ -161,8 +161,9 @@ class IpcServer:
         _, uid, _ = _PEERCRED.unpack(conn.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         method, n, _ = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
-        token = bytes(_recv_exact(conn, n)) if 0 <= n <= 4096 else b""
-        if method != HELLO or uid != os.geteuid() or not hmac.compare_digest(token, self._token):
+        token = bytes(_recv_exact(conn, n)) if n <= 4096 else None
+        if (method != HELLO or token is None or uid != os.geteuid()
+                or not hmac.compare_digest(token, self._token)):
             msg = b"refused: wrong token, or a client of another user"
             conn.sendall(_REPLY.pack(grpc.StatusCode.UNAUTHENTICATED.value[0], len(msg)) + msg)
             return False

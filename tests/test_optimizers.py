@@ -517,3 +517,17 @@ def test_blocked_apply_does_not_raise_under_seterr_raise(monkeypatch):
         opt.apply_dense(var, slots, np.full(9, 1000.0, np.float16))
         opt.apply_dense(var, slots, np.full(9, 1000.0))  # float64 grad, cast per block
     assert int(slots["iterations"]) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_finds_every_nan_and_inf_and_only_them(dtype):
+    from psserver.store import all_finite
+    a = np.ones((50, 20), dtype)
+    assert all_finite(a) and all_finite(a[:, ::3]) and all_finite(a[:0])
+    huge = np.full(1000, np.finfo(dtype).max / 2, dtype)   # finite, but its squares overflow
+    assert all_finite(huge)
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in ((0, 0), (49, 19), (25, 7)):
+            b = a.copy()
+            b[where] = bad
+            assert not all_finite(b) and not all_finite(b[:, ::1]) and not all_finite(b.T)

@@ -23,7 +23,7 @@ import pytest
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import shm
 from psserver.client import PSClient
-from psserver.errors import FailedPrecondition
+from psserver.errors import FailedPrecondition, PSError
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this system")]
@@ -310,3 +310,57 @@ def test_read_into_given_arrays(ps, shared_memory):
         h = c.read_many_async(["w"], out=[dest])
         assert h.result()[0].value is dest
         assert c.local == (shared_memory and shm.available())
+
+
+# -- the local call socket (psserver/ipc.py) --------------------------------------------
+def _ipc_name(address: str, token: str | None = None) -> str:
+    with PSClient(address, token=token) as c:
+        seg = shm.Segment(1 << 20)
+        try:
+            reply = c._call(c._shm_stub.Attach,
+                            ps_pb2.ShmAttachRequest(name=seg.name, nbytes=seg.nbytes))
+        finally:
+            seg.close()
+        assert reply.ipc_socket.startswith("@pstrain-ipc-")
+        return reply.ipc_socket
+
+
+def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
+    from psserver import ipc
+    from psserver.errors import Unauthenticated
+    from psserver.server import TOKEN_ENV
+    ps = start_ps(env={TOKEN_ENV: "right"})
+    name = _ipc_name(ps.address, "right")
+    for token in (None, "wrong", "righ"):
+        with pytest.raises(Unauthenticated):
+            ipc.IpcClient(name, token, ps.address).connect()
+    import socket
+    import struct
+    for junk in (b"\x00" * 3,                                        # a short hello
+                 struct.pack("<BId", 9, 0, 0.0),                      # not a hello
+                 struct.pack("<BId", 0, 1 << 31, 0.0)):               # a huge hello
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect("\0" + name.lstrip("@"))
+        s.sendall(junk)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1024)   # refused or closed, never served
+        s.close()
+    client = ipc.IpcClient(name, "right", ps.address)
+    gather = ps_pb2.GatherRequest(name="nope", ids=ps_pb2.Tensor(
+        dtype="int64", shape=[1], data=np.zeros(1, np.int64).tobytes()))
+    with pytest.raises(PSError) as info:   # a well-formed call: the servicer's answer
+        client.call(ipc.GATHER, gather.SerializeToString(), 5)
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(PSError) as info:   # an unparsable request
+        client.call(ipc.PUSH_SPARSE, b"\xff\xff\xff", 5)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(PSError) as info:   # no such method
+        client.call(77, b"", 5)
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    client.close()
+    with PSClient(ps.address, token="right") as c:   # and it still serves
+        _make(c)
+        c.read("w")
+        c.push("w", np.ones(N, np.float32))
+        assert c.local and c.read("w", with_version=True)[1] == 1
