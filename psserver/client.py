@@ -253,15 +253,13 @@ class PSClient:
         """
         if not wait:
             if local is not None and self._ipc is not None:   # sent now, read in result()
-                receive = self._local_send(local, request,
-                                           method if method in self._idempotent else None)
+                receive = self._local_send(local, request, method)
                 return Handle(_Later(receive, getattr(receive, "ready", None)),
                               post, self.address, recover)
             return self._future(method, request, post, recover)
         try:
             if local is not None and self._ipc is not None:
-                return post(self._local(local, request,
-                                        method if method in self._idempotent else None))
+                return post(self._local(local, request, method))
             return post(self._call(method, request))
         except PSError as exc:
             if recover is None:
@@ -492,28 +490,30 @@ class PSClient:
                 client.close()
         return reply.segment
 
-    def _local(self, local: tuple[int, type], request, idempotent_via=None):
+    def _local(self, local: tuple[int, type], request, via):
         """A blocking call over the same-host socket: see _local_send."""
-        return self._local_send(local, request, idempotent_via)()
+        return self._local_send(local, request, via)()
 
-    def _local_send(self, local: tuple[int, type], request,
-                    idempotent_via=None) -> Callable[[], object]:
+    def _local_send(self, local: tuple[int, type], request, via) -> Callable[[], object]:
         """Send a call over the same-host socket now; the function returned
-        waits for its reply. A lost connection drops the socket (a restarted
-        server has another; gRPC is used until the next attach learns it);
-        then an idempotent call is made again over gRPC (``idempotent_via``,
-        its stub method), any other raises Unavailable, as it would over
-        gRPC (applied or not: see update_id)."""
+        waits for its reply. ``via`` is the gRPC stub method of the same call:
+        used when the socket is gone already. A lost connection drops the
+        socket (a restarted server has another; gRPC is used until the next
+        attach learns it); then an idempotent call (read, gather) is made
+        again over gRPC, any other raises Unavailable, as it would over gRPC
+        (applied or not: see update_id)."""
         method, reply_cls = local
         client = self._ipc
+        if client is None:   # dropped by another thread meanwhile
+            return lambda: self._call(via, request)
 
         def lost(exc: Unavailable):
             if self._ipc is client:
                 self._ipc = None
             client.close()
-            if idempotent_via is None:
+            if via not in self._idempotent:
                 raise exc
-            return self._call(idempotent_via, request)
+            return self._call(via, request)
         try:
             receive = client.send(method, request.SerializeToString(), self.timeout)
         except Unavailable as exc:
@@ -567,15 +567,14 @@ class PSClient:
         if wait:
             try:
                 if self._ipc is not None:
-                    reply = self._local(local, req,
-                                        method if method in self._idempotent else None)
+                    reply = self._local(local, req, method)
                 else:
                     reply = self._call(method, req)
             except PSError as exc:
                 return on_error(exc)
             return done(reply)
         if self._ipc is not None:   # sent now, its reply read in result()
-            receive = self._local_send(local, req, method if method in self._idempotent else None)
+            receive = self._local_send(local, req, method)
             return Handle(_Later(lambda: done(receive()), getattr(receive, "ready", None)),
                           target=self.address, recover=on_error)
         out: futures.Future = futures.Future()
