@@ -88,14 +88,20 @@ def create_dense(client, nbytes: int, name: str) -> np.ndarray:
 # -- ours against the references -------------------------------------------------------
 def measure_main(plan: Plan) -> dict[str, dict[str, Stats]]:
     """{group: {variant: Stats}}: the default psserver and the references, per size."""
+    from psserver.client import PSClient
     res: dict[str, dict[str, Stats]] = {}
-    with TCPReference() as tcp, GrpcReference() as ref, running_psserver() as (_, ps):
+    with TCPReference() as tcp, GrpcReference() as ref, running_psserver() as (task, ps), \
+            PSClient(task.address, shared_memory=False, timeout=300) as remote:
         names = {label: f"dense_{n}" for label, n in DENSE_SIZES.items()}
         grads = {label: create_dense(ps, DENSE_SIZES[label], name) for label, name in names.items()}
 
         def ours(label: str) -> dict[str, Callable[[], object]]:
+            """Our client on this host (shared memory, local socket) and one that
+            keeps to gRPC, as a client on another host does."""
             name, g = names[label], grads[label]
-            return {"ours_read": lambda: ps.read(name), "ours_push": lambda: ps.push(name, g)}
+            return {"ours_read": lambda: ps.read(name), "ours_push": lambda: ps.push(name, g),
+                    "grpc_path_read": lambda: remote.read(name),
+                    "grpc_path_push": lambda: remote.push(name, g)}
 
         log(f"1 KiB latency: {plan.small} rounds")
         p1k = bytes(KiB)
@@ -140,6 +146,7 @@ def measure_main(plan: Plan) -> dict[str, dict[str, Stats]]:
         log(f"gather: {plan.gather} rounds")
         res["gather"] = time_interleaved({
             "ours_gather": lambda: ps.gather("emb", next(ids)),
+            "grpc_path_gather": lambda: remote.gather("emb", next(ids)),
             "grpc_fetch_unary": lambda: ref.fetch(GATHER_BYTES),
         }, plan.gather, warmup=10)
     return res
@@ -159,20 +166,21 @@ class Setting:
 
 
 def frame_settings(plan: Plan) -> list[Setting]:
-    out = [Setting(f"stream, {fmt_bytes(c)} frames", PSConfig(chunk_bytes=c))
+    out = [Setting(f"stream, {fmt_bytes(c)} frames", PSConfig(chunk_bytes=c, shared_memory=False))
            for c in plan.frame_sizes]
     # Room for 64 MiB plus the message overhead: one unary call.
     out.append(Setting("unary (max_message 128 MiB)", PSConfig(
-        max_message_bytes=128 * MiB, stream_threshold_bytes=128 * MiB)))
+        max_message_bytes=128 * MiB, stream_threshold_bytes=128 * MiB, shared_memory=False)))
     return out
 
 
 def threshold_settings(plan: Plan) -> list[Setting]:
     """Unary (up to the 64 MiB message limit) against streaming everything."""
     return [Setting("unary (stream threshold 64 MiB)",
-                    PSConfig(stream_threshold_bytes=DEFAULT_MAX_MESSAGE_BYTES))] + [
+                    PSConfig(stream_threshold_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+                             shared_memory=False))] + [
         Setting(f"stream, {fmt_bytes(c)} frames (stream threshold 0)",
-                PSConfig(chunk_bytes=c, stream_threshold_bytes=0))
+                PSConfig(chunk_bytes=c, stream_threshold_bytes=0, shared_memory=False))
         for c in plan.threshold_frames]
 
 
@@ -274,6 +282,18 @@ def comparisons(main: dict[str, dict[str, Stats]]) -> tuple[list[dict], list[dic
              "bare gRPC unary 1 KiB echo p99", k1["grpc_echo"].p99, "s"),
         _row("gather_p50_vs_grpc", f"gather {GATHER_IDS} x {GATHER_DIM}, p50",
              g["ours_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
+             g["grpc_fetch_unary"].p50, "s"),
+        # The same over gRPC only, as from another host (PSClient(shared_memory=False)).
+        _row("grpc_read_64MiB_vs_tcp", "over gRPC: 64 MiB read, MB/s (best)",
+             bps(m64["grpc_path_read"], BIG), "raw TCP 64 MiB download",
+             bps(m64["tcp_download"], BIG), "B/s"),
+        _row("grpc_push_64MiB_vs_tcp", "over gRPC: 64 MiB push SGD, MB/s (best)",
+             bps(m64["grpc_path_push"], BIG), "raw TCP 64 MiB upload",
+             bps(m64["tcp_upload"], BIG), "B/s"),
+        _row("grpc_read_1KiB_p50_vs_grpc", "over gRPC: 1 KiB read, p50",
+             k1["grpc_path_read"].p50, "bare gRPC unary 1 KiB echo p50", k1["grpc_echo"].p50, "s"),
+        _row("grpc_gather_p50_vs_grpc", f"over gRPC: gather {GATHER_IDS} x {GATHER_DIM}, p50",
+             g["grpc_path_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
              g["grpc_fetch_unary"].p50, "s"),
     ]
     return required, info

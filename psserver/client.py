@@ -606,7 +606,8 @@ class PSClient:
             snaps = self._read_many(names, True, sync_step, out) if names else []
             if not gathers:
                 return snaps
-            return snaps, [self._gather(name, ids, True, sync_step) for name, ids in gathers]
+            return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
+                           for name, ids in gathers]
         seg = self._shm_take(need)
         if seg is None:
             return self._run(wait, fallback)
@@ -717,7 +718,8 @@ class PSClient:
 
         def separate():
             snaps = self._read_many(names, True, sync_step) if names else []
-            return snaps, [self._gather(name, ids, True, sync_step) for name, ids in shaped]
+            return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
+                           for name, ids in shaped]
         return self._run(wait, separate)
 
     def push_dense_and_sparse(self, dense, sparse: Sequence[tuple], *,
@@ -800,8 +802,14 @@ class PSClient:
             (0,) + meta.shape[1:], meta.dtype)
         return rows.reshape(ids.shape + meta.shape[1:]), min((p[1] for p in parts), default=meta.version)
 
-    def _gather(self, name: str, ids, wait: bool, sync_step: int | None = None):
+    def _gather(self, name: str, ids, wait: bool, sync_step: int | None = None,
+                use_shm: bool = True):
         ids = _as_ids(ids, "gather")
+        if use_shm and self._shm_on:   # the rows come back through shared memory
+            got = self._read_and_gather([], [(name, ids)], wait, sync_step)
+            if wait:
+                return got[1][0]
+            return Handle(_Later(lambda: got.result()[1][0], got.done), target=self.address)
         nbytes, rows = self._nbytes.get(name), self._rows.get(name)
         if nbytes is not None and rows and not self._fits_message(ids.size * (nbytes // rows)):
             return self._run(wait, self._gather_split, name, ids, sync_step)
