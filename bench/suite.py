@@ -58,8 +58,11 @@ suite ends, above its own VmRSS as an empty process (measured right after it
 started), against the bytes of the variables and slots it holds (the sum of
 ``nbytes + slot_nbytes`` of its variables).
 
-Transport: ours runs plaintext gRPC like TensorFlow's (``--tls`` runs ours
-with LocalCluster's default mutual TLS instead).
+Transport: all processes share this host, so ours moves tensors through
+shared memory and makes its hot calls (reads, pushes, lookups, closures)
+over local sockets (psserver/shm.py, psserver/ipc.py); the rest is
+plaintext gRPC like TensorFlow's (``--tls``: LocalCluster's default mutual
+TLS). ``--task-env PSTRAIN_SHM=0`` keeps ours to gRPC, as between hosts.
 """
 from __future__ import annotations
 
@@ -685,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
           f"TensorFlow intra_op {TF_INTRA_OP}, inter_op "
           f"{', '.join(f'{k} {v}' for k, v in TF_INTER_OP.items())}; ours "
           f"{'mutual TLS' if args.tls else 'plaintext'} gRPC"
+          f"{'' if task_env.get('PSTRAIN_SHM') == '0' else ' + same-host shared memory and local sockets'}"
           + (f"; our tasks' extra env: {task_env}" if task_env else "") + ")")
     write_json(path, {"benchmark": "suite", "machine": machine_info(), "plan": dataclasses.asdict(plan),
                       "elapsed_s": elapsed, "tls": args.tls, "task_env": task_env,

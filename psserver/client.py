@@ -188,6 +188,7 @@ class PSClient:
         self._idempotent = (self._shm_stub.Read, self._stub.Gather)
         self.shm_min_bytes = shm_min_bytes
         self._arena: shm.Arena | None = None
+        self._shm_lock = threading.Lock()   # makes the arena and the local socket once
         self._shm_on = shared_memory and shm.available()
         self._token = token
         # Same-host call socket (psserver/ipc.py), learnt when a segment is attached.
@@ -468,7 +469,9 @@ class PSClient:
         """A segment of nbytes or more, or None: use gRPC (turned off for good when
         the server is elsewhere or does not offer shared memory)."""
         if self._arena is None:
-            self._arena = shm.Arena(self._shm_attach, self._shm_detach)
+            with self._shm_lock:
+                if self._arena is None:
+                    self._arena = shm.Arena(self._shm_attach, self._shm_detach)
         try:
             return self._arena.take(nbytes)
         except PSError as exc:
@@ -482,12 +485,14 @@ class PSClient:
     def _shm_attach(self, name: str, nbytes: int) -> int:
         reply = self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(name=name, nbytes=nbytes))
         if reply.ipc_socket and self._ipc is None and ipc.available():
-            client = ipc.IpcClient(reply.ipc_socket, self._token, self.address)
-            try:
-                client.connect()
-                self._ipc = client
-            except (OSError, PSError):   # not reachable from here (another network namespace)
-                client.close()
+            with self._shm_lock:
+                if self._ipc is None:
+                    client = ipc.IpcClient(reply.ipc_socket, self._token, self.address)
+                    try:
+                        client.connect()
+                        self._ipc = client
+                    except (OSError, PSError):   # not reachable (another network namespace)
+                        client.close()
         return reply.segment
 
     def _local(self, local: tuple[int, type], request, via):
