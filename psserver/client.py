@@ -193,6 +193,10 @@ class PSClient:
         self._token = token
         # Same-host call socket (psserver/ipc.py), learnt when a segment is attached.
         self._ipc: ipc.IpcClient | None = None
+        # Variables this client reads straight from the server's memory
+        # (psserver.shm.MappedValue; None: the server does not share it).
+        self._direct_on = shared_memory and shm.direct_reads_available()
+        self._direct: dict[str, shm.MappedValue | None] = {}
         # Known sizes (bytes, rows) by name: they pick unary calls or streams.
         self._nbytes: dict[str, int] = {}
         self._rows: dict[str, int] = {}
@@ -209,6 +213,7 @@ class PSClient:
             self._arena.close()
         if self._ipc is not None:
             self._ipc.close()
+        self._unmap(list(self._direct))
         self._channel.close()
 
     def __enter__(self) -> "PSClient":
@@ -431,6 +436,10 @@ class PSClient:
     def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None,
                    out: Sequence[np.ndarray | None] | None = None):
         names = list(names)
+        if sync_step is None and self._direct_on and self._ipc is not None:
+            got = self._direct_read(names, out)
+            if got is not None:
+                return got if wait else Handle(_Later(lambda: got), target=self.address)
         known = [self._nbytes.get(n) for n in names]
         if None not in known and self._shm_for(sum(known)):
             return self._shm_read(names, known, wait, sync_step, out=out)
@@ -456,6 +465,61 @@ class PSClient:
         if bulk:
             return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover)
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
+
+    # -- reads straight from the server's memory (same host, asynchronous) ---------------
+    def _direct_read(self, names: list[str], out) -> list[Snapshot] | None:
+        """Snapshots copied from the server's shared values (psserver.shm: a
+        seqlock, no call), or None: read through the server instead (a name
+        not shared, one dead or always being written, or the server gone)."""
+        ipc_client = self._ipc
+        if ipc_client is None or not ipc_client.alive():
+            self._unmap(list(self._direct))   # its memory is a dead process's now
+            return None
+        missing = [n for n in names if n not in self._direct]
+        if missing:
+            self._map(missing)
+        dests = list(out) if out is not None else []
+        snaps = []
+        for i, name in enumerate(names):
+            mapped = self._direct.get(name)
+            if mapped is None:
+                return None
+            dest = dests[i] if i < len(dests) else None
+            if dest is not None and (dest.shape != mapped.value.shape
+                                     or dest.dtype != mapped.value.dtype):
+                dest = None
+            got = mapped.read_into(dest)
+            if not got:   # deleted (re-created?), or never still: ask the server
+                if got is False:
+                    self._unmap([name])
+                return None
+            version, arr = got
+            if dest is None:
+                arr.flags.writeable = False
+            snaps.append(Snapshot(name, version, arr))
+        return snaps
+
+    def _map(self, names: list[str]) -> None:
+        reply = self._call(self._shm_stub.Share, ps_pb2.ShmShareRequest(names=names))
+        for v in reply.variables:
+            mapped = None
+            if v.path:
+                try:
+                    mapped = shm.MappedValue(v.path, v.dtype, list(v.shape), v.nbytes)
+                except OSError:   # not ours to open (another user, another pid namespace)
+                    mapped = None
+            with self._shm_lock:
+                old = self._direct.get(v.name)
+                self._direct[v.name] = mapped
+            if old is not None:
+                old.close()
+
+    def _unmap(self, names: list[str]) -> None:
+        with self._shm_lock:
+            gone = [self._direct.pop(n, None) for n in names]
+        for m in gone:
+            if m is not None:
+                m.close()
 
     # -- shared memory (same host) ------------------------------------------------------
     def _shm_for(self, nbytes: int) -> bool:

@@ -62,6 +62,7 @@ METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 PUSH_SPARSE: ("pstrain.v1.ParameterServer", "PushSparse"),
                 RUN_CLOSURE: ("pstrain.v1.Worker", "RunClosure")}
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+_RDHUP = getattr(select, "POLLRDHUP", 0)
 
 
 def available() -> bool:
@@ -258,6 +259,8 @@ class IpcClient:
         self._free: list[socket.socket] = []
         self._lock = threading.Lock()
         self._max_free = max_free
+        self._watch: socket.socket | None = None   # see alive()
+        self._poll = None
 
     def _connect(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -276,6 +279,19 @@ class IpcClient:
     def connect(self) -> None:
         """Open one connection now (raises OSError or PSError if it cannot)."""
         self._give(self._connect())
+
+    def alive(self) -> bool:
+        """Whether the server process is still there: a connection kept for
+        this and never used for calls reports its end when the server dies."""
+        with self._lock:
+            if self._watch is None:
+                try:
+                    self._watch = self._connect()
+                except (OSError, PSError):
+                    return False
+                self._poll = select.poll()
+                self._poll.register(self._watch, select.POLLIN | select.POLLHUP | _RDHUP)
+            return not self._poll.poll(0)
 
     def _give(self, s: socket.socket) -> None:
         with self._lock:
@@ -332,6 +348,9 @@ class IpcClient:
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
+            if self._watch is not None:
+                free.append(self._watch)
+                self._watch = None
         for s in free:
             s.close()
 

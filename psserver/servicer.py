@@ -345,6 +345,22 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
             segment=self.segments.attach(request.name, request.nbytes),
             ipc_socket=self.ipc_socket))
 
+    def Share(self, request, context):
+        def go():
+            reply = ps_pb2.ShmShareReply()
+            if not shm.direct_reads_available():
+                for name in request.names:
+                    self.ps.store.meta(name)   # NotFound as on any platform
+                    reply.variables.add(name=name)
+                return reply
+            for name, shared in zip(request.names, self.ps.store.share(list(request.names))):
+                v = reply.variables.add(name=name)
+                if shared is not None:
+                    v.path, v.nbytes, v.dtype = shared[:3]
+                    v.shape[:] = shared[3]
+            return reply
+        return self.ps._run(context, go)
+
     def Detach(self, request, context):
         self.segments.detach(request.segment)
         return ps_pb2.ShmDetachReply()

@@ -110,6 +110,13 @@ class Variable:
         self.dropped = 0                        # late sync gradients dropped
         # Keys of the most recent updates applied (idempotent retries), oldest first.
         self.applied: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # The value in memory readers on this host map (psserver.shm.SharedValue), or None.
+        self.shared = None
+
+    def writing(self):
+        """Wrap every change of value and version (lock held): readers of a
+        shared value see it as being written (its seqlock), then the new version."""
+        return self.shared.writing(self) if self.shared is not None else contextlib.nullcontext()
 
     #: How many update keys a variable remembers: a resent update older than
     #: this many later updates would be applied again. Retries come within
@@ -364,7 +371,7 @@ class VariableStore:
                 f"{var.optimizer.name}) with {dt.name} {list(shape)} {opt.name}; delete it first")
         if value is None:
             raise InvalidArgument(f"overwriting {var.name!r} needs an initial_value")
-        with var.lock:
+        with var.lock, var.writing():
             np.copyto(var.value, value)
             fresh = slots if slots is not None else opt.create_slots(var.value)
             for k in var.slots:
@@ -417,8 +424,41 @@ class VariableStore:
     def delete(self, name: str) -> None:
         """Delete a variable. Raises NotFound."""
         with self._lock:
-            self._get(name)
+            var = self._get(name)
             del self._vars[name]
+        with var.lock:
+            if var.shared is not None:   # readers that map it see it dead
+                var.value = var.value.copy()
+                var.shared, shared = None, var.shared
+                shared.retire()
+
+    #: The most variables a store shares with readers on its host (each keeps
+    #: two file descriptors open).
+    MAX_SHARED = 1024
+
+    def share(self, names: Sequence[str]) -> list:
+        """Move each variable's value into memory readers on this host can map
+        (psserver.shm.SharedValue), once; return (path, mapping bytes, dtype,
+        shape) for each, or None where it cannot be shared (too many shared
+        already, no memory). Raises NotFound."""
+        from psserver import shm
+        out = []
+        for var in [self._get(n) for n in names]:
+            with var.lock:
+                if var.shared is None:
+                    with self._lock:
+                        count = sum(v.shared is not None for v in self._vars.values())
+                    if count < self.MAX_SHARED:
+                        try:
+                            shared = shm.SharedValue(var.value, var.version)
+                        except OSError:
+                            shared = None
+                        if shared is not None:
+                            var.value, var.shared = shared.value, shared
+                s = var.shared
+                out.append(None if s is None else
+                           (s.path, s.nbytes, var.value.dtype.name, var.value.shape))
+        return out
 
     def meta(self, name: str) -> VariableMeta:
         var = self._get(name)
@@ -539,8 +579,9 @@ class VariableStore:
     def _apply_dense(self, var: Variable, grad: np.ndarray, update_id: int) -> int:
         with var.lock:
             if var.first_time(update_id):
-                var.optimizer.apply_dense(var.value, var.slots, grad)
-                var.version += 1
+                with var.writing():
+                    var.optimizer.apply_dense(var.value, var.slots, grad)
+                    var.version += 1
                 self.observer.gradients("dense", "async")
             return var.version
 
@@ -554,8 +595,9 @@ class VariableStore:
         versions = []
         for var, value in checked:
             with var.lock:
-                np.copyto(var.value, value)
-                var.version += 1
+                with var.writing():
+                    np.copyto(var.value, value)
+                    var.version += 1
                 versions.append(var.version)
         return versions
 
@@ -584,8 +626,9 @@ class VariableStore:
                       update_id: int) -> int:
         with var.lock:
             if var.first_time(update_id):
-                var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
-                var.version += 1
+                with var.writing():
+                    var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
+                    var.version += 1
                 self.observer.gradients("sparse", "async")
             return var.version
 

@@ -104,6 +104,12 @@ def wait_for_earlier_steps(var, step: int, deadline: float | None) -> None:
 
 def apply(var, forced: bool = False) -> None:
     """Apply the pending step's combined gradient (lock held)."""
+    with var.writing():
+        _apply(var)
+    var.cond.notify_all()
+
+
+def _apply(var) -> None:
     acc, var.acc = var.acc, None
     n = max(1, len(acc.replicas))
     scale = None if acc.spec.sum or n == 1 else 1.0 / n
@@ -126,7 +132,6 @@ def apply(var, forced: bool = False) -> None:
             var.sync_buffer = acc.total   # reused by the next step
     var.version += 1
     var.sync_steps = acc.step + 1
-    var.cond.notify_all()
 
 
 def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],

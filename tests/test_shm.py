@@ -364,3 +364,75 @@ def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
         c.read("w")
         c.push("w", np.ones(N, np.float32))
         assert c.local and c.read("w", with_version=True)[1] == 1
+
+
+# -- reads straight from the server's memory (psserver.shm.SharedValue) -------------------
+direct = pytest.mark.skipif(not shm.direct_reads_available(),
+                            reason="direct reads need Linux on x86-64")
+
+
+@direct
+def test_direct_reads_are_consistent_under_concurrent_pushes(ps):
+    """A writer process pushes ones (lr 1) as fast as it can; every read must be
+    exactly init - version in every element: no torn value, no wrong version."""
+    n = 1 << 20   # 4 MiB: reads and writes overlap often
+    with PSClient(ps.address) as c:
+        c.create_variable("w", initial_value=np.zeros(n, np.float32),
+                          optimizer_params={"learning_rate": 1.0})
+        c.read("w")
+        c.read("w")
+        assert isinstance(c._direct.get("w"), shm.MappedValue)   # the path under test
+        code = textwrap.dedent(f"""
+            import numpy as np
+            from psserver.client import PSClient
+            with PSClient({ps.address!r}) as c:
+                g = np.ones({n}, np.float32)
+                for _ in range(150):
+                    c.push("w", g)
+        """)
+        writer = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            seen = set()
+            while writer.poll() is None:
+                value, version = c.read("w", with_version=True)
+                assert value[0] == -version and (value == -version).all(), version
+                seen.add(version)
+            assert writer.wait(60) == 0
+        finally:
+            writer.kill()
+        value, version = c.read("w", with_version=True)
+        assert version == 150 and (value == -150).all()
+        assert len(seen) > 5   # reads really ran between the writes
+
+
+@direct
+def test_direct_reads_follow_delete_recreate_and_restart(start_ps):
+    ps = start_ps()
+    with PSClient(ps.address, wait_for_ready=True) as c:
+        c.create_variable("w", initial_value=np.full(1000, 1.0, np.float32))
+        c.read("w")
+        np.testing.assert_array_equal(c.read("w"), 1.0)
+        mapped = c._direct["w"]
+        c.delete_variable("w")
+        c.create_variable("w", initial_value=np.full(1000, 2.0, np.float32))
+        np.testing.assert_array_equal(c.read("w"), 2.0)   # not the dead one
+        assert c._direct.get("w") is not mapped
+        np.testing.assert_array_equal(c.read("w"), 2.0)
+        port = ps.address.rsplit(":", 1)[1]
+        ps.kill()
+        with pytest.raises(PSError):   # the dead server's memory is not read
+            _read_fast(c)
+        start_ps("--port", port)
+        c.create_variable("w", initial_value=np.full(1000, 3.0, np.float32))
+        np.testing.assert_array_equal(c.read("w"), 3.0)
+        np.testing.assert_array_equal(c.read("w"), 3.0)
+
+
+def _read_fast(c: PSClient):
+    """A read with a short deadline (the server is down)."""
+    old, c.timeout = c.timeout, 2.0
+    old_wait, c._wait_for_ready = c._wait_for_ready, False
+    try:
+        return c.read_many(["w"])
+    finally:
+        c.timeout, c._wait_for_ready = old, old_wait

@@ -424,3 +424,29 @@ class ShmPushRequest(_message.Message):
     sync: SyncInfo
     sparse: _containers.RepeatedCompositeFieldContainer[ShmSparse]
     def __init__(self, segment: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., sparse: _Optional[_Iterable[_Union[ShmSparse, _Mapping]]] = ...) -> None: ...
+
+class ShmShareRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShmShared(_message.Message):
+    __slots__ = ("name", "path", "nbytes", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    nbytes: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShmShareReply(_message.Message):
+    __slots__ = ("variables",)
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    variables: _containers.RepeatedCompositeFieldContainer[ShmShared]
+    def __init__(self, variables: _Optional[_Iterable[_Union[ShmShared, _Mapping]]] = ...) -> None: ...

@@ -793,6 +793,11 @@ class SharedMemoryStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Share = channel.unary_unary(
+                '/pstrain.v1.SharedMemory/Share',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmShareRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmShareReply.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/pstrain.v1.SharedMemory/Attach',
                 request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachRequest.SerializeToString,
@@ -818,6 +823,12 @@ class SharedMemoryStub:
 class SharedMemoryServicer:
     """Same-host reads and pushes; see the Shm* messages.
     """
+
+    def Share(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -846,6 +857,11 @@ class SharedMemoryServicer:
 
 def add_SharedMemoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Share': grpc.unary_unary_rpc_method_handler(
+                    servicer.Share,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmShareRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmShareReply.SerializeToString,
+            ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmAttachRequest.FromString,
@@ -877,6 +893,33 @@ def add_SharedMemoryServicer_to_server(servicer, server):
 class SharedMemory:
     """Same-host reads and pushes; see the Shm* messages.
     """
+
+    @staticmethod
+    def Share(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SharedMemory/Share',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmShareRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ShmShareReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Attach(request,
