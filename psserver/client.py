@@ -496,8 +496,8 @@ class PSClient:
             version, arr = got
             if dest is None:
                 arr.flags.writeable = False
-            snaps.append(Snapshot(name, version, arr))
-        return snaps
+            snaps.append((name, version, arr))
+        return self._snapshots(snaps)
 
     def _map(self, names: list[str]) -> None:
         reply = self._call(self._shm_stub.Share, ps_pb2.ShmShareRequest(names=names))
@@ -773,10 +773,20 @@ class PSClient:
         shaped = [(name, _as_ids(ids, "gather")) for name, ids in gathers]
         flat = [(name, ids.reshape(-1)) for name, ids in shaped]
 
+        direct = None   # the dense values, read straight from the server's memory
+        if names and sync_step is None and self._direct_on and self._ipc is not None:
+            direct = self._direct_read(names, None)
+            if direct is not None:
+                names = []
+
         def reshape(result):
             snaps, rows = result
-            return snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
-                           for (r, v), (_, ids) in zip(rows, shaped)]
+            return direct or snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
+                                     for (r, v), (_, ids) in zip(rows, shaped)]
+        for n in names:   # the segment's size needs them
+            if n not in self._nbytes:
+                meta = self.get_meta(n)
+                self._remember(n, meta.nbytes, meta.shape)
         known = [self._nbytes.get(n) for n in names]
         if self._shm_on and None not in known:
             out = self._shm_read(names, known, wait, sync_step, flat)
@@ -786,7 +796,7 @@ class PSClient:
                                  getattr(out, "done", None)), target=self.address)
 
         def separate():
-            snaps = self._read_many(names, True, sync_step) if names else []
+            snaps = direct or (self._read_many(names, True, sync_step) if names else [])
             return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
                            for name, ids in shaped]
         return self._run(wait, separate)
