@@ -45,6 +45,9 @@ DEFAULT_TIMEOUT = 60.0
 #: memory when the server shares this host (psserver/shm.py). Below it the
 #: bulk gRPC path is as fast (bench/bench_ps.py, "shm" rows).
 DEFAULT_SHM_MIN_BYTES = 64 << 10
+#: The most variables one client maps for direct reads (each map holds a file
+#: descriptor); further ones are read through their server.
+MAX_MAPPED = 256
 #: Extra deadline per byte of a streamed transfer: 20 MB/s is far below any
 #: link this runs on, so only a stuck transfer reaches it.
 _STREAM_SECONDS_PER_BYTE = 1 / 20e6
@@ -503,9 +506,9 @@ class PSClient:
         reply = self._call(self._shm_stub.Share, ps_pb2.ShmShareRequest(names=names))
         for v in reply.variables:
             mapped = None
-            if v.path:
+            if v.path and sum(m is not None for m in self._direct.values()) < MAX_MAPPED:
                 try:
-                    mapped = shm.MappedValue(v.path, v.dtype, list(v.shape), v.nbytes)
+                    mapped = shm.MappedValue(v.path, v.dtype, list(v.shape), v.nbytes, v.tag)
                 except OSError:   # not ours to open (another user, another pid namespace)
                     mapped = None
             with self._shm_lock:

@@ -357,7 +357,7 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
                 v = reply.variables.add(name=name)
                 if shared is not None:
                     v.path, v.nbytes, v.dtype = shared[:3]
-                    v.shape[:] = shared[3]
+                    v.shape[:], v.tag = shared[3], shared[4]
             return reply
         return self.ps._run(context, go)
 

@@ -329,7 +329,7 @@ class Arena:
 #: Header of a shared variable: int64 words before its value.
 HEADER_WORDS = 8
 HEADER_BYTES = 64
-_SEQ, _VERSION, _DEAD = 0, 1, 2
+_SEQ, _VERSION, _DEAD, _TAG = 0, 1, 2, 3
 
 
 def direct_reads_available() -> bool:
@@ -371,6 +371,10 @@ class SharedValue:
                                    HEADER_BYTES).reshape(value.shape)
         np.copyto(self.value, value)
         self.header[_VERSION] = version
+        # Names this memory: a reader checks it maps the one it was told of
+        # (a file descriptor number can be reused once a variable is deleted).
+        self.tag = secrets.randbits(62) + 1
+        self.header[_TAG] = self.tag
 
     @property
     def path(self) -> str:
@@ -398,7 +402,7 @@ class SharedValue:
 class MappedValue:
     """A reader's read-only map of a SharedValue."""
 
-    def __init__(self, path: str, dtype: str, shape, nbytes: int):
+    def __init__(self, path: str, dtype: str, shape, nbytes: int, tag: int):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size != nbytes:
@@ -409,6 +413,9 @@ class MappedValue:
         dt = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64))
         self.header = np.frombuffer(self._map, np.int64, HEADER_WORDS)
+        if int(self.header[_TAG]) != tag or HEADER_BYTES + n * dt.itemsize > nbytes:
+            self.close()
+            raise OSError(f"{path} is not the variable it was shared as")
         self.value = np.frombuffer(self._map, dt, n, HEADER_BYTES).reshape(tuple(shape))
 
     def read_into(self, dest: np.ndarray | None, tries: int = 64):

@@ -457,7 +457,7 @@ class VariableStore:
                             var.value, var.shared = shared.value, shared
                 s = var.shared
                 out.append(None if s is None else
-                           (s.path, s.nbytes, var.value.dtype.name, var.value.shape))
+                           (s.path, s.nbytes, var.value.dtype.name, var.value.shape, s.tag))
         return out
 
     def meta(self, name: str) -> VariableMeta:

@@ -436,3 +436,33 @@ def _read_fast(c: PSClient):
         return c.read_many(["w"])
     finally:
         c.timeout, c._wait_for_ready = old, old_wait
+
+
+@direct
+def test_mapped_value_checks_its_tag_and_the_seqlock():
+    """Unit test of the reader side against a SharedValue made here."""
+    class Var:
+        version = 0
+    value = np.arange(10, dtype=np.float64)
+    shared = shm.SharedValue(value, 7)
+    try:
+        with pytest.raises(OSError, match="not the variable"):
+            shm.MappedValue(shared.path, "float64", [10], shared.nbytes, shared.tag + 1)
+        m = shm.MappedValue(shared.path, "float64", [10], shared.nbytes, shared.tag)
+        version, got = m.read_into(None)
+        assert version == 7
+        np.testing.assert_array_equal(got, value)
+        var = Var()
+        with shared.writing(var):   # a writer mid-change: readers never take it
+            shared.value[:] = -1
+            assert m.read_into(None, tries=3) is None
+            var.version = 8
+        dest = np.empty(10)
+        assert m.read_into(dest)[0] == 8 and (dest == -1).all()
+        shared.retire()
+        shared = None
+        assert m.read_into(None) is False   # deleted: map again
+        m.close()
+    finally:
+        if shared is not None:
+            shared.retire()

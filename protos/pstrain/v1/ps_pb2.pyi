@@ -432,18 +432,20 @@ class ShmShareRequest(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShmShared(_message.Message):
-    __slots__ = ("name", "path", "nbytes", "dtype", "shape")
+    __slots__ = ("name", "path", "nbytes", "dtype", "shape", "tag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     nbytes: int
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    tag: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class ShmShareReply(_message.Message):
     __slots__ = ("variables",)
