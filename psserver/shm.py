@@ -35,6 +35,11 @@ server moves a variable's value into a memfd when a client asks
 (a seqlock; x86-64 only), with no call at all. Sync-mode reads, which must
 wait for the step, still ask the server.
 
+Trust: a segment is the client's memory. A client holding the cluster token
+and running as the server's user could shrink its own segment under the
+server (SIGBUS) or change a gradient while it is checked; nothing stops a
+token holder from pushing garbage over gRPC either, so this is not defended.
+
 Linux only (needs /dev/shm); elsewhere ``available()`` is False and the
 clients use gRPC for everything.
 """
