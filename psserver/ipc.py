@@ -127,17 +127,29 @@ class IpcServer:
         self._sock.listen(64)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)   # notified when no call runs
+        self._running = 0
         self._stopped = False
 
     def start(self) -> "IpcServer":
         threading.Thread(target=self._accept, name="ipc-accept", daemon=True).start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking calls; let those running finish for up to ``grace``
+        seconds (as gRPC's graceful stop), then close every connection."""
         with self._lock:
             self._stopped = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0, grace)
+        with self._lock:
             conns, self._conns = list(self._conns), set()
-        for s in [self._sock, *conns]:
+        for s in conns:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -180,8 +192,17 @@ class IpcServer:
                 if n > MAX_FRAME_BYTES:
                     return   # not a client of ours: drop it
                 payload = _recv_exact(conn, n)
-                code, body = self._call(method, payload, timeout)
-                conn.sendall(_REPLY.pack(code.value[0], len(body)) + body)
+                with self._lock:
+                    if self._stopped:   # stopping: take no new call
+                        return
+                    self._running += 1
+                try:
+                    code, body = self._call(method, payload, timeout)
+                    conn.sendall(_REPLY.pack(code.value[0], len(body)) + body)
+                finally:
+                    with self._lock:
+                        self._running -= 1
+                        self._idle.notify_all()
         except (ConnectionError, OSError):
             pass
         finally:

@@ -159,9 +159,10 @@ class ServerHandle:
     def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls; let those in flight finish for up to ``grace`` s."""
         self.health.enter_graceful_shutdown()
-        if self.ipc is not None:
-            self.ipc.stop()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)
+        if self.ipc is not None:   # its calls get the same grace, at the same time
+            self.ipc.stop(grace)
+        stopped.wait()
         shared = getattr(self.servicer, "shared_memory", None)
         if shared is not None:
             shared.segments.close()
