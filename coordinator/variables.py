@@ -181,7 +181,7 @@ def _settle(starts: Sequence[Callable]) -> list:
             return _Failed(exc)
     pending = [begin(start, i == 0) for i, start in enumerate(starts)]
     out = []
-    for start, p in zip(starts, pending):
+    for k, (start, p) in enumerate(zip(starts, pending)):
         backoff = 0.05
         while True:
             try:
@@ -189,11 +189,25 @@ def _settle(starts: Sequence[Callable]) -> list:
                 break
             except _RETRYABLE:
                 if time.monotonic() > deadline:
+                    _drain(pending[k + 1:])
                     raise
                 time.sleep(backoff)   # the server is restarting: wait before resending
                 backoff = min(backoff * 2, 1.0)
                 p = begin(start, True)
+            except BaseException:
+                _drain(pending[k + 1:])
+                raise
     return out
+
+
+def _drain(pending: list) -> None:
+    """Collect the other calls' replies before an error goes up (each holds a
+    connection and a shared-memory segment until its reply is read)."""
+    for p in pending:
+        try:
+            p.result()
+        except BaseException:
+            pass
 
 
 def new_update_id() -> int:

@@ -87,24 +87,37 @@ def _set_sync(req, sync: SyncSpec | None) -> None:
         req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(sync)))
 
 
+#: Codes a server answers with once it is done with a call's segment (any
+#: other error may have come while it was still using it).
+_SERVER_DONE = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.PERMISSION_DENIED})
+
+
 class _Later:
     """A future whose value is computed by the first result() call (a reply
-    read from a socket the request was sent on earlier)."""
+    read from a socket the request was sent on earlier). Thread-safe: the
+    reply is read once."""
 
     def __init__(self, fn: Callable[[], object], ready: Callable[[], bool] | None = None):
         self._fn, self._done, self._value, self._exc = fn, False, None, None
         self._ready = ready   # whether the reply is there to read
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         return self._done or (self._ready is not None and self._ready())
 
     def result(self, timeout: float | None = None):
-        if not self._done:
-            try:
-                self._value = self._fn()
-            except BaseException as exc:
-                self._exc = exc
-            self._done, self._fn = True, None
+        with self._lock:
+            if not self._done:
+                try:
+                    self._value = self._fn()
+                except BaseException as exc:
+                    self._exc = exc
+                self._done, self._fn = True, None
         if self._exc is not None:
             raise self._exc
         return self._value
@@ -491,7 +504,10 @@ class PSClient:
             if dest is not None and (dest.shape != mapped.value.shape
                                      or dest.dtype != mapped.value.dtype):
                 dest = None
-            got = mapped.read_into(dest)
+            try:
+                got = mapped.read_into(dest)
+            except (TypeError, AttributeError, ValueError):   # closed by another thread
+                return None
             if not got:   # deleted (re-created?), or never still: ask the server
                 if got is False:
                     self._unmap([name])
@@ -620,7 +636,11 @@ class PSClient:
         def on_error(exc: PSError):
             lost = exc.code == grpc.StatusCode.FAILED_PRECONDITION and \
                 shm.UNKNOWN_SEGMENT in str(exc)
-            self._arena.give(seg, broken=lost)
+            # After a timeout or a lost connection the server may still be
+            # using the segment: it is never lent again (not detached either:
+            # a late call still finds its data; the server closes it when idle).
+            uncertain = exc.code not in _SERVER_DONE
+            self._arena.give(seg, broken=lost or uncertain)
             if lost:
                 self._arena.forget()   # the server restarted or expired them: attach anew
                 return fallback(exc)
@@ -994,7 +1014,9 @@ class PSClient:
         rows = np.asarray(rows)
         if wait:
             self._ensure_attached()
-        streamed = not self._fits(ids.nbytes + rows.nbytes) and not (wait and self._ipc)
+        local = wait and self._ipc is not None and \
+            ids.nbytes + rows.nbytes <= ipc.MAX_FRAME_BYTES - MESSAGE_OVERHEAD
+        streamed = not self._fits(ids.nbytes + rows.nbytes) and not local
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
         if sync is not None:
             _set_sync(req, sync)

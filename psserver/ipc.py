@@ -11,11 +11,13 @@ everything else, and every client on another host, stays on gRPC.
 
 * The server listens on an abstract Unix socket (Linux; no file to clean up,
   gone with the process) named ``@pstrain-ipc-<hex>`` and announces it in
-  its reply to ``SharedMemory.Attach``: only a client that proved it shares
-  the host learns it.
-* A connection starts with a hello frame carrying the cluster token (empty
-  when the cluster has none); the server checks it, and that the peer runs
-  as its own user (SO_PEERCRED), before serving anything.
+  its reply to ``SharedMemory.Attach``. The name is no secret (any local
+  user sees it in /proc/net/unix) and abstract sockets have no permissions:
+* so a connection from another user is closed at once (SO_PEERCRED), a
+  connection must say hello with the cluster token (empty when the cluster
+  has none) within HELLO_SECONDS, and at most MAX_CONNECTIONS are open.
+  Request frames are read as their bytes arrive (a header claiming a large
+  frame reserves nothing) and are at most MAX_FRAME_BYTES.
 * Then request/reply frames, one call at a time per connection:
   request ``<method u8><length u32><timeout f64>`` + the serialized request
   (the same protobuf messages as the gRPC methods); reply
@@ -50,9 +52,14 @@ log = logging.getLogger(__name__)
 _REQUEST = struct.Struct("<BId")
 _REPLY = struct.Struct("<BI")
 _PEERCRED = struct.Struct("3i")
-#: Largest frame either side takes (the gRPC paths' limit is 64 MiB; the
-#: tensors themselves go through shared memory, so this bounds gathers).
-MAX_FRAME_BYTES = 1 << 30
+#: Largest request a server takes (the gRPC paths' message limit; tensors
+#: go through shared memory, so only sparse pushes' ids and rows come near:
+#: larger ones take gRPC's streams).
+MAX_FRAME_BYTES = 64 << 20
+#: Seconds a new connection has to say hello, and the most connections a
+#: server keeps.
+HELLO_SECONDS = 5.0
+MAX_CONNECTIONS = 1024
 
 HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE = range(6)
 #: (service, method) of each call, for the metrics.
@@ -73,6 +80,14 @@ def available() -> bool:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    if n > 1 << 20:   # grown as the bytes come: a claimed size reserves nothing
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise ConnectionError("connection closed")
+            buf += chunk
+        return buf
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -162,24 +177,31 @@ class IpcServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return   # stopped
+            try:
+                _, uid, _ = _PEERCRED.unpack(conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                uid = -1
             with self._lock:
                 if self._stopped:
                     conn.close()
                     return
+                if uid != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()   # another user's, or too many: nothing is read
+                    continue
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="ipc-conn",
                              daemon=True).start()
 
     def _hello(self, conn: socket.socket) -> bool:
-        _, uid, _ = _PEERCRED.unpack(conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        conn.settimeout(HELLO_SECONDS)
         method, n, _ = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
         token = bytes(_recv_exact(conn, n)) if n <= 4096 else None
-        if (method != HELLO or token is None or uid != os.geteuid()
-                or not hmac.compare_digest(token, self._token)):
-            msg = b"refused: wrong token, or a client of another user"
+        if method != HELLO or token is None or not hmac.compare_digest(token, self._token):
+            msg = b"refused: wrong token"
             conn.sendall(_REPLY.pack(grpc.StatusCode.UNAUTHENTICATED.value[0], len(msg)) + msg)
             return False
+        conn.settimeout(None)
         conn.sendall(_REPLY.pack(0, 0))
         return True
 
@@ -216,18 +238,23 @@ class IpcServer:
         if entry is None:
             return grpc.StatusCode.UNIMPLEMENTED, f"no method {method}".encode()
         parse, handler = entry
+        try:
+            request = parse(bytes(payload))
+        except Exception as exc:   # not the message this method takes
+            return grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}".encode()
         mm = self._metrics_of(method)
         if mm is not None:   # counted as started before it runs, as the gRPC interceptor does
             mm.started.inc()
             mm.recv_msgs.inc()
             mm.recv_bytes.inc(len(payload))
         try:
-            reply = handler(parse(bytes(payload)), _Context(timeout))
+            reply = handler(request, _Context(timeout))
             code, body = grpc.StatusCode.OK, reply.SerializeToString()
         except _Aborted as exc:
             code, body = exc.code, exc.details.encode()
-        except Exception as exc:   # unparsable request, or a bug
-            code, body = grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}".encode()
+        except Exception as exc:   # a bug: report it, keep serving
+            log.exception("internal error in local call %d", method)
+            code, body = grpc.StatusCode.INTERNAL, f"internal error: {exc}".encode()
         if mm is not None:
             if code == grpc.StatusCode.OK:
                 mm.sent_msgs.inc()
@@ -256,7 +283,9 @@ class _Pending:
 
     def ready(self) -> bool:
         try:
-            return bool(select.select([self._sock], [], [], 0)[0])
+            p = select.poll()
+            p.register(self._sock, select.POLLIN | select.POLLHUP)
+            return bool(p.poll(0))
         except (OSError, ValueError):   # closed: calling it reports the error
             return True
 

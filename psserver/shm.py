@@ -126,6 +126,7 @@ class Segments:
         self.max_segment_bytes = max_segment_bytes
         self._lock = threading.Lock()
         self._by_id: dict[int, _Attached] = {}
+        self._swept = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -200,18 +201,24 @@ class Segments:
     @contextlib.contextmanager
     def mapped(self, seg_id: int) -> Iterator[memoryview]:
         """The segment's memory for one call (do not keep views past the ``with``)."""
-        with self._lock:
+        now = time.monotonic()
+        if now - self._swept > max(1.0, min(self.idle_seconds, 30.0)):   # dead clients'
+            self._swept = now
+            self._expire()
+        with self._lock:   # mapped before a concurrent detach can close the file
             seg = self._by_id.get(seg_id)
-            if seg is not None:
-                seg.last_used = time.monotonic()
-        if seg is None:
-            raise FailedPrecondition(f"{UNKNOWN_SEGMENT} {seg_id} (closed after being idle, "
-                                     "or the server restarted); attach a new one")
-        if seg.kept is not None:
-            yield memoryview(seg.kept)
+            if seg is None:
+                raise FailedPrecondition(f"{UNKNOWN_SEGMENT} {seg_id} (closed after being "
+                                         "idle, or the server restarted); attach a new one")
+            seg.last_used = now
+            if seg.kept is not None:
+                view, m = memoryview(seg.kept), None
+            else:
+                m = _map(seg.fd, seg.nbytes, populate=True)
+                view = memoryview(m)
+        if m is None:
+            yield view
             return
-        m = _map(seg.fd, seg.nbytes, populate=True)
-        view = memoryview(m)
         try:
             yield view
         finally:
@@ -250,6 +257,7 @@ class Segment:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.seg_id = 0
         self._unlinked = False
+        self.lent = False   # to one call now (Arena)
 
     def unlink(self) -> None:
         if not self._unlinked:
@@ -287,19 +295,29 @@ class Arena:
             if fits:
                 seg = min(fits, key=lambda s: s.nbytes)
                 self._free.remove(seg)
+                seg.lent = True
                 return seg
         size = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
         seg = Segment(size)
         try:
             seg.seg_id = self._attach(seg.name, size)
+        except BaseException:
+            seg.close()
+            raise
         finally:
             seg.unlink()   # attached or not, the name is no longer needed
+        seg.lent = True
         return seg
 
     def give(self, seg: Segment, broken: bool = False) -> None:
-        """Return a segment after its call; ``broken``: the server no longer knows it."""
+        """Return a segment after its call (once: a second give is ignored).
+        ``broken``: never lend it again (the server no longer knows it, or may
+        still be using it; it closes the segment when idle)."""
         drop: list[Segment] = []
         with self._lock:
+            if not seg.lent:
+                return
+            seg.lent = False
             if broken or self._closed:
                 drop.append(seg)
             else:

@@ -445,6 +445,9 @@ class VariableStore:
         out = []
         for var in [self._get(n) for n in names]:
             with var.lock:
+                with self._lock:
+                    if self._vars.get(var.name) is not var:   # deleted meanwhile
+                        raise NotFound(f"no variable {var.name!r}")
                 if var.shared is None:
                     with self._lock:
                         count = sum(v.shared is not None for v in self._vars.values())

@@ -15,6 +15,7 @@ import secrets
 import subprocess
 import sys
 import textwrap
+import time
 
 import grpc
 import numpy as np
@@ -466,3 +467,65 @@ def test_mapped_value_checks_its_tag_and_the_seqlock():
     finally:
         if shared is not None:
             shared.retire()
+
+
+def test_segment_of_a_timed_out_push_is_never_lent_again(start_ps):
+    """A push that times out on the client may still be read by the server
+    later: its segment must not carry the next call's data (the server would
+    apply those bytes as the first push's gradients)."""
+    import signal
+    ps = start_ps()
+    n = 65536
+    with PSClient(ps.address, shared_memory=False) as setup, \
+            PSClient(ps.address, timeout=1.0) as c:
+        for name, size in (("a", n), ("b", n), ("c", 2 * n)):
+            setup.create_variable(name, (size,), optimizer_params={"learning_rate": 1.0})
+        c.read("a")
+        c.read("a")   # attached: a free segment, a local connection
+        assert c.local
+        c._ipc.connect()   # a second one, so the next call needs no server to connect
+        # Two free segments: 1 MiB, which the first push takes, and 4 MiB, which
+        # the second takes only if the first one is (rightly) not lent again.
+        for seg in [c._shm_take(1 << 20), c._shm_take(3 << 20)]:
+            c._arena.give(seg)
+        os.kill(ps.pid, signal.SIGSTOP)   # a server too slow for the deadline
+        while open(f"/proc/{ps.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)   # until it is stopped
+        try:
+            with pytest.raises(PSError):
+                c.push_many([("a", np.ones(n, np.float32)), ("b", np.ones(n, np.float32))])
+            c.timeout = 30
+            # Written into a segment now, while the server has not read the first push.
+            h = c.push_many_async([("c", np.full(2 * n, 1000.0, np.float32))])
+        finally:
+            os.kill(ps.pid, signal.SIGCONT)
+        h.result()
+        # The late push still lands, with its own data (ones), not c's.
+        deadline = time.monotonic() + 30
+        while setup.get_meta("b").version < 1:
+            assert time.monotonic() < deadline, "the late push never landed"
+            time.sleep(0.05)
+        for name in ("a", "b"):
+            np.testing.assert_array_equal(setup.read(name), -1.0)
+        np.testing.assert_array_equal(setup.read("c"), -1000.0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_local_socket_closes_other_users_at_once(ps):
+    address = "\0" + _ipc_name(ps.address).lstrip("@")
+    code = textwrap.dedent(f"""
+        import os, socket, struct
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect({address!r})
+        try:
+            s.sendall(struct.pack("<BId", 0, 0, 0.0))   # a hello without token
+            print(repr(s.recv(100)))
+        except OSError as e:
+            print("closed", type(e).__name__)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("b''", "closed ConnectionResetError", "closed BrokenPipeError"), \
+        r.stdout   # no reply: nothing read from another user
