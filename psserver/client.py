@@ -618,7 +618,7 @@ class PSClient:
 
     def _ensure_attached(self) -> None:
         """Attach one segment (and so learn the server's local socket) the
-        first time, for calls that carry no dense tensors (gathers, sparse pushes)."""
+        first time, for sparse pushes (they carry their tensors in the call)."""
         if self._shm_on and self._arena is None:
             seg = self._shm_take(1)
             if seg is not None:
@@ -884,8 +884,6 @@ class PSClient:
         req = ps_pb2.GatherRequest(name=name)
         T.fill(req.ids, ids)
         _set_sync_read(req, sync_step)
-        if wait:
-            self._ensure_attached()
         return self._invoke(wait, self._stub.Gather, req,
                             lambda r: (T.decode(r.rows), r.version), recover,
                             (ipc.GATHER, ps_pb2.GatherReply))
