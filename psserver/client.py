@@ -494,17 +494,13 @@ class PSClient:
         missing = [n for n in names if n not in self._direct]
         if missing:
             self._map(missing)
-        dests = list(out) if out is not None else []
         snaps = []
         for i, name in enumerate(names):
             mapped = self._direct.get(name)
             if mapped is None:
                 return None
-            dest = dests[i] if i < len(dests) else None
-            if dest is not None and (dest.shape != mapped.value.shape
-                                     or dest.dtype != mapped.value.dtype):
-                dest = None
             try:
+                dest = _dest(out, i, mapped.value)
                 got = mapped.read_into(dest)
             except (TypeError, AttributeError, ValueError):   # closed by another thread
                 return None
@@ -712,22 +708,22 @@ class PSClient:
                 dtype=ids.dtype.name, shape=ids.shape, offset=off))
             off += shm.align(ids.nbytes)
 
-        def copy_out(t: ps_pb2.ShmTensor, dest: np.ndarray | None = None) -> np.ndarray:
-            dt = T.check_dtype(t.dtype, T.WIRE_DTYPES, f"value of {t.name!r}")
-            n = T.nbytes_of(t.shape, dt)
+        def copy_out(t: ps_pb2.ShmTensor, i: int | None = None) -> np.ndarray:
+            """t's array copied out of the segment (into out[i] when it fits)."""
+            dt, shape, n = T.spec(t, T.WIRE_DTYPES, f"value of {t.name!r}")
             src = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
-                                offset=t.offset).reshape(tuple(t.shape))
-            if dest is not None and dest.shape == src.shape and dest.dtype == dt:
+                                offset=t.offset).reshape(shape)
+            dest = _dest(out, i, src) if i is not None else None
+            if dest is not None:
                 np.copyto(dest, src)
                 return dest
             arr = src.copy()
             arr.flags.writeable = False
             return arr
-        dests = list(out) if out is not None else []
 
         def finish(reply: ps_pb2.ShmReadReply):
             snaps = self._snapshots([
-                (v.name, v.version, copy_out(v, dests[i] if i < len(dests) else None))
+                (v.name, v.version, copy_out(v, i))
                 for i, v in enumerate(reply.values)])
             if not gathers:
                 return snaps
@@ -738,10 +734,13 @@ class PSClient:
     def _row_bytes(self, name: str) -> int:
         """Bytes of one row of ``name`` (asks the server the first time)."""
         if name not in self._nbytes or not self._rows.get(name):
-            meta = self.get_meta(name)
-            self._remember(name, meta.nbytes, meta.shape)
+            self._learn_size(name)
         rows = self._rows.get(name) or 1
         return self._nbytes[name] // rows
+
+    def _learn_size(self, name: str) -> None:
+        meta = self.get_meta(name)
+        self._remember(name, meta.nbytes, meta.shape)
 
     def _forget_sizes(self, names: Sequence[str]) -> None:
         for n in names:
@@ -808,8 +807,7 @@ class PSClient:
                                      for (r, v), (_, ids) in zip(rows, shaped)]
         for n in names:   # the segment's size needs them
             if n not in self._nbytes:
-                meta = self.get_meta(n)
-                self._remember(n, meta.nbytes, meta.shape)
+                self._learn_size(n)
         known = [self._nbytes.get(n) for n in names]
         if self._shm_on and None not in known:
             out = self._shm_read(names, known, wait, sync_step, flat)
@@ -1047,12 +1045,21 @@ class PSClient:
         self._call(self._stub.AbandonStep, ps_pb2.AbandonRequest(step=step, replica=replica))
 
 
+def _dest(out: Sequence[np.ndarray | None] | None, i: int, like) -> np.ndarray | None:
+    """out[i] when the caller gave it with ``like``'s shape and dtype, else None
+    (the value goes into a new array)."""
+    dest = out[i] if out is not None and i < len(out) else None
+    if dest is not None and dest.shape == like.shape and dest.dtype == like.dtype:
+        return dest
+    return None
+
+
 def _fill(snaps: list[Snapshot], out: Sequence[np.ndarray | None]) -> list[Snapshot]:
     """Snapshots with their values copied into out's arrays (where given and fitting)."""
     filled = []
     for i, s in enumerate(snaps):
-        dest = out[i] if i < len(out) else None
-        if dest is not None and dest.shape == s.value.shape and dest.dtype == s.value.dtype:
+        dest = _dest(out, i, s.value)
+        if dest is not None:
             np.copyto(dest, s.value)
             s = Snapshot(s.name, s.version, dest)
         filled.append(s)

@@ -442,9 +442,7 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
 def _segment_array(t: ps_pb2.ShmTensor, buf: memoryview, what: str,
                    allowed=T.WIRE_DTYPES) -> np.ndarray:
     """The array a ShmTensor describes, viewing buf (checked to lie inside it)."""
-    dt = T.check_dtype(t.dtype, allowed, f"{what} dtype")
-    shape = T.check_shape(t.shape, f"{what} shape")
-    n = T.nbytes_of(shape, dt)
+    dt, shape, n = T.spec(t, allowed, what)
     if t.offset < 0 or t.offset % dt.itemsize or t.offset + n > len(buf):
         raise InvalidArgument(
             f"{what}: {n} bytes at offset {t.offset} do not lie in the "

@@ -77,7 +77,7 @@ def encode(arr: np.ndarray) -> ps_pb2.Tensor:
 
 
 def spec(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> tuple[np.dtype, tuple[int, ...], int]:
-    """Validated (dtype, shape, nbytes) of a Tensor message."""
+    """Validated (dtype, shape, nbytes) of a Tensor message (or a ShmTensor)."""
     dt = check_dtype(t.dtype, allowed, f"{what} dtype")
     shape = check_shape(t.shape, f"{what} shape")
     return dt, shape, nbytes_of(shape, dt)
