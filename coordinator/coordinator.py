@@ -269,7 +269,8 @@ class _ClosureQueue:
     def mark_finished(self) -> None:
         with self._lock:
             self._inflight -= 1
-            self._stop_waiting.notify_all()
+            if not self._queue and self._inflight == 0:   # what wait() waits for: a
+                self._stop_waiting.notify_all()           # join wakes once, not per closure
 
     def mark_failed(self, error: BaseException) -> None:
         """A closure failed: keep the first error, cancel everything queued."""

@@ -705,7 +705,7 @@ class PSClient:
         for name, ids in gathers:
             seg.array[off:off + ids.nbytes] = ids.view(np.uint8)
             req.gathers.add(name=name, ids=ps_pb2.ShmTensor(
-                dtype=ids.dtype.name, shape=ids.shape, offset=off))
+                dtype=T.dtype_name(ids.dtype), shape=ids.shape, offset=off))
             off += shm.align(ids.nbytes)
 
         def copy_out(t: ps_pb2.ShmTensor, i: int | None = None) -> np.ndarray:
@@ -767,7 +767,8 @@ class PSClient:
             off = end
             seg.array[off:off + len(d)] = np.frombuffer(d, dtype=np.uint8)
             end = off + shm.align(len(d))
-            return ps_pb2.ShmTensor(name=name, dtype=arr.dtype.name, shape=arr.shape, offset=off)
+            return ps_pb2.ShmTensor(name=name, dtype=T.dtype_name(arr.dtype), shape=arr.shape,
+                                    offset=off)
         for item, a, d, uid in zip(items, arrays, datas, uids):
             t = put(d, a, item[0])
             t.update_id = uid

@@ -351,9 +351,9 @@ class StoreMetrics(StoreObserver):
             "Gradients accepted, one per variable (shard) per push: kind dense|sparse; mode "
             "async (applied by the optimizer at once) | sync (added to its step, which "
             "applies the mean once).", ["kind", "mode"], registry=registry)
-        for kind in ("dense", "sparse"):
-            for mode in ("async", "sync"):
-                self._gradients.labels(kind, mode)
+        # The label children, looked up once (labels() costs more than the counting).
+        self._gradient_children = {(kind, mode): self._gradients.labels(kind, mode)
+                                   for kind in ("dense", "sparse") for mode in ("async", "sync")}
         self._dropped = Counter(
             "pstrain_ps_dropped_gradients_total",
             "Sync gradients dropped: late (their step was applied already: a straggler "
@@ -382,7 +382,7 @@ class StoreMetrics(StoreObserver):
 
     # -- StoreObserver ---------------------------------------------------------------
     def gradients(self, kind: str, mode: str, n: int = 1) -> None:
-        self._gradients.labels(kind, mode).inc(n)
+        self._gradient_children[kind, mode].inc(n)
 
     def dropped(self, kind: str) -> None:
         self._dropped.labels(kind).inc()

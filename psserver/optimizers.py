@@ -265,10 +265,13 @@ class Optimizer:
         kernel = self._kernel
         if grad.dtype == x.dtype and grad.flags.c_contiguous:
             g = grad.reshape(-1)  # a view
+            if n <= block:
+                kernel(x, slots, g, scratch[:n], consts)
+                return
             for lo in range(0, n, block):
                 hi = min(lo + block, n)
-                kernel(x[lo:hi], {k: a[lo:hi] for k, a in slots.items()}, g[lo:hi],
-                       scratch[:hi - lo], consts)
+                kernel(x[lo:hi], {k: a[lo:hi] for k, a in slots.items()} if slots else slots,
+                       g[lo:hi], scratch[:hi - lo], consts)
             return
         # Another dtype or a strided gradient: read it in C order, cast a block
         # at a time into the iterator's own (block-sized) buffer.

@@ -188,7 +188,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _push_sparse(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         ids, values = arrays
-        if ids.dtype.name not in T.ID_DTYPES:
+        if T.dtype_name(ids.dtype) not in T.ID_DTYPES:
             raise InvalidArgument(f"sparse push ids must be int32 or int64, got {ids.dtype.name}")
         spec = _sync_spec(req)
         if spec is None:
@@ -277,7 +277,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             flat = memoryview(arr.reshape(-1).view(np.uint8))
             yield ps_pb2.ReadFrame(value=ps_pb2.VariableValue(
                 name=name, version=version,
-                value=ps_pb2.Tensor(dtype=arr.dtype.name, shape=arr.shape,
+                value=ps_pb2.Tensor(dtype=T.dtype_name(arr.dtype), shape=arr.shape,
                                     data=bytes(flat[:step]))))
             for off in range(step, len(flat), step):
                 yield ps_pb2.ReadFrame(chunk=bytes(flat[off:off + step]))
@@ -399,11 +399,11 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
             if names:
                 with self.ps.store.locked_values(names, step, deadline) as values:
                     for name, version, arr in values:
-                        reply.values.add(name=name, dtype=arr.dtype.name, shape=arr.shape,
+                        reply.values.add(name=name, dtype=T.dtype_name(arr.dtype), shape=arr.shape,
                                          offset=place(arr, repr(name)), version=version)
             for name, ids in gathers:
                 version, rows = self.ps.store.gather(name, ids, step, deadline)
-                reply.gathered.add(name=name, dtype=rows.dtype.name, shape=rows.shape,
+                reply.gathered.add(name=name, dtype=T.dtype_name(rows.dtype), shape=rows.shape,
                                    offset=place(rows, f"the rows of {name!r}"),
                                    version=version)
         finally:

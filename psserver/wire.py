@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from psserver.errors import InvalidArgument
-from psserver.tensor import WIRE_DTYPES, check_dtype, check_shape, nbytes_of
+from psserver.tensor import WIRE_DTYPES, check_dtype, check_shape, dtype_name, nbytes_of
 
 _VARINT, _LEN = 0, 2
 
@@ -64,7 +64,7 @@ def _string(field: int, text: str) -> bytes:
 
 
 def _contiguous_bytes(arr: np.ndarray) -> memoryview:
-    if arr.dtype.name not in WIRE_DTYPES:
+    if dtype_name(arr.dtype) not in WIRE_DTYPES:
         raise InvalidArgument(
             f"cannot send dtype {arr.dtype.name!r}; use one of {sorted(WIRE_DTYPES)}")
     arr = np.ascontiguousarray(arr)
@@ -81,7 +81,7 @@ def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]]) -> bytes:
     parts: list = []
     for name, version, arr in values:
         data = _contiguous_bytes(arr)
-        tensor_head = _tensor_head(arr.dtype.name, arr.shape, len(data))
+        tensor_head = _tensor_head(dtype_name(arr.dtype), arr.shape, len(data))
         tensor_len = len(tensor_head) + len(data)
         vv_head = (_string(1, name) + (_key(2, _VARINT) + _varint(version) if version else b"")
                    + _len_field(3, tensor_len) + tensor_head)
@@ -97,7 +97,7 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
     parts: list = []
     for name, arr, uid in updates:
         data = _contiguous_bytes(arr)
-        tensor_head = _tensor_head(arr.dtype.name, arr.shape, len(data))
+        tensor_head = _tensor_head(dtype_name(arr.dtype), arr.shape, len(data))
         head = _string(1, name) + _len_field(2, len(tensor_head) + len(data)) + tensor_head
         tail = _key(3, _VARINT) + _varint(uid) if uid else b""
         parts += [_len_field(1, len(head) + len(data) + len(tail)), head, data, tail]
