@@ -36,6 +36,10 @@ References, measured in the same run:
   BLAS thread, no communication, times the workers the cores can run at once
   (min(cores, workers) = 2 here).
 
+Cores: worker i of ours and of TensorFlow is bound to CPU i (round robin over
+this process's CPUs: ``LocalCluster(pin_workers=True)``, ``psworker --cpus``);
+parameter servers and chiefs are not bound.
+
 Threads: every process of ours and of TensorFlow runs with
 OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = MKL_NUM_THREADS = 1. TensorFlow's
 processes also get intra-op 1 everywhere and inter-op 1 on the parameter
@@ -111,6 +115,9 @@ EMB_DISTS = ("uniform", "zipf")
 EMB_IDS = EMB_BATCH * EMB_BAG        # ids per step
 
 RAW_BYTES = 64 << 20
+
+#: Bind worker i to CPU i (LocalCluster(pin_workers=True); TensorFlow's the same way).
+PIN_WORKERS = True
 
 #: TensorFlow's thread pools per process. inter_op 1 on the workers deadlocks
 #: the first step (a worker's function waits on its remote reads with its only
@@ -209,6 +216,14 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def bind_process(pid: int, cpu: int) -> None:
+    """Bind every thread of a running process to one CPU (threads it starts
+    later inherit it), as ``psworker --cpus`` does from the start."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):   # a thread that just ended
+            os.sched_setaffinity(int(tid), {cpu})
 
 
 def thread_count(pid: int) -> int:
@@ -347,7 +362,7 @@ class Ours:
         try:
             self.cluster = self.stack.enter_context(
                 LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS, tls=tls, token=token,
-                             env=env))
+                             env=env, pin_workers=PIN_WORKERS))
             time.sleep(0.5)
             self.ps_baseline = {t.pid: rss_bytes(t.pid) for t in self.cluster.ps}
             part = MinSizePartitioner(min_shard_bytes=SHARD_MIN_BYTES, max_shards=SHARD_MAX)
@@ -444,6 +459,10 @@ class TF:
         self.cluster = TFCluster(NUM_PS, NUM_WORKERS, log_path=log_path,
                                  intra_op=TF_INTRA_OP, inter_op=TF_INTER_OP)
         self.chief = self.cluster.chief
+        if PIN_WORKERS:   # as ours: worker i on CPU i (of this process's), round robin
+            cpus = sorted(os.sched_getaffinity(0))
+            for i, pid in enumerate(self.cluster.pids()["workers"]):
+                bind_process(pid, cpus[i % len(cpus)])
         self.meter = CPUMeter(self.cluster.pids())
         self.ps_baseline = {p: rss_bytes(p) for p in self.cluster.pids()["ps"]}
 
@@ -685,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nNOTE: {res['tf_skipped']}")
     print(f"\n({'quick' if args.quick else 'full'} plan, {elapsed:.0f} s, {os.cpu_count()} CPUs; "
           f"threads: {', '.join(f'{k}={v}' for k, v in BLAS_ENV.items())} in every process; "
+          f"{'workers bound to one CPU each; ' if PIN_WORKERS else ''}"
           f"TensorFlow intra_op {TF_INTRA_OP}, inter_op "
           f"{', '.join(f'{k} {v}' for k, v in TF_INTER_OP.items())}; ours "
           f"{'mutual TLS' if args.tls else 'plaintext'} gRPC"

@@ -309,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=64,
                    help="RPC handler threads (default 64; sync-mode reads wait in one each)")
     p.add_argument("--log-level", default="INFO")
+    add_cpus_argument(p)
     TLS.add_arguments(p)
     metrics.add_arguments(p)
     return p
@@ -320,12 +321,55 @@ def join_host_port(host: str, port: int) -> str:
 
 
 class TaskSetupError(Exception):
-    """A task's TLS files or metrics port are unusable (the command exits 2)."""
+    """A task's TLS files, metrics port or CPU list are unusable (the command exits 2)."""
+
+
+def add_cpus_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpus", metavar="LIST",
+                   help="run on these CPUs only, as taskset -c takes them (0-3,8): binds "
+                        "the task to cores, as MPI and Horovod bind ranks (default: every "
+                        "CPU it was given)")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """The CPU numbers of a list such as "0-3,8" (ValueError when malformed)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"--cpus {text!r}: expected CPU numbers and ranges such as 0-3,8")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"--cpus {text!r}: range {part.strip()!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def bind_cpus(text: str | None) -> None:
+    """Bind this process to the CPUs of ``text`` (before it starts threads:
+    they inherit it). Raises TaskSetupError saying which CPUs there are."""
+    if not text:
+        return
+    try:
+        cpus = parse_cpus(text)
+    except ValueError as exc:
+        raise TaskSetupError(str(exc)) from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise TaskSetupError(f"--cpus {text!r}: CPU {min(cpus - allowed)} is not one this task "
+                             f"may use; it may use {_cpu_list(allowed)}")
+    os.sched_setaffinity(0, cpus)
+
+
+def _cpu_list(cpus) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 def task_setup(args, role: str):
     """(TLS config, metrics endpoint) from a task's command line, shared by
-    psserver and psworker. Raises TaskSetupError with what to change."""
+    psserver and psworker; binds the process to ``--cpus``. Raises
+    TaskSetupError with what to change."""
+    bind_cpus(args.cpus)
     try:
         tls = TLS.from_arguments(args)
     except ValueError as exc:

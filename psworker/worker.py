@@ -35,8 +35,8 @@ from psserver import ipc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
-from psserver.server import (TOKEN_ENV, TaskSetupError, join_host_port, make_server, serve,
-                             task_setup)
+from psserver.server import (TOKEN_ENV, TaskSetupError, add_cpus_argument, join_host_port,
+                             make_server, serve, task_setup)
 from psserver.servicer import PROTOCOL_VERSION
 
 log = logging.getLogger("psworker")
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=4,
                    help="closures that may run at once (default 4)")
     p.add_argument("--log-level", default="INFO")
+    add_cpus_argument(p)
     TLS.add_arguments(p)
     M.add_arguments(p)
     return p
