@@ -60,3 +60,45 @@ def test_local_cluster_pins_workers_round_robin_also_after_a_restart():
         assert all(t == {CPUS[1 % len(CPUS)]} for t in allowed_cpus(cluster.workers[1].pid))
     with LocalCluster(num_ps=1, num_workers=1, tls=False) as cluster:   # the default: unbound
         assert all(t == set(CPUS) for t in allowed_cpus(cluster.workers[0].pid))
+
+
+BOUND_CLIENT = """
+import os, sys
+import numpy as np
+from psserver.client import PSClient
+if sys.argv[2] != "-":
+    os.sched_setaffinity(0, {int(sys.argv[2])})
+with PSClient(sys.argv[1]) as c:
+    c.create_variable("v", (4,), "float32", initializer="zeros", optimizer="sgd", exist_ok=True)
+    c.push("v", np.ones(4, np.float32))   # same host: over the local socket
+    print("pushed", flush=True)
+    sys.stdin.readline()                  # connection kept open until told
+"""
+
+
+def _client_bound_to(ps, cpu):
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", BOUND_CLIENT, ps.address, cpu],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "pushed"
+    return p
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs to tell bound from unbound")
+@pytest.mark.timeout(60)
+def test_local_calls_of_a_bound_client_are_served_on_its_cpu(ps):
+    before = allowed_cpus(ps.pid)
+    assert all(t == set(CPUS) for t in before)
+    unbound = _client_bound_to(ps, "-")
+    try:
+        assert all(t == set(CPUS) for t in allowed_cpus(ps.pid))
+    finally:
+        unbound.communicate("\n", timeout=20)
+    bound = _client_bound_to(ps, str(CPUS[-1]))
+    try:
+        # The thread serving its connection runs on the client's CPU; the rest do not.
+        threads = allowed_cpus(ps.pid)
+        assert {CPUS[-1]} in threads and set(CPUS) in threads, threads
+    finally:
+        bound.communicate("\n", timeout=20)
