@@ -374,29 +374,44 @@ class _WorkerThread:
             if self.worker_id is not None:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id, self._created = info.worker_id, set(info.datasets)
-            self._use_socket("")   # the old process's socket is gone
+            self._use_socket("", 0)   # the old process's sockets are gone
         if self._ipc is None:
-            self._use_socket(info.ipc_socket)
+            self._use_socket(info.ipc_socket, info.data_port)
         # A worker that (re)joins starts at the slowest live clock, not behind it.
         self.clock = max(self.clock, self.coord._min_clock(exclude=self))
         self.alive = True
         self.coord._clocks_changed()
         return True
 
-    def _use_socket(self, name: str) -> None:
+    def _use_socket(self, name: str, data_port: int) -> None:
         """Send closures over the worker's local socket when this process can
-        reach it (same host, same network namespace); else over gRPC."""
+        reach it (same host, same network namespace), else over its data port
+        (psserver/ipc.py over TCP; PSTRAIN_DATA=0: not), else over gRPC."""
         if self._ipc is not None:
             self._ipc.close()
             self._ipc = None
-        if not name or not ipc.available():
-            return
-        client = ipc.IpcClient(name, self.coord.strategy.token, self.address, max_free=1)
-        try:
-            client.connect()
-            self._ipc = client
-        except (OSError, PSError):
-            client.close()
+        strategy = self.coord.strategy
+        candidates = []
+        if name and ipc.available():
+            candidates.append(lambda: ipc.IpcClient(name, strategy.token, self.address,
+                                                    max_free=1))
+        if data_port and ipc.data_available():
+            host = self.address.rsplit(":", 1)[0]
+            candidates.append(lambda: ipc.IpcClient(
+                "", strategy.token, self.address, max_free=1, tcp=(host, data_port),
+                ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None))
+        for make in candidates:
+            try:
+                client = make()
+            except (OSError, ValueError) as exc:
+                log.warning("worker %s: %s", self.address, exc)
+                continue
+            try:
+                client.connect()
+                self._ipc = client
+                return
+            except (OSError, PSError):   # another network namespace, a firewall: next
+                client.close()
 
     def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
         timeout = self.coord.closure_timeout

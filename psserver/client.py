@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 from concurrent import futures
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +40,8 @@ from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD)
 from psserver.store import Initializer, VariableMeta
 from psserver.sync import SyncSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0
 #: Reads and pushes of at least this many tensor bytes go through shared
@@ -170,6 +173,11 @@ class PSClient:
         through shared memory when the server runs on this host
         (psserver/shm.py; the first such call finds out, and a server
         elsewhere costs that one call). ``PSTRAIN_SHM=0`` turns it off.
+      data_port: when shared memory is out of reach (another host, or off),
+        make reads, pushes, lookups and sparse pushes over the server's data
+        port (psserver/ipc.py over TCP, with this client's TLS and token),
+        learnt from GetServerInfo; ``PSTRAIN_DATA=0`` turns it off. False:
+        gRPC only.
     """
 
     def __init__(self, address: str, *, token: str | None = None,
@@ -179,7 +187,8 @@ class PSClient:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES,
                  wait_for_ready: bool = False, bulk: bool = True,
-                 shared_memory: bool = True, shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES):
+                 shared_memory: bool = True, shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
+                 data_port: bool = True):
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -201,7 +210,7 @@ class PSClient:
             "/pstrain.v1.ParameterServerBulk/Push",
             response_deserializer=ps_pb2.UpdateReply.FromString)
         self._shm_stub = ps_pb2_grpc.SharedMemoryStub(self._channel)
-        self._idempotent = (self._shm_stub.Read, self._stub.Gather)
+        self._idempotent = (self._shm_stub.Read, self._stub.Gather, self._bulk_read)
         self.shm_min_bytes = shm_min_bytes
         self._arena: shm.Arena | None = None
         self._shm_lock = threading.Lock()   # makes the arena and the local socket once
@@ -209,6 +218,13 @@ class PSClient:
         self._token = token
         # Same-host call socket (psserver/ipc.py), learnt when a segment is attached.
         self._ipc: ipc.IpcClient | None = None
+        # The server's data port (psserver/ipc.py over TCP), for a server that
+        # does not share this host: learnt from GetServerInfo once shared
+        # memory is known to be out of reach; PSTRAIN_DATA=0 keeps to gRPC.
+        self._tls = tls
+        self._data: ipc.IpcClient | None = None
+        self._data_on = data_port and ipc.data_available()
+        self._data_asked = False
         # Variables this client reads straight from the server's memory
         # (psserver.shm.MappedValue; None: the server does not share it).
         self._direct_on = shared_memory and shm.direct_reads_available()
@@ -219,16 +235,17 @@ class PSClient:
 
     @property
     def local(self) -> bool:
-        """Whether calls go over the same-host socket (psserver/ipc.py): then the
-        ``*_async`` methods send at once and cost no thread."""
-        return self._ipc is not None
+        """Whether calls go over a socket of psserver/ipc.py (the same-host one or
+        the data port): then the ``*_async`` methods send at once and cost no thread."""
+        return self._ipc is not None or self._data is not None
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
         if self._arena is not None:
             self._arena.close()
-        if self._ipc is not None:
-            self._ipc.close()
+        for sock in (self._ipc, self._data):
+            if sock is not None:
+                sock.close()
         self._unmap(list(self._direct))
         self._channel.close()
 
@@ -274,13 +291,13 @@ class PSClient:
         when there is one (psserver/ipc.py).
         """
         if not wait:
-            if local is not None and self._ipc is not None:   # sent now, read in result()
-                receive = self._local_send(local, request, method)
+            if local is not None and self._socket(local[0]) is not None:   # sent now, read
+                receive = self._local_send(local, request, method)           # in result()
                 return Handle(_Later(receive, getattr(receive, "ready", None)),
                               post, self.address, recover)
             return self._future(method, request, post, recover)
         try:
-            if local is not None and self._ipc is not None:
+            if local is not None and self._socket(local[0]) is not None:
                 return post(self._local(local, request, method))
             return post(self._call(method, request))
         except PSError as exc:
@@ -479,7 +496,8 @@ class PSClient:
         req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, self.stream_threshold_bytes))
         _set_sync_read(req, sync_step)
         if bulk:
-            return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover)
+            return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover,
+                                local=(ipc.BULK_READ, None))
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
 
     # -- reads straight from the server's memory (same host, asynchronous) ---------------
@@ -574,8 +592,60 @@ class PSClient:
                         client.close()
         return reply.segment
 
+    def _socket(self, method: int) -> ipc.IpcClient | None:
+        """The socket that carries ``method`` now: the same-host one; else,
+        for all but the shared-memory methods, the server's data port once
+        shared memory is known to be out of reach; else None (gRPC)."""
+        if self._ipc is not None:
+            return self._ipc
+        if method in (ipc.SHM_READ, ipc.SHM_PUSH) or not self._data_on:
+            return None
+        if self._data is not None:
+            return self._data
+        if self._shm_on or self._data_asked:   # same host still possible, or no data port
+            return None
+        return self._connect_data()
+
+    def _connect_data(self) -> ipc.IpcClient | None:
+        with self._shm_lock:
+            if self._data is not None or self._data_asked:
+                return self._data
+            try:
+                info = self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
+            except PSError:   # asked again on a later call
+                return None
+            self._data_asked = True
+            if not info.data_port:
+                return None
+            host = self.address.rsplit(":", 1)[0]
+            try:
+                ctx = self._tls.ssl_client_context() if self._tls is not None else None
+                client = ipc.IpcClient("", self._token, self.address,
+                                       tcp=(host, info.data_port), ssl_context=ctx)
+            except (OSError, ValueError) as exc:
+                log.warning("not using the data port of %s: %s", self.address, exc)
+                return None
+            try:
+                client.connect()
+            except (OSError, PSError) as exc:   # a firewall, a NetworkPolicy: keep to gRPC
+                log.warning("cannot reach the data port %s:%d of %s (%s); using gRPC",
+                            host, info.data_port, self.address, exc)
+                client.close()
+                return None
+            self._data = client
+            return client
+
+    def _drop_socket(self, client: ipc.IpcClient) -> None:
+        """A connection of ``client`` broke: stop using it (a restarted server
+        has another socket and data port, learnt again)."""
+        if self._ipc is client:
+            self._ipc = None
+        if self._data is client:
+            self._data, self._data_asked = None, False
+        client.close()
+
     def _local(self, local: tuple[int, type], request, via):
-        """A blocking call over the same-host socket: see _local_send."""
+        """A blocking call over a socket: see _local_send."""
         return self._local_send(local, request, via)()
 
     def _local_send(self, local: tuple[int, type], request, via) -> Callable[[], object]:
@@ -587,28 +657,29 @@ class PSClient:
         again over gRPC, any other raises Unavailable, as it would over gRPC
         (applied or not: see update_id)."""
         method, reply_cls = local
-        client = self._ipc
+        client = self._socket(method)
         if client is None:   # dropped by another thread meanwhile
             return lambda: self._call(via, request)
 
         def lost(exc: Unavailable):
-            if self._ipc is client:
-                self._ipc = None
-            client.close()
+            self._drop_socket(client)
             if via not in self._idempotent:
                 raise exc
             return self._call(via, request)
+        payload = request if isinstance(request, (bytes, bytearray)) else \
+            request.SerializeToString()
         try:
-            receive = client.send(method, request.SerializeToString(), self.timeout)
+            receive = client.send(method, payload, self.timeout)
         except Unavailable as exc:
             failed = exc
             return lambda: lost(failed)
 
         def finish():
             try:
-                return reply_cls.FromString(receive())
+                body = receive()
             except Unavailable as exc:
                 return lost(exc)
+            return body if reply_cls is None else reply_cls.FromString(body)
         finish.ready = receive.ready
         return finish
 
@@ -972,7 +1043,8 @@ class PSClient:
                     self.bulk = False
                     return self._invoke(True, method, request(True), lambda r: list(r.versions))
                 raise exc
-            return self._invoke(wait, self._bulk_push, raw, lambda r: list(r.versions), recover)
+            return self._invoke(wait, self._bulk_push, raw, lambda r: list(r.versions), recover,
+                                local=(ipc.BULK_PUSH, ps_pb2.UpdateReply))
         return self._invoke(wait, method, request(True), lambda r: list(r.versions))
 
     def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Handle:
@@ -1011,7 +1083,7 @@ class PSClient:
         rows = np.asarray(rows)
         if wait:
             self._ensure_attached()
-        local = wait and self._ipc is not None and \
+        local = wait and self._socket(ipc.PUSH_SPARSE) is not None and \
             ids.nbytes + rows.nbytes <= ipc.MAX_FRAME_BYTES - MESSAGE_OVERHEAD
         streamed = not self._fits(ids.nbytes + rows.nbytes) and not local
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)

@@ -31,12 +31,14 @@ everything else, and every client on another host, stays on gRPC.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import secrets
 import select
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -61,13 +63,17 @@ MAX_FRAME_BYTES = 64 << 20
 HELLO_SECONDS = 5.0
 MAX_CONNECTIONS = 1024
 
-HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE = range(6)
+HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH = range(8)
 #: (service, method) of each call, for the metrics.
 METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 SHM_PUSH: ("pstrain.v1.SharedMemory", "Push"),
                 GATHER: ("pstrain.v1.ParameterServer", "Gather"),
                 PUSH_SPARSE: ("pstrain.v1.ParameterServer", "PushSparse"),
-                RUN_CLOSURE: ("pstrain.v1.Worker", "RunClosure")}
+                RUN_CLOSURE: ("pstrain.v1.Worker", "RunClosure"),
+                BULK_READ: ("pstrain.v1.ParameterServerBulk", "Read"),
+                BULK_PUSH: ("pstrain.v1.ParameterServerBulk", "Push")}
+#: Bodies above this are sent apart from their frame header (no joined copy).
+_JOIN_BYTES = 64 << 10
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RDHUP = getattr(select, "POLLRDHUP", 0)
 
@@ -79,23 +85,45 @@ def available() -> bool:
             and hasattr(socket, "SO_PEERCRED") and sys.platform.startswith("linux"))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    if n > 1 << 20:   # grown as the bytes come: a claimed size reserves nothing
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = sock.recv(min(n - len(buf), 1 << 20))
-            if not chunk:
-                raise ConnectionError("connection closed")
-            buf += chunk
-        return buf
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+DATA_ENV = "PSTRAIN_DATA"
+
+
+def data_available() -> bool:
+    """Whether this process uses data ports (the frames below over TCP, to
+    servers on other hosts); PSTRAIN_DATA=0 keeps those calls on gRPC."""
+    return os.environ.get(DATA_ENV, "1") != "0"
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("connection closed")
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """n bytes. A claimed size reserves nothing until its first MiB has come
+    (then the rest at once: received in place, no copies of chunks)."""
+    first = min(n, 1 << 20)
+    buf = bytearray(first)
+    _recv_into(sock, memoryview(buf))
+    if n > first:
+        whole = bytearray(n)
+        whole[:first] = buf
+        _recv_into(sock, memoryview(whole)[first:])
+        return whole
     return buf
+
+
+def _send(sock: socket.socket, header: bytes, body: bytes | bytearray) -> None:
+    """A frame: header and body joined when small, sent apart (no copy) when large."""
+    if len(body) <= _JOIN_BYTES:
+        sock.sendall(header + body)
+    else:
+        sock.sendall(header)
+        sock.sendall(body)
 
 
 def _address(name: str) -> str:
@@ -143,18 +171,39 @@ def follow_cpu(peer_pid: int) -> None:
 
 
 class IpcServer:
-    """Serves a parameter server's hot calls on an abstract Unix socket."""
+    """Serves a task's hot calls on an abstract Unix socket (same host), or
+    on a TCP port (``tcp=(host, port)``: the data port, any host; TLS with
+    ``ssl_context``)."""
 
-    def __init__(self, handlers: dict[int, tuple[Callable, Callable]], token: str | None,
-                 rpc_metrics=None):
-        """handlers: method id -> (request parser, servicer method(request, context))."""
-        self.name = "@pstrain-ipc-" + secrets.token_hex(16)
+    def __init__(self, handlers: dict[int, tuple[Callable | None, Callable]], token: str | None,
+                 rpc_metrics=None, *, tcp: tuple[str, int] | None = None,
+                 ssl_context: ssl.SSLContext | None = None):
+        """handlers: method id -> (request parser, servicer method(request, context));
+        a parser None hands the method the request's bytes as they came, and a
+        method may return bytes (a reply serialized already)."""
         self._handlers = handlers
         self._token = (token or "").encode()
         self._metrics = rpc_metrics
         self._method_metrics: dict[int, object] = {}
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(_address(self.name))
+        self._ssl = ssl_context
+        if tcp is None:
+            self.kind, self.port = "unix", 0
+            self.name = "@pstrain-ipc-" + secrets.token_hex(16)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.bind(_address(self.name))
+        else:
+            host, port = tcp
+            host = host.strip("[]")
+            self.kind, self.name = "tcp", ""
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._sock.bind((host, port))
+            except OSError:
+                self._sock.close()
+                raise
+            self.port = self._sock.getsockname()[1]
         self._sock.listen(64)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -193,11 +242,16 @@ class IpcServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return   # stopped
-            try:
-                pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            except OSError:
-                pid, uid = 0, -1
+            pid, uid = 0, os.geteuid()
+            if self.kind == "unix":
+                try:
+                    pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(
+                        socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                except OSError:
+                    pid, uid = 0, -1
+            else:
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if self._stopped:
                     conn.close()
@@ -222,7 +276,14 @@ class IpcServer:
         return True
 
     def _serve(self, conn: socket.socket, peer_pid: int = 0) -> None:
+        raw = conn
         try:
+            if self._ssl is not None:   # the handshake, then the hello, within HELLO_SECONDS
+                conn.settimeout(HELLO_SECONDS)
+                conn = self._ssl.wrap_socket(conn, server_side=True)   # takes raw's descriptor
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)   # what stop() shuts down
             if not self._hello(conn):
                 return
             follow_cpu(peer_pid)
@@ -237,17 +298,19 @@ class IpcServer:
                     self._running += 1
                 try:
                     code, body = self._call(method, payload, timeout)
-                    conn.sendall(_REPLY.pack(code.value[0], len(body)) + body)
+                    _send(conn, _REPLY.pack(code.value[0], len(body)), body)
                 finally:
                     with self._lock:
                         self._running -= 1
                         self._idle.notify_all()
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError):   # ssl.SSLError included: a failed handshake
             pass
         finally:
             with self._lock:
+                self._conns.discard(raw)
                 self._conns.discard(conn)
             conn.close()
+            raw.close()
 
     def _call(self, method: int, payload: bytearray, timeout: float) -> tuple[grpc.StatusCode, bytes]:
         start = time.perf_counter()
@@ -256,7 +319,7 @@ class IpcServer:
             return grpc.StatusCode.UNIMPLEMENTED, f"no method {method}".encode()
         parse, handler = entry
         try:
-            request = parse(bytes(payload))
+            request = payload if parse is None else parse(bytes(payload))
         except Exception as exc:   # not the message this method takes
             return grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}".encode()
         mm = self._metrics_of(method)
@@ -266,7 +329,8 @@ class IpcServer:
             mm.recv_bytes.inc(len(payload))
         try:
             reply = handler(request, _Context(timeout))
-            code, body = grpc.StatusCode.OK, reply.SerializeToString()
+            code, body = grpc.StatusCode.OK, (
+                reply if isinstance(reply, (bytes, bytearray)) else reply.SerializeToString())
         except _Aborted as exc:
             code, body = exc.code, exc.details.encode()
         except Exception as exc:   # a bug: report it, keep serving
@@ -280,14 +344,14 @@ class IpcServer:
         return code, body
 
     def _metrics_of(self, method: int):
-        """The method's metric children (grpc_type "unix"), or None without metrics."""
+        """The method's metric children (grpc_type "unix" or "tcp"), or None without metrics."""
         if self._metrics is None or method not in METHOD_NAMES:
             return None
         mm = self._method_metrics.get(method)
         if mm is None:
             from psserver.metrics import _MethodMetrics
             mm = self._method_metrics[method] = _MethodMetrics(
-                self._metrics, ("unix", *METHOD_NAMES[method]))
+                self._metrics, (self.kind, *METHOD_NAMES[method]))
         return mm
 
 
@@ -299,6 +363,8 @@ class _Pending:
         self._client, self._sock, self._timeout = client, sock, timeout
 
     def ready(self) -> bool:
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return True   # decrypted already: poll cannot see it
         try:
             p = select.poll()
             p.register(self._sock, select.POLLIN | select.POLLHUP)
@@ -318,10 +384,20 @@ def _error(code_number: int, message: str, target: str) -> PSError:
 
 
 class IpcClient:
-    """A client's connections to one server's socket, each used by one call at a time."""
+    """A client's connections to one server's socket, each used by one call at a time.
 
-    def __init__(self, name: str, token: str | None, target: str, max_free: int = 8):
+    ``name``: the server's abstract Unix socket; or ``tcp=(host, port)``: its
+    data port, with TLS when ``ssl_context`` is given (``server_hostname``:
+    the name its certificate must carry, default host).
+    """
+
+    def __init__(self, name: str, token: str | None, target: str, max_free: int = 8, *,
+                 tcp: tuple[str, int] | None = None, ssl_context: ssl.SSLContext | None = None,
+                 server_hostname: str | None = None):
         self.name, self.target = name, target
+        self._tcp = tcp
+        self._ssl = ssl_context
+        self._server_hostname = server_hostname or (tcp[0].strip("[]") if tcp else None)
         self._token = (token or "").encode()
         self._free: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -330,10 +406,17 @@ class IpcClient:
         self._poll = None
 
     def _connect(self) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self._tcp is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        else:
+            s = socket.create_connection((self._tcp[0].strip("[]"), self._tcp[1]), timeout=10.0)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             s.settimeout(10.0)
-            s.connect(_address(self.name))
+            if self._tcp is None:
+                s.connect(_address(self.name))
+            elif self._ssl is not None:
+                s = self._ssl.wrap_socket(s, server_hostname=self._server_hostname)
             s.sendall(_REQUEST.pack(HELLO, len(self._token), 0.0) + self._token)
             code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
             if code:
@@ -384,7 +467,7 @@ class IpcClient:
             if s is None:
                 s = self._connect()
             s.settimeout(timeout)
-            s.sendall(_REQUEST.pack(method, len(request), timeout or 0.0) + request)
+            _send(s, _REQUEST.pack(method, len(request), timeout or 0.0), request)
         except BaseException as exc:
             raise self._broken(s, exc) from None
         return _Pending(self, s, timeout)
@@ -398,7 +481,7 @@ class IpcClient:
         self._give(s)
         if code:
             raise _error(code, body.decode(errors="replace"), self.target)
-        return bytes(body)
+        return body if len(body) > _JOIN_BYTES else bytes(body)   # large: not copied again
 
     def _broken(self, s: socket.socket | None, exc: BaseException,
                 timeout: float | None = None) -> BaseException:

@@ -142,7 +142,8 @@ class ServerHandle:
                  health_servicer: health.HealthServicer, service_names: tuple[str, ...]):
         self.server, self.port, self.servicer = server, port, servicer
         self.health, self.service_names = health_servicer, service_names
-        self.ipc = None   # an ipc.IpcServer beside gRPC (parameter servers on Linux)
+        self.ipc = None    # an ipc.IpcServer beside gRPC (same host: a Unix socket)
+        self.data = None   # an ipc.IpcServer on the data port (TCP), or None
 
     @property
     def store(self) -> VariableStore:
@@ -150,8 +151,9 @@ class ServerHandle:
 
     def start(self) -> "ServerHandle":
         self.server.start()
-        if self.ipc is not None:
-            self.ipc.start()
+        for side in (self.ipc, self.data):
+            if side is not None:
+                side.start()
         for name in ("",) + self.service_names:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -160,8 +162,9 @@ class ServerHandle:
         """Stop taking calls; let those in flight finish for up to ``grace`` s."""
         self.health.enter_graceful_shutdown()
         stopped = self.server.stop(grace)
-        if self.ipc is not None:   # its calls get the same grace, at the same time
-            self.ipc.stop(grace)
+        for side in (self.ipc, self.data):   # their calls get the same grace, at once
+            if side is not None:
+                side.stop(grace)
         stopped.wait()
         shared = getattr(self.servicer, "shared_memory", None)
         if shared is not None:
@@ -225,11 +228,15 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                   token: str | None = None, tls: "TLS.TLSConfig | None" = None,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  max_workers: int = 64, rpc_metrics=None) -> ServerHandle:
+                  max_workers: int = 64, rpc_metrics=None,
+                  data_port: int | None = None) -> ServerHandle:
     """Build (not start) a parameter server bound to ``address``.
 
     ``rpc_metrics``: a psserver.metrics.RpcMetrics counting every call (see
     make_server); the store's own metrics come with ``VariableStore(observer=...)``.
+    ``data_port``: also serve reads, pushes, lookups and sparse pushes framed
+    by hand on this TCP port of the same host (0: a free one; None: none);
+    TLS as the gRPC port, the same token.
     """
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
@@ -247,6 +254,21 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
             ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
         }, token, rpc_metrics)
         shared.ipc_socket = handle.ipc.name
+    if data_port is not None:
+        host = address.rsplit(":", 1)[0]
+        try:
+            handle.data = ipc.IpcServer({
+                ipc.BULK_READ: (ps_pb2.ReadRequest.FromString, servicer.bulk_read),
+                ipc.BULK_PUSH: (None, servicer.bulk_push),
+                ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
+                ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
+            }, token, rpc_metrics, tcp=(host, data_port),
+                ssl_context=tls.ssl_server_context() if tls is not None else None)
+        except OSError as exc:
+            if handle.ipc is not None:
+                handle.ipc.stop(0)
+            raise OSError(f"data port {data_port}: {exc}") from None
+        servicer.data_port = handle.data.port
     return handle
 
 
@@ -286,6 +308,8 @@ def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = N
     handle.start()
     if port_file:   # before the announcement, so a reader of either sees both
         write_port_file(port_file, handle.port)
+    if handle.data is not None:
+        print(f"{role} data port on {host}:{handle.data.port}", flush=True)
     print(f"{role} listening on {host}:{handle.port}", flush=True)
     stop.wait()
     log.info("signal received: stopping (grace %.1fs)", grace)
@@ -297,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 or [::] listens on all interfaces)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    add_data_port_argument(p)
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds calls in flight get to finish on SIGTERM (default 5)")
@@ -322,6 +347,18 @@ def join_host_port(host: str, port: int) -> str:
 
 class TaskSetupError(Exception):
     """A task's TLS files, metrics port or CPU list are unusable (the command exits 2)."""
+
+
+def add_data_port_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-port", type=int, default=0, metavar="PORT",
+                   help="TCP port of the data port: the hot calls framed by hand beside "
+                        "gRPC, for clients on other hosts (same host, TLS and token); 0 picks "
+                        "a free one (default; clients learn it over gRPC), -1 turns it off. "
+                        "Fix it where a firewall or Kubernetes Service must name it")
+
+
+def data_port_of(args) -> int | None:
+    return None if args.data_port < 0 else args.data_port
 
 
 def add_cpus_argument(p: argparse.ArgumentParser) -> None:
@@ -402,10 +439,10 @@ def main(argv: list[str] | None = None) -> int:
                                token=os.environ.get(TOKEN_ENV) or None, tls=tls,
                                max_message_bytes=args.max_message_bytes,
                                chunk_bytes=args.chunk_bytes, max_workers=args.threads,
-                               rpc_metrics=rpc_metrics)
+                               rpc_metrics=rpc_metrics, data_port=data_port_of(args))
     except OSError as exc:
-        print(f"psserver: cannot listen on {address}: {exc}. Pick another --port, or 0 "
-              "for a free one", file=sys.stderr)
+        print(f"psserver: cannot listen on {address}: {exc}. Pick another --port or "
+              "--data-port, or 0 for a free one", file=sys.stderr)
         return 2
     serve(handle, grace=args.grace, port_file=args.port_file, host=args.host)
     return 0

@@ -130,6 +130,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.max_upload_bytes = max_upload_bytes
         self.server_id = uuid.uuid4().hex
         self.shared_memory = SharedMemoryServicer(self)
+        self.data_port = 0   # set by create_server when it serves one (psserver/ipc.py)
 
     # -- plumbing ----------------------------------------------------------
     def _run(self, context, fn: Callable, *args):
@@ -203,7 +204,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.ServerInfo(
             protocol_version=PROTOCOL_VERSION, server_id=self.server_id,
             max_message_bytes=self.max_message_bytes,
-            num_variables=len(self.store), total_bytes=self.store.total_bytes())
+            num_variables=len(self.store), total_bytes=self.store.total_bytes(),
+            data_port=self.data_port)
 
     def CreateVariable(self, request, context):
         return self._run(context, lambda: self._create(request, self._decoded(request)))

@@ -15,6 +15,8 @@ import datetime
 import ipaddress
 import os
 import pathlib
+import ssl
+import tempfile
 
 import grpc
 
@@ -62,6 +64,46 @@ class TLSConfig:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+    # The data ports (psserver/ipc.py over TCP) speak TLS through Python's ssl
+    # module, with the same files and the same rules as gRPC: a server with a
+    # CA demands client certificates; a client checks the server's name.
+    def ssl_server_context(self) -> ssl.SSLContext:
+        if not (self.cert and self.key):
+            raise ValueError("a TLS server needs a certificate and a key")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._load_chain(ctx)
+        if self.ca is not None:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(cadata=self.ca.decode())
+        return ctx
+
+    def ssl_client_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)   # checks the certificate and name
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.ca is not None:
+            ctx.load_verify_locations(cadata=self.ca.decode())
+        else:
+            ctx.load_default_certs()
+        if self.cert and self.key:
+            self._load_chain(ctx)
+        return ctx
+
+    def _load_chain(self, ctx: ssl.SSLContext) -> None:
+        """ssl reads a key pair from files only: the given ones, else private
+        temporary copies removed at once."""
+        cert_path, key_path, _ = self.paths
+        if cert_path and key_path:
+            ctx.load_cert_chain(cert_path, key_path)
+            return
+        with tempfile.TemporaryDirectory(prefix="pstrain-tls-") as d:
+            cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+            for path, data in ((cert, self.cert), (key, self.key)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            ctx.load_cert_chain(cert, key)
 
 
 def make_channel(address: str, options: list, tls: TLSConfig | None) -> grpc.Channel:

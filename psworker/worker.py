@@ -35,8 +35,9 @@ from psserver import ipc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
-from psserver.server import (TOKEN_ENV, TaskSetupError, add_cpus_argument, join_host_port,
-                             make_server, serve, task_setup)
+from psserver.server import (TOKEN_ENV, TaskSetupError, add_cpus_argument,
+                             add_data_port_argument, data_port_of, join_host_port, make_server,
+                             serve, task_setup)
 from psserver.servicer import PROTOCOL_VERSION
 
 log = logging.getLogger("psworker")
@@ -53,6 +54,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         self.worker_id = uuid.uuid4().hex
         self.ipc_socket = ""   # set by main when it serves psserver/ipc.py
+        self.data_port = 0     # likewise, its data port
         self._count = 0
         self._count_lock = threading.Lock()
 
@@ -87,7 +89,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def GetWorkerInfo(self, request, context):
         return worker_pb2.WorkerInfo(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
                                      datasets=datasets.dataset_ids(), closures_run=self._count,
-                                     ipc_socket=self.ipc_socket)
+                                     ipc_socket=self.ipc_socket, data_port=self.data_port)
 
     def CreateDataset(self, request, context):
         self._check_fence(request.worker_id, context)
@@ -153,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None,
                    help="port to bind; 0 picks a free one (default: this task's TF_CONFIG "
                         "entry, else 0)")
+    add_data_port_argument(p)
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds closures in flight get to finish on SIGTERM (default 5)")
@@ -205,11 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
               "for a free one", file=sys.stderr)
         return 2
+    closures = {ipc.RUN_CLOSURE: (worker_pb2.ClosureRequest.FromString,
+                                  handle.servicer.RunClosure)}
     if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)
-        handle.ipc = ipc.IpcServer(
-            {ipc.RUN_CLOSURE: (worker_pb2.ClosureRequest.FromString, handle.servicer.RunClosure)},
-            token, rpc_metrics)
+        handle.ipc = ipc.IpcServer(closures, token, rpc_metrics)
         handle.servicer.ipc_socket = handle.ipc.name
+    data_port = data_port_of(args)
+    if data_port is not None:   # and a coordinator on another host, here
+        try:
+            handle.data = ipc.IpcServer(
+                closures, token, rpc_metrics, tcp=(args.host, data_port),
+                ssl_context=tls.ssl_server_context() if tls is not None else None)
+        except OSError as exc:
+            print(f"psworker: cannot listen on data port {data_port}: {exc}. Pick another "
+                  "--data-port, or 0 for a free one", file=sys.stderr)
+            return 2
+        handle.servicer.data_port = handle.data.port
     serve(handle, grace=args.grace, port_file=args.port_file, host=args.host, role="psworker")
     return 0
 

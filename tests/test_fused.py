@@ -1,7 +1,8 @@
 """A step's calls to one server as one: read_variables with Lookup items and
 push_gradients with IndexedSlices gradients (PSClient.read_and_gather /
 push_dense_and_sparse), against real clusters, on both transports: shared
-memory on this host, and gRPC as across hosts (PSTRAIN_SHM=0 everywhere).
+memory on this host, the data port as across hosts (PSTRAIN_SHM=0
+everywhere), and gRPC alone (PSTRAIN_DATA=0 too).
 """
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ from coordinator import (FixedShardsPartitioner, IndexedSlices, LocalCluster,
                          ParameterServerStrategy, push_gradients, read_variables)
 from coordinator import variables as V
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
-from psserver import shm
+from psserver import ipc, shm
 from psserver.client import PSClient
 from psserver.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["shm", "grpc"])
+@pytest.fixture(params=["shm", "data", "grpc"])
 def transport(request, monkeypatch):
     if request.param == "shm" and not shm.available():
         pytest.skip("no /dev/shm on this system")
-    V.close_clients()   # clients read the switch when made
-    if request.param == "grpc":
+    V.close_clients()   # clients read the switches when made
+    if request.param != "shm":
         monkeypatch.setenv(shm.ENV, "0")   # this process and the tasks it starts
+    if request.param == "grpc":
+        monkeypatch.setenv(ipc.DATA_ENV, "0")
     yield request.param
     V.close_clients()
 
@@ -69,7 +72,10 @@ def test_lookup_and_indexed_slices_match_gather_and_push_sparse(cluster, transpo
     np.testing.assert_allclose(fused.read(), apart.read(), rtol=1e-12)
     assert [m.version for m in fused.meta()] == [3, 3, 3]
     # the transport under test is the one used
-    assert all(V.client_for(a).local == (transport == "shm") for a in cluster.spec.ps)
+    for a in cluster.spec.ps:
+        c = V.client_for(a)
+        assert (c._ipc is not None, c._data is not None) == \
+            {"shm": (True, False), "data": (False, True), "grpc": (False, False)}[transport]
 
 
 def test_fused_calls_check_their_input(cluster):

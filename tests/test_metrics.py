@@ -94,7 +94,7 @@ def test_psserver_counts_calls_codes_bytes_and_pushes(start_ps):
     grad = np.ones(4, np.float32)
     # Tensors over 1 MiB travel over the streams (whatever the default threshold).
     with PSClient(ps.address, token=token, stream_threshold_bytes=1 << 20,
-                  shared_memory=False) as c:
+                  shared_memory=False, data_port=False) as c:
         c.create_variable("w", (4,), initializer="zeros")
         for _ in range(7):
             c.push("w", grad)

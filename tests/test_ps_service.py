@@ -777,14 +777,14 @@ def test_small_message_limit_with_default_chunk_bytes_server(start_ps):
 def test_small_message_limit_with_default_chunk_bytes_client(start_ps):
     ps = start_ps(*SMALL_LIMIT)
     value = np.arange(2 * MiB, dtype=F32)                          # 8 MiB
-    with PSClient(ps.address, max_message_bytes=MiB, shared_memory=False) as c:
+    with PSClient(ps.address, max_message_bytes=MiB, shared_memory=False, data_port=False) as c:
         c.create_variable("big", initial_value=value)
         np.testing.assert_array_equal(c.read("big"), value)
 
 
 @pytest.mark.timeout(300)
 def test_one_gib_variable(ps):
-    with PSClient(ps.address, shared_memory=False) as client:   # gRPC frames
+    with PSClient(ps.address, shared_memory=False, data_port=False) as client:   # gRPC frames
         _one_gib_variable(client)
 
 

@@ -58,7 +58,7 @@ def _make(c: PSClient, name: str = "w", n: int = N) -> np.ndarray:
 
 def test_shared_memory_matches_grpc_and_leaves_nothing(ps):
     before = _our_names()
-    with PSClient(ps.address) as fast, PSClient(ps.address, shared_memory=False) as slow:
+    with PSClient(ps.address) as fast, PSClient(ps.address, shared_memory=False, data_port=False) as slow:
         init = _make(fast)
         fast.read("w")   # learns the size; the next read goes through shared memory
         grads = np.random.default_rng(1).standard_normal((5, N)).astype(np.float32)
@@ -294,9 +294,9 @@ def test_arena_reuses_and_bounds_segments():
     assert len(detached) == 3
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
-def test_read_into_given_arrays(ps, shared_memory):
-    with PSClient(ps.address, shared_memory=shared_memory) as c:
+@pytest.mark.parametrize("mode", ["shm", "data", "grpc"])
+def test_read_into_given_arrays(ps, mode):
+    with PSClient(ps.address, shared_memory=mode == "shm", data_port=mode != "grpc") as c:
         init = _make(c)
         c.read("w")
         c.push("w", np.ones(N, np.float32))
@@ -310,7 +310,8 @@ def test_read_into_given_arrays(ps, shared_memory):
         np.testing.assert_array_equal(s3.value, dest)
         h = c.read_many_async(["w"], out=[dest])
         assert h.result()[0].value is dest
-        assert c.local == (shared_memory and shm.available())
+        assert (c._ipc is not None, c._data is not None) == \
+            {"shm": (shm.available(), False), "data": (False, True), "grpc": (False, False)}[mode]
 
 
 # -- the local call socket (psserver/ipc.py) --------------------------------------------

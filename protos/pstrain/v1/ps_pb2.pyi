@@ -316,18 +316,20 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes")
+    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "data_port")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     server_id: str
     max_message_bytes: int
     num_variables: int
     total_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ShmAttachRequest(_message.Message):
     __slots__ = ("name", "nbytes")
