@@ -38,6 +38,7 @@ COMPOSE = os.path.join(ROOT, "docker-compose.yml")
 K8S_VERSION = "1.31.0"
 PORT = 2222
 METRICS_PORT = 9100   # Prometheus metrics (tests/test_metrics.py checks them in full)
+DATA_PORT = 2223      # the data port (tests/test_data_port.py)
 
 
 def load_all(path):
@@ -147,7 +148,11 @@ def test_manifests_are_namespace_agnostic_and_fit_together():
         c = sts["spec"]["template"]["spec"]["containers"][0]
         assert c["command"][:4] == ["coordinator", "task", "--type", role]
         assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
-            "grpc": PORT, "metrics": METRICS_PORT}
+            "grpc": PORT, "data": DATA_PORT, "metrics": METRICS_PORT}
+        assert c["command"][c["command"].index("--data-port") + 1] == str(DATA_PORT)
+        assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+            "grpc": (PORT, "grpc"), "data": (DATA_PORT, "data"),
+            "metrics": (METRICS_PORT, "metrics")}
         for probe in ("readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == PORT, (role, probe)
     assert sets["ps"]["spec"]["replicas"] == 2
@@ -160,7 +165,7 @@ def test_manifests_are_namespace_agnostic_and_fit_together():
     (policy,) = by_kind("NetworkPolicy").values()
     selected = policy["spec"]["podSelector"]["matchLabels"]
     (rule,) = policy["spec"]["ingress"]
-    assert [p["port"] for p in rule["ports"]] == [PORT, METRICS_PORT]
+    assert [p["port"] for p in rule["ports"]] == [PORT, DATA_PORT, METRICS_PORT]
     (peer,) = rule["from"]
     for name, spec, labels in pod_specs():
         assert selected.items() <= labels.items(), name
@@ -223,6 +228,7 @@ def test_compose_services_share_one_image_and_bind_all_interfaces():
             roles[cmd[0]].append(name)
             assert _flag(cmd, "--host") == "0.0.0.0", name
             assert _flag(cmd, "--port") == str(PORT), name
+            assert _flag(cmd, "--data-port") == str(DATA_PORT), name   # fixed, as in deploy/
             assert s["restart"] in ("on-failure", "unless-stopped", "always"), name
             assert "coordinator" in s["healthcheck"]["test"] and "health" in s["healthcheck"]["test"]
         assert "PSTRAIN_AUTH_TOKEN" in s["environment"], name

@@ -1,0 +1,222 @@
+"""The data port (psserver/ipc.py over TCP): the hot calls between hosts,
+framed by hand beside gRPC. Real psserver/psworker processes on 127.0.0.1;
+clients made to treat them as remote (shared_memory=False, or PSTRAIN_SHM=0)."""
+from __future__ import annotations
+
+import re
+import socket
+import ssl
+import struct
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
+from coordinator import push_gradients
+from coordinator import variables as V
+from protos.pstrain.v1 import ps_pb2
+from psserver import ipc, shm, wire
+from psserver.client import PSClient
+from psserver.errors import PSError, Unauthenticated, Unavailable
+from psserver.process import start_task
+from psserver.server import TOKEN_ENV
+from psserver.tls import TLSConfig, generate_self_signed
+
+pytestmark = pytest.mark.timeout(120)
+N = 1000
+
+
+def remote(address: str, **kw) -> PSClient:
+    """A client that uses the data port as one on another host would."""
+    return PSClient(address, shared_memory=False, **kw)
+
+
+def grpc_only(address: str, **kw) -> PSClient:
+    return PSClient(address, shared_memory=False, data_port=False, **kw)
+
+
+def data_port_of(task) -> int:
+    for line in list(task.log_lines):
+        m = re.match(rf"^{task.role} data port on \S+:(\d+)$", line.strip())
+        if m:
+            return int(m.group(1))
+    raise AssertionError(f"{task.role} printed no data port:\n{task.output()}")
+
+
+def _make(c: PSClient, name: str = "w") -> np.ndarray:
+    init = np.linspace(-1, 1, N).astype(np.float32)
+    c.create_variable(name, initial_value=init, optimizer="sgd",
+                      optimizer_params={"learning_rate": 0.5}, exist_ok=True)
+    return init
+
+
+def test_data_port_gives_what_grpc_gives(start_ps):
+    ps = start_ps("--metrics-port", "0")
+    with remote(ps.address) as fast, grpc_only(ps.address) as slow:
+        assert fast.server_info().data_port == data_port_of(ps) > 0
+        init = _make(fast)
+        table = np.arange(40, dtype=np.float64).reshape(10, 4)
+        fast.create_variable("t", initial_value=table, optimizer="sgd",
+                             optimizer_params={"learning_rate": 1.0})
+        grads = np.random.default_rng(0).standard_normal((3, N)).astype(np.float32)
+        for i, g in enumerate(grads):
+            assert fast.push("w", g) == i + 1
+            fast.push_sparse("t", [1, 1, 7], np.ones((3, 4)))
+        np.testing.assert_array_equal(fast.read("w"), slow.read("w"))
+        np.testing.assert_allclose(fast.read("w"), init - 0.5 * grads.sum(0), atol=1e-5)
+        np.testing.assert_array_equal(fast.gather("t", [[1, 7], [0, 1]]),
+                                      slow.gather("t", [[1, 7], [0, 1]]))
+        np.testing.assert_array_equal(slow.read("t")[1], table[1] - 6)
+        h = fast.push_many_async({"w": grads[0]})   # sent at once, collected later
+        assert fast.local and h.result() == [4]
+        assert fast._data is not None and slow._data is None and not slow.local
+    # Counted as the gRPC calls are, with grpc_type "tcp".
+    with urllib.request.urlopen(f"http://{_metrics(ps)}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    started = {tuple(sorted(s.labels.items())): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "grpc_server_started_total"}
+    key = tuple(sorted({"grpc_service": "pstrain.v1.ParameterServerBulk", "grpc_method": "Push",
+                        "grpc_type": "tcp"}.items()))
+    assert started[key] == 4
+
+
+def _metrics(task) -> str:
+    for line in list(task.log_lines):
+        m = re.match(rf"^{task.role} metrics on (\S+)$", line.strip())
+        if m:
+            return m.group(1)
+    raise AssertionError(task.output())
+
+
+def test_data_port_checks_the_token_and_refuses_bad_calls_changing_nothing(start_ps):
+    ps = start_ps(env={TOKEN_ENV: "right"})
+    port = data_port_of(ps)
+    for token in (None, "wrong", "righ"):
+        with pytest.raises(Unauthenticated):
+            ipc.IpcClient("", token, ps.address, tcp=("127.0.0.1", port)).connect()
+    for junk in (b"\x00" * 3,                                        # a short hello
+                 struct.pack("<BId", 9, 0, 0.0),                      # not a hello
+                 struct.pack("<BId", 0, 1 << 31, 0.0)):               # a huge hello
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            s.recv(1024)   # refused or closed, never served
+    with remote(ps.address, token="right") as c:
+        init = _make(c)
+        c.create_variable("b", (3,), "float32", initializer="zeros")
+        raw = ipc.IpcClient("", "right", ps.address, tcp=("127.0.0.1", port))
+        bad = [b"\xff\xff\xff",                                           # not protobuf
+               wire.encode_push_request([("w", np.ones(N + 1, np.float32), 0)], b""),
+               wire.encode_push_request([("b", np.ones(3, np.float32), 0),     # one good,
+                                         ("w", np.full(N, np.nan, np.float32), 0)], b""),
+               wire.encode_push_request([("nope", np.ones(3, np.float32), 0)], b"")]
+        for request in bad:
+            with pytest.raises(PSError) as info:
+                raw.call(ipc.BULK_PUSH, request, 5)
+            assert info.value.code in (grpc.StatusCode.INVALID_ARGUMENT,
+                                       grpc.StatusCode.NOT_FOUND)
+        with pytest.raises(PSError) as info:   # no such method on a parameter server
+            raw.call(ipc.RUN_CLOSURE, b"", 5)
+        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+        raw.close()
+        # Nothing was applied, and the port still serves.
+        value, version = c.read("w", with_version=True)
+        np.testing.assert_array_equal(value, init)
+        assert version == 0 and c.read("b", with_version=True)[1] == 0
+        assert c.push("w", np.ones(N, np.float32)) == 1 and c._data is not None
+
+
+def test_data_port_speaks_mutual_tls_only(start_ps, tmp_path):
+    tls = generate_self_signed(str(tmp_path))
+    ps = start_ps(env={**tls.env(), TOKEN_ENV: "t"})
+    port = data_port_of(ps)
+    with remote(ps.address, tls=tls, token="t") as c:   # certificate and key: served
+        init = _make(c)
+        assert c.push("w", np.ones(N, np.float32)) == 1 and c._data is not None
+        np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
+    with pytest.raises(OSError):   # plaintext on a TLS port: no answer but the close
+        ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port)).connect()
+    anonymous = TLSConfig(ca=tls.ca).ssl_client_context()   # trusts the server, no cert
+    with pytest.raises((OSError, PSError)):
+        ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port),
+                      ssl_context=anonymous).connect()
+    stranger = generate_self_signed(str(tmp_path / "other"))   # another CA's certificate
+    with pytest.raises(OSError):
+        ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port),
+                      ssl_context=stranger.ssl_client_context()).connect()
+    with remote(ps.address, tls=tls, token="t") as c:   # still serving
+        assert c.push("w", np.ones(N, np.float32)) == 2
+
+
+def test_data_port_off_fixed_or_taken(start_ps):
+    off = start_ps("--data-port", "-1")
+    with remote(off.address) as c:
+        assert c.server_info().data_port == 0
+        _make(c)
+        assert c.push("w", np.ones(N, np.float32)) == 1
+        assert c._data is None and not c.local
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    fixed = start_ps("--data-port", str(free))
+    assert data_port_of(fixed) == free
+    with pytest.raises(RuntimeError, match="data port"):
+        start_task("psserver", ["--port", "0", "--data-port", str(free)], timeout=20)
+
+
+def test_client_follows_a_restarted_server_to_its_new_data_port(start_ps):
+    ps = start_ps()
+    with remote(ps.address, wait_for_ready=True) as c:
+        _make(c)
+        assert c.push("w", np.ones(N, np.float32)) == 1
+        old = c._data
+        assert old is not None
+        port = ps.address.rsplit(":", 1)[1]
+        ps.kill()
+        ps2 = start_ps("--port", port)
+        init = _make(c)            # over gRPC
+        np.testing.assert_array_equal(c.read("w"), init)   # the lost connection: redone
+        assert c.push("w", np.ones(N, np.float32)) == 1    # on the new data port
+        assert c._data is not None and c._data is not old
+        assert c._data._tcp[1] == data_port_of(ps2)
+
+
+def test_a_push_on_a_lost_data_connection_fails_as_over_grpc(start_ps):
+    ps = start_ps()
+    with remote(ps.address, wait_for_ready=True) as c:
+        _make(c)
+        c.push("w", np.ones(N, np.float32))
+        ps.kill()
+        with pytest.raises(Unavailable):   # applied or not, unknown: the caller decides
+            c.push("w", np.ones(N, np.float32))
+
+
+def push_one(w):
+    push_gradients([(w, np.ones(3, np.float32))])
+    return 1
+
+
+@pytest.mark.skipif(not shm.available(), reason="compares against the same-host path")
+def test_coordinator_sends_closures_to_workers_over_their_data_port(monkeypatch):
+    V.close_clients()
+    monkeypatch.setenv(shm.ENV, "0")   # as if every task were on its own host
+    try:
+        with LocalCluster(num_ps=1, num_workers=2) as cluster:   # mutual TLS
+            strategy = ParameterServerStrategy(cluster.spec)
+            w = strategy.create_variable("w", initial_value=np.zeros(3, np.float32),
+                                         optimizer="sgd",
+                                         optimizer_params={"learning_rate": 1.0})
+            with ClusterCoordinator(strategy) as coord:
+                results = [coord.schedule(push_one, args=(w,)) for _ in range(6)]
+                coord.join()
+                assert [r.fetch() for r in results] == [1] * 6
+                threads = list(coord._membership.workers.values())
+                assert all(t._ipc is not None and t._ipc._tcp is not None and
+                           isinstance(t._ipc._ssl, ssl.SSLContext) for t in threads)
+            np.testing.assert_array_equal(w.read(), -6 * np.ones(3))
+    finally:
+        V.close_clients()
