@@ -91,15 +91,18 @@ def measure_main(plan: Plan) -> dict[str, dict[str, Stats]]:
     from psserver.client import PSClient
     res: dict[str, dict[str, Stats]] = {}
     with TCPReference() as tcp, GrpcReference() as ref, running_psserver() as (task, ps), \
-            PSClient(task.address, shared_memory=False, timeout=300) as remote:
+            PSClient(task.address, shared_memory=False, timeout=300) as across, \
+            PSClient(task.address, shared_memory=False, data_port=False, timeout=300) as remote:
         names = {label: f"dense_{n}" for label, n in DENSE_SIZES.items()}
         grads = {label: create_dense(ps, DENSE_SIZES[label], name) for label, name in names.items()}
 
         def ours(label: str) -> dict[str, Callable[[], object]]:
-            """Our client on this host (shared memory, local socket) and one that
-            keeps to gRPC, as a client on another host does."""
+            """Our client on this host (shared memory, local socket), one as on
+            another host (the data port), and one that keeps to gRPC."""
             name, g = names[label], grads[label]
             return {"ours_read": lambda: ps.read(name), "ours_push": lambda: ps.push(name, g),
+                    "data_path_read": lambda: across.read(name),
+                    "data_path_push": lambda: across.push(name, g),
                     "grpc_path_read": lambda: remote.read(name),
                     "grpc_path_push": lambda: remote.push(name, g)}
 
@@ -146,6 +149,7 @@ def measure_main(plan: Plan) -> dict[str, dict[str, Stats]]:
         log(f"gather: {plan.gather} rounds")
         res["gather"] = time_interleaved({
             "ours_gather": lambda: ps.gather("emb", next(ids)),
+            "data_path_gather": lambda: across.gather("emb", next(ids)),
             "grpc_path_gather": lambda: remote.gather("emb", next(ids)),
             "grpc_fetch_unary": lambda: ref.fetch(GATHER_BYTES),
         }, plan.gather, warmup=10)
@@ -166,11 +170,13 @@ class Setting:
 
 
 def frame_settings(plan: Plan) -> list[Setting]:
-    out = [Setting(f"stream, {fmt_bytes(c)} frames", PSConfig(chunk_bytes=c, shared_memory=False))
+    out = [Setting(f"stream, {fmt_bytes(c)} frames", PSConfig(chunk_bytes=c, shared_memory=False,
+                                                                data_port=False))
            for c in plan.frame_sizes]
     # Room for 64 MiB plus the message overhead: one unary call.
     out.append(Setting("unary (max_message 128 MiB)", PSConfig(
-        max_message_bytes=128 * MiB, stream_threshold_bytes=128 * MiB, shared_memory=False)))
+        max_message_bytes=128 * MiB, stream_threshold_bytes=128 * MiB, shared_memory=False,
+        data_port=False)))
     return out
 
 
@@ -178,9 +184,10 @@ def threshold_settings(plan: Plan) -> list[Setting]:
     """Unary (up to the 64 MiB message limit) against streaming everything."""
     return [Setting("unary (stream threshold 64 MiB)",
                     PSConfig(stream_threshold_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-                             shared_memory=False))] + [
+                             shared_memory=False, data_port=False))] + [
         Setting(f"stream, {fmt_bytes(c)} frames (stream threshold 0)",
-                PSConfig(chunk_bytes=c, stream_threshold_bytes=0, shared_memory=False))
+                PSConfig(chunk_bytes=c, stream_threshold_bytes=0, shared_memory=False,
+                         data_port=False))
         for c in plan.threshold_frames]
 
 
@@ -283,7 +290,26 @@ def comparisons(main: dict[str, dict[str, Stats]]) -> tuple[list[dict], list[dic
         _row("gather_p50_vs_grpc", f"gather {GATHER_IDS} x {GATHER_DIM}, p50",
              g["ours_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
              g["grpc_fetch_unary"].p50, "s"),
-        # The same over gRPC only, as from another host (PSClient(shared_memory=False)).
+        # As from another host: over the data port (PSClient(shared_memory=False)); tensors
+        # above the 4 MiB stream threshold still take gRPC's streams there.
+        _row("data_read_1MiB_vs_tcp", "data port: 1 MiB read, MB/s (best)",
+             bps(m1["data_path_read"], MiB), "raw TCP 1 MiB download",
+             bps(m1["tcp_download"], MiB), "B/s"),
+        _row("data_push_1MiB_vs_tcp", "data port: 1 MiB push SGD, MB/s (best)",
+             bps(m1["data_path_push"], MiB), "raw TCP 1 MiB upload",
+             bps(m1["tcp_upload"], MiB), "B/s"),
+        _row("data_read_1KiB_p50_vs_grpc", "data port: 1 KiB read, p50",
+             k1["data_path_read"].p50, "bare gRPC unary 1 KiB echo p50", k1["grpc_echo"].p50, "s"),
+        _row("data_gather_p50_vs_grpc", f"data port: gather {GATHER_IDS} x {GATHER_DIM}, p50",
+             g["data_path_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
+             g["grpc_fetch_unary"].p50, "s"),
+        # And over gRPC only (PSClient(shared_memory=False, data_port=False)).
+        _row("grpc_read_1MiB_vs_tcp", "over gRPC: 1 MiB read, MB/s (best)",
+             bps(m1["grpc_path_read"], MiB), "raw TCP 1 MiB download",
+             bps(m1["tcp_download"], MiB), "B/s"),
+        _row("grpc_push_1MiB_vs_tcp", "over gRPC: 1 MiB push SGD, MB/s (best)",
+             bps(m1["grpc_path_push"], MiB), "raw TCP 1 MiB upload",
+             bps(m1["tcp_upload"], MiB), "B/s"),
         _row("grpc_read_64MiB_vs_tcp", "over gRPC: 64 MiB read, MB/s (best)",
              bps(m64["grpc_path_read"], BIG), "raw TCP 64 MiB download",
              bps(m64["tcp_download"], BIG), "B/s"),

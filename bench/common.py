@@ -198,8 +198,10 @@ class PSConfig:
     extra_args: tuple[str, ...] = ()
     #: client side only: tensors above this move in frames
     stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES
-    #: client side only: False keeps to gRPC (as a client on another host)
+    #: client side only: False: no shared memory (as a client on another host)
     shared_memory: bool = True
+    #: client side only: False keeps such a client to gRPC (no data port)
+    data_port: bool = True
 
     def args(self) -> list[str]:
         return ["--port", "0", "--max-message-bytes", str(self.max_message_bytes),
@@ -234,7 +236,7 @@ def running_psservers(configs: Sequence[PSConfig], *, client_timeout: float = 30
             client = PSClient(task.address, max_message_bytes=c.max_message_bytes,
                               stream_threshold_bytes=c.stream_threshold_bytes,
                               chunk_bytes=c.chunk_bytes, timeout=client_timeout,
-                              shared_memory=c.shared_memory)
+                              shared_memory=c.shared_memory, data_port=c.data_port)
             stack.callback(client.close)
             client.wait_ready(30)
             out.append((task, client))
