@@ -374,16 +374,17 @@ class _WorkerThread:
             if self.worker_id is not None:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id, self._created = info.worker_id, set(info.datasets)
-            self._use_socket("", 0)   # the old process's sockets are gone
+            self._use_socket("", 0, "")   # the old process's sockets are gone
         if self._ipc is None:
-            self._use_socket(info.ipc_socket, info.data_port)
+            self._use_socket(info.ipc_socket, info.data_port,
+                             f"{info.protocol_version}:{info.worker_id}")
         # A worker that (re)joins starts at the slowest live clock, not behind it.
         self.clock = max(self.clock, self.coord._min_clock(exclude=self))
         self.alive = True
         self.coord._clocks_changed()
         return True
 
-    def _use_socket(self, name: str, data_port: int) -> None:
+    def _use_socket(self, name: str, data_port: int, identity: str) -> None:
         """Send closures over the worker's local socket when this process can
         reach it (same host, same network namespace), else over its data port
         (psserver/ipc.py over TCP; PSTRAIN_DATA=0: not), else over gRPC."""
@@ -394,12 +395,13 @@ class _WorkerThread:
         candidates = []
         if name and ipc.available():
             candidates.append(lambda: ipc.IpcClient(name, strategy.token, self.address,
-                                                    max_free=1))
+                                                    max_free=1, identity=identity))
         if data_port and ipc.data_available():
             host = self.address.rsplit(":", 1)[0]
             candidates.append(lambda: ipc.IpcClient(
                 "", strategy.token, self.address, max_free=1, tcp=(host, data_port),
-                ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None))
+                ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
+                identity=identity))
         for make in candidates:
             try:
                 client = make()

@@ -607,33 +607,38 @@ class PSClient:
         return self._connect_data()
 
     def _connect_data(self) -> ipc.IpcClient | None:
+        """Learn the server's data port and connect (once; again after a lost
+        connection). Calls meanwhile, on other threads, go over gRPC."""
         with self._shm_lock:
             if self._data is not None or self._data_asked:
                 return self._data
-            try:
-                info = self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
-            except PSError:   # asked again on a later call
-                return None
-            self._data_asked = True
+            self._data_asked = True   # this thread asks; the others keep to gRPC
+        client = None
+        try:
+            info = self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
             if not info.data_port:
                 return None
             host = self.address.rsplit(":", 1)[0]
-            try:
-                ctx = self._tls.ssl_client_context() if self._tls is not None else None
-                client = ipc.IpcClient("", self._token, self.address,
-                                       tcp=(host, info.data_port), ssl_context=ctx)
-            except (OSError, ValueError) as exc:
-                log.warning("not using the data port of %s: %s", self.address, exc)
+            ctx = self._tls.ssl_client_context() if self._tls is not None else None
+            client = ipc.IpcClient(
+                "", self._token, self.address, tcp=(host, info.data_port), ssl_context=ctx,
+                identity=f"{info.protocol_version}:{info.server_id}")
+            client.connect()
+        except PSError as exc:
+            if client is None:   # GetServerInfo failed: asked again on a later call
+                self._data_asked = False
                 return None
-            try:
-                client.connect()
-            except (OSError, PSError) as exc:   # a firewall, a NetworkPolicy: keep to gRPC
-                log.warning("cannot reach the data port %s:%d of %s (%s); using gRPC",
-                            host, info.data_port, self.address, exc)
+            log.warning("not using the data port of %s (%s); using gRPC", self.address, exc)
+            client.close()
+            return None
+        except (OSError, ValueError) as exc:   # a firewall, a NetworkPolicy, a bad certificate
+            log.warning("cannot use the data port of %s (%s); using gRPC", self.address, exc)
+            if client is not None:
                 client.close()
-                return None
+            return None
+        with self._shm_lock:
             self._data = client
-            return client
+        return client
 
     def _drop_socket(self, client: ipc.IpcClient) -> None:
         """A connection of ``client`` broke: stop using it (a restarted server
@@ -671,6 +676,9 @@ class PSClient:
         try:
             receive = client.send(method, payload, self.timeout)
         except Unavailable as exc:
+            if getattr(exc, "not_sent", False):   # never reached the server: gRPC is safe
+                self._drop_socket(client)
+                return lambda: self._call(via, request)
             failed = exc
             return lambda: lost(failed)
 

@@ -72,10 +72,17 @@ MAX_FRAME_BYTES = 64 << 20
 #: server keeps.
 HELLO_SECONDS = 5.0
 MAX_CONNECTIONS = 1024
-#: Seconds a client waits to connect to a data port (unreachable: it keeps to gRPC).
+#: Connections that have not said hello yet a server keeps (more are closed at
+#: once: a slow or silent peer cannot crowd out clients that have).
+MAX_PENDING = 64
+#: Seconds a client waits to connect to a data port and be greeted
+#: (unreachable: it keeps to gRPC).
 CONNECT_SECONDS = 5.0
+#: Seconds a server waits for a client to take a reply before dropping it.
+REPLY_SECONDS = 60.0
 
-HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH = range(8)
+(HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH,
+ IDENTITY) = range(9)
 #: (service, method) of each call, for the metrics.
 METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 SHM_PUSH: ("pstrain.v1.SharedMemory", "Push"),
@@ -130,6 +137,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
         _recv_into(sock, memoryview(whole)[first:])
         return whole
     return buf
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake whatever waits on sock (its reads fail): a peer out of time."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _tune_tcp(sock: socket.socket) -> None:
@@ -203,11 +216,15 @@ class IpcServer:
 
     def __init__(self, handlers: dict[int, tuple[Callable | None, Callable]], token: str | None,
                  rpc_metrics=None, *, tcp: tuple[str, int] | None = None,
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, identity: str = ""):
         """handlers: method id -> (request parser, servicer method(request, context));
         a parser None hands the method the request's bytes as they came, and a
-        method may return bytes (a reply serialized already)."""
+        method may return bytes (a reply serialized already). ``identity``: what
+        IDENTITY answers (the task's id and protocol version: a client checks it
+        reached the task it meant, not another behind a port mapping)."""
         self._handlers = handlers
+        self._identity = identity.encode()
+        self._pending = 0   # connections that have not said hello yet
         self._token = (token or "").encode()
         self._metrics = rpc_metrics
         self._method_metrics: dict[int, object] = {}
@@ -219,13 +236,15 @@ class IpcServer:
             self._sock.bind(_address(self.name))
         else:
             host, port = tcp
-            host = host.strip("[]")
             self.kind, self.name = "tcp", ""
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            # The host as gRPC binds it: a name, an IPv4 or an IPv6 address.
+            family, _, _, _, addr = socket.getaddrinfo(
+                host.strip("[]"), port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0,
+                socket.AI_PASSIVE)[0]
             self._sock = socket.socket(family, socket.SOCK_STREAM)
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                self._sock.bind((host, port))
+                self._sock.bind(addr)
             except OSError:
                 self._sock.close()
                 raise
@@ -281,35 +300,66 @@ class IpcServer:
                 if self._stopped:
                     conn.close()
                     return
-                if uid != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS:
+                if uid != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS or \
+                        self._pending >= MAX_PENDING:
                     conn.close()   # another user's, or too many: nothing is read
                     continue
                 self._conns.add(conn)
+                self._pending += 1
             threading.Thread(target=self._serve, args=(conn, pid), name="ipc-conn",
                              daemon=True).start()
 
     def _hello(self, conn: socket.socket) -> bool:
-        conn.settimeout(HELLO_SECONDS)
         method, n, _ = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
         token = bytes(_recv_exact(conn, n)) if n <= 4096 else None
-        if method != HELLO or token is None or not hmac.compare_digest(token, self._token):
+        # As the gRPC port: a server without a token takes any (or none).
+        if method != HELLO or token is None or (
+                self._token and not hmac.compare_digest(token, self._token)):
             msg = b"refused: wrong token"
             conn.sendall(_REPLY.pack(grpc.StatusCode.UNAUTHENTICATED.value[0], len(msg)) + msg)
             return False
-        conn.settimeout(None)
         conn.sendall(_REPLY.pack(0, 0))
         return True
 
-    def _serve(self, conn: socket.socket, peer_pid: int = 0) -> None:
-        raw = conn
+    def _greet(self, raw: socket.socket) -> tuple[socket.socket, bool]:
+        """The TLS handshake (with one) and the hello, within HELLO_SECONDS in
+        all (a timer cuts off a peer that dribbles bytes): (the connection, as
+        wrapped; whether to serve it)."""
+        conn = raw
+        timer = threading.Timer(HELLO_SECONDS, _shut, (raw,))
+        timer.daemon = True
+        timer.start()
         try:
-            if self._ssl is not None:   # the handshake, then the hello, within HELLO_SECONDS
-                conn.settimeout(HELLO_SECONDS)
-                conn = self._ssl.wrap_socket(conn, server_side=True)   # takes raw's descriptor
+            raw.settimeout(HELLO_SECONDS)
+            if self._ssl is not None:
+                conn = self._ssl.wrap_socket(raw, server_side=True)   # takes raw's descriptor
+                timer.cancel()   # raw is detached now: cut off the wrapped one
+                timer = threading.Timer(HELLO_SECONDS, _shut, (conn,))
+                timer.daemon = True
+                timer.start()
                 with self._lock:
                     self._conns.discard(raw)
                     self._conns.add(conn)   # what stop() shuts down
+                    if self._stopped:
+                        return conn, False
             if not self._hello(conn):
+                return conn, False
+        except BaseException:
+            if conn is not raw:
+                conn.close()
+            raise
+        finally:
+            timer.cancel()
+            with self._lock:
+                self._pending -= 1
+        conn.settimeout(None)
+        return conn, True
+
+    def _serve(self, raw: socket.socket, peer_pid: int = 0) -> None:
+        conn = raw
+        try:
+            conn, ok = self._greet(raw)
+            if not ok:
                 return
             follow_cpu(peer_pid)
             while True:
@@ -322,8 +372,13 @@ class IpcServer:
                         return
                     self._running += 1
                 try:
-                    code, body = self._call(method, payload, timeout)
+                    if method == IDENTITY:
+                        code, body = grpc.StatusCode.OK, self._identity
+                    else:
+                        code, body = self._call(method, payload, timeout)
+                    conn.settimeout(REPLY_SECONDS)   # a client that takes no reply is dropped
                     _send(conn, _REPLY.pack(code.value[0], len(body)), body)
+                    conn.settimeout(None)
                 finally:
                     with self._lock:
                         self._running -= 1
@@ -418,8 +473,12 @@ class IpcClient:
 
     def __init__(self, name: str, token: str | None, target: str, max_free: int = 8, *,
                  tcp: tuple[str, int] | None = None, ssl_context: ssl.SSLContext | None = None,
-                 server_hostname: str | None = None):
+                 server_hostname: str | None = None, identity: str | None = None):
+        """``identity``: what the server must answer to IDENTITY (its id and
+        protocol version, as its gRPC port told), checked on every connection."""
         self.name, self.target = name, target
+        self._identity = None if identity is None else identity.encode()
+        self._closed = False
         self._tcp = tcp
         self._ssl = ssl_context
         self._server_hostname = server_hostname or (tcp[0].strip("[]") if tcp else None)
@@ -438,7 +497,7 @@ class IpcClient:
                                          timeout=CONNECT_SECONDS)
             _tune_tcp(s)
         try:
-            s.settimeout(10.0)
+            s.settimeout(CONNECT_SECONDS)
             if self._tcp is None:
                 s.connect(_address(self.name))
             elif self._ssl is not None:
@@ -447,6 +506,15 @@ class IpcClient:
             code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
             if code:
                 raise _error(code, _recv_exact(s, n).decode(errors="replace"), self.target)
+            if self._identity is not None:
+                s.sendall(_REQUEST.pack(IDENTITY, 0, 0.0))
+                code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
+                got = bytes(_recv_exact(s, min(n, 4096)))
+                if code or got != self._identity:
+                    raise _error(grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                                 f"{self.name or self._tcp} answers as another task "
+                                 f"({got[:80]!r}, not {self._identity!r}): a port mapping "
+                                 "that reaches another server", self.target)
             return s
         except BaseException:
             s.close()
@@ -471,10 +539,30 @@ class IpcClient:
 
     def _give(self, s: socket.socket) -> None:
         with self._lock:
-            if len(self._free) < self._max_free:
+            if not self._closed and len(self._free) < self._max_free:
                 self._free.append(s)
                 return
         s.close()
+
+    def _take(self) -> socket.socket | None:
+        """A free connection that is still open (one whose server went away
+        reads as readable or hung up: nothing else arrives unasked), or None."""
+        while True:
+            with self._lock:
+                s = self._free.pop() if self._free else None
+            if s is None:
+                return None
+            if isinstance(s, ssl.SSLSocket) and s.pending():
+                s.close()
+                continue
+            try:
+                p = select.poll()
+                p.register(s, select.POLLIN | select.POLLHUP | select.POLLERR | _RDHUP)
+                if not p.poll(0):
+                    return s
+            except (OSError, ValueError):
+                pass
+            s.close()
 
     def call(self, method: int, request: bytes, timeout: float | None) -> bytes:
         """Send a request and wait for its reply (raises the call's PSError)."""
@@ -487,15 +575,18 @@ class IpcClient:
         each, then collect each reply. Until collected, the call holds its
         connection (a reply never collected costs that connection).
         """
-        with self._lock:
-            s = self._free.pop() if self._free else None
+        s = self._take()
         try:
             if s is None:
                 s = self._connect()
             s.settimeout(timeout)
             _send(s, _REQUEST.pack(method, len(request), timeout or 0.0), request)
         except BaseException as exc:
-            raise self._broken(s, exc) from None
+            # Not sent in full: a server runs a call only once all of it came.
+            err = self._broken(s, exc)
+            if isinstance(err, Unavailable):
+                err.not_sent = True
+            raise err from None
         return _Pending(self, s, timeout)
 
     def _receive(self, s: socket.socket, timeout: float | None) -> bytes:
@@ -517,12 +608,14 @@ class IpcClient:
         if isinstance(exc, socket.timeout):
             return DeadlineExceeded(f"call did not finish within {timeout}s [{self.target}]")
         if isinstance(exc, (ConnectionError, OSError)):
-            return Unavailable(f"lost the local connection to the parameter server: {exc} "
+            where = "data port" if self._tcp else "local socket"
+            return Unavailable(f"lost the connection to the {where} of {self.target}: {exc} "
                                f"[{self.target}]")
         return exc
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             free, self._free = self._free, []
             if self._watch is not None:
                 free.append(self._watch)

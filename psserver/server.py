@@ -263,7 +263,8 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                 ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
                 ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
             }, token, rpc_metrics, tcp=(host, data_port),
-                ssl_context=tls.ssl_server_context() if tls is not None else None)
+                ssl_context=tls.ssl_server_context() if tls is not None else None,
+                identity=f"{PROTOCOL_VERSION}:{servicer.server_id}")
         except OSError as exc:
             if handle.ipc is not None:
                 handle.ipc.stop(0)

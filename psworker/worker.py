@@ -210,15 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     closures = {ipc.RUN_CLOSURE: (worker_pb2.ClosureRequest.FromString,
                                   handle.servicer.RunClosure)}
+    identity = f"{PROTOCOL_VERSION}:{handle.servicer.worker_id}"
     if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)
-        handle.ipc = ipc.IpcServer(closures, token, rpc_metrics)
+        handle.ipc = ipc.IpcServer(closures, token, rpc_metrics, identity=identity)
         handle.servicer.ipc_socket = handle.ipc.name
     data_port = data_port_of(args)
     if data_port is not None:   # and a coordinator on another host, here
         try:
             handle.data = ipc.IpcServer(
                 closures, token, rpc_metrics, tcp=(args.host, data_port),
-                ssl_context=tls.ssl_server_context() if tls is not None else None)
+                ssl_context=tls.ssl_server_context() if tls is not None else None,
+                identity=identity)
         except OSError as exc:
             print(f"psworker: cannot listen on data port {data_port}: {exc}. Pick another "
                   "--data-port, or 0 for a free one", file=sys.stderr)
