@@ -66,7 +66,9 @@ Transport: all processes share this host, so ours moves tensors through
 shared memory and makes its hot calls (reads, pushes, lookups, closures)
 over local sockets (psserver/shm.py, psserver/ipc.py); the rest is
 plaintext gRPC like TensorFlow's (``--tls``: LocalCluster's default mutual
-TLS). ``--task-env PSTRAIN_SHM=0`` keeps ours to gRPC, as between hosts.
+TLS). ``--task-env PSTRAIN_SHM=0``: as between hosts (the hot calls over the
+tasks' data ports, TCP); add ``--task-env PSTRAIN_DATA=0`` and run with
+``PSTRAIN_DATA=0`` for gRPC alone.
 """
 from __future__ import annotations
 
@@ -673,6 +675,14 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
     return res
 
 
+def _transport(task_env: dict[str, str]) -> str:
+    if task_env.get("PSTRAIN_SHM") != "0":
+        return " + same-host shared memory and local sockets"
+    if task_env.get("PSTRAIN_DATA") == "0" and os.environ.get("PSTRAIN_DATA") == "0":
+        return " only"
+    return " + data ports (TCP), as between hosts"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer, shorter blocks (under 2 minutes)")
@@ -708,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
           f"TensorFlow intra_op {TF_INTRA_OP}, inter_op "
           f"{', '.join(f'{k} {v}' for k, v in TF_INTER_OP.items())}; ours "
           f"{'mutual TLS' if args.tls else 'plaintext'} gRPC"
-          f"{'' if task_env.get('PSTRAIN_SHM') == '0' else ' + same-host shared memory and local sockets'}"
+          f"{_transport(task_env)}"
           + (f"; our tasks' extra env: {task_env}" if task_env else "") + ")")
     write_json(path, {"benchmark": "suite", "machine": machine_info(), "plan": dataclasses.asdict(plan),
                       "elapsed_s": elapsed, "tls": args.tls, "task_env": task_env,
