@@ -423,9 +423,11 @@ class _WorkerThread:
             return worker_pb2.ClosureReply.FromString(
                 self._ipc.call(ipc.RUN_CLOSURE, request.SerializeToString(), timeout))
         except PSError as exc:   # as the gRPC call would have failed
-            if exc.code in _WORKER_FAILURE_CODES:
+            if getattr(exc, "not_sent", False) or exc.code in _WORKER_FAILURE_CODES:
                 self._ipc.close()
                 self._ipc = None
+            if getattr(exc, "not_sent", False):   # never reached the worker: gRPC is safe
+                return self._stub.RunClosure(request, **self._kw(timeout))
             raise _CallError(exc.code, str(exc)) from exc
 
     def _ensure_datasets(self) -> None:

@@ -675,10 +675,12 @@ class PSClient:
             request.SerializeToString()
         try:
             receive = client.send(method, payload, self.timeout)
-        except Unavailable as exc:
+        except PSError as exc:
             if getattr(exc, "not_sent", False):   # never reached the server: gRPC is safe
-                self._drop_socket(client)
+                self._drop_socket(client)          # (and the socket is learnt again)
                 return lambda: self._call(via, request)
+            if not isinstance(exc, Unavailable):
+                raise
             failed = exc
             return lambda: lost(failed)
 

@@ -583,8 +583,10 @@ class IpcClient:
             _send(s, _REQUEST.pack(method, len(request), timeout or 0.0), request)
         except BaseException as exc:
             # Not sent in full: a server runs a call only once all of it came.
+            # (A new connection refused, or answered by another task (a server
+            # restarted behind the same port), is not sent either.)
             err = self._broken(s, exc)
-            if isinstance(err, Unavailable):
+            if isinstance(err, PSError):
                 err.not_sent = True
             raise err from None
         return _Pending(self, s, timeout)

@@ -192,6 +192,27 @@ def test_client_follows_a_restarted_server_to_its_new_data_port(start_ps):
         assert c._data._tcp[1] == data_port_of(ps2)
 
 
+def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
+    # As in deploy/: fixed ports. The new process answers on the old data port
+    # with another identity: calls go over gRPC until the client has learnt it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        data = s.getsockname()[1]
+    ps = start_ps("--data-port", str(data))
+    with remote(ps.address, wait_for_ready=True) as c:
+        _make(c)
+        assert c.push("w", np.ones(N, np.float32)) == 1
+        old = c._data
+        port = ps.address.rsplit(":", 1)[1]
+        ps.kill()
+        start_ps("--port", port, "--data-port", str(data))
+        init = _make(c)
+        assert c.push("w", np.ones(N, np.float32)) == 1
+        assert c.push("w", np.ones(N, np.float32)) == 2
+        np.testing.assert_allclose(c.read("w"), init - 1.0, rtol=1e-6)
+        assert c._data is not None and c._data is not old
+
+
 def test_a_push_whose_connection_breaks_in_flight_fails_and_is_not_resent(start_ps):
     import os
     import signal
@@ -326,3 +347,33 @@ def test_a_data_port_that_answers_as_another_server_is_not_used(start_ps):
             assert cb._data is not None
     finally:
         fwd.close()
+
+
+@pytest.mark.skipif(not shm.available(), reason="compares against the same-host path")
+def test_closures_reach_a_worker_restarted_on_the_same_fixed_ports(monkeypatch):
+    V.close_clients()
+    monkeypatch.setenv(shm.ENV, "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        data = s.getsockname()[1]
+    try:
+        with LocalCluster(num_ps=1, num_workers=1, tls=False,
+                          worker_args=("--data-port", str(data))) as cluster:
+            strategy = ParameterServerStrategy(cluster.spec)
+            w = strategy.create_variable("w", initial_value=np.zeros(3, np.float32),
+                                         optimizer="sgd",
+                                         optimizer_params={"learning_rate": 1.0})
+            with ClusterCoordinator(strategy) as coord:
+                assert [r.fetch() for r in [coord.schedule(push_one, args=(w,))
+                                            for _ in range(3)]] == [1] * 3
+                (thread,) = coord._membership.workers.values()
+                old = thread._ipc
+                assert old is not None and old._tcp[1] == data
+                cluster.restart_worker(0)   # same gRPC port, same data port, another id
+                results = [coord.schedule(push_one, args=(w,)) for _ in range(5)]
+                coord.join()
+                assert [r.fetch() for r in results] == [1] * 5
+                assert thread._ipc is not None and thread._ipc is not old
+            np.testing.assert_array_equal(w.read(), -8 * np.ones(3))
+    finally:
+        V.close_clients()
