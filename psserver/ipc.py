@@ -23,11 +23,14 @@ below; everything else stays on gRPC, which every deployment can rely on.
   given: client certificates required); keepalive as gRPC's. A client that
   cannot reach it (a firewall, a port-forward of the gRPC port only) keeps
   to gRPC.
-* Either way a connection must say hello with the cluster token (empty when
-  the cluster has none) within HELLO_SECONDS, and at most MAX_CONNECTIONS
-  are open. Request frames are read as their bytes arrive (a header
-  claiming a large frame reserves nothing until its first MiB came) and are
-  at most MAX_FRAME_BYTES.
+* Either way a connection must finish its TLS handshake (data port with
+  TLS) and say hello with the cluster token (any, when the task has none) within
+  HELLO_SECONDS in all; at most MAX_PENDING connections may be waiting to,
+  and MAX_CONNECTIONS be open. Request frames are at most MAX_FRAME_BYTES;
+  one claiming more than _EAGER_BYTES reserves nothing until its first MiB
+  came. A client checks, with IDENTITY, that the task answering is the one
+  whose id and protocol version its gRPC port told (a port mapping may lead
+  elsewhere).
 * Then request/reply frames, one call at a time per connection:
   request ``<method u8><length u32><timeout f64>`` + the serialized request
   (the same protobuf messages as the gRPC methods); reply
@@ -36,8 +39,11 @@ below; everything else stays on gRPC, which every deployment can rely on.
 * The handlers are the gRPC servicer's own, with a stand-in context: same
   validation, same errors, same metrics (``grpc_type`` "unix" or "tcp").
 * A client keeps a few connections (one per concurrent call) and opens
-  another when all are busy. A broken connection fails its call with
-  UNAVAILABLE, as a lost gRPC connection does.
+  another when all are busy; a kept one that its server closed is dropped
+  before use. A connection broken after its request went fails the call
+  with UNAVAILABLE, as a lost gRPC connection does; a request that never
+  went (a refused connection, another task answering) is marked not_sent,
+  and the caller makes it over gRPC.
 """
 from __future__ import annotations
 
@@ -64,9 +70,9 @@ log = logging.getLogger(__name__)
 _REQUEST = struct.Struct("<BId")
 _REPLY = struct.Struct("<BI")
 _PEERCRED = struct.Struct("3i")
-#: Largest request a server takes (the gRPC paths' message limit; tensors
-#: go through shared memory, so only sparse pushes' ids and rows come near:
-#: larger ones take gRPC's streams).
+#: Largest request a server takes (the gRPC paths' message limit: same-host
+#: tensors go through shared memory, data-port ones are at most 4 MiB dense;
+#: only sparse pushes' ids and rows come near: larger ones take gRPC's streams).
 MAX_FRAME_BYTES = 64 << 20
 #: Seconds a new connection has to say hello, and the most connections a
 #: server keeps.
@@ -146,14 +152,14 @@ def _shut(sock: socket.socket) -> None:
 
 
 def _tune_tcp(sock: socket.socket) -> None:
-    """No Nagle delay; keepalive probes as gRPC's (after 10 s idle, every 5 s,
-    3 lost: about 25 s), so a peer whose host vanished is found out."""
+    """No Nagle delay; keepalive as gRPC's (a probe after 10 s idle, unanswered
+    for 5 s: gone), so a peer whose host vanished is found out in ~15 s."""
     with contextlib.suppress(OSError, AttributeError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 1)
 
 
 def _send(sock: socket.socket, header: bytes, body: bytes | bytearray) -> None:

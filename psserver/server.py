@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest message accepted; larger tensors move in frames (default 64 MiB)")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
-                   help="frame size of streamed reads (default 4 MiB)")
+                   help="frame size of streamed reads (default 1 MiB)")
     p.add_argument("--max-memory-bytes", type=int, default=None,
                    help="refuse creates beyond this many bytes of values and slots")
     p.add_argument("--threads", type=int, default=64,
