@@ -358,7 +358,10 @@ class IpcServer:
             timer.cancel()
             with self._lock:
                 self._pending -= 1
-        conn.settimeout(None)
+        conn.settimeout(None)   # waits for the next call as long as it takes, but
+        with contextlib.suppress(OSError):   # a reply not taken for REPLY_SECONDS fails it
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", int(REPLY_SECONDS), 0))
         return conn, True
 
     def _serve(self, raw: socket.socket, peer_pid: int = 0) -> None:
@@ -382,9 +385,7 @@ class IpcServer:
                         code, body = grpc.StatusCode.OK, self._identity
                     else:
                         code, body = self._call(method, payload, timeout)
-                    conn.settimeout(REPLY_SECONDS)   # a client that takes no reply is dropped
                     _send(conn, _REPLY.pack(code.value[0], len(body)), body)
-                    conn.settimeout(None)
                 finally:
                     with self._lock:
                         self._running -= 1
