@@ -24,6 +24,7 @@ from psserver.errors import PSError, Unauthenticated, Unavailable
 from psserver.process import start_task
 from psserver.server import TOKEN_ENV
 from psserver.tls import TLSConfig, generate_self_signed
+from proxy import CuttableProxy
 
 pytestmark = pytest.mark.timeout(120)
 N = 1000
@@ -288,45 +289,6 @@ def test_peers_that_never_say_hello_are_cut_off_and_cannot_crowd_out_clients(sta
             s.close()
 
 
-class _Forwarder:
-    """127.0.0.1:<port> -> target, both ways (a port mapping)."""
-
-    def __init__(self, target: tuple[str, int]):
-        import threading
-        self.target = target
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        import threading
-        while True:
-            try:
-                a, _ = self.sock.accept()
-            except OSError:
-                return
-            b = socket.create_connection(self.target)
-            for x, y in ((a, b), (b, a)):
-                threading.Thread(target=self._pipe, args=(x, y), daemon=True).start()
-
-    @staticmethod
-    def _pipe(x, y):
-        try:
-            while data := x.recv(65536):
-                y.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (x, y):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self):
-        self.sock.close()
-
-
 def test_a_data_port_that_answers_as_another_server_is_not_used(start_ps):
     # Server A is reached through a port mapping; the port number it announces
     # for its data port is, on the client's host, server B's.
@@ -335,9 +297,9 @@ def test_a_data_port_that_answers_as_another_server_is_not_used(start_ps):
         shared = s.getsockname()[1]
     b = start_ps("--data-port", str(shared))                        # 127.0.0.1:shared
     a = start_ps("--host", "127.0.0.2", "--data-port", str(shared))  # 127.0.0.2:shared
-    fwd = _Forwarder(("127.0.0.2", int(a.address.rsplit(":", 1)[1])))
+    fwd = CuttableProxy(a.address)   # listens on 127.0.0.1
     try:
-        with remote(f"127.0.0.1:{fwd.port}") as c, remote(b.address) as cb:
+        with remote(fwd.address) as c, remote(b.address) as cb:
             _make(c)
             _make(cb)
             assert c.push("w", np.ones(N, np.float32)) == 1

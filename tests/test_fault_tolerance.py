@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import threading
 
 import numpy as np
@@ -14,6 +13,7 @@ from coordinator import (ClusterCoordinator, ClusterSpec, FixedShardsPartitioner
                          ParameterServerStrategy, batches, read_variables)
 from coordinator.checkpoint import CheckpointManager
 from coordinator.variables import push_gradients
+from proxy import CuttableProxy
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -74,81 +74,6 @@ def test_killed_parameter_server_is_restored_and_training_goes_on(tmp_path, with
     floor = 10 if with_checkpoint else 0                  # the rest came back from the checkpoint
     assert (bottom >= floor + 14).all() and (bottom <= 30).all()
     assert len(np.unique(bottom)) == 1
-
-
-class CuttableProxy:
-    """A TCP forwarder that can cut its link (close everything, refuse new)."""
-
-    def __init__(self, target: str):
-        host, port = target.rsplit(":", 1)
-        self.target = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self._lock = threading.Condition()
-        self._cut = False
-        self._conns: list[socket.socket] = []
-        self.refused = 0
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
-
-    def _accept(self):
-        while not self._stop:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._cut:
-                    self.refused += 1
-                    self._lock.notify_all()
-                    client.close()
-                    continue
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src, dst):
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def cut(self):
-        with self._lock:
-            self._cut = True
-            for c in self._conns:
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            self._conns.clear()
-
-    def wait_refused(self, timeout: float) -> bool:
-        with self._lock:
-            return self._lock.wait_for(lambda: self.refused > 0, timeout)
-
-    def restore(self):
-        with self._lock:
-            self._cut = False
-
-    def close(self):
-        self._stop = True
-        self.listener.close()
-        self.cut()
 
 
 def test_worker_cut_off_from_a_parameter_server_recovers_when_the_link_returns(tmp_path):
