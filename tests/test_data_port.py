@@ -339,3 +339,31 @@ def test_closures_reach_a_worker_restarted_on_the_same_fixed_ports(monkeypatch):
             np.testing.assert_array_equal(w.read(), -8 * np.ones(3))
     finally:
         V.close_clients()
+
+
+def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
+    # In-process server on a real socket: the reply's send times out (SO_SNDTIMEO),
+    # the connection is closed and a graceful stop does not wait for it.
+    import time
+    monkeypatch.setattr(ipc, "REPLY_SECONDS", 1.0)
+    big = b"x" * (64 << 20)   # far more than the socket buffers hold
+    server = ipc.IpcServer({ipc.GATHER: (None, lambda request, context: big)}, "t",
+                           tcp=("127.0.0.1", 0)).start()
+    try:
+        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
+        pending = client.send(ipc.GATHER, b"", 30)   # sent; the reply is never read
+        deadline = time.monotonic() + 10
+        while not server._running and time.monotonic() < deadline:   # the call started
+            time.sleep(0.01)
+        assert server._running == 1
+        deadline = time.monotonic() + 20
+        while server._running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server._running, "the server still sends to a client that does not read"
+        t0 = time.monotonic()
+        server.stop(grace=10)
+        assert time.monotonic() - t0 < 5
+        pending._sock.close()
+        client.close()
+    finally:
+        server.stop(grace=0)
