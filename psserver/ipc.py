@@ -332,17 +332,15 @@ class IpcServer:
         all (a timer cuts off a peer that dribbles bytes): (the connection, as
         wrapped; whether to serve it)."""
         conn = raw
-        timer = threading.Timer(HELLO_SECONDS, _shut, (raw,))
+        current = [raw]   # what the timer cuts off: the wrapped socket once there is one
+        timer = threading.Timer(HELLO_SECONDS, lambda: _shut(current[0]))
         timer.daemon = True
         timer.start()
         try:
             raw.settimeout(HELLO_SECONDS)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(raw, server_side=True)   # takes raw's descriptor
-                timer.cancel()   # raw is detached now: cut off the wrapped one
-                timer = threading.Timer(HELLO_SECONDS, _shut, (conn,))
-                timer.daemon = True
-                timer.start()
+                current[0] = conn
                 with self._lock:
                     self._conns.discard(raw)
                     self._conns.add(conn)   # what stop() shuts down
