@@ -290,38 +290,28 @@ def comparisons(main: dict[str, dict[str, Stats]]) -> tuple[list[dict], list[dic
         _row("gather_p50_vs_grpc", f"gather {GATHER_IDS} x {GATHER_DIM}, p50",
              g["ours_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
              g["grpc_fetch_unary"].p50, "s"),
-        # As from another host: over the data port (PSClient(shared_memory=False)); tensors
-        # above the 4 MiB stream threshold still take gRPC's streams there.
-        _row("data_read_1MiB_vs_tcp", "data port: 1 MiB read, MB/s (best)",
-             bps(m1["data_path_read"], MiB), "raw TCP 1 MiB download",
-             bps(m1["tcp_download"], MiB), "B/s"),
-        _row("data_push_1MiB_vs_tcp", "data port: 1 MiB push SGD, MB/s (best)",
-             bps(m1["data_path_push"], MiB), "raw TCP 1 MiB upload",
-             bps(m1["tcp_upload"], MiB), "B/s"),
-        _row("data_read_1KiB_p50_vs_grpc", "data port: 1 KiB read, p50",
-             k1["data_path_read"].p50, "bare gRPC unary 1 KiB echo p50", k1["grpc_echo"].p50, "s"),
-        _row("data_gather_p50_vs_grpc", f"data port: gather {GATHER_IDS} x {GATHER_DIM}, p50",
-             g["data_path_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
-             g["grpc_fetch_unary"].p50, "s"),
-        # And over gRPC only (PSClient(shared_memory=False, data_port=False)).
-        _row("grpc_read_1MiB_vs_tcp", "over gRPC: 1 MiB read, MB/s (best)",
-             bps(m1["grpc_path_read"], MiB), "raw TCP 1 MiB download",
-             bps(m1["tcp_download"], MiB), "B/s"),
-        _row("grpc_push_1MiB_vs_tcp", "over gRPC: 1 MiB push SGD, MB/s (best)",
-             bps(m1["grpc_path_push"], MiB), "raw TCP 1 MiB upload",
-             bps(m1["tcp_upload"], MiB), "B/s"),
-        _row("grpc_read_64MiB_vs_tcp", "over gRPC: 64 MiB read, MB/s (best)",
-             bps(m64["grpc_path_read"], BIG), "raw TCP 64 MiB download",
-             bps(m64["tcp_download"], BIG), "B/s"),
-        _row("grpc_push_64MiB_vs_tcp", "over gRPC: 64 MiB push SGD, MB/s (best)",
-             bps(m64["grpc_path_push"], BIG), "raw TCP 64 MiB upload",
-             bps(m64["tcp_upload"], BIG), "B/s"),
-        _row("grpc_read_1KiB_p50_vs_grpc", "over gRPC: 1 KiB read, p50",
-             k1["grpc_path_read"].p50, "bare gRPC unary 1 KiB echo p50", k1["grpc_echo"].p50, "s"),
-        _row("grpc_gather_p50_vs_grpc", f"over gRPC: gather {GATHER_IDS} x {GATHER_DIM}, p50",
-             g["grpc_path_gather"].p50, f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
-             g["grpc_fetch_unary"].p50, "s"),
     ]
+    # As from another host: over the data port (PSClient(shared_memory=False); tensors
+    # above the 4 MiB stream threshold still take gRPC's streams there), and over gRPC
+    # only (PSClient(shared_memory=False, data_port=False)).
+    for key, label, sizes in (("data", "data port", ((m1, MiB, "1MiB"),)),
+                              ("grpc", "over gRPC", ((m1, MiB, "1MiB"), (m64, BIG, "64MiB")))):
+        for st, n, size in sizes:
+            info += [
+                _row(f"{key}_read_{size}_vs_tcp", f"{label}: {fmt_bytes(n)} read, MB/s (best)",
+                     bps(st[f"{key}_path_read"], n), f"raw TCP {fmt_bytes(n)} download",
+                     bps(st["tcp_download"], n), "B/s"),
+                _row(f"{key}_push_{size}_vs_tcp", f"{label}: {fmt_bytes(n)} push SGD, MB/s (best)",
+                     bps(st[f"{key}_path_push"], n), f"raw TCP {fmt_bytes(n)} upload",
+                     bps(st["tcp_upload"], n), "B/s")]
+        info += [
+            _row(f"{key}_read_1KiB_p50_vs_grpc", f"{label}: 1 KiB read, p50",
+                 k1[f"{key}_path_read"].p50, "bare gRPC unary 1 KiB echo p50",
+                 k1["grpc_echo"].p50, "s"),
+            _row(f"{key}_gather_p50_vs_grpc", f"{label}: gather {GATHER_IDS} x {GATHER_DIM}, p50",
+                 g[f"{key}_path_gather"].p50,
+                 f"bare gRPC unary {fmt_bytes(GATHER_BYTES)} response p50",
+                 g["grpc_fetch_unary"].p50, "s")]
     return required, info
 
 
