@@ -3,9 +3,9 @@
     from coordinator import LocalCluster, ParameterServerStrategy, ClusterCoordinator
 """
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
-from coordinator.coordinator import (ClosureCancelled, ClusterCoordinator, CoordinatorError,
-                                     RemoteValue, RemoteValueStatus, StepFunctionError,
-                                     WorkerCallError)
+from coordinator.coordinator import ClusterCoordinator, RemoteValue, RemoteValueStatus
+from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterServerLost,
+                                StepFunctionError, WorkerCallError)
 from coordinator.datasets import InputContext, batches
 from coordinator.local import LocalCluster
 from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
@@ -25,7 +25,7 @@ from psserver.store import Initializer
 __all__ = [
     "ClusterConfigError", "ClusterSpec", "TFConfigClusterResolver", "ClosureCancelled",
     "ClusterCoordinator", "CoordinatorError", "RemoteValue", "RemoteValueStatus",
-    "StepFunctionError", "WorkerCallError", "InputContext", "batches", "LocalCluster",
+    "StepFunctionError", "WorkerCallError", "ParameterServerLost", "InputContext", "batches", "LocalCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
     "IndexedSlices", "Lookup",

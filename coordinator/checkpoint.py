@@ -59,6 +59,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from coordinator import metrics as _metrics
+from coordinator import routes
 from coordinator import variables as V
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
 
@@ -148,8 +149,10 @@ class CheckpointManager:
         variables = self.strategy.variables
         ps_index = {addr: i for i, addr in enumerate(self.strategy.cluster_spec.ps)}
         by_ps: dict[str, list[V.Shard]] = {}
+        # With replication, each shard is saved from the copy that is primary now.
+        copies = {v.name: routes.primaries(v) for v in variables}
         for v in variables:
-            for s in v.shards:
+            for s in copies[v.name]:
                 by_ps.setdefault(s.address, []).append(s)
         files: dict[str, Any] = {}
         try:
@@ -170,7 +173,7 @@ class CheckpointManager:
                 "variables": {v.name: {
                     "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
                     "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
-                                **files[s.name]} for s in v.shards]}
+                                **files[c.name]} for s, c in zip(v.shards, copies[v.name])]}
                     for v in variables},
             }
             _write_json(os.path.join(tmp, "manifest.json"), manifest)
@@ -214,7 +217,7 @@ class CheckpointManager:
         saved = manifest["variables"]
         with futures.ThreadPoolExecutor(4) as pool:
             for v in self.strategy.variables:
-                if address is None or any(s.address == address for s in v.shards):
+                if address is None or any(s.address == address for s in routes.primaries(v)):
                     self._restore_variable(v, saved.get(v.name), path, pool, address)
         return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
 
@@ -244,14 +247,16 @@ class CheckpointManager:
         same_cut = {(e["name"], e["offset"], e["rows"]): p.get("applied_ids", ())
                     for e, p in zip(info["shards"], parts)}
         handles = []
-        for s in v.shards:
-            if address is not None and s.address != address:
+        # Into the copy that is primary now; a replicated one copies its new
+        # state to its backup before answering (psserver/replication.py).
+        for s, c in zip(v.shards, routes.primaries(v)):
+            if address is not None and c.address != address:
                 continue
 
             def cut(a, lo=s.offset, hi=s.offset + s.rows):
                 return a if a.ndim == 0 else a[lo:hi]
             handles.append(pool.submit(
-                V.client_for(s.address).create_variable, s.name, None, v.dtype,
+                V.client_for(c.address).create_variable, c.name, None, v.dtype,
                 initial_value=cut(value), optimizer=v.optimizer,
                 optimizer_params=optimizer_params, allow_nonfinite=allow_nonfinite,
                 slots={k: cut(a) for k, a in slots.items()},
@@ -259,27 +264,6 @@ class CheckpointManager:
                 applied_ids=same_cut.get((s.name, s.offset, s.rows), ())))
         for h in handles:
             h.result()
-
-
-def copy_shard_state(src: V.Shard, dst: V.Shard, directory: str, optimizer: str) -> None:
-    """Copy one shard's whole state (value, slots, version, idempotency keys)
-    from src's server to dst's, through a file that src's server writes into
-    ``directory`` (which both that server and this process must see)."""
-    tmp = os.path.join(directory, f"shard-copy-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    try:
-        (saved,) = V.client_for(src.address).save(tmp, [src.name])
-        tensors, meta = _load_shard(os.path.join(tmp, saved.file))
-        V.client_for(dst.address).create_variable(
-            dst.name, None, tensors["value"].dtype, initial_value=tensors["value"],
-            optimizer=optimizer,
-            optimizer_params=json.loads(meta.get("optimizer_params", "{}")),
-            allow_nonfinite=json.loads(meta.get("allow_nonfinite", "false")),
-            slots={k[5:]: a for k, a in tensors.items() if k.startswith("slot/")},
-            version=int(meta.get("version", 0)), overwrite=True,
-            applied_ids=tensors.get("applied_ids", ()))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_shard(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:

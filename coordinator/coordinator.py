@@ -39,7 +39,6 @@ import dataclasses
 import enum
 import itertools
 import logging
-import tempfile
 import threading
 import time
 import uuid
@@ -51,6 +50,9 @@ import grpc
 from coordinator import metrics as _metrics
 from coordinator import serialization
 from coordinator.datasets import PerWorkerDataset
+from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterServerLost,
+                                StepFunctionError, WorkerCallError)
+from coordinator.recovery import _PSRecovery, _PSWatch
 from coordinator.strategy import ParameterServerStrategy
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver import ipc
@@ -73,33 +75,6 @@ _WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
                          grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
 #: Deadline of the calls that check a worker is up and create its datasets.
 _CONTROL_TIMEOUT = 30.0
-
-
-# -- errors ------------------------------------------------------------------------
-class CoordinatorError(Exception):
-    """Base of the coordinator's errors."""
-
-
-class StepFunctionError(CoordinatorError):
-    """A scheduled function raised on a worker.
-
-    ``type_name`` is the worker-side exception's class name; ``remote_traceback``
-    its traceback text, which ``str()`` includes.
-    """
-
-    def __init__(self, type_name: str, message: str, remote_traceback: str, worker: str = ""):
-        self.type_name, self.message = type_name, message
-        self.remote_traceback, self.worker = remote_traceback, worker
-        super().__init__(f"{type_name}: {message}\n\nraised on worker {worker}; worker "
-                         f"traceback:\n{remote_traceback}")
-
-
-class ClosureCancelled(CoordinatorError):
-    """The closure was not run because an earlier closure failed."""
-
-
-class WorkerCallError(CoordinatorError):
-    """A worker refused a closure (cannot import or unpickle it, bad token...)."""
 
 
 # -- futures -------------------------------------------------------------------------
@@ -482,8 +457,11 @@ class _WorkerThread:
         if reply.WhichOneof("outcome") == "error":
             e = reply.error
             if e.ps_address and closure.sync is None:
-                log.warning("closure %s failed on parameter server %s (%s); checking that "
-                            "server before deciding", closure.name, e.ps_address, e.ps_code)
+                # Said once per server: the recovery reports on the server itself.
+                log.log(logging.DEBUG if self.coord._recovery.active(e.ps_address)
+                        else logging.WARNING,
+                        "closure %s failed on parameter server %s (%s); checking that "
+                        "server before deciding", closure.name, e.ps_address, e.ps_code)
                 err = StepFunctionError(e.type, e.message, e.traceback, self.address)
                 self.coord._recovery.report(e.ps_address, closure, e.ps_code, err)
                 return
@@ -520,179 +498,6 @@ class _WorkerThread:
             return
         closure.remote_value._set_value(ABANDONED)
         self.coord._queue.mark_finished()
-
-
-class _PSRecovery:
-    """Brings a parameter server back after a step could not reach it.
-
-    Decide, then act: while dispatching is paused, wait for the server to
-    answer; if its server_id is the one the strategy created shards on, the
-    trouble was the network and nothing is lost; if it changed, the process
-    restarted empty, and its shards are restored from the latest checkpoint
-    (or, without one, created again as they were first created). Then
-    dispatching resumes. A server that stays away longer than
-    ``ps_recovery_timeout`` fails the job with WorkerCallError.
-    """
-
-    def __init__(self, coord: "ClusterCoordinator"):
-        self.coord = coord
-        self._lock = threading.Lock()
-        self._active: dict[str, threading.Thread] = {}
-        # Closures waiting for the verdict on a server: (closure, code, error).
-        self._pending: dict[str, list] = {}
-        self.recoveries = 0   # restarts recovered (a metric)
-        # Signalled when a recovery ends (wait_for_recoveries waits on it).
-        self._ended = threading.Condition(self._lock)
-
-    def wait_for_recoveries(self, count: int, timeout: float | None = None) -> bool:
-        """Block until ``count`` restarts have been recovered and none is running."""
-        with self._lock:
-            return self._ended.wait_for(
-                lambda: self.recoveries >= count and not self._active, timeout)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until no recovery is in progress."""
-        with self._lock:
-            threads = list(self._active.values())
-        for t in threads:
-            t.join(timeout)
-
-    def report(self, address: str, closure: Closure | None = None, code: str = "UNAVAILABLE",
-               error: BaseException | None = None) -> None:
-        """A closure failed on ``address``: recover it, then decide the closure.
-
-        The closure is re-run if the server was unreachable or had restarted;
-        a NOT_FOUND from a server that did not restart fails it with ``error``.
-        """
-        with self._lock:
-            if closure is not None:
-                self._pending.setdefault(address, []).append((closure, code, error))
-            if address in self._active:
-                return
-            t = threading.Thread(target=self._recover, args=(address,), daemon=True,
-                                 name=f"PSRecovery-{address}")
-            self._active[address] = t
-            self.coord._paused.set()
-            t.start()
-
-    def _decide(self, address: str, restarted: bool | None, error: BaseException | None) -> None:
-        """Settle the closures that failed on address, until none is left.
-
-        restarted None means the server could not be recovered: every such
-        closure fails with ``error``. Runs until the pending list is empty
-        *and* the recovery is deregistered, under one lock, so a closure
-        reported meanwhile is never left waiting.
-        """
-        queue = self.coord._queue
-        while True:
-            with self._lock:
-                pending = self._pending.pop(address, [])
-                if not pending:
-                    del self._active[address]
-                    if not self._active:
-                        self.coord._paused.clear()
-                    self._ended.notify_all()
-                    return
-            for closure, code, closure_error in pending:
-                if restarted is None:
-                    closure.remote_value._set_error(error)
-                    queue.mark_failed(error)
-                elif code == "NOT_FOUND" and not restarted:
-                    closure.remote_value._set_error(closure_error)
-                    queue.mark_failed(closure_error)
-                else:
-                    queue.put_back(closure)
-
-    def _recover(self, address: str) -> None:
-        from coordinator import variables as V
-
-        coord, strategy = self.coord, self.coord.strategy
-        deadline = time.monotonic() + coord.ps_recovery_timeout
-        restarted, error = None, None
-        try:
-            client = V.client_for(address)
-            while True:   # until recovered; a server that fails again mid-restore is retried
-                try:
-                    info = client.server_info()
-                    restarted = info.server_id != strategy.server_ids.get(address)
-                    outcome = "unchanged"
-                    if restarted:
-                        ckpt = coord.checkpoint_manager
-                        if strategy.replication:
-                            log.warning("parameter server %s restarted; refilling its shards "
-                                        "from their replicas", address)
-                            strategy.restore_from_replicas(address, coord.transfer_dir)
-                            outcome = "replicated"
-                        elif ckpt is not None and ckpt.latest():
-                            log.warning("parameter server %s restarted; restoring its shards "
-                                        "from %s", address, ckpt.latest())
-                            ckpt.restore(address=address)
-                            outcome = "restored"
-                        else:
-                            log.warning("parameter server %s restarted and no checkpoint holds "
-                                        "its shards; creating them again as first created",
-                                        address)
-                            strategy.recreate_shards(address)
-                            outcome = "recreated"
-                        strategy.server_ids[address] = info.server_id
-                        self.recoveries += 1
-                    _metrics.PS_RECOVERIES.labels(outcome).inc()
-                    break
-                except PSError:
-                    if time.monotonic() > deadline or coord._closed:
-                        raise
-                    time.sleep(0.2)   # backoff between probes of a server that is down
-        except Exception as exc:
-            restarted = None
-            _metrics.PS_RECOVERIES.labels("failed").inc()
-            error = WorkerCallError(f"parameter server {address} could not be recovered "
-                                    f"(waited up to {coord.ps_recovery_timeout}s): {exc}")
-            with self._lock:
-                nothing_pending = not self._pending.get(address)
-            if nothing_pending:
-                coord._queue.mark_failed_external(error)
-        finally:
-            self._decide(address, restarted, error)
-            coord._clocks_changed()
-
-
-class _PSWatch:
-    """Looks at every parameter server's server_id every ``interval`` seconds
-    and hands one that restarted or stopped answering to _PSRecovery."""
-
-    def __init__(self, coord: "ClusterCoordinator", interval: float):
-        self.coord, self.interval = coord, interval
-        self._stop = threading.Event()
-        self._clients: dict = {}
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="PSWatch")
-        self._thread.start()
-
-    def _probe(self, address: str):
-        from psserver.client import PSClient
-
-        c = self._clients.get(address)
-        if c is None:   # its own short-deadline connection, not the shared one
-            strategy = self.coord.strategy
-            c = self._clients[address] = PSClient(address, token=strategy.token,
-                                                  tls=strategy.tls, timeout=2.0)
-        return c.server_info().server_id
-
-    def _loop(self) -> None:
-        strategy = self.coord.strategy
-        while not self._stop.wait(self.interval):
-            for address, known in list(strategy.server_ids.items()):
-                try:
-                    changed = self._probe(address) != known
-                except PSError:
-                    changed = True
-                if changed and not self._stop.is_set():
-                    self.coord._recovery.report(address)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        for c in self._clients.values():
-            c.close()
 
 
 class _Membership:
@@ -749,13 +554,18 @@ class ClusterCoordinator:
         the worker counts as failed and the closure is re-queued (None: none).
       membership_interval: seconds between looks at the cluster spec for
         workers that joined or left.
-      checkpoint_manager: a coordinator.checkpoint.CheckpointManager. When a
-        step cannot reach a parameter server, the closure is re-queued and
-        the coordinator pauses, waits for the server, and, if it restarted
-        empty, restores its shards from the manager's latest checkpoint
-        (without one: creates them again as first created). Async and
-        bounded modes; in sync mode the step fails.
+      checkpoint_manager: a coordinator.checkpoint.CheckpointManager. Without
+        replication, when a parameter server is away the coordinator pauses,
+        waits for it (saying so every 30 s), and, if it restarted empty,
+        restores its shards from the manager's latest checkpoint. Async and
+        bounded modes; in sync mode the step fails. (coordinator/recovery.py)
       ps_recovery_timeout: how long to wait for such a server (seconds).
+      recreate_lost_shards: without replication or a checkpoint, a server that
+        restarted empty stops the job with ParameterServerLost (its shards'
+        state is gone); True re-creates them from their initializers instead.
+      ps_failover_after: with ``replication=True``, seconds a parameter server
+        may not answer before its shards fail over to their backups
+        (training goes on meanwhile; a server that restarted fails over at once).
       ps_check_interval: seconds between looks at every parameter server's
         identity: one that restarted (or stopped answering) is recovered even
         while no step has failed on it yet (steps resend their calls
@@ -767,18 +577,17 @@ class ClusterCoordinator:
     def __init__(self, strategy: ParameterServerStrategy, *,
                  closure_timeout: float | None = None, membership_interval: float = 1.0,
                  checkpoint_manager=None, ps_recovery_timeout: float = 300.0,
+                 recreate_lost_shards: bool = False, ps_failover_after: float = 3.0,
                  ps_check_interval: float = 1.0):
         self.strategy = strategy
         self.closure_timeout = closure_timeout
         self.checkpoint_manager = checkpoint_manager
         self.ps_recovery_timeout = ps_recovery_timeout
+        self.recreate_lost_shards = recreate_lost_shards
+        self.ps_failover_after = ps_failover_after
         # Set while a parameter server is being recovered: no closure starts.
         self._paused = threading.Event()
         self._recovery = _PSRecovery(self)
-        #: Where a replicated shard's state passes from one server to another
-        #: (both servers and this process must see it; see restore_from_replicas).
-        self.transfer_dir = (checkpoint_manager.directory if checkpoint_manager is not None
-                             else tempfile.gettempdir())
         self._ps_watch = _PSWatch(self, ps_check_interval)
         self._metadata = call_metadata(strategy.token)
         self._queue = _ClosureQueue()

@@ -65,9 +65,12 @@ PS_RECOVERIES = Counter(
     "Parameter-server checks after a step could not reach a server, by outcome: "
     "unchanged (it answered as the same process: a network problem), restored (it "
     "restarted: shards restored from the latest checkpoint), recreated (it restarted, no "
-    "checkpoint: shards created again), failed (it did not come back in time).",
+    "checkpoint, recreate_lost_shards=True: shards created again), failed (it did not come "
+    "back in time, or restarted empty with nothing to refill it from), failover "
+    "(replication: its shards' other copies took over), replicated (replication: it "
+    "answered again and got its copies back).",
     ["outcome"], registry=REGISTRY)
-for _o in ("unchanged", "restored", "recreated", "failed"):
+for _o in ("unchanged", "restored", "recreated", "failed", "failover", "replicated"):
     PS_RECOVERIES.labels(_o)
 CHECKPOINT_SECONDS = Histogram(
     "pstrain_checkpoint_seconds",
@@ -97,7 +100,10 @@ class _CoordinatorCollector(Collector):
         coords = [c for c in list(self.coordinators) if not getattr(c, "_closed", True)]
         queued = running = alive = known = 0
         max_gap = 0
+        away: dict[str, float] = {}
         for c in coords:
+            for addr, since in c._recovery.unreachable().items():
+                away[addr] = min(since, away.get(addr, since))
             q, r = c.pending()
             queued, running = queued + q, running + r
             alive += c.workers_alive()
@@ -114,10 +120,21 @@ class _CoordinatorCollector(Collector):
                  "Bounded mode: the largest lead (steps) a worker had over the slowest live "
                  "worker when it started a step.", max_gap),
                 ("pstrain_coordinators", "ClusterCoordinators running in this process.",
-                 len(coords))):
+                 len(coords)),
+                ("pstrain_coordinator_ps_unreachable",
+                 "Parameter servers that do not answer now (see "
+                 "pstrain_coordinator_ps_unreachable_seconds for which, and since when).",
+                 len(away))):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
+        g = GaugeMetricFamily("pstrain_coordinator_ps_unreachable_seconds",
+                              "Seconds each parameter server that does not answer now has "
+                              "been away.", labels=["address"])
+        now = time.time()
+        for addr, since in sorted(away.items()):
+            g.add_metric([addr], now - since)
+        yield g
 
     def describe(self):
         return []

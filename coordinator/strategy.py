@@ -15,10 +15,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from coordinator import routes
 from coordinator import variables as V
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
-from psserver.errors import PSError
+from psserver.errors import DeadlineExceeded, PSError, Unavailable
+from psserver.replication import Peer
 from psserver.server import TOKEN_ENV
 from psserver.store import Initializer
 from psserver.sync import SyncSpec
@@ -121,11 +123,15 @@ class ParameterServerStrategy:
         wait for every replica.
       staleness: bounded mode: the bound s (required).
       replication: keep a backup of every shard on the next parameter server
-        (primary-backup): every push goes to both with one idempotency key
-        and is acknowledged once both applied it, so losing one parameter
-        server loses no acknowledged update; the coordinator restores a
-        restarted server's shards from their copies. Costs twice the memory
-        and push traffic. Needs two or more parameter servers.
+        (chain replication, psserver/replication.py): a push goes to the
+        shard's primary, which applies it, forwards exactly what it applied to
+        the backup, and acknowledges once the backup has it. The copies are
+        bit-identical at every acknowledged version, for every optimizer, so
+        losing one parameter server loses no acknowledged update: the
+        coordinator promotes the backups at once and training goes on
+        (coordinator/recovery.py), then copies the shards back when the server
+        returns. Costs twice the memory and one more hop per push. Needs two
+        or more parameter servers.
       reuse_existing: a coordinator that restarts while its parameter
         servers keep running: ``create_variable`` adopts a variable of the
         same name, shape, dtype and optimizer that is already there, with its
@@ -231,9 +237,15 @@ class ParameterServerStrategy:
                         self.aggregation == "sum", self.step_timeout)
 
     def abandon(self, step: int, replica: int) -> None:
-        """Tell every parameter server that a replica will not push for a step."""
+        """Tell every parameter server that a replica will not push for a step.
+        With replication, a server that cannot be reached is skipped (its
+        shards are failed over to copies that were told)."""
         for addr in self._ps:
-            V.client_for(addr).abandon_step(step, replica)
+            try:
+                V.client_for(addr).abandon_step(step, replica)
+            except (Unavailable, DeadlineExceeded):
+                if not self.replication:
+                    raise
 
     @property
     def num_ps(self) -> int:
@@ -315,17 +327,18 @@ class ParameterServerStrategy:
                 create = dict(name=sname, shape=sshape, dtype=dtype, optimizer=optimizer,
                               optimizer_params=optimizer_params,
                               allow_nonfinite=allow_nonfinite, **kw)
-                V.client_for(addr).create_variable(**create, exist_ok=self.reuse_existing)
-                self._note_server(addr)
-                shards.append(V.Shard(addr, sname, lo, hi - lo))
-                self._creation[sname] = create
-                if self.replication:   # the same start on the next server
+                backup = None
+                if self.replication:   # its backup on the next server, made by the primary
                     baddr = self._ps[(self._ps.index(addr) + 1) % len(self._ps)]
-                    bcreate = dict(create, name=f"{BACKUP_PREFIX}{sname}")
-                    V.client_for(baddr).create_variable(**bcreate, exist_ok=self.reuse_existing)
+                    backup = V.Shard(baddr, f"{BACKUP_PREFIX}{sname}", lo, hi - lo)
+                    backups.append(backup)
                     self._note_server(baddr)
-                    backups.append(V.Shard(baddr, bcreate["name"], lo, hi - lo))
-                    self._creation[bcreate["name"]] = bcreate
+                shards.append(V.Shard(addr, sname, lo, hi - lo))
+                V.client_for(addr).create_variable(
+                    **create, exist_ok=self.reuse_existing,
+                    backup=None if backup is None else Peer(backup.address, backup.name))
+                self._note_server(addr)
+                self._creation[sname] = create
         except BaseException:
             for s in shards + backups:   # all-or-nothing
                 try:
@@ -334,6 +347,8 @@ class ParameterServerStrategy:
                     pass
             raise
         var = V.ShardedVariable(name, shape, dtype, tuple(shards), optimizer, tuple(backups))
+        if backups and self.reuse_existing:   # adopted: a failover may have moved primaries
+            routes.refresh([(var, k) for k in range(len(backups))])
         self._variables[name] = var
         return var
 
@@ -345,20 +360,6 @@ class ParameterServerStrategy:
         """(variable, shard) for every shard and backup shard on addr."""
         return [(v, s) for v in self._variables.values() for s in v.shards + v.backups
                 if s.address == addr]
-
-    def restore_from_replicas(self, addr: str, directory: str) -> None:
-        """Replication: refill a restarted server from the other copy of each
-        of its shards (primaries from their backups and backups from their
-        primaries), value, slots, version and idempotency keys."""
-        from coordinator.checkpoint import copy_shard_state
-
-        for v, s in self.shards_on(addr):
-            pairs = list(zip(v.shards, v.backups))
-            for primary, backup in pairs:
-                if s == primary:
-                    copy_shard_state(backup, primary, directory, v.optimizer)
-                elif s == backup:
-                    copy_shard_state(primary, backup, directory, v.optimizer)
 
     def recreate_shards(self, addr: str) -> None:
         """Create again, as first created, the shards that lived on ``addr``

@@ -16,8 +16,11 @@ that fails with UNAVAILABLE, NOT_FOUND (a restarted server before the
 coordinator restored it) or DEADLINE_EXCEEDED is sent again, for up to
 ``PSTRAIN_RETRY_SECONDS`` (default 120) seconds. Every push carries an
 idempotency key (``update_id``), so a resent push is applied at most once.
-With replication, each shard's push also goes to its backup shard with the
-same key, and returns once both acknowledged it.
+With replication, a push goes to the shard's primary copy, which forwards it
+to its backup and answers once the backup has it (psserver.replication); a
+call refused by a copy that is not primary (NotPrimary), or that cannot
+reach its server, is sent where the primary is now (coordinator.routes), with
+the same key.
 
 In sync mode (inside a replica of a sync step, see coordinator.replica)
 reads wait for the previous step to be applied, and pushes join the step's
@@ -38,9 +41,10 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from coordinator import routes
 from coordinator.replica import current_sync
 from psserver.client import PSClient
-from psserver.errors import DeadlineExceeded, NotFound, Unavailable
+from psserver.errors import DeadlineExceeded, NotFound, NotPrimary, Unavailable
 from psserver.server import TOKEN_ENV
 from psserver.tls import TLSConfig
 
@@ -140,44 +144,75 @@ class _Now:
         return self._fn()
 
 
-def _op(address: str, blocking: Callable[[PSClient], object],
-        non_blocking: Callable[[PSClient], object] | None = None) -> Callable:
+class _Op:
     """One call to one parameter server, for _settle: ``start(first)`` returns
     something whose ``result()`` is the call's. A client with the same-host
     socket (psserver/ipc.py) sends the request at once and reads the reply in
     result(): calls to several servers overlap on this thread. Otherwise the
-    first call runs on this thread and the others on the fan-out threads."""
-    def start(first: bool):
-        client = client_for(address)
-        if non_blocking is not None and client.local:
-            return non_blocking(client)
+    first call runs on this thread and the others on the fan-out threads.
+    ``pairs``: the replicated (variable, shard index) it reaches, whose
+    routes are asked again when it fails (coordinator.routes)."""
+
+    def __init__(self, address: str, blocking: Callable[[PSClient], object],
+                 non_blocking: Callable[[PSClient], object] | None = None, pairs=()):
+        self.address, self.blocking, self.non_blocking = address, blocking, non_blocking
+        self.pairs = [p for p in pairs if p[0].backups]
+
+    def __call__(self, first: bool):
+        client = client_for(self.address)
+        if self.non_blocking is not None and client.local:
+            return self.non_blocking(client)
         if first:
-            return _Now(lambda: blocking(client))
-        return _fanout.submit(blocking, client)
-    return start
+            return _Now(lambda: self.blocking(client))
+        return _fanout.submit(self.blocking, client)
 
 
-def _dense_op(address: str, updates: list, sync) -> Callable:
-    return _op(address, lambda c: c.push_many(updates, sync=sync),
-               lambda c: c.push_many_async(updates, sync=sync))
+_op = _Op
 
 
-def _sparse_op(target: "Shard", ids: np.ndarray, rows: np.ndarray, sync, uid: int) -> Callable:
-    return _op(target.address,
+def _dense_op(address: str, updates: list, sync, pairs=()) -> _Op:
+    return _Op(address, lambda c: c.push_many(updates, sync=sync),
+               lambda c: c.push_many_async(updates, sync=sync), pairs)
+
+
+def _sparse_op(target: "Shard", ids: np.ndarray, rows: np.ndarray, sync, uid: int,
+               pairs=()) -> _Op:
+    return _Op(target.address,
                lambda c: c.push_sparse(target.name, ids, rows, sync=sync, update_id=uid),
-               lambda c: c.push_sparse_async(target.name, ids, rows, sync=sync, update_id=uid))
+               lambda c: c.push_sparse_async(target.name, ids, rows, sync=sync, update_id=uid),
+               pairs)
+
+
+class _Rerouted(Exception):
+    """A replicated shard's primary moved (or its backup left): plan the
+    calls again (coordinator.routes); the update keys stay the same."""
+
+
+def _routed(plan: Callable[[], object]):
+    """Run ``plan()`` (which builds its calls from the current routes and
+    settles them), again each time a route changed under it."""
+    deadline = time.monotonic() + RETRY_SECONDS
+    while True:
+        try:
+            return plan()
+        except _Rerouted:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"the primaries of replicated shards kept moving for "
+                                  f"{RETRY_SECONDS:.0f}s (PSTRAIN_RETRY_SECONDS)") from None
 
 
 def _settle(starts: Sequence[Callable]) -> list:
-    """Run calls (made by _op, one per parameter server) at once; resend one
+    """Run calls (made by _Op, one per parameter server) at once; resend one
     that failed in a retryable way (same request, so same idempotency keys)
-    until RETRY_SECONDS. Returns their results in order."""
+    until RETRY_SECONDS. One that reaches replicated shards asks where their
+    primaries are first: if one moved, _Rerouted goes up (to _routed) once the
+    other calls are in. Returns their results in order."""
     deadline = time.monotonic() + RETRY_SECONDS
 
     def begin(start, first: bool):
         try:
             return start(first)
-        except _RETRYABLE as exc:   # failed while sending: report it in result()
+        except (*_RETRYABLE, NotPrimary) as exc:   # failed while sending: report it in result()
             return _Failed(exc)
     pending = [begin(start, i == 0) for i, start in enumerate(starts)]
     out = []
@@ -187,8 +222,12 @@ def _settle(starts: Sequence[Callable]) -> list:
             try:
                 out.append(p.result())
                 break
-            except _RETRYABLE:
-                if time.monotonic() > deadline:
+            except (*_RETRYABLE, NotPrimary) as exc:
+                pairs = getattr(start, "pairs", ())
+                if pairs and routes.refresh(pairs):
+                    _drain(pending[k + 1:])
+                    raise _Rerouted() from None
+                if time.monotonic() > deadline or (isinstance(exc, NotPrimary) and not pairs):
                     _drain(pending[k + 1:])
                     raise
                 time.sleep(backoff)   # the server is restarting: wait before resending
@@ -267,24 +306,24 @@ class ShardedVariable:
 
     def meta(self) -> list:
         """Each shard's VariableMeta (version, sync_steps, dropped_gradients...)."""
-        return [client_for(s.address).get_meta(s.name) for s in self.shards]
+        return [client_for(s.address).get_meta(s.name) for s in routes.primaries(self)]
 
     def versions(self) -> list[int]:
         """Each shard's version (the number of updates it has applied)."""
-        return [client_for(s.address).get_meta(s.name).version for s in self.shards]
+        return [m.version for m in self.meta()]
 
     def push_gradient(self, grad) -> None:
         """Apply a dense gradient (split by rows; one push per shard)."""
         push_gradients([(self, grad)])
 
     def assign(self, value) -> None:
-        """Overwrite the value (optimizer slots are kept), backups included."""
+        """Overwrite the value (optimizer slots are kept), backups included
+        (each primary forwards it to its backup)."""
         value = self._check_dense(value, "assigned value")
         parts = self._split(value)
-        targets = [(s, p) for s, p in zip(self.shards, parts)]
-        targets += [(b, p) for b, p in zip(self.backups, parts)]
-        _settle([_op(t.address, lambda c, t=t, p=p: c.assign_many([(t.name, p)]))
-                 for t, p in targets])
+        _routed(lambda: _settle([
+            _Op(t.address, lambda c, t=t, p=p: c.assign_many([(t.name, p)]), None, [(self, k)])
+            for k, (t, p) in enumerate(zip(routes.primaries(self), parts))]))
 
     def _check_dense(self, arr, what: str) -> np.ndarray:
         arr = np.asarray(arr, dtype=self.dtype)
@@ -319,18 +358,23 @@ class ShardedVariable:
         out = np.empty((flat.size,) + self.shape[1:], np.dtype(self.dtype))
         sync = current_sync()
         step = sync.step if sync is not None else None
-        positions, starts = [], []
-        for k, s in enumerate(self.shards):
-            pos = np.nonzero(which == k)[0]
-            if pos.size:
-                positions.append(pos)
-                starts.append(_op(
-                    s.address,
-                    lambda c, s=s, ids=local[pos]: c.gather(s.name, ids, with_version=True,
-                                                            sync_step=step),
-                    lambda c, s=s, ids=local[pos]: c.gather_async(s.name, ids, sync_step=step)))
-        for pos, (rows, _) in zip(positions, _settle(starts)):
-            out[pos] = rows
+
+        def plan():
+            positions, starts = [], []
+            for k, s in enumerate(routes.primaries(self)):
+                pos = np.nonzero(which == k)[0]
+                if pos.size:
+                    positions.append(pos)
+                    starts.append(_Op(
+                        s.address,
+                        lambda c, s=s, ids=local[pos]: c.gather(s.name, ids, with_version=True,
+                                                                sync_step=step),
+                        lambda c, s=s, ids=local[pos]: c.gather_async(s.name, ids,
+                                                                      sync_step=step),
+                        [(self, k)]))
+            for pos, (rows, _) in zip(positions, _settle(starts)):
+                out[pos] = rows
+        _routed(plan)
         return out.reshape(ids.shape + self.shape[1:])
 
     def lookup(self, ids) -> "Lookup":
@@ -340,11 +384,14 @@ class ShardedVariable:
 
     def push_sparse(self, ids, rows) -> None:
         """Apply a row-wise gradient; duplicate ids are summed on the servers."""
-        _settle(self._sparse_ops(ids, rows, current_sync()))
+        sync = current_sync()
+        parts = self._sparse_split(ids, rows, sync)
+        _routed(lambda: _settle(self._sparse_ops(parts, sync)))
 
-    def _sparse_parts(self, ids, rows, sync=None) -> list[tuple["Shard", np.ndarray, np.ndarray, int]]:
-        """(target shard or backup, local ids, rows, update_id) per shard with ids
-        (every shard in sync mode: an empty push counts the replica)."""
+    def _sparse_split(self, ids, rows, sync=None) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+        """(shard index, local ids, rows, update_id) per shard with ids (every
+        shard in sync mode: an empty push counts the replica). Made once per
+        push: a push sent again after a route changed keeps its keys."""
         ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
         rows = np.asarray(rows, dtype=self.dtype)
         if rows.shape != (ids.size,) + self.shape[1:]:
@@ -352,16 +399,24 @@ class ShardedVariable:
                              f"expected {(ids.size,) + self.shape[1:]}")
         which, local = self._route(ids)
         out = []
-        for k, s in enumerate(self.shards):
+        for k in range(self.num_shards):
             pos = np.nonzero(which == k)[0]
             if pos.size or sync is not None:   # sync: every shard counts this replica
-                uid = 0 if sync is not None else new_update_id()
-                for target in (s,) + ((self.backups[k],) if self.backups else ()):
-                    out.append((target, local[pos], rows[pos], uid))
+                out.append((k, local[pos], rows[pos], 0 if sync is not None else new_update_id()))
         return out
 
-    def _sparse_ops(self, ids, rows, sync) -> list[Callable]:
-        return [_sparse_op(t, i, r, sync, uid) for t, i, r, uid in self._sparse_parts(ids, rows, sync)]
+    def _targets(self, k: int, sync) -> tuple["Shard", ...]:
+        """Where an update of shard k goes now: its primary copy; in sync mode
+        both copies (see coordinator.routes)."""
+        return routes.sync_targets(self, k) if sync is not None else (routes.primary(self, k),)
+
+    def _sparse_parts(self, parts, sync) -> list[tuple["Shard", np.ndarray, np.ndarray, int, int]]:
+        """(target copy, local ids, rows, update_id, shard index) of _sparse_split's parts."""
+        return [(t, i, r, uid, k) for k, i, r, uid in parts for t in self._targets(k, sync)]
+
+    def _sparse_ops(self, parts, sync) -> list[Callable]:
+        return [_sparse_op(t, i, r, sync, uid, [(self, k)])
+                for t, i, r, uid, k in self._sparse_parts(parts, sync)]
 
 
 def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
@@ -401,19 +456,30 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
     versions[i] lists the version of each shard of variables[i] as read (for
     a Lookup: of each shard rows were gathered from).
     """
+    return _routed(lambda: _read_variables(variables, with_versions))
+
+
+def _read_variables(variables, with_versions: bool):
     sync = current_sync()
     step = sync.step if sync is not None else None
+    # The copy each shard is read from now (the primary; coordinator.routes).
+    prim = [routes.primaries(v.variable if isinstance(v, Lookup) else v) for v in variables]
+
+    def pairs_of(items):
+        return [(variables[i].variable if isinstance(variables[i], Lookup) else variables[i], k)
+                for i, k in items]
     if not any(isinstance(v, Lookup) for v in variables):
         # Each value lands in its final array (a slice of it per shard): on this
         # host that is the only copy, made straight from shared memory.
         full = [np.empty(v.shape, np.dtype(v.dtype)) for v in variables]
-        groups = _by_server(((i, s) for i, v in enumerate(variables) for s in v.shards))
-        starts = [_op(addr, lambda c, names=[s.name for _, s in items],
+        groups = _by_server(((i, s) for i, v in enumerate(variables) for s in prim[i]))
+        starts = [_Op(addr, lambda c, names=[s.name for _, s in items],
                       out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
                       c.read_many(names, sync_step=step, out=out),
                       lambda c, names=[s.name for _, s in items],
                       out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
-                      c.read_many_async(names, sync_step=step, out=out))
+                      c.read_many_async(names, sync_step=step, out=out),
+                      pairs_of((i, prim[i].index(s)) for i, s in items))
                   for addr, items in groups.items()]
         results = [(snaps, []) for snaps in _settle(starts)]
         gather_groups: dict[str, list] = {addr: [] for addr in groups}
@@ -421,25 +487,27 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
         groups, gather_groups, shaped = defaultdict(list), defaultdict(list), {}
         for i, v in enumerate(variables):
             if not isinstance(v, Lookup):
-                for s in v.shards:
+                for s in prim[i]:
                     groups[s.address].append((i, s))
                 continue
             ids = np.asarray(v.ids)
             flat = ids.reshape(-1).astype(np.int64, copy=False)
             which, local = v.variable._route(flat)
             shaped[i] = (ids.shape, flat.size)
-            for k, s in enumerate(v.variable.shards):
+            for k, s in enumerate(prim[i]):
                 pos = np.nonzero(which == k)[0]
                 if pos.size:
                     gather_groups[s.address].append((i, pos, s, local[pos]))
         addrs = list(dict.fromkeys([*groups, *gather_groups]))
-        starts = [_op(addr,
+        starts = [_Op(addr,
                       lambda c, n=[s.name for _, s in groups[addr]],
                       g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]]:
                       c.read_and_gather(n, g, sync_step=step),
                       lambda c, n=[s.name for _, s in groups[addr]],
                       g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]]:
-                      c.read_and_gather_async(n, g, sync_step=step))
+                      c.read_and_gather_async(n, g, sync_step=step),
+                      pairs_of([(i, prim[i].index(s)) for i, s in groups[addr]]
+                               + [(i, prim[i].index(s)) for i, _, s, _ in gather_groups[addr]]))
                   for addr in addrs]
         results = _settle(starts)
         full = None
@@ -460,7 +528,7 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
     out = []
     for i, v in enumerate(variables):
         if full is not None:
-            for s in v.shards:   # a part the read did not write in place (the other paths)
+            for s in prim[i]:   # a part the read did not write in place (the other paths)
                 part = parts[(i, s.name)]
                 if not np.may_share_memory(part, full[i]):
                     _shard_view(full[i], s, v)[...] = part
@@ -472,12 +540,11 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
                 rows = np.empty((n,) + v.variable.shape[1:], np.dtype(v.variable.dtype))
             out.append(rows.reshape(shape + v.variable.shape[1:]))
         elif v.num_shards == 1:
-            out.append(parts[(i, v.shards[0].name)].copy())
+            out.append(parts[(i, prim[i][0].name)].copy())
         else:
-            out.append(np.concatenate([parts[(i, s.name)] for s in v.shards]))
+            out.append(np.concatenate([parts[(i, s.name)] for s in prim[i]]))
     if with_versions:
-        shards = [v.variable.shards if isinstance(v, Lookup) else v.shards for v in variables]
-        return out, [[versions[i][s.name] for s in shards[i] if s.name in versions[i]]
+        return out, [[versions[i][s.name] for s in prim[i] if s.name in versions[i]]
                      for i in range(len(variables))]
     return out
 
@@ -510,39 +577,55 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
     if compression is not None:
         _push_compressed(pairs, compression, sync)
         return
-    items, sparse, sparse_ops = [], defaultdict(list), []
+    # Split and keyed once: a push sent again after a route changed keeps its keys.
+    dense, sparse = [], []   # (variable, shard index, part, key) / (variable, split parts)
     for v, g in pairs:
         if isinstance(g, IndexedSlices):
-            if sync is not None:   # every shard must count this replica: PushSparse each
-                sparse_ops += v._sparse_ops(g.indices, g.values, sync)
-                continue
-            for target, ids, rows, uid in v._sparse_parts(g.indices, g.values):
-                sparse[target.address].append((target.name, ids, rows, uid))
+            sparse.append((v, v._sparse_split(g.indices, g.values, sync)))
             continue
         g = v._check_dense(g, "gradient")
-        for k, (s, part) in enumerate(zip(v.shards, v._split(g))):
-            uid = 0 if sync is not None else new_update_id()
-            for target in (s,) + ((v.backups[k],) if v.backups else ()):
-                items.append(((target.name, part, uid), target))
+        dense += [(v, k, part, 0 if sync is not None else new_update_id())
+                  for k, part in enumerate(v._split(g))]
+    _routed(lambda: _push_plan(dense, sparse, sync))
+
+
+def _push_plan(dense: list, sparse: list, sync) -> None:
+    """push_gradients' calls on the current routes: one per server (dense and
+    row-wise together), but sync-mode row-wise pushes one per shard (every
+    shard must count the replica)."""
+    items, by_addr, sparse_ops = [], defaultdict(list), []
+    for v, k, part, uid in dense:
+        for target in v._targets(k, sync):
+            items.append((((target.name, part, uid), (v, k)), target))
+    for v, parts in sparse:
+        if sync is not None:
+            sparse_ops += v._sparse_ops(parts, sync)
+            continue
+        for target, ids, rows, uid, k in v._sparse_parts(parts, sync):
+            by_addr[target.address].append(((target.name, ids, rows, uid), (v, k)))
     groups = _by_server(items)
     starts = []
-    for addr in dict.fromkeys([*groups, *sparse]):
-        dense = [upd for upd, _ in groups.get(addr, ())]
-        if addr in sparse:
-            starts.append(_op(addr,
-                              lambda c, d=dense, sp=sparse[addr]: c.push_dense_and_sparse(d, sp),
-                              lambda c, d=dense, sp=sparse[addr]:
-                              c.push_dense_and_sparse_async(d, sp)))
+    for addr in dict.fromkeys([*groups, *by_addr]):
+        dense_here = [upd for (upd, _), _ in groups.get(addr, ())]
+        pairs = [pair for (_, pair), _ in groups.get(addr, ())] + \
+            [pair for _, pair in by_addr.get(addr, ())]
+        if addr in by_addr:
+            sp = [upd for upd, _ in by_addr[addr]]
+            starts.append(_Op(addr,
+                              lambda c, d=dense_here, sp=sp: c.push_dense_and_sparse(d, sp),
+                              lambda c, d=dense_here, sp=sp: c.push_dense_and_sparse_async(d, sp),
+                              pairs))
         else:
-            starts.append(_dense_op(addr, dense, sync))
+            starts.append(_dense_op(addr, dense_here, sync, pairs))
     _settle(starts + sparse_ops)
 
 
 def _push_compressed(pairs, compression, sync) -> None:
     """push_gradients with a compressor: dense pushes grouped per server as
     usual (fp16/bf16 parts, or top-k's 1-D variables), plus one sparse push
-    per shard (and backup) for top-k; all started at once, each with its
-    own idempotency key."""
+    per shard for top-k; all started at once, each with its own idempotency
+    key. Compressed once (top-k's error feedback changes with every call),
+    then sent on the current routes."""
     from coordinator import compression as C   # only when compression is used
     spec = C.resolve(compression)
     if spec is None:
@@ -550,21 +633,17 @@ def _push_compressed(pairs, compression, sync) -> None:
     if sync is not None:
         raise ValueError("gradient compression applies to asynchronous pushes only, "
                          "not to a sync-mode step")
-    items, sparse = [], []
+    dense, sparse = [], []   # (variable, k, part, key) / (variable, k, ids, rows, key)
     for v, g in pairs:
         if isinstance(g, IndexedSlices):   # row-wise gradients go as they are
-            sparse += v._sparse_ops(g.indices, g.values, None)
+            sparse += [(v, k, i, r, uid) for k, i, r, uid in v._sparse_split(g.indices, g.values)]
             continue
         g = v._check_dense(g, "gradient")
-        backups = v.backups or (None,) * v.num_shards
         if isinstance(spec, C.TopK) and g.ndim >= 2:
             acc, picks = C.residuals.compensate_and_select(
                 v.name, g, [(s.offset, s.rows) for s in v.shards], spec)
-            for s, b, ids in zip(v.shards, backups, picks):
-                rows = acc[s.offset + ids]
-                uid = new_update_id()
-                for target in (s,) + ((b,) if b is not None else ()):
-                    sparse.append(_sparse_op(target, ids, rows, None, uid))
+            sparse += [(v, k, ids, acc[s.offset + ids], new_update_id())
+                       for k, (s, ids) in enumerate(zip(v.shards, picks))]
             continue
         if isinstance(spec, C.FP16):
             g = C.to_fp16(g)
@@ -572,10 +651,15 @@ def _push_compressed(pairs, compression, sync) -> None:
             g = C.to_bf16(g)
             if v.dtype != "float32":   # the server wants its own dtype (or float16)
                 g = g.astype(v.dtype)
-        for s, b, part in zip(v.shards, backups, v._split(g)):
-            uid = new_update_id()
-            for target in (s,) + ((b,) if b is not None else ()):
-                items.append(((target.name, part, uid), target))
-    starts = [_dense_op(addr, [upd for upd, _ in its], None)
-              for addr, its in _by_server(items).items()]
-    _settle(starts + sparse)
+        dense += [(v, k, part, new_update_id()) for k, part in enumerate(v._split(g))]
+
+    def plan():
+        items = [(((routes.primary(v, k).name, part, uid), (v, k)), routes.primary(v, k))
+                 for v, k, part, uid in dense]
+        starts = [_dense_op(addr, [upd for (upd, _), _ in its], None,
+                            [pair for (_, pair), _ in its])
+                  for addr, its in _by_server(items).items()]
+        starts += [_sparse_op(routes.primary(v, k), ids, rows, None, uid, [(v, k)])
+                   for v, k, ids, rows, uid in sparse]
+        _settle(starts)
+    _routed(plan)

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver import replication as R
 from psserver import tensor as T
 from psserver import ipc, shm, wire
 from psserver.tls import TLSConfig, make_channel
@@ -75,9 +76,10 @@ class Snapshot:
 
 
 def _meta_from_proto(m: ps_pb2.VariableMeta) -> VariableMeta:
+    backup = R.Peer(m.backup.address, m.backup.name) if m.HasField("backup") else None
     return VariableMeta(m.name, m.dtype, tuple(m.shape), m.version, m.optimizer.name,
                         dict(m.optimizer.params), m.nbytes, m.slot_nbytes, m.allow_nonfinite,
-                        m.sync_steps, m.dropped_gradients)
+                        m.sync_steps, m.dropped_gradients, int(m.role), m.epoch, backup)
 
 
 def _set_sync_read(req, sync_step: int | None) -> None:
@@ -334,7 +336,8 @@ class PSClient:
         """Whether a tensor payload goes in one unary message (else a stream)."""
         return nbytes <= self.stream_threshold_bytes
 
-    def _upload(self, kind: str, request, arrays: Sequence[np.ndarray]) -> ps_pb2.UploadReply:
+    def _upload(self, kind: str, request, arrays: Sequence[np.ndarray],
+                **kw) -> ps_pb2.UploadReply:
         """Send a request whose tensors are too big for one message, in frames."""
         total = sum(a.nbytes for a in arrays)
 
@@ -345,14 +348,15 @@ class PSClient:
                 flat = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
                 for off in range(0, len(flat), step):
                     yield ps_pb2.UploadFrame(chunk=bytes(flat[off:off + step]))
-        return self._call(self._stub.Upload, frames(), extra_bytes=total)
+        return self._call(self._stub.Upload, frames(), extra_bytes=total, **kw)
 
     # -- info ----------------------------------------------------------------
     def server_info(self) -> ps_pb2.ServerInfo:
         return self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
 
-    def get_meta(self, name: str) -> VariableMeta:
-        m = _meta_from_proto(self._call(self._stub.GetMeta, ps_pb2.VariableRef(name=name)))
+    def get_meta(self, name: str, timeout: float | None = None) -> VariableMeta:
+        m = _meta_from_proto(self._call(self._stub.GetMeta, ps_pb2.VariableRef(name=name),
+                                        timeout=timeout))
         self._remember(name, m.nbytes, m.shape)
         return m
 
@@ -372,7 +376,12 @@ class PSClient:
                         slots: Mapping[str, np.ndarray] | None = None,
                         version: int = 0,
                         overwrite: bool = False,
-                        applied_ids=()) -> VariableMeta:
+                        applied_ids=(),
+                        sync_steps: int = 0,
+                        role: int = 0,
+                        epoch: int = 0,
+                        backup: "R.Peer | None" = None,
+                        timeout: float | None = None) -> VariableMeta:
         """Create a variable on this server and return its metadata.
 
         Give either ``initial_value`` (shape and dtype then default to its
@@ -380,11 +389,15 @@ class PSClient:
         "zeros"); with neither the variable starts at zeros.
         Restoring: ``slots`` (every optimizer slot, by name), ``version``, and
         ``overwrite`` to replace an existing variable's state at once.
+        Replication (psserver.replication): ``backup`` (a Peer) makes a
+        primary that copies its state there before answering; ``role``,
+        ``epoch`` and ``sync_steps`` are set by a primary copying its state.
         Raises InvalidArgument, AlreadyExists, ResourceExhausted.
         """
         req = ps_pb2.CreateVariableRequest(
             name=name, allow_nonfinite=allow_nonfinite, exist_ok=exist_ok,
-            version=version, overwrite=overwrite,
+            version=version, overwrite=overwrite, sync_steps=sync_steps, role=role,
+            epoch=epoch,
             applied_ids=[int(i) for i in np.asarray(applied_ids, np.uint64).ravel()],
             optimizer=ps_pb2.OptimizerSpec(name=optimizer, params=dict(optimizer_params or {})))
         arrays = []
@@ -406,6 +419,8 @@ class PSClient:
         if initializer is not None:
             init = Initializer(initializer) if isinstance(initializer, str) else initializer
             req.initializer.CopyFrom(ps_pb2.Initializer(**dataclasses.asdict(init)))
+        if backup is not None:
+            req.backup.CopyFrom(ps_pb2.ReplicaPeer(address=backup.address, name=backup.name))
         slot_items = [(k, np.asarray(v)) for k, v in (slots or {}).items()]
         tensors = arrays + [v for _, v in slot_items]
         streamed = not self._fits(sum(a.nbytes for a in tensors))
@@ -413,10 +428,11 @@ class PSClient:
             T.fill(req.initial_value, arrays[0], with_data=not streamed)
         for k, v in slot_items:
             T.fill(req.slots.add(name=k).tensor, v, with_data=not streamed)
+        kw = {} if timeout is None else {"timeout": timeout}
         if streamed:
-            meta = self._upload("create", req, tensors).created
+            meta = self._upload("create", req, tensors, **kw).created
         else:
-            meta = self._call(self._stub.CreateVariable, req)
+            meta = self._call(self._stub.CreateVariable, req, **kw)
         m = _meta_from_proto(meta)
         self._remember(name, m.nbytes, m.shape)
         return m
@@ -1126,6 +1142,43 @@ class PSClient:
     def abandon_step(self, step: int, replica: int) -> None:
         """Sync mode: replica will not push for step; stop waiting for it."""
         self._call(self._stub.AbandonStep, ps_pb2.AbandonRequest(step=step, replica=replica))
+
+    # -- replication (psserver.replication) -------------------------------------------
+    def replicate(self, records: Sequence["R.Record"],
+                  timeout: float | None = None) -> list[tuple[str, int, int]]:
+        """A primary's records to this server (its backup): (name, version,
+        status) per variable, as VariableStore.replicate."""
+        req = ps_pb2.ReplicateRequest()
+        arrays = []
+        total = sum(r.nbytes for r in records)
+        streamed = not self._fits(total)
+        for r in records:
+            m = req.records.add(name=r.name, epoch=r.epoch, version=r.version,
+                                update_id=r.update_id, sync_steps=r.sync_steps, kind=r.kind)
+            T.fill(m.tensor, r.tensor, with_data=not streamed)
+            arrays.append(r.tensor)
+            if r.ids is not None:
+                T.fill(m.ids, r.ids, with_data=not streamed)
+                arrays.append(r.ids)
+        kw = {} if timeout is None else {"timeout": timeout}
+        if streamed:
+            reply = self._upload("replicate", req, arrays, **kw).replicated
+        else:
+            reply = self._call(self._stub.Replicate, req, **kw)
+        return [(a.name, a.version, int(a.status)) for a in reply.acks]
+
+    def reconfigure(self, changes: Sequence[tuple], timeout: float = 120.0) -> list[VariableMeta]:
+        """The coordinator's role changes on this server: (name, action, epoch,
+        backup Peer or None) each (see ReplicaChange in ps.proto); returns each
+        copy's metadata after its change. A copy of state (PROMOTE with a
+        backup, SET_BACKUP) or a hand-over (DEMOTE) may take up to ``timeout``."""
+        req = ps_pb2.ReconfigureRequest(timeout=timeout)
+        for name, action, epoch, peer in changes:
+            c = req.changes.add(name=name, action=action, epoch=epoch)
+            if peer is not None:
+                c.backup.CopyFrom(ps_pb2.ReplicaPeer(address=peer.address, name=peer.name))
+        reply = self._call(self._stub.Reconfigure, req, timeout=timeout + 10.0)
+        return [_meta_from_proto(m) for m in reply.variables]
 
 
 def _dest(out: Sequence[np.ndarray | None] | None, i: int, like) -> np.ndarray | None:

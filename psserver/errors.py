@@ -53,6 +53,15 @@ class FailedPrecondition(PSError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NotPrimary(PSError):
+    """Replication: this copy of the variable does not take client updates now
+    (it is a backup, or handing over to or superseded by the other copy).
+    The caller asks both copies who is primary (VariableMeta.role, .epoch) and
+    sends the call there; nothing was applied here."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Unauthenticated(PSError):
     """The call carried no token, or the wrong one."""
 
@@ -80,7 +89,7 @@ class Internal(PSError):
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted,
-                FailedPrecondition, Unauthenticated, Unavailable,
+                FailedPrecondition, NotPrimary, Unauthenticated, Unavailable,
                 DeadlineExceeded, Internal)
 }
 # Codes gRPC itself produces that mean the same to a caller.

@@ -166,6 +166,9 @@ class ServerHandle:
             if side is not None:
                 side.stop(grace)
         stopped.wait()
+        forwarding = getattr(getattr(self.servicer, "store", None), "forwarding", None)
+        if forwarding is not None:   # replication senders (psserver/forwarder.py)
+            forwarding.stop()
         shared = getattr(self.servicer, "shared_memory", None)
         if shared is not None:
             shared.segments.close()
@@ -238,9 +241,13 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     by hand on this TCP port of the same host (0: a free one; None: none);
     TLS as the gRPC port, the same token.
     """
+    from psserver.forwarder import Forwarder   # it imports the client, which imports this
+
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
+    if servicer.store.forwarding is None:   # replicated primaries reach their backups
+        servicer.store.forwarding = Forwarder(token, tls)
     handle = make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
                          tls=tls, max_message_bytes=max_message_bytes,
                          max_workers=max_workers, thread_name_prefix="psserver-rpc",

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver import replication as R
 from psserver import tensor as T
 from psserver import shm, wire
 from psserver.errors import InvalidArgument, PSError, ResourceExhausted
@@ -48,7 +49,33 @@ def meta_to_proto(m: VariableMeta) -> ps_pb2.VariableMeta:
         name=m.name, dtype=m.dtype, shape=m.shape, version=m.version,
         optimizer=ps_pb2.OptimizerSpec(name=m.optimizer, params=m.optimizer_params),
         nbytes=m.nbytes, slot_nbytes=m.slot_nbytes, allow_nonfinite=m.allow_nonfinite,
-        sync_steps=m.sync_steps, dropped_gradients=m.dropped_gradients)
+        sync_steps=m.sync_steps, dropped_gradients=m.dropped_gradients, role=m.role,
+        epoch=m.epoch, backup=_peer_to_proto(m.backup))
+
+
+def _peer_to_proto(peer: R.Peer | None) -> ps_pb2.ReplicaPeer | None:
+    return None if peer is None else ps_pb2.ReplicaPeer(address=peer.address, name=peer.name)
+
+
+def _peer(msg, field: str = "backup") -> R.Peer | None:
+    """The ReplicaPeer in msg.<field>, or None when unset."""
+    if not msg.HasField(field):
+        return None
+    p = getattr(msg, field)
+    return R.Peer(p.address, p.name)
+
+
+def _records(request: ps_pb2.ReplicateRequest, arrays) -> list[R.Record]:
+    """The records of a Replicate request, their tensors already decoded in
+    tensors_of's order."""
+    it = iter(arrays)
+    out = []
+    for r in request.records:
+        tensor = next(it)
+        ids = next(it) if r.HasField("ids") else None
+        out.append(R.Record(r.name, r.epoch, r.version, r.update_id, r.sync_steps,
+                            int(r.kind), tensor, ids))
+    return out
 
 
 def _sync_spec(request) -> SyncSpec | None:
@@ -77,6 +104,9 @@ def tensors_of(request) -> list[ps_pb2.Tensor]:
         return [u.tensor for u in request.updates]
     if isinstance(request, ps_pb2.PushSparseRequest):
         return [request.ids, request.values]
+    if isinstance(request, ps_pb2.ReplicateRequest):
+        return [t for r in request.records
+                for t in ([r.tensor, r.ids] if r.HasField("ids") else [r.tensor])]
     raise InvalidArgument(f"no tensors in a {type(request).__name__}")
 
 
@@ -150,7 +180,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return [T.decode(t, what=f"tensor {i}") for i, t in enumerate(tensors_of(request))]
 
     # -- handlers shared by the unary and the Upload paths -----------------
-    def _create(self, req: ps_pb2.CreateVariableRequest, arrays) -> ps_pb2.VariableMeta:
+    def _create(self, req: ps_pb2.CreateVariableRequest, arrays,
+                context=None) -> ps_pb2.VariableMeta:
         init = None
         if req.HasField("initializer"):
             i = req.initializer
@@ -168,8 +199,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             optimizer=opt.name or "sgd", optimizer_params=dict(opt.params),
             allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok,
             slots=slots, version=req.version, overwrite=req.overwrite,
-            applied_ids=list(req.applied_ids))
+            applied_ids=list(req.applied_ids), sync_steps=req.sync_steps, role=int(req.role),
+            epoch=req.epoch, backup=_peer(req), deadline=_deadline(context))
         return meta_to_proto(meta)
+
+    def _replicate(self, req: ps_pb2.ReplicateRequest, arrays,
+                   context=None) -> ps_pb2.ReplicateReply:
+        acks = self.store.replicate(_records(req, arrays))
+        return ps_pb2.ReplicateReply(acks=[ps_pb2.ReplicaAck(name=n, version=v, status=s)
+                                           for n, v, s in acks])
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         return self._push_updates(
@@ -179,13 +217,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """updates: [(name, array, update_id)]; req supplies the sync info."""
         spec = _sync_spec(req)
         if spec is None:
-            return ps_pb2.UpdateReply(versions=self.store.push(updates))
+            return ps_pb2.UpdateReply(versions=self.store.push(updates, _deadline(context)))
         out = self.store.push_sync([(n, a) for n, a, _ in updates], spec, _deadline(context))
         return ps_pb2.UpdateReply(versions=[v for v, _ in out], dropped=[d for _, d in out])
 
     def _assign(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         return ps_pb2.UpdateReply(versions=self.store.assign(
-            zip([u.name for u in req.updates], arrays)))
+            zip([u.name for u in req.updates], arrays), _deadline(context)))
 
     def _push_sparse(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         ids, values = arrays
@@ -193,8 +231,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise InvalidArgument(f"sparse push ids must be int32 or int64, got {ids.dtype.name}")
         spec = _sync_spec(req)
         if spec is None:
-            return ps_pb2.UpdateReply(versions=[self.store.push_sparse(req.name, ids, values,
-                                                                       req.update_id)])
+            return ps_pb2.UpdateReply(versions=[self.store.push_sparse(
+                req.name, ids, values, req.update_id, _deadline(context))])
         version, dropped = self.store.push_sparse_sync(req.name, ids, values, spec,
                                                        _deadline(context))
         return ps_pb2.UpdateReply(versions=[version], dropped=[dropped])
@@ -208,7 +246,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             data_port=self.data_port)
 
     def CreateVariable(self, request, context):
-        return self._run(context, lambda: self._create(request, self._decoded(request)))
+        return self._run(context, lambda: self._create(request, self._decoded(request),
+                                                       context))
+
+    def Replicate(self, request, context):
+        return self._run(context, lambda: self._replicate(request, self._decoded(request)))
+
+    def Reconfigure(self, request, context):
+        def go():
+            if not request.timeout >= 0:
+                raise InvalidArgument(f"timeout must be >= 0, got {request.timeout}")
+            deadline = _deadline(context)
+            if request.timeout > 0:
+                own = time.monotonic() + request.timeout
+                deadline = own if deadline is None else min(deadline, own)
+            metas = [self.store.reconfigure(c.name, int(c.action), c.epoch, _peer(c), deadline)
+                     for c in request.changes]
+            return ps_pb2.ReconfigureReply(variables=[meta_to_proto(m) for m in metas])
+        return self._run(context, go)
 
     def DeleteVariable(self, request, context):
         self._run(context, self.store.delete, request.name)
@@ -327,7 +382,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             req = getattr(first, kind)
             arrays = _assemble(tensors_of(req), request_iterator, self.max_upload_bytes)
             if kind == "create":
-                return ps_pb2.UploadReply(created=self._create(req, arrays))
+                return ps_pb2.UploadReply(created=self._create(req, arrays, context))
+            if kind == "replicate":
+                return ps_pb2.UploadReply(replicated=self._replicate(req, arrays))
             handler = {"push": self._push, "assign": self._assign,
                        "push_sparse": self._push_sparse}[kind]
             return ps_pb2.UploadReply(updated=handler(req, arrays, context))
@@ -432,8 +489,8 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
                             raise InvalidArgument("sparse updates in a shared-memory push "
                                                   "are asynchronous only; send sync ones "
                                                   "with PushSparse")
-                        return ps_pb2.UpdateReply(
-                            versions=self.ps.store.push_mixed(updates, sparse))
+                        return ps_pb2.UpdateReply(versions=self.ps.store.push_mixed(
+                            updates, sparse, _deadline(context)))
                     return self.ps._push_updates(request, updates, context)
                 finally:
                     updates.clear()

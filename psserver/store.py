@@ -29,9 +29,10 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from psserver import optimizers as optim
+from psserver import replication as R
 from psserver import sync as S
-from psserver.errors import (AlreadyExists, InvalidArgument, NotFound,
-                             ResourceExhausted)
+from psserver.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
+                             InvalidArgument, NotFound, NotPrimary, ResourceExhausted)
 from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
 
 # Names are path-like so sharded variables can be called "dense/kernel/part_0".
@@ -69,6 +70,9 @@ class VariableMeta:
     allow_nonfinite: bool
     sync_steps: int = 0
     dropped_gradients: int = 0
+    role: int = R.ROLE_PRIMARY
+    epoch: int = 0
+    backup: R.Peer | None = None
 
 
 class StoreObserver:
@@ -108,10 +112,18 @@ class Variable:
         self.acc: S.Accumulation | None = None  # the sync step being gathered
         self.sync_buffer: np.ndarray | None = None   # sync mode's sum buffer, reused
         self.dropped = 0                        # late sync gradients dropped
-        # Keys of the most recent updates applied (idempotent retries), oldest first.
-        self.applied: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Keys of the most recent updates applied (idempotent retries), oldest
+        # first, each with the version it made (0: came with a copied state).
+        self.applied: collections.OrderedDict[int, int] = collections.OrderedDict()
         # The value in memory readers on this host map (psserver.shm.SharedValue), or None.
         self.shared = None
+        # Replication (psserver.replication): this copy's role, its fencing
+        # epoch, its link to its backup (a primary with one), and whether a
+        # planned hand-over (DEMOTE) is draining it.
+        self.role = R.ROLE_PRIMARY
+        self.epoch = 0
+        self.link: R.Link | None = None
+        self.draining = False
 
     def writing(self):
         """Wrap every change of value and version (lock held): readers of a
@@ -123,16 +135,35 @@ class Variable:
     #: seconds, when far fewer updates have happened.
     APPLIED_IDS_KEPT = 8192
 
-    def first_time(self, update_id: int) -> bool:
-        """Record update_id (lock held); False if it was applied already."""
-        if not update_id:
-            return True
-        if update_id in self.applied:
-            return False
-        self.applied[update_id] = None
-        if len(self.applied) > self.APPLIED_IDS_KEPT:
-            self.applied.popitem(last=False)
-        return True
+    def applied_at(self, update_id: int) -> int | None:
+        """The version update_id made, if it was applied already (lock held)."""
+        return self.applied.get(update_id) if update_id else None
+
+    def remember(self, update_id: int) -> None:
+        """Record that update_id made the current version (lock held)."""
+        if update_id:
+            self.applied[update_id] = self.version
+            if len(self.applied) > self.APPLIED_IDS_KEPT:
+                self.applied.popitem(last=False)
+
+    def record(self, kind: int, tensor: np.ndarray, ids: np.ndarray | None = None,
+               update_id: int = 0, copy: bool = False) -> None:
+        """Hand the update just applied (lock held) to the backup, if any.
+        ``copy``: the tensor may be the caller's memory (a shared segment)."""
+        link = self.link
+        if link is not None:
+            link.add(R.Record(link.peer.name, self.epoch, self.version, update_id,
+                              self.sync_steps, kind, tensor.copy() if copy else tensor, ids))
+
+    def check_primary(self) -> None:
+        """Raise NotPrimary unless this copy takes client updates now (lock held
+        or not: a role read is atomic)."""
+        if self.role != R.ROLE_PRIMARY or self.draining:
+            what = "handing over to its other copy" if self.draining else "a backup copy"
+            raise NotPrimary(
+                f"{self.name!r} on this server is {what} (epoch {self.epoch}) and takes no "
+                "client updates; nothing was applied. Send it to the primary copy (ask "
+                "both copies' GetMeta for role and epoch; coordinator.variables does)")
 
     @property
     def slot_nbytes(self) -> int:
@@ -143,7 +174,8 @@ class Variable:
                             self.version, self.optimizer.name,
                             self.optimizer.config(), self.value.nbytes,
                             self.slot_nbytes, self.allow_nonfinite,
-                            self.sync_steps, self.dropped)
+                            self.sync_steps, self.dropped, self.role, self.epoch,
+                            self.link.peer if self.link is not None else None)
 
 
 def all_finite(a: np.ndarray) -> bool:
@@ -214,7 +246,7 @@ def make_initial_value(shape, dtype: np.dtype, init: Initializer) -> np.ndarray:
             f"not enough memory for a {list(shape)} {dtype.name} variable") from None
 
 
-class VariableStore:
+class VariableStore(R.ReplicaMethods):
     """All variables of one parameter-server task.
 
     Args:
@@ -271,7 +303,12 @@ class VariableStore:
                slots: Mapping[str, np.ndarray] | None = None,
                version: int = 0,
                overwrite: bool = False,
-               applied_ids: Sequence[int] = ()) -> VariableMeta:
+               applied_ids: Sequence[int] = (),
+               sync_steps: int = 0,
+               role: int = R.ROLE_PRIMARY,
+               epoch: int = 0,
+               backup: R.Peer | None = None,
+               deadline: float | None = None) -> VariableMeta:
         """Create a variable. Raises InvalidArgument, AlreadyExists, ResourceExhausted.
 
         With exist_ok, an existing variable of the same dtype, shape and
@@ -280,7 +317,17 @@ class VariableStore:
         Restoring a checkpoint: ``slots`` gives every optimizer slot and
         ``version`` the version to start at. With ``overwrite``, an existing
         variable of the same dtype, shape and optimizer gets the new value,
-        slots and version at once (it is created if missing).
+        slots and version at once (it is created if missing). A replicated
+        primary then copies its new state to its backup before this returns;
+        a backup copy is not restored this way (NotPrimary: restore its primary).
+
+        Replication (psserver.replication): ``backup`` makes a primary that
+        copies its state to that peer and forwards every update there; this
+        returns once the backup holds the state (DeadlineExceeded after
+        ``deadline``, the primary still being made). ``role=ROLE_BACKUP`` is
+        a primary's copy of its state (with ``initial_value``, ``slots``,
+        ``version``...): it replaces whatever copy of that name exists unless
+        that copy has a newer epoch (NotPrimary: the sender was superseded).
         """
         check_name(name)
         dt = check_dtype(dtype, VALUE_DTYPES, "variable dtype")
@@ -299,20 +346,38 @@ class VariableStore:
                 raise InvalidArgument(
                     f"initial value of {name!r} contains NaN or Inf; pass "
                     "allow_nonfinite=True to keep such values")
-        if version < 0:
-            raise InvalidArgument(f"version must be >= 0, got {version}")
+        if version < 0 or sync_steps < 0 or epoch < 0:
+            raise InvalidArgument(f"version, sync_steps and epoch must be >= 0, got "
+                                  f"{version}, {sync_steps}, {epoch}")
+        if role not in R.ROLE_NAMES:
+            raise InvalidArgument(f"unknown replica role {role}; use 0 (primary) or 1 (backup)")
+        if role == R.ROLE_BACKUP and (backup is not None or initial_value is None):
+            raise InvalidArgument("a backup copy is made from its primary's state: give "
+                                  "initial_value (and slots), and no backup of its own")
+        if backup is not None:
+            backup = self._check_peer(backup)
         if slots is not None:
             slots = self._check_slots(name, opt, dt, shape, slots)
         with self._lock:
             existing = self._vars.get(name)
+        if role == R.ROLE_BACKUP:
+            return self._replace_copy(existing, name, dt, shape, opt, initial_value, slots,
+                                      version, applied_ids, sync_steps, epoch,
+                                      allow_nonfinite)
         if existing is not None and overwrite:
-            return self._overwrite(existing, dt, shape, opt, initial_value, slots, version,
-                                   applied_ids)
+            meta = self._overwrite(existing, dt, shape, opt, initial_value, slots, version,
+                                   applied_ids, sync_steps)
+            if existing.link is not None:
+                self._wait_acked([(existing, meta.version)], deadline)
+            return existing.meta()
         if existing is not None:
             if exist_ok:
                 m = existing.meta()
                 if (m.dtype, m.shape, m.optimizer, dict(m.optimizer_params)) == (
                         dt.name, shape, opt.name, opt.config()):
+                    if backup is not None and m.role == R.ROLE_PRIMARY and m.backup is None:
+                        self.set_backup(name, backup, m.epoch, deadline)
+                        return existing.meta()
                     return m
                 raise AlreadyExists(
                     f"variable {name!r} exists as {m.dtype} {list(m.shape)} with "
@@ -342,13 +407,63 @@ class VariableStore:
         if slots is not None:
             for k, v in slots.items():
                 np.copyto(var.slots[k], v)
-        var.version = version
-        var.applied = collections.OrderedDict.fromkeys(int(i) for i in applied_ids)
+        var.version, var.sync_steps, var.epoch = version, sync_steps, epoch
+        var.applied = collections.OrderedDict.fromkeys((int(i) for i in applied_ids), 0)
         with self._lock:
             if name in self._vars:   # lost a race with another create
                 raise AlreadyExists(f"variable {name!r} exists already")
             self._vars[name] = var
+        if backup is not None:
+            self.set_backup(name, backup, epoch, deadline)
         return var.meta()
+
+    @staticmethod
+    def _check_peer(peer: R.Peer) -> R.Peer:
+        if not peer.address or len(peer.address) > 1024 or not peer.address.isprintable():
+            raise InvalidArgument(f"a backup needs a server address (host:port), got "
+                                  f"{peer.address!r}")
+        check_name(peer.name)
+        return peer
+
+    def _replace_copy(self, existing: Variable | None, name, dt, shape, opt, value, slots,
+                      version, applied_ids, sync_steps, epoch, allow_nonfinite) -> VariableMeta:
+        """A primary's state copied here as its backup (see create)."""
+        if existing is not None:
+            with existing.lock:
+                stale = existing.epoch > epoch or (
+                    existing.epoch == epoch and existing.role == R.ROLE_PRIMARY
+                    and not (existing.link is not None and existing.link.fenced))
+                if stale:
+                    raise NotPrimary(
+                        f"{name!r} here is at epoch {existing.epoch} "
+                        f"({R.ROLE_NAMES[existing.role]}); a state copy of epoch {epoch} "
+                        "comes from a superseded primary and was refused")
+                same = (existing.value.dtype, existing.value.shape, existing.optimizer.name,
+                        existing.optimizer.config()) == (dt, shape, opt.name, opt.config())
+                if same:
+                    with existing.writing():
+                        np.copyto(existing.value, value)
+                        fresh = slots if slots is not None else opt.create_slots(value)
+                        for k in existing.slots:
+                            np.copyto(existing.slots[k], fresh[k])
+                        existing.version = version
+                    existing.sync_steps, existing.acc = sync_steps, None
+                    existing.applied = collections.OrderedDict.fromkeys(
+                        (int(i) for i in applied_ids), 0)
+                    existing.role, existing.epoch, existing.link = R.ROLE_BACKUP, epoch, None
+                    existing.draining = False
+                    existing.allow_nonfinite = allow_nonfinite
+                    existing.cond.notify_all()
+                    return existing.meta()
+            self.delete(name)   # another shape or optimizer: the primary's wins
+        self.create(name, dt.name, shape, initial_value=value, optimizer=opt.name,
+                    optimizer_params=opt.config(), allow_nonfinite=allow_nonfinite,
+                    slots=slots, version=version, applied_ids=applied_ids,
+                    sync_steps=sync_steps, epoch=epoch)
+        var = self._get(name)
+        with var.lock:
+            var.role = R.ROLE_BACKUP
+            return var.meta()
 
     def _check_slots(self, name, opt, dt, shape, slots) -> dict[str, np.ndarray]:
         proto = opt.create_slots(np.zeros(shape if shape else (), dt)) if opt.slot_names else {}
@@ -364,7 +479,8 @@ class VariableStore:
         return dict(slots)
 
     def _overwrite(self, var: Variable, dt, shape, opt, value, slots, version,
-                   applied_ids=()) -> VariableMeta:
+                   applied_ids=(), sync_steps: int = 0) -> VariableMeta:
+        var.check_primary()
         if (var.value.dtype, var.value.shape, var.optimizer.name) != (dt, shape, opt.name):
             raise InvalidArgument(
                 f"cannot overwrite {var.name!r} ({var.value.dtype.name} {list(var.value.shape)}, "
@@ -376,9 +492,12 @@ class VariableStore:
             fresh = slots if slots is not None else opt.create_slots(var.value)
             for k in var.slots:
                 np.copyto(var.slots[k], fresh[k])
-            var.version = version
+            var.version, var.sync_steps = version, sync_steps
             var.acc = None
-            var.applied = collections.OrderedDict.fromkeys(int(i) for i in applied_ids)
+            var.applied = collections.OrderedDict.fromkeys((int(i) for i in applied_ids), 0)
+            if var.link is not None:   # the backup gets the whole new state
+                var.link.reset()
+            var.cond.notify_all()
             return var.meta()
 
     def save(self, directory: str, names: Sequence[str] = ()) -> list[tuple[str, str, int, int]]:
@@ -568,7 +687,7 @@ class VariableStore:
                 "nothing was applied. Lower the learning rate or clip gradients, "
                 "or create the variable with allow_nonfinite=True")
 
-    def push(self, updates: Iterable[tuple]) -> list[int]:
+    def push(self, updates: Iterable[tuple], deadline: float | None = None) -> list[int]:
         """Apply dense gradients with each variable's optimizer.
 
         ``updates``: (name, grad) or (name, grad, update_id). All updates are
@@ -576,43 +695,59 @@ class VariableStore:
         then applied atomically on its own variable, unless its update_id
         (non-zero) was applied before: then it is acknowledged and skipped
         (idempotent retries). Returns each variable's version after the call.
-        """
-        return self.push_mixed(updates, ())
 
-    def _apply_dense(self, var: Variable, grad: np.ndarray, update_id: int) -> int:
+        Replication: a backup copy refuses (NotPrimary); a primary returns once
+        its backup acknowledged each update (see ReplicaMethods._wait_acked
+        for DeadlineExceeded and NotPrimary after ``deadline``).
+        """
+        return self.push_mixed(updates, (), deadline)
+
+    def _apply_dense(self, var: Variable, grad: np.ndarray,
+                     update_id: int) -> tuple[int, int]:
+        """(version after the call, version its backup must acknowledge)."""
         with var.lock:
-            if var.first_time(update_id):
+            var.check_primary()
+            done = var.applied_at(update_id)
+            if done is None:
                 with var.writing():
                     var.optimizer.apply_dense(var.value, var.slots, grad)
                     var.version += 1
+                var.remember(update_id)
+                var.record(R.DENSE, grad, update_id=update_id, copy=True)
                 self.observer.gradients("dense", "async")
-            return var.version
+                done = var.version
+            return var.version, done
 
-    def assign(self, updates: Iterable[tuple[str, np.ndarray]]) -> list[int]:
+    def assign(self, updates: Iterable[tuple[str, np.ndarray]],
+               deadline: float | None = None) -> list[int]:
         """Overwrite values (slots are kept). Validated in full first, like push."""
         checked = []
         for name, value in updates:
             var = self._get(name)
+            var.check_primary()
             self._check_grad(var, value, var.value.shape, "assigned value")
             checked.append((var, value))
-        versions = []
+        done = []
         for var, value in checked:
             with var.lock:
+                var.check_primary()
                 with var.writing():
                     np.copyto(var.value, value)
                     var.version += 1
-                versions.append(var.version)
-        return versions
+                var.record(R.ASSIGN, value, copy=True)
+                done.append((var, var.version))
+        self._wait_acked(done, deadline)
+        return [v for _, v in done]
 
     def push_sparse(self, name: str, ids: np.ndarray, rows: np.ndarray,
-                    update_id: int = 0) -> int:
+                    update_id: int = 0, deadline: float | None = None) -> int:
         """Apply a row-wise gradient: rows[i] is the gradient of row ids[i].
 
         Duplicate ids are summed first. Lazy: only the rows named, and their
         slots, change. An update_id seen before is acknowledged and skipped,
         as in push. Returns the version after the update.
         """
-        return self._apply_sparse(*self._check_sparse(name, ids, rows), update_id)
+        return self.push_mixed((), [(name, ids, rows, update_id)], deadline)[0]
 
     def _check_sparse(self, name: str, ids: np.ndarray,
                       rows: np.ndarray) -> tuple[Variable, np.ndarray, np.ndarray]:
@@ -626,28 +761,39 @@ class VariableStore:
         return var, uniq, summed
 
     def _apply_sparse(self, var: Variable, uniq: np.ndarray, summed: np.ndarray,
-                      update_id: int) -> int:
+                      update_id: int) -> tuple[int, int]:
         with var.lock:
-            if var.first_time(update_id):
+            var.check_primary()
+            done = var.applied_at(update_id)
+            if done is None:
                 with var.writing():
                     var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                     var.version += 1
+                var.remember(update_id)
+                var.record(R.SPARSE, summed, uniq, update_id)   # new arrays: no copy
                 self.observer.gradients("sparse", "async")
-            return var.version
+                done = var.version
+            return var.version, done
 
-    def push_mixed(self, dense: Iterable[tuple], sparse: Iterable[tuple]) -> list[int]:
+    def push_mixed(self, dense: Iterable[tuple], sparse: Iterable[tuple],
+                   deadline: float | None = None) -> list[int]:
         """Dense updates (as push) and row-wise ones ((name, ids, rows, update_id),
         as push_sparse) in one call: all validated before any is applied.
         Returns the versions after the dense updates, then the sparse ones."""
         checked = []
         for name, grad, *uid in dense:
             var = self._get(name)
+            var.check_primary()
             self._check_grad(var, grad, var.value.shape, "gradient")
             checked.append((var, grad, uid[0] if uid else 0))
         sparse_checked = [(*self._check_sparse(name, ids, rows), uid)
                           for name, ids, rows, uid in sparse]
-        versions = [self._apply_dense(var, grad, uid) for var, grad, uid in checked]
-        return versions + [self._apply_sparse(*item) for item in sparse_checked]
+        for var, *_ in sparse_checked:
+            var.check_primary()
+        applied = [(var, self._apply_dense(var, grad, uid)) for var, grad, uid in checked]
+        applied += [(item[0], self._apply_sparse(*item)) for item in sparse_checked]
+        self._wait_acked([(var, done) for var, (_, done) in applied], deadline)
+        return [version for _, (version, _) in applied]
 
     # -- synchronous mode (see psserver.sync) -----------------------------------
     def _abandoned_for(self, step: int) -> set[int]:
@@ -668,6 +814,8 @@ class VariableStore:
         checked = []
         for name, grad in updates:
             var = self._get(name)
+            if var.draining:
+                var.check_primary()
             self._check_grad(var, grad, var.value.shape, "gradient")
             checked.append((var, grad))
         abandoned = self._abandoned_for(spec.step)
@@ -683,6 +831,8 @@ class VariableStore:
         """Add one replica's row gradient to its sync step (an empty one counts)."""
         spec.validate()
         var = self._get(name)
+        if var.draining:
+            var.check_primary()
         if ids.ndim != 1:
             raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
         ids = self._check_ids(var, ids, "sparse push")

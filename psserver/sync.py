@@ -27,6 +27,7 @@ import numpy as np
 
 from psserver import optimizers as optim
 from psserver.errors import DeadlineExceeded, InvalidArgument
+from psserver.replication import DENSE, ROLE_PRIMARY, SPARSE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,8 @@ def wait_for_earlier_steps(var, step: int, deadline: float | None) -> None:
     """Block (lock held) while a step before ``step`` is pending on var."""
     while var.acc is not None and var.acc.step < step:
         now = time.monotonic()
-        timeout_at = _timeout_at(var)
+        # A backup copy applies only its primary's records (which clear acc).
+        timeout_at = _timeout_at(var) if var.role == ROLE_PRIMARY else None
         if timeout_at is not None and now >= timeout_at:
             apply(var, forced=True)
             continue
@@ -132,6 +134,10 @@ def _apply(var) -> None:
             var.sync_buffer = acc.total   # reused by the next step
     var.version += 1
     var.sync_steps = acc.step + 1
+    if acc.sparse:   # the backup applies exactly this: new arrays, kept by the record
+        var.record(SPARSE, summed, uniq)
+    else:   # acc.total is reused by the next step: the record keeps a copy
+        var.record(DENSE, acc.total, copy=True)
 
 
 def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
@@ -158,5 +164,6 @@ def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
 
 def maybe_complete(var, abandoned: set[int]) -> None:
     acc = var.acc
-    if acc is not None and len(acc.replicas | abandoned) >= acc.spec.required:
+    if acc is not None and var.role == ROLE_PRIMARY and \
+            len(acc.replicas | abandoned) >= acc.spec.required:
         apply(var)

@@ -1,6 +1,7 @@
 """Failures of every role on real clusters: the job goes on, nothing hangs."""
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -10,12 +11,36 @@ import numpy as np
 import pytest
 
 from coordinator import (ClusterCoordinator, ClusterSpec, FixedShardsPartitioner, LocalCluster,
-                         ParameterServerStrategy, batches, read_variables)
+                         ParameterServerLost, ParameterServerStrategy, batches, read_variables)
+from coordinator import metrics as _metrics
 from coordinator.checkpoint import CheckpointManager
 from coordinator.variables import push_gradients
 from proxy import CuttableProxy
 
 pytestmark = pytest.mark.timeout(180)
+
+
+class _LogEvent(logging.Handler):
+    """Set when a record of ``logger`` containing ``text`` is logged."""
+
+    def __init__(self, logger: str, text: str):
+        super().__init__()
+        self._text, self._event, self.message = text, threading.Event(), ""
+        self._logger = logging.getLogger(logger)
+        self._logger.addHandler(self)
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if self._text in msg and not self._event.is_set():
+            self.message = msg
+            self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def close(self):
+        self._logger.removeHandler(self)
+        super().close()
 
 ROWS = 8
 
@@ -55,11 +80,13 @@ def _sgd_table(strategy):
 
 @pytest.mark.parametrize("with_checkpoint", [True, False])
 def test_killed_parameter_server_is_restored_and_training_goes_on(tmp_path, with_checkpoint):
+    """From the latest checkpoint, or (asked for) re-created from its initializer."""
     with LocalCluster(num_ps=2, num_workers=2) as cluster:   # restarts a dead ps by default
         strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
         w = _sgd_table(strategy)
         ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt")) if with_checkpoint else None
-        with ClusterCoordinator(strategy, checkpoint_manager=ckpt) as coord:
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt,
+                                recreate_lost_shards=not with_checkpoint) as coord:
             step = make_killing_step(w, str(tmp_path / "killed"), cluster.ps[1].pid)
             coord.fetch([coord.schedule(step, args=(False,)) for _ in range(10)])
             if ckpt:
@@ -76,6 +103,26 @@ def test_killed_parameter_server_is_restored_and_training_goes_on(tmp_path, with
     assert len(np.unique(bottom)) == 1
 
 
+def test_lost_parameter_server_stops_the_job_with_a_clear_error(tmp_path, caplog):
+    """No replica, no checkpoint: a server that restarted empty fails the job
+    (naming the lost shards and the ways to avoid it) instead of training on
+    with half the model reset; and while it is away, the coordinator says so."""
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+        w = _sgd_table(strategy)
+        with ClusterCoordinator(strategy) as coord:
+            step = make_killing_step(w, str(tmp_path / "killed"), cluster.ps[1].pid)
+            coord.fetch([coord.schedule(step, args=(False,)) for _ in range(5)])
+            results = [coord.schedule(step, args=(i == 2,)) for i in range(10)]
+            with pytest.raises(ParameterServerLost) as caught:
+                coord.join()
+    message = str(caught.value)
+    assert cluster.ps[1].address in message and "w/part_1" in message
+    assert "replication=True" in message and "CheckpointManager" in message
+    assert "recreate_lost_shards=True" in message
+    assert any(r.status.name in ("FAILED", "CANCELLED") for r in results)
+
+
 def test_worker_cut_off_from_a_parameter_server_recovers_when_the_link_returns(tmp_path):
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         proxy = CuttableProxy(cluster.ps[0].address)
@@ -85,19 +132,28 @@ def test_worker_cut_off_from_a_parameter_server_recovers_when_the_link_returns(t
                                token=snap.token, tls=snap.tls)
             strategy = ParameterServerStrategy(spec, variable_partitioner=FixedShardsPartitioner(2))
             w = _sgd_table(strategy)
+            said = _LogEvent("coordinator", "is unreachable since")
             with ClusterCoordinator(strategy) as coord:
                 step = counting_step(w)
                 coord.fetch([coord.schedule(step) for _ in range(10)])
                 proxy.cut()
                 pending = [coord.schedule(step) for _ in range(10)]
                 assert proxy.wait_refused(timeout=60), "nobody tried the cut link"
+                # The coordinator says which server is away, since when, what it waits for.
+                assert said.wait(timeout=30), "the coordinator never said the server is away"
+                assert proxy.address in said.message and "paused" in said.message
+                assert _metrics.REGISTRY.get_sample_value("pstrain_coordinator_ps_unreachable") == 1
+                assert _metrics.REGISTRY.get_sample_value(
+                    "pstrain_coordinator_ps_unreachable_seconds", {"address": proxy.address}) >= 0
                 proxy.restore()
                 coord.fetch(pending)
                 coord.join()
                 assert coord._recovery.recoveries == 0   # same server: nothing to restore
+                assert _metrics.REGISTRY.get_sample_value("pstrain_coordinator_ps_unreachable") == 0
                 value = w.read()
         finally:
             proxy.close()
+            said.close()
     assert (value >= 20).all() and (value <= 24).all()   # every step at least once
 
 

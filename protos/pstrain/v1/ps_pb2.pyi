@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReplicaRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_PRIMARY: _ClassVar[ReplicaRole]
+    ROLE_BACKUP: _ClassVar[ReplicaRole]
+ROLE_PRIMARY: ReplicaRole
+ROLE_BACKUP: ReplicaRole
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -50,7 +58,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CreateVariableRequest(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok", "slots", "version", "overwrite", "applied_ids")
+    __slots__ = ("name", "dtype", "shape", "initial_value", "initializer", "optimizer", "allow_nonfinite", "exist_ok", "slots", "version", "overwrite", "applied_ids", "role", "epoch", "backup", "sync_steps")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +71,10 @@ class CreateVariableRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +87,19 @@ class CreateVariableRequest(_message.Message):
     version: int
     overwrite: bool
     applied_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotValue, _Mapping]]] = ..., version: _Optional[int] = ..., overwrite: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    role: ReplicaRole
+    epoch: int
+    backup: ReplicaPeer
+    sync_steps: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., exist_ok: _Optional[bool] = ..., slots: _Optional[_Iterable[_Union[SlotValue, _Mapping]]] = ..., version: _Optional[int] = ..., overwrite: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., epoch: _Optional[int] = ..., backup: _Optional[_Union[ReplicaPeer, _Mapping]] = ..., sync_steps: _Optional[int] = ...) -> None: ...
+
+class ReplicaPeer(_message.Message):
+    __slots__ = ("address", "name")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SlotValue(_message.Message):
     __slots__ = ("name", "tensor")
@@ -110,7 +134,7 @@ class SyncRead(_message.Message):
     def __init__(self, step: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
 
 class VariableMeta(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite", "sync_steps", "dropped_gradients")
+    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite", "sync_steps", "dropped_gradients", "role", "epoch", "backup")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +145,9 @@ class VariableMeta(_message.Message):
     ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -131,7 +158,10 @@ class VariableMeta(_message.Message):
     allow_nonfinite: bool
     sync_steps: int
     dropped_gradients: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., dropped_gradients: _Optional[int] = ...) -> None: ...
+    role: ReplicaRole
+    epoch: int
+    backup: ReplicaPeer
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., epoch: _Optional[int] = ..., backup: _Optional[_Union[ReplicaPeer, _Mapping]] = ...) -> None: ...
 
 class VariableRef(_message.Message):
     __slots__ = ("name",)
@@ -252,26 +282,30 @@ class PushSparseRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class UploadFrame(_message.Message):
-    __slots__ = ("create", "push", "assign", "push_sparse", "chunk")
+    __slots__ = ("create", "push", "assign", "push_sparse", "replicate", "chunk")
     CREATE_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     PUSH_SPARSE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     create: CreateVariableRequest
     push: PushRequest
     assign: AssignRequest
     push_sparse: PushSparseRequest
+    replicate: ReplicateRequest
     chunk: bytes
-    def __init__(self, create: _Optional[_Union[CreateVariableRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., assign: _Optional[_Union[AssignRequest, _Mapping]] = ..., push_sparse: _Optional[_Union[PushSparseRequest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, create: _Optional[_Union[CreateVariableRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., assign: _Optional[_Union[AssignRequest, _Mapping]] = ..., push_sparse: _Optional[_Union[PushSparseRequest, _Mapping]] = ..., replicate: _Optional[_Union[ReplicateRequest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class UploadReply(_message.Message):
-    __slots__ = ("created", "updated")
+    __slots__ = ("created", "updated", "replicated")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
     created: VariableMeta
     updated: UpdateReply
-    def __init__(self, created: _Optional[_Union[VariableMeta, _Mapping]] = ..., updated: _Optional[_Union[UpdateReply, _Mapping]] = ...) -> None: ...
+    replicated: ReplicateReply
+    def __init__(self, created: _Optional[_Union[VariableMeta, _Mapping]] = ..., updated: _Optional[_Union[UpdateReply, _Mapping]] = ..., replicated: _Optional[_Union[ReplicateReply, _Mapping]] = ...) -> None: ...
 
 class AbandonRequest(_message.Message):
     __slots__ = ("step", "replica")
@@ -310,6 +344,100 @@ class SavedFile(_message.Message):
     version: int
     bytes: int
     def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ReplicaRecord(_message.Message):
+    __slots__ = ("name", "epoch", "version", "update_id", "sync_steps", "kind", "tensor", "ids")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DENSE: _ClassVar[ReplicaRecord.Kind]
+        SPARSE: _ClassVar[ReplicaRecord.Kind]
+        ASSIGN: _ClassVar[ReplicaRecord.Kind]
+    DENSE: ReplicaRecord.Kind
+    SPARSE: ReplicaRecord.Kind
+    ASSIGN: ReplicaRecord.Kind
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    epoch: int
+    version: int
+    update_id: int
+    sync_steps: int
+    kind: ReplicaRecord.Kind
+    tensor: Tensor
+    ids: Tensor
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., update_id: _Optional[int] = ..., sync_steps: _Optional[int] = ..., kind: _Optional[_Union[ReplicaRecord.Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[ReplicaRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("name", "version", "status")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OK: _ClassVar[ReplicaAck.Status]
+        NEEDS_STATE: _ClassVar[ReplicaAck.Status]
+        FENCED: _ClassVar[ReplicaAck.Status]
+    OK: ReplicaAck.Status
+    NEEDS_STATE: ReplicaAck.Status
+    FENCED: ReplicaAck.Status
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    status: ReplicaAck.Status
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[_Union[ReplicaAck.Status, str]] = ...) -> None: ...
+
+class ReplicateReply(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[ReplicaAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[ReplicaAck, _Mapping]]] = ...) -> None: ...
+
+class ReplicaChange(_message.Message):
+    __slots__ = ("name", "epoch", "action", "backup")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PROMOTE: _ClassVar[ReplicaChange.Action]
+        SET_BACKUP: _ClassVar[ReplicaChange.Action]
+        DROP_BACKUP: _ClassVar[ReplicaChange.Action]
+        DEMOTE: _ClassVar[ReplicaChange.Action]
+    PROMOTE: ReplicaChange.Action
+    SET_BACKUP: ReplicaChange.Action
+    DROP_BACKUP: ReplicaChange.Action
+    DEMOTE: ReplicaChange.Action
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    epoch: int
+    action: ReplicaChange.Action
+    backup: ReplicaPeer
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., action: _Optional[_Union[ReplicaChange.Action, str]] = ..., backup: _Optional[_Union[ReplicaPeer, _Mapping]] = ...) -> None: ...
+
+class ReconfigureRequest(_message.Message):
+    __slots__ = ("changes", "timeout")
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[ReplicaChange]
+    timeout: float
+    def __init__(self, changes: _Optional[_Iterable[_Union[ReplicaChange, _Mapping]]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class ReconfigureReply(_message.Message):
+    __slots__ = ("variables",)
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    variables: _containers.RepeatedCompositeFieldContainer[VariableMeta]
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()

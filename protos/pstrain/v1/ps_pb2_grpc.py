@@ -104,6 +104,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Replicate',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateReply.FromString,
+                _registered_method=True)
+        self.Reconfigure = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/Reconfigure',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReconfigureRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReconfigureReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -193,6 +203,19 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Replication: a primary's records to its backup, and the coordinator's role changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reconfigure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +288,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateReply.SerializeToString,
+            ),
+            'Reconfigure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconfigure,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReconfigureRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReconfigureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -645,6 +678,60 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Save',
             protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Replicate',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconfigure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/Reconfigure',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ReconfigureRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.ReconfigureReply.FromString,
             options,
             channel_credentials,
             insecure,
