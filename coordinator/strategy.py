@@ -19,7 +19,7 @@ from coordinator import routes
 from coordinator import variables as V
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
-from psserver.errors import DeadlineExceeded, PSError, Unavailable
+from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import Peer
 from psserver.server import TOKEN_ENV
 from psserver.store import Initializer
@@ -331,12 +331,20 @@ class ParameterServerStrategy:
                 if self.replication:   # its backup on the next server, made by the primary
                     baddr = self._ps[(self._ps.index(addr) + 1) % len(self._ps)]
                     backup = V.Shard(baddr, f"{BACKUP_PREFIX}{sname}", lo, hi - lo)
-                    backups.append(backup)
                     self._note_server(baddr)
-                shards.append(V.Shard(addr, sname, lo, hi - lo))
-                V.client_for(addr).create_variable(
-                    **create, exist_ok=self.reuse_existing,
-                    backup=None if backup is None else Peer(backup.address, backup.name))
+                shard = V.Shard(addr, sname, lo, hi - lo)
+                try:
+                    V.client_for(addr).create_variable(
+                        **create, exist_ok=self.reuse_existing,
+                        backup=None if backup is None else Peer(backup.address, backup.name))
+                except AlreadyExists:
+                    raise   # the name is someone else's: not ours to delete
+                except BaseException:   # it may have been made (and its backup) before failing
+                    shards.append(shard)
+                    backups += [backup] if backup is not None else []
+                    raise
+                shards.append(shard)
+                backups += [backup] if backup is not None else []
                 self._note_server(addr)
                 self._creation[sname] = create
         except BaseException:
