@@ -147,7 +147,8 @@ def read_copies(strategy, address: str | None = None) -> list[Copies]:
 
     def ask(shard):
         try:
-            return client_for(shard.address).get_meta(shard.name, timeout=routes.ASK_SECONDS)
+            return client_for(shard.address, fail_fast=True).get_meta(
+                shard.name, timeout=routes.ASK_SECONDS)
         except PSError:
             return None
     out = []

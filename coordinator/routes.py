@@ -102,7 +102,8 @@ def refresh(pairs: Sequence[tuple]) -> bool:
 
     def ask(shard):
         try:
-            return client_for(shard.address).get_meta(shard.name, timeout=ASK_SECONDS)
+            return client_for(shard.address, fail_fast=True).get_meta(shard.name,
+                                                                      timeout=ASK_SECONDS)
         except PSError:
             return None
     moved = False

@@ -50,7 +50,7 @@ from psserver.tls import TLSConfig
 
 
 # -- this process's connections ------------------------------------------------
-_clients: dict[str, PSClient] = {}
+_clients: dict[tuple[str, bool], PSClient] = {}
 _clients_lock = threading.Lock()
 _token: str | None = os.environ.get(TOKEN_ENV) or None
 _tls: TLSConfig | None = TLSConfig.from_env()
@@ -67,15 +67,21 @@ def configure(token: str | None, tls: TLSConfig | None = None) -> None:
         _token, _tls = token, tls
 
 
-def client_for(address: str) -> PSClient:
-    """The shared PSClient for a parameter-server address (created on first use)."""
-    c = _clients.get(address)
+def client_for(address: str, fail_fast: bool = False) -> PSClient:
+    """The shared PSClient for a parameter-server address (created on first use).
+
+    Its calls wait for a server that is down to come back (until their
+    deadline), riding out a restart. ``fail_fast``: another client whose
+    calls to a server that is down fail at once (UNAVAILABLE), for replicated
+    shards, whose other copy may take over (coordinator.routes)."""
+    key = (address, fail_fast)
+    c = _clients.get(key)
     if c is None:
         with _clients_lock:
-            c = _clients.get(address)
+            c = _clients.get(key)
             if c is None:
-                c = _clients[address] = PSClient(address, token=_token, tls=_tls,
-                                                 wait_for_ready=True)
+                c = _clients[key] = PSClient(address, token=_token, tls=_tls,
+                                             wait_for_ready=not fail_fast)
     return c
 
 
@@ -159,7 +165,7 @@ class _Op:
         self.pairs = [p for p in pairs if p[0].backups]
 
     def __call__(self, first: bool):
-        client = client_for(self.address)
+        client = client_for(self.address, fail_fast=bool(self.pairs))
         if self.non_blocking is not None and client.local:
             return self.non_blocking(client)
         if first:

@@ -6,8 +6,8 @@ a lost server fails over without waiting, and comes back as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -153,3 +153,129 @@ def test_lost_server_fails_over_without_waiting_and_loses_nothing(tmp_path):
     np.testing.assert_array_equal(value, np.full((4, 2), 60, np.float32))
     assert [m.version for m in metas] == [60, 60]
     assert all(m.backup is None for m in metas)   # going on alone until it returns
+
+
+TOKEN = "replication-secret"
+
+
+def test_replication_calls_validate_what_they_receive_and_change_nothing(start_ps):
+    """Replicate, Reconfigure and CreateVariable's replication fields: bad input
+    is refused with the right code, nothing changes, and a caller without the
+    token is refused before anything is read."""
+    import grpc
+
+    from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+    from psserver import replication as R
+    from psserver import tensor as T
+    from psserver.errors import InvalidArgument, NotFound, NotPrimary, Unauthenticated
+    from psserver.server import call_metadata
+
+    env = {"PSTRAIN_AUTH_TOKEN": TOKEN}
+    a, b = start_ps(env=env), start_ps(env=env)
+    with PSClient(a.address, token=TOKEN) as ca, PSClient(b.address, token=TOKEN) as cb:
+        ca.create_variable("w", (4, 2), backup=R.Peer(b.address, "_w"))
+        ca.push_many([("w", np.ones((4, 2), np.float32), 1)])
+
+        def state():
+            return (ca.get_meta("w"), cb.get_meta("_w"),
+                    ca.read("w").tobytes(), cb.read("_w").tobytes())
+        before = state()
+
+        def record(**kw):
+            r = R.Record("_w", 0, 2, 0, 0, R.DENSE, np.ones((4, 2), np.float32))
+            return dataclasses.replace(r, **kw)
+        for bad in (record(tensor=np.ones((3, 2), np.float32)), record(kind=9),
+                    record(tensor=np.ones((4, 2), np.int32)), record(version=-1),
+                    record(kind=R.SPARSE, ids=np.array([7]), tensor=np.ones((1, 2), np.float32))):
+            with pytest.raises(InvalidArgument):
+                cb.replicate([bad])
+        with pytest.raises(InvalidArgument, match="unknown replica change"):
+            ca.reconfigure([("w", 9, 5, None)])
+        with pytest.raises(InvalidArgument, match="needs the backup"):
+            ca.reconfigure([("w", R.SET_BACKUP, 5, None)])
+        with pytest.raises(NotPrimary, match="stale"):
+            cb.reconfigure([("_w", R.PROMOTE, 0, None)])   # not above its epoch
+        with pytest.raises(NotFound):
+            ca.reconfigure([("nope", R.DROP_BACKUP, 1, None)])
+        with pytest.raises(InvalidArgument, match="replica role"):
+            ca.create_variable("x", (2,), role=7)
+        with pytest.raises(InvalidArgument, match="address"):
+            ca.create_variable("x", (2,), backup=R.Peer("", "_x"))
+        with pytest.raises(InvalidArgument, match="primary's state"):
+            ca.create_variable("x", (2,), role=R.ROLE_BACKUP)   # a backup needs a state
+        # A stale primary's state copy does not overwrite a newer copy.
+        cb.reconfigure([("_w", R.PROMOTE, 3, None)])
+        with pytest.raises(NotPrimary, match="superseded"):
+            cb.create_variable("_w", (4, 2), initial_value=np.zeros((4, 2), np.float32),
+                               role=R.ROLE_BACKUP, epoch=1, overwrite=True)
+        assert cb.get_meta("_w").version == before[1].version
+        assert cb.read("_w").tobytes() == before[3]
+        cb.reconfigure([("_w", R.DEMOTE, 4, None)])   # back to a backup, as it was
+        assert state()[2:] == before[2:]
+        assert [m.version for m in state()[:2]] == [before[0].version, before[1].version]
+
+        # No token: refused before anything is parsed or changed.
+        channel = grpc.insecure_channel(b.address)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        req = ps_pb2.ReplicateRequest()
+        r = req.records.add(name="_w", epoch=4, version=2)
+        T.fill(r.tensor, np.full((4, 2), 100, np.float32))
+        for call, msg in ((stub.Replicate, req),
+                          (stub.Reconfigure, ps_pb2.ReconfigureRequest(changes=[
+                              ps_pb2.ReplicaChange(name="_w", epoch=9, action=R.PROMOTE)]))):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(msg, metadata=call_metadata(None), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+        assert cb.get_meta("_w").role == R.ROLE_BACKUP and cb.read("_w").tobytes() == before[3]
+        with PSClient(b.address, token="wrong") as intruder, pytest.raises(Unauthenticated):
+            intruder.replicate([record()])
+
+
+def test_partitioned_primary_is_fenced_and_nothing_acknowledged_is_lost():
+    """ps0 cut off from the coordinator and the cluster's gRPC (its data port
+    still answers workers: an asymmetric partition). Its shards fail over to
+    ps1; its own copy, still alive, is fenced (its records refused), so no
+    update is acknowledged by it alone. When the link returns, ps0 gets its
+    copies back and its primaries are handed back: the layout is as created."""
+    from coordinator import ClusterSpec, routes
+    from proxy import CuttableProxy
+    from psserver import replication as R
+
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        proxy = CuttableProxy(cluster.ps[0].address)
+        try:
+            snap = cluster.snapshot()
+            spec = ClusterSpec(ps=[proxy.address, snap.ps[1]], worker=snap.worker,
+                               token=snap.token, tls=snap.tls)
+            strategy = ParameterServerStrategy(spec, replication=True,
+                                               variable_partitioner=FixedShardsPartitioner(2))
+            c = counter(strategy)
+            with ClusterCoordinator(strategy, ps_check_interval=0.2,
+                                    ps_failover_after=1.0) as coord:
+                step = add_one(c)
+                done = [coord.schedule(step) for _ in range(20)]
+                coord.fetch(done)
+                proxy.cut()
+                done += [coord.schedule(step) for _ in range(30)]
+                coord.fetch(done)   # completes while ps0 is cut off
+                assert proxy.address in coord._recovery.lost
+                proxy.restore()
+                assert coord._recovery.wait_for_recoveries(1, timeout=60)
+                done += [coord.schedule(step) for _ in range(10)]
+                coord.fetch(done)
+                coord.join()
+                value = c.read()
+            with PSClient(proxy.address, token=cluster.token, tls=cluster.tls) as c0, \
+                    PSClient(snap.ps[1], token=cluster.token, tls=cluster.tls) as c1:
+                created = [c0.get_meta(c.shards[0].name), c1.get_meta(c.shards[1].name)]
+            roles = [(m.role, m.version, m.backup.name) for m in created]
+            flipped = [routes.route(c, k).flipped for k in range(2)]
+            copies = _copies_equal(cluster, c)
+        finally:
+            proxy.close()
+    np.testing.assert_array_equal(value, np.full((4, 2), 60, np.float32))
+    assert roles == [(R.ROLE_PRIMARY, 60, "_backup/c/part_0"),
+                     (R.ROLE_PRIMARY, 60, "_backup/c/part_1")]   # the layout as created
+    assert flipped == [False, False]
+    assert all(p == b == 60 and same for p, b, same in copies)
