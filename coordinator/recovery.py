@@ -207,6 +207,11 @@ class _PSRecovery:
             return self._ended.wait_for(
                 lambda: self.recoveries >= count and not self._active, timeout)
 
+    def wait_failed_over(self, address: str, timeout: float | None = None) -> bool:
+        """Block until address's shards have failed over (replication)."""
+        with self._lock:
+            return self._ended.wait_for(lambda: address in self.lost, timeout)
+
     def active(self, address: str) -> bool:
         """Whether a recovery of address is running."""
         with self._lock:

@@ -211,6 +211,9 @@ class PSClient:
         self._bulk_push = self._channel.unary_unary(   # request bytes framed by hand
             "/pstrain.v1.ParameterServerBulk/Push",
             response_deserializer=ps_pb2.UpdateReply.FromString)
+        self._replicate_raw = self._channel.unary_unary(   # request bytes framed by hand
+            "/pstrain.v1.ParameterServer/Replicate",
+            response_deserializer=ps_pb2.ReplicateReply.FromString)
         self._shm_stub = ps_pb2_grpc.SharedMemoryStub(self._channel)
         self._idempotent = (self._shm_stub.Read, self._stub.Gather, self._bulk_read)
         self.shm_min_bytes = shm_min_bytes
@@ -1147,24 +1150,27 @@ class PSClient:
     def replicate(self, records: Sequence["R.Record"],
                   timeout: float | None = None) -> list[tuple[str, int, int]]:
         """A primary's records to this server (its backup): (name, version,
-        status) per variable, as VariableStore.replicate."""
-        req = ps_pb2.ReplicateRequest()
-        arrays = []
-        total = sum(r.nbytes for r in records)
-        streamed = not self._fits(total)
-        for r in records:
-            m = req.records.add(name=r.name, epoch=r.epoch, version=r.version,
-                                update_id=r.update_id, sync_steps=r.sync_steps, kind=r.kind)
-            T.fill(m.tensor, r.tensor, with_data=not streamed)
-            arrays.append(r.tensor)
-            if r.ids is not None:
-                T.fill(m.ids, r.ids, with_data=not streamed)
-                arrays.append(r.ids)
-        kw = {} if timeout is None else {"timeout": timeout}
-        if streamed:
-            reply = self._upload("replicate", req, arrays, **kw).replicated
+        status) per variable, as VariableStore.replicate. Framed by hand
+        (psserver/wire.py: tensor bytes copied once), over the data port (or
+        same-host socket) when there is one; records above the stream
+        threshold take Upload's frames."""
+        if self._fits(sum(r.nbytes for r in records)):
+            self._ensure_attached()   # learns the same-host socket, if there is one
+            reply = self._invoke(True, self._replicate_raw, wire.encode_replicate_request(records),
+                                 local=(ipc.REPLICATE, ps_pb2.ReplicateReply))
         else:
-            reply = self._call(self._stub.Replicate, req, **kw)
+            req = ps_pb2.ReplicateRequest()
+            arrays = []
+            for r in records:
+                m = req.records.add(name=r.name, epoch=r.epoch, version=r.version,
+                                    update_id=r.update_id, sync_steps=r.sync_steps, kind=r.kind)
+                T.fill(m.tensor, r.tensor, with_data=False)
+                arrays.append(r.tensor)
+                if r.ids is not None:
+                    T.fill(m.ids, r.ids, with_data=False)
+                    arrays.append(r.ids)
+            kw = {} if timeout is None else {"timeout": timeout}
+            reply = self._upload("replicate", req, arrays, **kw).replicated
         return [(a.name, a.version, int(a.status)) for a in reply.acks]
 
     def reconfigure(self, changes: Sequence[tuple], timeout: float = 120.0) -> list[VariableMeta]:

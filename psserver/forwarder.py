@@ -50,6 +50,10 @@ class Forwarder(R.Forwarding):
         sender = self._sender(peer.address)
         return lambda: sender.wake(store, var)
 
+    def flusher(self, store, var, peer: R.Peer):
+        sender = self._sender(peer.address)
+        return lambda: sender.flush(store, var)
+
     def _sender(self, address: str) -> "_PeerSender":
         with self._lock:
             s = self._senders.get(address)
@@ -61,10 +65,10 @@ class Forwarder(R.Forwarding):
 
     def _client(self, address: str):
         from psserver.client import PSClient   # the server process only: it imports grpc
-        # No shared memory between servers (a segment per peer would be kept
-        # for nothing); the data port and gRPC carry the records.
-        return PSClient(address, token=self._token, tls=self._tls, timeout=CALL_SECONDS,
-                        shared_memory=False)
+        # A peer on this host is reached over its local socket (no TLS to
+        # pay for: measured, TLS on the data port was most of a replicated
+        # push's cost between two servers of one host), else its data port.
+        return PSClient(address, token=self._token, tls=self._tls, timeout=CALL_SECONDS)
 
     def stop(self) -> None:
         with self._lock:
@@ -80,6 +84,9 @@ class _PeerSender:
         self._make_client = make_client
         self._client = None
         self._dirty: dict[int, tuple] = {}   # id(var) -> (store, var)
+        # Held for a round of sends: one at a time per peer keeps each
+        # variable's records in order (the thread's rounds and flush()'s).
+        self._round_lock = threading.Lock()
         # Signalled when a variable has work (records, a state to copy) or on stop.
         self._work = threading.Condition()
         self._stop = threading.Event()
@@ -113,9 +120,10 @@ class _PeerSender:
             if self._stop.is_set():
                 return
             try:
-                if self._client is None:
-                    self._client = self._make_client(self.address)
-                self._round(list(work.values()))
+                with self._round_lock:
+                    if self._client is None:
+                        self._client = self._make_client(self.address)
+                    self._round(list(work.values()))
                 backoff = MIN_BACKOFF
             except Exception as exc:   # the peer is away: try again, same work
                 log.log(logging.INFO if isinstance(exc, PSError) else logging.ERROR,
@@ -127,17 +135,45 @@ class _PeerSender:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
+    def flush(self, store, var) -> None:
+        """Send var's pending records (or its state) now, on the calling
+        thread: an update's handler waits for them anyway, so this saves the
+        hand-over to the sender's thread and back. Other variables' records
+        queued meanwhile go in the same call. A failure leaves the work to
+        the sender's thread (it retries with backoff)."""
+        if self._stop.is_set():
+            return
+        with self._round_lock:
+            with self._work:
+                work, self._dirty = self._dirty, {}
+            work[id(var)] = (store, var)
+            try:
+                if self._client is None:
+                    self._client = self._make_client(self.address)
+                self._round(list(work.values()))
+            except Exception:
+                with self._work:
+                    for key, item in work.items():
+                        self._dirty.setdefault(key, item)
+                    self._work.notify()
+
     def _round(self, work: list[tuple]) -> None:
         copies, batch = [], []
         for store, var in work:
-            with var.lock:
-                link = var.link
-                if link is None or link.fenced or link.peer.address != self.address:
-                    continue
-                if link.needs_state:
-                    copies.append((store, var, link, link.generation, _take_state(var, link)))
-                elif link.pending:
-                    batch.append((store, var, link, link.generation, list(link.pending)))
+            link = var.link
+            if link is None or link.fenced or link.peer.address != self.address:
+                continue
+            if link.needs_state:
+                with var.lock:   # a consistent copy (the link may have changed meanwhile)
+                    if var.link is link and link.needs_state:
+                        copies.append((store, var, link, link.generation,
+                                       _take_state(var, link)))
+                continue
+            # Records are taken without the variable's lock: the next may be
+            # being applied here meanwhile (it went ahead), overlapping its send.
+            generation, recs = link.generation, link.records()
+            if recs:
+                batch.append((store, var, link, generation, recs))
         for store, var, link, generation, state in copies:
             self._copy(store, var, link, generation, state)
         for group in _batches(batch):

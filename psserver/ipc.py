@@ -88,7 +88,7 @@ CONNECT_SECONDS = 5.0
 REPLY_SECONDS = 60.0
 
 (HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH,
- IDENTITY) = range(9)
+ IDENTITY, REPLICATE) = range(10)
 #: (service, method) of each call, for the metrics.
 METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 SHM_PUSH: ("pstrain.v1.SharedMemory", "Push"),
@@ -96,7 +96,8 @@ METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 PUSH_SPARSE: ("pstrain.v1.ParameterServer", "PushSparse"),
                 RUN_CLOSURE: ("pstrain.v1.Worker", "RunClosure"),
                 BULK_READ: ("pstrain.v1.ParameterServerBulk", "Read"),
-                BULK_PUSH: ("pstrain.v1.ParameterServerBulk", "Push")}
+                BULK_PUSH: ("pstrain.v1.ParameterServerBulk", "Push"),
+                REPLICATE: ("pstrain.v1.ParameterServer", "Replicate")}
 #: Bodies above this are sent apart from their frame header (no joined copy).
 _JOIN_BYTES = 64 << 10
 #: Frames up to this size are received into one buffer made at once.

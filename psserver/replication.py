@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from typing import Callable
 
@@ -80,7 +81,9 @@ class Record:
 
 
 class Link:
-    """A primary's replication to its backup; guarded by the variable's lock.
+    """A primary's replication to its backup; guarded by the variable's lock,
+    but for ``pending``, which has a lock of its own (the forwarder takes
+    records while the primary applies the next one).
 
     ``acked``: the backup's version as last acknowledged (-1 until its state
     was copied). ``pending``: records not acknowledged yet, oldest first.
@@ -92,37 +95,51 @@ class Link:
         self.peer = peer
         self.acked = -1
         self.pending: collections.deque[Record] = collections.deque()
+        self._pending_lock = threading.Lock()
         self.needs_state = True
         # The other copy refused our records with a newer epoch: this one is stale.
         self.fenced = False
         # Bumped by reset(): an acknowledgement of a call sent before it is stale.
         self.generation = 0
         self.wake = wake
+        # Sends the pending records now, on the calling thread (set by a
+        # forwarding that can; called without the variable's lock).
+        self.flush: Callable[[], None] | None = None
 
     def reset(self) -> None:
         """The state was replaced (a restore): copy it whole again, forget acks."""
         self.generation += 1
         self.acked = -1
-        self.pending.clear()
+        with self._pending_lock:
+            self.pending.clear()
         self.needs_state = True
         self.wake()
 
     def add(self, record: Record) -> None:
-        self.pending.append(record)
+        with self._pending_lock:
+            self.pending.append(record)
         self.wake()
+
+    def records(self) -> list[Record]:
+        """The pending records, oldest first (a copy)."""
+        with self._pending_lock:
+            return list(self.pending)
+
+    def _drop_through(self, version: int) -> None:
+        with self._pending_lock:
+            while self.pending and self.pending[0].version <= version:
+                self.pending.popleft()
 
     def acknowledge(self, version: int) -> None:
         """The backup is at ``version``: records up to it are done."""
         self.acked = max(self.acked, version)
-        while self.pending and self.pending[0].version <= self.acked:
-            self.pending.popleft()
+        self._drop_through(self.acked)
 
     def state_taken(self, version: int) -> None:
         """The whole state at ``version`` is being copied: records up to it
         are in that copy."""
         self.needs_state = False
-        while self.pending and self.pending[0].version <= version:
-            self.pending.popleft()
+        self._drop_through(version)
 
 
 class Forwarding:
@@ -133,6 +150,11 @@ class Forwarding:
     def waker(self, store, var, peer: Peer) -> Callable[[], None]:   # pragma: no cover
         """A function that tells the sender to ``peer.address`` that var has work."""
         raise NotImplementedError
+
+    def flusher(self, store, var, peer: Peer) -> Callable[[], None] | None:
+        """A function that sends var's pending work now, on the calling thread
+        (None: only the sender's own thread sends)."""
+        return None
 
     def stop(self) -> None:   # pragma: no cover - interface
         pass
@@ -162,10 +184,11 @@ class ReplicaMethods:
             _fence(var, epoch, allow_same=True)
             var.check_primary()
             link = var.link
+            var.epoch = epoch   # before the copy starts: it carries the epoch
             if link is None or link.peer != peer or link.fenced:
                 var.link = Link(peer, self.forwarding.waker(self, var, peer))
+                var.link.flush = self.forwarding.flusher(self, var, peer)
                 var.link.wake()
-            var.epoch = epoch
             version = var.version
         self._wait_acked([(var, version)], deadline)
 
@@ -247,6 +270,9 @@ class ReplicaMethods:
         update keys) is not applied twice."""
         deadline = _deadline_or_default(deadline)
         for var, version in pairs:
+            link = var.link
+            if link is not None and link.acked < version and link.flush is not None:
+                link.flush()   # this thread waits anyway: it sends (saves two thread switches)
             with var.lock:
                 while True:
                     link = var.link

@@ -259,6 +259,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
             ipc.SHM_PUSH: (ps_pb2.ShmPushRequest.FromString, shared.Push),
             ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
             ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
+            ipc.REPLICATE: (ps_pb2.ReplicateRequest.FromString, servicer.Replicate),
         }, token, rpc_metrics)
         shared.ipc_socket = handle.ipc.name
     if data_port is not None:
@@ -269,6 +270,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                 ipc.BULK_PUSH: (None, servicer.bulk_push),
                 ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
                 ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
+                ipc.REPLICATE: (ps_pb2.ReplicateRequest.FromString, servicer.Replicate),
             }, token, rpc_metrics, tcp=(host, data_port),
                 ssl_context=tls.ssl_server_context() if tls is not None else None,
                 identity=f"{PROTOCOL_VERSION}:{servicer.server_id}")

@@ -147,13 +147,29 @@ class Variable:
                 self.applied.popitem(last=False)
 
     def record(self, kind: int, tensor: np.ndarray, ids: np.ndarray | None = None,
-               update_id: int = 0, copy: bool = False) -> None:
-        """Hand the update just applied (lock held) to the backup, if any.
+               update_id: int = 0, copy: bool = False, ahead: bool = False) -> None:
+        """Hand an update (lock held) to the backup, if any: the one just
+        applied, or with ``ahead`` the one about to be applied (version + 1),
+        so that its forwarding overlaps this copy's own apply (see applying).
         ``copy``: the tensor may be the caller's memory (a shared segment)."""
         link = self.link
         if link is not None:
-            link.add(R.Record(link.peer.name, self.epoch, self.version, update_id,
-                              self.sync_steps, kind, tensor.copy() if copy else tensor, ids))
+            link.add(R.Record(link.peer.name, self.epoch, self.version + bool(ahead),
+                              update_id, self.sync_steps, kind,
+                              tensor.copy() if copy else tensor, ids))
+
+    @contextlib.contextmanager
+    def applying(self):
+        """Wrap an update whose record went ahead (lock held): the value's
+        seqlock (writing), and, should the update fail half-way (a bug), a
+        whole copy of the state for the backup, which had the record."""
+        try:
+            with self.writing():
+                yield
+        except BaseException:
+            if self.link is not None:
+                self.link.reset()
+            raise
 
     def check_primary(self) -> None:
         """Raise NotPrimary unless this copy takes client updates now (lock held
@@ -709,11 +725,11 @@ class VariableStore(R.ReplicaMethods):
             var.check_primary()
             done = var.applied_at(update_id)
             if done is None:
-                with var.writing():
+                var.record(R.DENSE, grad, update_id=update_id, copy=True, ahead=True)
+                with var.applying():
                     var.optimizer.apply_dense(var.value, var.slots, grad)
                     var.version += 1
                 var.remember(update_id)
-                var.record(R.DENSE, grad, update_id=update_id, copy=True)
                 self.observer.gradients("dense", "async")
                 done = var.version
             return var.version, done
@@ -731,10 +747,10 @@ class VariableStore(R.ReplicaMethods):
         for var, value in checked:
             with var.lock:
                 var.check_primary()
-                with var.writing():
+                var.record(R.ASSIGN, value, copy=True, ahead=True)
+                with var.applying():
                     np.copyto(var.value, value)
                     var.version += 1
-                var.record(R.ASSIGN, value, copy=True)
                 done.append((var, var.version))
         self._wait_acked(done, deadline)
         return [v for _, v in done]
@@ -766,11 +782,11 @@ class VariableStore(R.ReplicaMethods):
             var.check_primary()
             done = var.applied_at(update_id)
             if done is None:
-                with var.writing():
+                var.record(R.SPARSE, summed, uniq, update_id, ahead=True)   # new arrays: no copy
+                with var.applying():
                     var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                     var.version += 1
                 var.remember(update_id)
-                var.record(R.SPARSE, summed, uniq, update_id)   # new arrays: no copy
                 self.observer.gradients("sparse", "async")
                 done = var.version
             return var.version, done

@@ -29,6 +29,8 @@ _VARINT, _LEN = 0, 2
 
 
 def _varint(n: int) -> bytes:
+    if n < 0:   # int64 fields: two's complement in 10 bytes, as protobuf writes it
+        n &= (1 << 64) - 1
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -147,6 +149,27 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
         pos += len(prefix) + n + len(tail)
     if sync:
         parts += [_len_field(2, len(sync)), sync]
+    return b"".join(parts)
+
+
+def encode_replicate_request(records) -> bytes:
+    """ReplicateRequest{records: [ReplicaRecord]} (psserver.replication.Record
+    each) as bytes: the tensor's data copied once (the receiver parses it
+    with protobuf, which copies it anyway: no alignment padding)."""
+    parts: list = []
+    for r in records:
+        data = _contiguous_bytes(r.tensor)
+        head = _string(1, r.name) + b"".join(
+            _key(f, _VARINT) + _varint(v) for f, v in (
+                (2, r.epoch), (3, r.version), (4, r.update_id), (5, r.sync_steps), (6, r.kind))
+            if v)
+        if r.ids is not None:
+            ids = _contiguous_bytes(r.ids)
+            ids_head = _tensor_head(dtype_name(r.ids.dtype), r.ids.shape, len(ids))
+            head += _len_field(8, len(ids_head) + len(ids)) + ids_head + bytes(ids)
+        tensor_head = _tensor_head(dtype_name(r.tensor.dtype), r.tensor.shape, len(data))
+        head += _len_field(7, len(tensor_head) + len(data)) + tensor_head
+        parts += [_len_field(1, len(head) + len(data)), head, data]
     return b"".join(parts)
 
 

@@ -47,7 +47,7 @@ class LoopbackForwarding(R.Forwarding):
             except NotPrimary:
                 store.acknowledged(var, link, link.generation, var.version, R.FENCED)
             return
-        for name, version, status in peer.replicate(list(link.pending)):
+        for name, version, status in peer.replicate(link.records()):
             store.acknowledged(var, link, link.generation, version, status)
 
 
