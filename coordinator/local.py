@@ -27,6 +27,38 @@ from psserver.server import TOKEN_ENV
 from psserver.tls import TLSConfig, generate_self_signed
 
 
+def _tls_root() -> str:
+    return os.path.join(tempfile.gettempdir(), f"pstrain-tls-{os.geteuid()}")
+
+
+def _tls_dir() -> str:
+    """A new directory for a LocalCluster's throwaway CA and key, named by
+    this process's pid, under a per-user root (mode 0700); first the
+    directories of LocalClusters whose process is gone (killed: SIGKILL runs
+    no cleanup) are removed, so their private keys do not pile up."""
+    root = _tls_root()
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.lstat(root)
+    if not os.path.isdir(root) or os.path.islink(root) or st.st_uid != os.geteuid():
+        raise RuntimeError(f"{root} is not a directory of this user: remove it")
+    os.chmod(root, 0o700)
+    for name in os.listdir(root):
+        pid = name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _user_pythonpath() -> str:
     """This process's own import paths (not the interpreter's), for the tasks.
 
@@ -58,6 +90,10 @@ class LocalCluster:
         Default ("ps",): a killed parameter server comes back (empty; the
         coordinator restores it). Add "worker" to restart workers too.
       ps_args, worker_args: extra command-line arguments for those tasks.
+      checkpoint_dirs: where the parameter servers may write checkpoint
+        shards (``psserver --checkpoint-dir``; a CheckpointManager directory
+        must lie under one). Default: the current directory and the system's
+        temporary directory.
       env: extra environment variables for every task.
       pin_workers: bind worker i to one CPU (``psworker --cpus``): the i-th
         of the CPUs this process may use, round robin. Each worker then keeps
@@ -71,17 +107,21 @@ class LocalCluster:
                  ps_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, start_timeout: float = 60.0,
                  tls: bool | TLSConfig = True, restart: tuple[str, ...] = ("ps",),
-                 pin_workers: bool = False):
+                 pin_workers: bool = False, checkpoint_dirs: tuple[str, ...] | None = None):
         if num_ps < 1:
             raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
         if num_workers < 0:
             raise ValueError("num_workers must be >= 0")
         self.token = token or secrets.token_hex(16)
-        self._ps_args, self._worker_args = tuple(ps_args), tuple(worker_args)
+        if checkpoint_dirs is None:
+            checkpoint_dirs = (os.getcwd(), tempfile.gettempdir())
+        self._ps_args = tuple(a for d in checkpoint_dirs
+                              for a in ("--checkpoint-dir", os.path.abspath(d))) + tuple(ps_args)
+        self._worker_args = tuple(worker_args)
         self._pin_cpus = sorted(os.sched_getaffinity(0)) if pin_workers else None
         self._tls_dir = None
         if tls is True:
-            self._tls_dir = tempfile.mkdtemp(prefix="pstrain-tls-")
+            self._tls_dir = _tls_dir()
             tls = generate_self_signed(self._tls_dir)
         self.tls: TLSConfig | None = tls or None
         self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(),

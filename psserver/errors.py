@@ -62,6 +62,13 @@ class NotPrimary(PSError):
     code = grpc.StatusCode.ABORTED
 
 
+class PermissionDenied(PSError):
+    """The caller may not do this here (a path outside the server's
+    checkpoint directories, a worker that runs no code without a token)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unauthenticated(PSError):
     """The call carried no token, or the wrong one."""
 
@@ -89,7 +96,7 @@ class Internal(PSError):
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted,
-                FailedPrecondition, NotPrimary, Unauthenticated, Unavailable,
+                FailedPrecondition, NotPrimary, PermissionDenied, Unauthenticated, Unavailable,
                 DeadlineExceeded, Internal)
 }
 # Codes gRPC itself produces that mean the same to a caller.

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from concurrent import futures
@@ -341,9 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frame size of streamed reads (default 1 MiB)")
     p.add_argument("--max-memory-bytes", type=int, default=None,
                    help="refuse creates beyond this many bytes of values and slots")
+    p.add_argument("--checkpoint-dir", action="append", default=[], metavar="DIR",
+                   help="directory under which Save (checkpoints) may write shard files; "
+                        "repeat for several. Without one this server writes no files"),
     p.add_argument("--threads", type=int, default=64,
                    help="RPC handler threads (default 64; sync-mode reads wait in one each)")
     p.add_argument("--log-level", default="INFO")
+    add_auth_argument(p)
     add_cpus_argument(p)
     TLS.add_arguments(p)
     metrics.add_arguments(p)
@@ -369,6 +375,54 @@ def add_data_port_argument(p: argparse.ArgumentParser) -> None:
 
 def data_port_of(args) -> int | None:
     return None if args.data_port < 0 else args.data_port
+
+
+INSECURE_FLAG = "--insecure-no-auth"
+
+
+def add_auth_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(INSECURE_FLAG, action="store_true",
+                   help=f"run without ${TOKEN_ENV} where that is refused (listening beyond "
+                        "loopback; a worker running closures): anyone who reaches the task "
+                        "may then change its state and, on a worker, run code as this user. "
+                        "For isolated test networks only")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` binds is a loopback one (127/8, ::1,
+    a name resolving only to those). 0.0.0.0 and :: listen everywhere."""
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = {info[4][0] for info in infos}
+    try:
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                   for a in addrs)
+    except ValueError:
+        return False
+
+
+def check_auth(args, role: str, token: str | None) -> None:
+    """Refuse (TaskSetupError) a tokenless task asked to listen beyond
+    loopback without --insecure-no-auth; warn, on every start, about any
+    tokenless task. The token is what stands between the network and this
+    task's state (and, on a worker, running code)."""
+    if token:
+        return
+    exposed = not is_loopback(args.host)
+    if exposed and not args.insecure_no_auth:
+        raise TaskSetupError(
+            f"refusing to listen on {args.host} without an auth token: anyone who reaches "
+            f"it could change this {role}'s state{' and run code on it' if role == 'psworker' else ''}. "
+            f"Set ${TOKEN_ENV} (the same secret on every task and the coordinator), or pass "
+            f"{INSECURE_FLAG} on an isolated network")
+    who = "anyone who can reach it" if exposed else "any user of this machine"
+    what = ("run any code as this user (closures)" if role == "psworker"
+            else "read and change every variable")
+    log.warning("SECURITY: no %s: %s can %s%s. Set %s on every task", TOKEN_ENV, who, what,
+                f" ({INSECURE_FLAG})" if args.insecure_no_auth else "", TOKEN_ENV)
 
 
 def add_cpus_argument(p: argparse.ArgumentParser) -> None:
@@ -434,19 +488,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s psserver %(levelname)s %(message)s")
     address = join_host_port(args.host, args.port)
+    token = os.environ.get(TOKEN_ENV) or None
     try:
+        check_auth(args, "psserver", token)
         tls, served = task_setup(args, "psserver")
     except TaskSetupError as exc:
         print(f"psserver: {exc}", file=sys.stderr)
         return 2
-    store, rpc_metrics = VariableStore(args.max_memory_bytes), None
+    store, rpc_metrics = VariableStore(args.max_memory_bytes,
+                                       checkpoint_dirs=args.checkpoint_dir), None
     if served is not None:
         registry = served[0]
         store.observer = metrics.StoreMetrics(registry).watch(store)
         rpc_metrics = metrics.RpcMetrics(registry)
     try:
-        handle = create_server(address, store=store,
-                               token=os.environ.get(TOKEN_ENV) or None, tls=tls,
+        handle = create_server(address, store=store, token=token, tls=tls,
                                max_message_bytes=args.max_message_bytes,
                                chunk_bytes=args.chunk_bytes, max_workers=args.threads,
                                rpc_metrics=rpc_metrics, data_port=data_port_of(args))

@@ -23,7 +23,9 @@ from psserver.sync import SyncSpec
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+#: 2: replication is chain replication (Replicate, Reconfigure; backups refuse
+#: client updates), so a version-1 peer would break it.
+PROTOCOL_VERSION = 2
 
 #: Largest message either side accepts, and so the most tensor bytes one unary
 #: call carries. Larger tensors go over ReadStream / Upload in frames of

@@ -32,7 +32,8 @@ from psserver import optimizers as optim
 from psserver import replication as R
 from psserver import sync as S
 from psserver.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
-                             InvalidArgument, NotFound, NotPrimary, ResourceExhausted)
+                             InvalidArgument, NotFound, NotPrimary, PermissionDenied,
+                             ResourceExhausted)
 from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
 
 # Names are path-like so sharded variables can be called "dense/kernel/part_0".
@@ -270,8 +271,13 @@ class VariableStore(R.ReplicaMethods):
         many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
     """
 
-    def __init__(self, max_bytes: int | None = None, observer: StoreObserver | None = None):
+    def __init__(self, max_bytes: int | None = None, observer: StoreObserver | None = None,
+                 checkpoint_dirs: Sequence[str] | None = None):
         self.max_bytes = max_bytes
+        # Where save() may write: inside one of these (None: anywhere, for
+        # in-process use; a psserver task sets what --checkpoint-dir says).
+        self.checkpoint_dirs = None if checkpoint_dirs is None else tuple(
+            os.path.realpath(d) for d in checkpoint_dirs)
         self.observer = observer or StoreObserver()
         self._vars: dict[str, Variable] = {}
         self._lock = threading.Lock()   # guards _vars and _abandoned (not the variables)
@@ -528,6 +534,7 @@ class VariableStore(R.ReplicaMethods):
         """
         from safetensors.numpy import save_file
 
+        directory = self._confined(directory)
         if not os.path.isdir(directory):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
                                   "parameter server (it must see the same filesystem)")
@@ -555,6 +562,27 @@ class VariableStore(R.ReplicaMethods):
             os.replace(tmp, path)
             out.append((var.name, file, version, os.path.getsize(path)))
         return out
+
+    def _confined(self, directory: str) -> str:
+        """``directory`` resolved (symbolic links, ``..``), if it lies in a
+        checkpoint directory this server was given. Raises PermissionDenied."""
+        if not isinstance(directory, str) or not directory or "\0" in directory:
+            raise InvalidArgument("give the checkpoint directory as a path")
+        real = os.path.realpath(directory)
+        if self.checkpoint_dirs is None:
+            return real
+        if not self.checkpoint_dirs:
+            raise PermissionDenied(
+                "this parameter server writes no checkpoint files: it was started without "
+                "--checkpoint-dir; start it with --checkpoint-dir DIR (a directory the "
+                "coordinator's CheckpointManager writes under, on the same filesystem)")
+        if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep)
+                   for d in self.checkpoint_dirs):
+            raise PermissionDenied(
+                f"{directory!r} is outside this parameter server's checkpoint directories "
+                f"({', '.join(self.checkpoint_dirs)}); nothing was written. Save under one of "
+                "them, or start the server with --checkpoint-dir covering it")
+        return real
 
     def delete(self, name: str) -> None:
         """Delete a variable. Raises NotFound."""

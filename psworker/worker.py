@@ -35,9 +35,9 @@ from psserver import ipc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
-from psserver.server import (TOKEN_ENV, TaskSetupError, add_cpus_argument,
-                             add_data_port_argument, data_port_of, join_host_port, make_server,
-                             serve, task_setup)
+from psserver.server import (INSECURE_FLAG, TOKEN_ENV, TaskSetupError, add_auth_argument,
+                             add_cpus_argument, add_data_port_argument, check_auth,
+                             data_port_of, join_host_port, make_server, serve, task_setup)
 from psserver.servicer import PROTOCOL_VERSION
 
 log = logging.getLogger("psworker")
@@ -46,7 +46,10 @@ SERVICE_NAME = "pstrain.v1.Worker"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Runs closures. ``trusted``: calls passed a token check, so pickles are allowed.
+    """Runs closures. ``trusted``: calls passed a token check (or the task was
+    started with --insecure-no-auth): only then does it run any function, by
+    name or by value, or unpickle arguments beyond plain data. Running a
+    closure is running code: a worker without a token runs none.
     ``metrics``: a psserver.metrics.WorkerMetrics counting the closures run."""
 
     def __init__(self, trusted: bool, metrics: "M.WorkerMetrics | None" = None):
@@ -59,6 +62,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._count_lock = threading.Lock()
 
     def _function(self, ref: worker_pb2.FunctionRef, context):
+        if not self.trusted:   # by name is code too (os:system): nothing runs untrusted
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "this worker has no auth token configured, so it runs no function "
+                          f"(by name or by value) for anyone: set ${TOKEN_ENV} on every task "
+                          f"and the coordinator (or start it with {INSECURE_FLAG} on an "
+                          "isolated network)")
         kind = ref.WhichOneof("kind")
         if kind == "qualified_name":
             try:
@@ -66,11 +75,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except serialization.FunctionImportError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if kind == "pickled":
-            if not self.trusted:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              "this worker has no auth token configured, so it does not "
-                              "accept functions sent by value (pickled); set "
-                              f"${TOKEN_ENV} on every task, or send an importable function")
             try:
                 return serialization.loads(ref.pickled, trusted=True)
             except Exception as exc:
@@ -162,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=4,
                    help="closures that may run at once (default 4)")
     p.add_argument("--log-level", default="INFO")
+    add_auth_argument(p)
     add_cpus_argument(p)
     TLS.add_arguments(p)
     M.add_arguments(p)
@@ -191,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     address = join_host_port(args.host, port)
     token = os.environ.get(TOKEN_ENV) or None
     try:
+        check_auth(args, "psworker", token)
         tls, served = task_setup(args, "psworker")
     except TaskSetupError as exc:
         print(f"psworker: {exc}", file=sys.stderr)
@@ -199,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if served is not None:
         worker_metrics, rpc_metrics = M.WorkerMetrics(served[0]), M.RpcMetrics(served[0])
     try:
-        handle = make_server(address, WorkerServicer(trusted=token is not None,
+        handle = make_server(address, WorkerServicer(trusted=token is not None
+                                                     or args.insecure_no_auth,
                                                      metrics=worker_metrics),
                              worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME,
                              token=token, tls=tls, max_workers=args.threads,

@@ -104,7 +104,7 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
         victim = cluster.ps[1]
         victim.kill()
         port = victim.address.rsplit(":", 1)[1]
-        cluster.ps[1] = start_task("psserver", ["--port", port],
+        cluster.ps[1] = start_task("psserver", ["--port", port, "--checkpoint-dir", str(tmp_path)],
                                    env={**cluster._env, "PSTRAIN_FAULT_CRASH_IN_SAVE": "1"})
         from coordinator import variables as V
         for v in (w, b):

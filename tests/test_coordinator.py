@@ -12,6 +12,7 @@ from coordinator import (ClosureCancelled, ClusterCoordinator, FixedShardsPartit
                          RemoteValueStatus, StepFunctionError, WorkerCallError)
 from coordinator import serialization
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver.errors import PSError
 from psserver.process import start_task
 from psserver.tls import make_channel
 
@@ -257,27 +258,80 @@ def _worker_stub(address, tls=None):
     return worker_pb2_grpc.WorkerStub(make_channel(address, [], tls))
 
 
-def test_worker_without_token_refuses_pickled_functions_but_runs_importable_ones():
+def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
+    """The probe's attack: `os:system` by name, arguments of plain data, over
+    gRPC and over the worker's data port with an empty-token hello. A
+    tokenless worker refuses both (and functions by value, and datasets);
+    nothing runs."""
+    from psserver import ipc
+
+    marker = tmp_path / "pwned"
     w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": ""})
     try:
         stub = _worker_stub(w.address)
-        args = serialization.dumps(((2, 3), {}))
-        reply = stub.RunClosure(worker_pb2.ClosureRequest(
-            fn=worker_pb2.FunctionRef(qualified_name="operator:add"), args=args), timeout=10)
-        assert serialization.loads(reply.result, trusted=True) == 5
-        with pytest.raises(grpc.RpcError) as info:
-            stub.RunClosure(worker_pb2.ClosureRequest(
-                fn=serialization.encode_function(lambda a, b: a * b), args=args), timeout=10)
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "PSTRAIN_AUTH_TOKEN" in info.value.details()
-        # Arguments too are unpickled with the restricted unpickler: no code objects.
-        evil = serialization.dumps(((os.system, "true"), {}))
-        with pytest.raises(grpc.RpcError) as info:
-            stub.RunClosure(worker_pb2.ClosureRequest(
-                fn=worker_pb2.FunctionRef(qualified_name="operator:add"), args=evil), timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        attack = worker_pb2.ClosureRequest(
+            fn=worker_pb2.FunctionRef(qualified_name="os:system"),
+            args=serialization.dumps(((f"touch {marker}",), {})))
+        by_value = worker_pb2.ClosureRequest(
+            fn=serialization.encode_function(lambda: open(marker, "w")),
+            args=serialization.dumps(((), {})))
+        dataset = worker_pb2.CreateDatasetRequest(
+            dataset_id="d", fn=worker_pb2.FunctionRef(qualified_name="os:system"))
+        for call, req in ((stub.RunClosure, attack), (stub.RunClosure, by_value),
+                          (stub.CreateDataset, dataset)):
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "PSTRAIN_AUTH_TOKEN" in info.value.details()
+            assert "--insecure-no-auth" in info.value.details()
+        info = stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=10)
+        data = ipc.IpcClient("", None, w.address, tcp=("127.0.0.1", info.data_port))
+        try:
+            with pytest.raises(PSError) as caught:
+                data.call(ipc.RUN_CLOSURE, attack.SerializeToString(), 10)
+            assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            data.close()
+        assert "SECURITY: no PSTRAIN_AUTH_TOKEN" in w.output()
     finally:
         w.kill()
+    assert not marker.exists()
+
+
+def test_worker_started_insecure_runs_closures_and_says_so():
+    w = start_task("psworker", ["--port", "0", "--insecure-no-auth"],
+                   env={"PSTRAIN_AUTH_TOKEN": ""})
+    try:
+        reply = _worker_stub(w.address).RunClosure(worker_pb2.ClosureRequest(
+            fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
+            args=serialization.dumps(((2, 3), {}))), timeout=10)
+        assert serialization.loads(reply.result, trusted=True) == 5
+        assert "SECURITY: no PSTRAIN_AUTH_TOKEN" in w.output()
+        assert "run any code" in w.output()
+    finally:
+        w.kill()
+
+
+@pytest.mark.parametrize("role", ["psserver", "psworker"])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_tokenless_task_refuses_to_listen_beyond_loopback(role, host):
+    """Exit 2 with what to do; --insecure-no-auth starts it (and warns)."""
+    import subprocess
+    import sys
+    from psserver.process import child_env
+
+    env = {**child_env(), "PSTRAIN_AUTH_TOKEN": ""}
+    r = subprocess.run([sys.executable, "-m", role, "--host", host, "--port", "0"],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "PSTRAIN_AUTH_TOKEN" in r.stderr and "--insecure-no-auth" in r.stderr
+    t = start_task(role, ["--host", host, "--port", "0", "--insecure-no-auth"],
+                   env={"PSTRAIN_AUTH_TOKEN": ""}, timeout=30)
+    try:
+        assert "SECURITY: no PSTRAIN_AUTH_TOKEN" in t.output()
+        assert "anyone who can reach it" in t.output()
+    finally:
+        t.kill()
 
 
 def test_worker_with_token_refuses_calls_without_it(cluster):

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 
 from psserver.client import PSClient
+from psserver.servicer import PROTOCOL_VERSION
 from psserver.errors import PSError, Unauthenticated, Unavailable
 from psserver.tls import TLSConfig, generate_self_signed
 
@@ -89,6 +91,65 @@ def test_protocol_version_mismatch_names_the_older_side(ps, theirs, older):
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert older in info.value.details() and "protocol version mismatch" in info.value.details()
         # The current client announces the same version and is served.
-        stub.ListVariables(ps_pb2.ListRequest(), metadata=(("x-pstrain-protocol", "1"),), timeout=10)
+        stub.ListVariables(ps_pb2.ListRequest(),
+                           metadata=(("x-pstrain-protocol", str(PROTOCOL_VERSION)),), timeout=10)
     with PSClient(ps.address) as c:
         assert c.list_variables() == []
+
+
+# -- files: checkpoints only where the operator said -----------------------------------------------
+def test_save_writes_only_under_the_checkpoint_dirs(start_ps, tmp_path):
+    """A token holder's Save names any path: it is confined to --checkpoint-dir
+    (symbolic links and .. resolved first); outside it nothing is written. A
+    server without --checkpoint-dir writes nothing at all."""
+    from psserver.errors import PermissionDenied
+
+    allowed, elsewhere = tmp_path / "ckpt", tmp_path / "etc"
+    (allowed / "run1").mkdir(parents=True)
+    elsewhere.mkdir()
+    (allowed / "escape").symlink_to(elsewhere)
+    ps = start_ps("--checkpoint-dir", str(allowed), env={"PSTRAIN_AUTH_TOKEN": TOKEN})
+    bare = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN})
+    with PSClient(ps.address, token=TOKEN) as c, PSClient(bare.address, token=TOKEN) as b:
+        for client in (c, b):
+            client.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+        (saved,) = c.save(str(allowed / "run1"), ["w"])
+        assert (allowed / "run1" / saved.file).exists()
+        for where in (elsewhere, allowed / "escape", allowed / ".." / "etc", "/"):
+            with pytest.raises(PermissionDenied, match="--checkpoint-dir"):
+                c.save(str(where), ["w"])
+        with pytest.raises(PermissionDenied, match="started without --checkpoint-dir"):
+            b.save(str(allowed / "run1"), ["w"])
+    assert list(elsewhere.iterdir()) == []
+    assert [p.name for p in (allowed / "run1").iterdir()] == [saved.file]
+
+
+def test_a_killed_local_cluster_leaves_no_private_key_behind(tmp_path):
+    """SIGKILL runs no cleanup: the next LocalCluster removes what a dead
+    one left (its CA and key), and keeps a live one's."""
+    import signal
+    import subprocess
+    import sys
+
+    from coordinator import LocalCluster
+    from psserver.process import child_env
+
+    script = ("from coordinator import LocalCluster\n"
+              "c = LocalCluster(num_ps=1, num_workers=0)\n"
+              "print(c._tls_dir, flush=True)\n"
+              "import time; time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=child_env(),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        dead_dir = proc.stdout.readline().strip()
+        assert os.path.exists(os.path.join(dead_dir, "ca.key")) or os.listdir(dead_dir)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        with LocalCluster(num_ps=1, num_workers=0) as cluster:
+            assert not os.path.exists(dead_dir)
+            assert os.path.isdir(cluster._tls_dir)
+            assert oct(os.stat(os.path.dirname(cluster._tls_dir)).st_mode & 0o777) == "0o700"
+        assert not os.path.exists(cluster._tls_dir)
+    finally:
+        proc.kill()
+        proc.wait()
