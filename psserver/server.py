@@ -25,8 +25,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
-from psserver import ipc, metrics, shm
+from protos.pstrain.v1 import ps_pb2
+from psserver import ipc, metrics, rpc, shm
+from psserver.errors import InvalidArgument
 from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                PROTOCOL_VERSION,
@@ -216,17 +217,24 @@ BULK_SERVICE_NAME = "pstrain.v1.ParameterServerBulk"
 
 
 def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
-    """The generated ParameterServer service, and ParameterServerBulk with
-    hand-framed messages (psserver/wire.py): its Read returns bytes already
-    serialized, its Push takes the request's bytes as they came."""
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    ps_pb2_grpc.add_SharedMemoryServicer_to_server(servicer.shared_memory, server)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(BULK_SERVICE_NAME, {
-        "Read": grpc.unary_unary_rpc_method_handler(
-            servicer.bulk_read, request_deserializer=ps_pb2.ReadRequest.FromString),
+    """The ParameterServer and SharedMemory services (requests parsed by
+    their handlers: psserver/rpc.py), and ParameterServerBulk with hand-framed
+    messages (psserver/wire.py): its Read returns bytes already serialized,
+    its Push takes the request's bytes as they came."""
+    services = ps_pb2.DESCRIPTOR.services_by_name
+    rpc.add_service(server, services["ParameterServer"], servicer)
+    rpc.add_service(server, services["SharedMemory"], servicer.shared_memory)
+
+    def bulk_read(raw: bytes, context):
+        try:
+            request = rpc.parse(ps_pb2.ReadRequest, raw)
+        except InvalidArgument as exc:
+            context.abort(exc.code, str(exc))
+        return servicer.bulk_read(request, context)
+    rpc.add_service(server, services["ParameterServerBulk"], None, {
+        "Read": grpc.unary_unary_rpc_method_handler(bulk_read),
         "Push": grpc.unary_unary_rpc_method_handler(
-            servicer.bulk_push, response_serializer=ps_pb2.UpdateReply.SerializeToString),
-    }),))
+            servicer.bulk_push, response_serializer=ps_pb2.UpdateReply.SerializeToString)})
 
 
 def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,

@@ -31,7 +31,7 @@ from coordinator.replica import replica_scope
 from psserver.sync import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
-from psserver import ipc
+from psserver import ipc, rpc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.errors import DeadlineExceeded, NotFound, Unavailable
@@ -143,6 +143,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return reply
 
 
+def _add_worker(servicer: WorkerServicer, server) -> None:
+    """The Worker service, its requests parsed by its handlers (psserver/rpc.py)."""
+    rpc.add_service(server, worker_pb2.DESCRIPTOR.services_by_name["Worker"], servicer)
+
+
 def _ps_failure(exc: BaseException) -> dict:
     """ErrorInfo fields naming the parameter server a step failed on, if any."""
     while exc is not None:
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         handle = make_server(address, WorkerServicer(trusted=token is not None
                                                      or args.insecure_no_auth,
                                                      metrics=worker_metrics),
-                             worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME,
+                             _add_worker, SERVICE_NAME,
                              token=token, tls=tls, max_workers=args.threads,
                              thread_name_prefix="psworker-rpc", rpc_metrics=rpc_metrics)
     except OSError as exc:

@@ -26,6 +26,7 @@ from psserver.client import PSClient
 from psserver.errors import (AlreadyExists, InvalidArgument, NotFound,
                              ResourceExhausted, Unauthenticated, Unavailable)
 from psserver.process import child_env, start_task
+from psserver.servicer import PROTOCOL_VERSION
 from psserver.store import Initializer
 from reference_optimizers import DEFAULTS, ReferenceOptimizer
 
@@ -934,7 +935,7 @@ def test_cli_port_file(start_ps, tmp_path):
     ps = start_ps("--port-file", str(port_file))
     port = int(ps.address.rsplit(":", 1)[1])
     with PSClient(f"127.0.0.1:{port}") as c:
-        assert c.server_info().protocol_version == 1
+        assert c.server_info().protocol_version == PROTOCOL_VERSION
     # The file is written while serving; once the server has exited on SIGTERM
     # it is certainly there (no polling needed).
     assert ps.terminate() == 0
