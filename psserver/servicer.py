@@ -16,7 +16,7 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import replication as R
 from psserver import tensor as T
-from psserver import shm, wire
+from psserver import rpc, shm, wire
 from psserver.errors import InvalidArgument, PSError, ResourceExhausted
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
@@ -303,8 +303,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         def go():
             updates, sync_raw = wire.decode_push_request(raw)
             req = ps_pb2.PushRequest()
-            if sync_raw:
-                req.sync.ParseFromString(sync_raw)
+            if sync_raw is not None:   # present, maybe empty: as protobuf has it
+                req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
             return self._push_updates(req, updates, context)
         return self._run(context, go)
 

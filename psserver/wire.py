@@ -174,6 +174,17 @@ def encode_replicate_request(records) -> bytes:
 
 
 # -- decoding ------------------------------------------------------------------------------
+# The decoders accept exactly what protobuf's own parser accepts for these
+# messages, and read the same content (tests/test_wire.py checks it against
+# the generated parser on random and mutated encodings): field numbers 1 to
+# 2**29 - 1; every wire type, groups matched, none running past its end;
+# fields of a wrong wire type skipped as unknown; strings UTF-8; a message
+# field seen twice merged (its scalars: the last wins; repeated ones: joined),
+# as parsing the two encodings one after the other would.
+_MAX_FIELD = (1 << 29) - 1
+_U64 = (1 << 64) - 1
+
+
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     n = shift = 0
     while True:
@@ -183,48 +194,97 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         pos += 1
         n |= (b & 0x7F) << shift
         if not b & 0x80:
-            return n, pos
+            return n & _U64, pos
         shift += 7
-        if shift > 63:
-            raise InvalidArgument("malformed message (a varint is too long)")
+        if shift >= 70:
+            raise InvalidArgument("malformed message (a varint is longer than 10 bytes)")
+
+
+def _int64(v: int) -> int:
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _skip(buf: memoryview, pos: int, end: int, field: int, wt: int) -> int:
+    """The position after a field's value (of any wire type, groups included)."""
+    if wt == _VARINT:
+        return _read_varint(buf, pos, end)[1]
+    if wt == _LEN:
+        n, pos = _read_varint(buf, pos, end)
+        if n > end - pos:
+            raise InvalidArgument("truncated message (a field runs past its end)")
+        return pos + n
+    if wt in (1, 5):
+        size = 8 if wt == 1 else 4
+        if size > end - pos:
+            raise InvalidArgument("truncated message (a fixed-size field runs past its end)")
+        return pos + size
+    if wt == 3:   # a group: fields until its matching end
+        while True:
+            f, w, pos = _read_key(buf, pos, end)
+            if w == 4:
+                if f != field:
+                    raise InvalidArgument("malformed message (a group ends with another number)")
+                return pos
+            pos = _skip(buf, pos, end, f, w)
+    raise InvalidArgument(f"malformed message (wire type {wt} where a field starts)")
+
+
+def _read_key(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
+    key, pos = _read_varint(buf, pos, end)
+    field, wt = key >> 3, key & 7
+    if key >> 32 or not 1 <= field <= _MAX_FIELD:
+        raise InvalidArgument(f"malformed message (field number {field})")
+    return field, wt, pos
 
 
 def _fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """(field, wire type, value or start, end) for each field in buf[pos:end]."""
+    """(field, wire type, value or start, end) for each varint and
+    length-delimited field in buf[pos:end]; the others are checked and skipped."""
     while pos < end:
-        key, pos = _read_varint(buf, pos, end)
-        field, wt = key >> 3, key & 7
+        field, wt, pos = _read_key(buf, pos, end)
         if wt == _VARINT:
             value, pos = _read_varint(buf, pos, end)
             yield field, wt, value, pos
         elif wt == _LEN:
-            n, pos = _read_varint(buf, pos, end)
-            if pos + n > end:
+            n, start = _read_varint(buf, pos, end)
+            if n > end - start:
                 raise InvalidArgument("truncated message (a field runs past its end)")
-            yield field, wt, pos, pos + n
-            pos += n
-        elif wt == 5:
-            pos += 4
-        elif wt == 1:
-            pos += 8
+            pos = start + n
+            yield field, wt, start, pos
         else:
-            raise InvalidArgument(f"malformed message (wire type {wt})")
+            pos = _skip(buf, pos, end, field, wt)
 
 
-def _decode_tensor(raw: bytes, buf: memoryview, pos: int, end: int, what: str) -> np.ndarray:
+def _text(buf: memoryview, a: int, b: int, what: str) -> str:
+    try:
+        return bytes(buf[a:b]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"{what} is not valid UTF-8 text") from None
+
+
+def _tensor_parts(buf: memoryview, spans: list[tuple[int, int]], what: str):
+    """(dtype, shape, (data start, end)) of a Tensor message whose encoding is
+    the given spans, merged in order."""
     dtype, shape, data = "", [], (0, 0)
-    for field, wt, a, b in _fields(buf, pos, end):
-        if field == 1 and wt == _LEN:
-            dtype = bytes(buf[a:b]).decode()
-        elif field == 2 and wt == _LEN:   # packed
-            p = a
-            while p < b:
-                d, p = _read_varint(buf, p, b)
-                shape.append(d)
-        elif field == 2 and wt == _VARINT:   # unpacked, as some writers send
-            shape.append(a)
-        elif field == 3 and wt == _LEN:
-            data = (a, b)
+    for pos, end in spans:
+        for field, wt, a, b in _fields(buf, pos, end):
+            if field == 1 and wt == _LEN:
+                dtype = _text(buf, a, b, f"{what} dtype")
+            elif field == 2 and wt == _LEN:   # packed
+                p = a
+                while p < b:
+                    d, p = _read_varint(buf, p, b)
+                    shape.append(_int64(d))
+            elif field == 2 and wt == _VARINT:   # unpacked, as some writers send
+                shape.append(_int64(a))
+            elif field == 3 and wt == _LEN:
+                data = (a, b)
+    return dtype, shape, data
+
+
+def _decode_tensor(raw: bytes, buf: memoryview, spans: list[tuple[int, int]],
+                   what: str) -> np.ndarray:
+    dtype, shape, data = _tensor_parts(buf, spans, what)
     dt = check_dtype(dtype, WIRE_DTYPES, f"{what} dtype")
     shape = check_shape(shape, f"{what} shape")
     n = nbytes_of(shape, dt)
@@ -241,35 +301,50 @@ def decode_read_reply(raw: bytes) -> list[tuple[str, int, np.ndarray]]:
     for field, wt, a, b in _fields(buf, 0, len(raw)):
         if field != 1 or wt != _LEN:
             continue
-        name, version, arr = "", 0, None
+        name, version, spans = "", 0, []
         for f2, wt2, c, d in _fields(buf, a, b):
             if f2 == 1 and wt2 == _LEN:
-                name = bytes(buf[c:d]).decode()
+                name = _text(buf, c, d, "a variable name")
             elif f2 == 2 and wt2 == _VARINT:
-                version = c
+                version = _int64(c)
             elif f2 == 3 and wt2 == _LEN:
-                arr = _decode_tensor(raw, buf, c, d, f"value of {name!r}")
-        out.append((name, version, arr))
+                spans.append((c, d))
+        out.append((name, version, _decode_tensor(raw, buf, spans, f"value of {name!r}")
+                    if spans else None))
     return out
 
 
-def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes]:
-    """([(name, array view of raw, update_id)], serialized SyncInfo or b"")."""
+def parse_push_request(raw: bytes):
+    """The structure of PushRequest bytes, as protobuf reads it, with no
+    check of what it means: ([(name, (dtype, shape, data span) or None,
+    update_id)], SyncInfo bytes (every occurrence, joined: merged when
+    parsed; b"" when present but empty) or None). Raises InvalidArgument
+    where protobuf's parser fails."""
     buf = memoryview(raw)
-    updates, sync = [], b""
+    updates, sync = [], []
     for field, wt, a, b in _fields(buf, 0, len(raw)):
         if field == 1 and wt == _LEN:
-            name, arr, uid = "", None, 0
+            name, spans, uid = "", [], 0
             for f2, wt2, c, d in _fields(buf, a, b):
                 if f2 == 1 and wt2 == _LEN:
-                    name = bytes(buf[c:d]).decode()
+                    name = _text(buf, c, d, "a variable name")
                 elif f2 == 2 and wt2 == _LEN:
-                    arr = _decode_tensor(raw, buf, c, d, f"gradient of {name!r}")
+                    spans.append((c, d))
                 elif f2 == 3 and wt2 == _VARINT:
                     uid = c
-            if arr is None:
-                raise InvalidArgument(f"update of {name!r} carries no tensor")
-            updates.append((name, arr, uid))
+            tensor = _tensor_parts(buf, spans, f"gradient of {name!r}") if spans else None
+            updates.append((name, spans, tensor, uid))
         elif field == 2 and wt == _LEN:
-            sync = bytes(buf[a:b])
-    return updates, sync
+            sync.append(bytes(buf[a:b]))
+    return updates, (b"".join(sync) if sync else None), buf
+
+
+def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes | None]:
+    """([(name, array view of raw, update_id)], serialized SyncInfo or None)."""
+    updates, sync, buf = parse_push_request(raw)
+    out = []
+    for name, spans, _, uid in updates:
+        if not spans:
+            raise InvalidArgument(f"update of {name!r} carries no tensor")
+        out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}"), uid))
+    return out, sync

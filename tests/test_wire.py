@@ -102,3 +102,116 @@ def test_tensor_data_starts_aligned_whatever_precedes_it():
         for (n, a, u), (n2, u2, a2) in zip(ups, wire.decode_read_reply(raw)):
             assert (n2, u2) == (n, u) and a2.flags.aligned
             np.testing.assert_array_equal(a2, a)
+
+
+# -- the hand decoder agrees with protobuf's parser on every input ---------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from google.protobuf.message import DecodeError  # noqa: E402
+
+
+def _protobuf_view(raw: bytes):
+    """What the generated parser reads (None: it refuses)."""
+    try:
+        m = ps_pb2.PushRequest.FromString(raw)
+    except DecodeError:
+        return None
+    updates = [(u.name, (u.tensor.dtype, list(u.tensor.shape), bytes(u.tensor.data))
+                if u.HasField("tensor") else None, u.update_id) for u in m.updates]
+    return updates, (m.sync.SerializeToString(deterministic=True)
+                     if m.HasField("sync") else None)
+
+
+def _hand_view(raw: bytes):
+    """What psserver/wire.py reads (None: it refuses), the same way."""
+    try:
+        updates, sync, buf = wire.parse_push_request(raw)
+        sync = None if sync is None else ps_pb2.SyncInfo.FromString(sync).SerializeToString(
+            deterministic=True)
+    except (InvalidArgument, DecodeError):
+        return None
+    out = [(name, None if t is None else (t[0], t[1], bytes(buf[t[2][0]:t[2][1]])), uid)
+           for name, _, t, uid in updates]
+    return out, sync
+
+
+def _valid_push(draw) -> bytes:
+    m = ps_pb2.PushRequest()
+    for _ in range(draw(st.integers(0, 3))):
+        u = m.updates.add(name=draw(st.text(max_size=6)),
+                          update_id=draw(st.integers(0, 2**64 - 1)))
+        if draw(st.booleans()):
+            u.tensor.dtype = draw(st.sampled_from(["float32", "float16", "int64", "x", ""]))
+            u.tensor.shape.extend(draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)))
+            u.tensor.data = draw(st.binary(max_size=24))
+    if draw(st.booleans()):
+        m.sync.CopyFrom(ps_pb2.SyncInfo(step=draw(st.integers(-5, 2**40)),
+                                        replica=draw(st.integers(-3, 3)),
+                                        required=draw(st.integers(0, 3))))
+    raw = m.SerializeToString()
+    if draw(st.booleans()):   # an update whose tensor comes in two pieces (merged)
+        pieces = [ps_pb2.Tensor(dtype=draw(st.sampled_from(["float32", ""])),
+                                shape=draw(st.lists(st.integers(0, 3), max_size=2)),
+                                data=draw(st.binary(max_size=8))).SerializeToString()
+                  for _ in range(2)]
+        update = ps_pb2.DenseUpdate(name="m").SerializeToString() + b"".join(
+            wire._len_field(2, len(t)) + t for t in pieces)
+        raw += wire._len_field(1, len(update)) + update
+    if draw(st.booleans()):   # our own encoder's output too (aligned, padding field 15)
+        arr = np.arange(draw(st.integers(0, 6)), dtype=np.float32)
+        raw += wire.encode_push_request([(draw(st.text(max_size=4)), arr,
+                                          draw(st.integers(0, 9)))])
+    return raw
+
+
+_KEYS = [bytes([k]) for k in range(256)] + [
+    b"\x00", b"\x80\x80\x80\x80\x10", b"\xf8\xff\xff\xff\x0f", b"\xfa\xff\xff\xff\x0f\x00",
+    b"\x0b\x0c", b"\x0b", b"\x0c", b"\x13\x1c", b"\x0d\x00\x00", b"\x09\x00",
+    b"\x0e", b"\x0f", b"\x12\x00", b"\x0a\x00", b"\x12\x02\x08\x01",
+    b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"]
+
+
+@st.composite
+def _mutated_push(draw) -> bytes:
+    raw = bytearray(_valid_push(draw))
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["flip", "insert", "delete", "truncate", "dup"]))
+        pos = draw(st.integers(0, len(raw)))
+        if op == "flip" and raw:
+            raw[min(pos, len(raw) - 1)] = draw(st.integers(0, 255))
+        elif op == "insert":
+            raw[pos:pos] = draw(st.sampled_from(_KEYS))
+        elif op == "delete" and raw:
+            del raw[pos:pos + draw(st.integers(1, 3))]
+        elif op == "truncate":
+            del raw[pos:]
+        elif op == "dup":
+            raw += raw[pos:pos + draw(st.integers(1, 12))]
+    return bytes(raw)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_mutated_push(), st.binary(max_size=40)))
+def test_push_decoder_agrees_with_protobuf_on_every_input(raw):
+    """Field 0, numbers out of range, fixed-size fields and groups running
+    past the end, bad UTF-8, repeated message fields (merged): whatever
+    protobuf refuses the Bulk decoder refuses, and what it accepts both read
+    the same way."""
+    assert _hand_view(raw) == _protobuf_view(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x02\x00",                          # field number 0
+    b"\xfd\xff\xff\xff\x0f\x00\x00\x00",  # fixed32 field past the end
+    b"\x09\x00\x00",                      # fixed64 past the end
+    b"\x0a\x02\x0a\xff",                  # an update's name not UTF-8
+    b"\x0b\x14",                          # a group ending with another number
+    b"\x12\x02\x08",                      # a SyncInfo cut short
+])
+def test_inputs_protobuf_refuses_are_refused_by_the_bulk_push(ps, raw):
+    assert _protobuf_view(raw) is None
+    with grpc.insecure_channel(ps.address) as ch:
+        push = ch.unary_unary("/pstrain.v1.ParameterServerBulk/Push")
+        with pytest.raises(grpc.RpcError) as info:
+            push(raw, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
