@@ -45,12 +45,22 @@ def check_dtype(name: str, allowed=VALUE_DTYPES, what: str = "dtype") -> np.dtyp
             f"unsupported {what} {name!r}; use one of {sorted(allowed)}") from None
 
 
+#: Most elements a shape may describe, counting a 0 dimension as 1 (numpy
+#: refuses to even describe an array whose dimensions multiply past its index
+#: range, empty or not: [0, 2**62] is "too big"). 2**48 elements is a petabyte
+#: of float32, far beyond any one variable's shard.
+MAX_ELEMENTS = 1 << 48
+
+
 def check_shape(shape: Sequence[int], what: str = "shape") -> tuple[int, ...]:
     shape = tuple(map(int, shape))
     if len(shape) > MAX_RANK:
         raise InvalidArgument(f"{what} {list(shape)} has rank {len(shape)}; at most {MAX_RANK} is supported")
     if shape and min(shape) < 0:
         raise InvalidArgument(f"{what} {list(shape)} has a negative dimension")
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise InvalidArgument(f"{what} {list(shape)} is too large (over 2**48 elements, even "
+                              "counting empty dimensions as 1); shard the variable instead")
     return shape
 
 

@@ -53,3 +53,51 @@ def test_unparsable_requests_are_refused_and_leak_nothing(start_ps, token):
     with PSClient(ps.address, token=token) as c:
         value, version = c.read("w", with_version=True)
     assert version == 0 and value.tolist() == [0, 1, 2, 3]
+
+
+BIG = [0, 2**62]
+
+
+def _cases():
+    from protos.pstrain.v1 import ps_pb2 as pb
+    t = pb.Tensor
+    return {
+        "Push [0, 2**62]": ("ParameterServer", "Push", pb.PushRequest(
+            updates=[pb.DenseUpdate(name="w", tensor=t(dtype="float32", shape=BIG))])),
+        "PushSparse [0, 2**62]": ("ParameterServer", "PushSparse", pb.PushSparseRequest(
+            name="w", ids=t(dtype="int64", shape=BIG), values=t(dtype="float32", shape=BIG))),
+        "CreateVariable [0, 2**62]": ("ParameterServer", "CreateVariable",
+                                      pb.CreateVariableRequest(name="x", dtype="float32",
+                                                               shape=BIG)),
+        "CreateVariable [2**62, 2**62]": ("ParameterServer", "CreateVariable",
+                                          pb.CreateVariableRequest(name="y", dtype="float32",
+                                                                   shape=[2**62, 2**62])),
+        "Gather [0, 2**62] ids": ("ParameterServer", "Gather", pb.GatherRequest(
+            name="w", ids=t(dtype="int64", shape=BIG))),
+        "Bulk Push [0, 2**62]": ("ParameterServerBulk", "Push", pb.PushRequest(
+            updates=[pb.DenseUpdate(name="w", tensor=t(dtype="float32", shape=BIG))])),
+        "Bulk Push non-UTF-8 name": ("ParameterServerBulk", "Push", b"\x0a\x04\x0a\x02\xc3\x28"),
+        "Bulk Push corrupt SyncInfo": ("ParameterServerBulk", "Push", pb.PushRequest(
+            updates=[pb.DenseUpdate(name="w", tensor=t(dtype="float32", shape=[4],
+                                                      data=bytes(16)))]).SerializeToString()
+            + b"\x12\x02\x08"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_malformed_requests_get_invalid_argument_not_internal(start_ps, case):
+    """The probe's INTERNAL answers: each is INVALID_ARGUMENT, state unchanged
+    (the server has no --max-memory-bytes: nothing else stops a huge create)."""
+    service, method, request = _cases()[case]
+    ps = start_ps()
+    with PSClient(ps.address) as c:
+        c.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+    raw = request if isinstance(request, bytes) else request.SerializeToString()
+    with grpc.insecure_channel(ps.address) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            ch.unary_unary(f"/pstrain.v1.{service}/{method}")(raw, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    with PSClient(ps.address) as c:
+        assert [m.name for m in c.list_variables()] == ["w"]
+        value, version = c.read("w", with_version=True)
+    assert version == 0 and value.tolist() == [0, 1, 2, 3]
