@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import threading
@@ -227,10 +228,34 @@ def check_name(name: str) -> str:
     return name
 
 
-def make_initial_value(shape, dtype: np.dtype, init: Initializer) -> np.ndarray:
-    """A new array of shape/dtype filled as ``init`` says."""
+def make_initial_value(shape, dtype: np.dtype, init: Initializer,
+                       allow_nonfinite: bool = False) -> np.ndarray:
+    """A new array of shape/dtype filled as ``init`` says. Unless
+    ``allow_nonfinite``, parameters that are NaN or Inf, or values that come
+    out NaN or Inf in ``dtype`` (1e300 in float32, a uniform range wider than
+    the largest float), are refused as a NaN in an initial value is."""
     if init.kind not in INITIALIZERS:
         raise InvalidArgument(f"unknown initializer {init.kind!r}; use one of {list(INITIALIZERS)}")
+    used = {"constant": ("value",), "random_normal": ("mean", "stddev"),
+            "truncated_normal": ("mean", "stddev"),
+            "random_uniform": ("minval", "maxval")}.get(init.kind, ())
+    if not allow_nonfinite:
+        bad = [f"{k}={getattr(init, k)}" for k in used if not math.isfinite(getattr(init, k))]
+        if bad:
+            raise InvalidArgument(
+                f"initializer {init.kind} with {', '.join(bad)} would make NaN or Inf values; "
+                "give finite parameters (or create the variable with allow_nonfinite=True)")
+    with np.errstate(all="ignore"):   # an overflow is checked for below
+        out = _initial_value(shape, dtype, init)
+    if not allow_nonfinite and not all_finite(out):
+        raise InvalidArgument(
+            f"initializer {init.kind} ({', '.join(f'{k}={getattr(init, k)}' for k in used)}) "
+            f"gives NaN or Inf in {dtype.name} (a value beyond its range, or a range wider than "
+            "the largest float); use smaller parameters (or allow_nonfinite=True)")
+    return out
+
+
+def _initial_value(shape, dtype: np.dtype, init: Initializer) -> np.ndarray:
     if init.kind in ("random_normal", "truncated_normal") and not init.stddev >= 0:
         raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
     if init.kind == "random_uniform" and not init.maxval >= init.minval:
@@ -421,7 +446,7 @@ class VariableStore(R.ReplicaMethods):
             except MemoryError:
                 raise ResourceExhausted(f"not enough memory for {name!r}") from None
         else:
-            value = make_initial_value(shape, dt, initializer or Initializer())
+            value = make_initial_value(shape, dt, initializer or Initializer(), allow_nonfinite)
         try:
             var = Variable(name, value, opt, allow_nonfinite)
         except MemoryError:

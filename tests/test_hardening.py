@@ -101,3 +101,23 @@ def test_malformed_requests_get_invalid_argument_not_internal(start_ps, case):
         assert [m.name for m in c.list_variables()] == ["w"]
         value, version = c.read("w", with_version=True)
     assert version == 0 and value.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("init", [
+    dict(kind="constant", value=float("nan")),
+    dict(kind="constant", value=1e300),                       # inf in float32
+    dict(kind="random_uniform", minval=-1e308, maxval=1e308),  # the range overflows: NaN
+    dict(kind="random_normal", stddev=float("inf")),
+    dict(kind="truncated_normal", mean=1e39),
+])
+def test_initializers_cannot_make_nonfinite_values(client, init):
+    """allow_nonfinite=False (the default) refuses them as it refuses a NaN
+    initial_value; allowing them creates the variable."""
+    from psserver.errors import InvalidArgument
+    from psserver.store import Initializer
+
+    with pytest.raises(InvalidArgument, match="NaN or Inf"):
+        client.create_variable("w", (4, 3), initializer=Initializer(**init))
+    assert client.list_variables() == []
+    client.create_variable("w", (4, 3), initializer=Initializer(**init), allow_nonfinite=True)
+    client.create_variable("w64", (2,), "float64", initializer=Initializer("constant", value=1e300))
