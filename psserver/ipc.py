@@ -78,9 +78,17 @@ MAX_FRAME_BYTES = 64 << 20
 #: server keeps.
 HELLO_SECONDS = 5.0
 MAX_CONNECTIONS = 1024
-#: Connections that have not said hello yet a server keeps (more are closed at
-#: once: a slow or silent peer cannot crowd out clients that have).
+#: Connections that have not said hello yet a server keeps, in all and per
+#: peer address. A new one past either bound pushes out the oldest waiting one
+#: (of that peer, or of any): silent connections cannot lock out a client,
+#: which says hello at once.
 MAX_PENDING = 64
+MAX_PENDING_PER_PEER = 8
+#: Bytes of request frames still arriving that a server holds, over all its
+#: connections (one frame per connection, each at most MAX_FRAME_BYTES). A
+#: connection whose frame would go past it is dropped: its memory is taken as
+#: bytes arrive, never reserved for what a header only announces.
+MAX_ARRIVING_BYTES = 256 << 20
 #: Seconds a client waits to connect to a data port and be greeted
 #: (unreachable: it keeps to gRPC).
 CONNECT_SECONDS = 5.0
@@ -131,19 +139,40 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """n bytes. A claimed size over _EAGER_BYTES reserves nothing until its
-    first MiB has come (then the rest at once: received in place, no copies
-    of chunks)."""
-    first = n if n <= _EAGER_BYTES else 1 << 20
-    buf = bytearray(first)
-    _recv_into(sock, memoryview(buf))
-    if n > first:
-        whole = bytearray(n)
-        whole[:first] = buf
-        _recv_into(sock, memoryview(whole)[first:])
-        return whole
-    return buf
+def _recv_exact(sock: socket.socket, n: int, hold=None) -> bytearray | bytes:
+    """n bytes. Up to _EAGER_BYTES they are received in place into one
+    buffer; a larger frame is received in 1 MiB pieces, joined once all came,
+    so memory follows the bytes that arrived, not the size a header claims.
+    ``hold(k)``: called before k more bytes are taken (it may refuse: raise)."""
+    if n <= _EAGER_BYTES:
+        if hold is not None:
+            hold(n)
+        buf = bytearray(n)
+        _recv_into(sock, memoryview(buf))
+        return buf
+    pieces, got = [], 0
+    while got < n:
+        k = min(_CHUNK, n - got)
+        if hold is not None:
+            hold(k)
+        piece = bytearray(k)
+        _recv_into(sock, memoryview(piece))
+        pieces.append(piece)
+        got += k
+    return b"".join(pieces)
+
+
+_CHUNK = 1 << 20
+
+
+def _give_back_memory() -> None:
+    """Return freed heap memory to the system (glibc; tasks run with a high
+    trim threshold, MALLOC_ENV, so a large frame's pages would stay)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _shut(sock: socket.socket) -> None:
@@ -231,7 +260,6 @@ class IpcServer:
         reached the task it meant, not another behind a port mapping)."""
         self._handlers = handlers
         self._identity = identity.encode()
-        self._pending = 0   # connections that have not said hello yet
         self._token = (token or "").encode()
         self._metrics = rpc_metrics
         self._method_metrics: dict[int, object] = {}
@@ -258,6 +286,10 @@ class IpcServer:
             self.port = self._sock.getsockname()[1]
         self._sock.listen(64)
         self._conns: set[socket.socket] = set()
+        # Connections yet to say hello, oldest first: connection -> (peer
+        # address, descriptor: a TLS socket made from it shares it).
+        self._waiting: dict[socket.socket, str] = {}
+        self._arriving = 0   # bytes of request frames being received, all connections
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)   # notified when no call runs
         self._running = 0
@@ -291,9 +323,10 @@ class IpcServer:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return   # stopped
+            peer = peer[0] if isinstance(peer, tuple) else "local"
             pid, uid = 0, os.geteuid()
             if self.kind == "unix":
                 try:
@@ -307,14 +340,33 @@ class IpcServer:
                 if self._stopped:
                     conn.close()
                     return
-                if uid != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS or \
-                        self._pending >= MAX_PENDING:
+                if uid != os.geteuid() or len(self._conns) >= MAX_CONNECTIONS:
                     conn.close()   # another user's, or too many: nothing is read
                     continue
+                mine = [c for c, (p, _) in self._waiting.items() if p == peer]
+                if len(mine) >= MAX_PENDING_PER_PEER:
+                    self._evict(mine[0])
+                elif len(self._waiting) >= MAX_PENDING:
+                    self._evict(next(iter(self._waiting)))
                 self._conns.add(conn)
-                self._pending += 1
+                self._waiting[conn] = (peer, conn.fileno())
             threading.Thread(target=self._serve, args=(conn, pid), name="ipc-conn",
                              daemon=True).start()
+
+    def _evict(self, conn: socket.socket) -> None:
+        """Cut off a connection still waiting to say hello (lock held): its
+        thread's read fails and it goes. By its descriptor, which a TLS
+        socket made from it shares (it is still open: the entry leaves
+        _waiting before the connection is closed)."""
+        entry = self._waiting.pop(conn, None)
+        if entry is not None:
+            fd = entry[1]
+            with contextlib.suppress(OSError):
+                s = socket.socket(fileno=os.dup(fd))
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                finally:
+                    s.close()
 
     def _hello(self, conn: socket.socket) -> bool:
         method, n, _ = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
@@ -356,25 +408,47 @@ class IpcServer:
         finally:
             timer.cancel()
             with self._lock:
-                self._pending -= 1
+                self._waiting.pop(raw, None)
         conn.settimeout(None)   # waits for the next call as long as it takes, but
         with contextlib.suppress(OSError):   # a reply not taken for REPLY_SECONDS fails it
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                             struct.pack("ll", int(REPLY_SECONDS), 0))
         return conn, True
 
+    def _hold(self, held: list[int]) -> Callable[[int], None]:
+        """A hold(k) for _recv_exact that counts a connection's arriving bytes
+        (in held[0]) against MAX_ARRIVING_BYTES; past it the connection goes."""
+        def hold(k: int) -> None:
+            with self._lock:
+                if self._arriving + k > MAX_ARRIVING_BYTES:
+                    raise ConnectionError("too many request bytes arriving at once")
+                self._arriving += k
+            held[0] += k
+        return hold
+
+    def _release(self, held: list[int]) -> None:
+        with self._lock:
+            self._arriving -= held[0]
+        held[0] = 0
+
     def _serve(self, raw: socket.socket, peer_pid: int = 0) -> None:
         conn = raw
+        held, largest = [0], 0
         try:
             conn, ok = self._greet(raw)
             if not ok:
                 return
             follow_cpu(peer_pid)
+            hold = self._hold(held)
             while True:
                 method, n, timeout = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
                 if n > MAX_FRAME_BYTES:
                     return   # not a client of ours: drop it
-                payload = _recv_exact(conn, n)
+                largest = max(largest, n)
+                try:
+                    payload = _recv_exact(conn, n, hold)
+                finally:
+                    self._release(held)
                 with self._lock:
                     if self._stopped:   # stopping: take no new call
                         return
@@ -392,11 +466,15 @@ class IpcServer:
         except (ConnectionError, OSError):   # ssl.SSLError included: a failed handshake
             pass
         finally:
+            self._release(held)
             with self._lock:
                 self._conns.discard(raw)
                 self._conns.discard(conn)
+                self._waiting.pop(raw, None)
             conn.close()
             raw.close()
+            if largest > _EAGER_BYTES:   # its pieces are free: give the pages back
+                _give_back_memory()
 
     def _call(self, method: int, payload: bytearray, timeout: float) -> tuple[grpc.StatusCode, bytes]:
         start = time.perf_counter()

@@ -121,3 +121,36 @@ def test_initializers_cannot_make_nonfinite_values(client, init):
     assert client.list_variables() == []
     client.create_variable("w", (4, 3), initializer=Initializer(**init), allow_nonfinite=True)
     client.create_variable("w64", (2,), "float64", initializer=Initializer("constant", value=1e300))
+
+
+def test_socket_frames_take_memory_as_bytes_arrive_and_give_it_back(start_ps):
+    """After a valid hello, 8 connections each announce a 64 MiB frame and
+    send 1 MiB + 1 byte of it: the server holds about what came, not 8 x 64
+    MiB; once they close, it gives the memory back."""
+    import socket
+    import struct
+
+    from psserver import ipc
+
+    ps = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN})
+    with PSClient(ps.address, token=TOKEN) as c:
+        port = c.server_info().data_port
+    before = rss_mib(ps.pid)
+    conns = []
+    try:
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            conns.append(s)
+            s.sendall(struct.pack("<BId", ipc.HELLO, len(TOKEN), 0.0) + TOKEN.encode())
+            assert s.recv(5) == struct.pack("<BI", 0, 0)   # greeted
+            s.sendall(struct.pack("<BId", ipc.BULK_PUSH, 64 << 20, 0.0) + bytes((1 << 20) + 1))
+        # The server has read them (a call on another connection is served after).
+        with PSClient(ps.address, token=TOKEN) as c:
+            c.list_variables()
+        held = rss_mib(ps.pid) - before
+    finally:
+        for s in conns:
+            s.close()
+    assert held < 8 * 8, f"{held:.0f} MiB held for 8 MiB of frames that came"
+    with PSClient(ps.address, token=TOKEN) as c:   # still serving
+        c.create_variable("w", (2,))
