@@ -177,23 +177,24 @@ class CheckpointManager:
                     for v in variables},
             }
             _write_json(os.path.join(tmp, "manifest.json"), manifest)
+            replaced = None
             if os.path.exists(final):   # saving the same step again replaces it
-                shutil.rmtree(final)
+                replaced = _set_aside(final, _REPLACED)
             os.replace(tmp, final)
             _fsync_dir(self.directory)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._last_step, self._last_time = step, time.monotonic()
         for old in self.checkpoints()[:-self.max_to_keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
         _metrics.checkpoint_bytes("save", sum(f["bytes"] for f in files.values()))
         return final
 
     def _clear_leftovers(self) -> None:
-        for name in os.listdir(self.directory):
-            if ".tmp-" in name and name.startswith("ckpt-"):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        clear_leftovers(self.directory)
 
     # -- restoring ------------------------------------------------------------------------
     @_metrics.timed_checkpoint("restore")
@@ -438,6 +439,47 @@ def restore_plan(variables: Sequence[V.ShardedVariable], manifest: Mapping[str, 
 
 def _cuts(cuts: Sequence[tuple[str, int, int]]) -> str:
     return ", ".join(f"{o}:{o + r}" for _, o, r in cuts)
+
+
+#: Names a checkpoint directory takes while it is being removed (deleted by
+#: max_to_keep, or replaced by a new save of its step): out of the listed
+#: namespace (ckpt-N) first, so a listed checkpoint is always complete, even
+#: when the coordinator dies half-way through removing one.
+_DELETING, _REPLACED = ".deleting-", ".replaced-"
+
+
+def _set_aside(path: str, prefix: str) -> str:
+    """Rename a checkpoint out of the listed namespace, durably; its new path."""
+    parent, name = os.path.split(path)
+    aside = os.path.join(parent, f"{prefix}{name}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, aside)
+    _fsync_dir(parent)
+    return aside
+
+
+def remove_checkpoint(path: str) -> None:
+    """Remove a checkpoint: unlisted at once (a rename), then deleted."""
+    try:
+        aside = _set_aside(path, _DELETING)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def clear_leftovers(directory: str) -> None:
+    """What a coordinator that died mid-save or mid-removal left: unfinished
+    saves and checkpoints set aside are deleted; a checkpoint set aside to be
+    replaced whose replacement never landed is put back."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(_REPLACED):
+            original = os.path.join(directory, name[len(_REPLACED):].rsplit("-", 1)[0])
+            if not os.path.exists(original):
+                os.replace(path, original)
+                continue
+        if (".tmp-" in name and name.startswith("ckpt-")) or \
+                name.startswith((_DELETING, _REPLACED)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def find_checkpoints(directory: str) -> list[str]:

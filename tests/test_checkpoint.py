@@ -167,3 +167,69 @@ def test_min_size_sharded_table_round_trip(tmp_path):
         table.push_sparse([5], np.ones((1, 8), np.float32))
         ckpt.restore()
         np.testing.assert_array_equal(table.read(), before)
+
+
+DELETE_CRASH_SCRIPT = '''
+import os, shutil, sys
+import numpy as np
+from coordinator import LocalCluster, ParameterServerStrategy, FixedShardsPartitioner
+from coordinator.checkpoint import CheckpointManager
+
+with LocalCluster(num_ps=2, num_workers=0) as cluster:
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+    w = strategy.create_variable("w", initial_value=np.arange(8, dtype=np.float32))
+    ckpt = CheckpointManager(strategy, sys.argv[1], max_to_keep=1)
+    ckpt.save(step=1)
+
+    def dies_half_way(path, *a, **k):   # the coordinator killed while deleting
+        for root, _, files in os.walk(path):
+            for f in files:
+                if f.endswith(".safetensors"):
+                    os.remove(os.path.join(root, f))
+                    os._exit(9)
+    shutil.rmtree = dies_half_way
+    w.assign(np.ones(8, np.float32))
+    ckpt.save(step=2)   # removes ckpt 1 (max_to_keep=1): dies in the middle
+'''
+
+
+def test_a_coordinator_killed_while_removing_old_checkpoints_lists_only_whole_ones(tmp_path):
+    """max_to_keep removal interrupted: the half-deleted checkpoint is never
+    listed (it left the listed names first), the new one restores, and the
+    next save clears what was left."""
+    import subprocess
+    import sys
+
+    from coordinator.checkpoint import find_checkpoints
+    from psserver.process import child_env
+
+    script, ckpts = tmp_path / "train.py", tmp_path / "ckpts"
+    script.write_text(DELETE_CRASH_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(ckpts)], env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stdout + r.stderr
+    listed = find_checkpoints(str(ckpts))
+    assert [os.path.basename(p) for p in listed] == ["ckpt-00000002"]
+    with LocalCluster(num_ps=1, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        w = strategy.create_variable("w", shape=(8,))
+        ckpt = CheckpointManager(strategy, str(ckpts), max_to_keep=1)
+        assert ckpt.restore()["step"] == 2
+        np.testing.assert_array_equal(w.read(), np.ones(8, np.float32))
+        ckpt.save(step=3)
+    assert sorted(os.listdir(ckpts)) == ["ckpt-00000003"]   # leftovers cleared
+
+
+def test_a_checkpoint_set_aside_for_a_resave_that_never_landed_is_put_back(tmp_path):
+    """Saving step N again sets the old ckpt-N aside first; a coordinator that
+    died before the new one landed loses neither: the next save puts it back."""
+    from coordinator.checkpoint import clear_leftovers, find_checkpoints
+
+    old = tmp_path / ".replaced-ckpt-00000005-0123abcd"
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    (tmp_path / ".deleting-ckpt-00000001-89abcdef").mkdir()
+    (tmp_path / "ckpt-00000006.tmp-deadbeef").mkdir()
+    clear_leftovers(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005"]
+    assert [os.path.basename(p) for p in find_checkpoints(str(tmp_path))] == ["ckpt-00000005"]
