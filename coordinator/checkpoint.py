@@ -215,38 +215,66 @@ class CheckpointManager:
                 manifest = json.load(f)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read the manifest of {path}: {exc}") from None
-        saved = manifest["variables"]
+        saved = manifest.get("variables") if isinstance(manifest, dict) else None
+        if not isinstance(saved, dict) or "step" not in manifest:
+            raise CheckpointError(f"the manifest of {path} lacks its variables or step; "
+                                  "nothing was restored")
+        chosen = [v for v in self.strategy.variables
+                  if address is None or any(s.address == address for s in routes.primaries(v))]
+        # Everything read and checked first: a checkpoint that lacks anything its
+        # manifest promises is refused before any server is written.
+        loaded = [self._load_variable(v, saved.get(v.name), path) for v in chosen]
         with futures.ThreadPoolExecutor(4) as pool:
-            for v in self.strategy.variables:
-                if address is None or any(s.address == address for s in routes.primaries(v)):
-                    self._restore_variable(v, saved.get(v.name), path, pool, address)
+            for v, state in zip(chosen, loaded):
+                self._write_variable(v, state, pool, address)
         return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
 
-    def _restore_variable(self, v: V.ShardedVariable, info: dict | None, path: str,
-                          pool: futures.Executor, address: str | None = None) -> None:
+    def _load_variable(self, v: V.ShardedVariable, info: dict | None, path: str) -> dict:
+        """The variable's whole state from checkpoint ``path`` (checked)."""
         if info is None:
             raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
-        if (tuple(info["shape"]), info["dtype"], info["optimizer"]) != (v.shape, v.dtype, v.optimizer):
+        try:
+            same = (tuple(info["shape"]), info["dtype"], info["optimizer"]) == (
+                v.shape, v.dtype, v.optimizer)
+            entries = list(info["shards"])
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"the manifest of {path} is incomplete: {v.name!r} lacks "
+                                  f"{exc}; nothing was restored") from None
+        if not same:
             raise CheckpointError(
                 f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
                 f"{info['dtype']} {info['shape']} {info['optimizer']} in {path}")
-        loaded = [_load_shard(os.path.join(path, s["file"])) for s in info["shards"]]
-        _metrics.checkpoint_bytes("restore", sum(s.get("bytes", 0) for s in info["shards"]))
+        if not entries:
+            raise CheckpointError(f"the manifest of {path} lists no shard of {v.name!r}")
+        if v.shape:   # the shards must cover the rows in order, each once
+            covered = 0
+            for e in entries:
+                if e.get("offset") != covered or not isinstance(e.get("rows"), int):
+                    break
+                covered += e["rows"]
+            if covered != v.shape[0] or e.get("offset") is None:
+                raise CheckpointError(f"the shards of {v.name!r} in {path} do not cover its "
+                                      f"{v.shape[0]} rows in order; nothing was restored")
+        loaded = [load_checked_shard(path, e, v.dtype, v.shape, v.optimizer) for e in entries]
+        _metrics.checkpoint_bytes("restore", sum(e.get("bytes", 0) for e in entries))
         parts = [tensors for tensors, _ in loaded]
         meta = loaded[0][1]
-        optimizer_params = json.loads(meta.get("optimizer_params", "{}"))
-        allow_nonfinite = json.loads(meta.get("allow_nonfinite", "false"))
-        value = _join([p["value"] for p in parts], v.shape)
         slots = {}
         for key in parts[0]:
             if key.startswith("slot/"):
                 arrays = [p[key] for p in parts]
                 slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
                                   if arrays[0].ndim == 0 else _join(arrays, v.shape))
-        version = max(s["version"] for s in info["shards"])
         # A shard restored into the same place keeps its idempotency keys.
-        same_cut = {(e["name"], e["offset"], e["rows"]): p.get("applied_ids", ())
-                    for e, p in zip(info["shards"], parts)}
+        return {"value": _join([p["value"] for p in parts], v.shape), "slots": slots,
+                "optimizer_params": json.loads(meta.get("optimizer_params", "{}")),
+                "allow_nonfinite": json.loads(meta.get("allow_nonfinite", "false")),
+                "version": max(int(e["version"]) for e in entries),
+                "same_cut": {(e["name"], e["offset"], e["rows"]): p.get("applied_ids", ())
+                             for e, p in zip(entries, parts)}}
+
+    def _write_variable(self, v: V.ShardedVariable, state: dict, pool: futures.Executor,
+                        address: str | None = None) -> None:
         handles = []
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/replication.py).
@@ -258,13 +286,67 @@ class CheckpointManager:
                 return a if a.ndim == 0 else a[lo:hi]
             handles.append(pool.submit(
                 V.client_for(c.address).create_variable, c.name, None, v.dtype,
-                initial_value=cut(value), optimizer=v.optimizer,
-                optimizer_params=optimizer_params, allow_nonfinite=allow_nonfinite,
-                slots={k: cut(a) for k, a in slots.items()},
-                version=version, overwrite=True,
-                applied_ids=same_cut.get((s.name, s.offset, s.rows), ())))
+                initial_value=cut(state["value"]), optimizer=v.optimizer,
+                optimizer_params=state["optimizer_params"],
+                allow_nonfinite=state["allow_nonfinite"],
+                slots={k: cut(a) for k, a in state["slots"].items()},
+                version=state["version"], overwrite=True,
+                applied_ids=state["same_cut"].get((s.name, s.offset, s.rows), ())))
         for h in handles:
             h.result()
+
+
+def load_checked_shard(ckpt: str, entry: Mapping[str, Any], dtype: str, shape: Sequence[int],
+                       optimizer: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of one shard file of checkpoint ``ckpt``, checked
+    to hold all its manifest entry promises for a shard of a ``dtype``
+    variable of ``shape`` (its rows) with ``optimizer``: the value, every
+    slot the optimizer keeps, each of the right dtype and shape, readable
+    metadata. Raises CheckpointError naming the file and what is missing."""
+    from psserver import optimizers as optim
+
+    try:
+        file = os.path.join(ckpt, entry["file"])
+        rows, version = int(entry["rows"]), int(entry["version"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the manifest of {ckpt} is incomplete: a shard entry of "
+                              f"{entry.get('name', '?')!r} lacks {exc}; the checkpoint cannot "
+                              "be restored (restore an older one: coordinator checkpoint "
+                              "list)") from None
+    tensors, meta = _load_shard(file)
+    want = tuple(shape) if not shape else (rows,) + tuple(shape[1:])
+
+    def refuse(what: str):
+        raise CheckpointError(f"checkpoint file {file} {what}: the checkpoint is incomplete "
+                              "or damaged and nothing was restored (restore an older one: "
+                              "coordinator checkpoint list)")
+    value = tensors.get("value")
+    if value is None:
+        refuse("holds no value")
+    if value.dtype.name != dtype or value.shape != want:
+        refuse(f"holds a {value.dtype.name} {list(value.shape)} value, not {dtype} {list(want)}")
+    if meta.get("optimizer", optimizer) != optimizer:
+        refuse(f"was saved with optimizer {meta.get('optimizer')}, not {optimizer}")
+    try:
+        params = json.loads(meta.get("optimizer_params", "{}"))
+        json.loads(meta.get("allow_nonfinite", "false"))
+        expected = optim.make_optimizer(optimizer, params).create_slots(
+            np.zeros(want, np.dtype(dtype)))
+    except (ValueError, TypeError) as exc:
+        refuse(f"has unreadable metadata ({exc})")
+    for name, proto in expected.items():
+        got = tensors.get(f"slot/{name}")
+        if got is None:
+            refuse(f"lacks the optimizer slot {name!r} that {optimizer} keeps")
+        if got.dtype != proto.dtype or got.shape != proto.shape:
+            refuse(f"holds slot {name!r} as {got.dtype.name} {list(got.shape)}, not "
+                   f"{proto.dtype.name} {list(proto.shape)}")
+    extra = sorted(k[5:] for k in tensors if k.startswith("slot/") and k[5:] not in expected)
+    if extra:
+        refuse(f"holds slots {extra} that {optimizer} does not keep")
+    if version < 0:
+        refuse(f"has version {version}")
+    return tensors, meta
 
 
 def _load_shard(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -791,21 +791,27 @@ def _ckpt_restore(args) -> int:
     if missing:
         raise OperatorError(f"checkpoint {path} is incomplete: missing {', '.join(missing[:5])}"
                             f"{' ...' if len(missing) > 5 else ''}; nothing was restored")
+    # Every shard read and checked first: a checkpoint that lacks anything its
+    # manifest promises is refused before any server is written.
+    try:
+        shards = [C.load_checked_shard(path, e, v.dtype, v.shape, v.optimizer)
+                  for v, _, e in plan]
+    except C.CheckpointError as exc:
+        raise OperatorError(str(exc)) from None
     clients = {addr: target.client(addr) for addr in target.ps}
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
 
     def put(item):
-        v, s, entry = item
-        tensors, meta = C._load_shard(os.path.join(path, entry["file"]))
-        value = tensors.pop("value")
+        (v, s, entry), (tensors, meta) = item
         slots = {k[len("slot/"):]: a for k, a in tensors.items() if k.startswith("slot/")}
         clients[s.address].create_variable(
-            s.name, None, v.dtype, initial_value=value, optimizer=v.optimizer,
+            s.name, None, v.dtype, initial_value=tensors["value"], optimizer=v.optimizer,
             optimizer_params=json.loads(meta.get("optimizer_params", "{}")),
             allow_nonfinite=json.loads(meta.get("allow_nonfinite", "false")),
-            slots=slots, version=int(entry["version"]), overwrite=True)
+            slots=slots, version=int(entry["version"]), overwrite=True,
+            applied_ids=tensors.get("applied_ids", ()))   # as CheckpointManager.restore keeps them
     try:
-        results = _fan_out(put, plan, threads=8)
+        results = _fan_out(put, list(zip(plan, shards)), threads=8)
     finally:
         for c in clients.values():
             c.close()

@@ -233,3 +233,53 @@ def test_a_checkpoint_set_aside_for_a_resave_that_never_landed_is_put_back(tmp_p
     clear_leftovers(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005"]
     assert [os.path.basename(p) for p in find_checkpoints(str(tmp_path))] == ["ckpt-00000005"]
+
+
+@pytest.mark.parametrize("damage", ["slot", "value", "file", "shape"])
+def test_a_checkpoint_lacking_what_its_manifest_promises_is_refused(tmp_path, damage,
+                                                                     monkeypatch):
+    """A shard saved without an optimizer slot restored with fresh slots,
+    silently. Now any missing or wrong part is refused, naming the file,
+    before any server is written (through the program and the CLI)."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    from coordinator import cli
+    from coordinator.checkpoint import CheckpointError
+
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec,
+                                           variable_partitioner=FixedShardsPartitioner(2))
+        w = strategy.create_variable("w", shape=(4, 2), initializer="ones", optimizer="adam")
+        w.push_gradient(np.ones((4, 2), np.float32))
+        ckpt = CheckpointManager(strategy, str(tmp_path))
+        path = ckpt.save(step=1)
+        shard = os.path.join(path, json.load(open(os.path.join(path, "manifest.json")))
+                             ["variables"]["w"]["shards"][1]["file"])
+        with safe_open(shard, framework="np") as f:
+            meta = f.metadata()
+        tensors = load_file(shard)
+        if damage == "file":
+            os.remove(shard)
+        else:
+            if damage == "slot":
+                del tensors["slot/m"]
+            elif damage == "value":
+                del tensors["value"]
+            else:
+                tensors["slot/v"] = tensors["slot/v"][:1]
+            save_file(tensors, shard, metadata=meta)
+        w.push_gradient(np.ones((4, 2), np.float32))
+        before = (w.read(), w.versions())
+        with pytest.raises(CheckpointError, match=os.path.basename(shard) if damage != "file"
+                           else "cannot read"):
+            ckpt.restore(path)
+        for k, val in cluster.tls.env().items():
+            monkeypatch.setenv(k, val)
+        monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", cluster.token)
+        rc = cli.main(["checkpoint", "restore", str(tmp_path), "--ps", ",".join(cluster.spec.ps)])
+        after = (w.read(), w.versions())
+    assert rc != 0
+    np.testing.assert_array_equal(after[0], before[0])
+    assert after[1] == before[1] == [2, 2]
+
