@@ -595,11 +595,12 @@ class PSClient:
                 self._shm_on = False   # another host, an older server, or switched off there
                 return None
             raise
-        except OSError:   # /dev/shm full: this transfer goes over gRPC
+        except OSError:   # no memory for a segment: this transfer goes over gRPC
             return None
 
-    def _shm_attach(self, name: str, nbytes: int) -> int:
-        reply = self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(name=name, nbytes=nbytes))
+    def _shm_attach(self, seg: shm.Segment) -> int:
+        reply = self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(
+            name=seg.name, nbytes=seg.nbytes, pid=seg.pid, fd=seg.fd))
         if reply.ipc_socket and self._ipc is None and ipc.available():
             with self._shm_lock:
                 if self._ipc is None:

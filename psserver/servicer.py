@@ -403,7 +403,7 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
 
     def Attach(self, request, context):
         return self.ps._run(context, lambda: ps_pb2.ShmAttachReply(
-            segment=self.segments.attach(request.name, request.nbytes),
+            segment=self.segments.attach(request.name, request.nbytes, request.pid, request.fd),
             ipc_socket=self.ipc_socket))
 
     def Share(self, request, context):

@@ -7,16 +7,21 @@ kernel. When a client and its parameter server share a host, the
 ``SharedMemory`` service (ps.proto) moves tensor bytes through a memory
 segment instead, and gRPC carries only names, shapes and offsets:
 
-* The client creates a segment: a file in /dev/shm named ``pstrain-<hex>``,
-  mode 0600, its memory reserved at once (``posix_fallocate``: a full
-  /dev/shm fails here, cleanly, instead of killing a process with SIGBUS on
-  first touch). It maps it and calls ``Attach(name, nbytes)``.
-* The server opens the file by name and keeps the descriptor. A server on
-  another host (another container, another pod) finds no such file and
-  answers FAILED_PRECONDITION: the client then keeps to the gRPC paths.
-* The client then removes the name. From here on the memory belongs to the
-  two open descriptors only, so nothing is left in /dev/shm when either
-  process dies, SIGKILL included.
+* The client creates a segment: a memfd named ``pstrain-<hex>``, its memory
+  reserved at once (``posix_fallocate``: no memory fails here, cleanly,
+  instead of killing a process with SIGBUS on first touch), then sealed
+  against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL).
+  It maps it and calls ``Attach(name, nbytes, pid, fd)``.
+* The server opens it as /proc/PID/fd/FD, checks it is that memfd (its name),
+  of this user, of that size, and sealed: a segment nobody can shrink, so
+  the server never touches memory that went away (a truncated file's pages
+  raise SIGBUS and kill the process: a token holder could do that to a
+  /dev/shm file it shared). A server on another host (another container, another
+  pod) cannot open it and answers FAILED_PRECONDITION: the client then keeps
+  to the gRPC paths.
+* The client then closes its descriptor. From here on the memory belongs to
+  the two mappings and the server's descriptor, so nothing is left behind
+  when either process dies, SIGKILL included.
 * ``Read``: the server copies the values into the segment under their locks;
   the client copies them out. ``Push``: the client copies the gradients in;
   the server applies them straight from the segment.
@@ -36,16 +41,17 @@ server moves a variable's value into a memfd when a client asks
 wait for the step, still ask the server.
 
 Trust: a segment is the client's memory. A client holding the cluster token
-and running as the server's user could shrink its own segment under the
-server (SIGBUS) or change a gradient while it is checked; nothing stops a
-token holder from pushing garbage over gRPC either, so this is not defended.
+and running as the server's user can change a gradient while it is checked
+(nothing stops a token holder from pushing garbage over gRPC either), but
+cannot shrink the segment under the server: it is sealed.
 
-Linux only (needs /dev/shm); elsewhere ``available()`` is False and the
+Linux only (memfds with seals, /proc); elsewhere ``available()`` is False and the
 clients use gRPC for everything.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -63,7 +69,6 @@ from psserver.errors import FailedPrecondition, InvalidArgument, ResourceExhaust
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 NAME_PREFIX = "pstrain-"
 _NAME_RE = re.compile(r"pstrain-[0-9a-f]{32}")
 #: Every tensor in a segment starts at a multiple of this (cache line, and
@@ -83,10 +88,17 @@ TOO_SMALL = "too small for this read"
 ENV = "PSTRAIN_SHM"
 
 
+#: Seals every attached segment must carry.
+_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+          if hasattr(fcntl, "F_SEAL_SHRINK") else 0)
+
+
 def available() -> bool:
-    """Whether this process may use shared memory (Linux /dev/shm, not switched off)."""
-    return os.environ.get(ENV, "1") != "0" and os.path.isdir(SHM_DIR) and hasattr(
-        os, "posix_fallocate")
+    """Whether this process may use shared memory (Linux memfds with seals,
+    /proc; not switched off)."""
+    return (os.environ.get(ENV, "1") != "0" and hasattr(os, "memfd_create")
+            and hasattr(os, "MFD_ALLOW_SEALING") and bool(_SEALS)
+            and hasattr(os, "posix_fallocate") and os.path.isdir("/proc/self/fd"))
 
 
 def align(n: int) -> int:
@@ -131,34 +143,53 @@ class Segments:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def attach(self, name: str, nbytes: int) -> int:
-        """Open the client's segment ``name`` of ``nbytes`` bytes; return its id.
+    def attach(self, name: str, nbytes: int, pid: int = 0, fd: int = 0) -> int:
+        """Open the client's segment ``name`` of ``nbytes`` bytes, its memfd
+        ``fd`` in process ``pid``; return its id.
 
         Raises FailedPrecondition when there is no such segment on this host
-        (the client is elsewhere), InvalidArgument for a bad name or size.
+        (the client is elsewhere), or it is not that sealed memfd of this
+        user; InvalidArgument for a bad name or size.
         """
         if not available():
             raise FailedPrecondition("this parameter server does not use shared memory "
-                                     f"({ENV}=0 or no {SHM_DIR}); use the gRPC transfers")
+                                     f"({ENV}=0, or no sealed memfds here); use the gRPC "
+                                     "transfers")
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidArgument(f"bad shared-memory segment name {name!r}: expected "
                                   f"{NAME_PREFIX} followed by 32 hex digits")
         if not 0 < nbytes <= self.max_segment_bytes:
             raise InvalidArgument(f"shared-memory segment size {nbytes} out of range "
                                   f"(1..{self.max_segment_bytes})")
+        if not (0 < pid < 1 << 31 and 0 <= fd < 1 << 31):
+            raise InvalidArgument(f"attach needs the client's pid and the segment's fd, got "
+                                  f"{pid} and {fd}")
         self._expire()
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise FailedPrecondition(f"no shared-memory segment {name!r} on this host: the "
-                                     "client runs elsewhere; use the gRPC transfers") from None
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise FailedPrecondition(f"cannot open shared-memory segment {name!r}: {exc}") from None
+            raise FailedPrecondition(f"cannot open shared-memory segment {name!r} ({exc}): the "
+                                     "client runs elsewhere; use the gRPC transfers") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise FailedPrecondition(f"shared-memory segment {name!r} is not a regular file "
-                                         "of this server's user; refusing it")
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = ""
+            if target != f"/memfd:{name} (deleted)" or not stat.S_ISREG(st.st_mode) or \
+                    st.st_uid != os.geteuid():
+                raise FailedPrecondition(f"{path} is not the memfd {name!r} of this server's "
+                                         "user; refusing it")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if seals & _SEALS != _SEALS:
+                raise FailedPrecondition(
+                    f"shared-memory segment {name!r} is not sealed against shrinking and "
+                    "growing (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL): its memory could "
+                    "vanish under this server; refusing it")
             if st.st_size != nbytes:
                 raise InvalidArgument(f"shared-memory segment {name!r} has {st.st_size} bytes, "
                                       f"not the {nbytes} the request says")
@@ -237,35 +268,32 @@ class Segments:
 
 # -- client side -----------------------------------------------------------------------
 class Segment:
-    """A client's segment: its memory, and the id its server knows it by."""
+    """A client's segment: its memory, and the id its server knows it by.
+    ``fd`` (with this process's pid) is where the server opens it, until
+    ``unlink()`` closes it (after attaching)."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.name = NAME_PREFIX + secrets.token_hex(16)
-        path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)   # ENOSPC now, not SIGBUS later
-            except OSError:
-                os.unlink(path)
-                raise
+            os.posix_fallocate(fd, 0, nbytes)   # ENOSPC/ENOMEM now, not SIGBUS later
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)   # its size is fixed for good
             self._map = _map(fd, nbytes, populate=True)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd, self.pid = fd, os.getpid()
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.seg_id = 0
-        self._unlinked = False
         self.lent = False   # to one call now (Arena)
 
     def unlink(self) -> None:
-        if not self._unlinked:
-            self._unlinked = True
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
+        """Close this process's descriptor (the mapping stays): attached or
+        not, the server needs it no more."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def close(self) -> None:
         self.unlink()
@@ -281,7 +309,7 @@ class Arena:
     rounded up to a power of two, when none is free) and gives it back.
     """
 
-    def __init__(self, attach: Callable[[str, int], int], detach: Callable[[int], None],
+    def __init__(self, attach: Callable[["Segment"], int], detach: Callable[[int], None],
                  max_free: int = 4):
         self._attach, self._detach = attach, detach
         self._lock = threading.Lock()
@@ -300,7 +328,7 @@ class Arena:
         size = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
         seg = Segment(size)
         try:
-            seg.seg_id = self._attach(seg.name, size)
+            seg.seg_id = self._attach(seg)
         except BaseException:
             seg.close()
             raise

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(params=["shm", "data", "grpc"])
 def transport(request, monkeypatch):
     if request.param == "shm" and not shm.available():
-        pytest.skip("no /dev/shm on this system")
+        pytest.skip("no sealed memfds on this system")
     V.close_clients()   # clients read the switches when made
     if request.param != "shm":
         monkeypatch.setenv(shm.ENV, "0")   # this process and the tasks it starts
@@ -127,14 +127,15 @@ def test_fused_push_is_all_or_nothing_and_idempotent(one):
     np.testing.assert_array_equal(rows, t[[[7, 1], [0, 7]]])
 
 
-@pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this system")
+@pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this system")
 def test_malformed_fused_shared_memory_calls_change_nothing(one):
     ps, c = one
     seg = shm.Segment(1 << 20)
     try:
         with grpc.insecure_channel(ps.address) as ch:
             stub = ps_pb2_grpc.SharedMemoryStub(ch)
-            sid = stub.Attach(ps_pb2.ShmAttachRequest(name=seg.name, nbytes=seg.nbytes)).segment
+            sid = stub.Attach(ps_pb2.ShmAttachRequest(name=seg.name, nbytes=seg.nbytes,
+                                                      pid=seg.pid, fd=seg.fd)).segment
             seg.unlink()
             seg.array[:16] = np.array([1, 2], np.int64).view(np.uint8)
             seg.array[64:64 + 64] = np.ones(16, np.float32).view(np.uint8)

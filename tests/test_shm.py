@@ -2,8 +2,9 @@
 psserver processes.
 
 What is checked: values and versions equal the gRPC path's; the server
-really holds the client's segment (its /proc fd table) and nothing is left
-in /dev/shm, also after a client is SIGKILLed; a server elsewhere (here:
+really holds the client's segment (its /proc fd table), a sealed memfd that
+cannot shrink under it, and nothing is left behind, also after a client is
+SIGKILLed; a server elsewhere (here:
 shared memory switched off) or one that lost the segment (restarted) is
 answered by gRPC transparently; every malformed SharedMemory call is refused
 with the right code and changes nothing.
@@ -11,6 +12,7 @@ with the right code and changes nothing.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from psserver.client import PSClient
 from psserver.errors import FailedPrecondition, PSError
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this system")]
+              pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this system")]
 
 N = 1 << 18   # 1 MiB of float32: above the client's shm_min_bytes
 
@@ -40,13 +42,9 @@ def _server_segments(pid: int) -> list[str]:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(f"{shm.SHM_DIR}/{shm.NAME_PREFIX}"):
+        if re.fullmatch(rf"/memfd:{shm.NAME_PREFIX}[0-9a-f]{{32}} \(deleted\)", target):
             out.append(target)
     return out
-
-
-def _our_names() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.NAME_PREFIX)}
 
 
 def _make(c: PSClient, name: str = "w", n: int = N) -> np.ndarray:
@@ -57,7 +55,6 @@ def _make(c: PSClient, name: str = "w", n: int = N) -> np.ndarray:
 
 
 def test_shared_memory_matches_grpc_and_leaves_nothing(ps):
-    before = _our_names()
     with PSClient(ps.address) as fast, PSClient(ps.address, shared_memory=False, data_port=False) as slow:
         init = _make(fast)
         fast.read("w")   # learns the size; the next read goes through shared memory
@@ -73,7 +70,6 @@ def test_shared_memory_matches_grpc_and_leaves_nothing(ps):
         assert fast._shm_on and fast._arena is not None
         held = _server_segments(ps.pid)
         assert held and all(t.endswith("(deleted)") for t in held), held
-        assert _our_names() == before   # names are removed once attached
     # close() detaches: the server lets go of the memory
     with PSClient(ps.address) as c:
         c.read("w")
@@ -132,8 +128,10 @@ def test_restarted_server_lost_the_segment_client_recovers(start_ps):
         assert c._shm_on and _server_segments(ps2.pid)
 
 
-def test_sigkilled_client_leaves_nothing_in_dev_shm(ps):
-    before = _our_names()
+def test_sigkilled_client_leaves_nothing_behind(ps):
+    """Its segments go with it (memfds: no name anywhere); the server closes
+    its own descriptors of them once idle (see test_segments_expire_when_idle)."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     code = textwrap.dedent(f"""
         import os, signal, numpy as np
         from psserver.client import PSClient
@@ -145,7 +143,7 @@ def test_sigkilled_client_leaves_nothing_in_dev_shm(ps):
     """)
     r = subprocess.run([sys.executable, "-c", code], timeout=30)
     assert r.returncode == -9
-    assert _our_names() == before
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) == before
 
 
 # -- bad input: every malformed call refused, nothing changed ------------------------
@@ -171,7 +169,9 @@ def _code(fn, *args) -> grpc.StatusCode:
 ])
 def test_attach_refuses_bad_names(raw, name, code):
     stub, _ = raw
-    assert _code(stub.Attach, ps_pb2.ShmAttachRequest(name=name, nbytes=4096)) == code
+    # (a process that is not on this host: no such /proc/PID)
+    assert _code(stub.Attach, ps_pb2.ShmAttachRequest(name=name, nbytes=4096, pid=2**30,
+                                                      fd=3)) == code
 
 
 def test_attach_refuses_wrong_size_and_symlinks(raw, tmp_path):
@@ -179,20 +179,61 @@ def test_attach_refuses_wrong_size_and_symlinks(raw, tmp_path):
     seg = shm.Segment(1 << 20)
     try:
         for n in (0, -1, 4096):
-            assert _code(stub.Attach, ps_pb2.ShmAttachRequest(name=seg.name, nbytes=n)) == \
+            assert _code(stub.Attach, _attach_request(seg, nbytes=n)) == \
                 grpc.StatusCode.INVALID_ARGUMENT
     finally:
         seg.close()
+    # Any other file of this user's: a descriptor of a regular file, named as
+    # a segment would be, is refused (not a memfd of that name).
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 4096)
-    link = os.path.join(shm.SHM_DIR, shm.NAME_PREFIX + secrets.token_hex(16))
-    os.symlink(target, link)
+    fd = os.open(target, os.O_RDWR)
     try:
         assert _code(stub.Attach, ps_pb2.ShmAttachRequest(
-            name=os.path.basename(link), nbytes=4096)) == grpc.StatusCode.FAILED_PRECONDITION
+            name=shm.NAME_PREFIX + secrets.token_hex(16), nbytes=4096, pid=os.getpid(),
+            fd=fd)) == grpc.StatusCode.FAILED_PRECONDITION
     finally:
-        os.unlink(link)
+        os.close(fd)
     assert target.read_bytes() == b"x" * 4096
+
+
+def _attach_request(seg, **kw):
+    return ps_pb2.ShmAttachRequest(**{**dict(name=seg.name, nbytes=seg.nbytes, pid=seg.pid,
+                                             fd=seg.fd), **kw})
+
+
+def test_a_segment_that_could_shrink_is_refused_and_an_attached_one_cannot(raw):
+    """A token holder that truncated its own segment killed the server with
+    SIGBUS. Segments are sealed memfds: an unsealed one is refused at attach,
+    and an attached one cannot be truncated; the server serves on."""
+    import fcntl
+
+    stub, c = raw
+    name = shm.NAME_PREFIX + secrets.token_hex(16)
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        assert _code(stub.Attach, ps_pb2.ShmAttachRequest(
+            name=name, nbytes=1 << 20, pid=os.getpid(), fd=fd)) == \
+            grpc.StatusCode.FAILED_PRECONDITION
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)   # half sealed: still refused
+        assert _code(stub.Attach, ps_pb2.ShmAttachRequest(
+            name=name, nbytes=1 << 20, pid=os.getpid(), fd=fd)) == \
+            grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        os.close(fd)
+    seg = shm.Segment(1 << 20)
+    try:
+        seg_id = stub.Attach(_attach_request(seg)).segment
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 0)
+        with pytest.raises(PermissionError):   # through the server's own path to it too
+            os.truncate(f"/proc/{seg.pid}/fd/{seg.fd}", 0)
+        r = stub.Read(ps_pb2.ShmReadRequest(segment=seg_id, names=["w"]))
+        assert r.values[0].name == "w"
+    finally:
+        seg.close()
+    assert c.read("w") is not None   # still serving
 
 
 def test_malformed_push_and_read_change_nothing(raw):
@@ -200,7 +241,7 @@ def test_malformed_push_and_read_change_nothing(raw):
     value0, version0 = c.read("w", with_version=True)
     seg = shm.Segment(1 << 22)
     try:
-        seg_id = stub.Attach(ps_pb2.ShmAttachRequest(name=seg.name, nbytes=seg.nbytes)).segment
+        seg_id = stub.Attach(_attach_request(seg)).segment
         seg.unlink()
         grad = np.ones(N, np.float32)
         seg.array[:grad.nbytes] = grad.view(np.uint8)
@@ -235,8 +276,7 @@ def test_malformed_push_and_read_change_nothing(raw):
 
         small = shm.Segment(1 << 20)   # 1 MiB: the variable plus alignment does not fit...
         try:
-            sid = stub.Attach(ps_pb2.ShmAttachRequest(name=small.name,
-                                                      nbytes=small.nbytes)).segment
+            sid = stub.Attach(_attach_request(small)).segment
             assert _code(stub.Read, ps_pb2.ShmReadRequest(segment=sid, names=["w", "w"])) == \
                 grpc.StatusCode.RESOURCE_EXHAUSTED
             # ...but one copy does, at offset 0
@@ -259,13 +299,13 @@ def test_segments_expire_when_idle():
     segs = shm.Segments(idle_seconds=0.0)
     a = shm.Segment(1 << 20)
     try:
-        seg_id = segs.attach(a.name, a.nbytes)
+        seg_id = segs.attach(a.name, a.nbytes, a.pid, a.fd)
         a.unlink()
         with segs.mapped(seg_id) as buf:
             assert len(buf) == a.nbytes
         b = shm.Segment(1 << 20)
         try:
-            segs.attach(b.name, b.nbytes)   # sweeps the idle one
+            segs.attach(b.name, b.nbytes, b.pid, b.fd)   # sweeps the idle one
             with pytest.raises(FailedPrecondition, match=shm.UNKNOWN_SEGMENT):
                 with segs.mapped(seg_id):
                     pass
@@ -279,10 +319,10 @@ def test_segments_expire_when_idle():
 
 def test_arena_reuses_and_bounds_segments():
     attached, detached = [], []
-    arena = shm.Arena(lambda name, n: attached.append(n) or len(attached),
+    arena = shm.Arena(lambda seg: attached.append(seg.nbytes) or len(attached),
                       lambda seg_id: detached.append(seg_id), max_free=2)
     s1 = arena.take(100)
-    assert s1.nbytes == 1 << 20 and not os.path.exists(os.path.join(shm.SHM_DIR, s1.name))
+    assert s1.nbytes == 1 << 20 and s1.fd == -1   # its descriptor closed once attached
     arena.give(s1)
     assert arena.take(5000) is s1   # reused
     s2, s3 = arena.take(3 << 20), arena.take(10)
@@ -319,8 +359,7 @@ def _ipc_name(address: str, token: str | None = None) -> str:
     with PSClient(address, token=token) as c:
         seg = shm.Segment(1 << 20)
         try:
-            reply = c._call(c._shm_stub.Attach,
-                            ps_pb2.ShmAttachRequest(name=seg.name, nbytes=seg.nbytes))
+            reply = c._call(c._shm_stub.Attach, _attach_request(seg))
         finally:
             seg.close()
         assert reply.ipc_socket.startswith("@pstrain-ipc-")

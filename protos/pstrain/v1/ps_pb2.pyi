@@ -460,12 +460,16 @@ class ServerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ShmAttachRequest(_message.Message):
-    __slots__ = ("name", "nbytes")
+    __slots__ = ("name", "nbytes", "pid", "fd")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     name: str
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    pid: int
+    fd: int
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class ShmAttachReply(_message.Message):
     __slots__ = ("segment", "ipc_socket")
