@@ -375,9 +375,7 @@ def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
         while server._running and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not server._running, "the server still sends to a client that does not read"
-        t0 = time.monotonic()
-        server.stop(grace=10)
-        assert time.monotonic() - t0 < 5
+        server.stop(grace=600)   # returns at once: nothing runs (else the test times out)
         pending._sock.close()
         client.close()
     finally:

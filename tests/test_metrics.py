@@ -172,8 +172,7 @@ def test_psserver_sync_barrier_waits_staleness_and_dropped_gradients(start_ps):
         while scrape(m).total("grpc_server_started_total", grpc_method="Read") < 1:
             assert time.monotonic() < deadline, "the sync read never reached the server"
             time.sleep(0.05)
-        time.sleep(0.5)                                     # the read waits at the barrier
-        assert reader.is_alive()
+        assert reader.is_alive()                            # it waits at the barrier
         c.push_many([("v", g)], sync=spec(0, 1))          # completes step 0
         reader.join(10)
         assert not reader.is_alive() and read
@@ -187,12 +186,12 @@ def test_psserver_sync_barrier_waits_staleness_and_dropped_gradients(start_ps):
     assert s.value("pstrain_ps_sync_gradient_staleness_steps_count") == 3
     assert s.value("pstrain_ps_sync_gradient_staleness_steps_bucket", le="0.0") == 2
     assert s.value("pstrain_ps_sync_gradient_staleness_steps_sum") == 1
-    # Barrier: three pushes that did not wait, one read that waited ~0.5 s.
+    # Barrier: three pushes that did not wait, one read that waited for a
+    # push after it (so longer than all three pushes' waits together).
     assert s.value("pstrain_ps_sync_wait_seconds_count", op="push") == 3
-    assert s.value("pstrain_ps_sync_wait_seconds_sum", op="push") < 0.25
     assert s.value("pstrain_ps_sync_wait_seconds_count", op="read") == 1
-    assert 0.4 <= s.value("pstrain_ps_sync_wait_seconds_sum", op="read") < 10
-    assert s.value("pstrain_ps_sync_wait_seconds_bucket", op="read", le="0.25") == 0
+    assert s.value("pstrain_ps_sync_wait_seconds_sum", op="push") < \
+        s.value("pstrain_ps_sync_wait_seconds_sum", op="read")
 
 
 # -- the port options --------------------------------------------------------------------------

@@ -235,8 +235,33 @@ def test_bounded_staleness_keeps_the_gap(staleness):
     assert slow_pid in pids
 
 
-def test_large_staleness_behaves_as_async():
-    stats, pids, slow_pid = _run_bounded(1000)
-    # The fast worker runs far ahead of the slow one, as in async mode.
-    assert stats["max_gap"] > 2
-    assert pids.count(slow_pid) < len(pids) // 3
+def held_on(pid_to_hold, fifo):
+    """The first closure the held worker runs blocks until the test writes to
+    fifo (its later ones do not): a worker stuck as long as the test says."""
+    if os.getpid() == pid_to_hold and not os.path.exists(fifo + ".released"):
+        with open(fifo) as f:
+            f.read()
+    return os.getpid()
+
+
+def test_large_staleness_behaves_as_async(tmp_path):
+    """While one worker is stuck, the other runs every other step: with a
+    bound far above the work, nothing waits for the slow one (as in async
+    mode). Event-based: the stuck worker is released once the rest is done."""
+    fifo = str(tmp_path / "release")
+    os.mkfifo(fifo)
+    steps = 30
+    with LocalCluster(num_ps=1, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, mode="bounded", staleness=1000)
+        held = cluster.workers[0].pid
+        with ClusterCoordinator(strategy) as coord:
+            rvs = [coord.schedule(held_on, args=(held, fifo)) for _ in range(steps)]
+            with coord._clock_cond:   # notified as each step completes
+                coord._clock_cond.wait_for(lambda: sum(r.done() for r in rvs) >= steps - 1)
+            open(fifo + ".released", "w").close()
+            with open(fifo, "w") as f:
+                f.write("go")
+            pids = coord.fetch(rvs)
+            stats = coord.staleness_stats()
+    assert pids.count(held) == 1            # one step on the stuck worker...
+    assert stats["max_gap"] >= steps - 2    # ...while the other ran all the rest ahead
