@@ -172,3 +172,39 @@ def test_digits_topk_end_to_end(cluster):
     r = train_digits(cluster.spec, TopK(0.1), name="t_topk", epochs=4, steps_per_epoch=50)
     assert r["last_loss"] < 0.5 * r["first_loss"], (r["first_loss"], r["last_loss"])
     assert r["test_accuracy"] >= 0.80, r["test_accuracy"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["grpc", "data"])
+def test_fp16_sends_half_the_bytes_on_the_wire(start_ps, monkeypatch, transport):
+    """What the server received, counted by its metrics: an fp16 push carries
+    about half the bytes of the same float32 push (the wire, not a formula)."""
+    from coordinator import ClusterSpec, ParameterServerStrategy
+    from coordinator import variables as V
+    from test_metrics import metrics_address, scrape
+
+    monkeypatch.setenv("PSTRAIN_SHM", "0")   # as between hosts: no shared memory
+    monkeypatch.setenv("PSTRAIN_DATA", "1" if transport == "data" else "0")
+    monkeypatch.delenv("PSTRAIN_AUTH_TOKEN", raising=False)
+    V.configure(None, None)
+    V.close_clients()
+    ps = start_ps("--metrics-port", "0")
+    m = metrics_address(ps)
+    try:
+        strategy = ParameterServerStrategy(ClusterSpec(ps=[ps.address]))
+        w = strategy.create_variable("w", shape=(1000, 16), optimizer="sgd")
+        g = np.full((1000, 16), 0.5, np.float32)
+
+        def received() -> float:
+            return scrape(m).total("grpc_server_received_bytes_total",
+                                   grpc_service="pstrain.v1.ParameterServerBulk",
+                                   grpc_method="Push")
+        start = received()
+        V.push_gradients([(w, g)])
+        plain = received() - start
+        V.push_gradients([(w, g)], compression="fp16")
+        fp16 = received() - start - plain
+    finally:
+        V.close_clients()
+    assert plain >= g.nbytes and 0.45 * plain < fp16 < 0.55 * plain, (plain, fp16)
+    np.testing.assert_allclose(w.read(), np.full((1000, 16), -0.01, np.float32))   # both applied

@@ -265,3 +265,46 @@ def test_large_staleness_behaves_as_async(tmp_path):
             stats = coord.staleness_stats()
     assert pids.count(held) == 1            # one step on the stuck worker...
     assert stats["max_gap"] >= steps - 2    # ...while the other ran all the rest ahead
+
+
+# -- how a step combines its gradients (psserver/sync.py), each property where it is defined --
+def _sgd(store, name="v", shape=(4, 2)):
+    store.create(name, "float64", shape, optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+
+
+def test_sparse_gradients_of_several_replicas_are_averaged():
+    """Rows from two replicas (one row twice): each row gets the mean of what
+    the replicas sent for it, as a dense step would."""
+    store = VariableStore()
+    _sgd(store)
+    a = np.array([[1.0, 2.0], [3.0, 4.0]])
+    b = np.array([[5.0, 6.0], [7.0, 8.0]])
+    store.push_sparse_sync("v", np.array([0, 2]), a, SyncSpec(0, 0, 2, 2))
+    store.push_sparse_sync("v", np.array([2, 3]), b, SyncSpec(0, 1, 2, 2))
+    want = np.zeros((4, 2))
+    want[0] -= a[0] / 2
+    want[2] -= (a[1] + b[0]) / 2
+    want[3] -= b[1] / 2
+    np.testing.assert_array_equal(store.snapshot("v")[1], want)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_mean_is_over_the_replicas_that_pushed_not_the_configured_count(sparse):
+    """Backup workers: 3 replicas, 2 required: the step's update is the mean
+    of the 2 that came (not their sum over 3); an abandoned replica does not
+    count either."""
+    for abandon in (False, True):
+        store = VariableStore()
+        _sgd(store)
+        ids, g = np.array([0, 1, 2, 3]), np.ones((4, 2))
+        spec = [SyncSpec(0, r, 3, 3 if abandon else 2) for r in range(3)]
+        if abandon:
+            store.abandon(0, 2)
+        for r, scale in ((0, 1.0), (1, 3.0)):
+            if sparse:
+                store.push_sparse_sync("v", ids, g * scale, spec[r])
+            else:
+                store.push_sync([("v", g * scale)], spec[r])
+        version, value = store.snapshot("v")
+        assert version == 1
+        np.testing.assert_array_equal(value, -2.0 * np.ones((4, 2)))   # mean of 1 and 3
