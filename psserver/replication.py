@@ -50,6 +50,8 @@ PROMOTE, SET_BACKUP, DROP_BACKUP, DEMOTE = 0, 1, 2, 3
 ACTION_NAMES = {PROMOTE: "PROMOTE", SET_BACKUP: "SET_BACKUP", DROP_BACKUP: "DROP_BACKUP",
                 DEMOTE: "DEMOTE"}
 
+#: Epochs stay below this: a coordinator adds one per change, within int64.
+MAX_EPOCH = 1 << 62
 #: Seconds an update waits for its backup's acknowledgement when its call has
 #: no deadline of its own. The update stays applied and queued for the backup
 #: after that: the caller resends it (same update keys) to learn its fate.
@@ -244,6 +246,37 @@ class ReplicaMethods:
             var.role, var.link, var.epoch = ROLE_BACKUP, None, epoch
             var.cond.notify_all()
 
+    def reconfigure_all(self, changes, deadline: float | None = None) -> list:
+        """Several ReplicaChanges (name, action, epoch, peer), each checked
+        first: a change that names no variable, an unknown action, a missing
+        or bad peer or a stale epoch refuses the whole call with nothing
+        changed. Returns each copy's VariableMeta after the changes."""
+        plan: dict[str, tuple[int, int]] = {}   # name -> (role, epoch) once its changes ran
+        for name, action, epoch, peer in changes:
+            var = self._get(name)
+            if action not in ACTION_NAMES:
+                raise InvalidArgument(f"unknown replica change {action}; use one of "
+                                      f"{sorted(ACTION_NAMES.values())}")
+            if not 0 <= epoch < MAX_EPOCH:
+                raise InvalidArgument(f"epoch {epoch} out of range [0, 2**62)")
+            if action == SET_BACKUP and peer is None:
+                raise InvalidArgument("SET_BACKUP needs the backup's address and name")
+            if peer is not None:
+                self._check_peer(peer)
+            with var.lock:
+                role, current = plan.get(name, (var.role, var.epoch))
+            idempotent = (action == PROMOTE and role == ROLE_PRIMARY
+                          or action == DEMOTE and role == ROLE_BACKUP)
+            same = action in (SET_BACKUP, DROP_BACKUP) or idempotent
+            if epoch < current or (epoch == current and not same):
+                raise NotPrimary(f"{name!r}: a change of epoch {epoch} is stale (the copy "
+                                 f"is, or would be, at epoch {current}); nothing changed")
+            if action in (SET_BACKUP, DROP_BACKUP) and role != ROLE_PRIMARY:
+                raise NotPrimary(f"{name!r} here is a backup copy: {ACTION_NAMES[action]} "
+                                 "applies to a primary; nothing changed")
+            plan[name] = ({PROMOTE: ROLE_PRIMARY, DEMOTE: ROLE_BACKUP}.get(action, role), epoch)
+        return [self.reconfigure(*change, deadline) for change in changes]
+
     def reconfigure(self, name: str, action: int, epoch: int, peer: Peer | None,
                     deadline: float | None = None):
         """One ReplicaChange; returns the copy's VariableMeta after it."""
@@ -358,8 +391,10 @@ class ReplicaMethods:
                                       f"{var.value.dtype.name}")
         else:
             raise InvalidArgument(f"{what}: unknown record kind {rec.kind}")
-        if rec.version < 1 or rec.epoch < 0 or rec.sync_steps < 0:
-            raise InvalidArgument(f"{what}: version must be >= 1, epoch and sync_steps >= 0")
+        if not (1 <= rec.version < MAX_EPOCH and 0 <= rec.epoch < MAX_EPOCH
+                and 0 <= rec.sync_steps < MAX_EPOCH):
+            raise InvalidArgument(f"{what}: version must be in [1, 2**62), epoch and "
+                                  "sync_steps in [0, 2**62)")
 
 
 def _fits(var, rec: Record) -> bool:

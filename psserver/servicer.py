@@ -262,8 +262,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if request.timeout > 0:
                 own = time.monotonic() + request.timeout
                 deadline = own if deadline is None else min(deadline, own)
-            metas = [self.store.reconfigure(c.name, int(c.action), c.epoch, _peer(c), deadline)
-                     for c in request.changes]
+            metas = self.store.reconfigure_all(
+                [(c.name, int(c.action), c.epoch, _peer(c)) for c in request.changes], deadline)
             return ps_pb2.ReconfigureReply(variables=[meta_to_proto(m) for m in metas])
         return self._run(context, go)
 

@@ -393,8 +393,9 @@ class VariableStore(R.ReplicaMethods):
                 raise InvalidArgument(
                     f"initial value of {name!r} contains NaN or Inf; pass "
                     "allow_nonfinite=True to keep such values")
-        if version < 0 or sync_steps < 0 or epoch < 0:
-            raise InvalidArgument(f"version, sync_steps and epoch must be >= 0, got "
+        if not (0 <= version < S.MAX_COUNT and 0 <= sync_steps < S.MAX_COUNT
+                and 0 <= epoch < R.MAX_EPOCH):
+            raise InvalidArgument(f"version, sync_steps and epoch must be in [0, 2**62), got "
                                   f"{version}, {sync_steps}, {epoch}")
         if role not in R.ROLE_NAMES:
             raise InvalidArgument(f"unknown replica role {role}; use 0 (primary) or 1 (backup)")
@@ -935,7 +936,7 @@ class VariableStore(R.ReplicaMethods):
 
     def abandon(self, step: int, replica: int) -> None:
         """Replica ``replica`` will not push for ``step``: stop waiting for it."""
-        if step < 0 or replica < 0:
+        if not (0 <= step < S.MAX_COUNT and 0 <= replica < S.MAX_COUNT):
             raise InvalidArgument(f"bad step {step} or replica {replica}")
         with self._lock:
             self._abandoned.setdefault(step, set()).add(replica)

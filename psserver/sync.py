@@ -30,6 +30,11 @@ from psserver.errors import DeadlineExceeded, InvalidArgument
 from psserver.replication import DENSE, ROLE_PRIMARY, SPARSE
 
 
+#: Steps, versions and step counts stay below this (they grow by one at a
+#: time, and must fit the wire's int64 with room to spare).
+MAX_COUNT = 1 << 62
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncSpec:
     """Which step and replica a sync gradient belongs to (see SyncInfo in ps.proto)."""
@@ -41,8 +46,8 @@ class SyncSpec:
     step_timeout: float = 0.0
 
     def validate(self) -> "SyncSpec":
-        if self.step < 0:
-            raise InvalidArgument(f"sync step must be >= 0, got {self.step}")
+        if not 0 <= self.step < MAX_COUNT:
+            raise InvalidArgument(f"sync step must be in [0, 2**62), got {self.step}")
         if not 0 < self.required <= self.num_replicas:
             raise InvalidArgument(
                 f"sync push needs 0 < required ({self.required}) <= num_replicas "

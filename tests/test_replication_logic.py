@@ -11,7 +11,8 @@ import pytest
 from coordinator import recovery, routes
 from coordinator.variables import Shard
 from psserver import replication as R
-from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotPrimary
+from psserver.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                             NotPrimary)
 from psserver.store import VariableStore
 from psserver.sync import SyncSpec
 
@@ -269,3 +270,18 @@ def test_plan_failback_hands_the_role_back_in_two_ordered_steps():
 ])
 def test_routes_decide(created, other, want):
     assert routes.decide(created, other) == want
+
+
+def test_a_reconfigure_with_one_bad_change_changes_nothing(pair):
+    """(The fuzzer's find: the first change was applied before the second
+    failed.) Every change is checked before any is made."""
+    a, b, _ = pair
+    before = a.meta("w")
+    for bad in [("nope", R.DROP_BACKUP, 5, None), ("w", 9, 5, None),
+                ("w", R.SET_BACKUP, 5, None), ("w", R.DROP_BACKUP, 2**62, None)]:
+        with pytest.raises((NotFound, InvalidArgument)):
+            a.reconfigure_all([("w", R.DROP_BACKUP, 5, None), bad])
+        assert a.meta("w") == before
+    with pytest.raises(NotPrimary):   # a stale epoch, second
+        b.reconfigure_all([("_w", R.PROMOTE, 3, None), ("_w", R.DEMOTE, 0, None)])
+    assert b.meta("_w").role == R.ROLE_BACKUP and b.meta("_w").epoch == 0

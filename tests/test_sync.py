@@ -257,7 +257,8 @@ def test_large_staleness_behaves_as_async(tmp_path):
         with ClusterCoordinator(strategy) as coord:
             rvs = [coord.schedule(held_on, args=(held, fifo)) for _ in range(steps)]
             with coord._clock_cond:   # notified as each step completes
-                coord._clock_cond.wait_for(lambda: sum(r.done() for r in rvs) >= steps - 1)
+                assert coord._clock_cond.wait_for(
+                    lambda: sum(r.done() for r in rvs) >= steps - 1, 120)
             open(fifo + ".released", "w").close()
             with open(fifo, "w") as f:
                 f.write("go")
