@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # One image for every role of a pstrain job:
-#   psserver --host 0.0.0.0 --port 2222                    a parameter server
+#   psserver --host 0.0.0.0 --port 2222 --checkpoint-dir /checkpoints   a parameter server
 #   psworker --host 0.0.0.0 --port 2222                    a worker
+#   (every task needs PSTRAIN_AUTH_TOKEN to listen on 0.0.0.0: docs/configuration.md#security)
 #   coordinator run examples/digits.py --cluster tf_config  the chief (a training script)
 #   coordinator task --type ps|worker                      a task of a Kubernetes StatefulSet
 #   coordinator health HOST:PORT                           the gRPC health check (probes)

@@ -129,7 +129,7 @@ def measure_throughput(optimizer: str, plan: Plan, reps: int, workdir: str,
     os.makedirs(ref_dir)
     log(f"{optimizer}: starting 2 parameter servers, creating {NUM_VARIABLES} x {shape} float32 "
         f"({fmt_bytes(plan.model_bytes)} of values)")
-    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+    with LocalCluster(num_ps=2, num_workers=0, checkpoint_dirs=(workdir,)) as cluster:
         strategy = ParameterServerStrategy(cluster.spec,
                                            variable_partitioner=FixedShardsPartitioner(2))
         for i in range(NUM_VARIABLES):
@@ -324,7 +324,8 @@ def measure_recovery(plan: Plan, workdir: str, timeout: float,
     log("recovery: starting LocalCluster(num_ps=2, num_workers=2)"
         + (f" with task env {task_env}" if task_env else ""))
     t_start = time.perf_counter()
-    with LocalCluster(num_ps=2, num_workers=2, env=task_env) as cluster:
+    with LocalCluster(num_ps=2, num_workers=2, env=task_env,
+                      checkpoint_dirs=(workdir,)) as cluster:
         strategy = ParameterServerStrategy(cluster.spec,
                                            variable_partitioner=FixedShardsPartitioner(2))
         w = strategy.create_variable("w", SMALL_SHAPE, "float32", initializer="glorot_uniform",
