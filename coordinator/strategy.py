@@ -40,9 +40,10 @@ def _fans(shape: Sequence[int]) -> tuple[float, float]:
     if len(shape) < 1:
         return 1.0, 1.0
     if len(shape) == 1:
-        return float(shape[0]), float(shape[0])
+        return float(max(1, shape[0])), float(max(1, shape[0]))
     receptive = math.prod(shape[:-2]) if len(shape) > 2 else 1
-    return float(shape[-2] * receptive), float(shape[-1] * receptive)
+    # An empty dimension makes no fan: count it as 1 (Keras divides by zero).
+    return float(max(1, shape[-2] * receptive)), float(max(1, shape[-1] * receptive))
 
 
 def resolve_initializer(init: Initializer | str | None, shape: Sequence[int],
