@@ -82,3 +82,12 @@ class CuttableProxy:
         self._stop = True
         self.listener.close()
         self.cut()
+
+
+def spec_through(cluster, proxy: CuttableProxy):
+    """The cluster's spec with its first parameter server reached through proxy."""
+    from coordinator import ClusterSpec
+
+    snap = cluster.snapshot()
+    return ClusterSpec(ps=[proxy.address, *snap.ps[1:]], worker=snap.worker,
+                       token=snap.token, tls=snap.tls)

@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 
-from coordinator import (ClusterCoordinator, ClusterSpec, FixedShardsPartitioner, LocalCluster,
+from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluster,
                          ParameterServerLost, ParameterServerStrategy, batches, read_variables)
 from coordinator import metrics as _metrics
 from coordinator.checkpoint import CheckpointManager
 from coordinator.variables import push_gradients
-from proxy import CuttableProxy
+from proxy import CuttableProxy, spec_through
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -127,9 +127,7 @@ def test_worker_cut_off_from_a_parameter_server_recovers_when_the_link_returns(t
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         proxy = CuttableProxy(cluster.ps[0].address)
         try:
-            snap = cluster.snapshot()
-            spec = ClusterSpec(ps=[proxy.address, snap.ps[1]], worker=snap.worker,
-                               token=snap.token, tls=snap.tls)
+            spec = spec_through(cluster, proxy)
             strategy = ParameterServerStrategy(spec, variable_partitioner=FixedShardsPartitioner(2))
             w = _sgd_table(strategy)
             said = _LogEvent("coordinator", "is unreachable since")

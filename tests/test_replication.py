@@ -238,16 +238,14 @@ def test_partitioned_primary_is_fenced_and_nothing_acknowledged_is_lost():
     ps1; its own copy, still alive, is fenced (its records refused), so no
     update is acknowledged by it alone. When the link returns, ps0 gets its
     copies back and its primaries are handed back: the layout is as created."""
-    from coordinator import ClusterSpec, routes
-    from proxy import CuttableProxy
+    from coordinator import routes
+    from proxy import CuttableProxy, spec_through
     from psserver import replication as R
 
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         proxy = CuttableProxy(cluster.ps[0].address)
         try:
-            snap = cluster.snapshot()
-            spec = ClusterSpec(ps=[proxy.address, snap.ps[1]], worker=snap.worker,
-                               token=snap.token, tls=snap.tls)
+            spec = spec_through(cluster, proxy)
             strategy = ParameterServerStrategy(spec, replication=True,
                                                variable_partitioner=FixedShardsPartitioner(2))
             c = counter(strategy)
@@ -269,7 +267,7 @@ def test_partitioned_primary_is_fenced_and_nothing_acknowledged_is_lost():
                 coord.join()
                 value = c.read()
             with PSClient(proxy.address, token=cluster.token, tls=cluster.tls) as c0, \
-                    PSClient(snap.ps[1], token=cluster.token, tls=cluster.tls) as c1:
+                    PSClient(spec.ps[1], token=cluster.token, tls=cluster.tls) as c1:
                 created = [c0.get_meta(c.shards[0].name), c1.get_meta(c.shards[1].name)]
             roles = [(m.role, m.version, m.backup.name) for m in created]
             flipped = [routes.route(c, k).flipped for k in range(2)]
