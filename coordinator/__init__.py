@@ -20,7 +20,7 @@ from coordinator.callbacks import (Callback, CheckpointCallback, EarlyStopping, 
 from coordinator.progress import Progress
 from coordinator.plots import plot_history
 from coordinator.replica import ReplicaContext, get_replica_context
-from psserver.store import Initializer
+from psserver.contract import Initializer
 
 __all__ = [
     "ClusterConfigError", "ClusterSpec", "TFConfigClusterResolver", "ClosureCancelled",

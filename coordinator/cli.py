@@ -58,7 +58,8 @@ from coordinator import checkpoint as C
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       TFConfigClusterResolver, parse_tf_config)
 from psserver.client import PSClient
-from psserver.errors import PSError
+from psserver.contract import Code
+from psserver.errors import PSError, from_rpc_error
 from psserver.server import TOKEN_ENV, TOKEN_METADATA_KEY, join_host_port
 from psserver.tls import CA_ENV, CERT_ENV, KEY_ENV, TLSConfig, make_channel
 
@@ -78,10 +79,16 @@ def check_health(address: str, timeout: float = 5.0, service: str = "",
     Health checks are public; the token ($PSTRAIN_AUTH_TOKEN) is sent only if
     the task asks for it. TLS settings come from $PSTRAIN_TLS_*.
     """
+    return _health_check(address, timeout, service, environ)[:2]
+
+
+def _health_check(address: str, timeout: float, service: str = "",
+            environ: Mapping[str, str] = os.environ) -> tuple[bool, str, Code | None]:
+    """check_health, and the status code of a failed check (None: it answered)."""
     try:
         tls = TLSConfig.from_env(environ)
     except ValueError as exc:
-        return False, f"bad TLS settings: {exc}"
+        return False, f"bad TLS settings: {exc}", None
     token = environ.get(TOKEN_ENV) or None
     with make_channel(address, [], tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -90,14 +97,15 @@ def check_health(address: str, timeout: float = 5.0, service: str = "",
             try:
                 reply = stub.Check(request, timeout=timeout)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAUTHENTICATED or not token:
+                if from_rpc_error(exc).code != Code.UNAUTHENTICATED or not token:
                     raise
                 reply = stub.Check(request, timeout=timeout,
                                    metadata=((TOKEN_METADATA_KEY, f"Bearer {token}"),))
         except grpc.RpcError as exc:
-            return False, f"{exc.code().name}: {exc.details()}"
+            err = from_rpc_error(exc)
+            return False, f"{err.code.name}: {exc.details()}", err.code
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status, None
 
 
 def wait_ready(resolver, timeout: float, poll: float = 1.0, out=None) -> None:
@@ -388,19 +396,19 @@ def _tls_words(tls: TLSConfig | None) -> str:
         + (" and a CA" if tls.ca else " and the system's trusted CAs")
 
 
-def explain(target: Target, what: str, address: str, code: grpc.StatusCode | None,
+def explain(target: Target, what: str, address: str, code: Code | None,
             details: str) -> str:
     """What went wrong calling ``what`` ("ps 0") at address, and what to do about it."""
     details = details.replace(f" [{address}]", "")
     where = f"{what} at {address}"
-    if code == grpc.StatusCode.UNAUTHENTICATED:
+    if code == Code.UNAUTHENTICATED:
         if not target.token:
             return (f"{where} demands the cluster's auth token and none was given: set "
                     f"${TOKEN_ENV} (or pass --token) to the token the tasks were started with")
         return (f"{where} refused the auth token (UNAUTHENTICATED): ${TOKEN_ENV} (or --token) is "
                 "not this cluster's token; use the one the tasks were started with (Kubernetes: "
                 f"Secret pstrain-auth, key token; compose: {TOKEN_ENV} in .env)")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+    if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, None):
         kind, why = _reachability(address, min(5.0, target.timeout))
         if kind == "dns":
             return (f"{where}: {why}. Check the address in {target.source}: is the host name "
@@ -409,7 +417,7 @@ def explain(target: Target, what: str, address: str, code: grpc.StatusCode | Non
             return (f"nothing answers at {address} ({what}, from {target.source}): {why}. Check "
                     f"that the address in {target.source} is right and that the task is running "
                     "there")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if code == Code.DEADLINE_EXCEEDED:
             return (f"{where} accepts connections but did not answer within {target.timeout:g}s: "
                     "it may be overloaded or not a pstrain task; try a longer --timeout")
         return (f"{where} accepts connections but the gRPC handshake fails ({details}): most "
@@ -424,7 +432,7 @@ def _explain_error(target: Target, what: str, address: str, exc: Exception,
                    answered: bool = False) -> str:
     """explain() for an exception; ``answered``: the task answered earlier calls of this
     command, so losing it now means it went away (not a wrong address)."""
-    lost = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    lost = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)
     if answered and isinstance(exc, PSError) and exc.code in lost:
         return (f"{what} at {address} stopped answering ({exc.code.name}: "
                 f"{str(exc).replace(f' [{address}]', '')}); it answered moments before, so it "
@@ -583,13 +591,12 @@ def _ps_health(args) -> int:
 
     def probe(task):
         role, i, addr = task
-        ok, detail = check_health(addr, timeout=target.timeout, environ=env)
+        ok, detail, code = _health_check(addr, target.timeout, environ=env)
         entry: dict[str, Any] = {"role": role, "index": i, "address": addr,
                                  "status": detail if ok else detail.split(":", 1)[0],
                                  "serving": ok, "server_info": None, "error": None}
         if not ok:
-            name, _, rest = detail.partition(": ")
-            code = getattr(grpc.StatusCode, name, None) if rest else None
+            rest = detail.partition(": ")[2]
             entry["error"] = (explain(target, f"{role} {i}", addr, code, rest) if code
                               else f"{role} {i} at {addr}: {detail}")
             return entry

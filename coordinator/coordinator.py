@@ -55,9 +55,10 @@ from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterSer
 from coordinator.recovery import _PSRecovery, _PSWatch
 from coordinator.strategy import ParameterServerStrategy
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc
-from psserver.errors import PSError
-from psserver.sync import SyncSpec
+from psserver import ipc, routing
+from psserver.contract import Code
+from psserver.errors import PSError, from_rpc_error
+from psserver.contract import SyncSpec
 from psserver.tls import make_channel
 from psserver.server import call_metadata, grpc_options
 from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
@@ -71,8 +72,7 @@ _CLOSURE_QUEUE_MAX_SIZE = 256 * 8
 #: gRPC codes that mean "the worker is gone, unreachable, or restarted" (ABORTED:
 #: the fencing worker_id did not match), not "the step failed": the closure is
 #: re-queued and the worker reconnected.
-_WORKER_FAILURE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)
+_WORKER_FAILURE_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.ABORTED)
 #: Deadline of the calls that check a worker is up and create its datasets.
 _CONTROL_TIMEOUT = 30.0
 
@@ -292,20 +292,6 @@ class _ClosureQueue:
 
 
 # -- one thread per worker ---------------------------------------------------------------
-class _CallError(grpc.RpcError):
-    """A failed call over a worker's local socket, as a gRPC error."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 class _WorkerThread:
     """Feeds closures to one worker task; reconnects when it fails."""
 
@@ -349,9 +335,9 @@ class _WorkerThread:
             if self.worker_id is not None:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id, self._created = info.worker_id, set(info.datasets)
-            self._use_socket("", 0, "")   # the old process's sockets are gone
+            self._use_socket(None, "")   # the old process's sockets are gone
         if self._ipc is None:
-            self._use_socket(info.ipc_socket, info.data_port,
+            self._use_socket(routing.offer_of(info.host),
                              f"{info.protocol_version}:{info.worker_id}")
         # A worker that (re)joins starts at the slowest live clock, not behind it.
         self.clock = max(self.clock, self.coord._min_clock(exclude=self))
@@ -359,60 +345,68 @@ class _WorkerThread:
         self.coord._clocks_changed()
         return True
 
-    def _use_socket(self, name: str, data_port: int, identity: str) -> None:
-        """Send closures over the worker's local socket when this process can
-        reach it (same host, same network namespace), else over its data port
-        (psserver/ipc.py over TCP; PSTRAIN_DATA=0: not), else over gRPC."""
+    def _use_socket(self, offer: routing.Offer | None, identity: str) -> None:
+        """Send closures over the socket psserver/routing.py picks from what
+        the worker announced (its local socket on this host and network
+        namespace, else its data port; PSTRAIN_DATA=0: not), else over gRPC."""
         if self._ipc is not None:
             self._ipc.close()
             self._ipc = None
+        if offer is None:
+            return
         strategy = self.coord.strategy
-        candidates = []
-        if name and ipc.available():
-            candidates.append(lambda: ipc.IpcClient(name, strategy.token, self.address,
-                                                    max_free=1, identity=identity))
-        if data_port and ipc.data_available():
-            host = self.address.rsplit(":", 1)[0]
-            candidates.append(lambda: ipc.IpcClient(
-                "", strategy.token, self.address, max_free=1, tcp=(host, data_port),
-                ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
-                identity=identity))
-        for make in candidates:
-            try:
-                client = make()
-            except (OSError, ValueError) as exc:
-                log.warning("worker %s: %s", self.address, exc)
-                continue
-            try:
-                client.connect()
-                self._ipc = client
+        p = routing.plan(routing.this_host(), offer, same_host_ok=ipc.available(),
+                         data_ok=ipc.data_available())
+        try:
+            if p.socket == routing.UNIX:
+                client = ipc.IpcClient(offer.ipc_socket, strategy.token, self.address,
+                                       max_free=1, identity=identity)
+            elif p.socket == routing.TCP:
+                host = self.address.rsplit(":", 1)[0]
+                client = ipc.IpcClient(
+                    "", strategy.token, self.address, max_free=1, tcp=(host, offer.data_port),
+                    ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
+                    identity=identity)
+            else:
                 return
-            except (OSError, PSError):   # another network namespace, a firewall: next
-                client.close()
+            client.connect()
+        except (OSError, ValueError, PSError) as exc:   # a firewall, a NetworkPolicy
+            log.warning("worker %s: cannot use its %s (%s); sending closures over gRPC",
+                        self.address, "local socket" if p.socket == routing.UNIX
+                        else "data port", exc)
+            return
+        self._ipc = client
+
+    def _grpc(self, method, request, timeout):
+        try:
+            return method(request, **self._kw(timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from exc
 
     def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
+        """One closure over the worker's socket, or gRPC; a failure raises its
+        typed error (psserver.contract), whichever way it went."""
         timeout = self.coord.closure_timeout
         if self._ipc is None:
-            return self._stub.RunClosure(request, **self._kw(timeout))
+            return self._grpc(self._stub.RunClosure, request, timeout)
         try:
             return worker_pb2.ClosureReply.FromString(
                 self._ipc.call(ipc.RUN_CLOSURE, request.SerializeToString(), timeout))
-        except PSError as exc:   # as the gRPC call would have failed
+        except PSError as exc:
             if getattr(exc, "not_sent", False) or exc.code in _WORKER_FAILURE_CODES:
                 self._ipc.close()
                 self._ipc = None
             if getattr(exc, "not_sent", False):   # never reached the worker: gRPC is safe
-                return self._stub.RunClosure(request, **self._kw(timeout))
-            raise _CallError(exc.code, str(exc)) from exc
+                return self._grpc(self._stub.RunClosure, request, timeout)
+            raise
 
     def _ensure_datasets(self) -> None:
         for ds_id, fn_ref in list(self.coord._datasets.items()):
             if ds_id not in self._created:
                 n, i = self.coord._worker_count_and_index(self.address)
-                self._stub.CreateDataset(worker_pb2.CreateDatasetRequest(
+                self._grpc(self._stub.CreateDataset, worker_pb2.CreateDatasetRequest(
                     dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
-                    worker_id=self.worker_id),
-                    **self._kw(_CONTROL_TIMEOUT))
+                    worker_id=self.worker_id), _CONTROL_TIMEOUT)
                 self._created.add(ds_id)
 
     def _loop(self) -> None:
@@ -439,18 +433,18 @@ class _WorkerThread:
         try:
             self._ensure_datasets()
             reply = self._run_closure(closure.request(self.worker_id))
-        except grpc.RpcError as exc:
-            if exc.code() in _WORKER_FAILURE_CODES:
+        except PSError as exc:
+            if exc.code in _WORKER_FAILURE_CODES:
                 self.alive = False
                 if closure.sync is not None:
-                    self._abandon(closure, exc.code().name)
+                    self._abandon(closure, exc.code.name)
                 else:
                     log.warning("worker %s failed running closure %s (%s); re-queueing it",
-                                self.address, closure.name, exc.code().name)
+                                self.address, closure.name, exc.code.name)
                     queue.put_back(closure)
                 return
             err = WorkerCallError(f"worker {self.address} refused closure {closure.name}: "
-                                  f"{exc.code().name}: {exc.details()}")
+                                  f"{exc.code.name}: {exc}")
             closure.remote_value._set_error(err)
             queue.mark_failed(err)
             return

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import threading
 
-from psserver.sync import SyncSpec
+from psserver.contract import SyncSpec
 
 
 @dataclasses.dataclass(frozen=True)

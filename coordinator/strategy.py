@@ -22,8 +22,8 @@ from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offse
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import Peer
 from psserver.server import TOKEN_ENV
-from psserver.store import Initializer
-from psserver.sync import SyncSpec
+from psserver.contract import Initializer
+from psserver.contract import SyncSpec
 from psserver.tls import TLSConfig
 
 MODES = ("async", "sync", "bounded")

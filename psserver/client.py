@@ -33,14 +33,14 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import replication as R
 from psserver import tensor as T
-from psserver import ipc, shm, wire
+from psserver import ipc, routing, shm, wire
 from psserver.tls import TLSConfig, make_channel
-from psserver.errors import InvalidArgument, PSError, Unavailable, from_rpc_error
-from psserver.server import call_metadata, grpc_options
-from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-                               DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD)
-from psserver.store import Initializer, VariableMeta
-from psserver.sync import SyncSpec
+from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                               DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD, Code,
+                               Initializer, InvalidArgument, PSError, SyncSpec, Unavailable,
+                               VariableMeta, call_metadata)
+from psserver.errors import from_rpc_error
+from psserver.server import grpc_options
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,15 @@ def _set_sync(req, sync: SyncSpec | None) -> None:
 #: Codes a server answers with once it is done with a call's segment (any
 #: other error may have come while it was still using it).
 _SERVER_DONE = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.OUT_OF_RANGE,
-    grpc.StatusCode.PERMISSION_DENIED})
+    Code.INVALID_ARGUMENT, Code.NOT_FOUND,
+    Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION,
+    Code.RESOURCE_EXHAUSTED, Code.UNAUTHENTICATED,
+    Code.UNIMPLEMENTED, Code.OUT_OF_RANGE,
+    Code.PERMISSION_DENIED})
+
+
+#: The route while it is being learnt, or could not be: gRPC, asked again later.
+_UNPLANNED = routing.Plan(why="not learnt yet: gRPC meanwhile")
 
 
 class _Later:
@@ -218,18 +222,18 @@ class PSClient:
         self._idempotent = (self._shm_stub.Read, self._stub.Gather, self._bulk_read)
         self.shm_min_bytes = shm_min_bytes
         self._arena: shm.Arena | None = None
-        self._shm_lock = threading.Lock()   # makes the arena and the local socket once
-        self._shm_on = shared_memory and shm.available()
+        self._shm_lock = threading.Lock()   # makes the arena and the sockets once
         self._token = token
-        # Same-host call socket (psserver/ipc.py), learnt when a segment is attached.
-        self._ipc: ipc.IpcClient | None = None
-        # The server's data port (psserver/ipc.py over TCP), for a server that
-        # does not share this host: learnt from GetServerInfo once shared
-        # memory is known to be out of reach; PSTRAIN_DATA=0 keeps to gRPC.
         self._tls = tls
+        # The route to the server (psserver/routing.py), planned from its
+        # ServerInfo on the first call that needs it, and its socket: the
+        # same-host one (_ipc) or the data port (_data); None: gRPC.
+        self._same_host_ok = shared_memory and shm.available() and ipc.available()
+        self._data_ok = data_port and ipc.data_available()
+        self._plan: routing.Plan | None = None
+        self._planning = False
+        self._ipc: ipc.IpcClient | None = None
         self._data: ipc.IpcClient | None = None
-        self._data_on = data_port and ipc.data_available()
-        self._data_asked = False
         # Variables this client reads straight from the server's memory
         # (psserver.shm.MappedValue; None: the server does not share it).
         self._direct_on = shared_memory and shm.direct_reads_available()
@@ -243,6 +247,12 @@ class PSClient:
         """Whether calls go over a socket of psserver/ipc.py (the same-host one or
         the data port): then the ``*_async`` methods send at once and cost no thread."""
         return self._ipc is not None or self._data is not None
+
+    @property
+    def route(self) -> routing.Plan:
+        """How calls reach the server (psserver/routing.py): ``socket`` "unix",
+        "tcp" or "" (gRPC only), ``shm``, and ``why``. Asks the server once."""
+        return self._route()
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
@@ -488,7 +498,7 @@ class PSClient:
     def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None,
                    out: Sequence[np.ndarray | None] | None = None):
         names = list(names)
-        if sync_step is None and self._direct_on and self._ipc is not None:
+        if sync_step is None and self._direct_ok():
             got = self._direct_read(names, out)
             if got is not None:
                 return got if wait else Handle(_Later(lambda: got), target=self.address)
@@ -506,9 +516,9 @@ class PSClient:
         bulk = self.bulk
 
         def recover(exc: PSError):   # larger than a unary read should carry: stream it
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if exc.code == Code.RESOURCE_EXHAUSTED:
                 return self._read_stream(names, sync_step)
-            if bulk and exc.code == grpc.StatusCode.UNIMPLEMENTED:   # an older server
+            if bulk and exc.code == Code.UNIMPLEMENTED:   # an older server
                 self.bulk = False
                 return self._read_many(names, True, sync_step)
             raise exc
@@ -573,17 +583,90 @@ class PSClient:
             if m is not None:
                 m.close()
 
+    # -- the route (psserver/routing.py) -------------------------------------------------
+    def _route(self) -> routing.Plan:
+        """The plan to reach the server: asked once (GetServerInfo), then kept
+        until a socket breaks. While one thread asks, the others use gRPC."""
+        p = self._plan
+        if p is not None:
+            return p
+        if not (self._same_host_ok or self._data_ok):
+            self._plan = routing.Plan(why="sockets switched off here: gRPC")
+            return self._plan
+        with self._shm_lock:
+            if self._plan is not None or self._planning:
+                return self._plan or _UNPLANNED
+            self._planning = True
+        try:
+            return self._learn()
+        finally:
+            self._planning = False
+
+    def _learn(self) -> routing.Plan:
+        try:
+            info = self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
+        except PSError:   # asked again on a later call
+            return _UNPLANNED
+        offer = routing.offer_of(info.host)
+        p = routing.plan(routing.this_host(), offer, same_host_ok=self._same_host_ok,
+                         data_ok=self._data_ok)
+        identity = f"{info.protocol_version}:{info.server_id}"
+        sock = None
+        if p.socket == routing.UNIX:
+            sock = self._open(ipc.IpcClient(offer.ipc_socket, self._token, self.address,
+                                            identity=identity))
+            if sock is None:   # refused (another user's server?): the data port, if any
+                p = routing.plan(routing.Host(), offer, data_ok=self._data_ok)
+        if p.socket == routing.TCP:
+            host = self.address.rsplit(":", 1)[0]
+            try:
+                ctx = self._tls.ssl_client_context() if self._tls is not None else None
+                sock = self._open(ipc.IpcClient(
+                    "", self._token, self.address, tcp=(host, offer.data_port),
+                    ssl_context=ctx, identity=identity))
+            except (OSError, ValueError) as exc:   # a bad certificate file
+                log.warning("cannot use the data port of %s (%s); using gRPC", self.address, exc)
+        if sock is None and p.socket != routing.GRPC:
+            p = routing.Plan(why=f"{p.why}, which could not be reached: gRPC")
+        with self._shm_lock:
+            if p.socket == routing.UNIX:
+                self._ipc = sock
+            elif p.socket == routing.TCP:
+                self._data = sock
+            self._plan = p
+        log.debug("route to %s: %s (%s)", self.address, p.socket or "grpc", p.why)
+        return p
+
+    def _open(self, client: ipc.IpcClient) -> ipc.IpcClient | None:
+        """client, connected; None when it cannot be (a firewall, a
+        NetworkPolicy, a port mapping to another task, a refused token)."""
+        try:
+            client.connect()
+            return client
+        except (OSError, PSError) as exc:
+            log.warning("cannot use the %s of %s (%s); using gRPC",
+                        "data port" if client.name == "" else "local socket", self.address, exc)
+            client.close()
+            return None
+
+    def _direct_ok(self) -> bool:
+        """Whether reads may copy straight from the server's memory (same host)."""
+        return self._direct_on and self._ipc is not None and self._route().shm
+
+    def _socket(self, method: int) -> ipc.IpcClient | None:
+        """The socket that carries ``method`` now (None: gRPC)."""
+        kind = routing.carries(self._route(), method)
+        return self._ipc if kind == routing.UNIX else self._data if kind == routing.TCP else None
+
     # -- shared memory (same host) ------------------------------------------------------
     def _shm_for(self, nbytes: int) -> bool:
-        """Whether a read or push of nbytes goes through shared memory: large
-        ones always, small ones when the local socket carries the call, and
-        the first one (it attaches, and so finds out whether there is one)."""
-        return self._shm_on and (nbytes >= self.shm_min_bytes or self._ipc is not None
-                                 or self._arena is None)
+        """Whether a read or push goes through shared memory (then the
+        same-host socket carries it, whatever its size)."""
+        return self._route().shm
 
     def _shm_take(self, nbytes: int) -> shm.Segment | None:
         """A segment of nbytes or more, or None: use gRPC (turned off for good when
-        the server is elsewhere or does not offer shared memory)."""
+        the server does not take segments after all)."""
         if self._arena is None:
             with self._shm_lock:
                 if self._arena is None:
@@ -591,82 +674,32 @@ class PSClient:
         try:
             return self._arena.take(nbytes)
         except PSError as exc:
-            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-                self._shm_on = False   # another host, an older server, or switched off there
+            if exc.code in (Code.FAILED_PRECONDITION, Code.UNIMPLEMENTED):
+                log.warning("parameter server %s takes no shared memory from this process "
+                            "(%s); sending tensor bytes over its socket", self.address, exc)
+                self._no_shm()
                 return None
             raise
         except OSError:   # no memory for a segment: this transfer goes over gRPC
             return None
 
+    def _no_shm(self) -> None:
+        with self._shm_lock:
+            if self._plan is not None:
+                self._plan = dataclasses.replace(self._plan, shm=False)
+
     def _shm_attach(self, seg: shm.Segment) -> int:
-        reply = self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(
-            name=seg.name, nbytes=seg.nbytes, pid=seg.pid, fd=seg.fd))
-        if reply.ipc_socket and self._ipc is None and ipc.available():
-            with self._shm_lock:
-                if self._ipc is None:
-                    client = ipc.IpcClient(reply.ipc_socket, self._token, self.address)
-                    try:
-                        client.connect()
-                        self._ipc = client
-                    except (OSError, PSError):   # not reachable (another network namespace)
-                        client.close()
-        return reply.segment
-
-    def _socket(self, method: int) -> ipc.IpcClient | None:
-        """The socket that carries ``method`` now: the same-host one; else,
-        for all but the shared-memory methods, the server's data port once
-        shared memory is known to be out of reach; else None (gRPC)."""
-        if self._ipc is not None:
-            return self._ipc
-        if method in (ipc.SHM_READ, ipc.SHM_PUSH) or not self._data_on:
-            return None
-        if self._data is not None:
-            return self._data
-        if self._shm_on or self._data_asked:   # same host still possible, or no data port
-            return None
-        return self._connect_data()
-
-    def _connect_data(self) -> ipc.IpcClient | None:
-        """Learn the server's data port and connect (once; again after a lost
-        connection). Calls meanwhile, on other threads, go over gRPC."""
-        with self._shm_lock:
-            if self._data is not None or self._data_asked:
-                return self._data
-            self._data_asked = True   # this thread asks; the others keep to gRPC
-        client = None
-        try:
-            info = self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
-            if not info.data_port:
-                return None
-            host = self.address.rsplit(":", 1)[0]
-            ctx = self._tls.ssl_client_context() if self._tls is not None else None
-            client = ipc.IpcClient(
-                "", self._token, self.address, tcp=(host, info.data_port), ssl_context=ctx,
-                identity=f"{info.protocol_version}:{info.server_id}")
-            client.connect()
-        except PSError as exc:
-            if client is None:   # GetServerInfo failed: asked again on a later call
-                self._data_asked = False
-                return None
-            log.warning("not using the data port of %s (%s); using gRPC", self.address, exc)
-            client.close()
-            return None
-        except (OSError, ValueError) as exc:   # a firewall, a NetworkPolicy, a bad certificate
-            log.warning("cannot use the data port of %s (%s); using gRPC", self.address, exc)
-            if client is not None:
-                client.close()
-            return None
-        with self._shm_lock:
-            self._data = client
-        return client
+        return self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(
+            name=seg.name, nbytes=seg.nbytes, pid=seg.pid, fd=seg.fd)).segment
 
     def _drop_socket(self, client: ipc.IpcClient) -> None:
         """A connection of ``client`` broke: stop using it (a restarted server
         has another socket and data port, learnt again)."""
-        if self._ipc is client:
-            self._ipc = None
-        if self._data is client:
-            self._data, self._data_asked = None, False
+        with self._shm_lock:
+            if self._ipc is client:
+                self._ipc, self._plan = None, None
+            if self._data is client:
+                self._data, self._plan = None, None
         client.close()
 
     def _local(self, local: tuple[int, type], request, via):
@@ -713,14 +746,6 @@ class PSClient:
         finish.ready = receive.ready
         return finish
 
-    def _ensure_attached(self) -> None:
-        """Attach one segment (and so learn the server's local socket) the
-        first time, for sparse pushes (they carry their tensors in the call)."""
-        if self._shm_on and self._arena is None:
-            seg = self._shm_take(1)
-            if seg is not None:
-                self._arena.give(seg)
-
     def _shm_detach(self, seg_id: int) -> None:
         self._shm_stub.Detach(ps_pb2.ShmDetachRequest(segment=seg_id), timeout=2.0,
                               metadata=self._metadata)
@@ -731,7 +756,7 @@ class PSClient:
         result before the segment goes back; fallback(exc) answers an error that
         says the server lost the segment (by redoing the call over gRPC)."""
         def on_error(exc: PSError):
-            lost = exc.code == grpc.StatusCode.FAILED_PRECONDITION and \
+            lost = exc.code == Code.FAILED_PRECONDITION and \
                 shm.UNKNOWN_SEGMENT in str(exc)
             # After a timeout or a lost connection the server may still be
             # using the segment: it is never lent again (not detached either:
@@ -741,10 +766,10 @@ class PSClient:
             if lost:
                 self._arena.forget()   # the server restarted or expired them: attach anew
                 return fallback(exc)
-            if exc.code == grpc.StatusCode.UNIMPLEMENTED:
-                self._shm_on = False
+            if exc.code == Code.UNIMPLEMENTED:
+                self._no_shm()
                 return fallback(exc)
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and shm.TOO_SMALL in str(exc):
+            if exc.code == Code.RESOURCE_EXHAUSTED and shm.TOO_SMALL in str(exc):
                 return fallback(exc)
             raise exc
 
@@ -898,7 +923,7 @@ class PSClient:
         flat = [(name, ids.reshape(-1)) for name, ids in shaped]
 
         direct = None   # the dense values, read straight from the server's memory
-        if names and sync_step is None and self._direct_on and self._ipc is not None:
+        if names and sync_step is None and self._direct_ok():
             direct = self._direct_read(names, None)
             if direct is not None:
                 names = []
@@ -911,7 +936,7 @@ class PSClient:
             if n not in self._nbytes:
                 self._learn_size(n)
         known = [self._nbytes.get(n) for n in names]
-        if self._shm_on and None not in known:
+        if self._shm_for(0) and None not in known:
             out = self._shm_read(names, known, wait, sync_step, flat)
             if wait:
                 return reshape(out)
@@ -946,7 +971,7 @@ class PSClient:
             versions = self._dense("push", items, True, sync, use_shm=False) if items else []
             return versions + [self._push_sparse(name, ids, rows, True, sync, uid)
                                for name, ids, rows, uid in sparse]
-        if self._shm_on and sync is None and (sparse or items):
+        if self._shm_for(0) and sync is None and (sparse or items):
             arrays = [np.asarray(item[1]) for item in items]
             uids = [item[2] if len(item) > 2 else 0 for item in items]
             out = self._shm_push(items, arrays, uids, wait, None, separate, sparse)
@@ -1005,7 +1030,7 @@ class PSClient:
     def _gather(self, name: str, ids, wait: bool, sync_step: int | None = None,
                 use_shm: bool = True):
         ids = _as_ids(ids, "gather")
-        if use_shm and self._shm_on:   # the rows come back through shared memory
+        if use_shm and self._shm_for(0):   # the rows come back through shared memory
             got = self._read_and_gather([], [(name, ids)], wait, sync_step)
             if wait:
                 return got[1][0]
@@ -1015,7 +1040,7 @@ class PSClient:
             return self._run(wait, self._gather_split, name, ids, sync_step)
 
         def recover(exc: PSError):   # too big for one message: split it
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if exc.code == Code.RESOURCE_EXHAUSTED:
                 return self._gather_split(name, ids, sync_step)
             raise exc
         return self._gather_one(name, ids, wait, recover, sync_step)
@@ -1069,7 +1094,7 @@ class PSClient:
                 [(item[0], a, uid) for item, a, uid in zip(items, arrays, uids)], sync_raw)
 
             def recover(exc: PSError):
-                if exc.code == grpc.StatusCode.UNIMPLEMENTED:   # an older server
+                if exc.code == Code.UNIMPLEMENTED:   # an older server
                     self.bulk = False
                     return self._invoke(True, method, request(True), lambda r: list(r.versions))
                 raise exc
@@ -1111,8 +1136,6 @@ class PSClient:
                      update_id: int = 0):
         ids = _as_ids(ids, "sparse push")
         rows = np.asarray(rows)
-        if wait:
-            self._ensure_attached()
         local = wait and self._socket(ipc.PUSH_SPARSE) is not None and \
             ids.nbytes + rows.nbytes <= ipc.MAX_FRAME_BYTES - MESSAGE_OVERHEAD
         streamed = not self._fits(ids.nbytes + rows.nbytes) and not local
@@ -1156,7 +1179,6 @@ class PSClient:
         same-host socket) when there is one; records above the stream
         threshold take Upload's frames."""
         if self._fits(sum(r.nbytes for r in records)):
-            self._ensure_attached()   # learns the same-host socket, if there is one
             reply = self._invoke(True, self._replicate_raw, wire.encode_replicate_request(records),
                                  local=(ipc.REPLICATE, ps_pb2.ReplicateReply))
         else:

@@ -61,9 +61,9 @@ import threading
 import time
 from typing import Callable
 
-import grpc
-
-from psserver.errors import DeadlineExceeded, PSError, Unauthenticated, Unavailable, _BY_CODE
+from psserver.contract import (Code, DeadlineExceeded, Internal,
+                               InvalidArgument, PSError, Unauthenticated, Unavailable,
+                               Unimplemented, as_error, error_for)
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ CONNECT_SECONDS = 5.0
 #: Seconds a server waits for a client to take a reply before dropping it.
 REPLY_SECONDS = 60.0
 
-(HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH,
- IDENTITY, REPLICATE) = range(10)
+from psserver.routing import (BULK_PUSH, BULK_READ, GATHER, HELLO, IDENTITY,  # noqa: E402
+                              PUSH_SPARSE, REPLICATE, RUN_CLOSURE, SHM_PUSH, SHM_READ)
 #: (service, method) of each call, for the metrics.
 METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
                 SHM_PUSH: ("pstrain.v1.SharedMemory", "Push"),
@@ -110,7 +110,6 @@ METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
 _JOIN_BYTES = 64 << 10
 #: Frames up to this size are received into one buffer made at once.
 _EAGER_BYTES = 4 << 20
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RDHUP = getattr(select, "POLLRDHUP", 0)
 
 
@@ -206,23 +205,14 @@ def _address(name: str) -> str:
     return "\0" + name.lstrip("@")
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
 class _Context:
-    """What the servicer's handlers use of a gRPC context."""
+    """What the servicer's handlers use of a gRPC context: the deadline."""
 
     def __init__(self, timeout: float):
         self._deadline = time.monotonic() + timeout if timeout > 0 else None
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def abort(self, code: grpc.StatusCode, details: str):
-        raise _Aborted(code, details)
 
     def invocation_metadata(self):
         return ()
@@ -375,7 +365,7 @@ class IpcServer:
         if method != HELLO or token is None or (
                 self._token and not hmac.compare_digest(token, self._token)):
             msg = b"refused: wrong token"
-            conn.sendall(_REPLY.pack(grpc.StatusCode.UNAUTHENTICATED.value[0], len(msg)) + msg)
+            conn.sendall(_REPLY.pack(Code.UNAUTHENTICATED, len(msg)) + msg)
             return False
         conn.sendall(_REPLY.pack(0, 0))
         return True
@@ -455,10 +445,10 @@ class IpcServer:
                     self._running += 1
                 try:
                     if method == IDENTITY:
-                        code, body = grpc.StatusCode.OK, self._identity
+                        code, body = Code.OK, self._identity
                     else:
                         code, body = self._call(method, payload, timeout)
-                    _send(conn, _REPLY.pack(code.value[0], len(body)), body)
+                    _send(conn, _REPLY.pack(code, len(body)), body)
                 finally:
                     with self._lock:
                         self._running -= 1
@@ -476,32 +466,35 @@ class IpcServer:
             if largest > _EAGER_BYTES:   # its pieces are free: give the pages back
                 _give_back_memory()
 
-    def _call(self, method: int, payload: bytearray, timeout: float) -> tuple[grpc.StatusCode, bytes]:
+    def _call(self, method: int, payload: bytearray, timeout: float) -> tuple[Code, bytes]:
+        """Run one call; the status and the reply's bytes (or the error's
+        message). Every error becomes its code here, once."""
         start = time.perf_counter()
-        entry = self._handlers.get(method)
-        if entry is None:
-            return grpc.StatusCode.UNIMPLEMENTED, f"no method {method}".encode()
-        parse, handler = entry
+        mm = None
         try:
-            request = payload if parse is None else parse(bytes(payload))
-        except Exception as exc:   # not the message this method takes
-            return grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}".encode()
-        mm = self._metrics_of(method)
-        if mm is not None:   # counted as started before it runs, as the gRPC interceptor does
-            mm.started.inc()
-            mm.recv_msgs.inc()
-            mm.recv_bytes.inc(len(payload))
-        try:
+            entry = self._handlers.get(method)
+            if entry is None:
+                raise Unimplemented(f"no method {method} on this socket")
+            parse, handler = entry
+            try:
+                request = payload if parse is None else parse(bytes(payload))
+            except Exception as exc:   # not the message this method takes
+                raise InvalidArgument(f"bad request: {exc}") from None
+            mm = self._metrics_of(method)
+            if mm is not None:   # counted as started before it runs, as the gRPC interceptor does
+                mm.started.inc()
+                mm.recv_msgs.inc()
+                mm.recv_bytes.inc(len(payload))
             reply = handler(request, _Context(timeout))
-            code, body = grpc.StatusCode.OK, (
+            code, body = Code.OK, (
                 reply if isinstance(reply, (bytes, bytearray)) else reply.SerializeToString())
-        except _Aborted as exc:
-            code, body = exc.code, exc.details.encode()
-        except Exception as exc:   # a bug: report it, keep serving
-            log.exception("internal error in local call %d", method)
-            code, body = grpc.StatusCode.INTERNAL, f"internal error: {exc}".encode()
+        except Exception as exc:
+            err = as_error(exc)
+            if isinstance(err, Internal):   # a bug: report it, keep serving
+                log.error("internal error in local call %d", method, exc_info=exc)
+            code, body = err.code, str(err).encode()
         if mm is not None:
-            if code == grpc.StatusCode.OK:
+            if code == Code.OK:
                 mm.sent_msgs.inc()
                 mm.sent_bytes.inc(len(body))
             mm.finished(code.name, time.perf_counter() - start)
@@ -538,13 +531,6 @@ class _Pending:
 
     def __call__(self) -> bytes:
         return self._client._receive(self._sock, self._timeout)
-
-
-def _error(code_number: int, message: str, target: str) -> PSError:
-    code = _CODES.get(code_number, grpc.StatusCode.UNKNOWN)
-    err = _BY_CODE.get(code, PSError)(f"{message} [{target}]")
-    err.code, err.address = code, target
-    return err
 
 
 class IpcClient:
@@ -589,13 +575,13 @@ class IpcClient:
             s.sendall(_REQUEST.pack(HELLO, len(self._token), 0.0) + self._token)
             code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
             if code:
-                raise _error(code, _recv_exact(s, n).decode(errors="replace"), self.target)
+                raise error_for(code, _recv_exact(s, n).decode(errors="replace"), self.target)
             if self._identity is not None:
                 s.sendall(_REQUEST.pack(IDENTITY, 0, 0.0))
                 code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
                 got = bytes(_recv_exact(s, min(n, 4096)))
                 if code or got != self._identity:
-                    raise _error(grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                    raise error_for(Code.FAILED_PRECONDITION,
                                  f"{self.name or self._tcp} answers as another task "
                                  f"({got[:80]!r}, not {self._identity!r}): a port mapping "
                                  "that reaches another server", self.target)
@@ -683,7 +669,7 @@ class IpcClient:
             raise self._broken(s, exc, timeout) from None
         self._give(s)
         if code:
-            raise _error(code, body.decode(errors="replace"), self.target)
+            raise error_for(code, body.decode(errors="replace"), self.target)
         return body if len(body) > _JOIN_BYTES else bytes(body)   # large: not copied again
 
     def _broken(self, s: socket.socket | None, exc: BaseException,

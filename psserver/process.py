@@ -83,13 +83,15 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start_task(module: str, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
-               timeout: float = 30.0) -> TaskProcess:
+               timeout: float = 30.0, prefix: Sequence[str] = ()) -> TaskProcess:
     """Run ``python -m module args`` and wait until it prints its address.
+    ``prefix``: a command that execs the rest (``ip netns exec NAME``: the
+    task runs on a test host, bench/hosts.py).
 
     Raises RuntimeError (with the child's output) if it exits or stays silent
     for ``timeout`` seconds; the child is killed then.
     """
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=child_env(env),
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env=child_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL)
     lines: list[str] = []

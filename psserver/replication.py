@@ -36,10 +36,9 @@ from typing import Callable
 
 import numpy as np
 
-from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotPrimary
+from psserver.contract import (ROLE_BACKUP, ROLE_PRIMARY, DeadlineExceeded,  # noqa: F401
+                               FailedPrecondition, InvalidArgument, NotPrimary, Peer)
 
-#: ReplicaRole in ps.proto.
-ROLE_PRIMARY, ROLE_BACKUP = 0, 1
 ROLE_NAMES = {ROLE_PRIMARY: "primary", ROLE_BACKUP: "backup"}
 #: ReplicaRecord.Kind in ps.proto.
 DENSE, SPARSE, ASSIGN = 0, 1, 2
@@ -56,13 +55,6 @@ MAX_EPOCH = 1 << 62
 #: no deadline of its own. The update stays applied and queued for the backup
 #: after that: the caller resends it (same update keys) to learn its fate.
 DEFAULT_WAIT_SECONDS = 60.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Peer:
-    """The other copy: its server's address (as the cluster names it) and its name there."""
-    address: str
-    name: str
 
 
 @dataclasses.dataclass

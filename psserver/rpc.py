@@ -11,17 +11,51 @@ answering INVALID_ARGUMENT with what was wrong, before the servicer runs.
 ``add_service`` builds the handlers of a whole service from its generated
 descriptor: a method added to a .proto file is covered with nothing to
 write but its servicer method. ``overrides`` keeps hand-framed methods
-(ParameterServerBulk) as their own handlers.
+(ParameterServerBulk) as their own handler functions.
+
+This is also where a handler's error becomes a gRPC status, once for every
+method (``guard``): handlers raise the typed errors of psserver.contract
+and never abort a call themselves.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterator, Mapping
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
-from psserver.errors import InvalidArgument
+from psserver.contract import Internal, InvalidArgument, as_error
+from psserver.errors import grpc_code
+
+log = logging.getLogger(__name__)
+
+
+def _abort(context, exc: BaseException, fn) -> None:
+    err = as_error(exc)
+    if isinstance(err, Internal):   # a bug: its traceback in the server's log
+        log.error("internal error in %s", getattr(fn, "__qualname__", fn), exc_info=exc)
+    context.abort(grpc_code(err.code), str(err))
+
+
+def guard(fn: Callable, server_streaming: bool = False) -> Callable:
+    """``fn(request, context)`` whose exceptions end the call with the status
+    of their typed error (psserver.contract.as_error)."""
+    if server_streaming:
+        def streaming(request, context):
+            try:
+                yield from fn(request, context)
+            except Exception as exc:
+                _abort(context, exc, fn)
+        return streaming
+
+    def unary(request, context):
+        try:
+            return fn(request, context)
+        except Exception as exc:
+            _abort(context, exc, fn)
+    return unary
 
 
 def _bad_request(cls, exc: Exception) -> str:
@@ -40,11 +74,7 @@ def parse(cls, raw: bytes):
 
 def _unary_request(fn: Callable, cls) -> Callable:
     def handler(raw, context):
-        try:
-            request = cls.FromString(raw)
-        except (DecodeError, ValueError, TypeError, RuntimeError) as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_request(cls, exc))
-        return fn(request, context)
+        return fn(parse(cls, raw), context)
     return handler
 
 
@@ -56,34 +86,42 @@ def _stream_request(fn: Callable, cls) -> Callable:
     return handler
 
 
-def method_handlers(service, servicer, overrides: Mapping[str, grpc.RpcMethodHandler] = {}
+def method_handlers(service, servicer, overrides: Mapping[str, Callable] = {}
                     ) -> dict[str, grpc.RpcMethodHandler]:
     """name -> handler for every method of ``service`` (a ServiceDescriptor)
-    that ``servicer`` implements, requests parsed by the handler."""
+    that ``servicer`` implements, requests parsed by the handler. An
+    override takes the request's bytes and returns the reply's (or a message)."""
     out = {}
     for m in service.methods:
-        if m.name in overrides:
-            out[m.name] = overrides[m.name]
-            continue
-        fn = getattr(servicer, m.name, None)
+        fn = overrides.get(m.name) or getattr(servicer, m.name, None)
         if fn is None:
             continue
         req = message_factory.GetMessageClass(m.input_type)
         serialize = message_factory.GetMessageClass(m.output_type).SerializeToString
-        if m.client_streaming:
+        if m.name in overrides:
+            h, serialize = fn, _bytes_or(serialize)
+        elif m.client_streaming:
             h = _stream_request(fn, req)
+        else:
+            h = _unary_request(fn, req)
+        if m.client_streaming:
             make = (grpc.stream_stream_rpc_method_handler if m.server_streaming
                     else grpc.stream_unary_rpc_method_handler)
         else:
-            h = _unary_request(fn, req)
             make = (grpc.unary_stream_rpc_method_handler if m.server_streaming
                     else grpc.unary_unary_rpc_method_handler)
-        out[m.name] = make(h, request_deserializer=None, response_serializer=serialize)
+        out[m.name] = make(guard(h, m.server_streaming), request_deserializer=None,
+                           response_serializer=serialize)
     return out
 
 
+def _bytes_or(serialize: Callable) -> Callable:
+    """A reply serializer that lets bytes a handler framed itself through."""
+    return lambda reply: reply if isinstance(reply, (bytes, bytearray)) else serialize(reply)
+
+
 def add_service(server: grpc.Server, service, servicer,
-                overrides: Mapping[str, grpc.RpcMethodHandler] = {}) -> None:
+                overrides: Mapping[str, Callable] = {}) -> None:
     """Register every method of ``service`` (ServiceDescriptor) on ``server``."""
     handlers = method_handlers(service, servicer, overrides)
     server.add_generic_rpc_handlers(

@@ -27,7 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2
 from psserver import ipc, metrics, rpc, shm
-from psserver.errors import InvalidArgument
+from psserver.contract import (  # noqa: F401  (re-exported)
+    PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
 from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                PROTOCOL_VERSION,
@@ -37,20 +38,8 @@ from psserver.store import VariableStore
 log = logging.getLogger("psserver")
 
 SERVICE_NAME = "pstrain.v1.ParameterServer"
-#: Environment variable holding the shared auth token (see docs/configuration.md).
-TOKEN_ENV = "PSTRAIN_AUTH_TOKEN"
-#: Metadata key of the token on every call.
-TOKEN_METADATA_KEY = "authorization"
-#: Metadata key carrying the caller's protocol version (PROTOCOL_VERSION).
-PROTOCOL_METADATA_KEY = "x-pstrain-protocol"
 # Calls that stay open without a token, so probes need no secret.
 _PUBLIC_PREFIXES = ("/grpc.health.v1.Health/",)
-
-
-def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Metadata every client call carries: the protocol version, the token."""
-    md = ((PROTOCOL_METADATA_KEY, str(PROTOCOL_VERSION)),)
-    return md + ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else md
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -225,16 +214,10 @@ def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server
     rpc.add_service(server, services["ParameterServer"], servicer)
     rpc.add_service(server, services["SharedMemory"], servicer.shared_memory)
 
-    def bulk_read(raw: bytes, context):
-        try:
-            request = rpc.parse(ps_pb2.ReadRequest, raw)
-        except InvalidArgument as exc:
-            context.abort(exc.code, str(exc))
-        return servicer.bulk_read(request, context)
     rpc.add_service(server, services["ParameterServerBulk"], None, {
-        "Read": grpc.unary_unary_rpc_method_handler(bulk_read),
-        "Push": grpc.unary_unary_rpc_method_handler(
-            servicer.bulk_push, response_serializer=ps_pb2.UpdateReply.SerializeToString)})
+        "Read": lambda raw, context: servicer.bulk_read(rpc.parse(ps_pb2.ReadRequest, raw),
+                                                        context),
+        "Push": servicer.bulk_push})
 
 
 def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
@@ -262,28 +245,32 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                          tls=tls, max_message_bytes=max_message_bytes,
                          max_workers=max_workers, thread_name_prefix="psserver-rpc",
                          rpc_metrics=rpc_metrics)
+    # Both sockets serve the same calls, with the servicer's own handlers
+    # (psserver/routing.py: which calls, and which client takes which socket);
+    # the shared-memory ones only where the segments can be: the Unix socket.
+    calls = {
+        ipc.BULK_READ: (ps_pb2.ReadRequest.FromString, servicer.bulk_read),
+        ipc.BULK_PUSH: (None, servicer.bulk_push),
+        ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
+        ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
+        ipc.REPLICATE: (ps_pb2.ReplicateRequest.FromString, servicer.Replicate),
+    }
+    identity = f"{PROTOCOL_VERSION}:{servicer.server_id}"
     if shm.available() and ipc.available():
         shared = servicer.shared_memory
         handle.ipc = ipc.IpcServer({
+            **calls,
             ipc.SHM_READ: (ps_pb2.ShmReadRequest.FromString, shared.Read),
             ipc.SHM_PUSH: (ps_pb2.ShmPushRequest.FromString, shared.Push),
-            ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
-            ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
-            ipc.REPLICATE: (ps_pb2.ReplicateRequest.FromString, servicer.Replicate),
-        }, token, rpc_metrics)
+        }, token, rpc_metrics, identity=identity)
         shared.ipc_socket = handle.ipc.name
     if data_port is not None:
         host = address.rsplit(":", 1)[0]
         try:
-            handle.data = ipc.IpcServer({
-                ipc.BULK_READ: (ps_pb2.ReadRequest.FromString, servicer.bulk_read),
-                ipc.BULK_PUSH: (None, servicer.bulk_push),
-                ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
-                ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
-                ipc.REPLICATE: (ps_pb2.ReplicateRequest.FromString, servicer.Replicate),
-            }, token, rpc_metrics, tcp=(host, data_port),
+            handle.data = ipc.IpcServer(
+                calls, token, rpc_metrics, tcp=(host, data_port),
                 ssl_context=tls.ssl_server_context() if tls is not None else None,
-                identity=f"{PROTOCOL_VERSION}:{servicer.server_id}")
+                identity=identity)
         except OSError as exc:
             if handle.ipc is not None:
                 handle.ipc.stop(0)

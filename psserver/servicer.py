@@ -10,40 +10,21 @@ import time
 import uuid
 from typing import Callable, Iterator
 
-import grpc
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver import routing
 from psserver import replication as R
 from psserver import tensor as T
 from psserver import rpc, shm, wire
-from psserver.errors import InvalidArgument, PSError, ResourceExhausted
+from psserver.contract import (  # noqa: F401  (the protocol constants, re-exported)
+    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_STREAM_THRESHOLD_BYTES,
+    MESSAGE_OVERHEAD, PROTOCOL_VERSION, InvalidArgument, PSError, ResourceExhausted)
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
 
 log = logging.getLogger(__name__)
 
-#: 2: replication is chain replication (Replicate, Reconfigure; backups refuse
-#: client updates), so a version-1 peer would break it.
-PROTOCOL_VERSION = 2
-
-#: Largest message either side accepts, and so the most tensor bytes one unary
-#: call carries. Larger tensors go over ReadStream / Upload in frames of
-#: DEFAULT_CHUNK_BYTES. 64 MiB keeps one message's copies cheap next to the
-#: machine's memory while letting typical layers travel in one call.
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-#: Frame size on the streams. Measured in bench/bench_ps.py on a 2-core machine:
-#: 1-2 MiB frames moved 64 MiB fastest; 8 MiB and larger were 1.5-3x slower
-#: (each frame is copied a few times, and small frames stay in the L2 cache).
-DEFAULT_CHUNK_BYTES = 1 << 20
-#: Tensors above this go over the streams even when they would fit one
-#: message. Streams win for large tensors (a 16 MiB read in 1 MiB frames was
-#: 1.8-4.7x faster than unary, bench/bench_ps.py sweep) but cost a thread and
-#: per-frame work: the MLP benchmark's 1.33 MB shard transfers ran its steps
-#: 1.36x faster unary (bench/suite.py A/B, with MALLOC_ENV).
-DEFAULT_STREAM_THRESHOLD_BYTES = 4 << 20
-#: Room for the non-tensor fields of a message on top of its tensor bytes.
-MESSAGE_OVERHEAD = 64 << 10
 
 
 def meta_to_proto(m: VariableMeta) -> ps_pb2.VariableMeta:
@@ -166,17 +147,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     # -- plumbing ----------------------------------------------------------
     def _run(self, context, fn: Callable, *args):
-        try:
-            return fn(*args)
-        except PSError as exc:
-            context.abort(exc.code, str(exc))
-        except MemoryError:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          "the parameter server ran out of memory for this request; "
-                          "nothing was applied")
-        except Exception as exc:   # a bug: report it, keep serving
-            log.exception("internal error in %s", getattr(fn, "__name__", fn))
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        """fn(*args). Errors go up as they are: each transport maps them once
+        (psserver/rpc.py for gRPC, psserver/ipc.py for sockets)."""
+        return fn(*args)
 
     def _decoded(self, request) -> list[np.ndarray]:
         return [T.decode(t, what=f"tensor {i}") for i, t in enumerate(tensors_of(request))]
@@ -245,7 +218,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             protocol_version=PROTOCOL_VERSION, server_id=self.server_id,
             max_message_bytes=self.max_message_bytes,
             num_variables=len(self.store), total_bytes=self.store.total_bytes(),
-            data_port=self.data_port)
+            data_port=self.data_port, host=routing.announce(
+                ps_pb2.HostInfo(), ipc_socket=self.shared_memory.ipc_socket,
+                shared_memory=bool(self.shared_memory.ipc_socket), data_port=self.data_port))
 
     def CreateVariable(self, request, context):
         return self._run(context, lambda: self._create(request, self._decoded(request),

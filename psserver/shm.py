@@ -65,7 +65,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from psserver.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from psserver.contract import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 

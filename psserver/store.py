@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -32,7 +31,8 @@ import numpy as np
 from psserver import optimizers as optim
 from psserver import replication as R
 from psserver import sync as S
-from psserver.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
+from psserver.contract import Initializer, VariableMeta  # noqa: F401
+from psserver.contract import (AlreadyExists,
                              InvalidArgument, NotFound, NotPrimary, PermissionDenied,
                              ResourceExhausted)
 from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
@@ -46,35 +46,6 @@ FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
 
 INITIALIZERS = ("zeros", "ones", "constant", "random_normal", "truncated_normal",
                 "random_uniform")
-
-
-@dataclasses.dataclass(frozen=True)
-class Initializer:
-    kind: str = "zeros"
-    value: float = 0.0
-    mean: float = 0.0
-    stddev: float = 1.0
-    minval: float = 0.0
-    maxval: float = 1.0
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class VariableMeta:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    version: int
-    optimizer: str
-    optimizer_params: Mapping[str, float]
-    nbytes: int
-    slot_nbytes: int
-    allow_nonfinite: bool
-    sync_steps: int = 0
-    dropped_gradients: int = 0
-    role: int = R.ROLE_PRIMARY
-    epoch: int = 0
-    backup: R.Peer | None = None
 
 
 class StoreObserver:

@@ -20,44 +20,15 @@ held, through its condition ``var.cond``). The rules, per variable:
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 
 from psserver import optimizers as optim
-from psserver.errors import DeadlineExceeded, InvalidArgument
+from psserver.contract import (MAX_COUNT, DeadlineExceeded, InvalidArgument,  # noqa: F401
+                               SyncSpec)
 from psserver.replication import DENSE, ROLE_PRIMARY, SPARSE
 
-
-#: Steps, versions and step counts stay below this (they grow by one at a
-#: time, and must fit the wire's int64 with room to spare).
-MAX_COUNT = 1 << 62
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncSpec:
-    """Which step and replica a sync gradient belongs to (see SyncInfo in ps.proto)."""
-    step: int
-    replica: int
-    num_replicas: int
-    required: int
-    sum: bool = False
-    step_timeout: float = 0.0
-
-    def validate(self) -> "SyncSpec":
-        if not 0 <= self.step < MAX_COUNT:
-            raise InvalidArgument(f"sync step must be in [0, 2**62), got {self.step}")
-        if not 0 < self.required <= self.num_replicas:
-            raise InvalidArgument(
-                f"sync push needs 0 < required ({self.required}) <= num_replicas "
-                f"({self.num_replicas})")
-        if not 0 <= self.replica < self.num_replicas:
-            raise InvalidArgument(
-                f"sync replica {self.replica} is not in [0, {self.num_replicas})")
-        if not self.step_timeout >= 0:
-            raise InvalidArgument(f"step_timeout must be >= 0, got {self.step_timeout}")
-        return self
 
 
 class Accumulation:

@@ -10,8 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from protos.pstrain.v1 import ps_pb2
-from psserver.errors import InvalidArgument
+from psserver.contract import InvalidArgument
 
 #: dtypes a variable may have (name -> little-endian numpy dtype).
 VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<")
@@ -81,7 +80,7 @@ def to_bytes(arr: np.ndarray) -> bytes:
     return np.ascontiguousarray(arr).tobytes()
 
 
-def fill(t: ps_pb2.Tensor, arr: np.ndarray, with_data: bool = True) -> ps_pb2.Tensor:
+def fill(t: "ps_pb2.Tensor", arr: np.ndarray, with_data: bool = True) -> "ps_pb2.Tensor":
     """Write arr into the Tensor field t in place (without data: a frame header).
 
     Filling the field of the message being built, instead of building a
@@ -96,18 +95,19 @@ def fill(t: ps_pb2.Tensor, arr: np.ndarray, with_data: bool = True) -> ps_pb2.Te
     return t
 
 
-def encode(arr: np.ndarray) -> ps_pb2.Tensor:
+def encode(arr: np.ndarray) -> "ps_pb2.Tensor":
+    from protos.pstrain.v1 import ps_pb2   # the rest of this module needs no protobuf
     return fill(ps_pb2.Tensor(), arr)
 
 
-def spec(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> tuple[np.dtype, tuple[int, ...], int]:
+def spec(t: "ps_pb2.Tensor", allowed=WIRE_DTYPES, what: str = "tensor") -> tuple[np.dtype, tuple[int, ...], int]:
     """Validated (dtype, shape, nbytes) of a Tensor message (or a ShmTensor)."""
     dt = check_dtype(t.dtype, allowed, f"{what} dtype")
     shape = check_shape(t.shape, f"{what} shape")
     return dt, shape, nbytes_of(shape, dt)
 
 
-def decode(t: ps_pb2.Tensor, allowed=WIRE_DTYPES, what: str = "tensor") -> np.ndarray:
+def decode(t: "ps_pb2.Tensor", allowed=WIRE_DTYPES, what: str = "tensor") -> np.ndarray:
     """The array a Tensor message holds (read-only view of its bytes)."""
     dt, shape, n = spec(t, allowed, what)
     data = t.data   # each access of a bytes field makes a new copy: take it once

@@ -24,17 +24,16 @@ import time
 import traceback
 import uuid
 
-import grpc
-
 from coordinator import datasets, serialization
 from coordinator.replica import replica_scope
-from psserver.sync import SyncSpec
+from psserver.contract import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
-from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
-from psserver import ipc, rpc
+from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
+from psserver import ipc, routing, rpc
 from psserver import metrics as M
 from psserver import tls as TLS
-from psserver.errors import DeadlineExceeded, NotFound, Unavailable
+from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                               NotFound, PermissionDenied, PSError, Unavailable)
 from psserver.server import (INSECURE_FLAG, TOKEN_ENV, TaskSetupError, add_auth_argument,
                              add_cpus_argument, add_data_port_argument, check_auth,
                              data_port_of, join_host_port, make_server, serve, task_setup)
@@ -43,6 +42,12 @@ from psserver.servicer import PROTOCOL_VERSION
 log = logging.getLogger("psworker")
 
 SERVICE_NAME = "pstrain.v1.Worker"
+
+
+class WorkerRestarted(PSError):
+    """A call fenced to an earlier run of this worker (its datasets are gone)."""
+
+    code = Code.ABORTED
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -63,37 +68,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _function(self, ref: worker_pb2.FunctionRef, context):
         if not self.trusted:   # by name is code too (os:system): nothing runs untrusted
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          "this worker has no auth token configured, so it runs no function "
-                          f"(by name or by value) for anyone: set ${TOKEN_ENV} on every task "
-                          f"and the coordinator (or start it with {INSECURE_FLAG} on an "
-                          "isolated network)")
+            raise PermissionDenied(
+                "this worker has no auth token configured, so it runs no function "
+                f"(by name or by value) for anyone: set ${TOKEN_ENV} on every task "
+                f"and the coordinator (or start it with {INSECURE_FLAG} on an "
+                "isolated network)")
         kind = ref.WhichOneof("kind")
         if kind == "qualified_name":
             try:
                 return serialization.import_function(ref.qualified_name)
             except serialization.FunctionImportError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                raise FailedPrecondition(str(exc)) from None
         if kind == "pickled":
             try:
                 return serialization.loads(ref.pickled, trusted=True)
             except Exception as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"cannot unpickle the function on this worker: "
-                              f"{type(exc).__name__}: {exc}. The worker needs the same "
-                              "packages (and versions) as the coordinator")
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no function in the request")
+                raise FailedPrecondition(
+                    f"cannot unpickle the function on this worker: "
+                    f"{type(exc).__name__}: {exc}. The worker needs the same "
+                    "packages (and versions) as the coordinator") from None
+        raise InvalidArgument("no function in the request")
 
     def _check_fence(self, worker_id: str, context) -> None:
         if worker_id and worker_id != self.worker_id:
-            context.abort(grpc.StatusCode.ABORTED,
-                          f"this worker restarted (it is {self.worker_id}, the caller expected "
-                          f"{worker_id}); reconnect and re-create its datasets")
+            raise WorkerRestarted(
+                f"this worker restarted (it is {self.worker_id}, the caller expected "
+                f"{worker_id}); reconnect and re-create its datasets")
 
     def GetWorkerInfo(self, request, context):
-        return worker_pb2.WorkerInfo(protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
-                                     datasets=datasets.dataset_ids(), closures_run=self._count,
-                                     ipc_socket=self.ipc_socket, data_port=self.data_port)
+        return worker_pb2.WorkerInfo(
+            protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
+            datasets=datasets.dataset_ids(), closures_run=self._count,
+            ipc_socket=self.ipc_socket, data_port=self.data_port,
+            host=routing.announce(ps_pb2.HostInfo(), ipc_socket=self.ipc_socket,
+                                  data_port=self.data_port))
 
     def CreateDataset(self, request, context):
         self._check_fence(request.worker_id, context)
@@ -102,9 +110,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             ds = datasets.call_dataset_fn(fn, ctx)
         except Exception as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"dataset_fn raised on this worker: {type(exc).__name__}: {exc}\n"
-                          f"{traceback.format_exc()}")
+            raise FailedPrecondition(
+                f"dataset_fn raised on this worker: {type(exc).__name__}: {exc}\n"
+                f"{traceback.format_exc()}") from None
         datasets.register_dataset(request.dataset_id, ds)
         if self.metrics is not None:
             self.metrics.dataset_created()
@@ -116,8 +124,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)
         except Exception as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}")
+            raise InvalidArgument(
+                f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}") from None
         sync = None
         if request.HasField("sync"):
             i = request.sync

@@ -12,6 +12,7 @@ from coordinator import (ClosureCancelled, ClusterCoordinator, FixedShardsPartit
                          RemoteValueStatus, StepFunctionError, WorkerCallError)
 from coordinator import serialization
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver.contract import Code
 from psserver.errors import PSError
 from psserver.process import start_task
 from psserver.tls import make_channel
@@ -289,7 +290,7 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
         try:
             with pytest.raises(PSError) as caught:
                 data.call(ipc.RUN_CLOSURE, attack.SerializeToString(), 10)
-            assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert caught.value.code == Code.PERMISSION_DENIED
         finally:
             data.close()
         assert "SECURITY: no PSTRAIN_AUTH_TOKEN" in w.output()

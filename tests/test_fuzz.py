@@ -32,7 +32,7 @@ from protos.pstrain.v1 import ps_pb2
 from psserver import ipc
 from psserver import tensor as T
 from psserver.client import PSClient
-from psserver.errors import PSError
+from psserver.errors import PSError, grpc_code
 from psserver.server import call_metadata
 from test_hardening import rss_mib
 
@@ -298,7 +298,7 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
                 client.call(method, raw, 10)
                 code = grpc.StatusCode.OK
             except PSError as exc:
-                code = exc.code
+                code = grpc_code(exc.code)   # as the gRPC path reports it
                 if code == grpc.StatusCode.UNAVAILABLE:   # the server dropped the connection
                     client.close()
                     client = make()

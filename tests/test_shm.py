@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from psserver.contract import Code
 from psserver import shm
 from psserver.client import PSClient
 from psserver.errors import FailedPrecondition, PSError
@@ -67,7 +68,7 @@ def test_shared_memory_matches_grpc_and_leaves_nothing(ps):
             np.testing.assert_array_equal(v_fast, v_slow)
         np.testing.assert_allclose(v_fast, init - 0.5 * grads.sum(0), rtol=1e-5, atol=1e-5)
         assert not v_fast.flags.writeable   # as the gRPC path's snapshots
-        assert fast._shm_on and fast._arena is not None
+        assert fast.route.shm and fast._arena is not None
         held = _server_segments(ps.pid)
         assert held and all(t.endswith("(deleted)") for t in held), held
     # close() detaches: the server lets go of the memory
@@ -108,7 +109,7 @@ def test_server_without_shared_memory_is_answered_over_grpc(start_ps):
         c.read("w")
         c.push("w", np.ones(N, np.float32))
         np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
-        assert not c._shm_on   # found out once, then kept to gRPC
+        assert not c.route.shm   # planned from ServerInfo: no segment offered
         assert not _server_segments(ps.pid)
 
 
@@ -125,7 +126,7 @@ def test_restarted_server_lost_the_segment_client_recovers(start_ps):
         c.read("w")   # the old segment id is unknown to the new server: gRPC, then re-attach
         assert c.push("w", np.ones(N, np.float32)) == 1
         np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
-        assert c._shm_on and _server_segments(ps2.pid)
+        assert c.route.shm and _server_segments(ps2.pid)
 
 
 def test_sigkilled_client_leaves_nothing_behind(ps):
@@ -392,13 +393,13 @@ def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
         dtype="int64", shape=[1], data=np.zeros(1, np.int64).tobytes()))
     with pytest.raises(PSError) as info:   # a well-formed call: the servicer's answer
         client.call(ipc.GATHER, gather.SerializeToString(), 5)
-    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.code == Code.NOT_FOUND
     with pytest.raises(PSError) as info:   # an unparsable request
         client.call(ipc.PUSH_SPARSE, b"\xff\xff\xff", 5)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code == Code.INVALID_ARGUMENT
     with pytest.raises(PSError) as info:   # no such method
         client.call(77, b"", 5)
-    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.code == Code.UNIMPLEMENTED
     client.close()
     with PSClient(ps.address, token="right") as c:   # and it still serves
         _make(c)

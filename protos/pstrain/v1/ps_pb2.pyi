@@ -444,20 +444,40 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "data_port")
+    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "data_port", "host")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     server_id: str
     max_message_bytes: int
     num_variables: int
     total_bytes: int
     data_port: int
-    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
+    host: HostInfo
+    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., host: _Optional[_Union[HostInfo, _Mapping]] = ...) -> None: ...
+
+class HostInfo(_message.Message):
+    __slots__ = ("boot_id", "net_ns", "pid_ns", "uid", "ipc_socket", "shared_memory", "data_port")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    NET_NS_FIELD_NUMBER: _ClassVar[int]
+    PID_NS_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    IPC_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    net_ns: int
+    pid_ns: int
+    uid: int
+    ipc_socket: str
+    shared_memory: bool
+    data_port: int
+    def __init__(self, boot_id: _Optional[str] = ..., net_ns: _Optional[int] = ..., pid_ns: _Optional[int] = ..., uid: _Optional[int] = ..., ipc_socket: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ShmAttachRequest(_message.Message):
     __slots__ = ("name", "nbytes", "pid", "fd")

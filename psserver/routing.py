@@ -1,0 +1,143 @@
+"""Which transport carries calls to a task: decided from what both ends
+announce, never discovered by a failing call.
+
+A task announces where it runs and what it offers (``HostInfo`` in
+ServerInfo / WorkerInfo: kernel boot id, network and pid namespaces, uid,
+its abstract Unix socket, shared memory, its data port); a client asks once
+when it connects (GetServerInfo / GetWorkerInfo) and ``plan`` decides:
+
+=====================  ===========  ===========  ==========  ===================
+same kernel and        unix socket  pid ns, uid  data port   route
+network namespace      offered      shared                   (``Plan``)
+=====================  ===========  ===========  ==========  ===================
+yes                    yes          yes          any         unix + shared memory
+yes                    yes          no           any         unix (bytes framed)
+no (another host, or   -            -            yes         tcp (the data port)
+another netns)
+no                     -            -            no          gRPC only
+=====================  ===========  ===========  ==========  ===================
+
+An abstract Unix socket exists in one network namespace only, and a
+shared-memory segment is opened by the server as /proc/<client pid>/fd/<fd>
+(same pid namespace and uid); memory shared without the network (pods or
+``--ipc=host`` containers on one node) therefore takes the data port: that
+guess used to put 1.37 MB reads through shared memory with gRPC around them,
+14x slower than TCP. A client switched off from same-host paths
+(``PSTRAIN_SHM=0``, ``shared_memory=False``) plans as if on another host;
+``PSTRAIN_DATA=0`` (``data_port=False``) keeps it off the data port.
+
+Per call (``carries``): the sockets serve the methods in ``SOCKET_METHODS``;
+every other call, and dense tensors above the stream threshold, take gRPC.
+
+This module is pure (no grpc, no sockets): its decisions are tested as a
+table (tests/test_routing.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+#: Calls the sockets carry (psserver/ipc.py method ids). Both sockets serve
+#: the same calls; the shared-memory ones only on the Unix socket.
+(HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH,
+ IDENTITY, REPLICATE) = range(10)
+SHM_METHODS = frozenset({SHM_READ, SHM_PUSH})
+PS_SOCKET_METHODS = frozenset({BULK_READ, BULK_PUSH, GATHER, PUSH_SPARSE, REPLICATE})
+UNIX, TCP, GRPC = "unix", "tcp", ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """Where a process runs, as far as transports care."""
+    boot_id: str = ""   # the kernel's boot id: same machine (and boot)
+    net_ns: int = 0     # network namespace (inode): abstract Unix sockets reach
+    pid_ns: int = 0     # pid namespace (inode): /proc/<pid> of the other side resolves
+    uid: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """What a task announced: where it runs and the transports it serves."""
+    host: Host = Host()
+    ipc_socket: str = ""        # abstract Unix socket name, "" none
+    shared_memory: bool = False  # takes shared-memory segments (SharedMemory.Attach)
+    data_port: int = 0          # TCP data port, 0 none
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one client reaches one task: the socket (UNIX, TCP, or GRPC: none)
+    and whether tensor bytes go through shared memory (UNIX only)."""
+    socket: str = GRPC
+    shm: bool = False
+    why: str = "not planned yet"
+
+
+def _ns(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
+
+
+@functools.lru_cache(maxsize=1)
+def this_host() -> Host:
+    """This process's Host (read once; namespaces do not change under a process
+    that never calls setns)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return Host(boot_id, _ns("net"), _ns("pid"), os.getuid())
+
+
+def plan(mine: Host, offer: Offer, *, same_host_ok: bool = True,
+         data_ok: bool = True) -> Plan:
+    """The route from a client at ``mine`` to the task that made ``offer``.
+
+    ``same_host_ok``: the client may use the Unix socket and shared memory
+    (PSTRAIN_SHM, ``shared_memory``); ``data_ok``: it may use the data port
+    (PSTRAIN_DATA, ``data_port``).
+    """
+    theirs = offer.host
+    same_kernel = bool(mine.boot_id) and mine.boot_id == theirs.boot_id
+    same_net = same_kernel and mine.net_ns != 0 and mine.net_ns == theirs.net_ns
+    if same_host_ok and same_net and offer.ipc_socket:
+        shm = (offer.shared_memory and mine.pid_ns != 0 and mine.pid_ns == theirs.pid_ns
+               and mine.uid == theirs.uid)
+        return Plan(UNIX, shm, "same host and network namespace" + (
+            "" if shm else "; no shared memory (another pid namespace or user, or not offered)"))
+    if data_ok and offer.data_port:
+        why = ("same host, another network namespace" if same_kernel and not same_net
+               else "same host, same-host paths switched off" if same_kernel
+               else "another host")
+        return Plan(TCP, False, why + ": the data port")
+    return Plan(GRPC, False, "no socket offered or allowed: gRPC")
+
+
+def carries(p: Plan, method: int) -> str:
+    """The socket that carries ``method`` under plan ``p`` (GRPC: none)."""
+    if p.socket == GRPC:
+        return GRPC
+    if method in SHM_METHODS:
+        return UNIX if p.shm else GRPC
+    if method == RUN_CLOSURE or method in PS_SOCKET_METHODS:
+        return p.socket
+    return GRPC
+
+
+def announce(msg, *, ipc_socket: str = "", shared_memory: bool = False,
+             data_port: int = 0):
+    """Fill a HostInfo message (ps.proto) with this process's Host and offer."""
+    h = this_host()
+    msg.boot_id, msg.net_ns, msg.pid_ns, msg.uid = h.boot_id, h.net_ns, h.pid_ns, h.uid
+    msg.ipc_socket, msg.shared_memory, msg.data_port = ipc_socket, shared_memory, data_port
+    return msg
+
+
+def offer_of(msg) -> Offer:
+    """The Offer in a HostInfo message (all zero from a task that sends none)."""
+    return Offer(Host(msg.boot_id, msg.net_ns, msg.pid_ns, msg.uid), msg.ipc_socket,
+                 msg.shared_memory, msg.data_port)

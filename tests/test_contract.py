@@ -1,0 +1,90 @@
+"""The contract below both sides of the wire (psserver/contract.py): the
+parameter-server logic runs without grpc or protobuf, and every transport
+turns a status into the same typed error."""
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+
+from psserver import contract as C
+from psserver.errors import from_rpc_error, grpc_code
+
+# A finder that refuses grpc, protobuf and the generated code, as an
+# environment without them would.
+_BLOCK = textwrap.dedent("""
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("grpc", "grpc_health", "protos") or \\
+                    name.startswith("google.protobuf"):
+                raise ModuleNotFoundError(f"blocked: {name}")
+    sys.meta_path.insert(0, Block())
+""")
+
+
+@pytest.mark.timeout(60)
+def test_store_runs_without_grpc_or_protobuf():
+    code = _BLOCK + textwrap.dedent("""
+        import numpy as np
+        from psserver import optimizers, sync
+        from psserver.store import VariableStore
+        from psserver.contract import Initializer, SyncSpec
+        s = VariableStore()
+        s.create("w", "float32", [4], initializer=Initializer("ones"), optimizer="adam")
+        s.push([("w", np.full(4, 0.5, np.float32))])
+        SyncSpec(step=0, replica=0, num_replicas=1, required=1).validate()
+        version, value = s.snapshot("w")
+        assert version >= 1 and value.shape == (4,) and (value < 1).all(), (version, value)
+        for mod in ("grpc", "google.protobuf", "protos"):
+            assert mod not in sys.modules, mod
+        print("ok", version)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+@pytest.mark.timeout(60)
+def test_the_block_does_block():
+    """The finder above would catch a store that imports grpc."""
+    out = subprocess.run([sys.executable, "-c", _BLOCK + "import psserver.errors"],
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode != 0 and "blocked: grpc" in out.stderr
+
+
+@pytest.mark.parametrize("code", list(C.Code))
+def test_one_mapping_for_every_code(code):
+    """A code means the same error whichever way it came: its number on a
+    socket, or a gRPC status."""
+    via_socket = C.error_for(int(code), "msg", "ps0:1")
+    assert via_socket.code == code and via_socket.address == "ps0:1"
+    assert str(via_socket) == "msg [ps0:1]"
+
+    class Failed(grpc.RpcError):
+        def code(self):
+            return grpc_code(code)
+
+        def details(self):
+            return "msg"
+    via_grpc = from_rpc_error(Failed(), "ps0:1")
+    assert type(via_grpc) is type(via_socket) and via_grpc.code == code
+    assert grpc_code(code).name == code.name
+
+
+def test_classes_by_code():
+    assert isinstance(C.error_for(C.Code.NOT_FOUND, "x"), KeyError)
+    assert isinstance(C.error_for(C.Code.INVALID_ARGUMENT, "x"), ValueError)
+    assert isinstance(C.error_for(C.Code.CANCELLED, "x"), C.Unavailable)
+    assert isinstance(C.error_for(C.Code.UNIMPLEMENTED, "x"), C.Unimplemented)
+    assert type(C.error_for(C.Code.DATA_LOSS, "x")) is C.PSError
+    assert C.error_for(200, "x").code == C.Code.UNKNOWN
+
+
+def test_handler_errors_as_the_caller_sees_them():
+    assert C.as_error(C.NotFound("w")).code == C.Code.NOT_FOUND
+    assert C.as_error(MemoryError()).code == C.Code.RESOURCE_EXHAUSTED
+    err = C.as_error(ZeroDivisionError("boom"))
+    assert err.code == C.Code.INTERNAL and "ZeroDivisionError: boom" in str(err)

@@ -1,0 +1,86 @@
+"""The route table (psserver/routing.py), as a table: no processes."""
+import pytest
+
+from psserver import routing as R
+
+ME = R.Host("boot-a", net_ns=10, pid_ns=20, uid=1000)
+SOCK = "@pstrain-ipc-x"
+
+
+def offer(host=ME, ipc_socket=SOCK, shared_memory=True, data_port=7000):
+    return R.Offer(host, ipc_socket, shared_memory, data_port)
+
+
+# (what the server announced, client switches) -> (socket, shm)
+TABLE = [
+    ("same host and namespaces", offer(), {}, (R.UNIX, True)),
+    ("same host, another pid namespace", offer(R.Host("boot-a", 10, 21, 1000)), {},
+     (R.UNIX, False)),
+    ("same host, another user", offer(R.Host("boot-a", 10, 20, 0)), {}, (R.UNIX, False)),
+    ("same host, no segments offered", offer(shared_memory=False), {}, (R.UNIX, False)),
+    ("memory shared, network not", offer(R.Host("boot-a", 11, 20, 1000)), {}, (R.TCP, False)),
+    ("memory shared, network not, no data port",
+     offer(R.Host("boot-a", 11, 20, 1000), data_port=0), {}, (R.GRPC, False)),
+    ("another host", offer(R.Host("boot-b", 10, 20, 1000)), {}, (R.TCP, False)),
+    ("another host, no data port", offer(R.Host("boot-b", 10, 20, 1000), data_port=0), {},
+     (R.GRPC, False)),
+    ("same host, no Unix socket offered", offer(ipc_socket=""), {}, (R.TCP, False)),
+    ("same host, same-host paths off here", offer(), {"same_host_ok": False}, (R.TCP, False)),
+    ("same host, everything off here", offer(), {"same_host_ok": False, "data_ok": False},
+     (R.GRPC, False)),
+    ("another host, data port off here", offer(R.Host("boot-b", 10, 20, 1000)),
+     {"data_ok": False}, (R.GRPC, False)),
+    ("a server that announces nothing (all zero)", R.Offer(), {}, (R.GRPC, False)),
+    ("a server that announces only a data port", R.Offer(data_port=7000), {}, (R.TCP, False)),
+]
+
+
+@pytest.mark.parametrize("case, theirs, switches, expected", TABLE, ids=[t[0] for t in TABLE])
+def test_plan(case, theirs, switches, expected):
+    p = R.plan(ME, theirs, **switches)
+    assert (p.socket, p.shm) == expected, p.why
+    assert p.why
+
+
+def test_a_client_that_cannot_read_proc_is_never_same_host():
+    """Unknown namespaces (0) or boot id ("") match nothing, not each other."""
+    blind = R.Host()
+    assert R.plan(blind, offer(blind)).socket == R.TCP
+    assert R.plan(R.Host("boot-a", 0, 0, 1000), offer(R.Host("boot-a", 0, 0, 1000))).socket \
+        == R.TCP
+
+
+CALLS = [
+    # plan, method -> socket
+    (R.Plan(R.UNIX, True), R.SHM_READ, R.UNIX),
+    (R.Plan(R.UNIX, True), R.BULK_PUSH, R.UNIX),
+    (R.Plan(R.UNIX, False), R.SHM_PUSH, R.GRPC),
+    (R.Plan(R.UNIX, False), R.BULK_READ, R.UNIX),
+    (R.Plan(R.TCP), R.SHM_READ, R.GRPC),
+    (R.Plan(R.TCP), R.BULK_READ, R.TCP),
+    (R.Plan(R.TCP), R.GATHER, R.TCP),
+    (R.Plan(R.TCP), R.PUSH_SPARSE, R.TCP),
+    (R.Plan(R.TCP), R.REPLICATE, R.TCP),
+    (R.Plan(R.TCP), R.RUN_CLOSURE, R.TCP),
+    (R.Plan(R.TCP), R.HELLO, R.GRPC),
+    (R.Plan(), R.BULK_READ, R.GRPC),
+    (R.Plan(), R.RUN_CLOSURE, R.GRPC),
+]
+
+
+@pytest.mark.parametrize("p, method, expected", CALLS)
+def test_carries(p, method, expected):
+    assert R.carries(p, method) == expected
+
+
+def test_this_host_reads_this_process():
+    h = R.this_host()
+    assert h.boot_id and h.net_ns and h.pid_ns and h.uid >= 0
+    assert R.plan(h, offer(h)).socket == R.UNIX
+
+
+def test_announce_and_offer_round_trip():
+    from protos.pstrain.v1 import ps_pb2
+    msg = R.announce(ps_pb2.HostInfo(), ipc_socket=SOCK, shared_memory=True, data_port=9)
+    got = R.offer_of(ps_pb2.HostInfo.FromString(msg.SerializeToString()))
+    assert got == R.Offer(R.this_host(), SOCK, True, 9)
