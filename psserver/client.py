@@ -45,10 +45,6 @@ from psserver.server import grpc_options
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0
-#: Reads and pushes of at least this many tensor bytes go through shared
-#: memory when the server shares this host (psserver/shm.py). Below it the
-#: bulk gRPC path is as fast (bench/bench_ps.py, "shm" rows).
-DEFAULT_SHM_MIN_BYTES = 64 << 10
 #: The most variables one client maps for direct reads (each map holds a file
 #: descriptor); further ones are read through their server.
 MAX_MAPPED = 256
@@ -175,15 +171,19 @@ class PSClient:
         to the generated path on a server without it.
       wait_for_ready: queue calls until the server is up instead of failing
         with UNAVAILABLE at once (useful while a cluster starts).
-      shared_memory: read and push tensors of ``shm_min_bytes`` or more
-        through shared memory when the server runs on this host
-        (psserver/shm.py; the first such call finds out, and a server
-        elsewhere costs that one call). ``PSTRAIN_SHM=0`` turns it off.
-      data_port: when shared memory is out of reach (another host, or off),
-        make reads, pushes, lookups and sparse pushes over the server's data
-        port (psserver/ipc.py over TCP, with this client's TLS and token),
-        learnt from GetServerInfo; ``PSTRAIN_DATA=0`` turns it off. False:
+      shared_memory: use the server's same-host socket and shared memory
+        (psserver/ipc.py, psserver/shm.py) where its route allows
+        (psserver/routing.py: same host and network namespace; segments
+        also need the same pid namespace and user). ``PSTRAIN_SHM=0`` turns
+        it off: the client then plans as if on another host.
+      data_port: otherwise make reads, pushes, lookups and sparse pushes
+        over the server's data port (psserver/ipc.py over TCP, with this
+        client's TLS and token); ``PSTRAIN_DATA=0`` turns it off. False:
         gRPC only.
+
+    The route is planned once, from the server's GetServerInfo (no call is
+    made to find it out), and again after a socket breaks; ``route`` tells
+    what it is.
     """
 
     def __init__(self, address: str, *, token: str | None = None,
@@ -193,7 +193,7 @@ class PSClient:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES,
                  wait_for_ready: bool = False, bulk: bool = True,
-                 shared_memory: bool = True, shm_min_bytes: int = DEFAULT_SHM_MIN_BYTES,
+                 shared_memory: bool = True,
                  data_port: bool = True):
         self.address = address
         self.timeout = timeout
@@ -220,7 +220,6 @@ class PSClient:
             response_deserializer=ps_pb2.ReplicateReply.FromString)
         self._shm_stub = ps_pb2_grpc.SharedMemoryStub(self._channel)
         self._idempotent = (self._shm_stub.Read, self._stub.Gather, self._bulk_read)
-        self.shm_min_bytes = shm_min_bytes
         self._arena: shm.Arena | None = None
         self._shm_lock = threading.Lock()   # makes the arena and the sockets once
         self._token = token

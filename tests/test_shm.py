@@ -32,7 +32,7 @@ from psserver.errors import FailedPrecondition, PSError
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this system")]
 
-N = 1 << 18   # 1 MiB of float32: above the client's shm_min_bytes
+N = 1 << 18   # 1 MiB of float32
 
 
 def _server_segments(pid: int) -> list[str]:
