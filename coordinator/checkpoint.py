@@ -35,8 +35,9 @@ Guarantees:
 Operators can do the same from outside the training program: ``coordinator
 checkpoint save DIR`` builds the layout from the parameter servers' listing
 (``layout_from_listing``) and writes this same format; ``coordinator
-checkpoint restore DIR`` puts a checkpoint back shard by shard into the same
-layout (``restore_plan``). See coordinator.cli.
+checkpoint restore DIR`` checks that the checkpoint has the layout of the
+servers (``restore_plan``) and restores it. Both call the one implementation
+here (``write_checkpoint``, ``restore_checkpoint``). See coordinator.cli.
 
 The parameter servers write their own shard files, so every parameter
 server must see ``directory`` at the same path (a shared volume: the
@@ -54,7 +55,7 @@ import shutil
 import time
 import uuid
 from concurrent import futures
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -138,59 +139,21 @@ class CheckpointManager:
         """Write a checkpoint of every variable; return its directory.
 
         ``extra`` (JSON-serialisable: epoch, data positions...) is stored in
-        the manifest and returned by ``restore``.
+        the manifest and returned by ``restore``. Saving a step again
+        replaces its checkpoint.
         Raises PSError if a parameter server fails; nothing is left behind
         as a checkpoint then.
         """
         self._clear_leftovers()
-        final = os.path.join(self.directory, f"ckpt-{step:08d}")
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        os.makedirs(tmp)
-        variables = self.strategy.variables
         ps_index = {addr: i for i, addr in enumerate(self.strategy.cluster_spec.ps)}
-        by_ps: dict[str, list[V.Shard]] = {}
         # With replication, each shard is saved from the copy that is primary now.
-        copies = {v.name: routes.primaries(v) for v in variables}
-        for v in variables:
-            for s in copies[v.name]:
-                by_ps.setdefault(s.address, []).append(s)
-        files: dict[str, Any] = {}
-        try:
-            with futures.ThreadPoolExecutor(max(1, len(by_ps))) as pool:
-                jobs = {}
-                for addr, shards in by_ps.items():
-                    sub = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
-                    os.makedirs(sub)
-                    jobs[addr] = (sub, pool.submit(V.client_for(addr).save, sub,
-                                                   [s.name for s in shards]))
-                for addr, (sub, job) in jobs.items():
-                    for f in job.result():
-                        files[f.name] = {"file": os.path.relpath(os.path.join(sub, f.file), tmp),
-                                         "version": f.version, "bytes": f.bytes}
-            manifest = {
-                "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
-                "extra": extra or {},
-                "variables": {v.name: {
-                    "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
-                    "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
-                                **files[c.name]} for s, c in zip(v.shards, copies[v.name])]}
-                    for v in variables},
-            }
-            _write_json(os.path.join(tmp, "manifest.json"), manifest)
-            replaced = None
-            if os.path.exists(final):   # saving the same step again replaces it
-                replaced = _set_aside(final, _REPLACED)
-            os.replace(tmp, final)
-            _fsync_dir(self.directory)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        final, nbytes = write_checkpoint(self.directory, step, self.strategy.variables,
+                                         V.client_for, copies=routes.primaries,
+                                         ps_index=ps_index, extra=extra)
         self._last_step, self._last_time = step, time.monotonic()
         for old in self.checkpoints()[:-self.max_to_keep]:
             remove_checkpoint(old)
-        _metrics.checkpoint_bytes("save", sum(f["bytes"] for f in files.values()))
+        _metrics.checkpoint_bytes("save", nbytes)
         return final
 
     def _clear_leftovers(self) -> None:
@@ -210,90 +173,185 @@ class CheckpointManager:
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
-        try:
-            with open(os.path.join(path, "manifest.json")) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read the manifest of {path}: {exc}") from None
-        saved = manifest.get("variables") if isinstance(manifest, dict) else None
-        if not isinstance(saved, dict) or "step" not in manifest:
-            raise CheckpointError(f"the manifest of {path} lacks its variables or step; "
-                                  "nothing was restored")
         chosen = [v for v in self.strategy.variables
                   if address is None or any(s.address == address for s in routes.primaries(v))]
-        # Everything read and checked first: a checkpoint that lacks anything its
-        # manifest promises is refused before any server is written.
-        loaded = [self._load_variable(v, saved.get(v.name), path) for v in chosen]
-        with futures.ThreadPoolExecutor(4) as pool:
-            for v, state in zip(chosen, loaded):
-                self._write_variable(v, state, pool, address)
-        return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
-
-    def _load_variable(self, v: V.ShardedVariable, info: dict | None, path: str) -> dict:
-        """The variable's whole state from checkpoint ``path`` (checked)."""
-        if info is None:
-            raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
-        try:
-            same = (tuple(info["shape"]), info["dtype"], info["optimizer"]) == (
-                v.shape, v.dtype, v.optimizer)
-            entries = list(info["shards"])
-        except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"the manifest of {path} is incomplete: {v.name!r} lacks "
-                                  f"{exc}; nothing was restored") from None
-        if not same:
-            raise CheckpointError(
-                f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
-                f"{info['dtype']} {info['shape']} {info['optimizer']} in {path}")
-        if not entries:
-            raise CheckpointError(f"the manifest of {path} lists no shard of {v.name!r}")
-        if v.shape:   # the shards must cover the rows in order, each once
-            covered = 0
-            for e in entries:
-                if e.get("offset") != covered or not isinstance(e.get("rows"), int):
-                    break
-                covered += e["rows"]
-            if covered != v.shape[0] or e.get("offset") is None:
-                raise CheckpointError(f"the shards of {v.name!r} in {path} do not cover its "
-                                      f"{v.shape[0]} rows in order; nothing was restored")
-        loaded = [load_checked_shard(path, e, v.dtype, v.shape, v.optimizer) for e in entries]
-        _metrics.checkpoint_bytes("restore", sum(e.get("bytes", 0) for e in entries))
-        parts = [tensors for tensors, _ in loaded]
-        meta = loaded[0][1]
-        slots = {}
-        for key in parts[0]:
-            if key.startswith("slot/"):
-                arrays = [p[key] for p in parts]
-                slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
-                                  if arrays[0].ndim == 0 else _join(arrays, v.shape))
-        # A shard restored into the same place keeps its idempotency keys.
-        return {"value": _join([p["value"] for p in parts], v.shape), "slots": slots,
-                "optimizer_params": json.loads(meta.get("optimizer_params", "{}")),
-                "allow_nonfinite": json.loads(meta.get("allow_nonfinite", "false")),
-                "version": max(int(e["version"]) for e in entries),
-                "same_cut": {(e["name"], e["offset"], e["rows"]): p.get("applied_ids", ())
-                             for e, p in zip(entries, parts)}}
-
-    def _write_variable(self, v: V.ShardedVariable, state: dict, pool: futures.Executor,
-                        address: str | None = None) -> None:
-        handles = []
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/replication.py).
-        for s, c in zip(v.shards, routes.primaries(v)):
-            if address is not None and c.address != address:
-                continue
+        return restore_checkpoint(path, chosen, V.client_for, copies=routes.primaries,
+                                  address=address)
 
-            def cut(a, lo=s.offset, hi=s.offset + s.rows):
-                return a if a.ndim == 0 else a[lo:hi]
-            handles.append(pool.submit(
-                V.client_for(c.address).create_variable, c.name, None, v.dtype,
-                initial_value=cut(state["value"]), optimizer=v.optimizer,
-                optimizer_params=state["optimizer_params"],
-                allow_nonfinite=state["allow_nonfinite"],
-                slots={k: cut(a) for k, a in state["slots"].items()},
-                version=state["version"], overwrite=True,
-                applied_ids=state["same_cut"].get((s.name, s.offset, s.rows), ())))
+
+# -- the one implementation of save and restore (CheckpointManager, coordinator checkpoint) --
+def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVariable],
+                     client_for: Callable[[str], Any], *,
+                     copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
+                     ps_index: Mapping[str, int] | None = None, extra: dict | None = None,
+                     replace: bool = True) -> tuple[str, int]:
+    """Write checkpoint ``step`` of ``variables`` under ``directory``: each
+    server saves its shards (``copies(v)``: the copies to save from, in shard
+    order) through ``client_for(address)``, then the manifest is written and
+    the directory renamed into place. Returns (its path, shard bytes).
+
+    ``replace``: a checkpoint of the same step is replaced; else refused
+    (CheckpointError). A failed save (PSError from a server, OSError,
+    CheckpointError) leaves nothing listed.
+    """
+    final = os.path.join(directory, f"ckpt-{step:08d}")
+    if not replace and os.path.exists(final):
+        raise CheckpointError(f"{final} exists already: pass another step, or delete it first")
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    ps_index = ps_index or {}
+    chosen = {v.name: list(copies(v)) for v in variables}
+    by_ps: dict[str, list[str]] = {}
+    for v in variables:
+        for c in chosen[v.name]:
+            by_ps.setdefault(c.address, []).append(c.name)
+    files: dict[str, Any] = {}
+    try:
+        os.makedirs(tmp)
+        with futures.ThreadPoolExecutor(max(1, len(by_ps))) as pool:
+            jobs = {}
+            for addr, names in by_ps.items():
+                sub = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
+                os.makedirs(sub)
+                jobs[addr] = (sub, pool.submit(client_for(addr).save, sub, names))
+            for addr, (sub, job) in jobs.items():
+                for f in job.result():
+                    files[f.name] = {"file": os.path.relpath(os.path.join(sub, f.file), tmp),
+                                     "version": f.version, "bytes": f.bytes}
+        gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
+        if gone:
+            raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
+        manifest = {
+            "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+            "extra": extra or {},
+            "variables": {v.name: {
+                "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
+                "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
+                            **files[c.name]} for s, c in zip(v.shards, chosen[v.name])]}
+                for v in variables},
+        }
+        _write_json(os.path.join(tmp, "manifest.json"), manifest)
+        replaced = None
+        if os.path.exists(final):
+            if not replace:
+                raise CheckpointError(f"{final} appeared during the save (another saver?)")
+            replaced = _set_aside(final, _REPLACED)   # saving the same step again replaces it
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, sum(f["bytes"] for f in files.values())
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint ``path``, checked to be one this version reads."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the manifest of {path}: {exc}") from None
+    saved = manifest.get("variables") if isinstance(manifest, dict) else None
+    if not isinstance(saved, dict) or "step" not in manifest:
+        raise CheckpointError(f"the manifest of {path} lacks its variables or step; "
+                              "nothing was restored")
+    if manifest.get("format_version", 1) > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version {manifest['format_version']}; this "
+                              f"version of pstrain reads up to {FORMAT_VERSION}")
+    return manifest
+
+
+def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
+                       client_for: Callable[[str], Any], *,
+                       copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
+                       address: str | None = None) -> dict:
+    """Load checkpoint ``path`` into ``variables`` (into ``copies(v)``, with
+    ``address``: only those on that server). Values and slots are
+    reassembled and cut again by each variable's shards (any layout); a
+    shard restored into the cut it was saved in keeps its version and
+    idempotency keys. Everything is read and checked before any server is
+    written: a checkpoint that lacks anything its manifest promises is
+    refused (CheckpointError) with nothing changed. Returns {"step",
+    "extra", "path"}; a server's failure raises its PSError."""
+    manifest = read_manifest(path)
+    saved = manifest["variables"]
+    loaded = [_load_variable(v, saved.get(v.name), path) for v in variables]
+    with futures.ThreadPoolExecutor(4) as pool:
+        handles = [h for v, state in zip(variables, loaded)
+                   for h in _write_variable(v, state, pool, client_for, copies, address)]
         for h in handles:
             h.result()
+    return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
+
+
+def _load_variable(v: V.ShardedVariable, info: dict | None, path: str) -> dict:
+    """The variable's whole state from checkpoint ``path`` (checked)."""
+    if info is None:
+        raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
+    try:
+        same = (tuple(info["shape"]), info["dtype"], info["optimizer"]) == (
+            v.shape, v.dtype, v.optimizer)
+        entries = list(info["shards"])
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"the manifest of {path} is incomplete: {v.name!r} lacks "
+                              f"{exc}; nothing was restored") from None
+    if not same:
+        raise CheckpointError(
+            f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
+            f"{info['dtype']} {info['shape']} {info['optimizer']} in {path}")
+    if not entries:
+        raise CheckpointError(f"the manifest of {path} lists no shard of {v.name!r}")
+    if v.shape:   # the shards must cover the rows in order, each once
+        covered = 0
+        for e in entries:
+            if e.get("offset") != covered or not isinstance(e.get("rows"), int):
+                break
+            covered += e["rows"]
+        if covered != v.shape[0] or e.get("offset") is None:
+            raise CheckpointError(f"the shards of {v.name!r} in {path} do not cover its "
+                                  f"{v.shape[0]} rows in order; nothing was restored")
+    loaded = [load_checked_shard(path, e, v.dtype, v.shape, v.optimizer) for e in entries]
+    _metrics.checkpoint_bytes("restore", sum(e.get("bytes", 0) for e in entries))
+    parts = [tensors for tensors, _ in loaded]
+    meta = loaded[0][1]
+    slots = {}
+    for key in parts[0]:
+        if key.startswith("slot/"):
+            arrays = [p[key] for p in parts]
+            slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
+                              if arrays[0].ndim == 0 else _join(arrays, v.shape))
+    # A shard restored into the same place keeps its version and idempotency keys.
+    return {"value": _join([p["value"] for p in parts], v.shape), "slots": slots,
+            "optimizer_params": json.loads(meta.get("optimizer_params", "{}")),
+            "allow_nonfinite": json.loads(meta.get("allow_nonfinite", "false")),
+            "version": max(int(e["version"]) for e in entries),
+            "same_cut": {(e["name"], e["offset"], e["rows"]):
+                         (int(e["version"]), p.get("applied_ids", ()))
+                         for e, p in zip(entries, parts)}}
+
+
+def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, client_for,
+                    copies, address: str | None = None) -> list[futures.Future]:
+    handles = []
+    for s, c in zip(v.shards, copies(v)):
+        if address is not None and c.address != address:
+            continue
+
+        def cut(a, lo=s.offset, hi=s.offset + s.rows):
+            return a if a.ndim == 0 else a[lo:hi]
+        version, applied = state["same_cut"].get((s.name, s.offset, s.rows),
+                                                 (state["version"], ()))
+        handles.append(pool.submit(
+            client_for(c.address).create_variable, c.name, None, v.dtype,
+            initial_value=cut(state["value"]), optimizer=v.optimizer,
+            optimizer_params=state["optimizer_params"],
+            allow_nonfinite=state["allow_nonfinite"],
+            slots={k: cut(a) for k, a in state["slots"].items()},
+            version=version, overwrite=True, applied_ids=applied))
+    return handles
 
 
 def load_checked_shard(ckpt: str, entry: Mapping[str, Any], dtype: str, shape: Sequence[int],

@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from concurrent import futures
 from typing import Any, Callable, Mapping, Sequence
 
@@ -668,70 +667,25 @@ def _ckpt_save(args) -> int:
         step = max(m.version for metas in listing.values() for m in metas)
         if existing:
             step = max(step, _step_of(existing[-1]) + 1)
-    final = os.path.join(directory, f"ckpt-{step:08d}")
-    if os.path.exists(final):
-        raise OperatorError(f"{final} exists already: pass another --step, or delete it first")
-    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
-    by_ps: dict[str, list[str]] = {}
-    for v in layout:
-        for s in v.shards:
-            by_ps.setdefault(s.address, []).append(s.name)
-    try:
-        os.makedirs(tmp)
-        subdirs = {}
-        for addr in by_ps:
-            subdirs[addr] = os.path.join(tmp, f"ps-{ps_index[addr]}")
-            os.makedirs(subdirs[addr])
-
-        def save(addr):
-            with target.client(addr) as c:
-                return c.save(subdirs[addr], by_ps[addr])
-        files: dict[str, dict] = {}
-        errors = []
-        for addr, (saved, exc) in zip(by_ps, _fan_out(save, list(by_ps))):
-            what = f"ps {ps_index[addr]}"
-            if exc is not None:
-                msg = _explain_error(target, what, addr, exc, answered=True)
-                if "does not exist on this parameter server" in msg:
-                    msg += ("\nThe parameter servers write the shard files themselves: DIR must "
-                            "be on storage they see at the same path (a shared volume); run "
-                            "this command where it is mounted (e.g. kubectl exec into the "
-                            "coordinator pod)")
-                errors.append(msg)
-                continue
-            for f in saved:
-                files[f.name] = {"file": os.path.relpath(os.path.join(subdirs[addr], f.file), tmp),
-                                 "version": f.version, "bytes": f.bytes}
-        if errors:
-            raise OperatorError("\n".join(errors) + "\nNo checkpoint written.")
-        gone = [s.name for v in layout for s in v.shards if s.name not in files]
-        if gone:
-            raise OperatorError(f"these shards disappeared during the save: {', '.join(gone)}; "
-                                "no checkpoint written")
-        manifest = {
-            "format_version": C.FORMAT_VERSION, "step": step, "time": time.time(),
-            "extra": extra,
-            "variables": {v.name: {
-                "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
-                "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
-                            **files[s.name]} for s in v.shards]}
-                for v in layout},
-        }
-        C._write_json(os.path.join(tmp, "manifest.json"), manifest)
-        if os.path.exists(final):
-            raise OperatorError(f"{final} appeared during the save (another saver?); "
-                                "no checkpoint written")
-        os.replace(tmp, final)
-        C._fsync_dir(directory)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OperatorError(f"cannot write the checkpoint under {directory}: {exc}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _Clients(target) as clients:
+        try:
+            final, nbytes = C.write_checkpoint(directory, step, layout, clients.get,
+                                               ps_index=ps_index, extra=extra, replace=False)
+        except C.CheckpointError as exc:
+            raise OperatorError(f"{exc}\nNo checkpoint written.") from None
+        except PSError as exc:
+            raise OperatorError(
+                _explain_error(target, f"ps {ps_index.get(exc.address, '?')}", exc.address,
+                               exc, answered=True)
+                + "\nThe parameter servers write the shard files themselves: DIR must be on "
+                "storage they see at the same path (a shared volume); run this command where "
+                "it is mounted (e.g. kubectl exec into the coordinator pod).\nNo checkpoint "
+                "written.") from None
+        except OSError as exc:
+            raise OperatorError(f"cannot write the checkpoint under {directory}: {exc}") from None
+    by_ps = {s.address for v in layout for s in v.shards}
     nshards = sum(len(v.shards) for v in layout)
-    nbytes = sum(f["bytes"] for f in files.values())
     if args.json:
         _print_json({"path": final, "step": step, "variables": len(layout), "shards": nshards,
                      "bytes": nbytes, "parameter_servers": len(by_ps)})
@@ -762,25 +716,33 @@ def _checkpoint_path(directory: str, path: str | None) -> str:
     return found[-1]
 
 
-def _read_manifest(path: str) -> dict:
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise OperatorError(f"cannot read the manifest of {path}: {exc}") from None
-    if not isinstance(manifest, dict) or "variables" not in manifest:
-        raise OperatorError(f"{path}/manifest.json is not a checkpoint manifest")
-    if manifest.get("format_version", 1) > C.FORMAT_VERSION:
-        raise OperatorError(f"{path} has format_version {manifest['format_version']}; this "
-                            f"version of pstrain reads up to {C.FORMAT_VERSION}")
-    return manifest
+class _Clients:
+    """One PSClient per parameter server an operator command talks to, closed after."""
+
+    def __init__(self, target: Target):
+        self._target, self._clients = target, {}
+
+    def get(self, address: str) -> PSClient:
+        if address not in self._clients:
+            self._clients[address] = self._target.client(address)
+        return self._clients[address]
+
+    def __enter__(self) -> "_Clients":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c in self._clients.values():
+            c.close()
 
 
 def _ckpt_restore(args) -> int:
     target = target_from_args(args)
     directory = os.path.abspath(args.directory)
     path = _checkpoint_path(directory, args.path)
-    manifest = _read_manifest(path)
+    try:
+        manifest = C.read_manifest(path)
+    except C.CheckpointError as exc:
+        raise OperatorError(str(exc)) from None
     listing = _listing_or_fail(target)
     try:
         layout = C.layout_from_listing(listing)
@@ -793,48 +755,19 @@ def _ckpt_restore(args) -> int:
             "restore into another layout, restore from the training program: "
             f"CheckpointManager(strategy, {directory!r}).restore({path!r}) reassembles each "
             "variable and reshards it.") from None
-    missing = [os.path.join(path, e["file"]) for _, _, e in plan
-               if not os.path.isfile(os.path.join(path, e["file"]))]
-    if missing:
-        raise OperatorError(f"checkpoint {path} is incomplete: missing {', '.join(missing[:5])}"
-                            f"{' ...' if len(missing) > 5 else ''}; nothing was restored")
-    # Every shard read and checked first: a checkpoint that lacks anything its
-    # manifest promises is refused before any server is written.
-    try:
-        shards = [C.load_checked_shard(path, e, v.dtype, v.shape, v.optimizer)
-                  for v, _, e in plan]
-    except C.CheckpointError as exc:
-        raise OperatorError(str(exc)) from None
-    clients = {addr: target.client(addr) for addr in target.ps}
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
-
-    def put(item):
-        (v, s, entry), (tensors, meta) = item
-        slots = {k[len("slot/"):]: a for k, a in tensors.items() if k.startswith("slot/")}
-        clients[s.address].create_variable(
-            s.name, None, v.dtype, initial_value=tensors["value"], optimizer=v.optimizer,
-            optimizer_params=json.loads(meta.get("optimizer_params", "{}")),
-            allow_nonfinite=json.loads(meta.get("allow_nonfinite", "false")),
-            slots=slots, version=int(entry["version"]), overwrite=True,
-            applied_ids=tensors.get("applied_ids", ()))   # as CheckpointManager.restore keeps them
-    try:
-        results = _fan_out(put, list(zip(plan, shards)), threads=8)
-    finally:
-        for c in clients.values():
-            c.close()
-    errors = []
-    for (v, s, _), (_, exc) in zip(plan, results):
-        if exc is not None:
-            if isinstance(exc, C.CheckpointError):
-                errors.append(str(exc))
-            else:
-                errors.append(f"{s.name}: " + _explain_error(
-                    target, f"ps {ps_index[s.address]}", s.address, exc, answered=True))
-    if errors:
-        raise OperatorError(f"restored {len(plan) - len(errors)} of {len(plan)} shard(s) from "
-                            f"{path}; these failed (their shards keep their current state, so "
-                            "the variables are now mixed: fix the cause and restore again):\n  "
-                            + "\n  ".join(errors))
+    with _Clients(target) as clients:
+        try:   # everything read and checked first; nothing written on a bad checkpoint
+            C.restore_checkpoint(path, layout, clients.get)
+        except C.CheckpointError as exc:
+            raise OperatorError(str(exc)) from None
+        except PSError as exc:
+            raise OperatorError(
+                _explain_error(target, f"ps {ps_index.get(exc.address, '?')}", exc.address,
+                               exc, answered=True)
+                + f"\nThe restore of {path} stopped part-way: shards written before the "
+                "failure hold the checkpoint, the others their own state. Fix the cause and "
+                "restore again.") from None
     nvars = len({v.name for v, _, _ in plan})
     if args.json:
         _print_json({"path": path, "step": manifest.get("step"), "extra": manifest.get("extra", {}),

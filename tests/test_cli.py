@@ -449,3 +449,23 @@ def test_restore_plan_pairs_shards_or_lists_every_difference():
         restore_plan(layout, manifest, "ckpt-1")
     assert exc.value.differences == [
         "'y' is float32 [4] sgd on the servers but float32 [4] adam in the checkpoint"]
+
+
+def test_checkpoint_restore_keeps_the_idempotency_keys(live, env, capsys, tmp_path):
+    """A push applied before the save and resent after `coordinator checkpoint
+    restore` (a retry that crossed the restore) is acknowledged, not applied
+    twice: the CLI restores through CheckpointManager's code, keys included."""
+    from coordinator import variables as V
+    shard = live.bias.shards[0]
+    c = V.client_for(shard.address)
+    key = 0x5EED_0001
+    c.push_many([(shard.name, np.ones(3, np.float32), key)])
+    assert run(capsys, "checkpoint", "save", str(tmp_path), "--step", "5")[0] == 0
+    saved = c.read(shard.name)
+    train(live, 1, seed=21)
+    assert run(capsys, "checkpoint", "restore", str(tmp_path))[0] == 0
+    np.testing.assert_array_equal(c.read(shard.name), saved)
+    c.push_many([(shard.name, np.ones(3, np.float32), key)])   # the retry
+    np.testing.assert_array_equal(c.read(shard.name), saved)
+    c.push_many([(shard.name, np.ones(3, np.float32), key + 1)])   # a new push applies
+    assert not np.array_equal(c.read(shard.name), saved)
