@@ -55,7 +55,7 @@ from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterSer
 from coordinator.recovery import _PSRecovery, _PSWatch
 from coordinator.strategy import ParameterServerStrategy
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc, routing
+from psserver import ipc, methods, routing
 from psserver.contract import Code
 from psserver.errors import PSError, from_rpc_error
 from psserver.contract import SyncSpec
@@ -391,7 +391,7 @@ class _WorkerThread:
             return self._grpc(self._stub.RunClosure, request, timeout)
         try:
             return worker_pb2.ClosureReply.FromString(
-                self._ipc.call(ipc.RUN_CLOSURE, request.SerializeToString(), timeout))
+                self._ipc.call(methods.RUN_CLOSURE.id, request.SerializeToString(), timeout))
         except PSError as exc:
             if getattr(exc, "not_sent", False) or exc.code in _WORKER_FAILURE_CODES:
                 self._ipc.close()

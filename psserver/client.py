@@ -33,7 +33,7 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import replication as R
 from psserver import tensor as T
-from psserver import ipc, routing, shm, wire
+from psserver import ipc, methods, routing, shm, wire
 from psserver.tls import TLSConfig, make_channel
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD, Code,
@@ -295,7 +295,7 @@ class PSClient:
         return Handle(method.future(request, **self._kw(**kw)), post, self.address, recover)
 
     def _invoke(self, wait: bool, method, request, post=lambda r: r, recover=None,
-                local: tuple[int, type] | None = None):
+                local: "methods.Method | None" = None):
         """A unary call: blocking (the value) or not (a Handle).
 
         The blocking form calls the stub directly: going through a future
@@ -305,13 +305,13 @@ class PSClient:
         when there is one (psserver/ipc.py).
         """
         if not wait:
-            if local is not None and self._socket(local[0]) is not None:   # sent now, read
+            if local is not None and self._socket(local) is not None:   # sent now, read
                 receive = self._local_send(local, request, method)           # in result()
                 return Handle(_Later(receive, getattr(receive, "ready", None)),
                               post, self.address, recover)
             return self._future(method, request, post, recover)
         try:
-            if local is not None and self._socket(local[0]) is not None:
+            if local is not None and self._socket(local) is not None:
                 return post(self._local(local, request, method))
             return post(self._call(method, request))
         except PSError as exc:
@@ -525,7 +525,7 @@ class PSClient:
         _set_sync_read(req, sync_step)
         if bulk:
             return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover,
-                                local=(ipc.BULK_READ, None))
+                                local=methods.BULK_READ)
         return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
 
     # -- reads straight from the server's memory (same host, asynchronous) ---------------
@@ -652,9 +652,9 @@ class PSClient:
         """Whether reads may copy straight from the server's memory (same host)."""
         return self._direct_on and self._ipc is not None and self._route().shm
 
-    def _socket(self, method: int) -> ipc.IpcClient | None:
+    def _socket(self, method: methods.Method) -> ipc.IpcClient | None:
         """The socket that carries ``method`` now (None: gRPC)."""
-        kind = routing.carries(self._route(), method)
+        kind = routing.carries(self._route(), method.shm)
         return self._ipc if kind == routing.UNIX else self._data if kind == routing.TCP else None
 
     # -- shared memory (same host) ------------------------------------------------------
@@ -701,20 +701,19 @@ class PSClient:
                 self._data, self._plan = None, None
         client.close()
 
-    def _local(self, local: tuple[int, type], request, via):
+    def _local(self, local: methods.Method, request, via):
         """A blocking call over a socket: see _local_send."""
         return self._local_send(local, request, via)()
 
-    def _local_send(self, local: tuple[int, type], request, via) -> Callable[[], object]:
+    def _local_send(self, local: methods.Method, request, via) -> Callable[[], object]:
         """Send a call over the same-host socket now; the function returned
         waits for its reply. ``via`` is the gRPC stub method of the same call:
         used when the socket is gone already. A lost connection drops the
-        socket (a restarted server has another; gRPC is used until the next
-        attach learns it); then an idempotent call (read, gather) is made
+        socket and the route (a restarted server has others, planned again
+        on the next call); then an idempotent call (read, gather) is made
         again over gRPC, any other raises Unavailable, as it would over gRPC
         (applied or not: see update_id)."""
-        method, reply_cls = local
-        client = self._socket(method)
+        client = self._socket(local)
         if client is None:   # dropped by another thread meanwhile
             return lambda: self._call(via, request)
 
@@ -726,7 +725,7 @@ class PSClient:
         payload = request if isinstance(request, (bytes, bytearray)) else \
             request.SerializeToString()
         try:
-            receive = client.send(method, payload, self.timeout)
+            receive = client.send(local.id, payload, self.timeout)
         except PSError as exc:
             if getattr(exc, "not_sent", False):   # never reached the server: gRPC is safe
                 self._drop_socket(client)          # (and the socket is learnt again)
@@ -741,7 +740,7 @@ class PSClient:
                 body = receive()
             except Unavailable as exc:
                 return lost(exc)
-            return body if reply_cls is None else reply_cls.FromString(body)
+            return body if local.reply is None else local.reply.FromString(body)
         finish.ready = receive.ready
         return finish
 
@@ -750,7 +749,7 @@ class PSClient:
                               metadata=self._metadata)
 
     def _shm_invoke(self, wait: bool, method, req, seg: shm.Segment, finish, fallback,
-                    local: tuple[int, type]):
+                    local: methods.Method):
         """A SharedMemory call using ``seg``: finish(reply) turns the reply into the
         result before the segment goes back; fallback(exc) answers an error that
         says the server lost the segment (by redoing the call over gRPC)."""
@@ -854,7 +853,7 @@ class PSClient:
                 return snaps
             return snaps, [(copy_out(g), g.version) for g in reply.gathered]
         return self._shm_invoke(wait, self._shm_stub.Read, req, seg, finish, fallback,
-                                (ipc.SHM_READ, ps_pb2.ShmReadReply))
+                                methods.SHM_READ)
 
     def _row_bytes(self, name: str) -> int:
         """Bytes of one row of ``name`` (asks the server the first time)."""
@@ -902,7 +901,7 @@ class PSClient:
             req.sparse.add(name=name, ids=put(di, ids), rows=put(dr, rows), update_id=uid)
         return self._shm_invoke(wait, self._shm_stub.Push, req, seg,
                                 lambda r: list(r.versions), fallback,
-                                (ipc.SHM_PUSH, ps_pb2.UpdateReply))
+                                methods.SHM_PUSH)
 
     # -- a step's calls to one server, as one -----------------------------------------
     def read_and_gather(self, names: Sequence[str], gathers: Sequence[tuple[str, object]], *,
@@ -1010,7 +1009,7 @@ class PSClient:
         _set_sync_read(req, sync_step)
         return self._invoke(wait, self._stub.Gather, req,
                             lambda r: (T.decode(r.rows), r.version), recover,
-                            (ipc.GATHER, ps_pb2.GatherReply))
+                            methods.GATHER)
 
     def _gather_split(self, name: str, ids: np.ndarray,
                       sync_step: int | None = None) -> tuple[np.ndarray, int]:
@@ -1098,7 +1097,7 @@ class PSClient:
                     return self._invoke(True, method, request(True), lambda r: list(r.versions))
                 raise exc
             return self._invoke(wait, self._bulk_push, raw, lambda r: list(r.versions), recover,
-                                local=(ipc.BULK_PUSH, ps_pb2.UpdateReply))
+                                local=methods.BULK_PUSH)
         return self._invoke(wait, method, request(True), lambda r: list(r.versions))
 
     def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Handle:
@@ -1135,7 +1134,7 @@ class PSClient:
                      update_id: int = 0):
         ids = _as_ids(ids, "sparse push")
         rows = np.asarray(rows)
-        local = wait and self._socket(ipc.PUSH_SPARSE) is not None and \
+        local = wait and self._socket(methods.PUSH_SPARSE) is not None and \
             ids.nbytes + rows.nbytes <= ipc.MAX_FRAME_BYTES - MESSAGE_OVERHEAD
         streamed = not self._fits(ids.nbytes + rows.nbytes) and not local
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
@@ -1147,7 +1146,7 @@ class PSClient:
             return self._run(wait, lambda: self._upload(
                 "push_sparse", req, [ids, rows]).updated.versions[0])
         return self._invoke(wait, self._stub.PushSparse, req, lambda r: r.versions[0],
-                            local=(ipc.PUSH_SPARSE, ps_pb2.UpdateReply))
+                            local=methods.PUSH_SPARSE)
 
     def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
                           update_id: int = 0) -> Handle:
@@ -1179,7 +1178,7 @@ class PSClient:
         threshold take Upload's frames."""
         if self._fits(sum(r.nbytes for r in records)):
             reply = self._invoke(True, self._replicate_raw, wire.encode_replicate_request(records),
-                                 local=(ipc.REPLICATE, ps_pb2.ReplicateReply))
+                                 local=methods.REPLICATE)
         else:
             req = ps_pb2.ReplicateRequest()
             arrays = []

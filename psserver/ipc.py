@@ -61,6 +61,7 @@ import threading
 import time
 from typing import Callable
 
+from psserver.methods import BY_ID
 from psserver.contract import (Code, DeadlineExceeded, Internal,
                                InvalidArgument, PSError, Unauthenticated, Unavailable,
                                Unimplemented, as_error, error_for)
@@ -95,17 +96,8 @@ CONNECT_SECONDS = 5.0
 #: Seconds a server waits for a client to take a reply before dropping it.
 REPLY_SECONDS = 60.0
 
-from psserver.routing import (BULK_PUSH, BULK_READ, GATHER, HELLO, IDENTITY,  # noqa: E402
-                              PUSH_SPARSE, REPLICATE, RUN_CLOSURE, SHM_PUSH, SHM_READ)
-#: (service, method) of each call, for the metrics.
-METHOD_NAMES = {SHM_READ: ("pstrain.v1.SharedMemory", "Read"),
-                SHM_PUSH: ("pstrain.v1.SharedMemory", "Push"),
-                GATHER: ("pstrain.v1.ParameterServer", "Gather"),
-                PUSH_SPARSE: ("pstrain.v1.ParameterServer", "PushSparse"),
-                RUN_CLOSURE: ("pstrain.v1.Worker", "RunClosure"),
-                BULK_READ: ("pstrain.v1.ParameterServerBulk", "Read"),
-                BULK_PUSH: ("pstrain.v1.ParameterServerBulk", "Push"),
-                REPLICATE: ("pstrain.v1.ParameterServer", "Replicate")}
+#: The frame protocol's own calls; the others are psserver/methods.py's ids.
+HELLO, IDENTITY = 0, 8
 #: Bodies above this are sent apart from their frame header (no joined copy).
 _JOIN_BYTES = 64 << 10
 #: Frames up to this size are received into one buffer made at once.
@@ -502,13 +494,13 @@ class IpcServer:
 
     def _metrics_of(self, method: int):
         """The method's metric children (grpc_type "unix" or "tcp"), or None without metrics."""
-        if self._metrics is None or method not in METHOD_NAMES:
+        if self._metrics is None or method not in BY_ID:
             return None
         mm = self._method_metrics.get(method)
         if mm is None:
             from psserver.metrics import _MethodMetrics
             mm = self._method_metrics[method] = _MethodMetrics(
-                self._metrics, (self.kind, *METHOD_NAMES[method]))
+                self._metrics, (self.kind, BY_ID[method].service, BY_ID[method].name))
         return mm
 
 

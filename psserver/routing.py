@@ -26,8 +26,9 @@ guess used to put 1.37 MB reads through shared memory with gRPC around them,
 (``PSTRAIN_SHM=0``, ``shared_memory=False``) plans as if on another host;
 ``PSTRAIN_DATA=0`` (``data_port=False``) keeps it off the data port.
 
-Per call (``carries``): the sockets serve the methods in ``SOCKET_METHODS``;
-every other call, and dense tensors above the stream threshold, take gRPC.
+Per call (``carries``): the sockets serve the calls of psserver/methods.py
+(the shared-memory ones the Unix socket only); every other call, and dense
+tensors above the stream threshold, take gRPC.
 
 This module is pure (no grpc, no sockets): its decisions are tested as a
 table (tests/test_routing.py).
@@ -38,12 +39,6 @@ import dataclasses
 import functools
 import os
 
-#: Calls the sockets carry (psserver/ipc.py method ids). Both sockets serve
-#: the same calls; the shared-memory ones only on the Unix socket.
-(HELLO, SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH,
- IDENTITY, REPLICATE) = range(10)
-SHM_METHODS = frozenset({SHM_READ, SHM_PUSH})
-PS_SOCKET_METHODS = frozenset({BULK_READ, BULK_PUSH, GATHER, PUSH_SPARSE, REPLICATE})
 UNIX, TCP, GRPC = "unix", "tcp", ""
 
 
@@ -117,15 +112,12 @@ def plan(mine: Host, offer: Offer, *, same_host_ok: bool = True,
     return Plan(GRPC, False, "no socket offered or allowed: gRPC")
 
 
-def carries(p: Plan, method: int) -> str:
-    """The socket that carries ``method`` under plan ``p`` (GRPC: none)."""
-    if p.socket == GRPC:
+def carries(p: Plan, shm: bool = False) -> str:
+    """The socket that carries a socket call (psserver/methods.py) under plan
+    ``p``; ``shm``: the call needs shared memory. GRPC: none does."""
+    if shm and not p.shm:
         return GRPC
-    if method in SHM_METHODS:
-        return UNIX if p.shm else GRPC
-    if method == RUN_CLOSURE or method in PS_SOCKET_METHODS:
-        return p.socket
-    return GRPC
+    return p.socket
 
 
 def announce(msg, *, ipc_socket: str = "", shared_memory: bool = False,

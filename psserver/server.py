@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import ipc, metrics, rpc, shm
+from psserver import ipc, methods, metrics, rpc, shm
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
@@ -245,30 +245,23 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
                          tls=tls, max_message_bytes=max_message_bytes,
                          max_workers=max_workers, thread_name_prefix="psserver-rpc",
                          rpc_metrics=rpc_metrics)
-    # Both sockets serve the same calls, with the servicer's own handlers
-    # (psserver/routing.py: which calls, and which client takes which socket);
-    # the shared-memory ones only where the segments can be: the Unix socket.
-    calls = {
-        ipc.BULK_READ: (ps_pb2.ReadRequest.FromString, servicer.bulk_read),
-        ipc.BULK_PUSH: (None, servicer.bulk_push),
-        ipc.GATHER: (ps_pb2.GatherRequest.FromString, servicer.Gather),
-        ipc.PUSH_SPARSE: (ps_pb2.PushSparseRequest.FromString, servicer.PushSparse),
-        ipc.REPLICATE: (ps_pb2.ReplicateRequest.FromString, servicer.Replicate),
-    }
+    # Both sockets serve the calls of psserver/methods.py with the servicer's
+    # own handlers; the shared-memory ones only where the segments can be: the
+    # Unix socket. (Which client takes which socket: psserver/routing.py.)
+    services = {methods.PS: servicer, methods.BULK: servicer,
+                methods.SHM: servicer.shared_memory}
     identity = f"{PROTOCOL_VERSION}:{servicer.server_id}"
     if shm.available() and ipc.available():
         shared = servicer.shared_memory
-        handle.ipc = ipc.IpcServer({
-            **calls,
-            ipc.SHM_READ: (ps_pb2.ShmReadRequest.FromString, shared.Read),
-            ipc.SHM_PUSH: (ps_pb2.ShmPushRequest.FromString, shared.Push),
-        }, token, rpc_metrics, identity=identity)
+        handle.ipc = ipc.IpcServer(methods.socket_handlers(services, shm=True), token,
+                                   rpc_metrics, identity=identity)
         shared.ipc_socket = handle.ipc.name
     if data_port is not None:
         host = address.rsplit(":", 1)[0]
         try:
             handle.data = ipc.IpcServer(
-                calls, token, rpc_metrics, tcp=(host, data_port),
+                methods.socket_handlers(services, shm=False), token, rpc_metrics,
+                tcp=(host, data_port),
                 ssl_context=tls.ssl_server_context() if tls is not None else None,
                 identity=identity)
         except OSError as exc:

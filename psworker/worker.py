@@ -29,7 +29,7 @@ from coordinator.replica import replica_scope
 from psserver.contract import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc, routing, rpc
+from psserver import ipc, methods, routing, rpc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, InvalidArgument,
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
               "for a free one", file=sys.stderr)
         return 2
-    closures = {ipc.RUN_CLOSURE: (worker_pb2.ClosureRequest.FromString,
-                                  handle.servicer.RunClosure)}
+    closures = methods.socket_handlers({methods.WORKER: handle.servicer}, shm=False)
     identity = f"{PROTOCOL_VERSION}:{handle.servicer.worker_id}"
     if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)
         handle.ipc = ipc.IpcServer(closures, token, rpc_metrics, identity=identity)

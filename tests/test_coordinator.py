@@ -264,7 +264,7 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
     gRPC and over the worker's data port with an empty-token hello. A
     tokenless worker refuses both (and functions by value, and datasets);
     nothing runs."""
-    from psserver import ipc
+    from psserver import ipc, methods
 
     marker = tmp_path / "pwned"
     w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": ""})
@@ -289,7 +289,7 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
         data = ipc.IpcClient("", None, w.address, tcp=("127.0.0.1", info.data_port))
         try:
             with pytest.raises(PSError) as caught:
-                data.call(ipc.RUN_CLOSURE, attack.SerializeToString(), 10)
+                data.call(methods.RUN_CLOSURE.id, attack.SerializeToString(), 10)
             assert caught.value.code == Code.PERMISSION_DENIED
         finally:
             data.close()

@@ -20,6 +20,7 @@ from coordinator import variables as V
 from protos.pstrain.v1 import ps_pb2
 from psserver.contract import Code
 from psserver import ipc, shm, wire
+from psserver import methods
 from psserver.client import PSClient
 from psserver.errors import PSError, Unauthenticated, Unavailable
 from psserver.process import start_task
@@ -123,11 +124,11 @@ def test_data_port_checks_the_token_and_refuses_bad_calls_changing_nothing(start
                wire.encode_push_request([("nope", np.ones(3, np.float32), 0)], b"")]
         for request in bad:
             with pytest.raises(PSError) as info:
-                raw.call(ipc.BULK_PUSH, request, 5)
+                raw.call(methods.BULK_PUSH.id, request, 5)
             assert info.value.code in (Code.INVALID_ARGUMENT,
                                        Code.NOT_FOUND)
         with pytest.raises(PSError) as info:   # no such method on a parameter server
-            raw.call(ipc.RUN_CLOSURE, b"", 5)
+            raw.call(methods.RUN_CLOSURE.id, b"", 5)
         assert info.value.code == Code.UNIMPLEMENTED
         raw.close()
         # Nothing was applied, and the port still serves.
@@ -363,11 +364,11 @@ def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
     import time
     monkeypatch.setattr(ipc, "REPLY_SECONDS", 1.0)
     big = b"x" * (64 << 20)   # far more than the socket buffers hold
-    server = ipc.IpcServer({ipc.GATHER: (None, lambda request, context: big)}, "t",
+    server = ipc.IpcServer({methods.GATHER.id: (None, lambda request, context: big)}, "t",
                            tcp=("127.0.0.1", 0)).start()
     try:
         client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
-        pending = client.send(ipc.GATHER, b"", 30)   # sent; the reply is never read
+        pending = client.send(methods.GATHER.id, b"", 30)   # sent; the reply is never read
         deadline = time.monotonic() + 10
         while not server._running and time.monotonic() < deadline:   # the call started
             time.sleep(0.01)

@@ -30,6 +30,7 @@ import pytest
 
 from protos.pstrain.v1 import ps_pb2
 from psserver import ipc
+from psserver import methods
 from psserver import tensor as T
 from psserver.client import PSClient
 from psserver.errors import PSError, grpc_code
@@ -267,13 +268,13 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
     target = Target(start_ps, str(tmp_path))
     rng = random.Random(SEED + (path == "local"))
     templ = templates(str(tmp_path))
-    by_id = {ipc.GATHER: templ["ParameterServer/Gather"],
-             ipc.PUSH_SPARSE: templ["ParameterServer/PushSparse"],
-             ipc.BULK_READ: templ["ParameterServerBulk/Read"],
-             ipc.BULK_PUSH: templ["ParameterServerBulk/Push"],
-             ipc.REPLICATE: templ["ParameterServer/Replicate"],
-             ipc.SHM_READ: templ["SharedMemory/Read"], ipc.SHM_PUSH: templ["SharedMemory/Push"],
-             ipc.RUN_CLOSURE: [ps_pb2.ListRequest()], 99: [ps_pb2.ListRequest()]}
+    by_id = {methods.GATHER.id: templ["ParameterServer/Gather"],
+             methods.PUSH_SPARSE.id: templ["ParameterServer/PushSparse"],
+             methods.BULK_READ.id: templ["ParameterServerBulk/Read"],
+             methods.BULK_PUSH.id: templ["ParameterServerBulk/Push"],
+             methods.REPLICATE.id: templ["ParameterServer/Replicate"],
+             methods.SHM_READ.id: templ["SharedMemory/Read"], methods.SHM_PUSH.id: templ["SharedMemory/Push"],
+             methods.RUN_CLOSURE.id: [ps_pb2.ListRequest()], 99: [ps_pb2.ListRequest()]}
     if path == "data":
         port = target.good.server_info().data_port
         make = lambda: ipc.IpcClient("", TOKEN, target.ps.address,   # noqa: E731

@@ -130,7 +130,7 @@ def test_socket_frames_take_memory_as_bytes_arrive_and_give_it_back(start_ps):
     import socket
     import struct
 
-    from psserver import ipc
+    from psserver import ipc, methods
 
     ps = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN})
     with PSClient(ps.address, token=TOKEN) as c:
@@ -143,7 +143,7 @@ def test_socket_frames_take_memory_as_bytes_arrive_and_give_it_back(start_ps):
             conns.append(s)
             s.sendall(struct.pack("<BId", ipc.HELLO, len(TOKEN), 0.0) + TOKEN.encode())
             assert s.recv(5) == struct.pack("<BI", 0, 0)   # greeted
-            s.sendall(struct.pack("<BId", ipc.BULK_PUSH, 64 << 20, 0.0) + bytes((1 << 20) + 1))
+            s.sendall(struct.pack("<BId", methods.BULK_PUSH.id, 64 << 20, 0.0) + bytes((1 << 20) + 1))
         # The server has read them (a call on another connection is served after).
         with PSClient(ps.address, token=TOKEN) as c:
             c.list_variables()

@@ -51,26 +51,40 @@ def test_a_client_that_cannot_read_proc_is_never_same_host():
 
 
 CALLS = [
-    # plan, method -> socket
-    (R.Plan(R.UNIX, True), R.SHM_READ, R.UNIX),
-    (R.Plan(R.UNIX, True), R.BULK_PUSH, R.UNIX),
-    (R.Plan(R.UNIX, False), R.SHM_PUSH, R.GRPC),
-    (R.Plan(R.UNIX, False), R.BULK_READ, R.UNIX),
-    (R.Plan(R.TCP), R.SHM_READ, R.GRPC),
-    (R.Plan(R.TCP), R.BULK_READ, R.TCP),
-    (R.Plan(R.TCP), R.GATHER, R.TCP),
-    (R.Plan(R.TCP), R.PUSH_SPARSE, R.TCP),
-    (R.Plan(R.TCP), R.REPLICATE, R.TCP),
-    (R.Plan(R.TCP), R.RUN_CLOSURE, R.TCP),
-    (R.Plan(R.TCP), R.HELLO, R.GRPC),
-    (R.Plan(), R.BULK_READ, R.GRPC),
-    (R.Plan(), R.RUN_CLOSURE, R.GRPC),
+    # plan, the call needs shared memory -> socket
+    (R.Plan(R.UNIX, True), True, R.UNIX),
+    (R.Plan(R.UNIX, True), False, R.UNIX),
+    (R.Plan(R.UNIX, False), True, R.GRPC),
+    (R.Plan(R.UNIX, False), False, R.UNIX),
+    (R.Plan(R.TCP), True, R.GRPC),
+    (R.Plan(R.TCP), False, R.TCP),
+    (R.Plan(), True, R.GRPC),
+    (R.Plan(), False, R.GRPC),
 ]
 
 
-@pytest.mark.parametrize("p, method, expected", CALLS)
-def test_carries(p, method, expected):
-    assert R.carries(p, method) == expected
+@pytest.mark.parametrize("p, shm, expected", CALLS)
+def test_carries(p, shm, expected):
+    assert R.carries(p, shm) == expected
+
+
+def test_the_socket_calls_are_one_table():
+    """Ids unique and clear of the frame protocol's own (hello, identity);
+    the shared-memory calls are SharedMemory's; each names a handler."""
+    from psserver import ipc, methods
+    ids = [m.id for m in methods.ALL]
+    assert len(set(ids)) == len(ids) and not {ipc.HELLO, ipc.IDENTITY} & set(ids)
+    assert all(0 < i < 256 for i in ids)
+    assert {m.name for m in methods.ALL if m.shm} == {"Read", "Push"}
+    assert all(m.service == methods.SHM for m in methods.ALL if m.shm)
+    from protos.pstrain.v1 import ps_pb2, worker_pb2
+    services = {**ps_pb2.DESCRIPTOR.services_by_name, **worker_pb2.DESCRIPTOR.services_by_name}
+    for m in methods.ALL:   # each stands for a real gRPC method of the same messages
+        desc = services[m.service.rsplit(".", 1)[1]].methods_by_name[m.name]
+        if m.request is not None:
+            assert desc.input_type.full_name == m.request.DESCRIPTOR.full_name, m
+        if m.reply is not None:
+            assert desc.output_type.full_name == m.reply.DESCRIPTOR.full_name, m
 
 
 def test_this_host_reads_this_process():

@@ -368,7 +368,7 @@ def _ipc_name(address: str, token: str | None = None) -> str:
 
 
 def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
-    from psserver import ipc
+    from psserver import ipc, methods
     from psserver.errors import Unauthenticated
     from psserver.server import TOKEN_ENV
     ps = start_ps(env={TOKEN_ENV: "right"})
@@ -392,10 +392,10 @@ def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
     gather = ps_pb2.GatherRequest(name="nope", ids=ps_pb2.Tensor(
         dtype="int64", shape=[1], data=np.zeros(1, np.int64).tobytes()))
     with pytest.raises(PSError) as info:   # a well-formed call: the servicer's answer
-        client.call(ipc.GATHER, gather.SerializeToString(), 5)
+        client.call(methods.GATHER.id, gather.SerializeToString(), 5)
     assert info.value.code == Code.NOT_FOUND
     with pytest.raises(PSError) as info:   # an unparsable request
-        client.call(ipc.PUSH_SPARSE, b"\xff\xff\xff", 5)
+        client.call(methods.PUSH_SPARSE.id, b"\xff\xff\xff", 5)
     assert info.value.code == Code.INVALID_ARGUMENT
     with pytest.raises(PSError) as info:   # no such method
         client.call(77, b"", 5)
