@@ -59,7 +59,7 @@ BY_ID: dict[int, Method] = {m.id: m for m in ALL}
 
 def socket_handlers(servicers: Mapping[str, object], *, shm: bool
                     ) -> dict[int, tuple[Callable | None, Callable]]:
-    """{id: (parse, handler)} for psserver/ipc.IpcServer: every Method of a
+    """{id: (parse, handler)} for psserver/ipc_server.IpcServer: every Method of a
     service in ``servicers`` (service name -> the object whose attribute
     handles it); the shared-memory ones only with ``shm``."""
     out = {}

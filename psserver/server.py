@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import ipc, methods, metrics, rpc, shm
+from psserver import ipc, ipc_server, methods, metrics, rpc, shm
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
@@ -134,8 +134,8 @@ class ServerHandle:
                  health_servicer: health.HealthServicer, service_names: tuple[str, ...]):
         self.server, self.port, self.servicer = server, port, servicer
         self.health, self.service_names = health_servicer, service_names
-        self.ipc = None    # an ipc.IpcServer beside gRPC (same host: a Unix socket)
-        self.data = None   # an ipc.IpcServer on the data port (TCP), or None
+        self.ipc = None    # an ipc_server.IpcServer beside gRPC (same host: a Unix socket)
+        self.data = None   # an ipc_server.IpcServer on the data port (TCP), or None
 
     @property
     def store(self) -> VariableStore:
@@ -253,13 +253,13 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     identity = f"{PROTOCOL_VERSION}:{servicer.server_id}"
     if shm.available() and ipc.available():
         shared = servicer.shared_memory
-        handle.ipc = ipc.IpcServer(methods.socket_handlers(services, shm=True), token,
+        handle.ipc = ipc_server.IpcServer(methods.socket_handlers(services, shm=True), token,
                                    rpc_metrics, identity=identity)
         shared.ipc_socket = handle.ipc.name
     if data_port is not None:
         host = address.rsplit(":", 1)[0]
         try:
-            handle.data = ipc.IpcServer(
+            handle.data = ipc_server.IpcServer(
                 methods.socket_handlers(services, shm=False), token, rpc_metrics,
                 tcp=(host, data_port),
                 ssl_context=tls.ssl_server_context() if tls is not None else None,

@@ -29,7 +29,7 @@ from coordinator.replica import replica_scope
 from psserver.contract import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc, methods, routing, rpc
+from psserver import ipc, ipc_server, methods, routing, rpc
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, InvalidArgument,
@@ -231,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     closures = methods.socket_handlers({methods.WORKER: handle.servicer}, shm=False)
     identity = f"{PROTOCOL_VERSION}:{handle.servicer.worker_id}"
     if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)
-        handle.ipc = ipc.IpcServer(closures, token, rpc_metrics, identity=identity)
+        handle.ipc = ipc_server.IpcServer(closures, token, rpc_metrics, identity=identity)
         handle.servicer.ipc_socket = handle.ipc.name
     data_port = data_port_of(args)
     if data_port is not None:   # and a coordinator on another host, here
         try:
-            handle.data = ipc.IpcServer(
+            handle.data = ipc_server.IpcServer(
                 closures, token, rpc_metrics, tcp=(args.host, data_port),
                 ssl_context=tls.ssl_server_context() if tls is not None else None,
                 identity=identity)

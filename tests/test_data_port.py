@@ -19,7 +19,7 @@ from coordinator import push_gradients
 from coordinator import variables as V
 from protos.pstrain.v1 import ps_pb2
 from psserver.contract import Code
-from psserver import ipc, shm, wire
+from psserver import ipc, ipc_server, shm, wire
 from psserver import methods
 from psserver.client import PSClient
 from psserver.errors import PSError, Unauthenticated, Unavailable
@@ -362,9 +362,9 @@ def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
     # In-process server on a real socket: the reply's send times out (SO_SNDTIMEO),
     # the connection is closed and a graceful stop does not wait for it.
     import time
-    monkeypatch.setattr(ipc, "REPLY_SECONDS", 1.0)
+    monkeypatch.setattr(ipc_server, "REPLY_SECONDS", 1.0)
     big = b"x" * (64 << 20)   # far more than the socket buffers hold
-    server = ipc.IpcServer({methods.GATHER.id: (None, lambda request, context: big)}, "t",
+    server = ipc_server.IpcServer({methods.GATHER.id: (None, lambda request, context: big)}, "t",
                            tcp=("127.0.0.1", 0)).start()
     try:
         client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
