@@ -1,0 +1,243 @@
+"""Closures and their futures, as TensorFlow's cluster_coordinator.py has them.
+
+* ``RemoteValue`` / ``StepRemoteValue``  what ``schedule`` returns (a sync step's
+  combines its replicas' results).
+* ``Closure``        one scheduled call: function, arguments, its RemoteValue.
+* ``_ClosureQueue``  queued and in-flight closures and the first error.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from coordinator import metrics as _metrics
+from coordinator.errors import ClosureCancelled
+from protos.pstrain.v1 import ps_pb2, worker_pb2
+from psserver.contract import SyncSpec
+
+log = logging.getLogger("coordinator")
+
+#: Bound on queued closures: ``schedule`` blocks beyond it, so a fast loop of
+#: schedule() calls cannot hold unbounded arguments in memory (TF uses 256 per
+#: worker for the same reason).
+_CLOSURE_QUEUE_MAX_SIZE = 256 * 8
+
+
+# -- futures -------------------------------------------------------------------------
+class RemoteValueStatus(enum.Enum):
+    """PENDING -> READY (value set) | FAILED (error set) | CANCELLED."""
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class RemoteValue:
+    """The future result of a scheduled function."""
+
+    def __init__(self):
+        self._done = threading.Event()   # set once, on leaving PENDING
+        self._status = RemoteValueStatus.PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def status(self) -> RemoteValueStatus:
+        return self._status
+
+    def _set_value(self, value) -> None:
+        self._value, self._status = value, RemoteValueStatus.READY
+        self._done.set()
+        _metrics.closure_result(abandoned=value is ABANDONED)
+
+    def _set_error(self, error: BaseException, cancelled: bool = False) -> None:
+        self._error = error
+        self._status = RemoteValueStatus.CANCELLED if cancelled else RemoteValueStatus.FAILED
+        self._done.set()
+        _metrics.closure_error(error, cancelled)
+
+    def fetch(self, timeout: float | None = None):
+        """Block until the function has run; return its value or raise its error.
+
+        Raises StepFunctionError, ClosureCancelled, WorkerCallError, or
+        TimeoutError when ``timeout`` seconds pass first.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the closure did not finish within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+#: The value of a sync replica that was abandoned (its worker died).
+ABANDONED = object()
+
+
+def reduce_mean(values: list):
+    """Mean of numbers or arrays, per key for dicts; other values as a list."""
+    if not values:
+        return None
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: reduce_mean([v[k] for v in values]) for k in first}
+    try:
+        import numpy as np
+        out = np.mean(np.stack([np.asarray(v, dtype=float) for v in values]), axis=0)
+        return float(out) if out.ndim == 0 else out
+    except (TypeError, ValueError):
+        return list(values)
+
+
+class StepRemoteValue(RemoteValue):
+    """The future of a sync step: done when all its replicas are.
+
+    ``fetch()`` returns the mean of the replicas' results (numbers, arrays,
+    or dicts of them, per key; other results as a list), over the replicas
+    that ran; None if every replica was abandoned. It raises the first
+    replica error. ``replicas`` holds the per-replica RemoteValues.
+    """
+
+    def __init__(self, replicas: list[RemoteValue]):
+        super().__init__()
+        self.replicas = replicas
+
+    @property
+    def status(self) -> RemoteValueStatus:
+        states = [r.status for r in self.replicas]
+        for st in (RemoteValueStatus.FAILED, RemoteValueStatus.CANCELLED, RemoteValueStatus.PENDING):
+            if st in states:
+                return st
+        return RemoteValueStatus.READY
+
+    def done(self) -> bool:
+        return all(r.done() for r in self.replicas)
+
+    def fetch(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        values = []
+        for r in self.replicas:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            values.append(r.fetch(left))
+        return reduce_mean([v for v in values if v is not ABANDONED])
+
+
+class Closure:
+    _ids = itertools.count()
+
+    def __init__(self, fn_ref: worker_pb2.FunctionRef, args_payload: bytes, name: str,
+                 sync: SyncSpec | None = None):
+        self.closure_id = f"{next(self._ids)}"
+        self.fn_ref, self.args_payload, self.name = fn_ref, args_payload, name
+        self.sync = sync
+        self.remote_value = RemoteValue()
+        self.attempts = 0
+
+    def request(self, worker_id: str) -> worker_pb2.ClosureRequest:
+        req = worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
+                                        args=self.args_payload, worker_id=worker_id)
+        if self.sync is not None:
+            req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(self.sync)))
+        return req
+
+
+# -- the queue -------------------------------------------------------------------------
+class _ClosureQueue:
+    def __init__(self, max_size: int = _CLOSURE_QUEUE_MAX_SIZE):
+        self._lock = threading.Lock()
+        self._queue: collections.deque[Closure] = collections.deque()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._max_size = max_size
+        # Signalled when a closure is queued (workers wait on it).
+        self._closures_queued = threading.Condition(self._lock)
+        # Signalled when the queue has room again (schedule waits on it).
+        self._free_slot = threading.Condition(self._lock)
+        # Signalled when queued+inflight may have reached 0 or an error arrived (join).
+        self._stop_waiting = threading.Condition(self._lock)
+
+    def put(self, closure: Closure) -> None:
+        with self._lock:
+            self._free_slot.wait_for(lambda: len(self._queue) < self._max_size)
+            self._queue.append(closure)
+            self._closures_queued.notify()
+        _metrics.CLOSURES_SCHEDULED.inc()
+
+    def get(self, timeout: float) -> Closure | None:
+        with self._lock:
+            if not self._closures_queued.wait_for(lambda: self._queue, timeout):
+                return None
+            closure = self._queue.popleft()
+            self._inflight += 1
+            self._free_slot.notify()
+            return closure
+
+    def put_back(self, closure: Closure) -> None:
+        """Re-queue an in-flight closure whose worker failed (at the front)."""
+        with self._lock:
+            self._inflight -= 1
+            if self._error is not None:
+                closure.remote_value._set_error(ClosureCancelled(
+                    f"closure {closure.name} cancelled: an earlier closure failed"), True)
+                self._stop_waiting.notify_all()
+            else:
+                self._queue.appendleft(closure)
+                self._closures_queued.notify()
+                _metrics.CLOSURES_RETRIED.inc()
+
+    def mark_finished(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if not self._queue and self._inflight == 0:   # what wait() waits for: a
+                self._stop_waiting.notify_all()           # join wakes once, not per closure
+
+    def mark_failed(self, error: BaseException) -> None:
+        """A closure failed: keep the first error, cancel everything queued."""
+        with self._lock:
+            self._inflight -= 1
+            if self._error is None:
+                self._error = error
+            while self._queue:
+                c = self._queue.popleft()
+                c.remote_value._set_error(ClosureCancelled(
+                    f"closure {c.name} cancelled: an earlier closure failed with "
+                    f"{type(error).__name__}"), True)
+            self._free_slot.notify_all()
+            self._stop_waiting.notify_all()
+
+    def mark_failed_external(self, error: BaseException) -> None:
+        """An error outside any closure (a server that never came back)."""
+        with self._lock:
+            self._inflight += 1
+        self.mark_failed(error)
+
+    def _raise_error_locked(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight; raise the first error."""
+        with self._lock:
+            ok = self._stop_waiting.wait_for(
+                lambda: self._error is not None or (not self._queue and self._inflight == 0),
+                timeout)
+            self._raise_error_locked()
+            return ok
+
+    def done(self) -> bool:
+        with self._lock:
+            self._raise_error_locked()
+            return not self._queue and self._inflight == 0
+
+    def counts(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._queue), self._inflight

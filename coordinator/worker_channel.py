@@ -1,0 +1,290 @@
+"""The worker channel: one thread per worker task, feeding it closures.
+
+* ``_WorkerThread``  connects to its worker (GetWorkerInfo; a restarted worker
+  is noticed by its id and gets its datasets again), sends closures over the
+  route psserver/routing.py plans from what the worker announced (its Unix
+  socket, its data port, or gRPC), and decides what a failure means: the
+  worker gone (re-queue, or abandon a sync replica) or the step failed.
+* ``_Membership``    keeps one _WorkerThread per worker in the cluster spec.
+
+Every failure arrives as a typed error (psserver.contract), whichever way
+the call went.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import grpc
+
+from coordinator import serialization
+from coordinator.errors import StepFunctionError, WorkerCallError
+from coordinator.closures import ABANDONED, Closure
+from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver import ipc, methods, routing
+from psserver.contract import Code
+from psserver.errors import PSError, from_rpc_error
+from psserver.tls import make_channel
+from psserver.server import grpc_options
+from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
+
+if TYPE_CHECKING:
+    from coordinator.coordinator import ClusterCoordinator
+
+log = logging.getLogger("coordinator")
+
+#: Codes that mean "the worker is gone, unreachable, or restarted" (ABORTED:
+#: the fencing worker_id did not match), not "the step failed": the closure is
+#: re-queued and the worker reconnected.
+_WORKER_FAILURE_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.ABORTED)
+#: Deadline of the calls that check a worker is up and create its datasets.
+_CONTROL_TIMEOUT = 30.0
+
+
+# -- one thread per worker ---------------------------------------------------------------
+class _WorkerThread:
+    """Feeds closures to one worker task; reconnects when it fails."""
+
+    def __init__(self, coord: "ClusterCoordinator", address: str, index: int):
+        self.coord, self.address, self.index = coord, address, index
+        self.alive = False            # answered its last call
+        self.clock = 0                # closures completed (bounded mode's clock)
+        self.worker_id: str | None = None
+        self._created: set[str] = set()   # datasets made on the current worker process
+        self._stop = threading.Event()
+        self._channel = make_channel(address, grpc_options(DEFAULT_MAX_MESSAGE_BYTES),
+                                     coord.strategy.tls)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._ipc: ipc.IpcClient | None = None   # the worker's local socket, same host
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"WorkerClosureProcessingLoop-{index}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        self._channel.close()
+        if self._ipc is not None:
+            self._ipc.close()
+
+    def _kw(self, timeout):
+        return {"timeout": timeout, "metadata": self.coord._metadata}
+
+    def _connect(self) -> bool:
+        """Check the worker is up; after a (re)start, create its datasets."""
+        try:
+            info = self._stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(),
+                                            wait_for_ready=True, **self._kw(1.0))
+        except grpc.RpcError:
+            return False
+        if info.worker_id != self.worker_id:
+            if self.worker_id is not None:
+                log.warning("worker %s restarted; re-creating its datasets", self.address)
+            self.worker_id, self._created = info.worker_id, set(info.datasets)
+            self._use_socket(None, "")   # the old process's sockets are gone
+        if self._ipc is None:
+            self._use_socket(routing.offer_of(info.host),
+                             f"{info.protocol_version}:{info.worker_id}")
+        # A worker that (re)joins starts at the slowest live clock, not behind it.
+        self.clock = max(self.clock, self.coord._min_clock(exclude=self))
+        self.alive = True
+        self.coord._clocks_changed()
+        return True
+
+    def _use_socket(self, offer: routing.Offer | None, identity: str) -> None:
+        """Send closures over the socket psserver/routing.py picks from what
+        the worker announced (its local socket on this host and network
+        namespace, else its data port; PSTRAIN_DATA=0: not), else over gRPC."""
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
+        if offer is None:
+            return
+        strategy = self.coord.strategy
+        p = routing.plan(routing.this_host(), offer, same_host_ok=ipc.available(),
+                         data_ok=ipc.data_available())
+        try:
+            if p.socket == routing.UNIX:
+                client = ipc.IpcClient(offer.ipc_socket, strategy.token, self.address,
+                                       max_free=1, identity=identity)
+            elif p.socket == routing.TCP:
+                host = self.address.rsplit(":", 1)[0]
+                client = ipc.IpcClient(
+                    "", strategy.token, self.address, max_free=1, tcp=(host, offer.data_port),
+                    ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
+                    identity=identity)
+            else:
+                return
+            client.connect()
+        except (OSError, ValueError, PSError) as exc:   # a firewall, a NetworkPolicy
+            log.warning("worker %s: cannot use its %s (%s); sending closures over gRPC",
+                        self.address, "local socket" if p.socket == routing.UNIX
+                        else "data port", exc)
+            return
+        self._ipc = client
+
+    def _grpc(self, method, request, timeout):
+        try:
+            return method(request, **self._kw(timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from exc
+
+    def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
+        """One closure over the worker's socket, or gRPC; a failure raises its
+        typed error (psserver.contract), whichever way it went."""
+        timeout = self.coord.closure_timeout
+        if self._ipc is None:
+            return self._grpc(self._stub.RunClosure, request, timeout)
+        try:
+            return worker_pb2.ClosureReply.FromString(
+                self._ipc.call(methods.RUN_CLOSURE.id, request.SerializeToString(), timeout))
+        except PSError as exc:
+            if getattr(exc, "not_sent", False) or exc.code in _WORKER_FAILURE_CODES:
+                self._ipc.close()
+                self._ipc = None
+            if getattr(exc, "not_sent", False):   # never reached the worker: gRPC is safe
+                return self._grpc(self._stub.RunClosure, request, timeout)
+            raise
+
+    def _ensure_datasets(self) -> None:
+        for ds_id, fn_ref in list(self.coord._datasets.items()):
+            if ds_id not in self._created:
+                n, i = self.coord._worker_count_and_index(self.address)
+                self._grpc(self._stub.CreateDataset, worker_pb2.CreateDatasetRequest(
+                    dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
+                    worker_id=self.worker_id), _CONTROL_TIMEOUT)
+                self._created.add(ds_id)
+
+    def _loop(self) -> None:
+        queue = self.coord._queue
+        backoff = 0.05
+        while not self._stop.is_set():
+            if not self.alive:
+                if not self._connect():
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                backoff = 0.05
+            if not self.coord._may_start(self):
+                continue
+            closure = queue.get(timeout=0.2)
+            if closure is None:
+                continue
+            self.coord._record_start(self)
+            self._run(closure)
+
+    def _run(self, closure: Closure) -> None:
+        queue = self.coord._queue
+        closure.attempts += 1
+        try:
+            self._ensure_datasets()
+            reply = self._run_closure(closure.request(self.worker_id))
+        except PSError as exc:
+            if exc.code in _WORKER_FAILURE_CODES:
+                self.alive = False
+                if closure.sync is not None:
+                    self._abandon(closure, exc.code.name)
+                else:
+                    log.warning("worker %s failed running closure %s (%s); re-queueing it",
+                                self.address, closure.name, exc.code.name)
+                    queue.put_back(closure)
+                return
+            err = WorkerCallError(f"worker {self.address} refused closure {closure.name}: "
+                                  f"{exc.code.name}: {exc}")
+            closure.remote_value._set_error(err)
+            queue.mark_failed(err)
+            return
+        if reply.WhichOneof("outcome") == "error":
+            e = reply.error
+            if e.ps_address and closure.sync is None:
+                # Said once per server: the recovery reports on the server itself.
+                log.log(logging.DEBUG if self.coord._recovery.active(e.ps_address)
+                        else logging.WARNING,
+                        "closure %s failed on parameter server %s (%s); checking that "
+                        "server before deciding", closure.name, e.ps_address, e.ps_code)
+                err = StepFunctionError(e.type, e.message, e.traceback, self.address)
+                self.coord._recovery.report(e.ps_address, closure, e.ps_code, err)
+                return
+            err = StepFunctionError(e.type, e.message, e.traceback, self.address)
+            closure.remote_value._set_error(err)
+            queue.mark_failed(err)
+            return
+        try:
+            value = serialization.loads(reply.result, trusted=True)
+        except Exception as exc:   # e.g. a result type the coordinator cannot import
+            err = WorkerCallError(f"cannot unpickle the result of closure {closure.name}: "
+                                  f"{type(exc).__name__}: {exc}")
+            closure.remote_value._set_error(err)
+            queue.mark_failed(err)
+            return
+        closure.remote_value._set_value(value)
+        self.clock += 1
+        self.coord._clocks_changed()
+        queue.mark_finished()
+
+    def _abandon(self, closure: Closure, why: str) -> None:
+        """A sync replica's worker failed: the step goes on without it."""
+        sync = closure.sync
+        log.warning("worker %s failed running replica %d of sync step %d (%s); abandoning "
+                    "the replica so the step completes with the others",
+                    self.address, sync.replica, sync.step, why)
+        try:
+            self.coord.strategy.abandon(sync.step, sync.replica)
+        except PSError as exc:
+            err = WorkerCallError(f"could not abandon replica {sync.replica} of step "
+                                  f"{sync.step} on the parameter servers: {exc}")
+            closure.remote_value._set_error(err)
+            self.coord._queue.mark_failed(err)
+            return
+        closure.remote_value._set_value(ABANDONED)
+        self.coord._queue.mark_finished()
+
+
+class _Membership:
+    """Keeps one _WorkerThread per worker address in the cluster spec."""
+
+    def __init__(self, coord: "ClusterCoordinator", interval: float):
+        self.coord, self.interval = coord, interval
+        self.workers: dict[str, _WorkerThread] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._count = itertools.count()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ClusterMembership")
+        self._thread.start()
+
+    def refresh(self) -> None:
+        try:
+            spec = self.coord.strategy.cluster_resolver.cluster_spec()
+        except Exception as exc:   # a rewritten config file may be briefly invalid
+            log.warning("cannot read the cluster spec: %s", exc)
+            return
+        wanted = list(spec.worker)
+        with self._lock:
+            for addr in wanted:
+                if addr not in self.workers:
+                    w = self.workers[addr] = _WorkerThread(self.coord, addr, next(self._count))
+                    w.start()
+            for addr in [a for a in self.workers if a not in wanted]:
+                log.warning("worker %s left the cluster spec", addr)
+                self.workers.pop(addr).stop()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            w.stop()
+        for w in workers:
+            w.join()
