@@ -1,0 +1,191 @@
+"""`coordinator checkpoint save|restore|list`: checkpoints from outside the
+training program, through coordinator/checkpoint.py's one implementation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+from coordinator import checkpoint as C
+from coordinator.cluster_spec import ClusterConfigError
+from coordinator.cli_ops import (EXIT_OK, OperatorError, Target, _explain_error, _listing_or_fail,
+                                 _print_json, _table, human_bytes, target_from_args)
+from psserver.client import PSClient
+from psserver.errors import PSError
+
+
+# -- coordinator checkpoint save / restore / list ------------------------------------------
+def _step_of(path: str) -> int:
+    return int(os.path.basename(path).split("-", 1)[1])
+
+
+def _ckpt_save(args) -> int:
+    target = target_from_args(args)
+    try:
+        extra = json.loads(args.extra) if args.extra else {}
+    except ValueError as exc:
+        raise ClusterConfigError(f"--extra is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ClusterConfigError('--extra must be a JSON object, e.g. \'{"epoch": 3}\'')
+    if args.step is not None and args.step < 0:
+        raise ClusterConfigError(f"--step must be >= 0, got {args.step}")
+    listing = _listing_or_fail(target)
+    try:
+        layout = C.layout_from_listing(listing)
+    except C.CheckpointError as exc:
+        raise OperatorError(f"{exc}\nNo checkpoint written. Check that {target.source} lists "
+                            "every parameter server.") from None
+    if not layout:
+        raise OperatorError("nothing to save: the parameter servers hold no variables")
+    directory = os.path.abspath(args.directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise OperatorError(f"cannot create checkpoint directory {directory}: {exc}") from None
+    existing = C.find_checkpoints(directory)
+    if args.step is not None:
+        step = args.step
+    else:
+        step = max(m.version for metas in listing.values() for m in metas)
+        if existing:
+            step = max(step, _step_of(existing[-1]) + 1)
+    ps_index = {addr: i for i, addr in enumerate(target.ps)}
+    with _Clients(target) as clients:
+        try:
+            final, nbytes = C.write_checkpoint(directory, step, layout, clients.get,
+                                               ps_index=ps_index, extra=extra, replace=False)
+        except C.CheckpointError as exc:
+            raise OperatorError(f"{exc}\nNo checkpoint written.") from None
+        except PSError as exc:
+            raise OperatorError(
+                _explain_error(target, f"ps {ps_index.get(exc.address, '?')}", exc.address,
+                               exc, answered=True)
+                + "\nThe parameter servers write the shard files themselves: DIR must be on "
+                "storage they see at the same path (a shared volume); run this command where "
+                "it is mounted (e.g. kubectl exec into the coordinator pod).\nNo checkpoint "
+                "written.") from None
+        except OSError as exc:
+            raise OperatorError(f"cannot write the checkpoint under {directory}: {exc}") from None
+    by_ps = {s.address for v in layout for s in v.shards}
+    nshards = sum(len(v.shards) for v in layout)
+    if args.json:
+        _print_json({"path": final, "step": step, "variables": len(layout), "shards": nshards,
+                     "bytes": nbytes, "parameter_servers": len(by_ps)})
+    else:
+        print(final)
+        print(f"coordinator: saved {len(layout)} variable(s) ({nshards} shard(s), "
+              f"{human_bytes(nbytes)}) from {len(by_ps)} parameter server(s) as step {step}",
+              file=sys.stderr)
+    return EXIT_OK
+
+
+def _checkpoint_path(directory: str, path: str | None) -> str:
+    """The checkpoint to restore: --path (under DIR, or as given), else DIR's latest."""
+    if path:
+        candidates = [path] if os.path.isabs(path) else [os.path.join(directory, path), path]
+        for p in candidates:
+            if os.path.isfile(os.path.join(p, "manifest.json")):
+                return os.path.abspath(p)
+        raise OperatorError(f"no checkpoint at {' or '.join(map(os.path.abspath, candidates))} "
+                            "(no manifest.json there); `coordinator checkpoint list "
+                            f"{directory}` shows the checkpoints")
+    if not os.path.isdir(directory):
+        raise OperatorError(f"no checkpoint found: {directory} does not exist")
+    found = C.find_checkpoints(directory)
+    if not found:
+        raise OperatorError(f"no checkpoint found in {directory}: no ckpt-NNNNNNNN/ directory "
+                            "with a manifest.json (unfinished ckpt-*.tmp-* saves do not count)")
+    return found[-1]
+
+
+class _Clients:
+    """One PSClient per parameter server an operator command talks to, closed after."""
+
+    def __init__(self, target: Target):
+        self._target, self._clients = target, {}
+
+    def get(self, address: str) -> PSClient:
+        if address not in self._clients:
+            self._clients[address] = self._target.client(address)
+        return self._clients[address]
+
+    def __enter__(self) -> "_Clients":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c in self._clients.values():
+            c.close()
+
+
+def _ckpt_restore(args) -> int:
+    target = target_from_args(args)
+    directory = os.path.abspath(args.directory)
+    path = _checkpoint_path(directory, args.path)
+    try:
+        manifest = C.read_manifest(path)
+    except C.CheckpointError as exc:
+        raise OperatorError(str(exc)) from None
+    listing = _listing_or_fail(target)
+    try:
+        layout = C.layout_from_listing(listing)
+        plan = C.restore_plan(layout, manifest, path)
+    except C.CheckpointError as exc:
+        raise OperatorError(
+            f"{exc}\nNothing was restored. `coordinator checkpoint restore` overwrites each "
+            "shard by name, so the checkpoint must have the layout of the variables on the "
+            "servers (the same variables, partitioner and number of parameter servers). To "
+            "restore into another layout, restore from the training program: "
+            f"CheckpointManager(strategy, {directory!r}).restore({path!r}) reassembles each "
+            "variable and reshards it.") from None
+    ps_index = {addr: i for i, addr in enumerate(target.ps)}
+    with _Clients(target) as clients:
+        try:   # everything read and checked first; nothing written on a bad checkpoint
+            C.restore_checkpoint(path, layout, clients.get)
+        except C.CheckpointError as exc:
+            raise OperatorError(str(exc)) from None
+        except PSError as exc:
+            raise OperatorError(
+                _explain_error(target, f"ps {ps_index.get(exc.address, '?')}", exc.address,
+                               exc, answered=True)
+                + f"\nThe restore of {path} stopped part-way: shards written before the "
+                "failure hold the checkpoint, the others their own state. Fix the cause and "
+                "restore again.") from None
+    nvars = len({v.name for v, _, _ in plan})
+    if args.json:
+        _print_json({"path": path, "step": manifest.get("step"), "extra": manifest.get("extra", {}),
+                     "variables": nvars, "shards": len(plan)})
+    else:
+        print(f"restored {path} (step {manifest.get('step')}): {nvars} variable(s), "
+              f"{len(plan)} shard(s) on {len(target.ps)} parameter server(s)")
+    return EXIT_OK
+
+
+def _ckpt_list(args) -> int:
+    directory = os.path.abspath(args.directory)
+    out = []
+    for path in C.find_checkpoints(directory):
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                m = json.load(f)
+            shards = [s for v in m["variables"].values() for s in v["shards"]]
+            out.append({"path": path, "step": m.get("step"), "time": m.get("time"),
+                        "variables": len(m["variables"]), "shards": len(shards),
+                        "bytes": sum(s.get("bytes", 0) for s in shards),
+                        "extra": m.get("extra", {})})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            out.append({"path": path, "error": f"unreadable manifest: {exc}"})
+    if args.json:
+        _print_json({"directory": directory, "checkpoints": out})
+        return EXIT_OK
+    if not out:
+        print(f"no checkpoint in {directory}", file=sys.stderr)
+        return EXIT_OK
+    print(_table(["STEP", "SAVED", "VARIABLES", "SHARDS", "BYTES", "PATH"], [
+        [c.get("step", "?"), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"]))
+         if c.get("time") else "?", c.get("variables", "?"), c.get("shards", "?"),
+         human_bytes(c["bytes"]) if "bytes" in c else c.get("error"), c["path"]]
+        for c in out], right={0, 2, 3, 4}))
+    return EXIT_OK
