@@ -34,9 +34,9 @@ Guarantees:
 
 Operators can do the same from outside the training program: ``coordinator
 checkpoint save DIR`` builds the layout from the parameter servers' listing
-(``layout_from_listing``) and writes this same format; ``coordinator
+(``checkpoint_layout.layout_from_listing``) and writes this same format; ``coordinator
 checkpoint restore DIR`` checks that the checkpoint has the layout of the
-servers (``restore_plan``) and restores it. Both call the one implementation
+servers (``checkpoint_layout.restore_plan``) and restores it. Both call the one implementation
 here (``write_checkpoint``, ``restore_checkpoint``). See coordinator.cli.
 
 The parameter servers write their own shard files, so every parameter
@@ -440,145 +440,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# -- plans from a parameter-server listing (the operator CLI: coordinator checkpoint ...) ------
-_PART_RE = re.compile(r"^(?P<base>.+)/part_(?P<index>0|[1-9]\d*)$")
-
-
-class LayoutMismatch(CheckpointError):
-    """A checkpoint's variables or shards differ from those on the servers.
-
-    ``differences`` lists them, one line each.
-    """
-
-    def __init__(self, message: str, differences: list[str]):
-        super().__init__(message)
-        self.differences = differences
-
-
-def split_shard_name(name: str) -> tuple[str, int | None]:
-    """(logical variable, shard index) of a name on a parameter server.
-
-    ``"x/part_3"`` is shard 3 of ``"x"`` (ParameterServerStrategy's naming);
-    any other name is a whole variable: ``("x", None)``.
-    """
-    m = _PART_RE.match(name)
-    return (m.group("base"), int(m.group("index"))) if m else (name, None)
-
-
-def layout_from_listing(listing: Mapping[str, Sequence[Any]]) -> list[V.ShardedVariable]:
-    """The logical variables held by the parameter servers, from their listings.
-
-    ``listing`` maps each server's address to its variables (VariableMeta,
-    or anything with name, dtype, shape, optimizer). Shards ``x/part_0``,
-    ``x/part_1``... are grouped into ``x`` in part order, with row offsets
-    from the cumulative rows (as ParameterServerStrategy cut them); any
-    other name is a variable of one shard. Returns the variables sorted by
-    name, each shard with the address holding it: what CheckpointManager
-    sees as ``strategy.variables``.
-
-    Raises CheckpointError when the listing is not a consistent layout: a
-    name on two servers, a missing part (a server not listed, or one that
-    restarted empty), parts that differ in dtype, optimizer or row shape.
-    """
-    where: dict[str, tuple[str, Any]] = {}
-    problems: list[str] = []
-    for address, metas in listing.items():
-        for m in metas:
-            if m.name in where:
-                problems.append(f"{m.name!r} is on both {where[m.name][0]} and {address}")
-                continue
-            where[m.name] = (address, m)
-    groups: dict[str, dict[int | None, tuple[str, Any]]] = {}
-    for name, entry in where.items():
-        base, index = split_shard_name(name)
-        groups.setdefault(base, {})[index] = entry
-    out = []
-    for base in sorted(groups):
-        parts = groups[base]
-        if None in parts:
-            if len(parts) > 1:
-                others = sorted(m.name for k, (_, m) in parts.items() if k is not None)
-                problems.append(f"{base!r} is both a whole variable and sharded "
-                                f"({', '.join(others)})")
-                continue
-            address, m = parts[None]
-            shape = tuple(int(d) for d in m.shape)
-            out.append(V.ShardedVariable(base, shape, m.dtype, (V.Shard(
-                address, m.name, 0, shape[0] if shape else 0),), m.optimizer))
-            continue
-        indices = sorted(parts)
-        missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-        if missing:
-            problems.append(
-                f"{base!r}: shard(s) {', '.join(f'part_{i}' for i in missing)} missing (found "
-                f"{', '.join(f'part_{i}' for i in indices)})")
-            continue
-        metas = [parts[i][1] for i in indices]
-        first = metas[0]
-        kinds = {(m.dtype, m.optimizer, tuple(m.shape[1:]), len(m.shape)) for m in metas}
-        if len(kinds) > 1 or len(first.shape) == 0:
-            problems.append(f"{base!r}: its shards differ in dtype, optimizer or row shape, or "
-                            "are scalars: " + "; ".join(
-                                f"{m.name} {m.dtype} {list(m.shape)} {m.optimizer}" for m in metas))
-            continue
-        shards, offset = [], 0
-        for i in indices:
-            address, m = parts[i]
-            rows = int(m.shape[0])
-            shards.append(V.Shard(address, m.name, offset, rows))
-            offset += rows
-        shape = (offset,) + tuple(int(d) for d in first.shape[1:])
-        out.append(V.ShardedVariable(base, shape, first.dtype, tuple(shards), first.optimizer))
-    if problems:
-        raise CheckpointError("the variables on the parameter servers are not a consistent "
-                              "layout:\n  " + "\n  ".join(problems))
-    return out
-
-
-def restore_plan(variables: Sequence[V.ShardedVariable], manifest: Mapping[str, Any],
-                 path: str = "the checkpoint") -> list[tuple[V.ShardedVariable, V.Shard, dict]]:
-    """(variable, shard on a server, its manifest entry) for every shard, to
-    restore a checkpoint shard by shard, by name, into the same layout.
-
-    Raises LayoutMismatch listing every difference when the checkpoint's
-    variables, shapes, dtypes, optimizers or shards (names, offsets, rows)
-    are not those of ``variables``. (CheckpointManager.restore reshards
-    instead; this plan does not.)
-    """
-    saved = manifest.get("variables", {})
-    here = {v.name: v for v in variables}
-    diffs = [f"{name!r} is in the checkpoint but on no parameter server"
-             for name in sorted(set(saved) - set(here))]
-    diffs += [f"{name!r} is on the parameter servers but not in the checkpoint"
-              for name in sorted(set(here) - set(saved))]
-    plan = []
-    for name in sorted(set(here) & set(saved)):
-        v, info = here[name], saved[name]
-        if (tuple(info["shape"]), info["dtype"], info["optimizer"]) != (v.shape, v.dtype,
-                                                                       v.optimizer):
-            diffs.append(f"{name!r} is {v.dtype} {list(v.shape)} {v.optimizer} on the servers "
-                         f"but {info['dtype']} {list(info['shape'])} {info['optimizer']} in the "
-                         "checkpoint")
-            continue
-        cut_here = [(s.name, s.offset, s.rows) for s in v.shards]
-        cut_saved = [(s["name"], s["offset"], s["rows"]) for s in info["shards"]]
-        if cut_here != cut_saved:
-            diffs.append(f"{name!r} is cut into {len(cut_here)} shard(s) on the servers "
-                         f"(rows {_cuts(cut_here)}) but {len(cut_saved)} in the checkpoint "
-                         f"(rows {_cuts(cut_saved)})")
-            continue
-        plan += [(v, s, entry) for s, entry in zip(v.shards, info["shards"])]
-    if diffs:
-        shown = diffs[:12] + ([f"... and {len(diffs) - 12} more"] if len(diffs) > 12 else [])
-        raise LayoutMismatch(f"{path} does not have the layout of the variables on the "
-                             "parameter servers:\n  " + "\n  ".join(shown), diffs)
-    return plan
-
-
-def _cuts(cuts: Sequence[tuple[str, int, int]]) -> str:
-    return ", ".join(f"{o}:{o + r}" for _, o, r in cuts)
 
 
 #: Names a checkpoint directory takes while it is being removed (deleted by

@@ -10,6 +10,7 @@ import time
 
 
 from coordinator import checkpoint as C
+from coordinator import checkpoint_layout as L
 from coordinator.cluster_spec import ClusterConfigError
 from coordinator.cli_ops import (EXIT_OK, OperatorError, Target, _explain_error, _listing_or_fail,
                                  _print_json, _table, human_bytes, target_from_args)
@@ -34,7 +35,7 @@ def _ckpt_save(args) -> int:
         raise ClusterConfigError(f"--step must be >= 0, got {args.step}")
     listing = _listing_or_fail(target)
     try:
-        layout = C.layout_from_listing(listing)
+        layout = L.layout_from_listing(listing)
     except C.CheckpointError as exc:
         raise OperatorError(f"{exc}\nNo checkpoint written. Check that {target.source} lists "
                             "every parameter server.") from None
@@ -130,8 +131,8 @@ def _ckpt_restore(args) -> int:
         raise OperatorError(str(exc)) from None
     listing = _listing_or_fail(target)
     try:
-        layout = C.layout_from_listing(listing)
-        plan = C.restore_plan(layout, manifest, path)
+        layout = L.layout_from_listing(listing)
+        plan = L.restore_plan(layout, manifest, path)
     except C.CheckpointError as exc:
         raise OperatorError(
             f"{exc}\nNothing was restored. `coordinator checkpoint restore` overwrites each "

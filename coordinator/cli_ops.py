@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator import checkpoint as C
+from coordinator import checkpoint_layout as L
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       TFConfigClusterResolver)
 from psserver.client import PSClient
@@ -327,13 +328,13 @@ def _ps_list(args) -> int:
     counts: dict[str, int] = {}
     for metas in good.values():
         for m in metas:
-            base, index = C.split_shard_name(m.name)
+            base, index = L.split_shard_name(m.name)
             if index is not None:
                 counts[base] = counts.get(base, 0) + 1
     cuts: dict[str, tuple[int, int]] = {}
     if len(good) == len(listing):
         try:
-            for v in C.layout_from_listing(good):
+            for v in L.layout_from_listing(good):
                 cuts.update({s.name: (s.offset, s.rows) for s in v.shards if v.shape})
         except C.CheckpointError:
             pass   # not one consistent layout: shown without row ranges
@@ -344,7 +345,7 @@ def _ps_list(args) -> int:
             continue
         rows = []
         for m in metas:
-            base, index = C.split_shard_name(m.name)
+            base, index = L.split_shard_name(m.name)
             offset, nrows = cuts.get(m.name, (None, None))
             rows.append({
                 "name": m.name, "variable": base, "shard": index,

@@ -143,7 +143,7 @@ def plan_failback(pairs: Sequence[Copies]) -> list[tuple[Change, Change]]:
 def read_copies(strategy, address: str | None = None) -> list[Copies]:
     """What both servers say of each replicated shard (that has a copy on
     ``address``, if given)."""
-    from coordinator.variables import client_for
+    from coordinator.calls import client_for
 
     def ask(shard):
         try:
@@ -161,7 +161,7 @@ def read_copies(strategy, address: str | None = None) -> list[Copies]:
 
 def apply_changes(changes: Sequence[Change]) -> None:
     """Send changes, one Reconfigure per server (in the order given within it)."""
-    from coordinator.variables import client_for
+    from coordinator.calls import client_for
 
     by_addr: dict[str, list[Change]] = {}
     for c in changes:

@@ -98,7 +98,7 @@ def refresh(pairs: Sequence[tuple]) -> bool:
     """Ask both copies of each (variable, k) who is primary; update the
     table. Returns whether any shard's route changed (its primary moved, or
     its backup left or came back)."""
-    from coordinator.variables import client_for
+    from coordinator.calls import client_for
 
     def ask(shard):
         try:

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from coordinator import FixedShardsPartitioner, LocalCluster, ParameterServerStrategy, cli
-from coordinator.checkpoint import (CheckpointError, CheckpointManager, LayoutMismatch,
-                                    layout_from_listing, restore_plan, split_shard_name)
+from coordinator.checkpoint import CheckpointError, CheckpointManager
+from coordinator.checkpoint_layout import (LayoutMismatch, layout_from_listing, restore_plan,
+                                           split_shard_name)
 from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.process import child_env
