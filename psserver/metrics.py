@@ -33,7 +33,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from psserver.store import StoreObserver
+from psserver.variable import StoreObserver
 
 #: Default of ``--metrics-port`` (psserver, psworker) and of the coordinator's
 #: metrics (coordinator.metrics): a port number, 0 for a free one. Unset: off.

@@ -12,18 +12,18 @@ Guarantees (each method's docstring repeats the ones that concern it):
 * ``version`` starts at 0 on create and grows by exactly one per applied
   update. Updates of one variable are applied one at a time, in the order
   they take its lock (asynchronous SGD: no update is lost, none is merged).
+
+One variable is a psserver.variable.Variable; the store's sync-mode calls
+are psserver.sync.SyncMethods, its replication calls
+psserver.replication.ReplicaMethods, its checkpoint files
+psserver.saving.SaveMethods (mixins over the store's state).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import json
-import math
 import os
-import re
 import threading
-import time
-import urllib.parse
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -32,234 +32,14 @@ from psserver import optimizers as optim
 from psserver import replication as R
 from psserver import sync as S
 from psserver.contract import Initializer, VariableMeta  # noqa: F401
-from psserver.contract import (AlreadyExists,
-                             InvalidArgument, NotFound, NotPrimary, PermissionDenied,
-                             ResourceExhausted)
+from psserver.contract import (AlreadyExists, InvalidArgument, NotFound, NotPrimary,
+                               ResourceExhausted)
 from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
+from psserver.saving import SaveMethods
+from psserver.variable import (StoreObserver, Variable, all_finite, check_name,  # noqa: F401
+                               make_initial_value)
 
-# Names are path-like so sharded variables can be called "dense/kernel/part_0".
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/:]{1,256}$")
-
-#: Testing switch: a parameter server with this set dies in the middle of a
-#: save (after writing a temporary file, before renaming it).
-FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
-
-INITIALIZERS = ("zeros", "ones", "constant", "random_normal", "truncated_normal",
-                "random_uniform")
-
-
-class StoreObserver:
-    """What a VariableStore tells about its work as it happens (psserver.metrics
-    counts it); these defaults do nothing. Called with a variable's lock held:
-    keep them quick and never call back into the store."""
-
-    def gradients(self, kind: str, mode: str, n: int = 1) -> None:
-        """n gradients accepted: kind dense|sparse, mode async (applied) | sync (summed)."""
-
-    def dropped(self, kind: str) -> None:
-        """A sync gradient dropped (late, abandoned replica, or a replica's second)."""
-
-    def sync_wait(self, op: str, seconds: float) -> None:
-        """A sync call (op read|gather|push) waited this long for an earlier step."""
-
-    def sync_staleness(self, steps: int) -> None:
-        """A sync gradient arrived when its variable had applied this many steps past it."""
-
-
-class Variable:
-    """One variable (or one shard of a sharded variable) and its slots."""
-
-    def __init__(self, name, value: np.ndarray, optimizer: optim.Optimizer,
-                 allow_nonfinite: bool):
-        self.name = name
-        self.value = value
-        self.optimizer = optimizer
-        self.slots = optimizer.create_slots(value)
-        self.allow_nonfinite = allow_nonfinite
-        self.version = 0
-        # Held for every read and write of value, slots, version and sync state.
-        self.lock = threading.Lock()
-        # Signalled when a sync step is applied (sync.wait_for_earlier_steps waits on it).
-        self.cond = threading.Condition(self.lock)
-        self.sync_steps = 0                     # sync steps applied
-        self.acc: S.Accumulation | None = None  # the sync step being gathered
-        self.sync_buffer: np.ndarray | None = None   # sync mode's sum buffer, reused
-        self.dropped = 0                        # late sync gradients dropped
-        # Keys of the most recent updates applied (idempotent retries), oldest
-        # first, each with the version it made (0: came with a copied state).
-        self.applied: collections.OrderedDict[int, int] = collections.OrderedDict()
-        # The value in memory readers on this host map (psserver.shm.SharedValue), or None.
-        self.shared = None
-        # Replication (psserver.replication): this copy's role, its fencing
-        # epoch, its link to its backup (a primary with one), and whether a
-        # planned hand-over (DEMOTE) is draining it.
-        self.role = R.ROLE_PRIMARY
-        self.epoch = 0
-        self.link: R.Link | None = None
-        self.draining = False
-
-    def writing(self):
-        """Wrap every change of value and version (lock held): readers of a
-        shared value see it as being written (its seqlock), then the new version."""
-        return self.shared.writing(self) if self.shared is not None else contextlib.nullcontext()
-
-    #: How many update keys a variable remembers: a resent update older than
-    #: this many later updates would be applied again. Retries come within
-    #: seconds, when far fewer updates have happened.
-    APPLIED_IDS_KEPT = 8192
-
-    def applied_at(self, update_id: int) -> int | None:
-        """The version update_id made, if it was applied already (lock held)."""
-        return self.applied.get(update_id) if update_id else None
-
-    def remember(self, update_id: int) -> None:
-        """Record that update_id made the current version (lock held)."""
-        if update_id:
-            self.applied[update_id] = self.version
-            if len(self.applied) > self.APPLIED_IDS_KEPT:
-                self.applied.popitem(last=False)
-
-    def record(self, kind: int, tensor: np.ndarray, ids: np.ndarray | None = None,
-               update_id: int = 0, copy: bool = False, ahead: bool = False) -> None:
-        """Hand an update (lock held) to the backup, if any: the one just
-        applied, or with ``ahead`` the one about to be applied (version + 1),
-        so that its forwarding overlaps this copy's own apply (see applying).
-        ``copy``: the tensor may be the caller's memory (a shared segment)."""
-        link = self.link
-        if link is not None:
-            link.add(R.Record(link.peer.name, self.epoch, self.version + bool(ahead),
-                              update_id, self.sync_steps, kind,
-                              tensor.copy() if copy else tensor, ids))
-
-    @contextlib.contextmanager
-    def applying(self):
-        """Wrap an update whose record went ahead (lock held): the value's
-        seqlock (writing), and, should the update fail half-way (a bug), a
-        whole copy of the state for the backup, which had the record."""
-        try:
-            with self.writing():
-                yield
-        except BaseException:
-            if self.link is not None:
-                self.link.reset()
-            raise
-
-    def check_primary(self) -> None:
-        """Raise NotPrimary unless this copy takes client updates now (lock held
-        or not: a role read is atomic)."""
-        if self.role != R.ROLE_PRIMARY or self.draining:
-            what = "handing over to its other copy" if self.draining else "a backup copy"
-            raise NotPrimary(
-                f"{self.name!r} on this server is {what} (epoch {self.epoch}) and takes no "
-                "client updates; nothing was applied. Send it to the primary copy (ask "
-                "both copies' GetMeta for role and epoch; coordinator.variables does)")
-
-    @property
-    def slot_nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots.values())
-
-    def meta(self) -> VariableMeta:
-        return VariableMeta(self.name, self.value.dtype.name, self.value.shape,
-                            self.version, self.optimizer.name,
-                            self.optimizer.config(), self.value.nbytes,
-                            self.slot_nbytes, self.allow_nonfinite,
-                            self.sync_steps, self.dropped, self.role, self.epoch,
-                            self.link.peer if self.link is not None else None)
-
-
-def all_finite(a: np.ndarray) -> bool:
-    """No NaN or Inf in a. Fast path: a sum of squares (BLAS dot product, 1.7x
-    faster than np.sum here) is finite only if every term is (NaN and Inf
-    propagate; squares cannot cancel), and costs no temporary; only one
-    that overflowed needs the element-wise check."""
-    with np.errstate(all="ignore"):
-        if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
-            flat = a.reshape(-1)
-            fast = np.dot(flat, flat)
-        else:
-            fast = np.sum(a, dtype=np.float64 if a.dtype == np.float16 else None)
-        if np.isfinite(fast):
-            return True
-    return bool(np.isfinite(a).all())
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise InvalidArgument(
-            f"invalid variable name {name!r}: use 1 to 256 characters from "
-            "letters, digits and _ . - / :")
-    return name
-
-
-def make_initial_value(shape, dtype: np.dtype, init: Initializer,
-                       allow_nonfinite: bool = False) -> np.ndarray:
-    """A new array of shape/dtype filled as ``init`` says. Unless
-    ``allow_nonfinite``, parameters that are NaN or Inf, or values that come
-    out NaN or Inf in ``dtype`` (1e300 in float32, a uniform range wider than
-    the largest float), are refused as a NaN in an initial value is."""
-    if init.kind not in INITIALIZERS:
-        raise InvalidArgument(f"unknown initializer {init.kind!r}; use one of {list(INITIALIZERS)}")
-    used = {"constant": ("value",), "random_normal": ("mean", "stddev"),
-            "truncated_normal": ("mean", "stddev"),
-            "random_uniform": ("minval", "maxval")}.get(init.kind, ())
-    if not allow_nonfinite:
-        bad = [f"{k}={getattr(init, k)}" for k in used if not math.isfinite(getattr(init, k))]
-        if bad:
-            raise InvalidArgument(
-                f"initializer {init.kind} with {', '.join(bad)} would make NaN or Inf values; "
-                "give finite parameters (or create the variable with allow_nonfinite=True)")
-    with np.errstate(all="ignore"):   # an overflow is checked for below
-        out = _initial_value(shape, dtype, init)
-    if not allow_nonfinite and not all_finite(out):
-        raise InvalidArgument(
-            f"initializer {init.kind} ({', '.join(f'{k}={getattr(init, k)}' for k in used)}) "
-            f"gives NaN or Inf in {dtype.name} (a value beyond its range, or a range wider than "
-            "the largest float); use smaller parameters (or allow_nonfinite=True)")
-    return out
-
-
-def _initial_value(shape, dtype: np.dtype, init: Initializer) -> np.ndarray:
-    if init.kind in ("random_normal", "truncated_normal") and not init.stddev >= 0:
-        raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
-    if init.kind == "random_uniform" and not init.maxval >= init.minval:
-        raise InvalidArgument(f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
-    try:
-        if init.kind == "zeros":
-            return np.zeros(shape, dtype)
-        if init.kind == "ones":
-            return np.ones(shape, dtype)
-        if init.kind == "constant":
-            return np.full(shape, init.value, dtype)
-        rng = np.random.default_rng(init.seed)
-        gen_dtype = np.float64 if dtype == np.float64 else np.float32
-        if init.kind == "random_uniform":
-            out = rng.random(shape, dtype=gen_dtype)
-            out *= init.maxval - init.minval
-            out += init.minval
-        else:
-            out = rng.standard_normal(shape, dtype=gen_dtype)
-            if init.kind == "truncated_normal":   # resample beyond 2 stddev, as TF does
-                bad = np.abs(out) > 2
-                while bad.any():
-                    out[bad] = rng.standard_normal(int(bad.sum()), dtype=gen_dtype)
-                    bad = np.abs(out) > 2
-            out *= init.stddev
-            out += init.mean
-        return out.astype(dtype, copy=False)
-    except MemoryError:
-        raise ResourceExhausted(
-            f"not enough memory for a {list(shape)} {dtype.name} variable") from None
-
-
-class VariableStore(R.ReplicaMethods):
+class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
     """All variables of one parameter-server task.
 
     Args:
@@ -301,14 +81,6 @@ class VariableStore(R.ReplicaMethods):
         """The variables held now (for metrics: read sizes only, no values)."""
         with self._lock:
             return list(self._vars.values())
-
-    def _barrier(self, var: Variable, step: int, deadline: float | None, op: str) -> None:
-        """sync.wait_for_earlier_steps (lock held), timed for the observer."""
-        start = time.monotonic()
-        try:
-            S.wait_for_earlier_steps(var, step, deadline)
-        finally:
-            self.observer.sync_wait(op, time.monotonic() - start)
 
     # -- create / delete / meta ---------------------------------------------
     def create(self, name: str, dtype: str, shape: Sequence[int], *,
@@ -518,68 +290,6 @@ class VariableStore(R.ReplicaMethods):
                 var.link.reset()
             var.cond.notify_all()
             return var.meta()
-
-    def save(self, directory: str, names: Sequence[str] = ()) -> list[tuple[str, str, int, int]]:
-        """Write variables to directory, one safetensors file each.
-
-        Each file holds "value" and "slot/<name>" tensors and, in its
-        metadata, the variable's name, version and optimizer. It is written
-        under a temporary name and renamed, so a file that exists is whole.
-        Each variable is copied under its lock first (a consistent snapshot of
-        that variable; variables are taken one after another). Returns
-        (name, file, version, bytes) per variable.
-        """
-        from safetensors.numpy import save_file
-
-        directory = self._confined(directory)
-        if not os.path.isdir(directory):
-            raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
-                                  "parameter server (it must see the same filesystem)")
-        with self._lock:
-            chosen = [self._get(n) for n in names] if names else list(self._vars.values())
-        out = []
-        for var in chosen:
-            with var.lock:
-                tensors = {"value": var.value.copy(),
-                           **{f"slot/{k}": v.copy() for k, v in var.slots.items()},
-                           "applied_ids": np.fromiter(var.applied, np.uint64, len(var.applied))}
-                meta = {"name": var.name, "version": str(var.version),
-                        "optimizer": var.optimizer.name,
-                        "optimizer_params": json.dumps(var.optimizer.config()),
-                        "allow_nonfinite": json.dumps(var.allow_nonfinite)}
-                version = var.version
-            file = urllib.parse.quote(var.name, safe="") + ".safetensors"
-            path = os.path.join(directory, file)
-            tmp = f"{path}.tmp{os.getpid()}"
-            save_file(tensors, tmp, metadata=meta)
-            if os.environ.get(FAULT_CRASH_IN_SAVE_ENV):   # fault injection for tests
-                os._exit(3)
-            _fsync_file(tmp)    # on disk before it gets its final name
-            os.chmod(tmp, 0o644)   # safetensors writes 0600: let a coordinator of another user read it
-            os.replace(tmp, path)
-            out.append((var.name, file, version, os.path.getsize(path)))
-        return out
-
-    def _confined(self, directory: str) -> str:
-        """``directory`` resolved (symbolic links, ``..``), if it lies in a
-        checkpoint directory this server was given. Raises PermissionDenied."""
-        if not isinstance(directory, str) or not directory or "\0" in directory:
-            raise InvalidArgument("give the checkpoint directory as a path")
-        real = os.path.realpath(directory)
-        if self.checkpoint_dirs is None:
-            return real
-        if not self.checkpoint_dirs:
-            raise PermissionDenied(
-                "this parameter server writes no checkpoint files: it was started without "
-                "--checkpoint-dir; start it with --checkpoint-dir DIR (a directory the "
-                "coordinator's CheckpointManager writes under, on the same filesystem)")
-        if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep)
-                   for d in self.checkpoint_dirs):
-            raise PermissionDenied(
-                f"{directory!r} is outside this parameter server's checkpoint directories "
-                f"({', '.join(self.checkpoint_dirs)}); nothing was written. Save under one of "
-                "them, or start the server with --checkpoint-dir covering it")
-        return real
 
     def delete(self, name: str) -> None:
         """Delete a variable. Raises NotFound."""
@@ -835,87 +545,3 @@ class VariableStore(R.ReplicaMethods):
         applied += [(item[0], self._apply_sparse(*item)) for item in sparse_checked]
         self._wait_acked([(var, done) for var, (_, done) in applied], deadline)
         return [version for _, (version, _) in applied]
-
-    # -- synchronous mode (see psserver.sync) -----------------------------------
-    def _abandoned_for(self, step: int) -> set[int]:
-        with self._lock:
-            return set(self._abandoned.get(step, ()))
-
-    def push_sync(self, updates: Iterable[tuple[str, np.ndarray]], spec: S.SyncSpec,
-                  deadline: float | None = None) -> list[tuple[int, bool]]:
-        """Add one replica's dense gradients to their sync step.
-
-        Validated in full first, like push. Returns (version, dropped) per
-        update: the version after the call (one more than before when this
-        gradient completed the step), and whether it came too late and was
-        dropped. Raises DeadlineExceeded if an earlier step does not complete
-        before ``deadline`` (time.monotonic()).
-        """
-        spec.validate()
-        checked = []
-        for name, grad in updates:
-            var = self._get(name)
-            if var.draining:
-                var.check_primary()
-            self._check_grad(var, grad, var.value.shape, "gradient")
-            checked.append((var, grad))
-        abandoned = self._abandoned_for(spec.step)
-        out = []
-        for var, grad in checked:
-            with var.lock:
-                dropped = self._sync_push(var, spec, grad, False, abandoned, deadline)
-                out.append((var.version, dropped))
-        return out
-
-    def push_sparse_sync(self, name: str, ids: np.ndarray, rows: np.ndarray,
-                         spec: S.SyncSpec, deadline: float | None = None) -> tuple[int, bool]:
-        """Add one replica's row gradient to its sync step (an empty one counts)."""
-        spec.validate()
-        var = self._get(name)
-        if var.draining:
-            var.check_primary()
-        if ids.ndim != 1:
-            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
-        ids = self._check_ids(var, ids, "sparse push")
-        self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
-        abandoned = self._abandoned_for(spec.step)
-        with var.lock:
-            dropped = self._sync_push(var, spec, (ids, rows), True, abandoned, deadline)
-            return var.version, dropped
-
-    def _sync_push(self, var: Variable, spec: S.SyncSpec, grad, sparse: bool,
-                   abandoned: set[int], deadline: float | None) -> bool:
-        """sync.push (lock held), with its barrier wait timed and its outcome counted.
-
-        Waits here first, so that sync.push's own wait finds nothing to wait for.
-        """
-        self._barrier(var, spec.step, deadline, "push")
-        # Steps the variable moved past this gradient's step (applied, or begun
-        # gathering): 0 on time; more: late (sync.push drops it).
-        ahead = max(var.sync_steps, var.acc.step if var.acc is not None else 0)
-        self.observer.sync_staleness(max(0, ahead - spec.step))
-        dropped = S.push(var, spec, grad, sparse, abandoned, deadline)
-        kind = "sparse" if sparse else "dense"
-        if dropped:
-            self.observer.dropped(kind)
-        else:
-            self.observer.gradients(kind, "sync")
-        return dropped
-
-    #: How many steps of abandoned replicas to remember.
-    _ABANDONED_KEPT = 1024
-
-    def abandon(self, step: int, replica: int) -> None:
-        """Replica ``replica`` will not push for ``step``: stop waiting for it."""
-        if not (0 <= step < S.MAX_COUNT and 0 <= replica < S.MAX_COUNT):
-            raise InvalidArgument(f"bad step {step} or replica {replica}")
-        with self._lock:
-            self._abandoned.setdefault(step, set()).add(replica)
-            while len(self._abandoned) > self._ABANDONED_KEPT:
-                del self._abandoned[min(self._abandoned)]
-            abandoned = set(self._abandoned[step])
-            vs = list(self._vars.values())
-        for var in vs:
-            with var.lock:
-                if var.acc is not None and var.acc.step == step:
-                    S.maybe_complete(var, abandoned)

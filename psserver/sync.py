@@ -21,6 +21,7 @@ held, through its condition ``var.cond``). The rules, per variable:
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from psserver import optimizers as optim
 from psserver.contract import (MAX_COUNT, DeadlineExceeded, InvalidArgument,  # noqa: F401
                                SyncSpec)
 from psserver.replication import DENSE, ROLE_PRIMARY, SPARSE
+
+if TYPE_CHECKING:
+    from psserver.variable import Variable
 
 
 
@@ -143,3 +147,100 @@ def maybe_complete(var, abandoned: set[int]) -> None:
     if acc is not None and var.role == ROLE_PRIMARY and \
             len(acc.replicas | abandoned) >= acc.spec.required:
         apply(var)
+
+
+class SyncMethods:
+    """The VariableStore's sync-mode calls (a mixin of psserver.store.VariableStore:
+    it uses the store's _get, _check_grad, _check_ids, _lock, _vars,
+    _abandoned and observer)."""
+
+    def _barrier(self, var: "Variable", step: int, deadline: float | None, op: str) -> None:
+        """sync.wait_for_earlier_steps (lock held), timed for the observer."""
+        start = time.monotonic()
+        try:
+            wait_for_earlier_steps(var, step, deadline)
+        finally:
+            self.observer.sync_wait(op, time.monotonic() - start)
+
+    def _abandoned_for(self, step: int) -> set[int]:
+        with self._lock:
+            return set(self._abandoned.get(step, ()))
+
+    def push_sync(self, updates: Iterable[tuple[str, np.ndarray]], spec: SyncSpec,
+                  deadline: float | None = None) -> list[tuple[int, bool]]:
+        """Add one replica's dense gradients to their sync step.
+
+        Validated in full first, like push. Returns (version, dropped) per
+        update: the version after the call (one more than before when this
+        gradient completed the step), and whether it came too late and was
+        dropped. Raises DeadlineExceeded if an earlier step does not complete
+        before ``deadline`` (time.monotonic()).
+        """
+        spec.validate()
+        checked = []
+        for name, grad in updates:
+            var = self._get(name)
+            if var.draining:
+                var.check_primary()
+            self._check_grad(var, grad, var.value.shape, "gradient")
+            checked.append((var, grad))
+        abandoned = self._abandoned_for(spec.step)
+        out = []
+        for var, grad in checked:
+            with var.lock:
+                dropped = self._sync_push(var, spec, grad, False, abandoned, deadline)
+                out.append((var.version, dropped))
+        return out
+
+    def push_sparse_sync(self, name: str, ids: np.ndarray, rows: np.ndarray,
+                         spec: SyncSpec, deadline: float | None = None) -> tuple[int, bool]:
+        """Add one replica's row gradient to its sync step (an empty one counts)."""
+        spec.validate()
+        var = self._get(name)
+        if var.draining:
+            var.check_primary()
+        if ids.ndim != 1:
+            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
+        ids = self._check_ids(var, ids, "sparse push")
+        self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
+        abandoned = self._abandoned_for(spec.step)
+        with var.lock:
+            dropped = self._sync_push(var, spec, (ids, rows), True, abandoned, deadline)
+            return var.version, dropped
+
+    def _sync_push(self, var: "Variable", spec: SyncSpec, grad, sparse: bool,
+                   abandoned: set[int], deadline: float | None) -> bool:
+        """sync.push (lock held), with its barrier wait timed and its outcome counted.
+
+        Waits here first, so that sync.push's own wait finds nothing to wait for.
+        """
+        self._barrier(var, spec.step, deadline, "push")
+        # Steps the variable moved past this gradient's step (applied, or begun
+        # gathering): 0 on time; more: late (sync.push drops it).
+        ahead = max(var.sync_steps, var.acc.step if var.acc is not None else 0)
+        self.observer.sync_staleness(max(0, ahead - spec.step))
+        dropped = push(var, spec, grad, sparse, abandoned, deadline)
+        kind = "sparse" if sparse else "dense"
+        if dropped:
+            self.observer.dropped(kind)
+        else:
+            self.observer.gradients(kind, "sync")
+        return dropped
+
+    #: How many steps of abandoned replicas to remember.
+    _ABANDONED_KEPT = 1024
+
+    def abandon(self, step: int, replica: int) -> None:
+        """Replica ``replica`` will not push for ``step``: stop waiting for it."""
+        if not (0 <= step < MAX_COUNT and 0 <= replica < MAX_COUNT):
+            raise InvalidArgument(f"bad step {step} or replica {replica}")
+        with self._lock:
+            self._abandoned.setdefault(step, set()).add(replica)
+            while len(self._abandoned) > self._ABANDONED_KEPT:
+                del self._abandoned[min(self._abandoned)]
+            abandoned = set(self._abandoned[step])
+            vs = list(self._vars.values())
+        for var in vs:
+            with var.lock:
+                if var.acc is not None and var.acc.step == step:
+                    maybe_complete(var, abandoned)

@@ -521,7 +521,7 @@ def test_blocked_apply_does_not_raise_under_seterr_raise(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_all_finite_finds_every_nan_and_inf_and_only_them(dtype):
-    from psserver.store import all_finite
+    from psserver.variable import all_finite
     a = np.ones((50, 20), dtype)
     assert all_finite(a) and all_finite(a[:, ::3]) and all_finite(a[:0])
     huge = np.full(1000, np.finfo(dtype).max / 2, dtype)   # finite, but its squares overflow
