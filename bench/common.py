@@ -47,7 +47,7 @@ import numpy as np
 
 from psserver.process import TaskProcess, start_task
 from psserver.server import grpc_options
-from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES)
 
 KiB = 1 << 10

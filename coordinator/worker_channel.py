@@ -28,7 +28,7 @@ from psserver.contract import Code
 from psserver.errors import PSError, from_rpc_error
 from psserver.tls import make_channel
 from psserver.server import grpc_options
-from psserver.servicer import DEFAULT_MAX_MESSAGE_BYTES
+from psserver.contract import DEFAULT_MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from coordinator.coordinator import ClusterCoordinator

@@ -30,9 +30,9 @@ from psserver import ipc, ipc_server, methods, metrics, rpc, shm
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
-from psserver.servicer import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-                               PROTOCOL_VERSION,
-                               MESSAGE_OVERHEAD, ParameterServerServicer)
+from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                               MESSAGE_OVERHEAD, PROTOCOL_VERSION)
+from psserver.servicer import ParameterServerServicer
 from psserver.store import VariableStore
 
 log = logging.getLogger("psserver")

@@ -17,9 +17,8 @@ from psserver import routing
 from psserver import replication as R
 from psserver import tensor as T
 from psserver import rpc, shm, wire
-from psserver.contract import (  # noqa: F401  (the protocol constants, re-exported)
-    DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_STREAM_THRESHOLD_BYTES,
-    MESSAGE_OVERHEAD, PROTOCOL_VERSION, InvalidArgument, PSError, ResourceExhausted)
+from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
+                               InvalidArgument, ResourceExhausted)
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
 
@@ -145,12 +144,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.shared_memory = SharedMemoryServicer(self)
         self.data_port = 0   # set by create_server when it serves one (psserver/ipc.py)
 
-    # -- plumbing ----------------------------------------------------------
-    def _run(self, context, fn: Callable, *args):
-        """fn(*args). Errors go up as they are: each transport maps them once
-        (psserver/rpc.py for gRPC, psserver/ipc.py for sockets)."""
-        return fn(*args)
-
+    # -- plumbing (handlers raise typed errors; each transport maps them once:
+    # psserver/rpc.py for gRPC, psserver/ipc_server.py for sockets) ----------
     def _decoded(self, request) -> list[np.ndarray]:
         return [T.decode(t, what=f"tensor {i}") for i, t in enumerate(tensors_of(request))]
 
@@ -223,35 +218,31 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 shared_memory=bool(self.shared_memory.ipc_socket), data_port=self.data_port))
 
     def CreateVariable(self, request, context):
-        return self._run(context, lambda: self._create(request, self._decoded(request),
-                                                       context))
+        return self._create(request, self._decoded(request), context)
 
     def Replicate(self, request, context):
-        return self._run(context, lambda: self._replicate(request, self._decoded(request)))
+        return self._replicate(request, self._decoded(request))
 
     def Reconfigure(self, request, context):
-        def go():
-            if not request.timeout >= 0:
-                raise InvalidArgument(f"timeout must be >= 0, got {request.timeout}")
-            deadline = _deadline(context)
-            if request.timeout > 0:
-                own = time.monotonic() + request.timeout
-                deadline = own if deadline is None else min(deadline, own)
-            metas = self.store.reconfigure_all(
-                [(c.name, int(c.action), c.epoch, _peer(c)) for c in request.changes], deadline)
-            return ps_pb2.ReconfigureReply(variables=[meta_to_proto(m) for m in metas])
-        return self._run(context, go)
+        if not request.timeout >= 0:
+            raise InvalidArgument(f"timeout must be >= 0, got {request.timeout}")
+        deadline = _deadline(context)
+        if request.timeout > 0:
+            own = time.monotonic() + request.timeout
+            deadline = own if deadline is None else min(deadline, own)
+        metas = self.store.reconfigure_all(
+            [(c.name, int(c.action), c.epoch, _peer(c)) for c in request.changes], deadline)
+        return ps_pb2.ReconfigureReply(variables=[meta_to_proto(m) for m in metas])
 
     def DeleteVariable(self, request, context):
-        self._run(context, self.store.delete, request.name)
+        self.store.delete(request.name)
         return ps_pb2.DeleteReply()
 
     def GetMeta(self, request, context):
-        return self._run(context, lambda: meta_to_proto(self.store.meta(request.name)))
+        return meta_to_proto(self.store.meta(request.name))
 
     def ListVariables(self, request, context):
-        return self._run(context, lambda: ps_pb2.ListReply(
-            variables=[meta_to_proto(m) for m in self.store.list()]))
+        return ps_pb2.ListReply(variables=[meta_to_proto(m) for m in self.store.list()])
 
     def _read_limit(self, request) -> int:
         limit = self.max_message_bytes
@@ -266,22 +257,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def bulk_read(self, request, context):
         """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
-        def go():
-            self._read_limit(request)
-            with self.store.locked_values(list(request.names), _sync_step(request),
-                                          _deadline(context)) as values:
-                return wire.encode_read_reply(values)
-        return self._run(context, go)
+        self._read_limit(request)
+        with self.store.locked_values(list(request.names), _sync_step(request),
+                                      _deadline(context)) as values:
+            return wire.encode_read_reply(values)
 
     def bulk_push(self, raw: bytes, context):
         """ParameterServerBulk.Push: the request read by hand, arrays are views of it."""
-        def go():
-            updates, sync_raw = wire.decode_push_request(raw)
-            req = ps_pb2.PushRequest()
-            if sync_raw is not None:   # present, maybe empty: as protobuf has it
-                req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
-            return self._push_updates(req, updates, context)
-        return self._run(context, go)
+        updates, sync_raw = wire.decode_push_request(raw)
+        req = ps_pb2.PushRequest()
+        if sync_raw is not None:   # present, maybe empty: as protobuf has it
+            req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
+        return self._push_updates(req, updates, context)
 
     def _read(self, request, context=None):
         limit = self._read_limit(request)
@@ -301,13 +288,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return reply
 
     def Read(self, request, context):
-        return self._run(context, self._read, request, context)
+        return self._read(request, context)
 
     def ReadStream(self, request, context):
         step = self.chunk_bytes
         sync_step, deadline = _sync_step(request), _deadline(context)
         for name in request.names:
-            version, arr = self._run(context, self.store.snapshot, name, sync_step, deadline)
+            version, arr = self.store.snapshot(name, sync_step, deadline)
             flat = memoryview(arr.reshape(-1).view(np.uint8))
             yield ps_pb2.ReadFrame(value=ps_pb2.VariableValue(
                 name=name, version=version,
@@ -317,55 +304,50 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield ps_pb2.ReadFrame(chunk=bytes(flat[off:off + step]))
 
     def Push(self, request, context):
-        return self._run(context, lambda: self._push(request, self._decoded(request), context))
+        return self._push(request, self._decoded(request), context)
 
     def Assign(self, request, context):
-        return self._run(context, lambda: self._assign(request, self._decoded(request)))
+        return self._assign(request, self._decoded(request))
 
     def Gather(self, request, context):
-        def go():
-            ids = T.decode(request.ids, T.ID_DTYPES, "gather ids")
-            version, rows = self.store.gather(request.name, ids, _sync_step(request),
-                                              _deadline(context))
-            if rows.nbytes > self.max_message_bytes:
-                raise ResourceExhausted(
-                    f"gather of {ids.size} rows returns {rows.nbytes} bytes, over the "
-                    f"{self.max_message_bytes}-byte message limit; gather fewer ids per "
-                    "call (PSClient splits large gathers by itself)")
-            reply = ps_pb2.GatherReply(version=version)
-            T.fill(reply.rows, rows)
-            return reply
-        return self._run(context, go)
+        ids = T.decode(request.ids, T.ID_DTYPES, "gather ids")
+        version, rows = self.store.gather(request.name, ids, _sync_step(request),
+                                          _deadline(context))
+        if rows.nbytes > self.max_message_bytes:
+            raise ResourceExhausted(
+                f"gather of {ids.size} rows returns {rows.nbytes} bytes, over the "
+                f"{self.max_message_bytes}-byte message limit; gather fewer ids per "
+                "call (PSClient splits large gathers by itself)")
+        reply = ps_pb2.GatherReply(version=version)
+        T.fill(reply.rows, rows)
+        return reply
 
     def PushSparse(self, request, context):
-        return self._run(context, lambda: self._push_sparse(request, self._decoded(request),
-                                                            context))
+        return self._push_sparse(request, self._decoded(request), context)
 
     def Save(self, request, context):
-        saved = self._run(context, self.store.save, request.directory, list(request.names))
+        saved = self.store.save(request.directory, list(request.names))
         return ps_pb2.SaveReply(files=[ps_pb2.SavedFile(name=n, file=f, version=v, bytes=b)
                                        for n, f, v, b in saved])
 
     def AbandonStep(self, request, context):
-        self._run(context, self.store.abandon, request.step, request.replica)
+        self.store.abandon(request.step, request.replica)
         return ps_pb2.AbandonReply()
 
     def Upload(self, request_iterator, context):
-        def go():
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("request") is None:
-                raise InvalidArgument("the first upload frame must carry a request")
-            kind = first.WhichOneof("request")
-            req = getattr(first, kind)
-            arrays = _assemble(tensors_of(req), request_iterator, self.max_upload_bytes)
-            if kind == "create":
-                return ps_pb2.UploadReply(created=self._create(req, arrays, context))
-            if kind == "replicate":
-                return ps_pb2.UploadReply(replicated=self._replicate(req, arrays))
-            handler = {"push": self._push, "assign": self._assign,
-                       "push_sparse": self._push_sparse}[kind]
-            return ps_pb2.UploadReply(updated=handler(req, arrays, context))
-        return self._run(context, go)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("request") is None:
+            raise InvalidArgument("the first upload frame must carry a request")
+        kind = first.WhichOneof("request")
+        req = getattr(first, kind)
+        arrays = _assemble(tensors_of(req), request_iterator, self.max_upload_bytes)
+        if kind == "create":
+            return ps_pb2.UploadReply(created=self._create(req, arrays, context))
+        if kind == "replicate":
+            return ps_pb2.UploadReply(replicated=self._replicate(req, arrays))
+        handler = {"push": self._push, "assign": self._assign,
+                   "push_sparse": self._push_sparse}[kind]
+        return ps_pb2.UploadReply(updated=handler(req, arrays, context))
 
 
 class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
@@ -377,35 +359,31 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
         self.ipc_socket = ""   # set by create_server when it serves psserver/ipc.py
 
     def Attach(self, request, context):
-        return self.ps._run(context, lambda: ps_pb2.ShmAttachReply(
+        return ps_pb2.ShmAttachReply(
             segment=self.segments.attach(request.name, request.nbytes, request.pid, request.fd),
-            ipc_socket=self.ipc_socket))
+            ipc_socket=self.ipc_socket)
 
     def Share(self, request, context):
-        def go():
-            reply = ps_pb2.ShmShareReply()
-            if not shm.direct_reads_available():
-                for name in request.names:
-                    self.ps.store.meta(name)   # NotFound as on any platform
-                    reply.variables.add(name=name)
-                return reply
-            for name, shared in zip(request.names, self.ps.store.share(list(request.names))):
-                v = reply.variables.add(name=name)
-                if shared is not None:
-                    v.path, v.nbytes, v.dtype = shared[:3]
-                    v.shape[:], v.tag = shared[3], shared[4]
+        reply = ps_pb2.ShmShareReply()
+        if not shm.direct_reads_available():
+            for name in request.names:
+                self.ps.store.meta(name)   # NotFound as on any platform
+                reply.variables.add(name=name)
             return reply
-        return self.ps._run(context, go)
+        for name, shared in zip(request.names, self.ps.store.share(list(request.names))):
+            v = reply.variables.add(name=name)
+            if shared is not None:
+                v.path, v.nbytes, v.dtype = shared[:3]
+                v.shape[:], v.tag = shared[3], shared[4]
+        return reply
 
     def Detach(self, request, context):
         self.segments.detach(request.segment)
         return ps_pb2.ShmDetachReply()
 
     def Read(self, request, context):
-        def go():
-            with self.segments.mapped(request.segment) as buf:
-                return self._read_into(request, buf, context)
-        return self.ps._run(context, go)
+        with self.segments.mapped(request.segment) as buf:
+            return self._read_into(request, buf, context)
 
     def _read_into(self, request: ps_pb2.ShmReadRequest, buf: memoryview,
                    context) -> ps_pb2.ShmReadReply:
@@ -447,32 +425,30 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
         return reply
 
     def Push(self, request, context):
-        def go():
-            with self.segments.mapped(request.segment) as buf:
-                updates = _segment_updates(request, buf)
-                sparse = [(u.name,
-                           _segment_array(u.ids, buf, f"sparse update {i} ids ({u.name!r})",
-                                          T.ID_DTYPES).copy(),
-                           _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"),
-                           u.update_id)
-                          for i, u in enumerate(request.sparse)]
-                try:
-                    # Applied before the segment is unmapped; the store keeps no
-                    # reference to a dense gradient (sync mode adds it into its
-                    # own sum) nor to a sparse one (its duplicates are summed
-                    # into new arrays first).
-                    if sparse:
-                        if request.HasField("sync"):
-                            raise InvalidArgument("sparse updates in a shared-memory push "
-                                                  "are asynchronous only; send sync ones "
-                                                  "with PushSparse")
-                        return ps_pb2.UpdateReply(versions=self.ps.store.push_mixed(
-                            updates, sparse, _deadline(context)))
-                    return self.ps._push_updates(request, updates, context)
-                finally:
-                    updates.clear()
-                    sparse.clear()
-        return self.ps._run(context, go)
+        with self.segments.mapped(request.segment) as buf:
+            updates = _segment_updates(request, buf)
+            sparse = [(u.name,
+                       _segment_array(u.ids, buf, f"sparse update {i} ids ({u.name!r})",
+                                      T.ID_DTYPES).copy(),
+                       _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"),
+                       u.update_id)
+                      for i, u in enumerate(request.sparse)]
+            try:
+                # Applied before the segment is unmapped; the store keeps no
+                # reference to a dense gradient (sync mode adds it into its
+                # own sum) nor to a sparse one (its duplicates are summed
+                # into new arrays first).
+                if sparse:
+                    if request.HasField("sync"):
+                        raise InvalidArgument("sparse updates in a shared-memory push "
+                                              "are asynchronous only; send sync ones "
+                                              "with PushSparse")
+                    return ps_pb2.UpdateReply(versions=self.ps.store.push_mixed(
+                        updates, sparse, _deadline(context)))
+                return self.ps._push_updates(request, updates, context)
+            finally:
+                updates.clear()
+                sparse.clear()
 
 
 def _segment_array(t: ps_pb2.ShmTensor, buf: memoryview, what: str,

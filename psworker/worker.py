@@ -37,7 +37,7 @@ from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, Inval
 from psserver.server import (INSECURE_FLAG, TOKEN_ENV, TaskSetupError, add_auth_argument,
                              add_cpus_argument, add_data_port_argument, check_auth,
                              data_port_of, join_host_port, make_server, serve, task_setup)
-from psserver.servicer import PROTOCOL_VERSION
+from psserver.contract import PROTOCOL_VERSION
 
 log = logging.getLogger("psworker")
 

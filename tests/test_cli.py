@@ -26,7 +26,7 @@ from coordinator.checkpoint_layout import (LayoutMismatch, layout_from_listing, 
 from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.process import child_env
-from psserver.servicer import PROTOCOL_VERSION
+from psserver.contract import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ from psserver.client import PSClient
 from psserver.errors import (AlreadyExists, InvalidArgument, NotFound,
                              ResourceExhausted, Unauthenticated, Unavailable)
 from psserver.process import child_env, start_task
-from psserver.servicer import PROTOCOL_VERSION
+from psserver.contract import PROTOCOL_VERSION
 from psserver.store import Initializer
 from reference_optimizers import DEFAULTS, ReferenceOptimizer
 

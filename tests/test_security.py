@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from psserver.client import PSClient
-from psserver.servicer import PROTOCOL_VERSION
+from psserver.contract import PROTOCOL_VERSION
 from psserver.errors import PSError, Unauthenticated, Unavailable
 from psserver.tls import TLSConfig, generate_self_signed
 

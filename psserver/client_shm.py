@@ -1,0 +1,371 @@
+"""The same-host layer of PSClient: shared memory over the Unix socket.
+
+A client whose route has shared memory (psserver/routing.py) reads and
+pushes through segments it attaches (psserver/shm.py): the Unix socket
+carries names, shapes and offsets, the tensor bytes never cross a socket.
+Asynchronous reads copy straight from the server's memory (``_direct_read``,
+a seqlock, no call). Reads, lookups, dense and sparse pushes of one step go
+in one call (``read_and_gather``, ``push_dense_and_sparse``). Anything the
+server refuses for a reason that concerns the segment (unknown after a
+restart, too small) is made again without it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent import futures
+from typing import Mapping, Sequence
+
+import grpc
+import numpy as np
+
+from protos.pstrain.v1 import ps_pb2
+from psserver import tensor as T
+from psserver import methods, shm, wire
+from psserver.contract import Code, PSError, SyncSpec
+from psserver.errors import from_rpc_error
+
+from psserver.client_util import (Handle, Snapshot, _Later, _as_ids, _dest, _set_sync,
+                                   _set_sync_read)
+
+log = logging.getLogger(__name__)
+
+#: The most variables one client maps for direct reads (each map holds a file
+#: descriptor); further ones are read through their server.
+MAX_MAPPED = 256
+
+#: Codes a server answers with once it is done with a call's segment (any
+#: other error may have come while it was still using it).
+_SERVER_DONE = frozenset({
+    Code.INVALID_ARGUMENT, Code.NOT_FOUND,
+    Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION,
+    Code.RESOURCE_EXHAUSTED, Code.UNAUTHENTICATED,
+    Code.UNIMPLEMENTED, Code.OUT_OF_RANGE,
+    Code.PERMISSION_DENIED})
+
+
+class SharedMemoryPath:
+    """PSClient's same-host calls (a mixin over ServerChannel's state)."""
+
+    def _direct_read(self, names: list[str], out) -> list[Snapshot] | None:
+        """Snapshots copied from the server's shared values (psserver.shm: a
+        seqlock, no call), or None: read through the server instead (a name
+        not shared, one dead or always being written, or the server gone)."""
+        ipc_client = self._ipc
+        if ipc_client is None or not ipc_client.alive():
+            self._unmap(list(self._direct))   # its memory is a dead process's now
+            return None
+        missing = [n for n in names if n not in self._direct]
+        if missing:
+            self._map(missing)
+        snaps = []
+        for i, name in enumerate(names):
+            mapped = self._direct.get(name)
+            if mapped is None:
+                return None
+            try:
+                dest = _dest(out, i, mapped.value)
+                got = mapped.read_into(dest)
+            except (TypeError, AttributeError, ValueError):   # closed by another thread
+                return None
+            if not got:   # deleted (re-created?), or never still: ask the server
+                if got is False:
+                    self._unmap([name])
+                return None
+            version, arr = got
+            if dest is None:
+                arr.flags.writeable = False
+            snaps.append((name, version, arr))
+        return self._snapshots(snaps)
+
+    def _map(self, names: list[str]) -> None:
+        reply = self._call(self._shm_stub.Share, ps_pb2.ShmShareRequest(names=names))
+        for v in reply.variables:
+            mapped = None
+            if v.path and sum(m is not None for m in self._direct.values()) < MAX_MAPPED:
+                try:
+                    mapped = shm.MappedValue(v.path, v.dtype, list(v.shape), v.nbytes, v.tag)
+                except OSError:   # not ours to open (another user, another pid namespace)
+                    mapped = None
+            with self._shm_lock:
+                old = self._direct.get(v.name)
+                self._direct[v.name] = mapped
+            if old is not None:
+                old.close()
+
+    def _unmap(self, names: list[str]) -> None:
+        with self._shm_lock:
+            gone = [self._direct.pop(n, None) for n in names]
+        for m in gone:
+            if m is not None:
+                m.close()
+
+    def _direct_ok(self) -> bool:
+        """Whether reads may copy straight from the server's memory (same host)."""
+        return self._direct_on and self._ipc is not None and self._route().shm
+
+    def _shm_for(self, nbytes: int) -> bool:
+        """Whether a read or push goes through shared memory (then the
+        same-host socket carries it, whatever its size)."""
+        return self._route().shm
+
+    def _shm_take(self, nbytes: int) -> shm.Segment | None:
+        """A segment of nbytes or more, or None: use gRPC (turned off for good when
+        the server does not take segments after all)."""
+        if self._arena is None:
+            with self._shm_lock:
+                if self._arena is None:
+                    self._arena = shm.Arena(self._shm_attach, self._shm_detach)
+        try:
+            return self._arena.take(nbytes)
+        except PSError as exc:
+            if exc.code in (Code.FAILED_PRECONDITION, Code.UNIMPLEMENTED):
+                log.warning("parameter server %s takes no shared memory from this process "
+                            "(%s); sending tensor bytes over its socket", self.address, exc)
+                self._no_shm()
+                return None
+            raise
+        except OSError:   # no memory for a segment: this transfer goes over gRPC
+            return None
+
+    def _no_shm(self) -> None:
+        with self._shm_lock:
+            if self._plan is not None:
+                self._plan = dataclasses.replace(self._plan, shm=False)
+
+    def _shm_attach(self, seg: shm.Segment) -> int:
+        return self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(
+            name=seg.name, nbytes=seg.nbytes, pid=seg.pid, fd=seg.fd)).segment
+
+    def _shm_detach(self, seg_id: int) -> None:
+        self._shm_stub.Detach(ps_pb2.ShmDetachRequest(segment=seg_id), timeout=2.0,
+                              metadata=self._metadata)
+
+    def _shm_invoke(self, wait: bool, method, req, seg: shm.Segment, finish, fallback,
+                    local: methods.Method):
+        """A SharedMemory call using ``seg``: finish(reply) turns the reply into the
+        result before the segment goes back; fallback(exc) answers an error that
+        says the server lost the segment (by redoing the call over gRPC)."""
+        def on_error(exc: PSError):
+            lost = exc.code == Code.FAILED_PRECONDITION and \
+                shm.UNKNOWN_SEGMENT in str(exc)
+            # After a timeout or a lost connection the server may still be
+            # using the segment: it is never lent again (not detached either:
+            # a late call still finds its data; the server closes it when idle).
+            uncertain = exc.code not in _SERVER_DONE
+            self._arena.give(seg, broken=lost or uncertain)
+            if lost:
+                self._arena.forget()   # the server restarted or expired them: attach anew
+                return fallback(exc)
+            if exc.code == Code.UNIMPLEMENTED:
+                self._no_shm()
+                return fallback(exc)
+            if exc.code == Code.RESOURCE_EXHAUSTED and shm.TOO_SMALL in str(exc):
+                return fallback(exc)
+            raise exc
+
+        def done(reply):
+            try:
+                return finish(reply)
+            finally:
+                self._arena.give(seg)
+        if wait:
+            try:
+                if self._ipc is not None:
+                    reply = self._local(local, req, method)
+                else:
+                    reply = self._call(method, req)
+            except PSError as exc:
+                return on_error(exc)
+            return done(reply)
+        if self._ipc is not None:   # sent now, its reply read in result()
+            receive = self._local_send(local, req, method)
+            return Handle(_Later(lambda: done(receive()), getattr(receive, "ready", None)),
+                          target=self.address, recover=on_error)
+        out: futures.Future = futures.Future()
+
+        def complete(f):
+            try:
+                out.set_result(done(f.result()))
+            except grpc.RpcError as exc:
+                out.set_exception(from_rpc_error(exc, self.address))
+            except BaseException as exc:
+                out.set_exception(exc)
+        method.future(req, **self._kw()).add_done_callback(complete)
+        return Handle(out, target=self.address, recover=on_error)
+
+    def _shm_read(self, names: list[str], known: list[int], wait: bool, sync_step: int | None,
+                  gathers: Sequence[tuple[str, np.ndarray]] | None = None,
+                  out: Sequence[np.ndarray | None] | None = None):
+        """Read ``names`` (their sizes ``known``) through a segment: a list of
+        Snapshot (values copied into ``out``'s arrays where given); with
+        ``gathers`` ([(name, 1-D ids)], row sizes known too), (snapshots,
+        [(rows, version)]) from the same call."""
+        gathers = list(gathers or ())
+        out_offset = sum(shm.align(ids.nbytes) for _, ids in gathers)
+        need = out_offset + sum(shm.align(n) for n in known) + sum(
+            shm.align(ids.size * self._row_bytes(name)) for name, ids in gathers)
+
+        def fallback(exc: PSError | None = None):   # over gRPC, relearning the sizes
+            self._forget_sizes(names)
+            snaps = self._read_many(names, True, sync_step, out) if names else []
+            if not gathers:
+                return snaps
+            return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
+                           for name, ids in gathers]
+        seg = self._shm_take(need)
+        if seg is None:
+            return self._run(wait, fallback)
+        req = ps_pb2.ShmReadRequest(segment=seg.seg_id, names=names, out_offset=out_offset)
+        _set_sync_read(req, sync_step)
+        off = 0
+        for name, ids in gathers:
+            seg.array[off:off + ids.nbytes] = ids.view(np.uint8)
+            req.gathers.add(name=name, ids=ps_pb2.ShmTensor(
+                dtype=T.dtype_name(ids.dtype), shape=ids.shape, offset=off))
+            off += shm.align(ids.nbytes)
+
+        def copy_out(t: ps_pb2.ShmTensor, i: int | None = None) -> np.ndarray:
+            """t's array copied out of the segment (into out[i] when it fits)."""
+            dt, shape, n = T.spec(t, T.WIRE_DTYPES, f"value of {t.name!r}")
+            src = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
+                                offset=t.offset).reshape(shape)
+            dest = _dest(out, i, src) if i is not None else None
+            if dest is not None:
+                np.copyto(dest, src)
+                return dest
+            arr = src.copy()
+            arr.flags.writeable = False
+            return arr
+
+        def finish(reply: ps_pb2.ShmReadReply):
+            snaps = self._snapshots([
+                (v.name, v.version, copy_out(v, i))
+                for i, v in enumerate(reply.values)])
+            if not gathers:
+                return snaps
+            return snaps, [(copy_out(g), g.version) for g in reply.gathered]
+        return self._shm_invoke(wait, self._shm_stub.Read, req, seg, finish, fallback,
+                                methods.SHM_READ)
+
+    def _row_bytes(self, name: str) -> int:
+        """Bytes of one row of ``name`` (asks the server the first time)."""
+        if name not in self._nbytes or not self._rows.get(name):
+            self._learn_size(name)
+        rows = self._rows.get(name) or 1
+        return self._nbytes[name] // rows
+
+    def _learn_size(self, name: str) -> None:
+        meta = self.get_meta(name)
+        self._remember(name, meta.nbytes, meta.shape)
+
+    def _forget_sizes(self, names: Sequence[str]) -> None:
+        for n in names:
+            self._nbytes.pop(n, None)
+
+    def _shm_push(self, items, arrays, uids, wait: bool, sync: SyncSpec | None, fallback,
+                  sparse: Sequence[tuple[str, np.ndarray, np.ndarray, int]] = ()):
+        """Dense updates (and, async only, sparse ones) through a segment; None
+        when there is no segment to be had (the caller uses gRPC)."""
+        datas = [wire._contiguous_bytes(a) for a in arrays]
+        sparse_datas = [(wire._contiguous_bytes(ids), wire._contiguous_bytes(rows))
+                        for _, ids, rows, _ in sparse]
+        sizes = [len(d) for d in datas] + [len(d) for pair in sparse_datas for d in pair]
+        seg = self._shm_take(sum(shm.align(n) for n in sizes))
+        if seg is None:
+            return None
+        req = ps_pb2.ShmPushRequest(segment=seg.seg_id)
+        if sync is not None:
+            _set_sync(req, sync)
+        end = 0
+
+        def put(d: memoryview, arr: np.ndarray, name: str = "") -> ps_pb2.ShmTensor:
+            nonlocal end
+            off = end
+            seg.array[off:off + len(d)] = np.frombuffer(d, dtype=np.uint8)
+            end = off + shm.align(len(d))
+            return ps_pb2.ShmTensor(name=name, dtype=T.dtype_name(arr.dtype), shape=arr.shape,
+                                    offset=off)
+        for item, a, d, uid in zip(items, arrays, datas, uids):
+            t = put(d, a, item[0])
+            t.update_id = uid
+            req.updates.append(t)
+        for (name, ids, rows, uid), (di, dr) in zip(sparse, sparse_datas):
+            req.sparse.add(name=name, ids=put(di, ids), rows=put(dr, rows), update_id=uid)
+        return self._shm_invoke(wait, self._shm_stub.Push, req, seg,
+                                lambda r: list(r.versions), fallback,
+                                methods.SHM_PUSH)
+
+    # -- a step's calls to one server, as one -----------------------------------------
+    def read_and_gather(self, names: Sequence[str], gathers: Sequence[tuple[str, object]], *,
+                        sync_step: int | None = None):
+        """Read variables and look up rows of others in one call (same host;
+        elsewhere, the separate calls): (snapshots, [(rows, version)]), rows
+        shaped ids.shape + row shape, as gather. See read_many and gather."""
+        return self._read_and_gather(names, gathers, True, sync_step)
+
+    def read_and_gather_async(self, names: Sequence[str], gathers: Sequence[tuple[str, object]],
+                              *, sync_step: int | None = None) -> Handle:
+        return self._read_and_gather(names, gathers, False, sync_step)
+
+    def _read_and_gather(self, names, gathers, wait: bool, sync_step: int | None):
+        names = list(names)
+        shaped = [(name, _as_ids(ids, "gather")) for name, ids in gathers]
+        flat = [(name, ids.reshape(-1)) for name, ids in shaped]
+
+        direct = None   # the dense values, read straight from the server's memory
+        if names and sync_step is None and self._direct_ok():
+            direct = self._direct_read(names, None)
+            if direct is not None:
+                names = []
+
+        def reshape(result):
+            snaps, rows = result
+            return direct or snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
+                                     for (r, v), (_, ids) in zip(rows, shaped)]
+        for n in names:   # the segment's size needs them
+            if n not in self._nbytes:
+                self._learn_size(n)
+        known = [self._nbytes.get(n) for n in names]
+        if self._shm_for(0) and None not in known:
+            out = self._shm_read(names, known, wait, sync_step, flat)
+            if wait:
+                return reshape(out)
+            return Handle(_Later(lambda: reshape(out.result()),
+                                 getattr(out, "done", None)), target=self.address)
+
+        def separate():
+            snaps = direct or (self._read_many(names, True, sync_step) if names else [])
+            return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
+                           for name, ids in shaped]
+        return self._run(wait, separate)
+
+    def push_dense_and_sparse(self, dense, sparse: Sequence[tuple], *,
+                              sync: SyncSpec | None = None) -> list[int]:
+        """Dense updates ([(name, grad[, update_id])]) and row-wise ones
+        ([(name, ids, rows, update_id)]) in one call (same host, async;
+        otherwise the separate calls). Returns the versions after the dense
+        updates, then after the sparse ones. Validated in full first when
+        one call; see push_many and push_sparse."""
+        return self._push_dense_and_sparse(dense, sparse, True, sync)
+
+    def push_dense_and_sparse_async(self, dense, sparse: Sequence[tuple], *,
+                                    sync: SyncSpec | None = None) -> Handle:
+        return self._push_dense_and_sparse(dense, sparse, False, sync)
+
+    def _push_dense_and_sparse(self, dense, sparse, wait: bool, sync: SyncSpec | None):
+        items = list(dense.items()) if isinstance(dense, Mapping) else list(dense)
+        sparse = [(name, _as_ids(ids, "sparse push").reshape(-1), np.asarray(rows), uid)
+                  for name, ids, rows, uid in sparse]
+
+        def separate(exc: PSError | None = None):
+            versions = self._dense("push", items, True, sync, use_shm=False) if items else []
+            return versions + [self._push_sparse(name, ids, rows, True, sync, uid)
+                               for name, ids, rows, uid in sparse]
+        if self._shm_for(0) and sync is None and (sparse or items):
+            arrays = [np.asarray(item[1]) for item in items]
+            uids = [item[2] if len(item) > 2 else 0 for item in items]
+            out = self._shm_push(items, arrays, uids, wait, None, separate, sparse)
+            if out is not None:
+                return out
+        return self._run(wait, separate)

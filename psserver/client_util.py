@@ -1,0 +1,124 @@
+"""What PSClient's parts share (psserver/client.py, channel.py, client_shm.py):
+the results of calls (``Snapshot``, ``Handle``) and request helpers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable, Sequence
+
+import grpc
+import numpy as np
+
+from protos.pstrain.v1 import ps_pb2
+from psserver import replication as R
+from psserver.contract import InvalidArgument, PSError, SyncSpec, VariableMeta
+from psserver.errors import from_rpc_error
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A variable's value as read, with the version it belongs to."""
+    name: str
+    version: int
+    value: np.ndarray
+
+
+def _meta_from_proto(m: ps_pb2.VariableMeta) -> VariableMeta:
+    backup = R.Peer(m.backup.address, m.backup.name) if m.HasField("backup") else None
+    return VariableMeta(m.name, m.dtype, tuple(m.shape), m.version, m.optimizer.name,
+                        dict(m.optimizer.params), m.nbytes, m.slot_nbytes, m.allow_nonfinite,
+                        m.sync_steps, m.dropped_gradients, int(m.role), m.epoch, backup)
+
+
+def _set_sync_read(req, sync_step: int | None) -> None:
+    if sync_step is not None:
+        req.sync.step = sync_step
+
+
+def _set_sync(req, sync: SyncSpec | None) -> None:
+    if sync is not None:
+        req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(sync)))
+
+
+class _Later:
+    """A future whose value is computed by the first result() call (a reply
+    read from a socket the request was sent on earlier). Thread-safe: the
+    reply is read once."""
+
+    def __init__(self, fn: Callable[[], object], ready: Callable[[], bool] | None = None):
+        self._fn, self._done, self._value, self._exc = fn, False, None, None
+        self._ready = ready   # whether the reply is there to read
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._done or (self._ready is not None and self._ready())
+
+    def result(self, timeout: float | None = None):
+        with self._lock:
+            if not self._done:
+                try:
+                    self._value = self._fn()
+                except BaseException as exc:
+                    self._exc = exc
+                self._done, self._fn = True, None
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+class Handle:
+    """The pending result of a non-blocking call."""
+
+    def __init__(self, fut, post: Callable = lambda r: r, target: str = "",
+                 recover: Callable[[PSError], object] | None = None):
+        self._fut, self._post, self._target = fut, post, target
+        self._recover = recover   # may turn an error into a result, or re-raise
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: float | None = None):
+        """Block until the call finishes; return its value or raise its PSError."""
+        try:
+            try:
+                return self._post(self._fut.result(timeout))
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, self._target) from exc
+        except PSError as exc:
+            if self._recover is None:
+                raise
+            return self._recover(exc)
+
+    wait = result
+
+
+def _dest(out: Sequence[np.ndarray | None] | None, i: int, like) -> np.ndarray | None:
+    """out[i] when the caller gave it with ``like``'s shape and dtype, else None
+    (the value goes into a new array)."""
+    dest = out[i] if out is not None and i < len(out) else None
+    if dest is not None and dest.shape == like.shape and dest.dtype == like.dtype:
+        return dest
+    return None
+
+
+def _fill(snaps: list[Snapshot], out: Sequence[np.ndarray | None]) -> list[Snapshot]:
+    """Snapshots with their values copied into out's arrays (where given and fitting)."""
+    filled = []
+    for i, s in enumerate(snaps):
+        dest = _dest(out, i, s.value)
+        if dest is not None:
+            np.copyto(dest, s.value)
+            s = Snapshot(s.name, s.version, dest)
+        filled.append(s)
+    return filled
+
+
+def _as_ids(ids, what: str) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} ids must be integers, got {ids.dtype.name}")
+    if ids.dtype.kind == "u" or ids.dtype.itemsize not in (4, 8):
+        ids = ids.astype(np.int64)
+    return ids
