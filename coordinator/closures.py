@@ -156,6 +156,7 @@ class _ClosureQueue:
         self._queue: collections.deque[Closure] = collections.deque()
         self._inflight = 0
         self._error: BaseException | None = None
+        self.failed = False   # a closure failed at some time (sticky, unlike _error)
         self._max_size = max_size
         # Signalled when a closure is queued (workers wait on it).
         self._closures_queued = threading.Condition(self._lock)
@@ -203,6 +204,7 @@ class _ClosureQueue:
         """A closure failed: keep the first error, cancel everything queued."""
         with self._lock:
             self._inflight -= 1
+            self.failed = True
             if self._error is None:
                 self._error = error
             while self._queue:

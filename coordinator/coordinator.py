@@ -193,11 +193,14 @@ class ClusterCoordinator:
         return self._queue.counts()
 
     def shutdown(self) -> None:
-        """Stop the worker threads (closures in flight finish first)."""
+        """Stop the worker threads. Closures in flight finish first, unless the
+        job failed (a closure raised, or a parameter server was lost): then
+        their calls are cut off, and the coordinator does not wait for steps
+        that may be retrying against a lost server."""
         if not self._closed:
             self._closed = True
             self._ps_watch.stop()
-            self._membership.stop()
+            self._membership.stop(abort=self._queue.failed)
 
     def __enter__(self) -> "ClusterCoordinator":
         return self

@@ -67,6 +67,14 @@ class _WorkerThread:
     def stop(self) -> None:
         self._stop.set()
 
+    def abort(self) -> None:
+        """Stop, cutting the call in flight (its closure is given up)."""
+        self._stop.set()
+        self._channel.close()   # gRPC calls in flight end CANCELLED
+        ipc_client = self._ipc
+        if ipc_client is not None:
+            ipc_client.abort()
+
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
         self._channel.close()
@@ -279,12 +287,14 @@ class _Membership:
         while not self._stop.wait(self.interval):
             self.refresh()
 
-    def stop(self) -> None:
+    def stop(self, abort: bool = False) -> None:
+        """Stop every worker thread; ``abort``: cut their calls in flight
+        instead of letting their closures finish."""
         self._stop.set()
         self._thread.join()
         with self._lock:
             workers = list(self.workers.values())
         for w in workers:
-            w.stop()
+            w.abort() if abort else w.stop()
         for w in workers:
             w.join()

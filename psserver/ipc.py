@@ -238,6 +238,7 @@ class IpcClient:
         self._lock = threading.Lock()
         self._max_free = max_free
         self._watch: socket.socket | None = None   # see alive()
+        self._busy: set[socket.socket] = set()     # connections whose reply is awaited
         self._poll = None
 
     def _connect(self) -> socket.socket:
@@ -331,6 +332,8 @@ class IpcClient:
             if s is None:
                 s = self._connect()
             s.settimeout(timeout)
+            with self._lock:
+                self._busy.add(s)
             _send(s, _REQUEST.pack(method, len(request), timeout or 0.0), request)
         except BaseException as exc:
             # Not sent in full: a server runs a call only once all of it came.
@@ -348,6 +351,8 @@ class IpcClient:
             body = _recv_exact(s, n)
         except BaseException as exc:
             raise self._broken(s, exc, timeout) from None
+        with self._lock:
+            self._busy.discard(s)
         self._give(s)
         if code:
             raise error_for(code, body.decode(errors="replace"), self.target)
@@ -357,6 +362,8 @@ class IpcClient:
                 timeout: float | None = None) -> BaseException:
         """The error for a call whose connection failed (the connection is dropped)."""
         if s is not None:
+            with self._lock:
+                self._busy.discard(s)
             s.close()
         if isinstance(exc, socket.timeout):
             return DeadlineExceeded(f"call did not finish within {timeout}s [{self.target}]")
@@ -375,6 +382,18 @@ class IpcClient:
                 self._watch = None
         for s in free:
             s.close()
+
+    def abort(self) -> None:
+        """close(), and cut the calls waiting for their replies: each fails at
+        once with Unavailable (the caller gave up on them)."""
+        self.close()
+        with self._lock:
+            busy = list(self._busy)
+        for s in busy:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 __all__ = ["IpcClient", "available", "Unauthenticated"]

@@ -382,3 +382,42 @@ def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
         client.close()
     finally:
         server.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+def test_abort_cuts_a_call_waiting_for_its_reply():
+    """IpcClient.abort (a coordinator shutting down a failed job): a call
+    whose reply is awaited fails at once with Unavailable, not after its
+    deadline (here an hour)."""
+    import threading
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(request, context):
+        entered.set()
+        release.wait(60)
+        return b""
+    server = ipc_server.IpcServer({methods.GATHER.id: (None, stuck)}, "t",
+                                  tcp=("127.0.0.1", 0)).start()
+    try:
+        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
+        got = []
+        caller = threading.Thread(target=lambda: got.append(_raised(
+            lambda: client.call(methods.GATHER.id, b"", 3600))))
+        caller.start()
+        assert entered.wait(30)
+        client.abort()
+        caller.join(30)
+        assert not caller.is_alive() and isinstance(got[0], PSError), got
+        assert got[0].code == Code.UNAVAILABLE
+    finally:
+        release.set()
+        server.stop(grace=0)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:   # what the call raised, to look at on this thread
+        return exc
+    return None
+

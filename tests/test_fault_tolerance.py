@@ -103,6 +103,7 @@ def test_killed_parameter_server_is_restored_and_training_goes_on(tmp_path, with
     assert len(np.unique(bottom)) == 1
 
 
+@pytest.mark.timeout(60)   # leaving the coordinator does not wait out the workers' retries
 def test_lost_parameter_server_stops_the_job_with_a_clear_error(tmp_path, caplog):
     """No replica, no checkpoint: a server that restarted empty fails the job
     (naming the lost shards and the ways to avoid it) instead of training on

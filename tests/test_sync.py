@@ -237,10 +237,21 @@ def test_bounded_staleness_keeps_the_gap(staleness):
 
 def held_on(pid_to_hold, fifo):
     """The first closure the held worker runs blocks until the test writes to
-    fifo (its later ones do not): a worker stuck as long as the test says."""
+    fifo (its later ones do not): a worker stuck as long as the test says.
+    The other worker's closures wait until the held one has begun (they open
+    the gate fifo for reading, which blocks until the held closure holds it
+    open): otherwise the other worker could run every step before the held
+    one took any."""
     if os.getpid() == pid_to_hold and not os.path.exists(fifo + ".released"):
-        with open(fifo) as f:
-            f.read()
+        open(fifo + ".held", "w").close()
+        gate = os.open(fifo + ".gate", os.O_RDWR)   # never blocks; lets the others through
+        try:
+            with open(fifo) as f:
+                f.read()
+        finally:
+            os.close(gate)
+    elif not os.path.exists(fifo + ".held"):
+        os.close(os.open(fifo + ".gate", os.O_RDONLY))   # until the held closure began
     return os.getpid()
 
 
@@ -250,6 +261,7 @@ def test_large_staleness_behaves_as_async(tmp_path):
     mode). Event-based: the stuck worker is released once the rest is done."""
     fifo = str(tmp_path / "release")
     os.mkfifo(fifo)
+    os.mkfifo(fifo + ".gate")
     steps = 30
     with LocalCluster(num_ps=1, num_workers=2) as cluster:
         strategy = ParameterServerStrategy(cluster.spec, mode="bounded", staleness=1000)
