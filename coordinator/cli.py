@@ -48,12 +48,11 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 from typing import Mapping
 
 from coordinator import checkpoint as C
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
-                                      TFConfigClusterResolver, parse_tf_config)
+                                      Refreshing, TFConfigClusterResolver, parse_tf_config)
 from coordinator.cli_checkpoint import _ckpt_list, _ckpt_restore, _ckpt_save
 from coordinator.cli_ops import (EXIT_CONFIG, EXIT_FAILURE, EXIT_NOT_READY, NotReady,
                                  OperatorError, _ps_health, _ps_list, check_health, wait_ready)
@@ -82,7 +81,7 @@ def _config_text(environ: Mapping[str, str]) -> str:
     return environ.get(TF_CONFIG_ENV, "")
 
 
-class WorkerDiscovery:
+class WorkerDiscovery(Refreshing):
     """Keeps a TF_CONFIG file whose workers are the configured ones plus the
     addresses a DNS name resolves to now; the coordinator re-reads the file,
     so workers that come and go (``--scale worker=N``) join and leave the job.
@@ -92,15 +91,12 @@ class WorkerDiscovery:
         host, _, port = target.rpartition(":")
         if not host or not port.isdigit():
             raise ClusterConfigError(f"--worker-dns wants HOST:PORT, got {target!r}")
-        self.host, self.port, self.interval = host.strip("[]"), int(port), interval
+        self.host, self.port = host.strip("[]"), int(port)
         self._environ = dict(environ)
         TFConfigClusterResolver(environ=self._environ)   # missing or malformed: say so now
         self.path = os.path.join(tempfile.mkdtemp(prefix="pstrain-"), "tf_config.json")
         self._text = None
-        self._stop = threading.Event()
-        self.refresh()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="WorkerDiscovery")
-        self._thread.start()
+        self.start(interval, "WorkerDiscovery")
 
     def refresh(self) -> None:
         try:
@@ -120,13 +116,8 @@ class WorkerDiscovery:
             self._text = text
             print(f"coordinator: workers now {cluster['worker']}", file=sys.stderr, flush=True)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.refresh()
-
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().stop()
         shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 

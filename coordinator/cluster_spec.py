@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from typing import Any, Mapping
 
 from psserver.server import TOKEN_ENV
@@ -145,3 +146,29 @@ class TFConfigClusterResolver:
 
     def task(self) -> TaskId | None:
         return self._read()[1]
+
+
+class Refreshing:
+    """Something that re-reads the cluster description: ``refresh()`` runs
+    now, then every ``interval`` seconds on a daemon thread named ``name``,
+    until ``stop()``. Subclasses set their state, then call ``start``."""
+
+    interval: float
+
+    def start(self, interval: float, name: str) -> None:
+        self.interval = interval
+        self._stop = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self._thread.start()
+
+    def refresh(self) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

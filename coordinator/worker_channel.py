@@ -22,6 +22,7 @@ import grpc
 from coordinator import serialization
 from coordinator.errors import StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
+from coordinator.cluster_spec import Refreshing
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver import ipc, methods, routing
 from psserver.contract import Code
@@ -254,18 +255,15 @@ class _WorkerThread:
         self.coord._queue.mark_finished()
 
 
-class _Membership:
+class _Membership(Refreshing):
     """Keeps one _WorkerThread per worker address in the cluster spec."""
 
     def __init__(self, coord: "ClusterCoordinator", interval: float):
-        self.coord, self.interval = coord, interval
+        self.coord = coord
         self.workers: dict[str, _WorkerThread] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._count = itertools.count()
-        self.refresh()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="ClusterMembership")
-        self._thread.start()
+        self.start(interval, "ClusterMembership")
 
     def refresh(self) -> None:
         try:
@@ -283,15 +281,10 @@ class _Membership:
                 log.warning("worker %s left the cluster spec", addr)
                 self.workers.pop(addr).stop()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.refresh()
-
     def stop(self, abort: bool = False) -> None:
         """Stop every worker thread; ``abort``: cut their calls in flight
         instead of letting their closures finish."""
-        self._stop.set()
-        self._thread.join()
+        super().stop()
         with self._lock:
             workers = list(self.workers.values())
         for w in workers:
