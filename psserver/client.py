@@ -63,8 +63,8 @@ class PSClient(SharedMemoryPath, ServerChannel):
         with UNAVAILABLE at once (useful while a cluster starts).
       shared_memory: use the server's same-host socket and shared memory
         (psserver/ipc.py, psserver/shm.py) where its route allows
-        (psserver/routing.py: same host and network namespace; segments
-        also need the same pid namespace and user). ``PSTRAIN_SHM=0`` turns
+        (psserver/routing.py: same host, network namespace and user;
+        segments also need the same pid namespace). ``PSTRAIN_SHM=0`` turns
         it off: the client then plans as if on another host.
       data_port: otherwise make reads, pushes, lookups and sparse pushes
         over the server's data port (psserver/ipc.py over TCP, with this

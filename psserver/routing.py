@@ -7,19 +7,19 @@ its abstract Unix socket, shared memory, its data port); a client asks once
 when it connects (GetServerInfo / GetWorkerInfo) and ``plan`` decides:
 
 =====================  ===========  ===========  ==========  ===================
-same kernel and        unix socket  pid ns, uid  data port   route
-network namespace      offered      shared                   (``Plan``)
+same kernel, network   unix socket  pid         data port   route
+namespace and user     offered      namespace                (``Plan``)
 =====================  ===========  ===========  ==========  ===================
-yes                    yes          yes          any         unix + shared memory
-yes                    yes          no           any         unix (bytes framed)
-no (another host, or   -            -            yes         tcp (the data port)
-another netns)
-no                     -            -            no          gRPC only
+yes                    yes          same        any         unix + shared memory
+yes                    yes          another     any         unix (bytes framed)
+no (another host,      -            -           yes         tcp (the data port)
+netns or user)
+no                     -            -           no          gRPC only
 =====================  ===========  ===========  ==========  ===================
 
-An abstract Unix socket exists in one network namespace only, and a
-shared-memory segment is opened by the server as /proc/<client pid>/fd/<fd>
-(same pid namespace and uid); memory shared without the network (pods or
+An abstract Unix socket exists in one network namespace only and serves
+its own user only (SO_PEERCRED), and a shared-memory segment is opened by
+the server as /proc/<client pid>/fd/<fd> (same pid namespace); memory shared without the network (pods or
 ``--ipc=host`` containers on one node) therefore takes the data port: that
 guess used to put 1.37 MB reads through shared memory with gRPC around them,
 14x slower than TCP. A client switched off from same-host paths
@@ -99,13 +99,13 @@ def plan(mine: Host, offer: Offer, *, same_host_ok: bool = True,
     theirs = offer.host
     same_kernel = bool(mine.boot_id) and mine.boot_id == theirs.boot_id
     same_net = same_kernel and mine.net_ns != 0 and mine.net_ns == theirs.net_ns
-    if same_host_ok and same_net and offer.ipc_socket:
-        shm = (offer.shared_memory and mine.pid_ns != 0 and mine.pid_ns == theirs.pid_ns
-               and mine.uid == theirs.uid)
+    if same_host_ok and same_net and offer.ipc_socket and mine.uid == theirs.uid:
+        shm = offer.shared_memory and mine.pid_ns != 0 and mine.pid_ns == theirs.pid_ns
         return Plan(UNIX, shm, "same host and network namespace" + (
-            "" if shm else "; no shared memory (another pid namespace or user, or not offered)"))
+            "" if shm else "; no shared memory (another pid namespace, or not offered)"))
     if data_ok and offer.data_port:
         why = ("same host, another network namespace" if same_kernel and not same_net
+               else "same host, another user" if same_kernel and mine.uid != theirs.uid
                else "same host, same-host paths switched off" if same_kernel
                else "another host")
         return Plan(TCP, False, why + ": the data port")
