@@ -147,8 +147,13 @@ class SharedMemoryPath:
         result before the segment goes back; fallback(exc) answers an error that
         says the server lost the segment (by redoing the call over gRPC)."""
         def on_error(exc: PSError):
-            lost = exc.code == Code.FAILED_PRECONDITION and \
-                shm.UNKNOWN_SEGMENT in str(exc)
+            # Told apart by code alone: on a SharedMemory call FAILED_PRECONDITION
+            # comes only from a segment the server does not know (restarted,
+            # or expired it), and RESOURCE_EXHAUSTED from a segment too small
+            # for the read, or the server's memory; either way the server
+            # applied nothing, and the call is made again without the segment
+            # (which meets a lasting cause again and raises it).
+            lost = exc.code == Code.FAILED_PRECONDITION
             # After a timeout or a lost connection the server may still be
             # using the segment: it is never lent again (not detached either:
             # a late call still finds its data; the server closes it when idle).
@@ -160,7 +165,7 @@ class SharedMemoryPath:
             if exc.code == Code.UNIMPLEMENTED:
                 self._no_shm()
                 return fallback(exc)
-            if exc.code == Code.RESOURCE_EXHAUSTED and shm.TOO_SMALL in str(exc):
+            if exc.code == Code.RESOURCE_EXHAUSTED:
                 return fallback(exc)
             raise exc
 

@@ -570,3 +570,19 @@ def test_local_socket_closes_other_users_at_once(ps):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() in ("b''", "closed ConnectionResetError", "closed BrokenPipeError"), \
         r.stdout   # no reply: nothing read from another user
+
+
+def test_a_read_whose_segment_is_too_small_is_made_again_without_it(ps):
+    """A variable re-created larger behind a client's back: the client's
+    read, sized from what it knew, does not fit its segment; the server says
+    so (RESOURCE_EXHAUSTED, nothing done) and the read is made again without
+    the segment, returning the new value. (Sync reads: asynchronous ones copy
+    straight from the server's memory, without a segment.)"""
+    with PSClient(ps.address) as c, PSClient(ps.address) as other:
+        _make(c)
+        c.read_many(["w"], sync_step=0)   # remembers N floats
+        assert c.route.shm
+        other.delete_variable("w")
+        bigger = _make(other, n=4 * N)
+        for _ in range(2):   # made again without the segment; then sized anew
+            np.testing.assert_array_equal(c.read_many(["w"], sync_step=0)[0].value, bigger)
