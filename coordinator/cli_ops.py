@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator import checkpoint as C
 from coordinator import checkpoint_layout as L
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
-                                      TFConfigClusterResolver)
+                                      NoClusterDescription, TFConfigClusterResolver)
 from psserver.client import PSClient
 from psserver.contract import Code
 from psserver.errors import PSError, from_rpc_error
@@ -164,10 +164,8 @@ def target_from_args(args, environ: Mapping[str, str] = os.environ) -> Target:
     else:
         try:
             spec = TFConfigClusterResolver(environ=environ).cluster_spec()
-        except ClusterConfigError as exc:
-            if "no cluster description" in str(exc):
-                raise ClusterConfigError(f"{exc}; or pass --ps HOST:PORT,HOST:PORT") from None
-            raise
+        except NoClusterDescription as exc:
+            raise ClusterConfigError(f"{exc}; or pass --ps HOST:PORT,HOST:PORT") from None
         ps, worker = spec.ps, spec.worker
         path = environ.get(TF_CONFIG_FILE_ENV)
         source = f"{TF_CONFIG_FILE_ENV}={path}" if path else TF_CONFIG_ENV

@@ -32,6 +32,10 @@ class ClusterConfigError(ValueError):
     """The cluster description is missing or malformed."""
 
 
+class NoClusterDescription(ClusterConfigError):
+    """Neither TF_CONFIG nor TF_CONFIG_FILE is set."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskId:
     type: str
@@ -127,7 +131,7 @@ class TFConfigClusterResolver:
         self._path = path or environ.get(TF_CONFIG_FILE_ENV)
         self._text = None if self._path else environ.get(TF_CONFIG_ENV)
         if self._path is None and not self._text:
-            raise ClusterConfigError(
+            raise NoClusterDescription(
                 f"no cluster description: set {TF_CONFIG_ENV} to the cluster JSON, or "
                 f"{TF_CONFIG_FILE_ENV} to a file holding it")
         self.cluster_spec()   # fail now, not later, if it is malformed
