@@ -323,13 +323,15 @@ def _load_variable(v: V.ShardedVariable, info: dict | None, path: str) -> dict:
             arrays = [p[key] for p in parts]
             slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
                               if arrays[0].ndim == 0 else _join(arrays, v.shape))
-    # A shard restored into the same place keeps its version and idempotency keys.
+    # A shard restored into the same place keeps its version, idempotency keys
+    # and scalar slots (same_cut).
     return {"value": _join([p["value"] for p in parts], v.shape), "slots": slots,
             "optimizer_params": json.loads(meta.get("optimizer_params", "{}")),
             "allow_nonfinite": json.loads(meta.get("allow_nonfinite", "false")),
             "version": max(int(e["version"]) for e in entries),
             "same_cut": {(e["name"], e["offset"], e["rows"]):
-                         (int(e["version"]), p.get("applied_ids", ()))
+                         (int(e["version"]), p.get("applied_ids", ()),
+                          {k[5:]: a for k, a in p.items() if k.startswith("slot/") and a.ndim == 0})
                          for e, p in zip(entries, parts)}}
 
 
@@ -342,14 +344,16 @@ def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, c
 
         def cut(a, lo=s.offset, hi=s.offset + s.rows):
             return a if a.ndim == 0 else a[lo:hi]
-        version, applied = state["same_cut"].get((s.name, s.offset, s.rows),
-                                                 (state["version"], ()))
+        # Into the cut it was saved in: its own version, keys and scalar slots
+        # (Adam's step count); resharded: the largest of each.
+        version, applied, scalars = state["same_cut"].get((s.name, s.offset, s.rows),
+                                                          (state["version"], (), {}))
         handles.append(pool.submit(
             client_for(c.address).create_variable, c.name, None, v.dtype,
             initial_value=cut(state["value"]), optimizer=v.optimizer,
             optimizer_params=state["optimizer_params"],
             allow_nonfinite=state["allow_nonfinite"],
-            slots={k: cut(a) for k, a in state["slots"].items()},
+            slots={k: scalars.get(k, cut(a)) for k, a in state["slots"].items()},
             version=version, overwrite=True, applied_ids=applied))
     return handles
 

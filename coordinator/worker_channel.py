@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from coordinator import serialization
-from coordinator.errors import StepFunctionError, WorkerCallError
+from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver import ipc, methods, routing
 from psserver.contract import Code
-from psserver.errors import PSError, from_rpc_error
+from psserver.errors import PSError, Unavailable, from_rpc_error
 from psserver.tls import make_channel
 from psserver.server import grpc_options
 from psserver.contract import DEFAULT_MAX_MESSAGE_BYTES
@@ -118,31 +118,41 @@ class _WorkerThread:
         strategy = self.coord.strategy
         p = routing.plan(routing.this_host(), offer, same_host_ok=ipc.available(),
                          data_ok=ipc.data_available())
-        try:
-            if p.socket == routing.UNIX:
-                client = ipc.IpcClient(offer.ipc_socket, strategy.token, self.address,
-                                       max_free=1, identity=identity)
-            elif p.socket == routing.TCP:
-                host = self.address.rsplit(":", 1)[0]
-                client = ipc.IpcClient(
-                    "", strategy.token, self.address, max_free=1, tcp=(host, offer.data_port),
-                    ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
-                    identity=identity)
-            else:
+        if p.socket == routing.UNIX:
+            self._ipc = self._open(p.socket, lambda: ipc.IpcClient(
+                offer.ipc_socket, strategy.token, self.address, max_free=1, identity=identity))
+            if self._ipc is not None:
                 return
+            # refused: the data port, if the worker has one (as PSClient does)
+            p = routing.plan(routing.Host(), offer, data_ok=ipc.data_available())
+        if p.socket == routing.TCP:
+            host = self.address.rsplit(":", 1)[0]
+            self._ipc = self._open(p.socket, lambda: ipc.IpcClient(
+                "", strategy.token, self.address, max_free=1, tcp=(host, offer.data_port),
+                ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
+                identity=identity))
+
+    def _open(self, kind: str, make) -> ipc.IpcClient | None:
+        client = None
+        try:
+            client = make()
             client.connect()
+            return client
         except (OSError, ValueError, PSError) as exc:   # a firewall, a NetworkPolicy
             log.warning("worker %s: cannot use its %s (%s); sending closures over gRPC",
-                        self.address, "local socket" if p.socket == routing.UNIX
-                        else "data port", exc)
-            return
-        self._ipc = client
+                        self.address, "local socket" if kind == routing.UNIX else "data port",
+                        exc)
+            if client is not None:
+                client.close()
+            return None
 
     def _grpc(self, method, request, timeout):
         try:
             return method(request, **self._kw(timeout))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from exc
+        except ValueError as exc:   # the channel was closed under us (abort)
+            raise Unavailable(f"worker {self.address}: {exc}") from None
 
     def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
         """One closure over the worker's socket, or gRPC; a failure raises its
@@ -197,7 +207,12 @@ class _WorkerThread:
         except PSError as exc:
             if exc.code in _WORKER_FAILURE_CODES:
                 self.alive = False
-                if closure.sync is not None:
+                if self._stop.is_set():   # cut by shutdown after a failure: given up
+                    closure.remote_value._set_error(ClosureCancelled(
+                        f"closure {closure.name} cancelled: the coordinator shut down after "
+                        "a failure"), True)
+                    queue.mark_finished()
+                elif closure.sync is not None:
                     self._abandon(closure, exc.code.name)
                 else:
                     log.warning("worker %s failed running closure %s (%s); re-queueing it",

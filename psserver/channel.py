@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Iterator, Sequence
 
@@ -50,6 +51,8 @@ _SERVICE_CONFIG = json.dumps({"methodConfig": [{
                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
 }]})
 
+#: How long a client waits for the server's ServerInfo to plan its route.
+_ASK_SECONDS = 5.0
 #: The route while it is being learnt, or could not be: gRPC, asked again later.
 _UNPLANNED = routing.Plan(why="not learnt yet: gRPC meanwhile")
 
@@ -103,6 +106,7 @@ class ServerChannel:
         self._data_ok = data_port and ipc.data_available()
         self._plan: routing.Plan | None = None
         self._planning = False
+        self._ask_after = 0.0   # a failed GetServerInfo is asked again after this (monotonic)
         self._ipc: ipc.IpcClient | None = None
         self._data: ipc.IpcClient | None = None
         # Variables this client reads straight from the server's memory
@@ -270,7 +274,7 @@ class ServerChannel:
             self._plan = routing.Plan(why="sockets switched off here: gRPC")
             return self._plan
         with self._shm_lock:
-            if self._plan is not None or self._planning:
+            if self._plan is not None or self._planning or time.monotonic() < self._ask_after:
                 return self._plan or _UNPLANNED
             self._planning = True
         try:
@@ -279,9 +283,12 @@ class ServerChannel:
             self._planning = False
 
     def _learn(self) -> routing.Plan:
-        try:
-            info = self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
-        except PSError:   # asked again on a later call
+        try:   # briefly, without waiting for a server that is down: gRPC meanwhile
+            info = self._stub.GetServerInfo(ps_pb2.ServerInfoRequest(), metadata=self._metadata,
+                                            timeout=min(self.timeout or _ASK_SECONDS,
+                                                        _ASK_SECONDS))
+        except grpc.RpcError:   # asked again on a call a second from now
+            self._ask_after = time.monotonic() + 1.0
             return _UNPLANNED
         offer = routing.offer_of(info.host)
         p = routing.plan(routing.this_host(), offer, same_host_ok=self._same_host_ok,

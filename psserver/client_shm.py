@@ -149,10 +149,11 @@ class SharedMemoryPath:
         def on_error(exc: PSError):
             # Told apart by code alone: on a SharedMemory call FAILED_PRECONDITION
             # comes only from a segment the server does not know (restarted,
-            # or expired it), and RESOURCE_EXHAUSTED from a segment too small
-            # for the read, or the server's memory; either way the server
-            # applied nothing, and the call is made again without the segment
-            # (which meets a lasting cause again and raises it).
+            # or expired it), found before anything is done, and OUT_OF_RANGE
+            # from a segment too small for the read; the call is made again
+            # without the segment. Any other error (RESOURCE_EXHAUSTED
+            # included: a push may have applied part of its variables) is
+            # the caller's, with its update keys.
             lost = exc.code == Code.FAILED_PRECONDITION
             # After a timeout or a lost connection the server may still be
             # using the segment: it is never lent again (not detached either:
@@ -165,7 +166,7 @@ class SharedMemoryPath:
             if exc.code == Code.UNIMPLEMENTED:
                 self._no_shm()
                 return fallback(exc)
-            if exc.code == Code.RESOURCE_EXHAUSTED:
+            if exc.code == Code.OUT_OF_RANGE:
                 return fallback(exc)
             raise exc
 

@@ -112,6 +112,13 @@ class Unimplemented(PSError):
     code = Code.UNIMPLEMENTED
 
 
+class OutOfRange(PSError):
+    """The request reaches past what it may use (a shared-memory segment too
+    small for the read it names): nothing was done."""
+
+    code = Code.OUT_OF_RANGE
+
+
 class Unavailable(PSError, ConnectionError):
     """The server cannot be reached, or is shutting down. Retrying may help."""
 
@@ -134,7 +141,7 @@ _BY_CODE: dict[Code, type[PSError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted,
                 FailedPrecondition, NotPrimary, PermissionDenied, Unauthenticated,
-                Unimplemented, Unavailable, DeadlineExceeded, Internal)
+                Unimplemented, OutOfRange, Unavailable, DeadlineExceeded, Internal)
 }
 # Codes a transport itself produces that mean the same to a caller.
 _BY_CODE[Code.CANCELLED] = Unavailable
@@ -266,12 +273,14 @@ class SyncSpec:
 
 def as_error(exc: BaseException) -> PSError:
     """What a handler's exception tells the caller: a PSError as it is; running
-    out of memory as RESOURCE_EXHAUSTED (nothing was applied: requests are
-    checked in full first); anything else is a bug, INTERNAL with its type
-    and message (the transport logs its traceback on the server)."""
+    out of memory as RESOURCE_EXHAUSTED; anything else is a bug, INTERNAL
+    with its type and message (the transport logs its traceback on the
+    server)."""
     if isinstance(exc, PSError):
         return exc
     if isinstance(exc, MemoryError):
-        return ResourceExhausted("the task ran out of memory for this request; nothing was "
-                                 "applied")
+        return ResourceExhausted(
+            "the task ran out of memory for this request. Requests are checked in full "
+            "before anything changes, but an update of several variables may have been "
+            "applied to some of them: resend it with the same update keys")
     return Internal(f"internal error: {type(exc).__name__}: {exc}")

@@ -11,8 +11,8 @@ import grpc
 
 from psserver.contract import (  # noqa: F401  (re-exported)
     AlreadyExists, Code, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
-    NotFound, NotPrimary, PermissionDenied, PSError, ResourceExhausted, Unauthenticated,
-    Unavailable, Unimplemented, error_for)
+    NotFound, NotPrimary, OutOfRange, PermissionDenied, PSError, ResourceExhausted,
+    Unauthenticated, Unavailable, Unimplemented, error_for)
 
 _GRPC = {c.value[0]: c for c in grpc.StatusCode}
 

@@ -56,6 +56,7 @@ import ssl
 import struct
 import sys
 import threading
+import weakref
 from typing import Callable
 
 
@@ -238,7 +239,9 @@ class IpcClient:
         self._lock = threading.Lock()
         self._max_free = max_free
         self._watch: socket.socket | None = None   # see alive()
-        self._busy: set[socket.socket] = set()     # connections whose reply is awaited
+        # Connections whose reply is awaited (weakly: a reply never collected
+        # must not keep its connection open; it closes when collected as garbage).
+        self._busy: weakref.WeakSet = weakref.WeakSet()
         self._poll = None
 
     def _connect(self) -> socket.socket:
@@ -330,6 +333,8 @@ class IpcClient:
         s = self._take()
         try:
             if s is None:
+                if self._closed:
+                    raise ConnectionError("the client was closed")
                 s = self._connect()
             s.settimeout(timeout)
             with self._lock:

@@ -18,7 +18,7 @@ from psserver import replication as R
 from psserver import tensor as T
 from psserver import rpc, shm, wire
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
-                               InvalidArgument, ResourceExhausted)
+                               InvalidArgument, OutOfRange, ResourceExhausted)
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
 
@@ -403,7 +403,7 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
             nonlocal end
             off = end
             if off + arr.nbytes > seg.size:
-                raise ResourceExhausted(
+                raise OutOfRange(
                     f"shared-memory segment of {seg.size} bytes is {shm.TOO_SMALL} of "
                     f"{what} (it needs {off + arr.nbytes}); attach a larger one")
             seg[off:off + arr.nbytes] = arr.reshape(-1).view(np.uint8)
