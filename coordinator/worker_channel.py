@@ -1,10 +1,11 @@
 """The worker channel: one thread per worker task, feeding it closures.
 
 * ``_WorkerThread``  connects to its worker (GetWorkerInfo; a restarted worker
-  is noticed by its id and gets its datasets again), sends closures over the
-  route psserver/routing.py plans from what the worker announced (its Unix
-  socket, its data port, or gRPC), and decides what a failure means: the
-  worker gone (re-queue, or abandon a sync replica) or the step failed.
+  is noticed by its id and gets its datasets again), sends closures on the
+  transport (psserver/transport.py) of the route psserver/routing.py plans
+  from what the worker announced (its Unix socket, its data port, or gRPC),
+  and decides what a failure means: the worker gone (re-queue, or abandon a
+  sync replica) or the step failed.
 * ``_Membership``    keeps one _WorkerThread per worker in the cluster spec.
 
 Every failure arrives as a typed error (psserver.contract), whichever way
@@ -17,17 +18,16 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-import grpc
-
 from coordinator import serialization
 from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
-from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from protos.pstrain.v1 import worker_pb2
 from psserver import ipc, methods, routing
 from psserver.contract import Code
-from psserver.errors import PSError, Unavailable, from_rpc_error
+from psserver.errors import PSError
 from psserver.tls import make_channel
+from psserver.transport import GrpcTransport, SocketTransport
 from psserver.server import grpc_options
 from psserver.contract import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -57,8 +57,10 @@ class _WorkerThread:
         self._stop = threading.Event()
         self._channel = make_channel(address, grpc_options(DEFAULT_MAX_MESSAGE_BYTES),
                                      coord.strategy.tls)
-        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._ipc: ipc.IpcClient | None = None   # the worker's local socket, same host
+        metadata = coord._metadata
+        self._grpc = GrpcTransport(self._channel, address, metadata)
+        self._probe = GrpcTransport(self._channel, address, metadata, wait_for_ready=True)
+        self._ipc: SocketTransport | None = None   # the worker's socket, if the route has one
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")
 
@@ -71,26 +73,22 @@ class _WorkerThread:
     def abort(self) -> None:
         """Stop, cutting the call in flight (its closure is given up)."""
         self._stop.set()
-        self._channel.close()   # gRPC calls in flight end CANCELLED
-        ipc_client = self._ipc
-        if ipc_client is not None:
-            ipc_client.abort()
+        self._grpc.close()   # gRPC calls in flight end CANCELLED (Unavailable)
+        sock = self._ipc
+        if sock is not None:
+            sock.abort()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
-        self._channel.close()
+        self._grpc.close()
         if self._ipc is not None:
             self._ipc.close()
-
-    def _kw(self, timeout):
-        return {"timeout": timeout, "metadata": self.coord._metadata}
 
     def _connect(self) -> bool:
         """Check the worker is up; after a (re)start, create its datasets."""
         try:
-            info = self._stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(),
-                                            wait_for_ready=True, **self._kw(1.0))
-        except grpc.RpcError:
+            info = self._probe.call(methods.WORKER_INFO, worker_pb2.WorkerInfoRequest(), 1.0)
+        except PSError:
             return False
         if info.worker_id != self.worker_id:
             if self.worker_id is not None:
@@ -132,12 +130,12 @@ class _WorkerThread:
                 ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
                 identity=identity))
 
-    def _open(self, kind: str, make) -> ipc.IpcClient | None:
+    def _open(self, kind: str, make) -> SocketTransport | None:
         client = None
         try:
             client = make()
             client.connect()
-            return client
+            return SocketTransport(client, kind)
         except (OSError, ValueError, PSError) as exc:   # a firewall, a NetworkPolicy
             log.warning("worker %s: cannot use its %s (%s); sending closures over gRPC",
                         self.address, "local socket" if kind == routing.UNIX else "data port",
@@ -146,36 +144,28 @@ class _WorkerThread:
                 client.close()
             return None
 
-    def _grpc(self, method, request, timeout):
-        try:
-            return method(request, **self._kw(timeout))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from exc
-        except ValueError as exc:   # the channel was closed under us (abort)
-            raise Unavailable(f"worker {self.address}: {exc}") from None
-
     def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
         """One closure over the worker's socket, or gRPC; a failure raises its
         typed error (psserver.contract), whichever way it went."""
         timeout = self.coord.closure_timeout
-        if self._ipc is None:
-            return self._grpc(self._stub.RunClosure, request, timeout)
+        sock = self._ipc
+        if sock is None:
+            return self._grpc.call(methods.RUN_CLOSURE, request, timeout)
         try:
-            return worker_pb2.ClosureReply.FromString(
-                self._ipc.call(methods.RUN_CLOSURE.id, request.SerializeToString(), timeout))
+            return sock.call(methods.RUN_CLOSURE, request, timeout)
         except PSError as exc:
             if getattr(exc, "not_sent", False) or exc.code in _WORKER_FAILURE_CODES:
-                self._ipc.close()
+                sock.close()
                 self._ipc = None
             if getattr(exc, "not_sent", False):   # never reached the worker: gRPC is safe
-                return self._grpc(self._stub.RunClosure, request, timeout)
+                return self._grpc.call(methods.RUN_CLOSURE, request, timeout)
             raise
 
     def _ensure_datasets(self) -> None:
         for ds_id, fn_ref in list(self.coord._datasets.items()):
             if ds_id not in self._created:
                 n, i = self.coord._worker_count_and_index(self.address)
-                self._grpc(self._stub.CreateDataset, worker_pb2.CreateDatasetRequest(
+                self._grpc.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
                     dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
                     worker_id=self.worker_id), _CONTROL_TIMEOUT)
                 self._created.add(ds_id)

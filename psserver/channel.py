@@ -1,14 +1,16 @@
 """How one client's calls reach one parameter server: ``ServerChannel``.
 
-The gRPC channel and stubs, the route (psserver/routing.py: planned once from
-the server's GetServerInfo, again after a socket breaks), the socket it
-picked (the same-host Unix socket or the data port), and the one way every
-call is made: ``_invoke`` sends it over the socket that carries its method
-(psserver/methods.py) or over gRPC, blocking or not (a ``Handle``);
-tensors too big for one message travel over gRPC's streams (``_upload``,
-``_read_stream``). Errors arrive as the typed errors of psserver.contract,
-mapped once by each transport. PSClient (psserver/client.py) is the
-parameter-server API on top; psserver/client_shm.py adds shared memory.
+The transports (psserver/transport.py: gRPC, and the socket the route
+picked, the same-host Unix socket or the data port), the route
+(psserver/routing.py: planned once from the server's GetServerInfo, again
+after a socket breaks), and the one way every unary call is made:
+``_invoke(wait, method, request)`` on the transport that carries the
+method (psserver/methods.py), blocking or not (a ``Handle``); a socket that
+breaks is dropped and the call handled as ``_over`` says. Tensors too big
+for one message travel over gRPC's streams (``_upload``, ``_read_stream``).
+Errors arrive as the typed errors of psserver.contract, mapped once by each
+transport. PSClient (psserver/client.py) is the parameter-server API on
+top; psserver/client_shm.py adds shared memory.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -25,6 +27,8 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
 from psserver import ipc, methods, routing, shm
+from psserver.methods import Method
+from psserver.transport import GrpcTransport, Pending, SocketTransport
 from psserver.tls import TLSConfig, make_channel
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD, PSError,
@@ -32,7 +36,7 @@ from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
 from psserver.errors import from_rpc_error
 from psserver.server import grpc_options
 
-from psserver.client_util import Handle, Snapshot, _Later, _set_sync_read
+from psserver.client_util import Handle, Snapshot, _set_sync_read
 
 log = logging.getLogger(__name__)
 
@@ -82,33 +86,24 @@ class ServerChannel:
         options = grpc_options(max_message_bytes) + [
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
         self._channel = make_channel(address, options, tls)
-        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        self.grpc = GrpcTransport(self._channel, address, self._metadata, wait_for_ready)
+        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)   # its streams
         self.bulk = bulk
-        self._bulk_read = self._channel.unary_unary(   # reply bytes kept as they came
-            "/pstrain.v1.ParameterServerBulk/Read",
-            request_serializer=ps_pb2.ReadRequest.SerializeToString)
-        self._bulk_push = self._channel.unary_unary(   # request bytes framed by hand
-            "/pstrain.v1.ParameterServerBulk/Push",
-            response_deserializer=ps_pb2.UpdateReply.FromString)
-        self._replicate_raw = self._channel.unary_unary(   # request bytes framed by hand
-            "/pstrain.v1.ParameterServer/Replicate",
-            response_deserializer=ps_pb2.ReplicateReply.FromString)
-        self._shm_stub = ps_pb2_grpc.SharedMemoryStub(self._channel)
-        self._idempotent = (self._shm_stub.Read, self._stub.Gather, self._bulk_read)
         self._arena: shm.Arena | None = None
         self._shm_lock = threading.Lock()   # makes the arena and the sockets once
         self._token = token
         self._tls = tls
         # The route to the server (psserver/routing.py), planned from its
         # ServerInfo on the first call that needs it, and its socket: the
-        # same-host one (_ipc) or the data port (_data); None: gRPC.
+        # same-host one (_ipc) or the data port (_data), a SocketTransport;
+        # None: gRPC.
         self._same_host_ok = shared_memory and shm.available() and ipc.available()
         self._data_ok = data_port and ipc.data_available()
         self._plan: routing.Plan | None = None
         self._planning = False
         self._ask_after = 0.0   # a failed GetServerInfo is asked again after this (monotonic)
-        self._ipc: ipc.IpcClient | None = None
-        self._data: ipc.IpcClient | None = None
+        self._ipc: SocketTransport | None = None
+        self._data: SocketTransport | None = None
         # Variables this client reads straight from the server's memory
         # (psserver.shm.MappedValue; None: the server does not share it).
         self._direct_on = shared_memory and shm.direct_reads_available()
@@ -136,7 +131,7 @@ class ServerChannel:
             if sock is not None:
                 sock.close()
         self._unmap(list(self._direct))
-        self._channel.close()
+        self.grpc.close()
 
     def __enter__(self) -> "ServerChannel":
         return self
@@ -154,44 +149,42 @@ class ServerChannel:
                                    "is it running and is the address right?") from None
 
     def _kw(self, timeout: float | None = None, extra_bytes: int = 0) -> dict:
+        """A stream's call options (its deadline grows with its bytes)."""
         t = self.timeout if timeout is None else timeout
         if t is not None and extra_bytes:
             t += extra_bytes * _STREAM_SECONDS_PER_BYTE
         return {"timeout": t, "metadata": self._metadata, "wait_for_ready": self._wait_for_ready}
 
-    def _call(self, method, request, **kw):
-        try:
-            return method(request, **self._kw(**kw))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from exc
+    def _call(self, method: Method, request, timeout: float | None = None):
+        """A blocking call over gRPC (control calls)."""
+        return self.grpc.call(method, request, self.timeout if timeout is None else timeout)
 
-    def _future(self, method, request, post, recover=None, **kw) -> Handle:
-        return Handle(method.future(request, **self._kw(**kw)), post, self.address, recover)
-
-    def _invoke(self, wait: bool, method, request, post=lambda r: r, recover=None,
-                local: "methods.Method | None" = None):
-        """A unary call: blocking (the value) or not (a Handle).
-
-        The blocking form calls the stub directly: going through a future
-        costs a thread start per call (measured: 1 KiB read p50 790 us via
-        .future().result() against 520 us direct). ``local``: (ipc method,
-        reply class) to make a blocking call over the same-host socket
-        when there is one (psserver/ipc.py).
-        """
+    def _invoke(self, wait: bool, method: Method, request, post=lambda r: r, recover=None):
+        """A unary call on the transport that carries it now: blocking (the
+        value) or not (a Handle, sent now). ``post`` turns the reply into the
+        value; ``recover(error)`` may answer an error instead."""
         if not wait:
-            if local is not None and self._socket(local) is not None:   # sent now, read
-                receive = self._local_send(local, request, method)           # in result()
-                return Handle(_Later(receive, getattr(receive, "ready", None)),
-                              post, self.address, recover)
-            return self._future(method, request, post, recover)
+            return Handle(self._send(method, request), post, self.address, recover)
         try:
-            if local is not None and self._socket(local) is not None:
-                return post(self._local(local, request, method))
-            return post(self._call(method, request))
+            return post(self._make(method, request))
         except PSError as exc:
             if recover is None:
                 raise
             return recover(exc)
+
+    def _make(self, method: Method, request):
+        """A blocking call on the transport that carries it."""
+        sock = self._socket(method)
+        if sock is None:
+            return self.grpc.call(method, request, self.timeout)
+        return self._over(sock, method, request).result()
+
+    def _send(self, method: Method, request) -> Pending:
+        """A call sent now on the transport that carries it."""
+        sock = self._socket(method)
+        if sock is None:
+            return self.grpc.send(method, request, self.timeout)
+        return self._over(sock, method, request)
 
     def _run(self, wait: bool, fn, *args):
         """Run fn(*args) now (blocking) or on the client's threads (a Handle)."""
@@ -223,7 +216,7 @@ class ServerChannel:
         return nbytes <= self.stream_threshold_bytes
 
     def _upload(self, kind: str, request, arrays: Sequence[np.ndarray],
-                **kw) -> ps_pb2.UploadReply:
+                timeout: float | None = None) -> ps_pb2.UploadReply:
         """Send a request whose tensors are too big for one message, in frames."""
         total = sum(a.nbytes for a in arrays)
 
@@ -234,7 +227,10 @@ class ServerChannel:
                 flat = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
                 for off in range(0, len(flat), step):
                     yield ps_pb2.UploadFrame(chunk=bytes(flat[off:off + step]))
-        return self._call(self._stub.Upload, frames(), extra_bytes=total, **kw)
+        try:
+            return self._stub.Upload(frames(), **self._kw(timeout, extra_bytes=total))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from exc
 
     def _read_stream(self, names: Sequence[str], sync_step: int | None = None) -> list[Snapshot]:
         total = sum(self._nbytes.get(n, 0) for n in names)
@@ -284,10 +280,9 @@ class ServerChannel:
 
     def _learn(self) -> routing.Plan:
         try:   # briefly, without waiting for a server that is down: gRPC meanwhile
-            info = self._stub.GetServerInfo(ps_pb2.ServerInfoRequest(), metadata=self._metadata,
-                                            timeout=min(self.timeout or _ASK_SECONDS,
-                                                        _ASK_SECONDS))
-        except grpc.RpcError:   # asked again on a call a second from now
+            info = self.grpc.call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest(),
+                                  min(self.timeout or _ASK_SECONDS, _ASK_SECONDS))
+        except PSError:   # asked again on a call a second from now
             self._ask_after = time.monotonic() + 1.0
             return _UNPLANNED
         offer = routing.offer_of(info.host)
@@ -297,7 +292,7 @@ class ServerChannel:
         sock = None
         if p.socket == routing.UNIX:
             sock = self._open(ipc.IpcClient(offer.ipc_socket, self._token, self.address,
-                                            identity=identity))
+                                            identity=identity), routing.UNIX)
             if sock is None:   # refused (another user's server?): the data port, if any
                 p = routing.plan(routing.Host(), offer, data_ok=self._data_ok)
         if p.socket == routing.TCP:
@@ -306,7 +301,7 @@ class ServerChannel:
                 ctx = self._tls.ssl_client_context() if self._tls is not None else None
                 sock = self._open(ipc.IpcClient(
                     "", self._token, self.address, tcp=(host, offer.data_port),
-                    ssl_context=ctx, identity=identity))
+                    ssl_context=ctx, identity=identity), routing.TCP)
             except (OSError, ValueError) as exc:   # a bad certificate file
                 log.warning("cannot use the data port of %s (%s); using gRPC", self.address, exc)
         if sock is None and p.socket != routing.GRPC:
@@ -320,72 +315,63 @@ class ServerChannel:
         log.debug("route to %s: %s (%s)", self.address, p.socket or "grpc", p.why)
         return p
 
-    def _open(self, client: ipc.IpcClient) -> ipc.IpcClient | None:
-        """client, connected; None when it cannot be (a firewall, a
-        NetworkPolicy, a port mapping to another task, a refused token)."""
+    def _open(self, client: ipc.IpcClient, kind: str) -> SocketTransport | None:
+        """A transport on client, connected; None when it cannot be (a
+        firewall, a NetworkPolicy, a port mapping to another task, a refused
+        token)."""
         try:
             client.connect()
-            return client
+            return SocketTransport(client, kind)
         except (OSError, PSError) as exc:
             log.warning("cannot use the %s of %s (%s); using gRPC",
                         "data port" if client.name == "" else "local socket", self.address, exc)
             client.close()
             return None
 
-    def _socket(self, method: methods.Method) -> ipc.IpcClient | None:
+    def _socket(self, method: Method) -> SocketTransport | None:
         """The socket that carries ``method`` now (None: gRPC)."""
+        if method.id is None:
+            return None
         kind = routing.carries(self._route(), method.shm)
         return self._ipc if kind == routing.UNIX else self._data if kind == routing.TCP else None
 
-    def _drop_socket(self, client: ipc.IpcClient) -> None:
-        """A connection of ``client`` broke: stop using it (a restarted server
+    def _drop_socket(self, sock: SocketTransport) -> None:
+        """A connection of ``sock`` broke: stop using it (a restarted server
         has another socket and data port, learnt again)."""
         with self._shm_lock:
-            if self._ipc is client:
+            if self._ipc is sock:
                 self._ipc, self._plan = None, None
-            if self._data is client:
+            if self._data is sock:
                 self._data, self._plan = None, None
-        client.close()
+        sock.close()
 
-    def _local(self, local: methods.Method, request, via):
-        """A blocking call over a socket: see _local_send."""
-        return self._local_send(local, request, via)()
-
-    def _local_send(self, local: methods.Method, request, via) -> Callable[[], object]:
-        """Send a call over the same-host socket now; the function returned
-        waits for its reply. ``via`` is the gRPC stub method of the same call:
-        used when the socket is gone already. A lost connection drops the
-        socket and the route (a restarted server has others, planned again
-        on the next call); then an idempotent call (read, gather) is made
-        again over gRPC, any other raises Unavailable, as it would over gRPC
+    def _over(self, sock: SocketTransport, method: Method, request) -> Pending:
+        """``method`` sent over ``sock`` now, acting on its failures: a
+        request that never reached the server goes over gRPC instead (safe:
+        nothing ran) and the route is learnt again on the next call; a
+        connection lost under a sent call drops the socket and the route (a
+        restarted server has others), then an idempotent call is made again
+        over gRPC and any other raises Unavailable, as it would over gRPC
         (applied or not: see update_id)."""
-        client = self._socket(local)
-        if client is None:   # dropped by another thread meanwhile
-            return lambda: self._call(via, request)
-
         def lost(exc: Unavailable):
-            self._drop_socket(client)
-            if via not in self._idempotent:
+            self._drop_socket(sock)
+            if method not in methods.IDEMPOTENT:
                 raise exc
-            return self._call(via, request)
-        payload = request if isinstance(request, (bytes, bytearray)) else \
-            request.SerializeToString()
+            return self.grpc.call(method, request, self.timeout)
         try:
-            receive = client.send(local.id, payload, self.timeout)
+            pending = sock.send(method, request, self.timeout)
         except PSError as exc:
-            if getattr(exc, "not_sent", False):   # never reached the server: gRPC is safe
-                self._drop_socket(client)          # (and the socket is learnt again)
-                return lambda: self._call(via, request)
+            if getattr(exc, "not_sent", False):
+                self._drop_socket(sock)
+                return Pending(lambda: self.grpc.call(method, request, self.timeout))
             if not isinstance(exc, Unavailable):
                 raise
             failed = exc
-            return lambda: lost(failed)
+            return Pending(lambda: lost(failed))
 
         def finish():
             try:
-                body = receive()
+                return pending.result()
             except Unavailable as exc:
                 return lost(exc)
-            return body if local.reply is None else local.reply.FromString(body)
-        finish.ready = receive.ready
-        return finish
+        return Pending(finish, pending.done)

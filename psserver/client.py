@@ -39,7 +39,8 @@ from psserver.contract import (MESSAGE_OVERHEAD, Code, Initializer, InvalidArgum
 
 from psserver.channel import ServerChannel
 from psserver.client_shm import SharedMemoryPath
-from psserver.client_util import (Handle, Snapshot, _Later, _as_ids, _fill, _meta_from_proto,
+from psserver.transport import Pending
+from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _meta_from_proto,
                                    _set_sync, _set_sync_read)
 
 
@@ -78,16 +79,16 @@ class PSClient(SharedMemoryPath, ServerChannel):
 
     # -- info ----------------------------------------------------------------
     def server_info(self) -> ps_pb2.ServerInfo:
-        return self._call(self._stub.GetServerInfo, ps_pb2.ServerInfoRequest())
+        return self._call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest())
 
     def get_meta(self, name: str, timeout: float | None = None) -> VariableMeta:
-        m = _meta_from_proto(self._call(self._stub.GetMeta, ps_pb2.VariableRef(name=name),
+        m = _meta_from_proto(self._call(methods.META, ps_pb2.VariableRef(name=name),
                                         timeout=timeout))
         self._remember(name, m.nbytes, m.shape)
         return m
 
     def list_variables(self) -> list[VariableMeta]:
-        reply = self._call(self._stub.ListVariables, ps_pb2.ListRequest())
+        reply = self._call(methods.LIST, ps_pb2.ListRequest())
         return [_meta_from_proto(m) for m in reply.variables]
 
     # -- create / delete -----------------------------------------------------
@@ -158,13 +159,13 @@ class PSClient(SharedMemoryPath, ServerChannel):
         if streamed:
             meta = self._upload("create", req, tensors, **kw).created
         else:
-            meta = self._call(self._stub.CreateVariable, req, **kw)
+            meta = self._call(methods.CREATE, req, **kw)
         m = _meta_from_proto(meta)
         self._remember(name, m.nbytes, m.shape)
         return m
 
     def delete_variable(self, name: str) -> None:
-        self._call(self._stub.DeleteVariable, ps_pb2.VariableRef(name=name))
+        self._call(methods.DELETE, ps_pb2.VariableRef(name=name))
         self._nbytes.pop(name, None)
         self._rows.pop(name, None)
 
@@ -186,7 +187,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
         if sync_step is None and self._direct_ok():
             got = self._direct_read(names, out)
             if got is not None:
-                return got if wait else Handle(_Later(lambda: got), target=self.address)
+                return got if wait else Handle(Pending(lambda: got), target=self.address)
         known = [self._nbytes.get(n) for n in names]
         if None not in known and self._shm_for(sum(known)):
             return self._shm_read(names, known, wait, sync_step, out=out)
@@ -194,7 +195,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
             got = self._read_many(names, wait, sync_step)
             if wait:
                 return _fill(got, out)
-            return Handle(_Later(lambda: _fill(got.result(), out), got.done), target=self.address)
+            return Handle(Pending(lambda: _fill(got.result(), out), got.done), target=self.address)
         if None not in known and not self._fits(sum(known)):
             return self._run(wait, self._read_stream, names, sync_step)
 
@@ -210,9 +211,8 @@ class PSClient(SharedMemoryPath, ServerChannel):
         req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, self.stream_threshold_bytes))
         _set_sync_read(req, sync_step)
         if bulk:
-            return self._invoke(wait, self._bulk_read, req, self._read_bulk_post, recover,
-                                local=methods.BULK_READ)
-        return self._invoke(wait, self._stub.Read, req, self._read_unary_post, recover)
+            return self._invoke(wait, methods.BULK_READ, req, self._read_bulk_post, recover)
+        return self._invoke(wait, methods.READ, req, self._read_unary_post, recover)
 
     def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
         return self._snapshots(wire.decode_read_reply(raw))
@@ -244,9 +244,8 @@ class PSClient(SharedMemoryPath, ServerChannel):
         req = ps_pb2.GatherRequest(name=name)
         T.fill(req.ids, ids)
         _set_sync_read(req, sync_step)
-        return self._invoke(wait, self._stub.Gather, req,
-                            lambda r: (T.decode(r.rows), r.version), recover,
-                            methods.GATHER)
+        return self._invoke(wait, methods.GATHER, req,
+                            lambda r: (T.decode(r.rows), r.version), recover)
 
     def _gather_split(self, name: str, ids: np.ndarray,
                       sync_step: int | None = None) -> tuple[np.ndarray, int]:
@@ -269,7 +268,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
             got = self._read_and_gather([], [(name, ids)], wait, sync_step)
             if wait:
                 return got[1][0]
-            return Handle(_Later(lambda: got.result()[1][0], got.done), target=self.address)
+            return Handle(Pending(lambda: got.result()[1][0], got.done), target=self.address)
         nbytes, rows = self._nbytes.get(name), self._rows.get(name)
         if nbytes is not None and rows and not self._fits_message(ids.size * (nbytes // rows)):
             return self._run(wait, self._gather_split, name, ids, sync_step)
@@ -302,7 +301,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
         arrays = [np.asarray(item[1]) for item in items]
         uids = [item[2] if len(item) > 2 else 0 for item in items]
         msg_cls = ps_pb2.PushRequest if kind == "push" else ps_pb2.AssignRequest
-        method = self._stub.Push if kind == "push" else self._stub.Assign
+        method = methods.PUSH if kind == "push" else methods.ASSIGN
         streamed = not self._fits(sum(a.nbytes for a in arrays))
 
         def request(with_data: bool):
@@ -333,8 +332,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
                     self.bulk = False
                     return self._invoke(True, method, request(True), lambda r: list(r.versions))
                 raise exc
-            return self._invoke(wait, self._bulk_push, raw, lambda r: list(r.versions), recover,
-                                local=methods.BULK_PUSH)
+            return self._invoke(wait, methods.BULK_PUSH, raw, lambda r: list(r.versions), recover)
         return self._invoke(wait, method, request(True), lambda r: list(r.versions))
 
     def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Handle:
@@ -382,8 +380,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
         if streamed:
             return self._run(wait, lambda: self._upload(
                 "push_sparse", req, [ids, rows]).updated.versions[0])
-        return self._invoke(wait, self._stub.PushSparse, req, lambda r: r.versions[0],
-                            local=methods.PUSH_SPARSE)
+        return self._invoke(wait, methods.PUSH_SPARSE, req, lambda r: r.versions[0])
 
     def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
                           update_id: int = 0) -> Handle:
@@ -398,12 +395,12 @@ class PSClient(SharedMemoryPath, ServerChannel):
 
     def save(self, directory: str, names: Sequence[str] = ()) -> list[ps_pb2.SavedFile]:
         """Have the server write variables (all by default) to its directory."""
-        return list(self._call(self._stub.Save, ps_pb2.SaveRequest(
+        return list(self._call(methods.SAVE, ps_pb2.SaveRequest(
             directory=directory, names=list(names)), timeout=max(self.timeout or 0, 600.0)).files)
 
     def abandon_step(self, step: int, replica: int) -> None:
         """Sync mode: replica will not push for step; stop waiting for it."""
-        self._call(self._stub.AbandonStep, ps_pb2.AbandonRequest(step=step, replica=replica))
+        self._call(methods.ABANDON, ps_pb2.AbandonRequest(step=step, replica=replica))
 
     # -- replication (psserver.replication) -------------------------------------------
     def replicate(self, records: Sequence["R.Record"],
@@ -414,8 +411,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
         same-host socket) when there is one; records above the stream
         threshold take Upload's frames."""
         if self._fits(sum(r.nbytes for r in records)):
-            reply = self._invoke(True, self._replicate_raw, wire.encode_replicate_request(records),
-                                 local=methods.REPLICATE)
+            reply = self._invoke(True, methods.REPLICATE, wire.encode_replicate_request(records))
         else:
             req = ps_pb2.ReplicateRequest()
             arrays = []
@@ -441,5 +437,5 @@ class PSClient(SharedMemoryPath, ServerChannel):
             c = req.changes.add(name=name, action=action, epoch=epoch)
             if peer is not None:
                 c.backup.CopyFrom(ps_pb2.ReplicaPeer(address=peer.address, name=peer.name))
-        reply = self._call(self._stub.Reconfigure, req, timeout=timeout + 10.0)
+        reply = self._call(methods.RECONFIGURE, req, timeout=timeout + 10.0)
         return [_meta_from_proto(m) for m in reply.variables]

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent import futures
 from typing import Mapping, Sequence
 
-import grpc
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
 from psserver import tensor as T
 from psserver import methods, shm, wire
 from psserver.contract import Code, PSError, SyncSpec
-from psserver.errors import from_rpc_error
+from psserver.transport import Pending
 
-from psserver.client_util import (Handle, Snapshot, _Later, _as_ids, _dest, _set_sync,
+from psserver.client_util import (Handle, Snapshot, _as_ids, _dest, _set_sync,
                                    _set_sync_read)
 
 log = logging.getLogger(__name__)
@@ -79,7 +77,7 @@ class SharedMemoryPath:
         return self._snapshots(snaps)
 
     def _map(self, names: list[str]) -> None:
-        reply = self._call(self._shm_stub.Share, ps_pb2.ShmShareRequest(names=names))
+        reply = self._call(methods.SHM_SHARE, ps_pb2.ShmShareRequest(names=names))
         for v in reply.variables:
             mapped = None
             if v.path and sum(m is not None for m in self._direct.values()) < MAX_MAPPED:
@@ -134,18 +132,18 @@ class SharedMemoryPath:
                 self._plan = dataclasses.replace(self._plan, shm=False)
 
     def _shm_attach(self, seg: shm.Segment) -> int:
-        return self._call(self._shm_stub.Attach, ps_pb2.ShmAttachRequest(
+        return self._call(methods.SHM_ATTACH, ps_pb2.ShmAttachRequest(
             name=seg.name, nbytes=seg.nbytes, pid=seg.pid, fd=seg.fd)).segment
 
     def _shm_detach(self, seg_id: int) -> None:
-        self._shm_stub.Detach(ps_pb2.ShmDetachRequest(segment=seg_id), timeout=2.0,
-                              metadata=self._metadata)
+        self._call(methods.SHM_DETACH, ps_pb2.ShmDetachRequest(segment=seg_id), timeout=2.0)
 
-    def _shm_invoke(self, wait: bool, method, req, seg: shm.Segment, finish, fallback,
-                    local: methods.Method):
-        """A SharedMemory call using ``seg``: finish(reply) turns the reply into the
-        result before the segment goes back; fallback(exc) answers an error that
-        says the server lost the segment (by redoing the call over gRPC)."""
+    def _shm_invoke(self, wait: bool, method: methods.Method, req, seg: shm.Segment, finish,
+                    fallback):
+        """A SharedMemory call using ``seg`` (over the Unix socket, or gRPC if it
+        broke): finish(reply) turns the reply into the result before the
+        segment goes back; fallback(exc) answers an error that says the
+        server lost the segment (by redoing the call without it)."""
         def on_error(exc: PSError):
             # Told apart by code alone: on a SharedMemory call FAILED_PRECONDITION
             # comes only from a segment the server does not know (restarted,
@@ -177,28 +175,13 @@ class SharedMemoryPath:
                 self._arena.give(seg)
         if wait:
             try:
-                if self._ipc is not None:
-                    reply = self._local(local, req, method)
-                else:
-                    reply = self._call(method, req)
+                reply = self._make(method, req)
             except PSError as exc:
                 return on_error(exc)
             return done(reply)
-        if self._ipc is not None:   # sent now, its reply read in result()
-            receive = self._local_send(local, req, method)
-            return Handle(_Later(lambda: done(receive()), getattr(receive, "ready", None)),
-                          target=self.address, recover=on_error)
-        out: futures.Future = futures.Future()
-
-        def complete(f):
-            try:
-                out.set_result(done(f.result()))
-            except grpc.RpcError as exc:
-                out.set_exception(from_rpc_error(exc, self.address))
-            except BaseException as exc:
-                out.set_exception(exc)
-        method.future(req, **self._kw()).add_done_callback(complete)
-        return Handle(out, target=self.address, recover=on_error)
+        pending = self._send(method, req)   # sent now, its reply read in result()
+        return Handle(Pending(lambda: done(pending.result()), pending.done),
+                      target=self.address, recover=on_error)
 
     def _shm_read(self, names: list[str], known: list[int], wait: bool, sync_step: int | None,
                   gathers: Sequence[tuple[str, np.ndarray]] | None = None,
@@ -251,8 +234,7 @@ class SharedMemoryPath:
             if not gathers:
                 return snaps
             return snaps, [(copy_out(g), g.version) for g in reply.gathered]
-        return self._shm_invoke(wait, self._shm_stub.Read, req, seg, finish, fallback,
-                                methods.SHM_READ)
+        return self._shm_invoke(wait, methods.SHM_READ, req, seg, finish, fallback)
 
     def _row_bytes(self, name: str) -> int:
         """Bytes of one row of ``name`` (asks the server the first time)."""
@@ -298,9 +280,8 @@ class SharedMemoryPath:
             req.updates.append(t)
         for (name, ids, rows, uid), (di, dr) in zip(sparse, sparse_datas):
             req.sparse.add(name=name, ids=put(di, ids), rows=put(dr, rows), update_id=uid)
-        return self._shm_invoke(wait, self._shm_stub.Push, req, seg,
-                                lambda r: list(r.versions), fallback,
-                                methods.SHM_PUSH)
+        return self._shm_invoke(wait, methods.SHM_PUSH, req, seg, lambda r: list(r.versions),
+                                fallback)
 
     # -- a step's calls to one server, as one -----------------------------------------
     def read_and_gather(self, names: Sequence[str], gathers: Sequence[tuple[str, object]], *,
@@ -337,8 +318,7 @@ class SharedMemoryPath:
             out = self._shm_read(names, known, wait, sync_step, flat)
             if wait:
                 return reshape(out)
-            return Handle(_Later(lambda: reshape(out.result()),
-                                 getattr(out, "done", None)), target=self.address)
+            return Handle(Pending(lambda: reshape(out.result()), out.done), target=self.address)
 
         def separate():
             snaps = direct or (self._read_many(names, True, sync_step) if names else [])

@@ -4,17 +4,13 @@ the results of calls (``Snapshot``, ``Handle``) and request helpers.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Callable, Sequence
 
-import grpc
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
 from psserver import replication as R
 from psserver.contract import InvalidArgument, PSError, SyncSpec, VariableMeta
-from psserver.errors import from_rpc_error
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,32 +38,6 @@ def _set_sync(req, sync: SyncSpec | None) -> None:
         req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(sync)))
 
 
-class _Later:
-    """A future whose value is computed by the first result() call (a reply
-    read from a socket the request was sent on earlier). Thread-safe: the
-    reply is read once."""
-
-    def __init__(self, fn: Callable[[], object], ready: Callable[[], bool] | None = None):
-        self._fn, self._done, self._value, self._exc = fn, False, None, None
-        self._ready = ready   # whether the reply is there to read
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._done or (self._ready is not None and self._ready())
-
-    def result(self, timeout: float | None = None):
-        with self._lock:
-            if not self._done:
-                try:
-                    self._value = self._fn()
-                except BaseException as exc:
-                    self._exc = exc
-                self._done, self._fn = True, None
-        if self._exc is not None:
-            raise self._exc
-        return self._value
-
-
 class Handle:
     """The pending result of a non-blocking call."""
 
@@ -82,10 +52,7 @@ class Handle:
     def result(self, timeout: float | None = None):
         """Block until the call finishes; return its value or raise its PSError."""
         try:
-            try:
-                return self._post(self._fut.result(timeout))
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc, self._target) from exc
+            return self._post(self._fut.result(timeout))
         except PSError as exc:
             if self._recover is None:
                 raise

@@ -1,18 +1,19 @@
-"""The calls that ride on the sockets (psserver/ipc.py), in one table.
+"""The unary calls a client makes, in one table: ``Method``.
 
 Every gRPC method of every service is served by ``psserver/rpc.py`` from the
-generated descriptors; the hot ones are also served on the tasks' sockets
-(same-host Unix socket, TCP data port) with the same servicer handlers. This
-table is where a socket call is declared, once: its id on the wire, the gRPC
-method it stands for (metrics, and the call made instead when no socket
-carries it), its request and reply messages (None: bytes framed by hand,
-psserver/wire.py), the servicer attribute that handles it, and whether it
-needs shared memory (then only the Unix socket serves it).
+generated descriptors; the hot ones (those with a socket ``id``) are also
+served on the tasks' sockets (same-host Unix socket, TCP data port) with the
+same servicer handlers. A call is declared here once: its id on the wire
+(None: gRPC only), its gRPC service and method, its request and reply
+messages (None: bytes framed by hand, psserver/wire.py), the servicer
+attribute that handles it, and whether it needs shared memory (then only the
+Unix socket serves it).
 
-Adding a socket call: one ``Method`` here, its handler on the servicer. The
-servers (``socket_handlers``), the clients (``PSClient._local_send``,
-the coordinator's worker channel), the route planner (``shm``) and the
-metrics take what they need from here.
+Adding a call: one ``Method`` here, its handler on the servicer (and the rpc
+in protos/). The transports (psserver/transport.py: any Method over gRPC,
+those with an id over a socket), the socket servers (``socket_handlers``),
+the route planner (``shm``) and the metrics take what they need from here.
+(Streams, ReadStream and Upload, are not unary calls: psserver/channel.py.)
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ WORKER = "pstrain.v1.Worker"
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    id: int            # on the wire (psserver/ipc.py frame header); 0 and 8 are the protocol's
+    id: int | None     # on the wire (psserver/ipc.py frame header; 0 and 8 are the
+    #                    protocol's); None: a gRPC-only call
     service: str
     name: str
     request: type | None   # None: the handler takes the request's bytes as they came
@@ -53,8 +55,40 @@ BULK_PUSH = Method(7, BULK, "Push", None, ps_pb2.UpdateReply, "bulk_push")
 REPLICATE = Method(9, PS, "Replicate", ps_pb2.ReplicateRequest, ps_pb2.ReplicateReply,
                    "Replicate")
 
-ALL = (SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH, REPLICATE)
-BY_ID: dict[int, Method] = {m.id: m for m in ALL}
+SOCKET = (SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH, REPLICATE)
+BY_ID: dict[int, Method] = {m.id: m for m in SOCKET}
+
+
+def _grpc_only(service: str, name: str, request: type, reply: type) -> Method:
+    return Method(None, service, name, request, reply, name)
+
+
+# gRPC only: control calls, and the unary forms of the calls above.
+SERVER_INFO = _grpc_only(PS, "GetServerInfo", ps_pb2.ServerInfoRequest, ps_pb2.ServerInfo)
+CREATE = _grpc_only(PS, "CreateVariable", ps_pb2.CreateVariableRequest, ps_pb2.VariableMeta)
+DELETE = _grpc_only(PS, "DeleteVariable", ps_pb2.VariableRef, ps_pb2.DeleteReply)
+META = _grpc_only(PS, "GetMeta", ps_pb2.VariableRef, ps_pb2.VariableMeta)
+LIST = _grpc_only(PS, "ListVariables", ps_pb2.ListRequest, ps_pb2.ListReply)
+READ = _grpc_only(PS, "Read", ps_pb2.ReadRequest, ps_pb2.ReadReply)
+PUSH = _grpc_only(PS, "Push", ps_pb2.PushRequest, ps_pb2.UpdateReply)
+ASSIGN = _grpc_only(PS, "Assign", ps_pb2.AssignRequest, ps_pb2.UpdateReply)
+ABANDON = _grpc_only(PS, "AbandonStep", ps_pb2.AbandonRequest, ps_pb2.AbandonReply)
+SAVE = _grpc_only(PS, "Save", ps_pb2.SaveRequest, ps_pb2.SaveReply)
+RECONFIGURE = _grpc_only(PS, "Reconfigure", ps_pb2.ReconfigureRequest,
+                         ps_pb2.ReconfigureReply)
+SHM_SHARE = _grpc_only(SHM, "Share", ps_pb2.ShmShareRequest, ps_pb2.ShmShareReply)
+SHM_ATTACH = _grpc_only(SHM, "Attach", ps_pb2.ShmAttachRequest, ps_pb2.ShmAttachReply)
+SHM_DETACH = _grpc_only(SHM, "Detach", ps_pb2.ShmDetachRequest, ps_pb2.ShmDetachReply)
+WORKER_INFO = _grpc_only(WORKER, "GetWorkerInfo", worker_pb2.WorkerInfoRequest,
+                         worker_pb2.WorkerInfo)
+CREATE_DATASET = _grpc_only(WORKER, "CreateDataset", worker_pb2.CreateDatasetRequest,
+                            worker_pb2.CreateDatasetReply)
+
+ALL = SOCKET + (SERVER_INFO, CREATE, DELETE, META, LIST, READ, PUSH, ASSIGN, ABANDON, SAVE,
+                RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET)
+#: Calls that change nothing: made again, over gRPC, after a socket broke under them.
+IDEMPOTENT = frozenset({SERVER_INFO, META, LIST, READ, BULK_READ, GATHER, SHM_READ, SHM_SHARE,
+                        ABANDON, WORKER_INFO})
 
 
 def socket_handlers(servicers: Mapping[str, object], *, shm: bool
@@ -63,7 +97,7 @@ def socket_handlers(servicers: Mapping[str, object], *, shm: bool
     service in ``servicers`` (service name -> the object whose attribute
     handles it); the shared-memory ones only with ``shm``."""
     out = {}
-    for m in ALL:
+    for m in SOCKET:
         servicer = servicers.get(m.service)
         if servicer is None or (m.shm and not shm):
             continue

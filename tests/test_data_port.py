@@ -192,7 +192,7 @@ def test_client_follows_a_restarted_server_to_its_new_data_port(start_ps):
         assert c.push("w", np.ones(N, np.float32)) == 1
         np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
         assert c._data is not None and c._data is not old
-        assert c._data._tcp[1] == data_port_of(ps2)
+        assert c._data.client._tcp[1] == data_port_of(ps2)
 
 
 def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
@@ -251,8 +251,8 @@ def test_coordinator_sends_closures_to_workers_over_their_data_port(monkeypatch)
                 coord.join()
                 assert [r.fetch() for r in results] == [1] * 6
                 threads = list(coord._membership.workers.values())
-                assert all(t._ipc is not None and t._ipc._tcp is not None and
-                           isinstance(t._ipc._ssl, ssl.SSLContext) for t in threads)
+                assert all(t._ipc is not None and t._ipc.client._tcp is not None and
+                           isinstance(t._ipc.client._ssl, ssl.SSLContext) for t in threads)
             np.testing.assert_array_equal(w.read(), -6 * np.ones(3))
     finally:
         V.close_clients()
@@ -347,7 +347,7 @@ def test_closures_reach_a_worker_restarted_on_the_same_fixed_ports(monkeypatch):
                                             for _ in range(3)]] == [1] * 3
                 (thread,) = coord._membership.workers.values()
                 old = thread._ipc
-                assert old is not None and old._tcp[1] == data
+                assert old is not None and old.client._tcp[1] == data
                 cluster.restart_worker(0)   # same gRPC port, same data port, another id
                 results = [coord.schedule(push_one, args=(w,)) for _ in range(5)]
                 coord.join()

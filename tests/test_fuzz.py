@@ -283,7 +283,7 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
         with PSClient(target.ps.address, token=TOKEN) as c:   # learns the socket's name
             c.read("w")
             c.push("w", np.zeros((8, 4), np.float32))
-            name = c._ipc.name if c._ipc is not None else None
+            name = c._ipc.client.name if c._ipc is not None else None
         if name is None:
             pytest.skip("no same-host socket here")
         make = lambda: ipc.IpcClient(name, TOKEN, target.ps.address)   # noqa: E731

@@ -69,17 +69,24 @@ def test_carries(p, shm, expected):
     assert R.carries(p, shm) == expected
 
 
-def test_the_socket_calls_are_one_table():
-    """Ids unique and clear of the frame protocol's own (hello, identity);
-    the shared-memory calls are SharedMemory's; each names a handler."""
+def test_the_calls_are_one_table():
+    """Every unary gRPC method of the protocol is one Method (streams
+    aside); socket ids unique and clear of the frame protocol's own (hello,
+    identity); the shared-memory calls are SharedMemory's; each Method
+    stands for its gRPC method with the same messages."""
     from psserver import ipc, methods
-    ids = [m.id for m in methods.ALL]
+    ids = [m.id for m in methods.SOCKET]
     assert len(set(ids)) == len(ids) and not {ipc.HELLO, ipc.IDENTITY} & set(ids)
     assert all(0 < i < 256 for i in ids)
+    assert [m for m in methods.ALL if m.id is not None] == list(methods.SOCKET)
     assert {m.name for m in methods.ALL if m.shm} == {"Read", "Push"}
-    assert all(m.service == methods.SHM for m in methods.ALL if m.shm)
+    assert all(m.service == methods.SHM and m.id is not None for m in methods.ALL if m.shm)
     from protos.pstrain.v1 import ps_pb2, worker_pb2
     services = {**ps_pb2.DESCRIPTOR.services_by_name, **worker_pb2.DESCRIPTOR.services_by_name}
+    unary = {(s.full_name, d.name) for s in services.values() for d in s.methods
+             if not (d.client_streaming or d.server_streaming)}
+    paths = [(m.service, m.name) for m in methods.ALL]
+    assert len(set(paths)) == len(paths) and set(paths) == unary
     for m in methods.ALL:   # each stands for a real gRPC method of the same messages
         desc = services[m.service.rsplit(".", 1)[1]].methods_by_name[m.name]
         if m.request is not None:

@@ -25,7 +25,7 @@ import pytest
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver.contract import Code
-from psserver import shm
+from psserver import methods, shm
 from psserver.client import PSClient
 from psserver.errors import FailedPrecondition, PSError
 
@@ -360,7 +360,7 @@ def _ipc_name(address: str, token: str | None = None) -> str:
     with PSClient(address, token=token) as c:
         seg = shm.Segment(1 << 20)
         try:
-            reply = c._call(c._shm_stub.Attach, _attach_request(seg))
+            reply = c._call(methods.SHM_ATTACH, _attach_request(seg))
         finally:
             seg.close()
         assert reply.ipc_socket.startswith("@pstrain-ipc-")
@@ -524,7 +524,7 @@ def test_segment_of_a_timed_out_push_is_never_lent_again(start_ps):
         c.read("a")
         c.read("a")   # attached: a free segment, a local connection
         assert c.local
-        c._ipc.connect()   # a second one, so the next call needs no server to connect
+        c._ipc.client.connect()   # a second one, so the next call needs no server to connect
         # Two free segments: 1 MiB, which the first push takes, and 4 MiB, which
         # the second takes only if the first one is (rightly) not lent again.
         for seg in [c._shm_take(1 << 20), c._shm_take(3 << 20)]:
