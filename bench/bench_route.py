@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         print(f"bench_route: {why}", file=sys.stderr)
         return 2
     env = {"PSTRAIN_AUTH_TOKEN": TOKEN}
-    with hosts.TestHosts(1) as h:
+    with hosts.TestHosts(1, private=False) as h:
         remote = start_task("psserver", ["--host", h.addresses[0], "--port", "0"], env=env,
                             prefix=h.run(0))
         local = start_task("psserver", ["--port", "0"], env=env)

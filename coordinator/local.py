@@ -3,7 +3,8 @@
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
 
-Every task is a child process bound to a free port on 127.0.0.1. The
+Every task is a child process bound to a free port on 127.0.0.1 (or where
+``placement`` puts it: a test host, bench/hosts.py). The
 cluster makes a fresh auth token, and a throwaway CA and certificate, and
 gives them to every task: all calls are mutual TLS with the token, so
 functions sent by value are accepted and nothing else on the machine can
@@ -16,10 +17,12 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 from concurrent import futures
+from typing import Callable, Sequence
 
 from coordinator.cluster_spec import ClusterSpec
 from psserver.process import TaskProcess, start_task
@@ -101,13 +104,20 @@ class LocalCluster:
         measured on a 2-core machine with 2 workers: about 3% more steps/s.
         Off by default: on a machine other work shares it only helps when
         there are no more workers than free cores.
+      placement: where each task runs: ``placement(role, index)`` ("ps" or
+        "worker") -> (the address it binds, a command prefix that runs it
+        there). Default: 127.0.0.1 on this machine. bench/hosts.py's
+        ``TestHosts.placement`` puts each task on a test host of its own;
+        the TLS certificate then names every address of the tasks started
+        with the cluster.
     """
 
     def __init__(self, num_ps: int = 2, num_workers: int = 2, *, token: str | None = None,
                  ps_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, start_timeout: float = 60.0,
                  tls: bool | TLSConfig = True, restart: tuple[str, ...] = ("ps",),
-                 pin_workers: bool = False, checkpoint_dirs: tuple[str, ...] | None = None):
+                 pin_workers: bool = False, checkpoint_dirs: tuple[str, ...] | None = None,
+                 placement: Callable[[str, int], tuple[str, Sequence[str]]] | None = None):
         if num_ps < 1:
             raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
         if num_workers < 0:
@@ -119,10 +129,15 @@ class LocalCluster:
                               for a in ("--checkpoint-dir", os.path.abspath(d))) + tuple(ps_args)
         self._worker_args = tuple(worker_args)
         self._pin_cpus = sorted(os.sched_getaffinity(0)) if pin_workers else None
+        self._placement = placement
         self._tls_dir = None
         if tls is True:
             self._tls_dir = _tls_dir()
-            tls = generate_self_signed(self._tls_dir)
+            names = ["127.0.0.1", "localhost", "::1"]
+            names += sorted({self._where(role, i)[0] for role, n in (("ps", num_ps),
+                                                                    ("worker", num_workers))
+                             for i in range(n)} - set(names))
+            tls = generate_self_signed(self._tls_dir, hosts=tuple(names))
         self.tls: TLSConfig | None = tls or None
         self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(),
                      **(self.tls.env() if self.tls else {}), **(env or {})}
@@ -135,9 +150,8 @@ class LocalCluster:
         self.workers: list[TaskProcess | None] = []
         try:
             with futures.ThreadPoolExecutor(max(1, num_ps + num_workers)) as pool:
-                ps = [pool.submit(self._start, "psserver", self._ps_args) for _ in range(num_ps)]
-                ws = [pool.submit(self._start, "psworker", self._args("worker", i))
-                      for i in range(num_workers)]
+                ps = [pool.submit(self._start, "ps", i) for i in range(num_ps)]
+                ws = [pool.submit(self._start, "worker", i) for i in range(num_workers)]
                 self.ps = [f.result() for f in ps]
                 self.workers = [f.result() for f in ws]
         except BaseException:
@@ -168,12 +182,8 @@ class LocalCluster:
                 with self._lock:
                     if self._tasks(role)[index] is not task:   # replaced by hand
                         continue
-                port = task.address.rsplit(":", 1)[1]
-                module = "psserver" if role == "ps" else "psworker"
-                args = self._args(role, index)
                 try:
-                    new = start_task(module, ["--port", port, *args], env=self._env,
-                                     timeout=self._timeout)
+                    new = self._start(role, index, port=task.address.rsplit(":", 1)[1])
                 except RuntimeError:
                     if self._stopping.wait(0.5):   # port still held: try again shortly
                         return
@@ -191,8 +201,14 @@ class LocalCluster:
             return self._worker_args
         return ("--cpus", str(self._pin_cpus[index % len(self._pin_cpus)]), *self._worker_args)
 
-    def _start(self, module: str, args: tuple[str, ...]) -> TaskProcess:
-        return start_task(module, ["--port", "0", *args], env=self._env, timeout=self._timeout)
+    def _where(self, role: str, index: int) -> tuple[str, Sequence[str]]:
+        return ("127.0.0.1", ()) if self._placement is None else self._placement(role, index)
+
+    def _start(self, role: str, index: int, port: str = "0") -> TaskProcess:
+        host, prefix = self._where(role, index)
+        module = "psserver" if role == "ps" else "psworker"
+        return start_task(module, ["--host", host, "--port", port, *self._args(role, index)],
+                          env=self._env, timeout=self._timeout, prefix=prefix)
 
     @property
     def spec(self) -> "LocalClusterSpec":
@@ -209,7 +225,7 @@ class LocalCluster:
         """Start one more worker; return its index. The coordinator adopts it."""
         with self._lock:
             next_index = len(self.workers)
-        w = self._start("psworker", self._args("worker", next_index))
+        w = self._start("worker", next_index)
         with self._lock:
             self.workers.append(w)
             index = len(self.workers) - 1
@@ -230,9 +246,7 @@ class LocalCluster:
         if old is None:
             raise ValueError(f"worker {index} was removed with kill_worker; use add_worker")
         old.kill()
-        port = old.address.rsplit(":", 1)[1]
-        args = self._args("worker", index)
-        new = start_task("psworker", ["--port", port, *args], env=self._env, timeout=self._timeout)
+        new = self._start("worker", index, port=old.address.rsplit(":", 1)[1])
         with self._lock:
             self.workers[index] = new
 
@@ -256,7 +270,7 @@ class LocalCluster:
             tasks = [t for t in self.ps + self.workers if t is not None]
         for t in tasks:
             if t.alive():
-                t.proc.terminate()
+                t.signal(signal.SIGTERM)
         for t in tasks:
             t.terminate(timeout=10)
         if self._tls_dir:

@@ -171,13 +171,16 @@ def _shut(sock: socket.socket) -> None:
 
 def _tune_tcp(sock: socket.socket) -> None:
     """No Nagle delay; keepalive as gRPC's (a probe after 10 s idle, unanswered
-    for 5 s: gone), so a peer whose host vanished is found out in ~15 s."""
+    for 5 s: gone), and data sent but not acknowledged for 15 s: gone, so a
+    peer whose host vanished or whose link was cut is found out in ~15 s,
+    waiting for a reply or in the middle of sending."""
     with contextlib.suppress(OSError, AttributeError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 15_000)
 
 
 def _send(sock: socket.socket, header: bytes, body: bytes | bytearray) -> None:

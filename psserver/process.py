@@ -26,9 +26,24 @@ DEFAULT_BLAS_THREADS = "1"
 class TaskProcess:
     """A running child task. ``address`` is where it listens."""
 
-    def __init__(self, proc: subprocess.Popen, address: str, role: str, log_lines: list[str]):
+    def __init__(self, proc: subprocess.Popen, address: str, role: str, log_lines: list[str],
+                 group: bool = False):
         self.proc, self.address, self.role = proc, address, role
         self.log_lines = log_lines   # everything the child printed (filled by a thread)
+        # Started through a prefix (a test host): signals go to its process
+        # group, so they reach the task behind `unshare --fork` (which ignores
+        # SIGTERM itself).
+        self._group = group
+
+    def signal(self, sig: int) -> None:
+        """Send sig to the task (see __init__)."""
+        if self._group:
+            try:
+                os.killpg(self.proc.pid, sig)
+                return
+            except ProcessLookupError:
+                pass
+        self.proc.send_signal(sig)
 
     @property
     def pid(self) -> int:
@@ -40,7 +55,7 @@ class TaskProcess:
     def terminate(self, timeout: float = 10.0) -> int:
         """SIGTERM, wait up to timeout, then SIGKILL. Returns the exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.signal(signal.SIGTERM)
             try:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -49,7 +64,7 @@ class TaskProcess:
 
     def kill(self) -> int:
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.signal(signal.SIGKILL)
         return self.proc.wait()
 
     def output(self) -> str:
@@ -93,7 +108,7 @@ def start_task(module: str, args: Sequence[str] = (), *, env: dict[str, str] | N
     """
     proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env=child_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, start_new_session=bool(prefix))
     lines: list[str] = []
     found: "queue.Queue[tuple[str, str] | None]" = queue.Queue()
 
@@ -118,4 +133,4 @@ def start_task(module: str, args: Sequence[str] = (), *, env: dict[str, str] | N
         proc.wait()
         raise RuntimeError(f"{module} did not start within {timeout}s; it printed:\n{''.join(lines)}")
     role, address = got
-    return TaskProcess(proc, address, role, lines)
+    return TaskProcess(proc, address, role, lines, group=bool(prefix))

@@ -289,6 +289,11 @@ def _exit_with_parent(stop: threading.Event) -> None:
     pid = int(os.environ.get(PARENT_PID_ENV) or 0)
     if not pid:
         return
+    if os.getppid() == 0:
+        # The first process of a new PID namespace (a test host's `unshare
+        # --fork --kill-child`): its parent is outside and reads as 0, and
+        # the namespace ends with that parent.
+        return
 
     def watch() -> None:
         while not stop.wait(1.0):   # a check a second: the parent has no way to tell us

@@ -1,5 +1,7 @@
 """Routes across test hosts (network namespaces, bench/hosts.py): a client
 picks its transport from what the server announced, with no failed call."""
+import os
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,8 @@ from bench import hosts
 from test_metrics import metrics_address, scrape
 
 ok, why = hosts.available()
+if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a failure, not a skip
+    pytest.fail(f"PSTRAIN_REQUIRE_HOSTS=1, but {why}", pytrace=False)
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not ok, reason=why)]
 
 TOKEN = "test-hosts-token"
@@ -19,7 +23,7 @@ BULK = "pstrain.v1.ParameterServerBulk"
 
 @pytest.fixture
 def two_hosts():
-    with hosts.TestHosts(2) as h:
+    with hosts.TestHosts(2, private=False) as h:
         yield h
 
 
