@@ -176,9 +176,11 @@ def transfer_record(nbytes: int, stats: Stats) -> dict:
 
 # -- child processes -------------------------------------------------------------
 @contextlib.contextmanager
-def child_task(module: str, args: Sequence[str]) -> Iterator[TaskProcess]:
-    """A task process (``python -m module args``) killed on exit, also on errors."""
-    task = start_task(module, list(args))
+def child_task(module: str, args: Sequence[str], *, env: dict[str, str] | None = None,
+               prefix: Sequence[str] = ()) -> Iterator[TaskProcess]:
+    """A task process (``python -m module args``; ``prefix``: on a test host,
+    bench/hosts.py) killed on exit, also on errors."""
+    task = start_task(module, list(args), env=env, prefix=prefix)
     try:
         yield task
     finally:
@@ -210,16 +212,23 @@ class PSConfig:
 
 
 @contextlib.contextmanager
-def running_psservers(configs: Sequence[PSConfig], *, client_timeout: float = 300.0):
-    """Yield [(task, PSClient)], one fresh psserver process per config.
+def running_psservers(configs: Sequence[PSConfig], *, client_timeout: float = 300.0,
+                      host: str = "127.0.0.1", prefix: Sequence[str] = ()):
+    """Yield [(task, PSClient)], one fresh psserver process per config
+    (bound to ``host``; ``prefix``: run on a test host, with a token).
 
     The processes start in parallel; all are killed on exit, also when one
     fails to start.
     """
+    import secrets
     from psserver.client import PSClient
+    from psserver.contract import TOKEN_ENV
+    token = secrets.token_hex(8) if prefix or host != "127.0.0.1" else None
+    env = {TOKEN_ENV: token} if token else None
     with contextlib.ExitStack() as stack:
         with futures.ThreadPoolExecutor(max(1, len(configs))) as pool:
-            started = [pool.submit(start_task, "psserver", c.args()) for c in configs]
+            started = [pool.submit(start_task, "psserver", ["--host", host, *c.args()], env=env,
+                                   prefix=prefix) for c in configs]
         tasks, error = [], None
         for f in started:
             try:
@@ -236,7 +245,8 @@ def running_psservers(configs: Sequence[PSConfig], *, client_timeout: float = 30
             client = PSClient(task.address, max_message_bytes=c.max_message_bytes,
                               stream_threshold_bytes=c.stream_threshold_bytes,
                               chunk_bytes=c.chunk_bytes, timeout=client_timeout,
-                              shared_memory=c.shared_memory, data_port=c.data_port)
+                              shared_memory=c.shared_memory, data_port=c.data_port,
+                              token=token)
             stack.callback(client.close)
             client.wait_ready(30)
             out.append((task, client))
@@ -309,14 +319,17 @@ class TCPReference:
     request, and a 1-byte answer for uploads); ``echo(n)`` is a round trip.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
+        self._host, self._prefix = host, prefix   # where the server runs (bench/hosts.py)
         self._stack = contextlib.ExitStack()
         self._sock: socket.socket | None = None
         self._buf = bytearray(0)
 
     def __enter__(self) -> "TCPReference":
         try:
-            task = self._stack.enter_context(child_task("bench.common", ["tcp-server", "--port", "0"]))
+            task = self._stack.enter_context(child_task(
+                "bench.common", ["tcp-server", "--host", self._host, "--port", "0"],
+                prefix=self._prefix))
             self._sock = socket.create_connection(_split_address(task.address))
             self._stack.callback(self._sock.close)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

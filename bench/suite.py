@@ -310,10 +310,14 @@ def _gc_paused(fn: Callable[[], object]) -> float:
 
 
 # -- (c) raw 64 MiB ---------------------------------------------------------------------
-def measure_raw(plan: Plan) -> dict:
+def measure_raw(plan: Plan, where: tuple[str, list[str]] | None = None) -> dict:
+    """64 MiB read and push against raw TCP to the same place: this machine's
+    loopback, or ``where`` (address, prefix: a test host, bench/hosts.py)."""
     from bench.common import TCPReference, running_psserver, time_interleaved
     log(f"(c) 64 MiB read/push vs raw TCP: {plan.raw_rounds} rounds")
-    with TCPReference() as tcp, running_psserver() as (_, ps):
+    host, prefix = where or ("127.0.0.1", [])
+    with TCPReference(host, prefix) as tcp, \
+            running_psserver(host=host, prefix=prefix) as (_, ps):
         n = RAW_BYTES // 4
         ps.create_variable("raw", (n,), "float32", initializer="zeros", optimizer="sgd")
         g = np.full(n, 1e-3, np.float32)
@@ -357,16 +361,17 @@ def blas_threads() -> list[dict]:
 class Ours:
     """Our cluster, strategies, variables and step functions for (a) and (b)."""
 
-    def __init__(self, tls: bool, token: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, tls: bool, token: str | None = None, env: dict[str, str] | None = None,
+                 placement=None):
         from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
                                  ParameterServerStrategy)
         self.stack = contextlib.ExitStack()
         try:
             self.cluster = self.stack.enter_context(
                 LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS, tls=tls, token=token,
-                             env=env, pin_workers=PIN_WORKERS))
+                             env=env, pin_workers=PIN_WORKERS, placement=placement))
             time.sleep(0.5)
-            self.ps_baseline = {t.pid: rss_bytes(t.pid) for t in self.cluster.ps}
+            self.ps_baseline = {t.task_pid: rss_bytes(t.task_pid) for t in self.cluster.ps}
             part = MinSizePartitioner(min_shard_bytes=SHARD_MIN_BYTES, max_shards=SHARD_MAX)
             self.strategy = {m: ParameterServerStrategy(self.cluster.spec, variable_partitioner=part,
                                                         mode=m) for m in ("async", "sync")}
@@ -375,8 +380,8 @@ class Ours:
         except BaseException:
             self.stack.close()
             raise
-        self.meter = CPUMeter({"chief": [None], "ps": [t.pid for t in self.cluster.ps],
-                               "workers": [t.pid for t in self.cluster.workers]})
+        self.meter = CPUMeter({"chief": [None], "ps": [t.task_pid for t in self.cluster.ps],
+                               "workers": [t.task_pid for t in self.cluster.workers]})
 
     def close(self) -> None:
         self.stack.close()
@@ -439,8 +444,8 @@ class Ours:
         for t in self.cluster.ps:
             metas = client_for(t.address).list_variables()
             held = sum(m.nbytes + m.slot_nbytes for m in metas)
-            rss = rss_bytes(t.pid)
-            base = self.ps_baseline[t.pid]
+            rss = rss_bytes(t.task_pid)
+            base = self.ps_baseline[t.task_pid]
             out.append({"address": t.address, "variables": len(metas), "held_bytes": held,
                         "rss_bytes": rss, "baseline_rss_bytes": base,
                         "ratio": (rss - base) / held if held else float("nan")})
@@ -456,10 +461,10 @@ def tf_missing_reason() -> str | None:
 
 
 class TF:
-    def __init__(self, log_path: str):
+    def __init__(self, log_path: str, placement=None):
         from bench.tf_reference import TFCluster
         self.cluster = TFCluster(NUM_PS, NUM_WORKERS, log_path=log_path,
-                                 intra_op=TF_INTRA_OP, inter_op=TF_INTER_OP)
+                                 intra_op=TF_INTRA_OP, inter_op=TF_INTER_OP, placement=placement)
         self.chief = self.cluster.chief
         if PIN_WORKERS:   # as ours: worker i on CPU i (of this process's), round robin
             cpus = sorted(os.sched_getaffinity(0))
@@ -602,9 +607,18 @@ def print_details(res: dict) -> None:
 
 # -- main -------------------------------------------------------------------------------------
 def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
-              task_env: dict[str, str] | None = None) -> dict:
+              task_env: dict[str, str] | None = None, hosts=None) -> dict:
+    """``hosts``: a bench/hosts.py TestHosts of 9 (or None: every task on
+    127.0.0.1): ours on 0-3, TensorFlow's on 4-8, this process (our
+    coordinator) on the switch."""
     res: dict = {"threads": {"env": BLAS_ENV, "suite_blas": blas_threads()}}
-    res["raw"] = measure_raw(plan)
+    res["raw"] = measure_raw(plan, None if hosts is None else (hosts.addresses[0], hosts.run(0)))
+    ours_at = tf_at = None
+    if hosts is not None:
+        ours_at = hosts.placement(ps=[0, 1], worker=[2, 3])
+        tf_place = hosts.placement(ps=[4, 5], worker=[6, 7])
+        tf_at = lambda job, i: (hosts.addresses[8], hosts.run(8)) if job == "chief" \
+            else tf_place(job, i)
 
     reason = None if use_tf else "--no-tf given: TensorFlow rows skipped"
     reason = reason or tf_missing_reason()
@@ -612,12 +626,12 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
     with contextlib.ExitStack() as stack:
         log(f"starting our cluster ({NUM_PS} ps + {NUM_WORKERS} workers"
             f"{', mutual TLS' if tls else ', plaintext'})")
-        ours = Ours(tls, env=task_env)
+        ours = Ours(tls, env=task_env, placement=ours_at)
         stack.callback(ours.close)
         if reason is None:
             log("starting the TensorFlow cluster (2 ps + 2 workers + chief)")
             try:
-                tf = TF(tf_log)
+                tf = TF(tf_log, placement=tf_at)
                 stack.callback(tf.close)
                 res["tensorflow"] = tf.chief.hello.get("tensorflow")
                 log("TensorFlow: creating variables and datasets")
@@ -667,15 +681,18 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
 
         res["memory"] = {"ours": ours.memory()}
         res["threads"]["ours_tasks"] = {
-            "ps": [thread_count(t.pid) for t in ours.cluster.ps],
-            "workers": [thread_count(t.pid) for t in ours.cluster.workers]}
+            "ps": [thread_count(t.task_pid) for t in ours.cluster.ps],
+            "workers": [thread_count(t.task_pid) for t in ours.cluster.workers]}
         if tf:
             res["memory"]["tf"] = tf.memory()
             res["threads"]["tf_tasks"] = tf.threads()
     return res
 
 
-def _transport(task_env: dict[str, str]) -> str:
+def _transport(task_env: dict[str, str], on_hosts: bool = False) -> str:
+    if on_hosts:
+        return (" + data ports (TCP); every task on a test host of its own (network, mount, "
+                "IPC and PID namespaces)")
     if task_env.get("PSTRAIN_SHM") != "0":
         return " + same-host shared memory and local sockets"
     if task_env.get("PSTRAIN_DATA") == "0" and os.environ.get("PSTRAIN_DATA") == "0":
@@ -692,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for our parameter servers and workers "
                         "(repeatable; for A/B runs of a setting)")
+    p.add_argument("--hosts", action="store_true",
+                   help="every task, ours and TensorFlow's, on a test host of its own "
+                        "(network namespaces with a private /dev/shm, bench/hosts.py; root)")
     p.add_argument("--tls", action="store_true",
                    help="run our cluster with mutual TLS (LocalCluster's default); "
                         "default plaintext, as TensorFlow's gRPC here")
@@ -701,11 +721,21 @@ def main(argv: list[str] | None = None) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out_dir = os.path.join(root, "bench", "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = args.json or os.path.join(out_dir, f"suite{'-quick' if args.quick else ''}.json")
+    path = args.json or os.path.join(
+        out_dir, f"suite{'-hosts' if args.hosts else ''}{'-quick' if args.quick else ''}.json")
     t0 = time.perf_counter()
     task_env = dict(kv.split("=", 1) for kv in args.task_env)
-    res = run_suite(plan, use_tf=not args.no_tf, tls=args.tls,
-                    tf_log=os.path.join(out_dir, "tf_chief.log"), task_env=task_env)
+    with contextlib.ExitStack() as stack:
+        test_hosts = None
+        if args.hosts:
+            from bench import hosts
+            ok, why = hosts.available()
+            if not ok:
+                p.error(f"--hosts: {why}")
+            test_hosts = stack.enter_context(hosts.TestHosts(9))
+        res = run_suite(plan, use_tf=not args.no_tf, tls=args.tls,
+                        tf_log=os.path.join(out_dir, "tf_chief.log"), task_env=task_env,
+                        hosts=test_hosts)
     elapsed = time.perf_counter() - t0
     rows = build_rows(res)
     print_rows(rows)
@@ -718,10 +748,11 @@ def main(argv: list[str] | None = None) -> int:
           f"TensorFlow intra_op {TF_INTRA_OP}, inter_op "
           f"{', '.join(f'{k} {v}' for k, v in TF_INTER_OP.items())}; ours "
           f"{'mutual TLS' if args.tls else 'plaintext'} gRPC"
-          f"{_transport(task_env)}"
+          f"{_transport(task_env, args.hosts)}"
           + (f"; our tasks' extra env: {task_env}" if task_env else "") + ")")
     write_json(path, {"benchmark": "suite", "machine": machine_info(), "plan": dataclasses.asdict(plan),
                       "elapsed_s": elapsed, "tls": args.tls, "task_env": task_env,
+                      "hosts": args.hosts,
                       "tf_threads": {"intra_op": TF_INTRA_OP, "inter_op": TF_INTER_OP},
                       "summary": rows, **res})
     print(f"wrote {path}")

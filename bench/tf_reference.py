@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable, Sequence
 
 #: Environment of every TensorFlow process (servers and chief).
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -280,14 +281,15 @@ class ChiefClient:
     """Runs the chief as a child process and sends it commands (``call``)."""
 
     def __init__(self, cluster: dict, *, log_path: str, env: dict[str, str] | None = None,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, prefix: Sequence[str] = ()):
         from psserver.process import child_env
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.tf_reference", "chief", "--cluster", json.dumps(cluster)],
+            [*prefix, sys.executable, "-m", "bench.tf_reference", "chief", "--cluster",
+             json.dumps(cluster)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env=child_env({**tf_env(), **(env or {})}))
+            env=child_env({**tf_env(), **(env or {})}), start_new_session=bool(prefix))
         self._lines: list[str] = []      # what the chief printed besides its answers
         self._answers: "queue.Queue[dict | None]" = queue.Queue()
         threading.Thread(target=self._pump, name="tf-chief-stdout", daemon=True).start()
@@ -296,7 +298,8 @@ class ChiefClient:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        from psserver.process import innermost_pid
+        return innermost_pid(self.proc.pid)
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -367,12 +370,24 @@ class TFCluster:
 
     def __init__(self, num_ps: int = 2, num_workers: int = 2, *, log_path: str,
                  start_timeout: float = 180.0, intra_op: int = 1,
-                 inter_op: int | dict[str, int] = 1):
+                 inter_op: int | dict[str, int] = 1,
+                 placement: Callable[[str, int], tuple[str, Sequence[str]]] | None = None):
+        """``placement(job, index)`` ("ps", "worker", "chief") -> (address, command
+        prefix): where each task runs (bench/hosts.py's TestHosts.placement);
+        default every task on 127.0.0.1."""
         from concurrent import futures
         from psserver.process import start_task
-        ports = free_ports(num_ps + num_workers)
-        self.cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
-                        "worker": [f"127.0.0.1:{p}" for p in ports[num_ps:]]}
+        if placement is None:
+            ports = free_ports(num_ps + num_workers)
+            self.cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
+                            "worker": [f"127.0.0.1:{p}" for p in ports[num_ps:]]}
+            prefixes = {}
+        else:   # a host of its own each: any fixed port is free there
+            self.cluster = {job: [f"{placement(job, i)[0]}:2222" for i in range(n)]
+                            for job, n in (("ps", num_ps), ("worker", num_workers))}
+            prefixes = {(job, i): placement(job, i)[1] for job, n in
+                        (("ps", num_ps), ("worker", num_workers), ("chief", 1))
+                        for i in range(n)}
         spec = json.dumps(self.cluster)
         self.ps: list = []
         self.workers: list = []
@@ -385,7 +400,8 @@ class TFCluster:
             with futures.ThreadPoolExecutor(len(jobs)) as pool:
                 started = [pool.submit(start_task, "bench.tf_reference",
                                        ["server", "--job", job, "--index", str(i), "--cluster", spec],
-                                       env=tf_env(intra_op, inter[job]), timeout=start_timeout)
+                                       env=tf_env(intra_op, inter[job]), timeout=start_timeout,
+                                       prefix=prefixes.get((job, i), ()))
                            for job, i in jobs]
                 tasks = []
                 for f in started:
@@ -400,14 +416,15 @@ class TFCluster:
             if errors:
                 raise TFError(f"a TensorFlow server did not start: {errors[0]}")
             self.chief = ChiefClient(self.cluster, log_path=log_path, timeout=start_timeout,
-                                     env=tf_env(intra_op, inter["chief"]))
+                                     env=tf_env(intra_op, inter["chief"]),
+                                     prefix=prefixes.get(("chief", 0), ()))
         except BaseException:
             self.close()
             raise
 
     def pids(self) -> dict[str, list[int]]:
         return {"chief": [self.chief.pid] if self.chief else [],
-                "ps": [t.pid for t in self.ps], "workers": [t.pid for t in self.workers]}
+                "ps": [t.task_pid for t in self.ps], "workers": [t.task_pid for t in self.workers]}
 
     def close(self) -> None:
         if self.chief is not None:

@@ -211,6 +211,14 @@ class ServerChannel:
     def _fits_message(self, nbytes: int) -> bool:
         return nbytes <= self.max_message_bytes - MESSAGE_OVERHEAD
 
+    def _tensor_limit(self, method: Method) -> int:
+        """The most tensor bytes one call of ``method`` carries: a frame's worth
+        on a socket (psserver/ipc.py), the stream threshold over gRPC (past
+        it: a stream)."""
+        if self._socket(method) is not None:
+            return ipc.MAX_FRAME_BYTES - MESSAGE_OVERHEAD
+        return self.stream_threshold_bytes
+
     def _fits(self, nbytes: int) -> bool:
         """Whether a tensor payload goes in one unary message (else a stream)."""
         return nbytes <= self.stream_threshold_bytes

@@ -33,7 +33,7 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2
 from psserver import replication as R
 from psserver import tensor as T
-from psserver import ipc, methods, wire
+from psserver import methods, wire
 from psserver.contract import (MESSAGE_OVERHEAD, Code, Initializer, InvalidArgument, PSError,
                                SyncSpec, VariableMeta)
 
@@ -196,10 +196,10 @@ class PSClient(SharedMemoryPath, ServerChannel):
             if wait:
                 return _fill(got, out)
             return Handle(Pending(lambda: _fill(got.result(), out), got.done), target=self.address)
-        if None not in known and not self._fits(sum(known)):
-            return self._run(wait, self._read_stream, names, sync_step)
-
         bulk = self.bulk
+        limit = self._tensor_limit(methods.BULK_READ if bulk else methods.READ)
+        if None not in known and sum(known) > limit:
+            return self._run(wait, self._read_stream, names, sync_step)
 
         def recover(exc: PSError):   # larger than a unary read should carry: stream it
             if exc.code == Code.RESOURCE_EXHAUSTED:
@@ -208,7 +208,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
                 self.bulk = False
                 return self._read_many(names, True, sync_step)
             raise exc
-        req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, self.stream_threshold_bytes))
+        req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, limit))
         _set_sync_read(req, sync_step)
         if bulk:
             return self._invoke(wait, methods.BULK_READ, req, self._read_bulk_post, recover)
@@ -302,7 +302,8 @@ class PSClient(SharedMemoryPath, ServerChannel):
         uids = [item[2] if len(item) > 2 else 0 for item in items]
         msg_cls = ps_pb2.PushRequest if kind == "push" else ps_pb2.AssignRequest
         method = methods.PUSH if kind == "push" else methods.ASSIGN
-        streamed = not self._fits(sum(a.nbytes for a in arrays))
+        streamed = sum(a.nbytes for a in arrays) > self._tensor_limit(
+            methods.BULK_PUSH if kind == "push" and self.bulk else method)
 
         def request(with_data: bool):
             req = msg_cls()
@@ -369,9 +370,7 @@ class PSClient(SharedMemoryPath, ServerChannel):
                      update_id: int = 0):
         ids = _as_ids(ids, "sparse push")
         rows = np.asarray(rows)
-        local = wait and self._socket(methods.PUSH_SPARSE) is not None and \
-            ids.nbytes + rows.nbytes <= ipc.MAX_FRAME_BYTES - MESSAGE_OVERHEAD
-        streamed = not self._fits(ids.nbytes + rows.nbytes) and not local
+        streamed = ids.nbytes + rows.nbytes > self._tensor_limit(methods.PUSH_SPARSE)
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
         if sync is not None:
             _set_sync(req, sync)

@@ -57,6 +57,8 @@ import struct
 import sys
 import threading
 import weakref
+
+import numpy as np
 from typing import Callable
 
 
@@ -68,10 +70,11 @@ log = logging.getLogger(__name__)
 _REQUEST = struct.Struct("<BId")
 _REPLY = struct.Struct("<BI")
 _PEERCRED = struct.Struct("3i")
-#: Largest request a server takes (the gRPC paths' message limit: same-host
-#: tensors go through shared memory, data-port ones are at most 4 MiB dense;
-#: only sparse pushes' ids and rows come near: larger ones take gRPC's streams).
-MAX_FRAME_BYTES = 64 << 20
+#: Largest request a server takes, and the most tensor bytes one socket call
+#: carries (dense reads and pushes of any size up to it go over the data port
+#: in one frame, received straight into the buffer the arrays are views of;
+#: larger ones take gRPC's streams).
+MAX_FRAME_BYTES = 256 << 20
 #: Seconds a new connection has to say hello, and the most connections a
 #: server keeps.
 HELLO_SECONDS = 5.0
@@ -86,7 +89,7 @@ MAX_PENDING_PER_PEER = 8
 #: connections (one frame per connection, each at most MAX_FRAME_BYTES). A
 #: connection whose frame would go past it is dropped: its memory is taken as
 #: bytes arrive, never reserved for what a header only announces.
-MAX_ARRIVING_BYTES = 256 << 20
+MAX_ARRIVING_BYTES = 1 << 30
 #: Seconds a client waits to connect to a data port and be greeted
 #: (unreachable: it keeps to gRPC).
 CONNECT_SECONDS = 5.0
@@ -127,27 +130,27 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int, hold=None) -> bytearray | bytes:
-    """n bytes. Up to _EAGER_BYTES they are received in place into one
-    buffer; a larger frame is received in 1 MiB pieces, joined once all came,
-    so memory follows the bytes that arrived, not the size a header claims.
-    ``hold(k)``: called before k more bytes are taken (it may refuse: raise)."""
+def _recv_exact(sock: socket.socket, n: int, hold=None) -> bytearray | memoryview:
+    """n bytes, received in place into one buffer (no copy after the
+    kernel's): up to _EAGER_BYTES a bytearray; a larger frame a memoryview
+    of an uninitialised array whose pages are touched only as bytes arrive,
+    taken 1 MiB at a time, so memory follows the bytes that came, not the
+    size a header claims. ``hold(k)``: called before k more bytes are taken
+    (it may refuse: raise)."""
     if n <= _EAGER_BYTES:
         if hold is not None:
             hold(n)
         buf = bytearray(n)
         _recv_into(sock, memoryview(buf))
         return buf
-    pieces, got = [], 0
+    view, got = memoryview(np.empty(n, np.uint8)), 0
     while got < n:
         k = min(_CHUNK, n - got)
         if hold is not None:
             hold(k)
-        piece = bytearray(k)
-        _recv_into(sock, memoryview(piece))
-        pieces.append(piece)
+        _recv_into(sock, view[got:got + k])
         got += k
-    return b"".join(pieces)
+    return view
 
 
 _CHUNK = 1 << 20
@@ -363,7 +366,7 @@ class IpcClient:
             self._busy.discard(s)
         self._give(s)
         if code:
-            raise error_for(code, body.decode(errors="replace"), self.target)
+            raise error_for(code, bytes(body).decode(errors="replace"), self.target)
         return body if len(body) > _JOIN_BYTES else bytes(body)   # large: not copied again
 
     def _broken(self, s: socket.socket | None, exc: BaseException,

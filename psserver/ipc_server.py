@@ -33,6 +33,9 @@ log = logging.getLogger("psserver.ipc")
 class _Context:
     """What the servicer's handlers use of a gRPC context: the deadline."""
 
+    #: A reply may be as large as a frame (not gRPC's message limit).
+    max_message_bytes = MAX_FRAME_BYTES
+
     def __init__(self, timeout: float):
         self._deadline = time.monotonic() + timeout if timeout > 0 else None
 

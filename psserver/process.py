@@ -49,6 +49,13 @@ class TaskProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def task_pid(self) -> int:
+        """The pid of the task itself (as this machine's /proc sees it): the
+        same as ``pid`` unless a prefix forked on the way (a test host's
+        ``unshare --fork``)."""
+        return innermost_pid(self.proc.pid)
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -69,6 +76,21 @@ class TaskProcess:
 
     def output(self) -> str:
         return "".join(self.log_lines)
+
+
+def innermost_pid(pid: int) -> int:
+    """Follow a chain of single children down from pid (wrappers that fork
+    once, then wait): the last one."""
+    for _ in range(8):
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = f.read().split()
+        except OSError:
+            return pid
+        if len(children) != 1:
+            return pid
+        pid = int(children[0])
+    return pid
 
 
 #: glibc malloc settings for tasks. By default buffers of 128 KiB and more

@@ -244,8 +244,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def ListVariables(self, request, context):
         return ps_pb2.ListReply(variables=[meta_to_proto(m) for m in self.store.list()])
 
-    def _read_limit(self, request) -> int:
-        limit = self.max_message_bytes
+    def _read_limit(self, request, context=None) -> int:
+        # a socket's context allows a frame's worth (psserver/ipc_server.py)
+        limit = getattr(context, "max_message_bytes", self.max_message_bytes)
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
         total = sum(self.store.meta(name).nbytes for name in request.names)
@@ -257,7 +258,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def bulk_read(self, request, context):
         """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
-        self._read_limit(request)
+        self._read_limit(request, context)
         with self.store.locked_values(list(request.names), _sync_step(request),
                                       _deadline(context)) as values:
             return wire.encode_read_reply(values)
@@ -271,7 +272,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._push_updates(req, updates, context)
 
     def _read(self, request, context=None):
-        limit = self._read_limit(request)
+        limit = self._read_limit(request, context)
         step, deadline = _sync_step(request), _deadline(context)
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:

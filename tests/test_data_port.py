@@ -421,3 +421,28 @@ def _raised(fn):
         return exc
     return None
 
+
+
+def test_tensors_above_the_stream_threshold_go_in_one_data_port_frame(start_ps):
+    """A 12 MiB dense read and push over the data port: one frame each, as
+    gRPC gives them, and no gRPC stream (ReadStream, Upload) is used."""
+    ps = start_ps("--metrics-port", "0")
+    n = 3 << 20   # 12 MiB of float32: three times the 4 MiB stream threshold
+    with remote(ps.address) as fast, grpc_only(ps.address) as slow:
+        init = np.ones(n, np.float32)   # made on the server: no upload
+        fast.create_variable("big", (n,), initializer="ones", optimizer="sgd",
+                             optimizer_params={"learning_rate": 1.0})
+        np.testing.assert_array_equal(fast.read("big"), init)
+        assert fast.push("big", np.ones(n, np.float32)) == 1
+        assert fast.push_many_async({"big": np.ones(n, np.float32)}).result() == [2]
+        np.testing.assert_array_equal(fast.read("big"), init - 2)
+        np.testing.assert_array_equal(slow.read("big"), init - 2)   # gRPC: a stream
+    with urllib.request.urlopen(f"http://{_metrics(ps)}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    started = {(s.labels["grpc_service"], s.labels["grpc_method"], s.labels["grpc_type"]): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "grpc_server_started_total"}
+    assert started.get(("pstrain.v1.ParameterServerBulk", "Read", "tcp")) == 2, started
+    assert started.get(("pstrain.v1.ParameterServerBulk", "Push", "tcp")) == 2, started
+    assert started.get(("pstrain.v1.ParameterServer", "Upload", "client_stream"), 0) == 0
+    assert started.get(("pstrain.v1.ParameterServer", "ReadStream", "server_stream")) == 1
