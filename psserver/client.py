@@ -33,7 +33,7 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2
 from psserver import replication as R
 from psserver import tensor as T
-from psserver import methods, wire
+from psserver import buffers, methods, wire
 from psserver.contract import (MESSAGE_OVERHEAD, Code, Initializer, InvalidArgument, PSError,
                                SyncSpec, VariableMeta)
 
@@ -326,7 +326,8 @@ class PSClient(SharedMemoryPath, ServerChannel):
             if sync is not None:
                 sync_raw = ps_pb2.SyncInfo(**dataclasses.asdict(sync)).SerializeToString()
             raw = wire.encode_push_request(
-                [(item[0], a, uid) for item, a, uid in zip(items, arrays, uids)], sync_raw)
+                [(item[0], a, uid) for item, a, uid in zip(items, arrays, uids)], sync_raw,
+                buffers.take if self._socket(methods.BULK_PUSH) is not None else None)
 
             def recover(exc: PSError):
                 if exc.code == Code.UNIMPLEMENTED:   # an older server

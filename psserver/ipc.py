@@ -58,10 +58,10 @@ import sys
 import threading
 import weakref
 
-import numpy as np
 from typing import Callable
 
 
+from psserver import buffers
 from psserver.contract import (Code, DeadlineExceeded, PSError, Unauthenticated, Unavailable,
                                error_for)
 
@@ -133,9 +133,9 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 def _recv_exact(sock: socket.socket, n: int, hold=None) -> bytearray | memoryview:
     """n bytes, received in place into one buffer (no copy after the
     kernel's): up to _EAGER_BYTES a bytearray; a larger frame a memoryview
-    of an uninitialised array whose pages are touched only as bytes arrive,
-    taken 1 MiB at a time, so memory follows the bytes that came, not the
-    size a header claims. ``hold(k)``: called before k more bytes are taken
+    of a buffer kept for such frames (psserver/buffers.py), taken against
+    ``hold`` 1 MiB at a time as bytes arrive, so what a header only claims
+    reserves nothing. ``hold(k)``: called before k more bytes are taken
     (it may refuse: raise)."""
     if n <= _EAGER_BYTES:
         if hold is not None:
@@ -143,7 +143,7 @@ def _recv_exact(sock: socket.socket, n: int, hold=None) -> bytearray | memoryvie
         buf = bytearray(n)
         _recv_into(sock, memoryview(buf))
         return buf
-    view, got = memoryview(np.empty(n, np.uint8)), 0
+    view, got = memoryview(buffers.take(n)), 0
     while got < n:
         k = min(_CHUNK, n - got)
         if hold is not None:

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Callable
 
+from psserver import buffers
 from psserver.methods import BY_ID
 from psserver.ipc import (_PEERCRED, _REPLY, _REQUEST, _EAGER_BYTES, HELLO, HELLO_SECONDS,
                           IDENTITY, MAX_ARRIVING_BYTES, MAX_CONNECTIONS, MAX_FRAME_BYTES,
@@ -33,8 +34,10 @@ log = logging.getLogger("psserver.ipc")
 class _Context:
     """What the servicer's handlers use of a gRPC context: the deadline."""
 
-    #: A reply may be as large as a frame (not gRPC's message limit).
+    #: A reply may be as large as a frame (not gRPC's message limit), and is
+    #: encoded into a buffer used again once it was sent (psserver/buffers.py).
     max_message_bytes = MAX_FRAME_BYTES
+    reply_buffer = staticmethod(buffers.take)
 
     def __init__(self, timeout: float):
         self._deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -315,7 +318,8 @@ class IpcServer:
                 mm.recv_bytes.inc(len(payload))
             reply = handler(request, _Context(timeout))
             code, body = Code.OK, (
-                reply if isinstance(reply, (bytes, bytearray)) else reply.SerializeToString())
+                reply if isinstance(reply, (bytes, bytearray, memoryview))
+                else reply.SerializeToString())
         except Exception as exc:
             err = as_error(exc)
             if isinstance(err, Internal):   # a bug: report it, keep serving

@@ -261,7 +261,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._read_limit(request, context)
         with self.store.locked_values(list(request.names), _sync_step(request),
                                       _deadline(context)) as values:
-            return wire.encode_read_reply(values)
+            return wire.encode_read_reply(values, getattr(context, "reply_buffer", None))
 
     def bulk_push(self, raw: bytes, context):
         """ParameterServerBulk.Push: the request read by hand, arrays are views of it."""

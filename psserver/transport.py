@@ -86,22 +86,25 @@ class GrpcTransport(Transport):
         self._callables: dict[tuple, grpc.UnaryUnaryMultiCallable] = {}
         self._closed = False
 
-    def _callable(self, m: Method, request) -> grpc.UnaryUnaryMultiCallable:
+    def _callable(self, m: Method, request) -> tuple[grpc.UnaryUnaryMultiCallable, object]:
+        """The multi-callable for m and the request as it takes it."""
+        if isinstance(request, memoryview):   # framed into a socket's buffer (a resend)
+            request = request.tobytes()
         raw = m.request is None or isinstance(request, (bytes, bytearray))   # framed by hand
         c = self._callables.get((m.path, raw))
         if c is None:
             c = self._callables[(m.path, raw)] = self.channel.unary_unary(
                 m.path, request_serializer=None if raw else m.request.SerializeToString,
                 response_deserializer=None if m.reply is None else m.reply.FromString)
-        return c
+        return c, request
 
     def call(self, method: Method, request, timeout: float | None):
         # Blocking calls go straight to the stub: through a future they would
         # cost a thread start each (1 KiB read p50 790 us against 520 us).
         try:
-            return self._callable(method, request)(
-                request, timeout=timeout, metadata=self.metadata,
-                wait_for_ready=self.wait_for_ready)
+            c, request = self._callable(method, request)
+            return c(request, timeout=timeout, metadata=self.metadata,
+                     wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.target) from exc
         except ValueError as exc:
@@ -109,9 +112,9 @@ class GrpcTransport(Transport):
 
     def send(self, method: Method, request, timeout: float | None) -> Pending:
         try:
-            fut = self._callable(method, request).future(
-                request, timeout=timeout, metadata=self.metadata,
-                wait_for_ready=self.wait_for_ready)
+            c, request = self._callable(method, request)
+            fut = c.future(request, timeout=timeout, metadata=self.metadata,
+                           wait_for_ready=self.wait_for_ready)
         except ValueError as exc:
             raise self._closed_error(exc) from None
 

@@ -18,7 +18,7 @@ skips fields it does not know, as protobuf does.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -106,8 +106,23 @@ def _contiguous_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]]) -> bytes:
-    """ReadReply{values: [VariableValue{name, version, value: Tensor}]} as bytes.
+def _join(parts: list, into: Callable[[int], np.ndarray] | None) -> bytes | memoryview:
+    """parts joined: bytes, or with ``into`` (psserver/buffers.take) a
+    memoryview of the buffer it gives (a socket's frame: used again)."""
+    if into is None:
+        return b"".join(parts)
+    out = memoryview(into(sum(len(p) for p in parts)))
+    pos = 0
+    for p in parts:
+        out[pos:pos + len(p)] = p
+        pos += len(p)
+    return out
+
+
+def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]],
+                      into: Callable[[int], np.ndarray] | None = None) -> bytes | memoryview:
+    """ReadReply{values: [VariableValue{name, version, value: Tensor}]} as bytes
+    (see _join for ``into``).
 
     Call with the arrays' locks held: the join is the one copy of their data.
     """
@@ -125,12 +140,14 @@ def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]]) -> bytes:
         prefix = _aligned(pos, prefix_with)
         parts += [prefix, data]
         pos += len(prefix) + n
-    return b"".join(parts)
+    return _join(parts, into)
 
 
 def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
-                        sync: bytes = b"") -> bytes:
-    """PushRequest{updates: [DenseUpdate{name, tensor, update_id}], sync} as bytes.
+                        sync: bytes = b"", into: Callable[[int], np.ndarray] | None = None
+                        ) -> bytes | memoryview:
+    """PushRequest{updates: [DenseUpdate{name, tensor, update_id}], sync} as bytes
+    (see _join for ``into``).
 
     ``sync`` is a serialized SyncInfo (b"": none)."""
     parts: list = []
@@ -149,7 +166,7 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
         pos += len(prefix) + n + len(tail)
     if sync:
         parts += [_len_field(2, len(sync)), sync]
-    return b"".join(parts)
+    return _join(parts, into)
 
 
 def encode_replicate_request(records) -> bytes:
