@@ -25,31 +25,19 @@ if __package__ in (None, ""):
 import numpy as np
 
 from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, batches, push_gradients, read_variables)
+                         ParameterServerStrategy, batches, read_variables)
 from coordinator.compression import TopK, wire_nbytes
 from coordinator.fit import fit
 from examples.digits import load_data
-from examples.nn import MLP
+from examples.nn import MLP, make_train_step
 
 SETTINGS = {"none": None, "fp16": "fp16", "bf16": "bf16",
             "topk(0.1)": TopK(0.1), "topk(0.01)": TopK(0.01)}
 
 
-def make_step(model: MLP, compression):
-    """examples.nn.make_train_step, passing ``compression`` to push_gradients."""
-    variables = list(model.variables)
 
-    def train_step(iterator):
-        x, y = next(iterator)
-        params = read_variables(variables)
-        loss, grads = model.loss_and_grads(params, x, y)
-        push_gradients(zip(variables, grads), compression=compression)
-        return loss
-
-    return train_step
-
-
-def train_digits(spec, compression, *, name: str = "digits", epochs: int = 4,
+def train_digits(spec, compression, *, read_compression=None, name: str = "digits",
+                 epochs: int = 4,
                  steps_per_epoch: int = 50, batch_size: int = 32, optimizer: str = "adam",
                  lr: float = 3e-3, seed: int = 0, data=None) -> dict:
     """Train the digits MLP on the cluster ``spec`` with ``compression``.
@@ -60,11 +48,12 @@ def train_digits(spec, compression, *, name: str = "digits", epochs: int = 4,
     strategy = ParameterServerStrategy(
         spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10,
                                                       max_shards=spec.cluster_spec().num_ps),
-        gradient_compression=compression)
+        gradient_compression=compression, read_compression=read_compression)
     model = MLP([64, 64, 10], loss="softmax_cross_entropy")
     model.create_variables(strategy, name, optimizer=optimizer,
                            optimizer_params={"learning_rate": lr}, seed=seed)
-    step = make_step(model, strategy.gradient_compression_spec)
+    step = make_train_step(model, compression=strategy.gradient_compression_spec,
+                           read_compression=strategy.read_compression_spec)
 
     def dataset_fn(ctx):
         xs, ys = ctx.shard(x_tr, y_tr)

@@ -23,6 +23,14 @@ task its own process on 127.0.0.1):
   per second; the same number of rows is pushed back).
 * (c) ``raw``: read and push (SGD) of a 64 MiB float32 variable on one
   parameter server, in GB/s.
+* (d) ``digits``, with ``--hosts`` only: every test host's link shaped to
+  1 Gbit/s (tbf; plus 0.5 ms each way where the kernel has netem), an MLP
+  64-1024-1024-10 (4.5 MB of float32 weights, about 3 ms of numpy per
+  step: bytes dominate) on scikit-learn's digits, batch 32, SGD 0.1, async.
+  Ours as it is and with fp16 both ways (``read_compression="fp16"`` and
+  ``gradient_compression="fp16"``: half the bytes each way) against
+  TensorFlow's (float32: it has no compression), the same steps each;
+  steps/s and test accuracy after training.
 
 References, measured in the same run:
 
@@ -118,6 +126,15 @@ EMB_IDS = EMB_BATCH * EMB_BAG        # ids per step
 
 RAW_BYTES = 64 << 20
 
+#: (d), across hosts only: every link shaped to SHAPED_RATE (and SHAPED_DELAY
+#: where the kernel has netem), an MLP on scikit-learn's digits wide enough
+#: that bytes dominate (4.5 MB of float32 weights, 3 ms of numpy per step).
+SHAPED_RATE = "1gbit"
+SHAPED_DELAY = "0.5ms"
+DIGITS_SIZES = (64, 1024, 1024, 10)
+DIGITS_BATCH = 32
+DIGITS_LR = 0.1
+
 #: Bind worker i to CPU i (LocalCluster(pin_workers=True); TensorFlow's the same way).
 PIN_WORKERS = True
 
@@ -132,6 +149,7 @@ TARGETS = {                          # key -> (comparison, bound) on the ratio
     "mlp_async_vs_tf": (">=", 2.0), "mlp_sync_vs_tf_async": (">=", 1.0),
     "mlp_async_vs_ceiling": (">=", 0.60),
     "emb_uniform_vs_tf": (">=", 2.0), "emb_zipf_vs_tf": (">=", 2.0),
+    "shaped_fp16_vs_tf": (">=", 1.8),
     "ps_memory": ("<=", 1.5),
 }
 
@@ -170,6 +188,23 @@ def emb_data(dist: str, n_batches: int, batch: int, bag: int, rows: int, seed: i
     return ids, labels
 
 
+def digits_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's digits, standardized (examples.digits.load_data(SEED))."""
+    from examples.digits import load_data
+    return load_data(SEED)
+
+
+def digits_accuracy(params: list[np.ndarray]) -> float:
+    """Test accuracy of the DIGITS_SIZES MLP with ``params`` (kernel, bias, ...)."""
+    _, _, x, y = digits_data()
+    h = x
+    for i in range(0, len(params), 2):
+        h = h @ params[i] + params[i + 1]
+        if i + 2 < len(params):
+            h = np.maximum(h, 0)
+    return float(np.mean(h.argmax(axis=1) == y))
+
+
 # -- our per-worker datasets (module level: workers import them by name) --------------
 def mlp_dataset(ctx):
     from coordinator import batches
@@ -182,6 +217,12 @@ def emb_dataset(dist: str, ctx):
     ids, labels = emb_data(dist, EMB_BATCHES, EMB_BATCH, EMB_BAG, EMB_ROWS, SEED,
                            ctx.input_pipeline_id)
     return batches(ids, labels, batch_size=EMB_BATCH, shuffle=False)
+
+
+def digits_dataset(ctx):
+    from coordinator import batches
+    x, y, _, _ = digits_data()
+    return batches(x, y, batch_size=DIGITS_BATCH, seed=SEED + ctx.input_pipeline_id)
 
 
 def emb_dataset_uniform(ctx):
@@ -198,12 +239,15 @@ class Plan:
     raw_rounds: int          # 64 MiB read/push rounds (each: ours + TCP, interleaved)
     mlp_steps: int           # steps per (a) block
     emb_steps: int           # steps per (b) block
+    digits_steps: int        # steps per (d) block (across hosts only)
     rounds: int              # timed blocks per variant
     warmup_blocks: float     # untimed warm-up, in blocks per variant
 
 
-FULL = Plan(raw_rounds=12, mlp_steps=200, emb_steps=300, rounds=6, warmup_blocks=0.5)
-QUICK = Plan(raw_rounds=4, mlp_steps=80, emb_steps=120, rounds=2, warmup_blocks=0.5)
+FULL = Plan(raw_rounds=12, mlp_steps=200, emb_steps=300, digits_steps=100, rounds=6,
+            warmup_blocks=0.5)
+QUICK = Plan(raw_rounds=4, mlp_steps=80, emb_steps=120, digits_steps=60, rounds=2,
+             warmup_blocks=0.5)
 
 
 def log(msg: str) -> None:
@@ -413,10 +457,28 @@ class Ours:
         fns = {"uniform": emb_dataset_uniform, "zipf": emb_dataset_zipf}
         self.emb = {d: (step, iter(coord.create_per_worker_dataset(fns[d]))) for d in EMB_DISTS}
 
+    def setup_digits(self) -> None:
+        """(d): the digits MLP twice, sent as it is and with fp16 both ways
+        (weights read as float16, gradients pushed as float16)."""
+        from examples.nn import MLP, make_train_step
+        s = self.strategy["async"]
+        coord = self.coord["async"]
+        for key, fp16 in (("fp32", None), ("fp16", "fp16")):
+            model = MLP(list(DIGITS_SIZES))
+            model.create_variables(s, f"digits_{key}", optimizer="sgd",
+                                   optimizer_params={"learning_rate": DIGITS_LR}, seed=SEED)
+            step = make_train_step(model, compression=fp16, read_compression=fp16)
+            self.mlp[f"digits_{key}"] = (step, iter(coord.create_per_worker_dataset(
+                digits_dataset)), model)
+
+    def digits_accuracy(self, key: str) -> float:
+        from coordinator import read_variables
+        return digits_accuracy(read_variables(self.mlp[f"digits_{key}"][2].variables))
+
     def run_mlp(self, mode: str, n: int) -> float:
         step, it, _ = self.mlp[mode]
-        coord = self.coord[mode]
-        per = self.strategy[mode].num_replicas_in_sync   # closures per scheduled step
+        coord = self.coord["async" if mode.startswith("digits") else mode]
+        per = 1 if mode.startswith("digits") else self.strategy[mode].num_replicas_in_sync
         holder = []
 
         def go():
@@ -479,6 +541,13 @@ class TF:
         self.chief.call("setup_emb", rows=EMB_ROWS, dim=EMB_DIM, batch=EMB_BATCH, bag=EMB_BAG,
                         lr=EMB_LR, head_lr=EMB_HEAD_LR, n_batches=EMB_BATCHES, seed=SEED,
                         dists=list(EMB_DISTS))
+
+    def setup_digits(self) -> None:
+        self.chief.call("setup_mlp", sizes=list(DIGITS_SIZES), batch=DIGITS_BATCH, lr=DIGITS_LR,
+                        examples=0, seed=SEED, workload="digits")
+
+    def digits_accuracy(self) -> float:
+        return self.chief.call("accuracy", workload="digits")["accuracy"]
 
     def run(self, workload: str, n: int) -> float:
         return self.chief.call("run", workload=workload, steps=n)["seconds"]
@@ -555,6 +624,15 @@ def build_rows(res: dict) -> list[dict]:
                 note += f", TF {b[f'tf_{d}']['steps_per_s'] * EMB_IDS / 1e3:,.0f} k rows/s"
         rows.append(_row(f"emb_{d}_vs_tf", f"(b) embedding {d} async", sps(b, k), tfname,
                          sps(b, f"tf_{d}"), "steps/s", note))
+    d = res.get("shaped")
+    if d:
+        link = d["link"]["rate"] + (f", {d['link']['delay']}" if d["link"]["delay"] else "")
+        acc = "; test accuracy " + ", ".join(
+            f"{k.replace('ours_', 'ours ')} {v['test_accuracy']:.3f}"
+            for k, v in d.items() if "test_accuracy" in v)
+        rows.append(_row("shaped_fp16_vs_tf", f"(d) digits MLP, {link} links, fp16",
+                         sps(d, "ours_fp16"), tfname, sps(d, "tf"), "steps/s",
+                         f"ours float32 {sps(d, 'ours_fp32'):.1f} steps/s{acc}"))
     mem = res.get("memory")
     if mem:
         worst = max(mem["ours"], key=lambda m: m["ratio"])
@@ -580,8 +658,11 @@ def print_rows(rows: list[dict]) -> None:
 def print_details(res: dict) -> None:
     from bench.common import print_table
     rows = []
-    for wl, block in (("(a) mlp", res.get("mlp", {})), ("(b) emb", res.get("emb", {}))):
+    for wl, block in (("(a) mlp", res.get("mlp", {})), ("(b) emb", res.get("emb", {})),
+                      ("(d) digits", res.get("shaped", {}))):
         for k, v in block.items():
+            if "steps_per_s" not in v:
+                continue
             c = v.get("cpu_ms_per_step")
             rows.append([wl, k, f"{v['steps_per_s']:.1f}", f"{v['steps_per_s_best']:.1f}",
                          "" if not c else "  ".join(f"{r} {ms:.2f}" for r, ms in c.items()),
@@ -686,7 +767,38 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
         if tf:
             res["memory"]["tf"] = tf.memory()
             res["threads"]["tf_tasks"] = tf.threads()
+        if hosts is not None:
+            res["shaped"] = run_shaped(plan, hosts, ours, tf)
     return res
+
+
+def run_shaped(plan: Plan, hosts, ours: "Ours", tf: "TF | None") -> dict:
+    """(d): every test host's link shaped, the digits MLP trained by ours
+    (float32, and fp16 both ways) and TensorFlow's (float32: it has no
+    compression) for the same number of steps; steps/s and test accuracy."""
+    from bench.hosts import netem_available
+    delay = SHAPED_DELAY if netem_available() else None
+    for i in range(len(hosts.addresses)):
+        hosts.shape(i, rate=SHAPED_RATE, delay=delay)
+    log(f"(d): every link shaped to {SHAPED_RATE}"
+        + (f", {delay} each way" if delay else " (no delay: this kernel has no netem)"))
+    ours.setup_digits()
+    variants = [Variant(f"ours_{k}", functools.partial(ours.run_mlp, f"digits_{k}"),
+                        plan.digits_steps, ours.meter) for k in ("fp32", "fp16")]
+    if tf:
+        tf.setup_digits()
+        variants.append(Variant("tf", functools.partial(tf.run, "digits"), plan.digits_steps,
+                                tf.meter))
+    run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(d) digits, shaped links")
+    out = {v.key: v.result() for v in variants}
+    steps = max(4, int(plan.digits_steps * plan.warmup_blocks)) + plan.rounds * plan.digits_steps
+    for k in ("fp32", "fp16"):
+        out[f"ours_{k}"]["test_accuracy"] = ours.digits_accuracy(k)
+    if tf:
+        out["tf"]["test_accuracy"] = tf.digits_accuracy()
+    out["link"] = {"rate": SHAPED_RATE, "delay": delay, "steps_trained": steps,
+                   "batch": DIGITS_BATCH, "sizes": list(DIGITS_SIZES)}
+    return out
 
 
 def _transport(task_env: dict[str, str], on_hosts: bool = False) -> str:

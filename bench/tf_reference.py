@@ -48,6 +48,8 @@ import sys
 import threading
 import time
 import traceback
+
+import numpy as np
 from typing import Callable, Sequence
 
 #: Environment of every TensorFlow process (servers and chief).
@@ -107,6 +109,7 @@ class _Chief:
             resolver, variable_partitioner=partitioner)
         self.coord = tf.distribute.experimental.coordinator.ClusterCoordinator(self.strategy)
         self.steps: dict[str, tuple] = {}   # workload -> (tf.function, per-worker iterator)
+        self.params: dict[str, list] = {}   # MLP workload -> per-shard variables of each
         self.variables: list = []
 
     # -- variables ---------------------------------------------------------------
@@ -135,20 +138,28 @@ class _Chief:
         return list(getattr(v, "variables", None) or [v])
 
     # -- workloads -----------------------------------------------------------------
-    def setup_mlp(self, sizes, batch, lr, examples, seed):
+    def setup_mlp(self, sizes, batch, lr, examples, seed, workload="mlp"):
+        """The MLP of workload "mlp" (synthetic data, in order) or "digits"
+        (scikit-learn's digits, reshuffled every epoch)."""
         tf = self.tf
-        from bench.suite import mlp_data
+        from bench.suite import digits_data, mlp_data
         with self.strategy.scope():
             params = []
             for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-                params.append(self._variable(f"mlp/dense_{i}/kernel", (n_in, n_out), "glorot",
-                                             seed + 1000 * i))
-                params.append(self._variable(f"mlp/dense_{i}/bias", (n_out,), "zeros", 0))
+                params.append(self._variable(f"{workload}/dense_{i}/kernel", (n_in, n_out),
+                                             "glorot", seed + 1000 * i))
+                params.append(self._variable(f"{workload}/dense_{i}/bias", (n_out,), "zeros", 0))
         parts = [self._parts(p) for p in params]
         flat = [s for ps in parts for s in ps]
         n_layers = len(params) // 2
+        self.params[workload] = parts
 
         def dataset_fn():
+            if workload == "digits":
+                x, y, _, _ = digits_data()
+                return (tf.data.Dataset.from_tensor_slices((x, y))
+                        .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+                        .batch(batch, drop_remainder=True).repeat())
             x, y = mlp_data(examples, seed, 0)
             return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
                     .cache().repeat())
@@ -175,7 +186,13 @@ class _Chief:
             return self.strategy.run(step_fn, args=(x, y))
 
         ds = self.coord.create_per_worker_dataset(dataset_fn)
-        self.steps["mlp"] = (train_step, iter(ds))
+        self.steps[workload] = (train_step, iter(ds))
+
+    def accuracy(self, workload: str) -> float:
+        """Test accuracy of the digits MLP's current weights (numpy, as ours)."""
+        from bench.suite import digits_accuracy
+        return digits_accuracy([np.concatenate([s.numpy() for s in parts], 0)
+                                for parts in self.params[workload]])
 
     def setup_emb(self, rows, dim, batch, bag, lr, head_lr, n_batches, seed, dists):
         tf = self.tf
@@ -261,6 +278,8 @@ def chief_main(args: argparse.Namespace) -> int:
                 out = {"ok": True}
             elif cmd == "run":
                 out = chief.run(**req)
+            elif cmd == "accuracy":
+                out = {"accuracy": chief.accuracy(**req)}
             elif cmd == "placement":
                 out = {"bytes_by_device": chief.placement()}
             else:

@@ -55,6 +55,8 @@ import threading
 
 import numpy as np
 
+from psserver import tensor as T
+
 FLOAT16_MAX = float(np.finfo(np.float16).max)   # 65504
 
 
@@ -111,7 +113,7 @@ def to_fp16(grad: np.ndarray) -> np.ndarray:
     g = np.asarray(grad)
     if g.dtype == np.float16:
         return g
-    out = np.clip(g, -FLOAT16_MAX, FLOAT16_MAX).astype(np.float16)
+    out = T.as_float16(g)   # clipped (Inf too: put back below); fast for tiny values
     if np.isinf(g).any():   # a gradient that already overflowed stays Inf (rejected)
         out[np.isinf(g)] = g[np.isinf(g)]
     return out

@@ -144,6 +144,11 @@ class ParameterServerStrategy:
         The strategy does not reach the workers, so step functions pass
         ``compression=strategy.gradient_compression_spec`` to
         ``push_gradients`` (it is small and picklable).
+      read_compression: None (default: values read as they are) or
+        ``"fp16"``: float values read rounded to float16 and sent as float16
+        between hosts (half the bytes of float32; the arrays a step gets are
+        float32). Any mode. Step functions pass
+        ``compression=strategy.read_compression_spec`` to ``read_variables``.
 
     Raises:
       ClusterConfigError: the cluster has no parameter servers.
@@ -157,7 +162,7 @@ class ParameterServerStrategy:
                  aggregation: str = "mean", step_timeout: float = 30.0,
                  staleness: int | None = None, tls: TLSConfig | None = None,
                  reuse_existing: bool = False, replication: bool = False,
-                 gradient_compression: Any = None):
+                 gradient_compression: Any = None, read_compression: str | None = None):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -214,6 +219,9 @@ class ParameterServerStrategy:
         if self.gradient_compression_spec is not None and mode == "sync":
             raise ValueError('gradient_compression applies to mode="async" or "bounded", '
                              'not "sync"')
+        V.read_value_dtype(read_compression)   # ValueError now, not on a worker
+        #: What step functions pass to read_variables(..., compression=...).
+        self.read_compression_spec = "fp16" if read_compression is not None else None
 
     @property
     def cluster_spec(self) -> ClusterSpec:

@@ -226,8 +226,20 @@ class IndexedSlices(NamedTuple):
 
 
 def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
-                   with_versions: bool = False):
+                   with_versions: bool = False, compression=None):
     """Read many variables: one call per parameter server, all at once.
+
+    ``compression="fp16"`` (default None: values as they are): float32 and
+    float64 values come rounded to float16 (clipped to +-65504) and are sent
+    as float16 between hosts, half the bytes of float32; returned arrays keep
+    the variables' dtypes. On the same host the values are rounded here, so
+    every transport gives the same numbers. Dense variables only (a
+    ``Lookup`` among them is ValueError). Like push_gradients' compression,
+    a step function passes it explicitly::
+
+        spec = strategy.read_compression_spec
+        def step(it):
+            params = read_variables(variables, compression=spec)
 
     An item may be a ``Lookup`` (``table.lookup(ids)``): its rows are gathered
     in the same call to each server as the dense reads (same host: one call;
@@ -237,10 +249,24 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
     versions[i] lists the version of each shard of variables[i] as read (for
     a Lookup: of each shard rows were gathered from).
     """
-    return _routed(lambda: _read_variables(variables, with_versions))
+    value_dtype = read_value_dtype(compression)
+    if value_dtype and any(isinstance(v, Lookup) for v in variables):
+        raise ValueError("read compression applies to dense variables; read the lookups "
+                         "in a read_variables call without compression")
+    return _routed(lambda: _read_variables(variables, with_versions, value_dtype))
 
 
-def _read_variables(variables, with_versions: bool):
+def read_value_dtype(compression) -> str:
+    """ReadRequest.value_dtype for read_variables' ``compression``."""
+    from coordinator.compression import FP16   # only when compression is used
+    if compression is None:
+        return ""
+    if compression == "fp16" or isinstance(compression, FP16):
+        return "float16"
+    raise ValueError(f'read compression must be None or "fp16", got {compression!r}')
+
+
+def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
     sync = current_sync()
     step = sync.step if sync is not None else None
     # The copy each shard is read from now (the primary; coordinator.routes).
@@ -256,10 +282,11 @@ def _read_variables(variables, with_versions: bool):
         groups = _by_server(((i, s) for i, v in enumerate(variables) for s in prim[i]))
         starts = [_Op(addr, lambda c, names=[s.name for _, s in items],
                       out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
-                      c.read_many(names, sync_step=step, out=out),
+                      c.read_many(names, sync_step=step, out=out, value_dtype=value_dtype),
                       lambda c, names=[s.name for _, s in items],
                       out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
-                      c.read_many_async(names, sync_step=step, out=out),
+                      c.read_many_async(names, sync_step=step, out=out,
+                                        value_dtype=value_dtype),
                       pairs_of((i, prim[i].index(s)) for i, s in items))
                   for addr, items in groups.items()]
         results = [(snaps, []) for snaps in _settle(starts)]

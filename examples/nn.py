@@ -139,21 +139,23 @@ class MLP:
         return loss, grads
 
 
-def make_train_step(model: MLP):
+def make_train_step(model: MLP, *, compression=None, read_compression=None):
     """A step function for ``ClusterCoordinator.schedule(step, args=(iterator,))``.
 
     On a worker it takes a batch, reads the model's variables (one call per
     parameter server), computes the loss and gradients, pushes the gradients
     (one call per server) and returns the loss. It captures only the model
     (sizes and variable handles), so cloudpickle can send it by value.
+    ``compression`` / ``read_compression``: the strategy's
+    ``gradient_compression_spec`` / ``read_compression_spec`` (None: off).
     """
     variables = list(model.variables)
 
     def train_step(iterator):
         x, y = next(iterator)
-        params = read_variables(variables)
+        params = read_variables(variables, compression=read_compression)
         loss, grads = model.loss_and_grads(params, x, y)
-        push_gradients(zip(variables, grads))
+        push_gradients(zip(variables, grads), compression=compression)
         return loss
 
     return train_step

@@ -240,9 +240,10 @@ class ServerChannel:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from exc
 
-    def _read_stream(self, names: Sequence[str], sync_step: int | None = None) -> list[Snapshot]:
+    def _read_stream(self, names: Sequence[str], sync_step: int | None = None,
+                     value_dtype: str = "") -> list[Snapshot]:
         total = sum(self._nbytes.get(n, 0) for n in names)
-        req = ps_pb2.ReadRequest(names=names)
+        req = ps_pb2.ReadRequest(names=names, value_dtype=value_dtype)
         _set_sync_read(req, sync_step)
         try:
             frames = self._stub.ReadStream(req, **self._kw(extra_bytes=total))
@@ -263,7 +264,8 @@ class ServerChannel:
                 if fill == buf.size:
                     name, version, dt, shape = cur
                     out.append(Snapshot(name, version, buf.view(dt).reshape(shape)))
-                    self._remember(name, buf.size, shape)
+                    if not value_dtype:   # float16 values are not the variable's size
+                        self._remember(name, buf.size, shape)
             return out
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from exc

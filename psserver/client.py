@@ -40,7 +40,7 @@ from psserver.contract import (MESSAGE_OVERHEAD, Code, Initializer, InvalidArgum
 from psserver.channel import ServerChannel
 from psserver.client_shm import SharedMemoryPath
 from psserver.transport import Pending
-from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _meta_from_proto,
+from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _halved, _meta_from_proto,
                                    _set_sync, _set_sync_read)
 
 
@@ -170,55 +170,66 @@ class PSClient(SharedMemoryPath, ServerChannel):
         self._rows.pop(name, None)
 
     # -- reads ---------------------------------------------------------------
-    def _snapshots(self, values) -> list[Snapshot]:
+    def _snapshots(self, values, remember: bool = True) -> list[Snapshot]:
         """Snapshots of (name, version, array), remembering each size."""
         out = []
         for name, version, arr in values:
-            self._remember(name, arr.nbytes, arr.shape)
+            if remember:
+                self._remember(name, arr.nbytes, arr.shape)
             out.append(Snapshot(name, version, arr))
         return out
 
-    def _read_unary_post(self, reply: ps_pb2.ReadReply) -> list[Snapshot]:
-        return self._snapshots((v.name, v.version, T.decode(v.value)) for v in reply.values)
+    def _read_unary_post(self, reply: ps_pb2.ReadReply, remember: bool = True) -> list[Snapshot]:
+        return self._snapshots(((v.name, v.version, T.decode(v.value)) for v in reply.values),
+                               remember)
 
     def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None,
-                   out: Sequence[np.ndarray | None] | None = None):
+                   out: Sequence[np.ndarray | None] | None = None, value_dtype: str = ""):
         names = list(names)
+        half = T.read_as(value_dtype) is not None
         if sync_step is None and self._direct_ok():
             got = self._direct_read(names, out)
-            if got is not None:
+            if got is not None:   # rounded here as the server would have
+                got = _halved(got) if half else got
                 return got if wait else Handle(Pending(lambda: got), target=self.address)
         known = [self._nbytes.get(n) for n in names]
         if None not in known and self._shm_for(sum(known)):
-            return self._shm_read(names, known, wait, sync_step, out=out)
+            got = self._shm_read(names, known, wait, sync_step, out=out)
+            if not half:
+                return got
+            if wait:
+                return _halved(got)
+            return Handle(Pending(lambda: _halved(got.result()), got.done), target=self.address)
         if out is not None:   # the other paths fill it from what they return
-            got = self._read_many(names, wait, sync_step)
+            got = self._read_many(names, wait, sync_step, value_dtype=value_dtype)
             if wait:
                 return _fill(got, out)
             return Handle(Pending(lambda: _fill(got.result(), out), got.done), target=self.address)
         bulk = self.bulk
         limit = self._tensor_limit(methods.BULK_READ if bulk else methods.READ)
         if None not in known and sum(known) > limit:
-            return self._run(wait, self._read_stream, names, sync_step)
+            return self._run(wait, self._read_stream, names, sync_step, value_dtype)
 
         def recover(exc: PSError):   # larger than a unary read should carry: stream it
             if exc.code == Code.RESOURCE_EXHAUSTED:
-                return self._read_stream(names, sync_step)
+                return self._read_stream(names, sync_step, value_dtype)
             if bulk and exc.code == Code.UNIMPLEMENTED:   # an older server
                 self.bulk = False
-                return self._read_many(names, True, sync_step)
+                return self._read_many(names, True, sync_step, value_dtype=value_dtype)
             raise exc
-        req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, limit))
+        req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, limit), value_dtype=value_dtype)
         _set_sync_read(req, sync_step)
+        # Values read as float16 are not the variables' sizes: not remembered.
         if bulk:
-            return self._invoke(wait, methods.BULK_READ, req, self._read_bulk_post, recover)
-        return self._invoke(wait, methods.READ, req, self._read_unary_post, recover)
-
-    def _read_bulk_post(self, raw: bytes) -> list[Snapshot]:
-        return self._snapshots(wire.decode_read_reply(raw))
+            return self._invoke(wait, methods.BULK_READ, req,
+                                lambda raw: self._snapshots(wire.decode_read_reply(raw), not half),
+                                recover)
+        return self._invoke(wait, methods.READ, req,
+                            lambda reply: self._read_unary_post(reply, not half), recover)
 
     def read_many_async(self, names: Sequence[str], *, sync_step: int | None = None,
-                        out: Sequence[np.ndarray | None] | None = None) -> Handle:
+                        out: Sequence[np.ndarray | None] | None = None,
+                        value_dtype: str = "") -> Handle:
         """Read several variables in one call; ``result()`` is a list of Snapshot.
 
         Values are read-only arrays (``.copy()`` one to change it), or the
@@ -227,12 +238,19 @@ class PSClient(SharedMemoryPath, ServerChannel):
         straight from shared memory: the only copy). With ``sync_step`` (sync
         mode), the read waits while an earlier step is still being gathered
         on a variable (see psserver.sync).
+
+        ``value_dtype="float16"``: float32/float64 values come rounded to
+        float16 (clipped to +-65504), sent as float16 between hosts (half the
+        bytes of float32) and rounded here on the same host, so every path
+        gives the same numbers. They land in ``out``'s arrays (float32 there)
+        where given, else they are float16 arrays.
         """
-        return self._read_many(names, False, sync_step, out)
+        return self._read_many(names, False, sync_step, out, value_dtype)
 
     def read_many(self, names: Sequence[str], *, sync_step: int | None = None,
-                  out: Sequence[np.ndarray | None] | None = None) -> list[Snapshot]:
-        return self._read_many(names, True, sync_step, out)
+                  out: Sequence[np.ndarray | None] | None = None,
+                  value_dtype: str = "") -> list[Snapshot]:
+        return self._read_many(names, True, sync_step, out, value_dtype)
 
     def read(self, name: str, *, with_version: bool = False):
         """The value of ``name`` (a read-only array), or (value, version)."""

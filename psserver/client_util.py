@@ -10,6 +10,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
 from psserver import replication as R
+from psserver import tensor as T
 from psserver.contract import InvalidArgument, PSError, SyncSpec, VariableMeta
 
 
@@ -61,22 +62,47 @@ class Handle:
     wait = result
 
 
-def _dest(out: Sequence[np.ndarray | None] | None, i: int, like) -> np.ndarray | None:
-    """out[i] when the caller gave it with ``like``'s shape and dtype, else None
-    (the value goes into a new array)."""
+def _dest(out: Sequence[np.ndarray | None] | None, i: int, like,
+          widen: bool = False) -> np.ndarray | None:
+    """out[i] when the caller gave it with ``like``'s shape and dtype (with
+    ``widen``, also a float dtype when ``like`` is float16: a value read as
+    float16), else None (the value goes into a new array)."""
     dest = out[i] if out is not None and i < len(out) else None
-    if dest is not None and dest.shape == like.shape and dest.dtype == like.dtype:
+    if dest is None or dest.shape != like.shape:
+        return None
+    if dest.dtype == like.dtype or (widen and like.dtype == np.float16
+                                    and dest.dtype.kind == "f"):
         return dest
     return None
 
 
+def _halved(snaps: list[Snapshot]) -> list[Snapshot]:
+    """Snapshots with float values rounded to float16 (as a read with
+    value_dtype "float16" sends them): in place where the value is the
+    caller's array, else as a new float16 array."""
+    done = []
+    for s in snaps:
+        v = s.value
+        if v.dtype.kind == "f" and v.dtype.itemsize > 2:
+            if v.flags.writeable:
+                np.copyto(v, T.as_float16(v))
+            else:
+                s = Snapshot(s.name, s.version, T.as_float16(v))
+        done.append(s)
+    return done
+
+
 def _fill(snaps: list[Snapshot], out: Sequence[np.ndarray | None]) -> list[Snapshot]:
-    """Snapshots with their values copied into out's arrays (where given and fitting)."""
+    """Snapshots with their values copied into out's arrays (where given and
+    fitting; a float16 value into a wider float array)."""
     filled = []
     for i, s in enumerate(snaps):
-        dest = _dest(out, i, s.value)
+        dest = _dest(out, i, s.value, widen=True)
         if dest is not None:
-            np.copyto(dest, s.value)
+            if s.value.dtype == np.float16 and dest.dtype != np.float16:
+                T.widen_float16(s.value, dest.dtype, out=dest)
+            else:
+                np.copyto(dest, s.value)
             s = Snapshot(s.name, s.version, dest)
         filled.append(s)
     return filled

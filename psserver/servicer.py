@@ -246,6 +246,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _read_limit(self, request, context=None) -> int:
         # a socket's context allows a frame's worth (psserver/ipc_server.py)
+        T.read_as(request.value_dtype)   # refused before anything is read
         limit = getattr(context, "max_message_bytes", self.max_message_bytes)
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
@@ -261,6 +262,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._read_limit(request, context)
         with self.store.locked_values(list(request.names), _sync_step(request),
                                       _deadline(context)) as values:
+            if T.read_as(request.value_dtype) is not None:   # converted under the locks
+                values = [(name, version, T.as_float16(arr)) for name, version, arr in values]
             return wire.encode_read_reply(values, getattr(context, "reply_buffer", None))
 
     def bulk_push(self, raw: bytes, context):
@@ -273,10 +276,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _read(self, request, context=None):
         limit = self._read_limit(request, context)
+        half = T.read_as(request.value_dtype) is not None
         step, deadline = _sync_step(request), _deadline(context)
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:
             dtype, shape, version, data = self.store.read_bytes(name, step, deadline)
+            if half:
+                arr = T.as_float16(np.frombuffer(data, T.check_dtype(dtype)))
+                dtype, data = T.dtype_name(arr.dtype), arr.tobytes()
             total += len(data)
             if total > limit:   # a concurrent re-create grew it
                 raise ResourceExhausted(
@@ -293,9 +300,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def ReadStream(self, request, context):
         step = self.chunk_bytes
+        half = T.read_as(request.value_dtype) is not None
         sync_step, deadline = _sync_step(request), _deadline(context)
         for name in request.names:
             version, arr = self.store.snapshot(name, sync_step, deadline)
+            if half:
+                arr = T.as_float16(arr)
             flat = memoryview(arr.reshape(-1).view(np.uint8))
             yield ps_pb2.ReadFrame(value=ps_pb2.VariableValue(
                 name=name, version=version,

@@ -31,6 +31,7 @@ import numpy as np
 from psserver import optimizers as optim
 from psserver import replication as R
 from psserver import sync as S
+from psserver import tensor as T
 from psserver.contract import Initializer, VariableMeta  # noqa: F401
 from psserver.contract import (AlreadyExists, InvalidArgument, NotFound, NotPrimary,
                                ResourceExhausted)
@@ -535,6 +536,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         for name, grad, *uid in dense:
             var = self._get(name)
             var.check_primary()
+            if grad.dtype == np.float16 and var.value.dtype in (np.float32, np.float64):
+                # compressed on the wire: applied (and replicated) in the variable's dtype
+                grad = T.widen_float16(grad, var.value.dtype).reshape(grad.shape)
             self._check_grad(var, grad, var.value.shape, "gradient")
             checked.append((var, grad, uid[0] if uid else 0))
         sparse_checked = [(*self._check_sparse(name, ids, rows), uid)

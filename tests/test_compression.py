@@ -208,3 +208,179 @@ def test_fp16_sends_half_the_bytes_on_the_wire(start_ps, monkeypatch, transport)
         V.close_clients()
     assert plain >= g.nbytes and 0.45 * plain < fp16 < 0.55 * plain, (plain, fp16)
     np.testing.assert_allclose(w.read(), np.full((1000, 16), -0.01, np.float32))   # both applied
+
+
+# -- reads as float16 (ReadRequest.value_dtype) ---------------------------------------
+def _client_as(monkeypatch, address, path):
+    """A PSClient that reads over ``path``: "same host" (shared memory), "data"
+    (the data port, as between hosts) or "grpc"."""
+    from psserver.client import PSClient
+    monkeypatch.setenv("PSTRAIN_SHM", "1" if path == "same host" else "0")
+    monkeypatch.setenv("PSTRAIN_DATA", "0" if path == "grpc" else "1")
+    return PSClient(address)
+
+
+@pytest.mark.timeout(60)
+def test_float16_reads_give_the_same_numbers_on_every_path(start_ps, monkeypatch):
+    """Values read with value_dtype="float16" are the variable rounded to
+    float16 (clipped to +-65504), bit for bit the same whether the server sent
+    float16 (gRPC, the data port, a stream) or this host rounded them (shared
+    memory); the variable itself is untouched."""
+    from psserver import tensor as T
+    from psserver.client import PSClient
+    ps = start_ps()
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal((300, 7)).astype(np.float32) * 3
+    small[0, :3] = [1e6, -7e4, 1e-9]              # clipped, clipped, flushed to zero
+    big = rng.standard_normal((1 << 20) + 3).astype(np.float32)   # over a gRPC message
+    wide = rng.standard_normal(10) * 1e3                      # float64: a quarter of the bytes
+    half = rng.standard_normal(10).astype(np.float16)         # already float16: as it is
+    with PSClient(ps.address) as c:
+        for name, v in (("small", small), ("big", big), ("wide", wide), ("half", half)):
+            c.create_variable(name, initial_value=v)
+    want = {"small": T.as_float16(small), "big": T.as_float16(big),
+            "wide": T.as_float16(wide), "half": half}
+    assert want["small"].dtype == np.float16 and want["small"][0, 0] == 65504
+    assert want["small"][0, 1] == -65504 and want["small"][0, 2] == 0
+    for path in ("same host", "data", "grpc"):
+        with _client_as(monkeypatch, ps.address, path) as c:
+            c.stream_threshold_bytes = 1 << 20   # "big" goes as a stream over gRPC
+            for names in (["small", "wide", "half"], ["big"]):
+                snaps = c.read_many(names, value_dtype="float16")
+                for s in snaps:
+                    np.testing.assert_array_equal(s.value, want[s.name], err_msg=path)
+                    assert s.value.dtype == want[s.name].dtype, (path, s.name)
+                out = [np.full(want[n].shape, np.nan, np.float64 if n == "wide" else
+                               np.float16 if n == "half" else np.float32) for n in names]
+                got = c.read_many_async(names, value_dtype="float16", out=out).result()
+                for s, o in zip(got, out):
+                    assert s.value is o, (path, s.name)   # into the caller's float32 array
+                    np.testing.assert_array_equal(o, want[s.name].astype(o.dtype), err_msg=path)
+            np.testing.assert_array_equal(c.read("small"), small)   # the variable as it was
+            np.testing.assert_array_equal(c.read("big"), big)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["grpc", "data"])
+def test_float16_reads_send_half_the_bytes(start_ps, monkeypatch, transport):
+    """What the server sent, counted by its metrics: a float16 read of a float32
+    variable carries about half the bytes of the plain read."""
+    from test_metrics import metrics_address, scrape
+    ps = start_ps("--metrics-port", "0")
+    m = metrics_address(ps)
+    value = np.random.default_rng(1).standard_normal((1000, 16)).astype(np.float32)
+    with _client_as(monkeypatch, ps.address, transport) as c:
+        c.create_variable("w", initial_value=value)
+
+        def sent() -> float:
+            return scrape(m).total("grpc_server_sent_bytes_total",
+                                   grpc_service="pstrain.v1.ParameterServerBulk",
+                                   grpc_method="Read")
+        start = sent()
+        c.read_many(["w"])
+        plain = sent() - start
+        c.read_many(["w"], value_dtype="float16")
+        half = sent() - start - plain
+    assert plain >= value.nbytes and 0.45 * plain < half < 0.55 * plain, (plain, half)
+
+
+@pytest.mark.timeout(60)
+def test_a_read_asking_for_another_dtype_is_refused_on_every_transport(start_ps):
+    """value_dtype other than "" or "float16": INVALID_ARGUMENT naming the
+    field, on every transport and on the stream, before anything is read."""
+    import grpc
+
+    from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+    from psserver import methods
+    from psserver.client import PSClient
+    from tests.test_transport import _transports
+    ps = start_ps()
+    with PSClient(ps.address) as c:
+        c.create_variable("w", initial_value=np.ones(4, np.float32))
+    for bad in ("int8", "float32", "Float16", "\u00e9"):
+        req = ps_pb2.ReadRequest(names=["w"], value_dtype=bad)
+        transports = _transports(ps)
+        try:
+            for t in transports:
+                for method in (methods.READ, methods.BULK_READ):
+                    if method is methods.READ and t.__class__.__name__ != "GrpcTransport":
+                        continue
+                    with pytest.raises(InvalidArgument, match="value_dtype"):
+                        t.call(method, req, 10.0)
+        finally:
+            for t in transports:
+                t.close()
+        with grpc.insecure_channel(ps.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(ps_pb2_grpc.ParameterServerStub(ch).ReadStream(req, timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            assert "value_dtype" in e.value.details()
+    with PSClient(ps.address) as c:
+        np.testing.assert_array_equal(c.read("w"), np.ones(4, np.float32))
+        with pytest.raises(InvalidArgument, match="value_dtype"):
+            c.read_many(["w"], value_dtype="int8")
+
+
+def test_read_compression_is_checked_where_it_is_given(cluster):
+    from coordinator import ParameterServerStrategy, read_variables
+    with pytest.raises(ValueError, match="fp16"):
+        ParameterServerStrategy(cluster.spec, read_compression="int8")
+    s = ParameterServerStrategy(cluster.spec, read_compression="fp16")
+    assert s.read_compression_spec == "fp16"
+    assert ParameterServerStrategy(cluster.spec).read_compression_spec is None
+    t = s.create_variable("rc/t", (10, 4), optimizer="sgd")
+    try:
+        with pytest.raises(ValueError, match="lookups"):
+            read_variables([t, t.lookup([1, 2])], compression="fp16")
+        with pytest.raises(ValueError, match="fp16"):
+            read_variables([t], compression=C.BF16())
+    finally:
+        s.delete_variable(t)
+
+
+@pytest.mark.timeout(180)
+def test_digits_fp16_reads_and_pushes_end_to_end(cluster):
+    """Weights read as float16 and gradients pushed as float16 across the
+    cluster's workers: digits still reaches 0.90."""
+    from bench.bench_compression import train_digits
+    r = train_digits(cluster.spec, "fp16", read_compression="fp16", name="t_fp16r",
+                     epochs=4, steps_per_epoch=50)
+    assert r["test_accuracy"] >= 0.90, r["test_accuracy"]
+
+
+def test_float16_rounding_is_numpys_for_every_float16_bit_pattern_and_beyond():
+    """psserver.tensor.as_float16 (by hand below 2**-14, where numpy is slow)
+    gives numpy's astype(float16) bits for every value a float16 can hold,
+    the midpoints between them, random float32/float64 values of every
+    magnitude, and clips what is beyond +-65504."""
+    from psserver import tensor as T
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    h = h[np.isfinite(h)]
+    exact = h.astype(np.float32)
+    ordered = np.sort(exact)
+    mids = (ordered[:-1].astype(np.float64) + ordered[1:]) / 2   # ties: to even
+    rng = np.random.default_rng(0)
+    rand = rng.standard_normal(200_000) * 10.0 ** rng.uniform(-12, 5, 200_000)
+    for values in (exact, mids, mids.astype(np.float32), rand, rand.astype(np.float32)):
+        values = values[np.abs(values) <= 65504]
+        got = T.as_float16(values)
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got.view(np.uint16),
+                                      values.astype(np.float16).view(np.uint16))
+    big = np.array([7e4, -1e30, np.inf, 1e-30, -2e-8], np.float32)
+    np.testing.assert_array_equal(T.as_float16(big).astype(np.float32),
+                                  [65504, -65504, 65504, 0, -0.0])
+    assert np.signbit(T.as_float16(big)[4])
+    np.testing.assert_array_equal(C.to_fp16(big)[:3].astype(np.float32), [65504, -65504, np.inf])
+
+
+def test_float16_widening_is_exact_for_every_bit_pattern():
+    from psserver import tensor as T
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    for dt in (np.float32, np.float64):
+        got = T.widen_float16(h, dt)
+        assert got.dtype == dt and got.shape == h.shape
+        np.testing.assert_array_equal(got, h.astype(dt))   # NaNs compare equal here
+        out = np.empty((256, 256), dt)
+        assert T.widen_float16(h, dt, out=out) is out
+        np.testing.assert_array_equal(out, h.astype(dt))

@@ -184,14 +184,16 @@ class ListReply(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("names", "max_bytes", "sync")
+    __slots__ = ("names", "max_bytes", "sync", "value_dtype")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
     sync: SyncRead
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ...) -> None: ...
+    value_dtype: str
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ..., value_dtype: _Optional[str] = ...) -> None: ...
 
 class VariableValue(_message.Message):
     __slots__ = ("name", "version", "value")
