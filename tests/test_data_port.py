@@ -446,3 +446,46 @@ def test_tensors_above_the_stream_threshold_go_in_one_data_port_frame(start_ps):
     assert started.get(("pstrain.v1.ParameterServerBulk", "Push", "tcp")) == 2, started
     assert started.get(("pstrain.v1.ParameterServer", "Upload", "client_stream"), 0) == 0
     assert started.get(("pstrain.v1.ParameterServer", "ReadStream", "server_stream")) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_large_receive_waits_in_the_kernel_and_keeps_the_socket_timeout():
+    """A plain TCP receive of 256 KiB or more is one MSG_WAITALL call: all the
+    bytes, in order, whatever pieces they come in; under a socket timeout it
+    still times out (and the socket keeps its timeout, SO_RCVTIMEO cleared);
+    a peer that closes is a ConnectionError."""
+    import socket
+    import struct
+    import threading
+
+    from psserver import ipc
+    srv = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(srv.getsockname())
+    s, _ = srv.accept()
+    try:
+        data = np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8).tobytes()
+
+        def send_in_pieces():
+            for off in range(0, len(data), 100_000):
+                c.sendall(data[off:off + 100_000])
+        for timeout in (None, 10.0):
+            s.settimeout(timeout)
+            t = threading.Thread(target=send_in_pieces)
+            t.start()
+            got = bytearray(len(data))
+            ipc._recv_into(s, memoryview(got))
+            t.join()
+            assert got == data and s.gettimeout() == timeout
+        s.settimeout(0.3)
+        c.sendall(data[:1000])   # far less than asked: the timeout must fire
+        with pytest.raises(socket.timeout):
+            ipc._recv_into(s, memoryview(bytearray(1 << 20)))
+        assert s.gettimeout() == 0.3
+        assert struct.unpack("ll", s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (0, 0)
+        c.close()
+        s.settimeout(5.0)
+        with pytest.raises(ConnectionError):
+            ipc._recv_into(s, memoryview(bytearray(1 << 20)))
+    finally:
+        for x in (c, s, srv):
+            x.close()
