@@ -89,12 +89,21 @@ def as_float16(arr: np.ndarray) -> np.ndarray:
 
     numpy converts a value that lands below float16's smallest normal (2**-14,
     as small gradients do) about 25 times slower than the others (it raises
-    the underflow flag per value); those are rounded here by hand instead:
-    a float16 subnormal is round(|x| * 2**24) units of 2**-24.
+    the underflow flag per value): 90 ms for 4.5 MB of small gradients. A
+    finite float32 array is converted here with integer arithmetic instead
+    (_float32_to_16: the same ~4 ms whatever the values); float64 and arrays
+    with NaN or Inf round their subnormals by hand (round(|x| * 2**24) units
+    of 2**-24) and the rest with numpy.
     """
     arr = np.asarray(arr)
     if arr.dtype.kind != "f" or arr.dtype.itemsize <= 2:
         return arr
+    if arr.dtype == np.float32 and arr.dtype.isnative:
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        with np.errstate(all="ignore"):
+            finite = np.isfinite(np.dot(flat, flat))   # NaN and Inf propagate (variable.py)
+        if finite:
+            return _float32_to_16(flat).reshape(arr.shape)
     mag = np.abs(arr)
     if mag.max(initial=0.0) > FLOAT16_MAX:   # beyond float16's range: clipped
         arr = np.clip(arr, -FLOAT16_MAX, FLOAT16_MAX)
@@ -107,6 +116,33 @@ def as_float16(arr: np.ndarray) -> np.ndarray:
     bits |= np.signbit(small).astype(np.uint16) << 15
     half.view(np.uint16)[tiny] = bits
     return half
+
+
+def _float32_to_16(a: np.ndarray) -> np.ndarray:
+    """Finite 1-D float32 -> float16 clipped to +-65504, round to nearest even,
+    without branches (so without numpy's slow path): normal results by
+    rebiasing the exponent and rounding the mantissa's low 13 bits; results
+    below 2**-14 by adding 0.5 in float32 (which rounds at 2**-24, float16's
+    subnormal unit); each element takes one of the two by arithmetic."""
+    u = np.uint32
+    bits = a.view(u)
+    x = bits & u(0x7FFFFFFF)                       # |a|
+    np.minimum(x, u(0x477FE000), out=x)            # clipped to 65504 (ordered as integers)
+    n = x >> u(13)
+    n &= u(1)                                      # the last kept mantissa bit: ties to even
+    n += x
+    n += u(0xC8000FFF)                             # exponent 127 -> 15 bias, + half a unit - 1
+    n >>= u(13)                                    # float16 bits if normal
+    sub = (x.view(np.float32) + np.float32(0.5)).view(u)
+    sub -= u(0x3F000000)                           # float16 bits if below 2**-14
+    tiny = (x < u(0x38800000)).view(np.uint8).astype(u)   # |a| < 2**-14
+    sub -= n
+    sub *= tiny
+    n += sub                                       # n, or sub where tiny
+    sign = bits >> u(16)
+    sign &= u(0x8000)
+    n |= sign
+    return n.astype(np.uint16).view(np.float16)
 
 
 _WIDE: dict = {}   # dtype -> the value of every float16 bit pattern in it (65536 of them)

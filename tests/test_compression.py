@@ -371,6 +371,11 @@ def test_float16_rounding_is_numpys_for_every_float16_bit_pattern_and_beyond():
     np.testing.assert_array_equal(T.as_float16(big).astype(np.float32),
                                   [65504, -65504, 65504, 0, -0.0])
     assert np.signbit(T.as_float16(big)[4])
+    finite = np.array([7e4, -1e30, 65519, 65520, -2e-8, 3e-8, -0.0], np.float32)   # fast path
+    got = T.as_float16(finite)
+    np.testing.assert_array_equal(got.astype(np.float32),
+                                  [65504, -65504, 65504, 65504, -0.0, 2.0 ** -24, -0.0])
+    assert np.signbit(got[[4, 6]]).all() and got.dtype == np.float16
     np.testing.assert_array_equal(C.to_fp16(big)[:3].astype(np.float32), [65504, -65504, np.inf])
 
 
