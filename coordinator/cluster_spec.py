@@ -18,28 +18,16 @@ import os
 import threading
 from typing import Any, Mapping
 
+from psserver import tf_config
 from psserver.server import TOKEN_ENV
+from psserver.tf_config import (  # noqa: F401  (re-exported: they were defined here)
+    TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError, TaskId)
 
-TF_CONFIG_ENV = "TF_CONFIG"
-#: Alternative to TF_CONFIG: a path to a file holding the same JSON. The file
-#: is read again on each cluster_spec() call, so workers can be added to it.
-TF_CONFIG_FILE_ENV = "TF_CONFIG_FILE"
-
-ROLES = ("chief", "ps", "worker")
-
-
-class ClusterConfigError(ValueError):
-    """The cluster description is missing or malformed."""
+ROLES = tf_config.JOBS
 
 
 class NoClusterDescription(ClusterConfigError):
     """Neither TF_CONFIG nor TF_CONFIG_FILE is set."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskId:
-    type: str
-    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +46,7 @@ class ClusterSpec:
 
     def __post_init__(self):
         for role in ROLES:
-            addrs = getattr(self, role)
-            if isinstance(addrs, str):
-                raise ClusterConfigError(f'cluster "{role}" must be a list of "host:port", got a string')
-            object.__setattr__(self, role, tuple(addrs))
-            for a in addrs:
-                if not isinstance(a, str) or ":" not in a:
-                    raise ClusterConfigError(f'bad {role} address {a!r}: expected "host:port"')
+            object.__setattr__(self, role, tf_config.job_addresses(role, getattr(self, role)))
 
     def cluster_spec(self) -> "ClusterSpec":
         """A spec is its own (static) resolver."""
@@ -96,28 +78,9 @@ class ClusterSpec:
 
 
 def parse_tf_config(text: str) -> tuple[ClusterSpec, TaskId | None]:
-    """(cluster spec, this task) from TF_CONFIG JSON text."""
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ClusterConfigError(f"TF_CONFIG is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("cluster"), dict):
-        raise ClusterConfigError('TF_CONFIG needs a "cluster" object: '
-                                 '{"cluster": {"ps": [...], "worker": [...]}, "task": {...}}')
-    spec = ClusterSpec.from_dict(cfg["cluster"], token=os.environ.get(TOKEN_ENV) or None)
-    task = None
-    if cfg.get("task"):
-        t = cfg["task"]
-        try:
-            task = TaskId(str(t["type"]), int(t.get("index", 0)))
-        except (KeyError, TypeError, ValueError):
-            raise ClusterConfigError(f'bad TF_CONFIG "task" {t!r}: expected {{"type": ..., "index": N}}') from None
-        addrs = getattr(spec, task.type, None) if task.type in ROLES else None
-        if addrs is not None and not 0 <= task.index < len(addrs):
-            raise ClusterConfigError(
-                f"TF_CONFIG task {task.type}:{task.index} is not in the cluster's "
-                f"{len(addrs)} {task.type} addresses")
-    return spec, task
+    """(cluster spec, this task) from TF_CONFIG JSON text (psserver/tf_config.py)."""
+    cluster, task = tf_config.parse(text)
+    return ClusterSpec.from_dict(cluster, token=os.environ.get(TOKEN_ENV) or None), task
 
 
 class TFConfigClusterResolver:

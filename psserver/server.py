@@ -4,6 +4,12 @@ The ``psserver`` command (and ``python -m psserver``)::
 
     psserver --port 0 --port-file /tmp/ps0.port      # prints "psserver listening on 127.0.0.1:PORT"
     psserver --port 0 --metrics-port 0   # also serves metrics: "psserver metrics on 127.0.0.1:PORT"
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 1}}' psserver --host 0.0.0.0
+
+Under TF_CONFIG (or TF_CONFIG_FILE) the server binds the port of its own
+entry in the cluster unless ``--port`` says otherwise, as psworker does
+(psserver/tf_config.py); the address it binds stays ``--host``'s. A "task"
+that is not a ps task, or not in the cluster, is an error (exit 2).
 
 On SIGTERM or SIGINT the server reports NOT_SERVING on the health service,
 stops taking new calls, lets the calls in flight finish (up to --grace
@@ -26,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import ipc, ipc_server, methods, metrics, rpc, shm
+from psserver import ipc, ipc_server, methods, metrics, rpc, shm, tf_config
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
@@ -325,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="psserver", description="Run one parameter-server task.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 or [::] listens on all interfaces)")
-    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port to bind; 0 picks a free one (default: this task's TF_CONFIG "
+                        "entry, else 0)")
     add_data_port_argument(p)
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     p.add_argument("--grace", type=float, default=5.0,
@@ -480,7 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s psserver %(levelname)s %(message)s")
-    address = join_host_port(args.host, args.port)
+    try:
+        port = args.port if args.port is not None else tf_config.task_port("ps", "psserver")
+    except tf_config.ClusterConfigError as exc:
+        print(f"psserver: {exc}", file=sys.stderr)
+        return 2
+    address = join_host_port(args.host, port)
     token = os.environ.get(TOKEN_ENV) or None
     try:
         check_auth(args, "psserver", token)

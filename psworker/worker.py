@@ -7,7 +7,8 @@ The ``psworker`` command (and ``python -m psworker``)::
     TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 1}}' psworker --host 0.0.0.0
 
 Under TF_CONFIG (or TF_CONFIG_FILE) the worker binds the port of its own
-entry in the cluster unless ``--port`` says otherwise. The auth token comes
+entry in the cluster unless ``--port`` says otherwise; a "task" that is not
+a worker, or not in the cluster, is an error (exit 2). The auth token comes
 from ``$PSTRAIN_AUTH_TOKEN``; without one the worker refuses functions sent
 by value (see coordinator.serialization). A step function runs in this
 process: it reads and pushes variables through this process's connections to
@@ -27,9 +28,9 @@ import uuid
 from coordinator import datasets, serialization
 from coordinator.replica import replica_scope
 from psserver.contract import SyncSpec
-from coordinator.cluster_spec import ClusterConfigError, TFConfigClusterResolver
+from coordinator.cluster_spec import ClusterConfigError
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc, ipc_server, methods, routing, rpc
+from psserver import ipc, ipc_server, methods, routing, rpc, tf_config
 from psserver import metrics as M
 from psserver import tls as TLS
 from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, InvalidArgument,
@@ -186,23 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _port_from_tf_config() -> int:
-    try:
-        resolver = TFConfigClusterResolver()
-    except ClusterConfigError:
-        return 0
-    task = resolver.task()
-    if task is None or task.type != "worker":
-        return 0
-    return int(resolver.cluster_spec().worker[task.index].rsplit(":", 1)[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s psworker %(levelname)s %(message)s")
     try:
-        port = args.port if args.port is not None else _port_from_tf_config()
+        port = args.port if args.port is not None else tf_config.task_port("worker", "psworker")
     except ClusterConfigError as exc:
         print(f"psworker: {exc}", file=sys.stderr)
         return 2

@@ -1,15 +1,18 @@
-"""TF_CONFIG parsing (pure logic) and a worker that takes its port from TF_CONFIG."""
+"""TF_CONFIG parsing (pure logic), and tasks that take their port from TF_CONFIG."""
 from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from coordinator.cluster_spec import (ClusterConfigError, ClusterSpec, TFConfigClusterResolver,
                                       TaskId, parse_tf_config)
 from coordinator.strategy import ParameterServerStrategy
-from psserver.process import start_task
+from psserver import tf_config
+from psserver.process import child_env, start_task
 
 CFG = {"cluster": {"chief": ["c:1"], "ps": ["p0:2", "p1:2"], "worker": ["w0:3", "w1:3", "w2:3"]},
        "task": {"type": "worker", "index": 2}}
@@ -75,3 +78,69 @@ def test_worker_binds_the_port_of_its_tf_config_entry():
         assert w.address == f"127.0.0.1:{port}"
     finally:
         w.kill()
+
+
+@pytest.mark.timeout(60)
+def test_ps_binds_the_port_of_its_tf_config_entry():
+    port = _free_port()
+    cfg = {"cluster": {"ps": ["127.0.0.1:1", f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"]},
+           "task": {"type": "ps", "index": 1}}
+    ps = start_task("psserver", [], env={"TF_CONFIG": json.dumps(cfg)})
+    try:
+        assert ps.address == f"127.0.0.1:{port}"
+    finally:
+        ps.kill()
+
+
+@pytest.mark.timeout(60)
+def test_an_explicit_port_wins_over_tf_config():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))   # the TF_CONFIG entry's port cannot be bound
+    try:
+        cfg = {"cluster": {"ps": [f"127.0.0.1:{taken.getsockname()[1]}"]},
+               "task": {"type": "ps", "index": 0}}
+        ps = start_task("psserver", ["--port", "0"], env={"TF_CONFIG": json.dumps(cfg)})
+        try:
+            assert ps.address != f"127.0.0.1:{taken.getsockname()[1]}"
+        finally:
+            ps.kill()
+    finally:
+        taken.close()
+
+
+@pytest.mark.parametrize("task, match", [
+    ({"type": "worker", "index": 0},
+     r'the task in TF_CONFIG is worker:0, but psserver runs a "ps" task: make it '
+     r'\{"type": "ps", "index": N\}'),
+    ({"type": "ps", "index": 2}, "TF_CONFIG task ps:2 is not in the cluster's 2 ps addresses"),
+])
+def test_task_port_explains_a_tf_config_for_another_task(task, match):
+    cfg = {"cluster": {"ps": ["a:1", "b:2"], "worker": ["c:3"]}, "task": task}
+    with pytest.raises(ClusterConfigError, match=match):
+        tf_config.task_port("ps", "psserver", {"TF_CONFIG": json.dumps(cfg)})
+
+
+def test_task_port_without_a_task_is_a_free_port():
+    assert tf_config.task_port("ps", "psserver", {}) == 0
+    assert tf_config.task_port("ps", "psserver",
+                               {"TF_CONFIG": json.dumps({"cluster": CFG["cluster"]})}) == 0
+    assert tf_config.task_port("ps", "psserver",
+                               {"TF_CONFIG": json.dumps({**CFG, "task": {"type": "ps",
+                                                                         "index": 1}})}) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module, task, match", [
+    ("psserver", {"type": "worker", "index": 0}, 'psserver runs a "ps" task'),
+    ("psserver", {"type": "ps", "index": 5}, "ps:5 is not in the cluster's 1 ps addresses"),
+    ("psworker", {"type": "ps", "index": 0}, 'psworker runs a "worker" task'),
+])
+def test_a_task_given_another_tasks_tf_config_exits_2(module, task, match):
+    cfg = {"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "task": task}
+    env = child_env({"TF_CONFIG": json.dumps(cfg)})
+    env.pop("TF_CONFIG_FILE", None)
+    out = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True,
+                         text=True, timeout=50, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2, out.stderr
+    assert match in out.stderr and f"{module}: " in out.stderr
+    assert "Traceback" not in out.stderr
