@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from concurrent import futures
@@ -32,7 +33,7 @@ from psserver.transport import GrpcTransport, Pending, SocketTransport
 from psserver.tls import TLSConfig, make_channel
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD, PSError,
-                               Unavailable, call_metadata)
+                               TOKEN_ENV, Unavailable, call_metadata)
 from psserver.errors import from_rpc_error
 from psserver.server import grpc_options
 
@@ -75,6 +76,8 @@ class ServerChannel:
                  shared_memory: bool = True,
                  data_port: bool = True):
         self.address = address
+        # As ParameterServerStrategy and the tasks: no token given is the cluster's.
+        token = token or os.environ.get(TOKEN_ENV) or None
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         # A frame must fit in one message, whatever the two options say.

@@ -49,7 +49,9 @@ class PSClient(SharedMemoryPath, ServerChannel):
     """Client of the parameter server at ``address`` ("host:port").
 
     Args:
-      token: the cluster's auth token, sent on every call (None: no token).
+      token: the cluster's auth token, sent on every call. None (or ""):
+        ``$PSTRAIN_AUTH_TOKEN`` when it is set, as ParameterServerStrategy
+        and the tasks take it; else no token.
       tls: a TLSConfig to connect with TLS (its CA to trust the server; its
         certificate and key for mutual TLS). None: plaintext.
       timeout: deadline in seconds of each call (None: no deadline).

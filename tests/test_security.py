@@ -34,7 +34,8 @@ def _unchanged(good: PSClient) -> None:
 
 
 @pytest.mark.parametrize("token", [None, "wrong", TOKEN + " "])
-def test_missing_or_wrong_token_is_refused(secured, token):
+def test_missing_or_wrong_token_is_refused(secured, token, monkeypatch):
+    monkeypatch.delenv("PSTRAIN_AUTH_TOKEN", raising=False)   # else token=None takes it
     ps, tls, good = secured
     with PSClient(ps.address, token=token, tls=tls, timeout=10) as c:
         with pytest.raises(Unauthenticated, match="token"):
@@ -42,6 +43,18 @@ def test_missing_or_wrong_token_is_refused(secured, token):
         with pytest.raises(Unauthenticated):
             c.read("w")
     _unchanged(good)
+
+
+def test_client_without_a_token_takes_the_environments(start_ps, monkeypatch):
+    ps = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN})
+    monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", TOKEN)
+    with PSClient(ps.address, timeout=10) as c:
+        c.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+        np.testing.assert_array_equal(c.read("w"), np.arange(4, dtype=np.float32))
+    monkeypatch.delenv("PSTRAIN_AUTH_TOKEN")
+    with PSClient(ps.address, timeout=10) as c:
+        with pytest.raises(Unauthenticated, match="PSTRAIN_AUTH_TOKEN"):
+            c.read("w")
 
 
 def test_client_that_does_not_trust_the_server_certificate_is_refused(secured, tmp_path):
