@@ -34,6 +34,18 @@ class NoClusterDescription(ClusterConfigError):
 class ClusterSpec:
     """Addresses of each role. ``token`` is the shared auth token, if any.
 
+    Built as ``tf.train.ClusterSpec`` is, from a dict of job name to the
+    job's addresses, or role by role; a job's addresses are a list (task i
+    at position i) or a dict of task index to address, numbered 0, 1, 2, ...
+    without gaps::
+
+        ClusterSpec({"ps": ["h0:2222", "h1:2222"], "worker": ["h2:2222"]})
+        ClusterSpec({"ps": {0: "h0:2222", 1: "h1:2222"}, "worker": ["h2:2222"]})
+        ClusterSpec(ps=["h0:2222", "h1:2222"], worker=["h2:2222"])
+        ClusterSpec(other_spec)   # a copy (with its token and TLS unless given)
+
+    Raises ClusterConfigError saying what is malformed.
+
     The token never appears in ``as_dict()``/TF_CONFIG: deployments pass it in
     the ``PSTRAIN_AUTH_TOKEN`` environment variable (a Kubernetes Secret).
     ``tls`` likewise (``PSTRAIN_TLS_*``).
@@ -45,6 +57,21 @@ class ClusterSpec:
     tls: Any = dataclasses.field(default=None, repr=False, compare=False)   # psserver.tls.TLSConfig
 
     def __post_init__(self):
+        cluster = self.ps   # the first argument: the whole cluster, or only "ps"
+        if isinstance(cluster, ClusterSpec):
+            object.__setattr__(self, "token", self.token or cluster.token)
+            object.__setattr__(self, "tls", self.tls or cluster.tls)
+            cluster = cluster.as_dict()
+        elif not (isinstance(cluster, Mapping) and tf_config.is_cluster(cluster)):
+            cluster = None
+        if cluster is not None:
+            if self.worker or self.chief:
+                raise ClusterConfigError(
+                    "give the cluster either as one dict ({\"ps\": [...], \"worker\": [...]}) "
+                    "or as ps=, worker=, chief=, not both")
+            _check_roles(cluster)
+            for role in ROLES:
+                object.__setattr__(self, role, cluster.get(role, ()))
         for role in ROLES:
             object.__setattr__(self, role, tf_config.job_addresses(role, getattr(self, role)))
 
@@ -69,12 +96,17 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, cluster: Mapping[str, Any], token: str | None = None) -> "ClusterSpec":
-        unknown = set(cluster) - set(ROLES) - {"evaluator"}
-        if unknown:
-            raise ClusterConfigError(
-                f"unknown roles {sorted(unknown)} in cluster; use {list(ROLES)}")
+        """As ``ClusterSpec(cluster, token=token)``; also for an empty dict."""
+        _check_roles(cluster)
         return cls(ps=cluster.get("ps", ()), worker=cluster.get("worker", ()),
                    chief=cluster.get("chief", ()), token=token)
+
+
+def _check_roles(cluster: Mapping[str, Any]) -> None:
+    unknown = set(cluster) - set(ROLES) - {"evaluator"}   # TensorFlow's evaluator: ignored
+    if unknown:
+        raise ClusterConfigError(
+            f"unknown roles {sorted(map(str, unknown))} in cluster; use {list(ROLES)}")
 
 
 def parse_tf_config(text: str) -> tuple[ClusterSpec, TaskId | None]:

@@ -41,6 +41,33 @@ def test_bad_tf_config_is_explained(text, match):
         parse_tf_config(text)
 
 
+def test_cluster_spec_takes_tensorflows_dict_of_jobs():
+    want = ClusterSpec(ps=["p0:2", "p1:2"], worker=["w0:3"], chief=["c:1"])
+    assert ClusterSpec({"ps": ["p0:2", "p1:2"], "worker": ["w0:3"], "chief": ["c:1"]}) == want
+    assert ClusterSpec({"ps": {1: "p1:2", 0: "p0:2"}, "worker": {"0": "w0:3"},
+                        "chief": ["c:1"]}) == want
+    assert ClusterSpec(ps={0: "p0:2", 1: "p1:2"}, worker=["w0:3"], chief=["c:1"]) == want
+    assert ClusterSpec(want.as_dict()) == want
+    copy = ClusterSpec(ClusterSpec({"ps": ["p0:2"]}, token="t"))
+    assert copy.ps == ("p0:2",) and copy.token == "t"
+    assert ClusterSpec({"ps": ["p0:2"], "evaluator": ["e:4"]}).as_dict() == {"ps": ["p0:2"]}
+    spec, _ = parse_tf_config(json.dumps({"cluster": {"ps": {"0": "p0:2", "1": "p1:2"}}}))
+    assert spec.ps == ("p0:2", "p1:2")
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (({"ps": ["a:1"], "gpu": ["b:1"]},), {}, "unknown roles"),
+    (({"ps": ["a:1"]},), {"worker": ["w:1"]}, "either as one dict"),
+    (({"ps": {0: "a:1", 2: "b:1"}},), {}, "no task 1"),
+    (({"ps": {"first": "a:1"}, "worker": []},), {}, "task index 'first' is not a number"),
+    (({"ps": "a:1"},), {}, "must be a list"),
+    (({"ps": ["nohostport"]},), {}, "host:port"),
+])
+def test_cluster_spec_dict_errors_say_what_to_write(args, kwargs, match):
+    with pytest.raises(ClusterConfigError, match=match):
+        ClusterSpec(*args, **kwargs)
+
+
 def test_resolver_rereads_a_file(tmp_path):
     path = tmp_path / "tf_config.json"
     path.write_text(json.dumps(CFG))
