@@ -22,7 +22,18 @@ from protos.pstrain.v1 import worker_pb2
 
 
 class FunctionImportError(ImportError):
-    """A step function sent by reference cannot be imported on the worker."""
+    """A step function sent by reference, or a module that a function or the
+    arguments sent by value refer to, cannot be imported on the worker."""
+
+
+def not_importable(exc: ModuleNotFoundError, worker: str, needed_by: str) -> FunctionImportError:
+    """What a worker says when a module that ``needed_by`` needs is missing
+    there (``exc``, raised while importing or unpickling)."""
+    module = exc.name or str(exc)
+    return FunctionImportError(
+        f"module {module!r} is not importable on worker {worker} ({needed_by} needs it): "
+        "install the package there or add its directory to PYTHONPATH (workers need the "
+        "coordinator's code, in the same versions)")
 
 
 def qualified_name(fn: Callable) -> str | None:
@@ -50,13 +61,17 @@ def encode_function(fn: Callable, by_value: bool | None = None) -> worker_pb2.Fu
     return worker_pb2.FunctionRef(pickled=cloudpickle.dumps(fn))
 
 
-def import_function(name: str) -> Callable:
+def import_function(name: str, worker: str = "(this one)") -> Callable:
+    """The function ``"module:qualname"`` names, imported on this worker (its
+    address: ``worker``). Raises FunctionImportError saying what to install."""
     module, _, qualname = name.partition(":")
     try:
         obj: Any = importlib.import_module(module)
+    except ModuleNotFoundError as exc:   # the module, or one it imports
+        raise not_importable(exc, worker, f"step function {name!r}") from None
     except Exception as exc:
         raise FunctionImportError(
-            f"cannot import module {module!r} for step function {name!r} on this worker: "
+            f"cannot import module {module!r} for step function {name!r} on worker {worker}: "
             f"{type(exc).__name__}: {exc}. Install the same code on the workers (or put it "
             "on their PYTHONPATH), or define the function in your main script so it is "
             "sent by value") from None
@@ -68,6 +83,16 @@ def import_function(name: str) -> Callable:
             f"module {module!r} on this worker has no {qualname!r}: the worker runs "
             "different code than the coordinator; deploy the same version") from None
     return obj
+
+
+def load_function(data: bytes, worker: str = "(this one)") -> Callable:
+    """A function sent by value (cloudpickled). Raises FunctionImportError
+    when a module it refers to (by reference: its helpers, classes, the
+    module it was defined in) is missing on this worker."""
+    try:
+        return pickle.loads(data)
+    except ModuleNotFoundError as exc:
+        raise not_importable(exc, worker, "the function sent by value") from None
 
 
 def dumps(obj: Any) -> bytes:

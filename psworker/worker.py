@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -64,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker_id = uuid.uuid4().hex
         self.ipc_socket = ""   # set by main when it serves psserver/ipc.py
         self.data_port = 0     # likewise, its data port
+        self.address = "(this one)"   # and where it listens, for error messages
         self._count = 0
         self._count_lock = threading.Lock()
 
@@ -77,12 +79,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         kind = ref.WhichOneof("kind")
         if kind == "qualified_name":
             try:
-                return serialization.import_function(ref.qualified_name)
+                return serialization.import_function(ref.qualified_name, self.address)
             except serialization.FunctionImportError as exc:
                 raise FailedPrecondition(str(exc)) from None
         if kind == "pickled":
             try:
-                return serialization.loads(ref.pickled, trusted=True)
+                return serialization.load_function(ref.pickled, self.address)
+            except serialization.FunctionImportError as exc:
+                raise FailedPrecondition(str(exc)) from None
             except Exception as exc:
                 raise FailedPrecondition(
                     f"cannot unpickle the function on this worker: "
@@ -124,6 +128,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         fn = self._function(request.fn, context)
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)
+        except ModuleNotFoundError as exc:
+            raise FailedPrecondition(str(serialization.not_importable(
+                exc, self.address, "the closure's arguments"))) from None
         except Exception as exc:
             raise InvalidArgument(
                 f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}") from None
@@ -187,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _named_host(host: str) -> str:
+    """``host``, or this machine's name where it binds every interface
+    (which says nothing to a person reading an error on the coordinator)."""
+    return socket.gethostname() if host.strip("[]") in ("", "0.0.0.0", "::") else host
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
               "for a free one", file=sys.stderr)
         return 2
+    handle.servicer.address = join_host_port(_named_host(args.host), handle.port)
     closures = methods.socket_handlers({methods.WORKER: handle.servicer}, shm=False)
     identity = f"{PROTOCOL_VERSION}:{handle.servicer.worker_id}"
     if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import grpc
 import numpy as np
@@ -122,10 +123,48 @@ def test_unimportable_step_function_names_the_module(coord):
         rv = coord.schedule(add, args=(1, 2))
         with pytest.raises(WorkerCallError, match="no_such_module_xyz"):
             coord.join()
-        with pytest.raises(WorkerCallError, match="cannot import module"):
+        with pytest.raises(WorkerCallError, match="'no_such_module_xyz' is not importable"):
             rv.fetch()
     finally:
         del coord._fn_refs[add]
+
+
+_ONLY_HERE = """
+def helper(x):
+    return x + 1
+
+
+def step(x):
+    return helper(x)
+
+
+def make_step():
+    def step(x):
+        return helper(x)
+    return step
+"""
+
+
+def test_a_module_the_worker_lacks_is_named_with_what_to_do(tmp_path, monkeypatch):
+    with LocalCluster(num_ps=1, num_workers=1) as one, \
+            ClusterCoordinator(ParameterServerStrategy(one.spec)) as coord:
+        (tmp_path / "pstrain_only_here.py").write_text(_ONLY_HERE)
+        monkeypatch.syspath_prepend(str(tmp_path))   # after the worker started: not on its path
+        import pstrain_only_here as mod
+        try:
+            worker = one.workers[0].address
+            for fn in (mod.step, mod.make_step()):   # sent by reference, then by value
+                rv = coord.schedule(fn, args=(1,))
+                with pytest.raises(WorkerCallError) as err:
+                    coord.join()
+                assert (f"module 'pstrain_only_here' is not importable on worker {worker} "
+                        in str(err.value))
+                assert "install the package there or add its directory to PYTHONPATH" in str(
+                    err.value)
+                with pytest.raises(WorkerCallError, match="is not importable on worker"):
+                    rv.fetch()
+        finally:
+            sys.modules.pop("pstrain_only_here", None)
 
 
 def test_closure_arguments_that_cannot_be_pickled_fail_at_schedule(coord):
