@@ -226,9 +226,23 @@ def _operator(args) -> int:
         return EXIT_FAILURE
 
 
+#: `coordinator --help`'s text: plain, as a terminal shows it (the module
+#: docstring is reST for the documentation).
+_DESCRIPTION = ("Deployment and operator tools of a pstrain cluster: run a training script "
+                "as its chief, check a task's health, start a pod's task, inspect the "
+                "parameter servers and workers, save, restore and list checkpoints.")
+_EPILOG = (f"The cluster: TF_CONFIG (TensorFlow's JSON) or TF_CONFIG_FILE (a file holding "
+           f"it); operator tools also take --ps / --worker. Auth token: ${TOKEN_ENV}, the "
+           "cluster's shared secret (or --token). TLS: $PSTRAIN_TLS_CERT, $PSTRAIN_TLS_KEY, "
+           "$PSTRAIN_TLS_CA. Exit status: run: 2 for a bad cluster description, 3 when tasks "
+           "do not come up; operator tools: 0 ok, 1 failure, 2 usage or configuration. "
+           "Each command's options: coordinator COMMAND --help.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coordinator", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="coordinator", description=_DESCRIPTION, epilog=_EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="one of these (coordinator COMMAND --help tells more):")
 
     r = sub.add_parser("run", help="run a training script as the chief of the TF_CONFIG cluster")
     r.add_argument("--wait-ready", type=float, default=120.0, metavar="SECONDS",
@@ -241,12 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 
     h = sub.add_parser("health", help="exit 0 if the task at HOST:PORT is SERVING")
-    h.add_argument("address", metavar="HOST:PORT")
+    h.add_argument("address", metavar="HOST:PORT", help="the task (psserver or psworker)")
     h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     h.add_argument("--service", default="", help='health service name (default "": the server)')
 
     t = sub.add_parser("task", help="start this pod's psserver/psworker from the cluster spec")
-    t.add_argument("--type", required=True, choices=sorted(_MODULES))
+    t.add_argument("--type", required=True, choices=sorted(_MODULES),
+                   help="the task to start: ps (psserver) or worker (psworker)")
     t.add_argument("--index", type=int, help="task index (default: the hostname's ordinal)")
     t.add_argument("--hostname", help=argparse.SUPPRESS)
     t.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
@@ -257,12 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = argparse.ArgumentParser(add_help=False)
     cluster.add_argument("--ps", metavar="HOST:PORT,...",
                          help="parameter servers, in order (default: the cluster in TF_CONFIG / "
-                              "TF_CONFIG_FILE, which --ps / --worker replace)")
-    cluster.add_argument("--worker", metavar="HOST:PORT,...", help="workers (ps health)")
+                              "TF_CONFIG_FILE, which is then not read)")
     cluster.add_argument("--token", help=f"auth token (default ${TOKEN_ENV}; prefer the "
                                          "variable: arguments are visible to other users)")
     cluster.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                          help="deadline of each call (default 10; saves get at least 600)")
+    # Only `ps health` looks at workers: --worker is offered there alone.
+    workers = argparse.ArgumentParser(add_help=False)
+    workers.add_argument("--worker", metavar="HOST:PORT,...",
+                         help="workers, in order (default: the cluster's in TF_CONFIG / "
+                              "TF_CONFIG_FILE; none with --ps alone)")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     epilog = ("TLS: $PSTRAIN_TLS_CERT, $PSTRAIN_TLS_KEY, $PSTRAIN_TLS_CA. Exit status: 0 ok, "
@@ -271,14 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="inspect the parameter servers and workers",
                         description="Inspect the cluster's parameter servers and workers.",
                         epilog=epilog)
-    ps_sub = ps.add_subparsers(dest="action", required=True)
+    ps_sub = ps.add_subparsers(dest="action", required=True, metavar="ACTION",
+                               help="what to show")
     ps_sub.add_parser("list", parents=[cluster, as_json], epilog=epilog,
                       help="every variable on every parameter server",
                       description="Every variable on every parameter server: its logical "
                                   "variable and shard (x/part_3 is shard 3 of x), rows, dtype, "
                                   "shape, version, optimizer, bytes of value + slots; "
                                   "per-server totals.")
-    ps_sub.add_parser("health", parents=[cluster, as_json], epilog=epilog,
+    ps_sub.add_parser("health", parents=[cluster, workers, as_json], epilog=epilog,
                       help="gRPC health of every ps and worker, server info of each ps",
                       description="The gRPC health status of every parameter server and "
                                   "worker, and each parameter server's server_info (protocol, "
@@ -287,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("checkpoint", help="save, restore, list checkpoints of the variables",
                         description="Checkpoints of the variables on the parameter servers, in "
                                     "CheckpointManager's format.", epilog=epilog)
-    ck_sub = ck.add_subparsers(dest="action", required=True)
+    ck_sub = ck.add_subparsers(dest="action", required=True, metavar="ACTION",
+                               help="what to do")
     sv = ck_sub.add_parser("save", parents=[cluster, as_json], epilog=epilog,
                            help="have the parameter servers write a checkpoint under DIR",
                            description="Have every parameter server write its shards into a "
@@ -296,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "CheckpointManager writes and restores. DIR must be on "
                                        "storage the parameter servers see at the same path. "
                                        "Prints the checkpoint's path.")
-    sv.add_argument("directory", metavar="DIR")
+    sv.add_argument("directory", metavar="DIR",
+                    help="the checkpoint directory (CheckpointManager's), seen at this path "
+                         "by the parameter servers")
     sv.add_argument("--step", type=int,
                     help="the checkpoint's step (default: the largest shard version, or one "
                          "past DIR's latest checkpoint if that is larger)")
@@ -308,11 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(value, optimizer slots, version) from a checkpoint. "
                                        "The layout must be the same; to reshard, use "
                                        "CheckpointManager.restore in the training program.")
-    rs.add_argument("directory", metavar="DIR")
+    rs.add_argument("directory", metavar="DIR", help="the checkpoint directory")
     rs.add_argument("--path", help="the checkpoint: a ckpt-NNNNNNNN under DIR or a path "
                                    "(default: DIR's latest)")
     ls = ck_sub.add_parser("list", parents=[as_json], help="the checkpoints in DIR")
-    ls.add_argument("directory", metavar="DIR")
+    ls.add_argument("directory", metavar="DIR", help="the checkpoint directory")
     return p
 
 

@@ -158,8 +158,9 @@ def target_from_args(args, environ: Mapping[str, str] = os.environ) -> Target:
         raise ClusterConfigError(f"bad TLS settings (${CERT_ENV}, ${KEY_ENV}, ${CA_ENV}): "
                                  f"{exc}") from None
     token = args.token or environ.get(TOKEN_ENV) or None
-    if args.ps or args.worker:
-        ps, worker = _split_addresses(args.ps, "--ps"), _split_addresses(args.worker, "--worker")
+    workers = getattr(args, "worker", None)   # only `ps health` offers --worker
+    if args.ps or workers:
+        ps, worker = _split_addresses(args.ps, "--ps"), _split_addresses(workers, "--worker")
         source = "--ps" if not worker else "--ps / --worker"
     else:
         try:

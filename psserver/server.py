@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import textwrap
 import threading
 from concurrent import futures
 
@@ -327,8 +328,44 @@ def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = N
     handle.stop(grace)
 
 
+def task_epilog(role: str) -> str:
+    """The end of a task's --help (psserver, psworker): the environment it
+    reads beyond the defaults its options name (docs/configuration.md has all)."""
+    job = "ps" if role == "psserver" else "worker"
+    unset = ("this server listens on loopback only (unless --insecure-no-auth) and any "
+             "user of this machine may read and change every variable" if role == "psserver"
+             else "this worker runs no closures and listens on loopback only (unless "
+             "--insecure-no-auth)")
+    entries = [
+        (TOKEN_ENV, "the cluster's auth token: a shared secret, the same on every task and "
+                    "the coordinator. Every call but health checks must carry it. Unset: "
+                    f"{unset}"),
+        ("TF_CONFIG, TF_CONFIG_FILE", "the cluster in TensorFlow's JSON (or a file holding "
+                                      "it): without --port, this task binds the port of its "
+                                      f'"task" entry, which must be a "{job}" one'),
+    ]
+    lines = ["environment:"]
+    for name, text in entries:
+        lines.append(f"  {name}")
+        lines += textwrap.wrap(text, 76, initial_indent="      ", subsequent_indent="      ")
+    lines += ["", "Every option and variable: docs/configuration.md"]
+    return "\n".join(lines)
+
+
+def help_formatter(prog: str) -> argparse.HelpFormatter:
+    """Options wrapped as usual; the description and epilog kept as written."""
+    return argparse.RawDescriptionHelpFormatter(prog)
+
+
+def add_log_level_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", metavar="LEVEL",
+                   help="log messages of this level and above: DEBUG, INFO, WARNING, ERROR "
+                        "(default INFO)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="psserver", description="Run one parameter-server task.")
+    p = argparse.ArgumentParser(prog="psserver", description="Run one parameter-server task.",
+                                epilog=task_epilog("psserver"), formatter_class=help_formatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 or [::] listens on all interfaces)")
     p.add_argument("--port", type=int, default=None,
@@ -346,10 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse creates beyond this many bytes of values and slots")
     p.add_argument("--checkpoint-dir", action="append", default=[], metavar="DIR",
                    help="directory under which Save (checkpoints) may write shard files; "
-                        "repeat for several. Without one this server writes no files"),
+                        "repeat for several. Without one this server writes no files")
     p.add_argument("--threads", type=int, default=64,
                    help="RPC handler threads (default 64; sync-mode reads wait in one each)")
-    p.add_argument("--log-level", default="INFO")
+    add_log_level_argument(p)
     add_auth_argument(p)
     add_cpus_argument(p)
     TLS.add_arguments(p)

@@ -37,8 +37,9 @@ from psserver import tls as TLS
 from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                                NotFound, PermissionDenied, PSError, Unavailable)
 from psserver.server import (INSECURE_FLAG, TOKEN_ENV, TaskSetupError, add_auth_argument,
-                             add_cpus_argument, add_data_port_argument, check_auth,
-                             data_port_of, join_host_port, make_server, serve, task_setup)
+                             add_cpus_argument, add_data_port_argument,
+                             add_log_level_argument, check_auth, data_port_of, help_formatter,
+                             join_host_port, make_server, serve, task_epilog, task_setup)
 from psserver.contract import PROTOCOL_VERSION
 
 log = logging.getLogger("psworker")
@@ -174,7 +175,8 @@ def _ps_failure(exc: BaseException) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="psworker", description="Run one worker task.")
+    p = argparse.ArgumentParser(prog="psworker", description="Run one worker task.",
+                                epilog=task_epilog("psworker"), formatter_class=help_formatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 listens on all interfaces)")
     p.add_argument("--port", type=int, default=None,
@@ -186,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds closures in flight get to finish on SIGTERM (default 5)")
     p.add_argument("--threads", type=int, default=4,
                    help="closures that may run at once (default 4)")
-    p.add_argument("--log-level", default="INFO")
+    add_log_level_argument(p)
     add_auth_argument(p)
     add_cpus_argument(p)
     TLS.add_arguments(p)

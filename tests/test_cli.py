@@ -7,6 +7,7 @@ the cluster's token and TLS in the environment, and once as a subprocess
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -27,6 +28,8 @@ from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.process import child_env
 from psserver.contract import PROTOCOL_VERSION
+from psserver.server import build_parser as psserver_parser
+from psworker.worker import build_parser as psworker_parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -470,3 +473,48 @@ def test_checkpoint_restore_keeps_the_idempotency_keys(live, env, capsys, tmp_pa
     np.testing.assert_array_equal(c.read(shard.name), saved)
     c.push_many([(shard.name, np.ones(3, np.float32), key + 1)])   # a new push applies
     assert not np.array_equal(c.read(shard.name), saved)
+
+
+# -- --help texts ------------------------------------------------------------------------------
+def _commands(parser, name):
+    """(name, parser) of a command and of each of its subcommands."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                yield from _commands(subparser, f"{name} {sub}")
+
+
+def _parser(prog):
+    return {"psserver": psserver_parser, "psworker": psworker_parser,
+            "coordinator": cli.build_parser}[prog]()
+
+
+@pytest.mark.parametrize("prog", ["psserver", "psworker", "coordinator"])
+def test_every_option_has_help_in_plain_text(prog):
+    for name, parser in _commands(_parser(prog), prog):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            what = f"{name}: {'/'.join(action.option_strings) or action.dest}"
+            assert action.help and action.help.strip(), f"{what} has no help text"
+            for choice in getattr(action, "_choices_actions", ()):
+                assert choice.help, f"{name} {choice.dest} has no help text"
+        text = parser.format_help()
+        assert "``" not in text and not re.search(r":\w+:`", text), f"reST in {name} --help"
+
+
+@pytest.mark.parametrize("prog", ["psserver", "psworker"])
+def test_task_help_says_what_the_auth_token_is(prog):
+    text = " ".join(_parser(prog).format_help().split())
+    assert "PSTRAIN_AUTH_TOKEN the cluster's auth token: a shared secret" in text
+    assert "TF_CONFIG" in text
+
+
+def test_only_ps_health_offers_worker(capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args(["ps", "health", "--worker", "h:1"]).worker == "h:1"
+    for argv in (["ps", "list"], ["checkpoint", "save", "d"], ["checkpoint", "restore", "d"]):
+        with pytest.raises(SystemExit):   # it would do nothing there
+            parser.parse_args([*argv, "--worker", "h:1"])
+        assert "unrecognized arguments: --worker" in capsys.readouterr().err
