@@ -81,6 +81,10 @@ def main(argv=None) -> dict:
                    help=f"write the loss curve PNG there (default with a local cluster: "
                         f"{DEFAULT_PLOT}; with tf_config: none)")
     p.add_argument("--no-plot", action="store_true", help="write no loss curve")
+    p.add_argument("--replication", action="store_true",
+                   help="keep a second copy of every shard on another parameter server "
+                        "(2 or more): losing one loses no update and training goes on "
+                        "(the compose and Kubernetes jobs run this way)")
     p.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
                    help="1: progress bar (terminal) or periodic lines, and epoch lines; "
                         "2: epoch lines only; 0: quiet")
@@ -104,7 +108,8 @@ def main(argv=None) -> dict:
               f"{spec.num_ps} ps, {spec.num_workers} workers, {total} steps", flush=True)
         strategy = ParameterServerStrategy(
             resolver, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10,
-                                                              max_shards=spec.num_ps))
+                                                              max_shards=spec.num_ps),
+            replication=args.replication)
         if args.cluster == "tf_config":   # leave the shared servers as we found them
             stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
         model.create_variables(strategy, "digits", optimizer="adam",
