@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every role of a pstrain job:
 #   psserver --host 0.0.0.0 --port 2222 --checkpoint-dir /checkpoints   a parameter server
 #   psworker --host 0.0.0.0 --port 2222                    a worker
@@ -7,17 +6,25 @@
 #   coordinator task --type ps|worker                      a task of a Kubernetes StatefulSet
 #   coordinator health HOST:PORT                           the gRPC health check (probes)
 #
-#   docker build -t pstrain:0.1.0 .
+#   docker build -t pstrain:0.1.0 .                          from the package index
 #   docker build --build-arg BASE_IMAGE=python:3.12-slim -t pstrain:0.1.0 .
+#   deploy/build-image.sh [--local-base]                     offline: see that script
 #
-# BASE_IMAGE must be a Debian-based official Python image (3.11 or newer): both
-# stages use it, so the virtual environment finds the same interpreter.
+# BASE_IMAGE: any Debian-based image with Python 3.11 or newer as `python3` and
+# its venv module (an official python:*-slim image, or a Debian base made with
+# debootstrap: deploy/build-image.sh --local-base). Both stages use it, so the
+# virtual environment finds the same interpreter.
+#
+# Offline builds (air-gapped sites, no registry, no index): put wheels of
+# pstrain and every dependency in deploy/wheelhouse/ (deploy/build-image.sh
+# does: pip wheel -w deploy/wheelhouse ".[examples]"). When that directory
+# holds wheels, the build installs from it alone (pip --no-index): no network.
 ARG BASE_IMAGE=python:3.11-slim
 
-# -- builder: the pstrain wheel and every dependency, in a virtual environment ---------------
+# -- builder: pstrain and every dependency, in a virtual environment -------------------------
 FROM ${BASE_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -25,17 +32,22 @@ COPY protos ./protos
 COPY psserver ./psserver
 COPY psworker ./psworker
 COPY coordinator ./coordinator
+COPY deploy/wheelhouse ./wheelhouse
 # The "examples" extra brings scikit-learn (the digits data ships with it).
-RUN pip wheel --no-deps --wheel-dir /wheels . \
- && pip install "$(ls /wheels/pstrain-*.whl)[examples]"
+RUN if ls wheelhouse/pstrain-*.whl >/dev/null 2>&1; then \
+        pip install --no-index --find-links wheelhouse "pstrain[examples]"; \
+    else \
+        pip wheel --no-deps --wheel-dir /wheels . \
+        && pip install "$(ls /wheels/pstrain-*.whl)[examples]"; \
+    fi
 
 # -- final: the venv and the examples; no compilers, no pip cache, not root ------------------
 FROM ${BASE_IMAGE}
 ARG UID=10001
-RUN groupadd --system --gid "${UID}" pstrain \
- && useradd --system --uid "${UID}" --gid pstrain --home-dir /app --no-create-home \
-        --shell /usr/sbin/nologin pstrain \
- && mkdir -p /checkpoints && chown pstrain:pstrain /checkpoints
+# (the account written directly: a minimal Debian base has no useradd)
+RUN echo "pstrain:x:${UID}:${UID}:pstrain:/app:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "pstrain:x:${UID}:" >> /etc/group \
+ && mkdir -p /checkpoints && chown "${UID}:${UID}" /checkpoints
 COPY --from=builder /opt/venv /opt/venv
 WORKDIR /app
 COPY examples ./examples
