@@ -8,6 +8,7 @@ from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterSer
                                 StepFunctionError, WorkerCallError)
 from coordinator.datasets import InputContext, batches
 from coordinator.local import LocalCluster
+from coordinator.docker_cluster import DockerCluster
 from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
                                       MinSizePartitioner)
 from coordinator.strategy import ParameterServerStrategy
@@ -26,6 +27,7 @@ __all__ = [
     "ClusterConfigError", "ClusterSpec", "TFConfigClusterResolver", "ClosureCancelled",
     "ClusterCoordinator", "CoordinatorError", "RemoteValue", "RemoteValueStatus",
     "StepFunctionError", "WorkerCallError", "ParameterServerLost", "InputContext", "batches", "LocalCluster",
+    "DockerCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
     "IndexedSlices", "Lookup",
