@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from coordinator import ClusterCoordinator, FixedShardsPartitioner, ParameterServerStrategy
-from coordinator.variables import push_gradients
+from tests.test_multihost import counting_step
 
 pytestmark = pytest.mark.timeout(300)
 IMAGE = os.environ.get("PSTRAIN_IMAGE", "pstrain:0.1.0")
@@ -47,15 +47,6 @@ def docker_cluster():
         yield cluster
 
 
-def counting_step(w_var):
-    """Each step adds 1 to every element (SGD, lr 1, gradient -1) and says
-    which container ran it."""
-    def step():
-        push_gradients([(w_var, -np.ones((ROWS, 4), np.float32))])
-        return os.environ.get("HOSTNAME", "")
-    return step
-
-
 def _table(strategy):
     return strategy.create_variable("w", initial_value=np.zeros((ROWS, 4), np.float32),
                                     optimizer="sgd", optimizer_params={"learning_rate": 1.0})
@@ -74,7 +65,7 @@ def test_a_parameter_server_killed_in_its_container_loses_nothing(docker_cluster
                                        variable_partitioner=FixedShardsPartitioner(2))
     w = _table(strategy)
     with ClusterCoordinator(strategy, ps_check_interval=0.5, ps_failover_after=3.0) as coord:
-        step = counting_step(w)
+        step = counting_step(w, "HOSTNAME")
         results = coord.fetch([coord.schedule(step) for _ in range(20)])
         cluster.kill_ps(1)
         results += coord.fetch([coord.schedule(step) for _ in range(40)])
@@ -95,7 +86,7 @@ def test_a_worker_cut_off_the_network_has_its_closures_run_elsewhere_and_rejoins
     w = _table(strategy)
     names = [cluster.container("worker", i).attrs["Config"]["Hostname"] for i in (0, 1)]
     with ClusterCoordinator(strategy) as coord:
-        step = counting_step(w)
+        step = counting_step(w, "HOSTNAME")
         coord.fetch([coord.schedule(step) for _ in range(10)])
         cluster.disconnect("worker", 0)
         during = coord.fetch([coord.schedule(step) for _ in range(30)])

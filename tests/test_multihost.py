@@ -95,12 +95,14 @@ def _counting_table(strategy):
                                     optimizer="sgd", optimizer_params={"learning_rate": 1.0})
 
 
-def counting_step(w_var):
+def counting_step(w_var, where: str = "PSTRAIN_TEST_HOST"):
     """Each step adds 1 to every element (SGD, lr 1, gradient -1) and says
-    which worker ran it."""
+    which worker ran it (the worker's environment variable ``where``)."""
+    shape = tuple(w_var.shape)
+
     def step():
-        push_gradients([(w_var, -np.ones((ROWS, 4), np.float32))])
-        return os.environ.get("PSTRAIN_TEST_HOST", "")
+        push_gradients([(w_var, -np.ones(shape, np.float32))])
+        return os.environ.get(where, "")
     return step
 
 
