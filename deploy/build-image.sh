@@ -49,9 +49,9 @@ if [ "$LOCAL_BASE" = 1 ]; then
             echo "build-image.sh: --local-base needs debootstrap (apt-get install debootstrap)" >&2
             exit 2; }
         if [ -z "$MIRROR" ]; then   # the Debian mirror apt already uses here
-            MIRROR=$(grep -hoE '(URIs:|deb) +https?://[^ ]+/debian/?( |$)' \
+            MIRROR=$({ grep -hoE '(URIs:|deb) +https?://[^ ]+/debian/?( |$)' \
                      /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null \
-                     | head -n1 | awk '{print $2}')
+                     || true; } | head -n1 | awk '{print $2}')
             MIRROR=${MIRROR:-http://deb.debian.org/debian}
         fi
         ROOTFS=$(mktemp -d)
