@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import sys
 import time
 from concurrent import futures
@@ -19,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator import checkpoint as C
 from coordinator import checkpoint_layout as L
+from coordinator.calls import reachability as _reachability
+from coordinator.calls import tls_words as _tls_words
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       NoClusterDescription, TFConfigClusterResolver)
 from psserver.client import PSClient
@@ -177,35 +178,6 @@ def target_from_args(args, environ: Mapping[str, str] = os.environ) -> Target:
 
 
 # -- errors a person can act on ---------------------------------------------------------------
-def _reachability(address: str, timeout: float) -> tuple[str, str]:
-    """("dns" | "closed" | "open", detail): can a TCP connection to address open?"""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, ValueError, UnicodeError) as exc:
-        return "dns", f"cannot resolve {host!r}: {exc}"
-    last: OSError | None = None
-    for family, kind, proto, _, sockaddr in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.settimeout(timeout)
-                s.connect(sockaddr)
-                return "open", ""
-        except OSError as exc:
-            last = exc
-    if isinstance(last, TimeoutError):   # socket.timeout is TimeoutError
-        return "closed", f"no answer to a TCP connect within {timeout:g}s"
-    return "closed", (last.strerror if last is not None and last.strerror else str(last))
-
-
-def _tls_words(tls: TLSConfig | None) -> str:
-    if tls is None:
-        return f"plaintext (no ${CERT_ENV} / ${KEY_ENV} / ${CA_ENV} set)"
-    return ("TLS with a client certificate" if tls.cert else "TLS without a client certificate") \
-        + (" and a CA" if tls.ca else " and the system's trusted CAs")
-
-
 def explain(target: Target, what: str, address: str, code: Code | None,
             details: str) -> str:
     """What went wrong calling ``what`` ("ps 0") at address, and what to do about it."""

@@ -36,7 +36,10 @@ Guarantees:
   error once, after which scheduling works again.
 * Workers listed in the cluster spec that are not up yet, that restart, or
   that are added to the spec later are picked up within ``membership_interval``
-  seconds; they create every per-worker dataset before taking closures.
+  seconds; they create every per-worker dataset before taking closures. One
+  that does not answer for the strategy's ``connect_timeout`` (10 s) is named
+  in a warning ("worker 1 at HOST:PORT does not answer ...", with what to
+  check), once per outage, and is still waited for.
 """
 from __future__ import annotations
 

@@ -11,12 +11,14 @@ import dataclasses
 import math
 import os
 import threading
+from concurrent import futures
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from coordinator import routes
 from coordinator import variables as V
+from coordinator.calls import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
@@ -149,6 +151,14 @@ class ParameterServerStrategy:
         between hosts (half the bytes of float32; the arrays a step gets are
         float32). Any mode. Step functions pass
         ``compression=strategy.read_compression_spec`` to ``read_variables``.
+      connect_timeout: seconds each parameter server has to answer the
+        strategy's first call (at the first ``create_variable``); one that
+        does not raises ``psserver.errors.Unavailable`` naming it ("ps 0 at
+        HOST:PORT does not answer ...") and what to check, instead of
+        waiting out a call's 60 s deadline. A ClusterCoordinator on this
+        strategy warns, after as long, of a worker that does not answer
+        (and keeps waiting for it). Default ``$PSTRAIN_CONNECT_SECONDS``,
+        else 10.
 
     Raises:
       ClusterConfigError: the cluster has no parameter servers.
@@ -162,7 +172,8 @@ class ParameterServerStrategy:
                  aggregation: str = "mean", step_timeout: float = 30.0,
                  staleness: int | None = None, tls: TLSConfig | None = None,
                  reuse_existing: bool = False, replication: bool = False,
-                 gradient_compression: Any = None, read_compression: str | None = None):
+                 gradient_compression: Any = None, read_compression: str | None = None,
+                 connect_timeout: float | None = None):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
         if not spec.ps:
@@ -172,6 +183,11 @@ class ParameterServerStrategy:
         self.token = token or spec.token or os.environ.get(TOKEN_ENV) or None
         self.tls = tls or getattr(spec, "tls", None) or TLSConfig.from_env()
         V.configure(self.token, self.tls)
+        self.connect_timeout = float(CONNECT_SECONDS if connect_timeout is None
+                                     else connect_timeout)
+        if not self.connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be > 0 seconds, got {connect_timeout}")
+        self._answered = False   # every parameter server answered once (_check_servers)
         self._lock = threading.Lock()
         self._next_ps = 0      # round-robin placement counter, as TF's
         self._variables: dict[str, V.ShardedVariable] = {}
@@ -294,10 +310,13 @@ class ParameterServerStrategy:
         already made are deleted and the error is raised.
 
         Raises: ValueError (bad arguments), psserver.errors.PSError (from the
-        servers: AlreadyExists, InvalidArgument, ResourceExhausted, ...).
+        servers: AlreadyExists, InvalidArgument, ResourceExhausted, ...;
+        Unavailable, on the first call, naming a parameter server that does
+        not answer within ``connect_timeout``).
         """
         if name in self._variables:
             raise ValueError(f"a variable named {name!r} was already created by this strategy")
+        self._check_servers()
         value = None
         if initial_value is not None:
             if initializer is not None:
@@ -368,6 +387,30 @@ class ParameterServerStrategy:
             routes.refresh([(var, k) for k in range(len(backups))])
         self._variables[name] = var
         return var
+
+    def _check_servers(self) -> None:
+        """Once: every parameter server answers within connect_timeout (all
+        asked at once), else Unavailable naming each that does not and what
+        to check. A server that answers with an error (a wrong token:
+        UNAUTHENTICATED) raises that error, which says what to do."""
+        if self._answered:
+            return
+
+        def silent(i_addr: tuple[int, str]) -> str | None:
+            i, addr = i_addr
+            try:
+                V.client_for(addr).server_info(timeout=self.connect_timeout)
+            except (DeadlineExceeded, Unavailable):   # the client waits for a server that is down
+                return not_answering(f"ps {i}", addr, self.connect_timeout, self.tls)
+            return None
+        with futures.ThreadPoolExecutor(min(16, len(self._ps)),
+                                        thread_name_prefix="ps-connect") as pool:
+            problems = [p for p in pool.map(silent, enumerate(self._ps)) if p]
+        if problems:
+            raise Unavailable("\n".join(problems) + f". To wait longer than "
+                              f"{self.connect_timeout:g}s: ParameterServerStrategy("
+                              "connect_timeout=...) or $PSTRAIN_CONNECT_SECONDS")
+        self._answered = True
 
     def _note_server(self, addr: str) -> None:
         if addr not in self.server_ids:

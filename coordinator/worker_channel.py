@@ -16,9 +16,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from coordinator import serialization
+from coordinator.calls import not_answering
 from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
@@ -54,6 +56,10 @@ class _WorkerThread:
         self.clock = 0                # closures completed (bounded mode's clock)
         self.worker_id: str | None = None
         self._created: set[str] = set()   # datasets made on the current worker process
+        # Since when (monotonic) the worker has not answered, and whether that
+        # was said (_note_silence); None: it answered its last probe.
+        self._silent_since: float | None = None
+        self._said_silent = False
         self._stop = threading.Event()
         self._channel = make_channel(address, grpc_options(DEFAULT_MAX_MESSAGE_BYTES),
                                      coord.strategy.tls)
@@ -86,10 +92,16 @@ class _WorkerThread:
 
     def _connect(self) -> bool:
         """Check the worker is up; after a (re)start, create its datasets."""
+        if self._silent_since is None:
+            self._silent_since = time.monotonic()
         try:
             info = self._probe.call(methods.WORKER_INFO, worker_pb2.WorkerInfoRequest(), 1.0)
-        except PSError:
+        except PSError as exc:
+            self._note_silence(exc)
             return False
+        if self._said_silent:
+            log.warning("worker %d at %s answers now", self._spec_index(), self.address)
+        self._silent_since, self._said_silent = None, False
         if info.worker_id != self.worker_id:
             if self.worker_id is not None:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
@@ -103,6 +115,29 @@ class _WorkerThread:
         self.alive = True
         self.coord._clocks_changed()
         return True
+
+    def _spec_index(self) -> int:
+        return self.coord._worker_count_and_index(self.address)[1]
+
+    def _note_silence(self, exc: PSError) -> None:
+        """Once per outage, after the strategy's connect_timeout: a warning
+        naming the worker and what to check. The thread keeps trying (a
+        worker may start late, or restart)."""
+        waited = time.monotonic() - self._silent_since
+        limit = self.coord.strategy.connect_timeout
+        if self._said_silent or waited < limit:
+            return
+        self._said_silent = True
+        what = f"worker {self._spec_index()}"
+        if exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+            why = not_answering(what, self.address, limit, self.coord.strategy.tls)
+        elif exc.code == Code.UNAUTHENTICATED:
+            why = (f"{what} at {self.address} refuses the coordinator's auth token "
+                   f"(UNAUTHENTICATED): give the strategy the token the tasks were started "
+                   "with (token=..., or $PSTRAIN_AUTH_TOKEN)")
+        else:
+            why = f"{what} at {self.address} refuses to connect: {exc.code.name}: {exc}"
+        log.warning("%s; still waiting for it", why)
 
     def _use_socket(self, offer: routing.Offer | None, identity: str) -> None:
         """Send closures over the socket psserver/routing.py picks from what

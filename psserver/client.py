@@ -80,8 +80,10 @@ class PSClient(SharedMemoryPath, ServerChannel):
     """
 
     # -- info ----------------------------------------------------------------
-    def server_info(self) -> ps_pb2.ServerInfo:
-        return self._call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest())
+    def server_info(self, timeout: float | None = None) -> ps_pb2.ServerInfo:
+        """The server's identity, version and what it holds (``timeout``: this
+        call's deadline instead of the client's)."""
+        return self._call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest(), timeout=timeout)
 
     def get_meta(self, name: str, timeout: float | None = None) -> VariableMeta:
         m = _meta_from_proto(self._call(methods.META, ps_pb2.VariableRef(name=name),

@@ -1,8 +1,11 @@
 """The coordinator against real clusters: closures, futures, errors, sharding, membership."""
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -12,9 +15,10 @@ from coordinator import (ClosureCancelled, ClusterCoordinator, FixedShardsPartit
                          LocalCluster, MinSizePartitioner, ParameterServerStrategy,
                          RemoteValueStatus, StepFunctionError, WorkerCallError)
 from coordinator import serialization
+from coordinator.cluster_spec import ClusterSpec
 from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
 from psserver.contract import Code
-from psserver.errors import PSError
+from psserver.errors import PSError, Unavailable
 from psserver.process import start_task
 from psserver.tls import make_channel
 
@@ -291,6 +295,71 @@ def test_restarted_worker_rejoins_with_its_datasets(cluster, coord):
     assert {pid for pid, _ in got} == {new_pid}
     # Its dataset was created afresh on the new process: it starts from the beginning.
     assert sorted(v for _, v in got) == [0, 1, 2, 3, 4]
+
+
+# -- tasks that do not answer ----------------------------------------------------------------------
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.timeout(30)   # a call's own deadline is 60 s: the old bare DeadlineExceeded
+def test_a_parameter_server_that_does_not_answer_is_named_soon():
+    dead = free_address()   # nothing listens there
+    strategy = ParameterServerStrategy(ClusterSpec(ps=[dead]))   # the default connect_timeout
+    with pytest.raises(Unavailable) as err:
+        strategy.create_variable("w", shape=(3,))
+    message = str(err.value)
+    assert f"ps 0 at {dead} does not answer" in message
+    assert "check that its psserver is running there" in message
+    assert "host and port in the cluster spec" in message and "firewall" in message
+    assert "PSTRAIN_CONNECT_SECONDS" in message
+    assert strategy.variables == []
+
+
+class _Seen(logging.Handler):
+    """Sets ``event`` when a record containing ``text`` is logged."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_does_not_answer_is_named_and_still_waited_for(ps, caplog):
+    dead = free_address()
+    strategy = ParameterServerStrategy(ClusterSpec(ps=[ps.address], worker=[dead]),
+                                       token="t0ken", connect_timeout=1)
+    silent, back = _Seen(f"worker 0 at {dead} does not answer"), _Seen("answers now")
+    log = logging.getLogger("coordinator")
+    for h in (silent, back):
+        log.addHandler(h)
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    try:
+        with ClusterCoordinator(strategy) as coord:
+            rv = coord.schedule(add, args=(1, 2))
+            assert silent.event.wait(30), caplog.text
+            assert "check that its psworker is running there" in caplog.text
+            assert "still waiting for it" in caplog.text
+            assert rv.status is RemoteValueStatus.PENDING
+            # It starts late, on the address in the spec: the closure runs there.
+            here = os.path.dirname(os.path.abspath(__file__))   # `add` is this module's
+            late = start_task("psworker", ["--port", dead.rsplit(":", 1)[1]],
+                              env={"PSTRAIN_AUTH_TOKEN": "t0ken",
+                                   "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])})
+            try:
+                assert rv.fetch(timeout=30) == 3
+                assert back.event.wait(5), caplog.text
+            finally:
+                late.kill()
+    finally:
+        for h in (silent, back):
+            log.removeHandler(h)
 
 
 # -- worker security ------------------------------------------------------------------------------
