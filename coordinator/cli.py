@@ -17,7 +17,9 @@ Operator tools, on the cluster in TF_CONFIG / TF_CONFIG_FILE or
         Every variable on every parameter server: its logical variable and
         shard, dtype, shape, version, optimizer, bytes; per-server totals.
     coordinator ps health [--json]
-        gRPC health of every ps and worker; server_info of each ps.
+        gRPC health of every ps and worker; server_info of each ps. A task
+        that serves but refuses this command's token shows
+        "UNAUTHENTICATED: wrong token" and is not counted healthy.
     coordinator checkpoint save DIR [--step N] [--extra JSON] [--json]
         Have the parameter servers write a checkpoint under DIR, in
         CheckpointManager's format; prints its path.
@@ -302,7 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="gRPC health of every ps and worker, server info of each ps",
                       description="The gRPC health status of every parameter server and "
                                   "worker, and each parameter server's server_info (protocol, "
-                                  "server id, variables, bytes). Exit 1 unless all serve.")
+                                  "server id, variables, bytes). A task that serves but "
+                                  "refuses this command's calls shows why (UNAUTHENTICATED: "
+                                  "wrong token) and is not healthy. Exit 1 unless all serve "
+                                  "and answer.")
 
     ck = sub.add_parser("checkpoint", help="save, restore, list checkpoints of the variables",
                         description="Checkpoints of the variables on the parameter servers, in "

@@ -22,11 +22,14 @@ from coordinator.calls import reachability as _reachability
 from coordinator.calls import tls_words as _tls_words
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       NoClusterDescription, TFConfigClusterResolver)
+from protos.pstrain.v1 import worker_pb2
+from psserver import methods
 from psserver.client import PSClient
-from psserver.contract import Code
+from psserver.contract import Code, call_metadata
 from psserver.errors import PSError, from_rpc_error
 from psserver.server import TOKEN_ENV, TOKEN_METADATA_KEY
 from psserver.tls import CA_ENV, CERT_ENV, KEY_ENV, TLSConfig, make_channel
+from psserver.transport import GrpcTransport
 
 #: Exit statuses of every `coordinator` command.
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_NOT_READY = 0, 1, 2, 3
@@ -131,6 +134,12 @@ class Target:
 
     def client(self, address: str) -> PSClient:
         return PSClient(address, token=self.token, tls=self.tls, timeout=self.timeout)
+
+    def worker_info(self, address: str) -> worker_pb2.WorkerInfo:
+        """The worker's GetWorkerInfo, with this command's token (raises PSError)."""
+        with make_channel(address, [], self.tls) as channel:
+            return GrpcTransport(channel, address, call_metadata(self.token)).call(
+                methods.WORKER_INFO, worker_pb2.WorkerInfoRequest(), self.timeout)
 
     def health_environ(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -365,6 +374,15 @@ def _ps_list(args) -> int:
 
 
 # -- coordinator ps health --------------------------------------------------------------------
+def _refusal(target: Target, exc: PSError) -> str:
+    """The HEALTH cell of a task whose health check passed but whose calls
+    fail: "UNAUTHENTICATED: wrong token", "UNAUTHENTICATED: no token", or the
+    status code."""
+    if exc.code == Code.UNAUTHENTICATED:
+        return f"{exc.code.name}: {'wrong token' if target.token else 'no token'}"
+    return exc.code.name
+
+
 def _ps_health(args) -> int:
     target = target_from_args(args)
     env = target.health_environ()
@@ -382,16 +400,21 @@ def _ps_health(args) -> int:
             entry["error"] = (explain(target, f"{role} {i}", addr, code, rest) if code
                               else f"{role} {i} at {addr}: {detail}")
             return entry
-        if role == "ps":
-            try:
+        # Health is public: a task also has to take this command's token (and
+        # answer a real call) to count as healthy.
+        try:
+            if role == "ps":
                 with target.client(addr) as c:
                     info = c.server_info()
                 entry["server_info"] = {
                     "protocol_version": info.protocol_version, "server_id": info.server_id,
                     "num_variables": info.num_variables, "total_bytes": info.total_bytes,
                     "max_message_bytes": info.max_message_bytes}
-            except PSError as exc:
-                entry["error"] = _explain_error(target, f"{role} {i}", addr, exc)
+            else:
+                target.worker_info(addr)
+        except PSError as exc:
+            entry["status"] = _refusal(target, exc)
+            entry["error"] = _explain_error(target, f"{role} {i}", addr, exc)
         return entry
     entries = [r for r, _ in _fan_out(probe, tasks)]
     bad = [e for e in entries if e["error"] or not e["serving"]]

@@ -26,7 +26,7 @@ from coordinator.checkpoint_layout import (LayoutMismatch, layout_from_listing, 
                                            split_shard_name)
 from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
-from psserver.process import child_env
+from psserver.process import child_env, start_task
 from psserver.contract import PROTOCOL_VERSION
 from psserver.server import build_parser as psserver_parser
 from psworker.worker import build_parser as psworker_parser
@@ -362,7 +362,41 @@ def test_a_wrong_or_missing_token_says_to_set_pstrain_auth_token(live, env, caps
     code, out, err = run(capsys, "ps", "health")   # health is public; server_info is not
     assert code == 1 and "demands the cluster's auth token and none was given: set " \
                          "$PSTRAIN_AUTH_TOKEN" in err
-    assert out.count("SERVING") == 3
+    assert out.count("UNAUTHENTICATED: no token") == 3 and "SERVING" not in out
+    assert "0 of 3 task(s) healthy" in out
+
+
+@pytest.mark.timeout(60)
+def test_ps_health_with_a_wrong_token_shows_why_and_counts_nobody_healthy(start_ps, capsys,
+                                                                         monkeypatch):
+    """Health checks answer SERVING without a token; the calls behind them do not."""
+    token = {"PSTRAIN_AUTH_TOKEN": "the-right-token"}
+    ps = start_ps(env=token)
+    worker = start_task("psworker", ["--port", "0"], env=token)
+    try:
+        for k in ("TF_CONFIG", "TF_CONFIG_FILE", "PSTRAIN_TLS_CERT", "PSTRAIN_TLS_KEY",
+                  "PSTRAIN_TLS_CA"):
+            monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", "a-wrong-token")
+        code, out, err = run(capsys, "ps", "health", "--ps", ps.address, "--worker",
+                             worker.address)
+        assert code == 1
+        rows = squeeze(out)
+        assert f"ps 0 {ps.address} UNAUTHENTICATED: wrong token" in rows, out
+        assert f"worker 0 {worker.address} UNAUTHENTICATED: wrong token" in rows, out
+        assert "SERVING" not in out and rows[-1] == "0 of 2 task(s) healthy"
+        for what, addr in (("ps 0", ps.address), ("worker 0", worker.address)):
+            assert f"{what} at {addr} refused the auth token (UNAUTHENTICATED)" in err
+        doc = json.loads(run(capsys, "ps", "health", "--ps", ps.address, "--worker",
+                             worker.address, "--json")[1])
+        assert doc["ok"] is False
+        assert [t["status"] for t in doc["tasks"]] == ["UNAUTHENTICATED: wrong token"] * 2
+        monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", token["PSTRAIN_AUTH_TOKEN"])   # the right one
+        code, out, _ = run(capsys, "ps", "health", "--ps", ps.address, "--worker",
+                           worker.address)
+        assert code == 0 and squeeze(out)[-1] == "2 of 2 task(s) healthy", out
+    finally:
+        worker.kill()
 
 
 def test_a_tls_mismatch_is_named(live, env, capsys, monkeypatch):
