@@ -195,21 +195,25 @@ class ClusterCoordinator:
         """(queued, in flight) closures."""
         return self._queue.counts()
 
-    def shutdown(self) -> None:
+    def shutdown(self, abort: bool = False) -> None:
         """Stop the worker threads. Closures in flight finish first, unless the
-        job failed (a closure raised, or a parameter server was lost): then
-        their calls are cut off, and the coordinator does not wait for steps
-        that may be retrying against a lost server."""
+        job failed (a closure raised, or a parameter server was lost) or
+        ``abort``: then their calls are cut off (their closures end
+        CANCELLED, not re-queued), and the coordinator does not wait for
+        steps that may be retrying against a lost server."""
         if not self._closed:
             self._closed = True
             self._ps_watch.stop()
-            self._membership.stop(abort=self._queue.failed)
+            self._membership.stop(abort=abort or self._queue.failed)
 
     def __enter__(self) -> "ClusterCoordinator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc) -> None:
+        """Shut down; a block left by KeyboardInterrupt (Ctrl-C) or another
+        exception that is not an error of the job (SystemExit...) cuts the
+        closures in flight instead of waiting for them."""
+        self.shutdown(abort=exc_type is not None and not issubclass(exc_type, Exception))
 
     # -- internals -------------------------------------------------------------------
     def _function_ref(self, fn: Callable) -> worker_pb2.FunctionRef:

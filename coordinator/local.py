@@ -11,6 +11,12 @@ functions sent by value are accepted and nothing else on the machine can
 call the tasks or read the traffic (``tls=False`` turns TLS off). ``cluster.spec`` always describes the tasks running now:
 ``add_worker()`` grows it while a job runs, and the coordinator picks the new
 worker up. Leaving the ``with`` block (or ``stop()``) ends every process.
+
+The tasks run in sessions of their own: a Ctrl-C at the terminal reaches
+only the program, which stops them as its ``with`` blocks unwind (a program
+killed outright leaves none behind either: each task watches its parent,
+``PSTRAIN_PARENT_PID``). ``run_main(main)`` makes that quiet for a
+program's entry point: one line, no traceback, exit status 130.
 """
 from __future__ import annotations
 
@@ -21,8 +27,9 @@ import signal
 import sys
 import tempfile
 import threading
+import weakref
 from concurrent import futures
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from coordinator.cluster_spec import ClusterSpec
 from psserver.process import TaskProcess, start_task
@@ -80,6 +87,40 @@ def _user_pythonpath() -> str:
         if p not in paths:
             paths.append(p)
     return os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])
+
+
+#: Exit status of a program stopped by Ctrl-C: 128 + SIGINT, as shells report it.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+#: LocalClusters of this process whose tasks are running (for run_main's words).
+_running: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
+
+
+def run_main(main: Callable[..., Any], *args: Any) -> int:
+    """Run ``main(*args)``, a program's entry point; return its exit status.
+
+    Ctrl-C (SIGINT) ends it promptly and quietly: one line on stderr,
+    "interrupted; stopping the cluster" (a LocalCluster is running) or
+    "interrupted; stopping", then KeyboardInterrupt unwinds the program's
+    ``with`` blocks (a ClusterCoordinator cuts its closures in flight, which
+    end CANCELLED rather than re-queued; a LocalCluster stops its tasks),
+    and the status is 130 (``EXIT_INTERRUPTED``), without a traceback. A
+    second Ctrl-C while stopping ends the program at once (its tasks follow
+    within a second). Use it as ``sys.exit(run_main(main))``.
+    """
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)   # a second Ctrl-C: at once
+        print("interrupted; stopping the cluster" if len(_running) else "interrupted; stopping",
+              file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        main(*args)
+        return 0
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class LocalCluster:
@@ -157,6 +198,7 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        _running.add(self)
         for i in range(len(self.ps)):
             self._supervise("ps", i)
         for i in range(len(self.workers)):
@@ -208,7 +250,7 @@ class LocalCluster:
         host, prefix = self._where(role, index)
         module = "psserver" if role == "ps" else "psworker"
         return start_task(module, ["--host", host, "--port", port, *self._args(role, index)],
-                          env=self._env, timeout=self._timeout, prefix=prefix)
+                          env=self._env, timeout=self._timeout, prefix=prefix, own_session=True)
 
     @property
     def spec(self) -> "LocalClusterSpec":
@@ -264,15 +306,20 @@ class LocalCluster:
         task.kill()
 
     def stop(self) -> None:
-        """Stop every task (SIGTERM, then SIGKILL after a grace period)."""
+        """Stop every task (SIGTERM, then SIGKILL after a grace period): the
+        workers first, then the parameter servers, so that a step a worker is
+        still running (its coordinator was interrupted) ends against servers
+        that answer, instead of waiting out the worker's grace period."""
         self._stopping.set()
+        _running.discard(self)
         with self._lock:
-            tasks = [t for t in self.ps + self.workers if t is not None]
-        for t in tasks:
-            if t.alive():
-                t.signal(signal.SIGTERM)
-        for t in tasks:
-            t.terminate(timeout=10)
+            groups = ([t for t in self.workers if t is not None], list(self.ps))
+        for tasks in groups:
+            for t in tasks:
+                if t.alive():
+                    t.signal(signal.SIGTERM)
+            for t in tasks:
+                t.terminate(timeout=10)
         if self._tls_dir:
             shutil.rmtree(self._tls_dir, ignore_errors=True)
 

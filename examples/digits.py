@@ -42,6 +42,7 @@ from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
                          read_variables)
 from coordinator.fit import fit
 from coordinator.plots import try_plot_history
+from coordinator.local import run_main
 from examples.nn import LOSSES, MLP, make_train_step
 
 DEFAULT_PLOT = os.path.join("runs", "digits", "loss.png")
@@ -149,4 +150,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))   # Ctrl-C: one line, the tasks stopped, exit status 130

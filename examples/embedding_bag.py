@@ -30,6 +30,7 @@ import numpy as np
 
 from coordinator import (ClusterCoordinator, IndexedSlices, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy, batches, push_gradients, read_variables)
+from coordinator.local import run_main
 from examples.nn import dense, dense_backward, sigmoid_cross_entropy
 
 
@@ -174,4 +175,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))   # Ctrl-C: one line, the tasks stopped, exit status 130

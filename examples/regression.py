@@ -21,6 +21,7 @@ import numpy as np
 
 from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy, batches, read_variables)
+from coordinator.local import run_main
 from examples.nn import MLP, make_train_step
 
 
@@ -88,4 +89,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))   # Ctrl-C: one line, the tasks stopped, exit status 130

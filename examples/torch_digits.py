@@ -38,6 +38,7 @@ from torch import nn
 from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy, TFConfigClusterResolver, batches)
 from coordinator.torch_bridge import TorchModelBridge
+from coordinator.local import run_main
 from examples.digits import load_data
 
 
@@ -143,4 +144,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))   # Ctrl-C: one line, the tasks stopped, exit status 130

@@ -120,17 +120,23 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start_task(module: str, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
-               timeout: float = 30.0, prefix: Sequence[str] = ()) -> TaskProcess:
+               timeout: float = 30.0, prefix: Sequence[str] = (),
+               own_session: bool = False) -> TaskProcess:
     """Run ``python -m module args`` and wait until it prints its address.
     ``prefix``: a command that execs the rest (``ip netns exec NAME``: the
-    task runs on a test host, bench/hosts.py).
+    task runs on a test host, bench/hosts.py). ``own_session``: start it in
+    a session (and process group) of its own, as a prefixed task is, so a
+    Ctrl-C at the terminal reaches only this program, which stops its tasks
+    itself (LocalCluster); the task still ends when this process is gone
+    (``PSTRAIN_PARENT_PID``).
 
     Raises RuntimeError (with the child's output) if it exits or stays silent
     for ``timeout`` seconds; the child is killed then.
     """
     proc = subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env=child_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=bool(prefix))
+                            stdin=subprocess.DEVNULL,
+                            start_new_session=bool(prefix) or own_session)
     lines: list[str] = []
     found: "queue.Queue[tuple[str, str] | None]" = queue.Queue()
 

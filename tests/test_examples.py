@@ -6,8 +6,11 @@ processes on 127.0.0.1) through each example's ``main()``.
 from __future__ import annotations
 
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -132,3 +135,53 @@ def test_digits_runs_as_a_script_from_another_directory(tmp_path):
     assert "epoch 2/2  steps 100/100" in proc.stdout
     acc = float(proc.stdout.strip().splitlines()[-1].split(":")[1])
     assert acc >= 0.85, proc.stdout
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:   # gone
+        return ""
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_stops_the_main_job_quietly_with_its_tasks(tmp_path):
+    """Ctrl-C at a terminal: SIGINT to the job's whole process group. The job
+    says so in one line, stops its LocalCluster and exits 130, without a
+    traceback or closures re-queued on workers that were told to stop."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "examples", "digits.py"), "--epochs", "1000",
+         "--no-plot"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)   # a process group of its own, as a shell's job
+    lines: "queue.Queue[str | None]" = queue.Queue()
+    out: list[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        while True:   # until it trains: its first epoch line
+            line = lines.get(timeout=60)
+            assert line is not None, "".join(out)
+            out.append(line)
+            if line.startswith("epoch 1/"):
+                break
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            tasks = [int(pid) for pid in f.read().split()]
+        roles = sorted(_cmdline(pid).split(" -m ")[1].split()[0] for pid in tasks)
+        assert roles == ["psserver", "psserver", "psworker", "psworker"], roles
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        while (line := lines.get(timeout=10)) is not None:
+            out.append(line)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(out)
+    assert "interrupted; stopping the cluster\n" in text, text
+    assert "Traceback" not in text and "re-queue" not in text, text
+    assert [pid for pid in tasks if _cmdline(pid)] == [], "tasks left running"
