@@ -1,5 +1,6 @@
 """Train a PyTorch ``nn.Module`` on the parameter servers (optional: needs torch).
 
+    pip install torch --index-url https://download.pytorch.org/whl/cpu   # CPU build: no CUDA GBs
     pip install -e ".[torch]"
 
 ``TorchModelBridge`` creates one ``ShardedVariable`` per parameter of a
@@ -93,8 +94,10 @@ try:
     import torch
     from torch import nn
 except ImportError as exc:   # pragma: no cover - exercised only without torch
-    raise ImportError("coordinator.torch_bridge needs PyTorch: pip install 'pstrain[torch]' "
-                      f"(torch>=2.1) ({exc})") from exc
+    raise ImportError("coordinator.torch_bridge needs PyTorch (torch>=2.1; its CPU build is "
+                      "enough): pip install torch --index-url "
+                      "https://download.pytorch.org/whl/cpu && pip install 'pstrain[torch]' "
+                      f"({exc})") from exc
 
 from coordinator.replica import current_sync
 from coordinator.variables import ShardedVariable, push_gradients, read_variables

@@ -10,8 +10,11 @@ bound to the parameter servers by ``coordinator.torch_bridge.TorchModelBridge``
 batch of its shard of the training set, pulls the parameters into its own
 copy of the module, runs forward and backward with autograd, and pushes the
 gradients. Test accuracy is measured on the coordinator after each epoch.
-Needs the ``torch`` extra (``pip install -e ".[torch,examples]"``)::
+Needs the ``torch`` and ``examples`` extras, with PyTorch's CPU build
+installed first (PyPI's default Linux build brings GB of CUDA libraries)::
 
+    pip install torch --index-url https://download.pytorch.org/whl/cpu
+    pip install -e ".[torch,examples]"
     python examples/torch_digits.py
     python -m examples.torch_digits --epochs 10 --num-workers 4
 
@@ -31,7 +34,20 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
-import torch
+
+#: How to install what this example needs (also in README.md; a test checks
+#: both name extras that pyproject.toml has).
+INSTALL = ('pip install torch --index-url https://download.pytorch.org/whl/cpu && '
+           'pip install -e ".[torch,examples]"')
+try:
+    import torch
+except ModuleNotFoundError as exc:
+    if exc.name != "torch":
+        raise
+    message = f"examples/torch_digits.py needs PyTorch (its CPU build is enough): {INSTALL}"
+    if __name__ == "__main__":
+        sys.exit(message)
+    raise ModuleNotFoundError(message, name="torch") from exc
 import torch.nn.functional as F
 from torch import nn
 

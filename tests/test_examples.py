@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -135,6 +136,28 @@ def test_digits_runs_as_a_script_from_another_directory(tmp_path):
     assert "epoch 2/2  steps 100/100" in proc.stdout
     acc = float(proc.stdout.strip().splitlines()[-1].split(":")[1])
     assert acc >= 0.85, proc.stdout
+
+
+# -- installing the torch example -------------------------------------------------------------
+def test_torch_example_and_readme_name_the_same_extras_and_the_cpu_build():
+    """README and examples/torch_digits.py say the same `pip install -e ".[...]"`
+    for the torch example, every extra in it exists, and both install
+    PyTorch's CPU build first (PyPI's default Linux torch is GBs of CUDA)."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    with open(os.path.join(ROOT, "examples", "torch_digits.py")) as f:
+        example = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    install = re.compile(r"""pip install -e ["']\.\[([\w,]+)\]["']""")
+    in_example = set(install.findall(example))
+    in_readme = {m for m in install.findall(readme) if "torch" in m.split(",")}
+    assert in_example and in_example == in_readme, (in_example, in_readme)
+    for named in in_example:
+        assert set(named.split(",")) <= set(extras), (named, sorted(extras))
+    cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in example and cpu in readme
 
 
 def _cmdline(pid: int) -> str:
