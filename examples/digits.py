@@ -19,15 +19,18 @@ same servers.
 Training runs through ``coordinator.fit.fit``: a progress bar on a terminal
 (periodic lines on stderr otherwise), one line per epoch, validation on the
 test split after each epoch (``val_loss``, ``val_accuracy``). With a local
-cluster it writes the loss curve to ``runs/digits/loss.png`` (``--plot PATH``
-elsewhere, ``--no-plot`` for none); with ``--cluster tf_config`` it writes
-nothing to disk unless given ``--plot PATH`` (e.g. on the /checkpoints
-volume: the image's working directory is read-only to its user).
+cluster it writes the loss curve into a directory of its own per run,
+``runs/digits/<YYYYmmdd-HHMMSS>-<pid>/loss.png`` (when it started, its
+process), so runs side by side keep their own, and prints where (``--plot
+PATH`` elsewhere, ``--no-plot`` for none); with ``--cluster tf_config`` it
+writes nothing to disk unless given ``--plot PATH`` (e.g. on the
+/checkpoints volume: the image's working directory is read-only to its user).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -45,7 +48,25 @@ from coordinator.plots import try_plot_history
 from coordinator.local import run_main
 from examples.nn import LOSSES, MLP, make_train_step
 
-DEFAULT_PLOT = os.path.join("runs", "digits", "loss.png")
+#: Where runs with a local cluster keep their files: a directory per run under it.
+RUNS_DIR = os.path.join("runs", "digits")
+
+
+def default_plot_path(root: str = RUNS_DIR, started: float | None = None) -> str:
+    """``<root>/<YYYYmmdd-HHMMSS>-<pid>/loss.png``: this run's loss curve, in a
+    directory of its own named by when the run started (``started``, a
+    ``time.time()``; default now) and this process, which this creates
+    (exclusively: a name already taken, e.g. a second run in the same second
+    of one process, gets ``-2``, ``-3``...), so two runs never write the
+    same file."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}-{os.getpid()}"
+    for n in itertools.count(1):
+        run_dir = os.path.join(root, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.makedirs(run_dir)
+        except FileExistsError:
+            continue
+        return os.path.join(run_dir, "loss.png")
 
 
 def load_data(seed: int = 0, test_fraction: float = 0.2):
@@ -80,7 +101,8 @@ def main(argv=None) -> dict:
                         "cluster in TF_CONFIG / TF_CONFIG_FILE")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help=f"write the loss curve PNG there (default with a local cluster: "
-                        f"{DEFAULT_PLOT}; with tf_config: none)")
+                        f"a new {os.path.join(RUNS_DIR, 'YYYYmmdd-HHMMSS-PID', 'loss.png')} "
+                        "per run; with tf_config: none)")
     p.add_argument("--no-plot", action="store_true", help="write no loss curve")
     p.add_argument("--replication", action="store_true",
                    help="keep a second copy of every shard on another parameter server "
@@ -90,8 +112,9 @@ def main(argv=None) -> dict:
                    help="1: progress bar (terminal) or periodic lines, and epoch lines; "
                         "2: epoch lines only; 0: quiet")
     args = p.parse_args(argv)
-    plot_path = None if args.no_plot else (
-        args.plot or (DEFAULT_PLOT if args.cluster == "local" else None))
+    plot_default = not args.no_plot and not args.plot and args.cluster == "local"
+    started = time.time()
+    plot_path = None if args.no_plot else args.plot
 
     x_tr, y_tr, x_te, y_te = load_data(args.seed)
     model = MLP([64, 64, 10], loss="softmax_cross_entropy")
@@ -136,11 +159,16 @@ def main(argv=None) -> dict:
         params = read_variables(model.variables)
     losses = list(history.step_history.get("loss", []))
     plot = None
+    if plot_default:   # picked now: a run that ends early leaves no empty directory
+        plot_path = default_plot_path(started=started)
     if plot_path:
         plot, message = try_plot_history(history, plot_path,
                                          title=f"digits: MLP {model.sizes}, {spec.num_ps} ps, "
                                                f"{spec.num_workers} workers")
         print(message, flush=True)
+        if plot is None and plot_default:   # nothing written (no matplotlib): no empty run dir
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(plot_path))
     test_acc = accuracy(model, params, x_te, y_te)
     train_acc = accuracy(model, params, x_tr, y_tr)
     print(f"test accuracy: {test_acc:.4f}", flush=True)

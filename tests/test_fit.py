@@ -5,6 +5,7 @@ import io
 import itertools
 import json
 import os
+import re
 import struct
 import sys
 
@@ -492,16 +493,38 @@ def test_digits_writes_its_loss_curve_png(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)                      # the default path is relative: runs/digits/
     out = digits.main(["--epochs", "2", "--steps-per-epoch", "30", "--num-ps", "1",
                        "--num-workers", "1"])
-    expected = str(tmp_path / "runs" / "digits" / "loss.png")
+    runs = tmp_path / "runs" / "digits"
+    (run,) = os.listdir(runs)                        # a directory of this run's own
+    assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{os.getpid()}", run), run
+    expected = str(runs / run / "loss.png")
     assert out["plot"] == expected
     assert_png(expected)
     text = capsys.readouterr().out.splitlines()
     assert f"loss curve: {expected}" in text and text[-1].startswith("test accuracy: ")
     assert sorted(out["history"]) == ["loss", "val_accuracy", "val_loss"]
     assert out["steps"] == len(out["losses"]) == 60
-    # --no-plot writes nothing.
-    os.remove(expected)
+    # --no-plot writes nothing, and makes no run directory.
     out = digits.main(["--epochs", "1", "--steps-per-epoch", "5", "--num-ps", "1",
                        "--num-workers", "1", "--no-plot", "--verbose", "0"])
-    assert out["plot"] is None and not os.path.exists(expected)
+    assert out["plot"] is None and os.listdir(runs) == [run]
     assert capsys.readouterr().out.splitlines()[-1].startswith("test accuracy: ")
+    # --plot PATH wins over the run directory.
+    chosen = str(tmp_path / "mine.png")
+    out = digits.main(["--epochs", "1", "--steps-per-epoch", "5", "--num-ps", "1",
+                       "--num-workers", "1", "--plot", chosen, "--verbose", "0"])
+    assert out["plot"] == chosen and os.listdir(runs) == [run]
+    assert f"loss curve: {chosen}" in capsys.readouterr().out
+
+
+def test_each_run_of_digits_gets_its_own_plot_path(tmp_path, monkeypatch):
+    """Two runs at once (or one after another within a second) never share
+    runs/digits/.../loss.png."""
+    from examples import digits
+    monkeypatch.chdir(tmp_path)
+    first, second = digits.default_plot_path(), digits.default_plot_path()
+    assert first != second and os.path.dirname(first) != os.path.dirname(second)
+    for path in (first, second):
+        assert os.path.isdir(os.path.dirname(path)) and not os.path.exists(path)
+        assert os.path.dirname(os.path.dirname(path)) == os.path.join("runs", "digits")
+        assert os.path.basename(path) == "loss.png"
+    assert f"-{os.getpid()}" in first
