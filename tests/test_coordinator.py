@@ -336,10 +336,10 @@ def test_a_worker_that_does_not_answer_is_named_and_still_waited_for(ps, caplog)
     strategy = ParameterServerStrategy(ClusterSpec(ps=[ps.address], worker=[dead]),
                                        token="t0ken", connect_timeout=1)
     silent, back = _Seen(f"worker 0 at {dead} does not answer"), _Seen("answers now")
-    log = logging.getLogger("coordinator")
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    log = logging.getLogger()   # the root: whatever logger below "coordinator" warns
     for h in (silent, back):
         log.addHandler(h)
-    caplog.set_level(logging.WARNING, logger="coordinator")
     try:
         with ClusterCoordinator(strategy) as coord:
             rv = coord.schedule(add, args=(1, 2))
