@@ -15,10 +15,13 @@
 # debootstrap: deploy/build-image.sh --local-base). Both stages use it, so the
 # virtual environment finds the same interpreter.
 #
-# Offline builds (air-gapped sites, no registry, no index): put wheels of
-# pstrain and every dependency in deploy/wheelhouse/ (deploy/build-image.sh
-# does: pip wheel -w deploy/wheelhouse ".[examples]"). When that directory
-# holds wheels, the build installs from it alone (pip --no-index): no network.
+# Offline builds (air-gapped sites, no registry, no index): put wheels of every
+# dependency, and of the build backend (setuptools, wheel), in deploy/wheelhouse/
+# (deploy/build-image.sh does). When that directory holds wheels, the build
+# installs from it alone (pip --no-index): no network. pstrain itself is always
+# built from the source copied below, never from a wheel, so an old wheelhouse
+# cannot put old code in a new image (a dependency it lacks fails the build,
+# naming it: run deploy/build-image.sh again).
 ARG BASE_IMAGE=python:3.11-slim
 
 # -- builder: pstrain and every dependency, in a virtual environment -------------------------
@@ -34,12 +37,12 @@ COPY psworker ./psworker
 COPY coordinator ./coordinator
 COPY deploy/wheelhouse ./wheelhouse
 # The "examples" extra brings scikit-learn (the digits data ships with it).
-RUN if ls wheelhouse/pstrain-*.whl >/dev/null 2>&1; then \
-        pip install --no-index --find-links wheelhouse "pstrain[examples]"; \
+RUN if ls wheelhouse/*.whl >/dev/null 2>&1; then \
+        pip install --no-index --find-links wheelhouse ".[examples]"; \
     else \
-        pip wheel --no-deps --wheel-dir /wheels . \
-        && pip install "$(ls /wheels/pstrain-*.whl)[examples]"; \
-    fi
+        pip install ".[examples]"; \
+    fi \
+ && rm -rf /src/build
 
 # -- final: the venv and the examples; no compilers, no pip cache, not root ------------------
 FROM ${BASE_IMAGE}

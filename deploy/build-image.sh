@@ -8,10 +8,11 @@
 #   options: --tag IMAGE (default pstrain:0.1.0), --base IMAGE (a base image you have),
 #            --mirror URL (debootstrap's mirror), --no-build (wheelhouse and base only)
 #
-# 1. deploy/wheelhouse/: `pip wheel` of pstrain[examples] and every dependency
-#    for this host's Python; the Dockerfile installs from it alone when it holds
-#    a pstrain wheel (pip --no-index). The image's Python must be the same
-#    minor version as this host's (python3 --version; bookworm has 3.11).
+# 1. deploy/wheelhouse/: wheels of every dependency of pstrain[examples] and of
+#    its build backend (setuptools, wheel) for this host's Python; the
+#    Dockerfile installs from it alone when it holds wheels (pip --no-index),
+#    and builds pstrain itself from the source tree. The image's Python must be
+#    the same minor version as this host's (python3 --version; bookworm has 3.11).
 # 2. --local-base: `debootstrap --variant=minbase --include=python3,python3-venv
 #    bookworm` into a temporary directory, `docker import`ed as
 #    pstrain-base:bookworm (kept: made once).
@@ -36,9 +37,11 @@ while [ $# -gt 0 ]; do
 done
 PYTHON=${PYTHON:-python3}
 
-echo "build-image.sh: wheels of pstrain[examples] into deploy/wheelhouse/ ($($PYTHON --version))"
+echo "build-image.sh: wheels of pstrain[examples]'s dependencies into deploy/wheelhouse/ ($($PYTHON --version))"
 rm -f deploy/wheelhouse/*.whl
-"$PYTHON" -m pip wheel -q --wheel-dir deploy/wheelhouse ".[examples]"
+"$PYTHON" -m pip wheel -q --wheel-dir deploy/wheelhouse ".[examples]" "setuptools>=68" wheel
+# pstrain itself is built from the source in the image (no stale copy here)
+rm -f deploy/wheelhouse/pstrain-*.whl
 
 if [ "$LOCAL_BASE" = 1 ]; then
     BASE=$LOCAL_BASE_IMAGE

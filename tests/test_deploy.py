@@ -325,6 +325,17 @@ KILL_PSSERVER = ("import os\n"
                  "        pass\n")
 
 
+# The sha256 of every .py file of the four packages, by path: run here on the
+# source tree and in the image on what it installed.
+CODE_DIGEST = ("import hashlib, importlib, pathlib\n"
+               "h = hashlib.sha256()\n"
+               "for pkg in ('protos', 'psserver', 'psworker', 'coordinator'):\n"
+               "    root = pathlib.Path(importlib.import_module(pkg).__file__).parent\n"
+               "    for f in sorted(root.rglob('*.py')):\n"
+               "        h.update(f'{pkg}/{f.relative_to(root)}'.encode() + f.read_bytes())\n"
+               "print(h.hexdigest())\n")
+
+
 def _accuracy(out: str) -> float:
     found = re.findall(r"test accuracy: ([0-9.]+)", out)
     assert found, out[-5000:]
@@ -360,6 +371,14 @@ def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill(
         assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
         assert "workers 3" in r.stdout, r.stdout[-5000:]
         assert _accuracy(r.stdout) >= 0.90
+        # The image runs the code of this tree, whatever wheels deploy/wheelhouse holds.
+        here = subprocess.run([sys.executable, "-c", CODE_DIGEST], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout
+        there = subprocess.run(["docker", "run", "--rm", "--workdir", "/", "pstrain:test",
+                                "python3", "-c", CODE_DIGEST], text=True,
+                               capture_output=True, timeout=120)
+        assert there.returncode == 0, there.stderr
+        assert there.stdout == here, "the image's packages differ from this source tree"
         # 2. A longer run, with ps1's server process SIGKILLed after the first epoch.
         assert compose("up", "-d", "--scale", "worker=3", "ps0", "ps1", "worker").returncode == 0
         run = subprocess.Popen(project + ["run", "--rm", "coordinator", "coordinator", "run",
