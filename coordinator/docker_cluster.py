@@ -39,14 +39,18 @@ _LISTENING = re.compile(r"^(\w+) listening on (\S+)$", re.M)
 #: What kill_ps runs inside a container: SIGKILL the server process (the
 #: container's init then exits and its restart policy starts it again;
 #: ``docker kill`` would count as stopped by hand and not restart it).
+# Exits 3 when no such process runs in the container (nothing was killed).
 _KILL_TASK = ("import os, sys\n"
+              "killed = 0\n"
               "for p in filter(str.isdigit, os.listdir('/proc')):\n"
               "    try:\n"
               "        if int(p) not in (1, os.getpid()) and \\\n"
               "                sys.argv[1].encode() in open(f'/proc/{p}/cmdline', 'rb').read():\n"
               "            os.kill(int(p), 9)\n"
+              "            killed += 1\n"
               "    except OSError:\n"
-              "        pass\n")
+              "        pass\n"
+              "sys.exit(0 if killed else 3)\n")
 
 
 class DockerCluster:
@@ -109,15 +113,25 @@ class DockerCluster:
         subnet stated (Docker gives fixed addresses only on a stated subnet)."""
         docker, name = self._docker, f"pstrain-{self.id}"
         labels = {"pstrain.cluster": self.id}
-        probe = self.client.networks.create(name, driver="bridge", labels=labels)
-        probe.reload()
-        config = probe.attrs["IPAM"]["Config"][0]
-        probe.remove()
-        ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(
-            subnet=config["Subnet"], gateway=config.get("Gateway"))])
-        net = self.client.networks.create(name, driver="bridge", labels=labels, ipam=ipam)
-        net.reload()
-        return net
+        for attempt in range(5):
+            probe = self.client.networks.create(name, driver="bridge", labels=labels)
+            try:
+                probe.reload()
+                config = probe.attrs["IPAM"]["Config"][0]
+            finally:
+                probe.remove()
+            ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(
+                subnet=config["Subnet"], gateway=config.get("Gateway"))])
+            try:
+                net = self.client.networks.create(name, driver="bridge", labels=labels,
+                                                  ipam=ipam)
+            except docker.errors.APIError:
+                # another network took that subnet between the two calls: again
+                if attempt == 4:
+                    raise
+                continue
+            net.reload()
+            return net
 
     # -- tasks ---------------------------------------------------------------------------
     def _start(self, role: str, index: int, ip: str | None = None):
@@ -129,7 +143,8 @@ class DockerCluster:
         networking = self.client.api.create_networking_config({self.network.name: endpoint})
         container = self.client.api.create_container(
             self.image, cmd, name=f"pstrain-{self.id}-{role}-{index}",
-            environment=self._env, labels={"pstrain.cluster": self.id, "pstrain.role": role},
+            environment=self._env,
+            labels={"pstrain.cluster": self.id, "pstrain.role": role, "pstrain.ip": ip},
             networking_config=networking,
             host_config=self.client.api.create_host_config(
                 init=True, binds=self._volumes or None,
@@ -185,23 +200,31 @@ class DockerCluster:
         self._kill_inside("ps", index, "psserver")
 
     def kill_worker(self, index: int) -> None:
-        """Kill worker ``index``'s container and drop it from the spec."""
+        """Kill worker ``index``'s container and drop it from the spec
+        (``restart_worker`` brings it back on its address)."""
         c = self.container("worker", index)
         with self._lock:
             self.addresses["worker"][index] = None
         c.kill()
 
     def restart_worker(self, index: int) -> None:
-        """Kill worker ``index`` and start it again on its address (the
-        coordinator reconnects and re-queues what it lost)."""
+        """Kill worker ``index`` (if it runs) and start it again on its
+        address (the coordinator reconnects and re-queues what it lost)."""
         c = self.container("worker", index)
         since = time.time()
         c.restart(timeout=0)
         self._wait_listening(c, since)
+        with self._lock:
+            self.addresses["worker"][index] = self._address_of(c)
 
     def _kill_inside(self, role: str, index: int, module: str) -> None:
         c = self.container(role, index)
-        c.exec_run(["python", "-c", _KILL_TASK, module])
+        rc, out = c.exec_run(["python", "-c", _KILL_TASK, module])
+        # 137: the exec itself went down with the container it emptied
+        if rc not in (0, 137):
+            what = "no such process runs there" if rc == 3 else \
+                (out or b"").decode(errors="replace")[-2000:]
+            raise RuntimeError(f"could not kill {module} in {c.name} (exit {rc}): {what}")
 
     def disconnect(self, role: str, index: int) -> None:
         """Cut task ``role`` ``index`` off the network (a partition: its
@@ -210,24 +233,36 @@ class DockerCluster:
 
     def reconnect(self, role: str, index: int) -> None:
         """Undo ``disconnect``: the task is reachable on its address again."""
-        ip = self.addresses[role][index] or ""
-        self.network.connect(self.container(role, index), ipv4_address=ip.rsplit(":", 1)[0])
+        c = self.container(role, index)
+        self.network.connect(c, ipv4_address=self._address_of(c).rsplit(":", 1)[0])
+
+    def _address_of(self, c) -> str:
+        """HOST:PORT the task in container ``c`` was given (kept when it is
+        killed, restarted or cut off)."""
+        return f"{c.labels['pstrain.ip']}:{PORT}"
 
     def stop(self) -> None:
         """Remove every container of the cluster and its network."""
-        errors = self._docker.errors
+        errors, failed = self._docker.errors, []
         for c in self.client.containers.list(all=True,
                                              filters={"label": f"pstrain.cluster={self.id}"}):
             try:
                 c.remove(force=True)
             except errors.NotFound:
                 pass
+            except errors.APIError as e:   # e.g. removal already in progress: go on
+                failed.append(f"container {c.name}: {e}")
         if self.network is not None:
             try:
                 self.network.remove()
             except errors.NotFound:
                 pass
+            except errors.APIError as e:
+                failed.append(f"network {self.network.name}: {e}")
             self.network = None
+        if failed:
+            raise RuntimeError("DockerCluster.stop left behind (remove by hand: docker rm -f / "
+                               "docker network rm): " + "; ".join(failed))
 
     def __enter__(self) -> "DockerCluster":
         return self

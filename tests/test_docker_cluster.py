@@ -115,3 +115,24 @@ def test_stop_removes_every_container_and_the_network():
         net = cluster.network.name
     assert client.containers.list(all=True, filters={"label": label}) == []
     assert client.networks.list(names=[net]) == []
+
+
+def test_a_killed_worker_restarts_on_its_address_and_a_bad_kill_is_an_error():
+    """kill_worker drops the worker from the spec; restart_worker brings it
+    back on the same address, where it runs steps again. Killing a process
+    the container does not run raises, naming the container."""
+    _docker_or_skip()
+    from coordinator import DockerCluster
+    with DockerCluster(1, 1, image=IMAGE) as cluster:
+        address = cluster.spec.worker[0]
+        cluster.kill_worker(0)
+        assert list(cluster.spec.worker) == []
+        cluster.restart_worker(0)
+        assert list(cluster.spec.worker) == [address]
+        strategy = ParameterServerStrategy(cluster.spec)
+        w = _table(strategy)
+        with ClusterCoordinator(strategy) as coord:
+            coord.fetch([coord.schedule(counting_step(w, "HOSTNAME")) for _ in range(3)])
+        np.testing.assert_array_equal(w.read(), np.full((ROWS, 4), 3, np.float32))
+        with pytest.raises(RuntimeError, match="no such process runs there"):
+            cluster._kill_inside("worker", 0, "no-such-module")
