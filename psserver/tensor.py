@@ -82,9 +82,11 @@ def read_as(name: str) -> np.dtype | None:
 
 
 def as_float16(arr: np.ndarray) -> np.ndarray:
-    """A float32/float64 array as float16, clipped to +-65504 (float16's largest
-    finite value) and rounded to nearest even, bit for bit what numpy's
-    ``astype(np.float16)`` gives; arrays of other dtypes as they are.
+    """A float32/float64 array as float16, finite values clipped to +-65504
+    (float16's largest finite value) and rounded to nearest even, bit for bit
+    what numpy's ``astype(np.float16)`` gives; NaN and +-Inf stay NaN and
+    +-Inf (a value that is already non-finite is never passed off as a
+    large finite one); arrays of other dtypes as they are.
     Rounding twice gives what rounding once does, whichever side does it.
 
     numpy converts a value that lands below float16's smallest normal (2**-14,
@@ -105,8 +107,10 @@ def as_float16(arr: np.ndarray) -> np.ndarray:
         if finite:
             return _float32_to_16(flat).reshape(arr.shape)
     mag = np.abs(arr)
-    if mag.max(initial=0.0) > FLOAT16_MAX:   # beyond float16's range: clipped
-        arr = np.clip(arr, -FLOAT16_MAX, FLOAT16_MAX)
+    with np.errstate(invalid="ignore"):
+        big = (mag > FLOAT16_MAX) & (mag != np.inf)   # finite, beyond float16's range
+    if big.any():   # clipped; NaN compares False and Inf is left out: both kept
+        arr = np.where(big, np.copysign(FLOAT16_MAX, arr), arr)
     tiny = mag < SMALLEST_NORMAL16
     if not tiny.any():
         return arr.astype(np.float16)

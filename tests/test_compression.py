@@ -352,7 +352,7 @@ def test_float16_rounding_is_numpys_for_every_float16_bit_pattern_and_beyond():
     """psserver.tensor.as_float16 (by hand below 2**-14, where numpy is slow)
     gives numpy's astype(float16) bits for every value a float16 can hold,
     the midpoints between them, random float32/float64 values of every
-    magnitude, and clips what is beyond +-65504."""
+    magnitude, clips finite values beyond +-65504 and keeps NaN and Inf."""
     from psserver import tensor as T
     h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     h = h[np.isfinite(h)]
@@ -369,8 +369,13 @@ def test_float16_rounding_is_numpys_for_every_float16_bit_pattern_and_beyond():
                                       values.astype(np.float16).view(np.uint16))
     big = np.array([7e4, -1e30, np.inf, 1e-30, -2e-8], np.float32)
     np.testing.assert_array_equal(T.as_float16(big).astype(np.float32),
-                                  [65504, -65504, 65504, 0, -0.0])
+                                  [65504, -65504, np.inf, 0, -0.0])
     assert np.signbit(T.as_float16(big)[4])
+    for dt in (np.float32, np.float64):   # NaN beside a large value: that one clipped still
+        odd = np.array([np.nan, 7e4, -np.inf, -7e4, 1.0], dt)
+        got = T.as_float16(odd).astype(np.float32)
+        assert np.isnan(got[0])
+        np.testing.assert_array_equal(got[1:], [65504, -np.inf, -65504, 1.0])
     finite = np.array([7e4, -1e30, 65519, 65520, -2e-8, 3e-8, -0.0], np.float32)   # fast path
     got = T.as_float16(finite)
     np.testing.assert_array_equal(got.astype(np.float32),
