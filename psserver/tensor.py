@@ -6,11 +6,14 @@ and no copy (the result is read-only; callers that must write copy it).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from psserver.contract import InvalidArgument
+
+if TYPE_CHECKING:   # annotations only
+    from protos import ps_pb2
 
 #: dtypes a variable may have (name -> little-endian numpy dtype).
 VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<")
