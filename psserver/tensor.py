@@ -13,7 +13,7 @@ import numpy as np
 from psserver.contract import InvalidArgument
 
 if TYPE_CHECKING:   # annotations only
-    from protos import ps_pb2
+    from protos.pstrain.v1 import ps_pb2
 
 #: dtypes a variable may have (name -> little-endian numpy dtype).
 VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<")
