@@ -27,7 +27,7 @@ import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tensor as T
-from psserver import ipc, methods, routing, shm
+from psserver import ipc, methods, routing, shm, wire
 from psserver.methods import Method
 from psserver.transport import GrpcTransport, Pending, SocketTransport
 from psserver.tls import TLSConfig, make_channel
@@ -374,6 +374,8 @@ class ServerChannel:
         try:
             pending = sock.send(method, request, self.timeout)
         except PSError as exc:
+            # joined now, while the caller's arrays are as they were (wire.Scattered)
+            request = wire.joined(request)
             if getattr(exc, "not_sent", False):
                 self._drop_socket(sock)
                 return Pending(lambda: self.grpc.call(method, request, self.timeout))

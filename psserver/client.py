@@ -43,6 +43,10 @@ from psserver.transport import Pending
 from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _halved, _meta_from_proto,
                                    _set_sync, _set_sync_read)
 
+#: Dense pushes of at least this many bytes go over a socket from their
+#: arrays (wire.SCATTER, one sendmsg) instead of being copied into a frame:
+#: below it the copy costs less than the extra buffers.
+SCATTER_BYTES = 1 << 20
 
 
 class PSClient(SharedMemoryPath, ServerChannel):
@@ -347,9 +351,14 @@ class PSClient(SharedMemoryPath, ServerChannel):
             sync_raw = b""
             if sync is not None:
                 sync_raw = ps_pb2.SyncInfo(**dataclasses.asdict(sync)).SerializeToString()
+            over_socket = self._socket(methods.BULK_PUSH) is not None
+            # Over a socket: large gradients sent from their arrays (sendmsg, no
+            # copy; sent before this returns), small ones framed in a pooled buffer.
+            into = (wire.SCATTER if sum(a.nbytes for a in arrays) >= SCATTER_BYTES
+                    else buffers.take) if over_socket else None
             raw = wire.encode_push_request(
                 [(item[0], a, uid) for item, a, uid in zip(items, arrays, uids)], sync_raw,
-                buffers.take if self._socket(methods.BULK_PUSH) is not None else None)
+                into)
 
             def recover(exc: PSError):
                 if exc.code == Code.UNIMPLEMENTED:   # an older server

@@ -100,6 +100,7 @@ REPLY_SECONDS = 60.0
 HELLO, IDENTITY = 0, 8
 #: Bodies above this are sent apart from their frame header (no joined copy).
 _JOIN_BYTES = 64 << 10
+_IOV_MAX = 1024   # the most buffers one sendmsg takes (Linux's UIO_MAXIOV)
 #: Frames up to this size are received into one buffer made at once.
 _EAGER_BYTES = 4 << 20
 _RDHUP = getattr(select, "POLLRDHUP", 0)
@@ -220,9 +221,34 @@ def _tune_tcp(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 15_000)
 
 
-def _send(sock: socket.socket, header: bytes, body: bytes | bytearray) -> None:
-    """A frame: header and body joined when small, sent apart (no copy) when large."""
-    if len(body) <= _JOIN_BYTES:
+def _nbytes(body) -> int:
+    """A frame body's size: a buffer, or a tuple of buffers (psserver/wire.Scattered)."""
+    return sum(memoryview(p).nbytes for p in body) if isinstance(body, tuple) else len(body)
+
+
+def _send_parts(sock: socket.socket, parts) -> None:
+    """The buffers ``parts`` sent in order, with sendmsg (one system call
+    for all of them, however the kernel splits it); one by one over TLS."""
+    views = [v.cast("B") for v in map(memoryview, parts) if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):   # no sendmsg there
+        for v in views:
+            sock.sendall(v)
+        return
+    while views:
+        n = sock.sendmsg(views[:_IOV_MAX])
+        while n:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0], n = views[0][n:], 0
+
+
+def _send(sock: socket.socket, header: bytes, body) -> None:
+    """A frame: header and body joined when small, sent apart (no copy) when
+    large; a tuple of buffers (psserver/wire.Scattered) as they are."""
+    if isinstance(body, tuple):
+        _send_parts(sock, (header, *body))
+    elif len(body) <= _JOIN_BYTES:
         sock.sendall(header + body)
     else:
         sock.sendall(header)
@@ -379,7 +405,7 @@ class IpcClient:
             s.settimeout(timeout)
             with self._lock:
                 self._busy.add(s)
-            _send(s, _REQUEST.pack(method, len(request), timeout or 0.0), request)
+            _send(s, _REQUEST.pack(method, _nbytes(request), timeout or 0.0), request)
         except BaseException as exc:
             # Not sent in full: a server runs a call only once all of it came.
             # (A new connection refused, or answered by another task (a server

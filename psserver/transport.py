@@ -24,7 +24,7 @@ from typing import Callable
 
 import grpc
 
-from psserver import routing
+from psserver import routing, wire
 from psserver.errors import Internal, Unavailable, from_rpc_error
 from psserver.ipc import IpcClient
 from psserver.methods import Method
@@ -90,6 +90,8 @@ class GrpcTransport(Transport):
         """The multi-callable for m and the request as it takes it."""
         if isinstance(request, memoryview):   # framed into a socket's buffer (a resend)
             request = request.tobytes()
+        elif isinstance(request, wire.Scattered):   # framed for a socket's sendmsg (a resend)
+            request = wire.joined(request)
         raw = m.request is None or isinstance(request, (bytes, bytearray))   # framed by hand
         c = self._callables.get((m.path, raw))
         if c is None:
@@ -150,8 +152,8 @@ class SocketTransport(Transport):
     def send(self, method: Method, request, timeout: float | None) -> Pending:
         if method.id is None:
             raise ValueError(f"{method.path} is not a socket call (psserver/methods.py)")
-        payload = request if isinstance(request, (bytes, bytearray, memoryview)) else \
-            request.SerializeToString()
+        payload = request if isinstance(request, (bytes, bytearray, memoryview, wire.Scattered)) \
+            else request.SerializeToString()
         receive = self.client.send(method.id, payload, timeout)
         if method.reply is None:
             return Pending(receive, receive.ready)

@@ -106,9 +106,33 @@ def _contiguous_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def _join(parts: list, into: Callable[[int], np.ndarray] | None) -> bytes | memoryview:
+class Scattered(tuple):
+    """A message as the buffers that make it up, in order, not joined: a
+    socket sends them with one sendmsg (psserver/ipc.py), so a large
+    tensor's bytes go from its array to the kernel without a copy here.
+    ``bytes(joined(msg))`` is the message; the arrays must not change until
+    it is sent."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(p).nbytes for p in self)
+
+
+#: ``into`` for the encoders: the parts as a Scattered message, not joined.
+SCATTER = object()
+
+
+def joined(msg):
+    """``msg`` as one buffer (a Scattered message joined; anything else as it is)."""
+    return b"".join(msg) if isinstance(msg, Scattered) else msg
+
+
+def _join(parts: list, into) -> bytes | memoryview | Scattered:
     """parts joined: bytes, or with ``into`` (psserver/buffers.take) a
-    memoryview of the buffer it gives (a socket's frame: used again)."""
+    memoryview of the buffer it gives (a socket's frame: used again), or
+    with SCATTER not joined (a Scattered)."""
+    if into is SCATTER:
+        return Scattered(p for p in parts if len(p))
     if into is None:
         return b"".join(parts)
     out = memoryview(into(sum(len(p) for p in parts)))
@@ -144,8 +168,7 @@ def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]],
 
 
 def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
-                        sync: bytes = b"", into: Callable[[int], np.ndarray] | None = None
-                        ) -> bytes | memoryview:
+                        sync: bytes = b"", into=None) -> bytes | memoryview | Scattered:
     """PushRequest{updates: [DenseUpdate{name, tensor, update_id}], sync} as bytes
     (see _join for ``into``).
 

@@ -9,7 +9,6 @@ import ssl
 import struct
 import urllib.request
 
-import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
 from coordinator import push_gradients
 from coordinator import variables as V
-from protos.pstrain.v1 import ps_pb2
 from psserver.contract import Code
 from psserver import ipc, ipc_server, shm, wire
 from psserver import methods
+from psserver import client as client_module
 from psserver.client import PSClient
 from psserver.errors import PSError, Unauthenticated, Unavailable
 from psserver.process import start_task
@@ -158,6 +157,42 @@ def test_data_port_speaks_mutual_tls_only(start_ps, tmp_path):
                       ssl_context=stranger.ssl_client_context()).connect()
     with remote(ps.address, tls=tls, token="t") as c:   # still serving
         assert c.push("w", np.ones(N, np.float32)) == 2
+        # a push large enough to go from its array in parts (wire.Scattered), over TLS
+        big = np.random.default_rng(1).standard_normal(1 << 19).astype(np.float32)   # 2 MiB
+        c.create_variable("big", initial_value=np.zeros(big.size, np.float32),
+                          optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+        assert big.nbytes >= client_module.SCATTER_BYTES
+        assert c.push("big", big) == 1 and c._data is not None
+        np.testing.assert_array_equal(c.read("big"), -big)
+
+
+def test_a_frame_in_parts_arrives_whole_however_the_kernel_splits_it():
+    """ipc._send_parts (wire.Scattered frames): buffers of any sizes and
+    formats, through a send buffer far smaller than them (sendmsg sends
+    part of a buffer, or of several), arrive byte for byte, in order."""
+    import threading
+    a, b = socket.socketpair()
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        rng = np.random.default_rng(2)
+        floats = rng.standard_normal(300_001).astype(np.float32)
+        parts = wire.Scattered([b"head", memoryview(floats), b"", bytes(range(256)) * 7,
+                                memoryview(floats[::2].copy()).cast("B"), b"t"])
+        want = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        assert parts.nbytes == len(want) and wire.joined(parts) == want
+        got = bytearray()
+
+        def read():
+            while len(got) < len(want):
+                got.extend(b.recv(1 << 16))
+        t = threading.Thread(target=read)
+        t.start()
+        ipc._send_parts(a, parts)
+        t.join(timeout=20)
+        assert bytes(got) == want
+    finally:
+        a.close()
+        b.close()
 
 
 def test_data_port_off_fixed_or_taken(start_ps):
