@@ -1,0 +1,607 @@
+"""Dynamic embedding tables: rows keyed by arbitrary int64 ids, created on
+first sight (subject to admission), evicted by capacity or age.
+
+A parameter server shard holds one ``DynamicTable`` per table (the keys it
+owns by hash: ``shard_of``). It is the data structure only; the server's
+store wraps calls to it in its locks, and the optimizer updates its rows
+through the same ``apply_sparse`` as a fixed table's.
+
+Layout (all numpy, no Python object per key):
+
+* a hash index (``KeyIndex``): buckets of 4 slots, each a key (int64) and
+  the row it names (int64), linear probing over buckets; at most half the
+  slots are used (rebuilt past that);
+* the rows, the optimizer's slots and per-row bookkeeping in arrays that
+  grow by a quarter when full (pages never written stay unresident), with
+  freed rows (evicted) reused first;
+* per row: its key, the table step and time of its last update (age
+  eviction), the step of its last use (LRU) and how often it was looked up
+  (LFU).
+
+Per-key overhead beyond the row and its slots: 2 to 4 index slots of 16
+bytes (load 0.25-0.5) and 40 bytes of bookkeeping (key, two steps, a time,
+a count), so 72 to 104 bytes, plus an admission counter entry (24 bytes and
+its 32 to 64 bytes of index, only for keys seen but not yet admitted).
+
+Admission: a key gets a row once it was looked up ``min_count`` times
+(counted in a bounded table of its own, oldest forgotten first), and then
+only with probability ``probability`` per look-up past that; until then a
+look-up returns the default row (zeros) and a gradient for it is dropped.
+Both are counted. Eviction: ``capacity`` rows at most (the least recently
+used, or the least frequently looked up, go first, ties to the oldest), and
+rows not updated for ``max_age_steps`` table steps (a step: one applied
+gradient batch) or ``max_age_seconds``. An evicted key forgets everything:
+seen again, it starts over (admission included) from its initializer.
+
+New rows are initialized from (seed, key) alone (``initial_rows``), so a
+key's first value does not depend on the order keys arrive in, or on the
+shard: a table resharded or re-created gives the same rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from psserver.contract import Initializer, InvalidArgument
+
+EMPTY, DELETED = -1, -2   # a slot's row when it holds no key
+_BUCKET = 4
+_TAIL = 8                # buckets a look-up past its home bucket takes at once
+_MIN_SLOTS = 64
+_GROW = 1.25             # rows arrays grow by this factor when full
+EVICTION_POLICIES = ("lru", "lfu")
+_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 (a new array): a key's hash."""
+    z = np.asarray(x).astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= _C1
+        z ^= z >> np.uint64(27)
+        z *= _C2
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """Which of ``num_shards`` shards owns each key (by hash, not by value:
+    keys that are small integers or share low bits still spread)."""
+    h = mix64(np.asarray(keys, np.int64).view(np.uint64) ^ _GOLDEN)
+    return (h % np.uint64(num_shards)).astype(np.int64)
+
+
+def _any4(b: np.ndarray) -> np.ndarray:
+    """``b.any(axis=1)`` for a C-contiguous (n, 4) bool array, as one uint32
+    per row (numpy's reduction over a short axis is ~5x slower)."""
+    return np.ascontiguousarray(b).view(np.uint32)[:, 0] != 0
+
+
+class KeyIndex:
+    """int64 key -> int64 row: a hash table of buckets of 4 slots (a bucket's
+    keys are 32 bytes: one cache line), linear probing over buckets,
+    vectorized over arrays of keys.
+
+    Per slot a key and a row; the row is EMPTY (-1) or DELETED (-2) when the
+    slot holds no key. At most half the slots are used (empty slots are
+    made anew past that), so nearly every key is in its home bucket and a
+    look-up of many keys is one gather of their buckets. ``insert`` expects
+    keys that are unique and absent (``find`` first)."""
+
+    def __init__(self, slots: int = _MIN_SLOTS):
+        self._alloc(max(_MIN_SLOTS, 1 << max(0, int(slots) - 1).bit_length()) // _BUCKET)
+        self.size = 0      # slots holding a key
+        self.used = 0      # ... and deleted ones (what look-ups walk past)
+
+    def _alloc(self, buckets: int) -> None:
+        self.keys = np.zeros((buckets, _BUCKET), np.int64)
+        self.rows = np.full((buckets, _BUCKET), EMPTY, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.rows.nbytes
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return (mix64(keys.view(np.uint64))
+                & np.uint64(self.keys.shape[0] - 1)).astype(np.int64)
+
+    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bucket, slot, row) of each key; bucket and row -1 where it is
+        absent. The home buckets of all keys are gathered at once (np.take:
+        several times faster than fancy indexing here); the few keys whose
+        home bucket is full and lacks them (~4% at half load) then look at
+        the next _TAIL buckets at once, and so on."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        n = keys.size
+        bucket, slot, row = (np.full(n, -1, np.int64), np.zeros(n, np.int64),
+                             np.full(n, -1, np.int64))
+        if not n or not self.size:
+            return bucket, slot, row
+        mask = self.keys.shape[0] - 1
+        home = self._home(keys)
+        kb = np.take(self.keys, home, axis=0)
+        rb = np.take(self.rows, home, axis=0)
+        hit = kb == keys[:, None]
+        hit &= rb >= 0
+        found = _any4(hit)
+        at = hit.argmax(axis=1)
+        bucket[found] = home[found]
+        slot[found] = at[found]
+        row[found] = np.take_along_axis(rb, at[:, None], axis=1)[found, 0]
+        active = np.flatnonzero(~found & ~_any4(rb == EMPTY))   # full, and not there
+        step = np.arange(1, _TAIL + 1)
+        start = home[active]
+        for _ in range(self.keys.shape[0] // _TAIL + 1):   # bounded: every bucket once
+            if not active.size:
+                break
+            b = (start[:, None] + step) & mask                       # (m, _TAIL)
+            kb = np.take(self.keys, b.reshape(-1), axis=0).reshape(active.size, -1)
+            rb = np.take(self.rows, b.reshape(-1), axis=0).reshape(active.size, -1)
+            hit = (kb == keys[active, None]) & (rb >= 0)
+            found = hit.any(axis=1)
+            at = hit.argmax(axis=1)
+            idx = active[found]
+            bucket[idx] = b[found, at[found] // _BUCKET]
+            slot[idx] = at[found] % _BUCKET
+            row[idx] = rb[found, at[found]]
+            go_on = ~found & ~(rb == EMPTY).any(axis=1)
+            active, start = active[go_on], start[go_on] + _TAIL
+        return bucket, slot, row
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The row of each key, or -1 where the key is absent."""
+        return self._locate(keys)[2]
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Add unique, absent ``keys`` naming ``rows``: each in the first
+        free slot (empty or deleted) from its home bucket on."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        rows = np.ascontiguousarray(rows, np.int64)
+        if not keys.size:
+            return
+        if 2 * (self.used + keys.size) > self.keys.size:
+            self._rebuild(self.size + keys.size)
+        mask = self.keys.shape[0] - 1
+        pos = self._home(keys)
+        pending = np.arange(keys.size)
+        while pending.size:
+            order = np.argsort(pos[pending], kind="stable")
+            pending = pending[order]
+            b = pos[pending]
+            starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+            rank = np.arange(b.size) - np.repeat(starts, np.diff(np.r_[starts, b.size]))
+            free = self.rows[b] < 0
+            fits = rank < free.sum(axis=1)
+            # the rank-th free slot of the bucket
+            nth = (np.cumsum(free, axis=1) == (rank + 1)[:, None]) & free
+            slot = nth.argmax(axis=1)
+            win, wb, ws = pending[fits], b[fits], slot[fits]
+            self.used += int((self.rows[wb, ws] == EMPTY).sum())
+            self.keys[wb, ws] = keys[win]
+            self.rows[wb, ws] = rows[win]
+            pending = pending[~fits]
+            pos[pending] = (pos[pending] + 1) & mask
+        self.size += keys.size
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        """Remove the keys that are present; their rows (the others: ignored)."""
+        bucket, slot, _ = self._locate(keys)
+        found = bucket >= 0
+        bucket, slot = bucket[found], slot[found]
+        rows = self.rows[bucket, slot].copy()
+        self.rows[bucket, slot] = DELETED
+        self.size -= rows.size
+        return rows
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        full = self.rows >= 0
+        return self.keys[full], self.rows[full]
+
+    def _rebuild(self, need: int) -> None:
+        keys, rows = self.items()
+        n = _MIN_SLOTS
+        while n < 2 * max(need, 1):
+            n *= 2
+        self._alloc(n // _BUCKET)
+        self.size = self.used = 0
+        self.insert(keys, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """How a dynamic table admits and evicts rows (see the module docstring).
+
+    ``capacity`` 0: no limit; ``max_age_steps`` / ``max_age_seconds`` 0: no
+    age limit; ``admission_capacity``: keys the admission counter remembers
+    (0: 4 x capacity, or 1M without a capacity)."""
+    dim: int
+    dtype: str = "float32"
+    initializer: Initializer = Initializer()
+    min_count: int = 1
+    probability: float = 1.0
+    capacity: int = 0
+    policy: str = "lru"
+    max_age_steps: int = 0
+    max_age_seconds: float = 0.0
+    admission_capacity: int = 0
+    seed: int = 0
+
+    def check(self) -> "TableConfig":
+        """This config, or InvalidArgument saying what to change."""
+        def bad(what):
+            raise InvalidArgument(f"dynamic table: {what}")
+        if not isinstance(self.dim, int) or not 1 <= self.dim <= 1 << 16:
+            bad(f"dim must be an integer from 1 to 65536, got {self.dim!r}")
+        if self.dtype not in ("float32", "float64"):
+            bad(f"dtype must be float32 or float64, got {self.dtype!r}")
+        if not isinstance(self.min_count, int) or not 1 <= self.min_count <= 1 << 30:
+            bad(f"min_count must be an integer >= 1 (1: admit on first sight), "
+                f"got {self.min_count!r}")
+        if not (isinstance(self.probability, (int, float)) and 0 < self.probability <= 1):
+            bad(f"probability must be in (0, 1], got {self.probability!r}")
+        for name in ("capacity", "max_age_steps", "admission_capacity"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not 0 <= v < 1 << 40:
+                bad(f"{name} must be an integer >= 0 (0: no limit), got {v!r}")
+        if not (isinstance(self.max_age_seconds, (int, float))
+                and math.isfinite(self.max_age_seconds) and self.max_age_seconds >= 0):
+            bad(f"max_age_seconds must be a finite number >= 0 (0: no limit), "
+                f"got {self.max_age_seconds!r}")
+        if self.policy not in EVICTION_POLICIES:
+            bad(f"policy must be one of {list(EVICTION_POLICIES)}, got {self.policy!r}")
+        if self.initializer.kind not in ("zeros", "ones", "constant", "random_normal",
+                                         "truncated_normal", "random_uniform"):
+            bad(f"unknown initializer {self.initializer.kind!r}")
+        return self
+
+
+def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer,
+                 seed: int) -> np.ndarray:
+    """Rows for new ``keys``, each a function of (seed, key) alone: counter-
+    based uniforms (splitmix64 of key, seed and column), Box-Muller for
+    normals, redrawn with the next counter beyond 2 stddev for truncated."""
+    keys = np.asarray(keys, np.int64)
+    shape = (keys.size, dim)
+    if init.kind == "zeros":
+        return np.zeros(shape, dtype)
+    if init.kind == "ones":
+        return np.ones(shape, dtype)
+    if init.kind == "constant":
+        return np.full(shape, init.value, dtype)
+    with np.errstate(over="ignore"):
+        base = mix64(keys.view(np.uint64) ^ mix64(np.uint64(seed ^ init.seed) + _GOLDEN))
+        cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
+
+    def uniform(salt: int) -> np.ndarray:   # in (0, 1), 53 bits
+        with np.errstate(over="ignore"):
+            u = mix64(base[:, None] + cols[None, :] + np.uint64(salt) * _C2)
+        return ((u >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+
+    if init.kind == "random_uniform":
+        out = init.minval + (init.maxval - init.minval) * uniform(1)
+        return out.astype(dtype)
+
+    def normal(salt: int) -> np.ndarray:
+        return np.sqrt(-2.0 * np.log(uniform(salt))) * np.cos(2.0 * np.pi * uniform(salt + 1))
+
+    z = normal(2)
+    if init.kind == "truncated_normal":
+        salt = 4
+        bad = np.abs(z) > 2
+        while bad.any():
+            z[bad] = normal(salt)[bad]
+            salt += 2
+            bad = np.abs(z) > 2
+    return (init.mean + init.stddev * z).astype(dtype)
+
+
+@dataclasses.dataclass
+class TableStats:
+    rows: int = 0
+    lookups: int = 0          # keys looked up
+    hits: int = 0             # ... that had a row
+    admitted: int = 0         # rows created
+    not_admitted: int = 0     # look-ups answered with the default row
+    evicted_capacity: int = 0
+    evicted_age: int = 0
+    updated: int = 0          # rows a gradient changed
+    dropped: int = 0          # gradient rows for keys without a row, dropped
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class DynamicTable:
+    """One shard of a dynamic embedding table: see the module docstring.
+
+    ``optimizer`` is a psserver.optimizers.Optimizer (its slots live here,
+    a row each); ``clock`` gives seconds (time.monotonic by default; tests
+    pass their own)."""
+
+    def __init__(self, config: TableConfig, optimizer, *,
+                 clock: Callable[[], float] = time.monotonic, initial_rows_hint: int = 1024):
+        self.config = config.check()
+        self.dtype = np.dtype(config.dtype)
+        self.optimizer = optimizer
+        self.clock = clock
+        self.stats = TableStats()
+        self.step = 0                 # applied gradient batches
+        self.index = KeyIndex(2 * initial_rows_hint)
+        self._n = 1                   # rows handed out (live + free); row 0: the default
+                                      # row (zeros), never handed out, so a look-up is one gather
+        self._free: list[np.ndarray] = []   # freed row numbers, reused first
+        self._free_count = 0
+        cap = max(16, initial_rows_hint)
+        self.value = np.empty((cap, config.dim), self.dtype)
+        self.value[0] = 0
+        # The optimizer's slots: a row per table row for its per-element
+        # slots, and as they are for the others (Adam's step count).
+        self._slot_init = optimizer.create_slots(np.zeros((1, config.dim), self.dtype))
+        self._row_slots = tuple(optimizer._array_slots(self._slot_init))
+        self.slots = dict(self._slot_init)
+        for n in self._row_slots:
+            self.slots[n] = np.empty((cap, config.dim), self.dtype)
+        self.row_key = np.zeros(cap, np.int64)
+        self.updated_step = np.zeros(cap, np.int64)
+        self.updated_time = np.zeros(cap, np.float64)
+        self.used_step = np.zeros(cap, np.int64)
+        self.freq = np.zeros(cap, np.int64)
+        self._tick = 0                # look-up batches (LRU's clock)
+        # Admission: keys seen but not admitted, and how often.
+        self.pending = KeyIndex()
+        self._pcount = np.zeros(64, np.int64)
+        self._pseen = np.zeros(64, np.int64)
+        self._pkey = np.zeros(64, np.int64)
+        self._pn = 0
+        self._pfree: list[np.ndarray] = []
+        self._rng = np.random.default_rng(config.seed)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array this shard holds (resident or not)."""
+        arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key, self.updated_step,
+                  self.updated_time, self.used_step, self.freq, self._pcount, self._pseen,
+                  self._pkey]
+        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes
+
+    # -- look-ups ----------------------------------------------------------------------------
+    def lookup(self, keys, *, admit: bool = True) -> np.ndarray:
+        """Rows of ``keys`` (any shape of int64; the result has a trailing
+        dim): existing rows, rows created for keys admitted now, and the
+        default row (zeros) for the others. ``admit=False`` (evaluation,
+        serving): nothing is counted, created or touched."""
+        keys = _keys(keys)
+        flat = keys.reshape(-1)
+        self.expire()
+        rows = self.index.find(flat)
+        if admit:
+            self._tick += 1
+            self.stats.lookups += flat.size
+            self.stats.hits += int((rows >= 0).sum())
+            hit = rows[rows >= 0]
+            self.used_step[hit] = self._tick
+            np.add.at(self.freq, hit, 1)
+            missing = rows < 0
+            if missing.any():
+                new_keys, inverse = np.unique(flat[missing], return_inverse=True)
+                evicted = self.stats.evicted_capacity
+                made = self._admit(new_keys, np.bincount(inverse, minlength=new_keys.size))
+                rows[missing] = made[inverse]
+                if self.stats.evicted_capacity != evicted:   # a row hit above may be gone
+                    rows = self.index.find(flat)
+        out = np.take(self.value, np.maximum(rows, 0), axis=0)   # -1: row 0, the default row
+        return out.reshape(keys.shape + (self.config.dim,))
+
+    def _admit(self, keys: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Rows for unique absent ``keys`` seen ``times`` more times now (-1:
+        not admitted yet)."""
+        c = self.config
+        seen = times.astype(np.int64)
+        if c.min_count > 1:
+            slot = self.pending.find(keys)
+            known = slot >= 0
+            seen[known] += self._pcount[slot[known]]
+        ok = seen >= c.min_count
+        if c.probability < 1.0:
+            ok &= self._rng.random(keys.size) < c.probability
+        rows = np.full(keys.size, -1, np.int64)
+        if ok.any():
+            rows[ok] = self._create(keys[ok])
+        made = rows >= 0
+        self.stats.not_admitted += int(times[~made].sum())
+        if c.min_count > 1:
+            self._count_pending(keys, seen, made)
+        return rows
+
+    def _count_pending(self, keys: np.ndarray, seen: np.ndarray, admitted: np.ndarray) -> None:
+        slot = self.pending.find(keys)
+        gone = admitted & (slot >= 0)
+        if gone.any():
+            self._pfree.append(self.pending.delete(keys[gone]))
+        stay = ~admitted & (slot >= 0)
+        self._pcount[slot[stay]] = seen[stay]
+        self._pseen[slot[stay]] = self._tick
+        new = ~admitted & (slot < 0)
+        if new.any():
+            limit = self.config.admission_capacity or (
+                4 * self.config.capacity if self.config.capacity else 1 << 20)
+            over = self.pending.size + int(new.sum()) - limit
+            if over > 0:   # forget the keys seen longest ago
+                pk, pr = self.pending.items()
+                old = np.argsort(self._pseen[pr], kind="stable")[:over]
+                self._pfree.append(self.pending.delete(pk[old]))
+            nk = keys[new]
+            pr = self._take_pending(nk.size)
+            self.pending.insert(nk, pr)
+            self._pcount[pr] = seen[new]
+            self._pseen[pr] = self._tick
+            self._pkey[pr] = nk
+
+    def _take_pending(self, n: int) -> np.ndarray:
+        free = np.concatenate(self._pfree) if self._pfree else np.zeros(0, np.int64)
+        got, rest = free[:n], free[n:]
+        self._pfree = [rest] if rest.size else []
+        more = n - got.size
+        if more:
+            if self._pn + more > self._pcount.size:
+                size = max(int(self._pcount.size * 2), self._pn + more)
+                for name in ("_pcount", "_pseen", "_pkey"):
+                    old = getattr(self, name)
+                    new = np.zeros(size, old.dtype)
+                    new[:old.size] = old
+                    setattr(self, name, new)
+            got = np.concatenate([got, np.arange(self._pn, self._pn + more)])
+            self._pn += more
+        return got
+
+    def _create(self, keys: np.ndarray) -> np.ndarray:
+        """Rows for new unique ``keys``, initialized (-1 for keys beyond a
+        capacity smaller than the batch: the last ``capacity`` get rows);
+        over capacity, the policy's victims are evicted first."""
+        c = self.config
+        out = np.full(keys.size, -1, np.int64)
+        take = np.arange(keys.size)
+        if c.capacity and self.index.size + keys.size > c.capacity:
+            take = take[-c.capacity:]
+            self._evict_for(self.index.size + take.size - c.capacity)
+        keys = keys[take]
+        rows = self._take_rows(keys.size)
+        self.value[rows] = initial_rows(keys, c.dim, self.dtype, c.initializer, c.seed)
+        for name in self._row_slots:
+            self.slots[name][rows] = self._slot_init[name][0]
+        self.row_key[rows] = keys
+        self.updated_step[rows] = self.step
+        self.updated_time[rows] = self.clock()
+        self.used_step[rows] = self._tick
+        self.freq[rows] = 1
+        self.index.insert(keys, rows)
+        self.stats.admitted += keys.size
+        self.stats.rows = self.index.size
+        out[take] = rows
+        return out
+
+    def _take_rows(self, n: int) -> np.ndarray:
+        free = np.concatenate(self._free) if self._free else np.zeros(0, np.int64)
+        got, rest = free[:n], free[n:]
+        self._free = [rest] if rest.size else []
+        more = n - got.size
+        if more:
+            if self._n + more > self.value.shape[0]:
+                self._grow(self._n + more)
+            got = np.concatenate([got, np.arange(self._n, self._n + more)])
+            self._n += more
+        return got
+
+    def _grow(self, need: int) -> None:
+        size = max(need, int(self.value.shape[0] * _GROW) + 1)
+
+        def grown(a):
+            b = np.empty((size,) + a.shape[1:], a.dtype)
+            b[:self._n] = a[:self._n]
+            return b
+        self.value = grown(self.value)
+        for n in self._row_slots:
+            self.slots[n] = grown(self.slots[n])
+        for name in ("row_key", "updated_step", "updated_time", "used_step", "freq"):
+            setattr(self, name, grown(getattr(self, name)))
+
+    # -- eviction ----------------------------------------------------------------------------
+    def _evict_rows(self, rows: np.ndarray) -> None:
+        self.index.delete(self.row_key[rows])
+        self._free.append(rows.astype(np.int64))
+        self.stats.rows = self.index.size
+
+    def _evict_for(self, n: int) -> None:
+        """Evict ``n`` rows by the policy: least recently used (LRU) or least
+        often looked up (LFU, ties to the least recently used)."""
+        _, live = self.index.items()
+        if self.config.policy == "lfu":
+            order = np.lexsort((self.used_step[live], self.freq[live]))
+        else:
+            order = np.lexsort((self.freq[live], self.used_step[live]))
+        victims = live[order[:n]]
+        self._evict_rows(victims)
+        self.stats.evicted_capacity += victims.size
+
+    def expire(self) -> int:
+        """Evict rows not updated for max_age_steps steps or max_age_seconds;
+        how many."""
+        c = self.config
+        if not (c.max_age_steps or c.max_age_seconds) or not self.index.size:
+            return 0
+        _, live = self.index.items()
+        old = np.zeros(live.size, bool)
+        if c.max_age_steps:
+            old |= self.step - self.updated_step[live] >= c.max_age_steps
+        if c.max_age_seconds:
+            old |= self.clock() - self.updated_time[live] >= c.max_age_seconds
+        if old.any():
+            self._evict_rows(live[old])
+            self.stats.evicted_age += int(old.sum())
+        return int(old.sum())
+
+    # -- updates -----------------------------------------------------------------------------
+    def apply_gradients(self, keys, grads) -> int:
+        """Apply row gradients (duplicate keys summed) with the optimizer, to
+        the keys that have rows; the rest are dropped and counted. One table
+        step. Returns how many rows changed."""
+        from psserver.optimizers import sum_duplicates
+        keys = _keys(keys).reshape(-1)
+        grads = np.asarray(grads)
+        if grads.shape != (keys.size, self.config.dim):
+            raise InvalidArgument(
+                f"dynamic table: gradient has shape {grads.shape}, expected "
+                f"({keys.size}, {self.config.dim}) for {keys.size} keys of dim {self.config.dim}")
+        if grads.dtype.kind != "f":
+            raise InvalidArgument(f"dynamic table: gradient dtype must be floating, got "
+                                  f"{grads.dtype}")
+        if not np.isfinite(grads).all():
+            raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
+        ukeys, summed = sum_duplicates(keys, grads)
+        rows = self.index.find(ukeys)
+        have = rows >= 0
+        self.stats.dropped += int((~have).sum())
+        self.step += 1
+        if have.any():
+            r = rows[have]
+            order = np.argsort(r)
+            r = r[order]
+            self.optimizer.apply_sparse(self.value, self.slots, r,
+                                        summed[have][order].astype(self.dtype, copy=False))
+            self.updated_step[r] = self.step
+            self.updated_time[r] = self.clock()
+            self.stats.updated += r.size
+        return int(have.sum())
+
+    # -- state (checkpoints, resharding) -------------------------------------------------------
+    def export(self) -> dict[str, np.ndarray]:
+        """Every live row: keys, values, slots and bookkeeping, sorted by key."""
+        keys, rows = self.index.items()
+        order = np.argsort(keys)
+        keys, rows = keys[order], rows[order]
+        out = {"keys": keys, "values": self.value[rows],
+               "updated_step": self.updated_step[rows], "freq": self.freq[rows],
+               "age_seconds": self.clock() - self.updated_time[rows]}
+        for name in self._row_slots:
+            out[f"slot/{name}"] = self.slots[name][rows]
+        return out
+
+
+def _keys(keys) -> np.ndarray:
+    a = np.asarray(keys)
+    if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
+        raise InvalidArgument(
+            f"dynamic table keys must be int64 (or a narrower integer type), got {a.dtype}; "
+            "hash string features to int64 first")
+    return a.astype(np.int64, copy=False)
