@@ -39,6 +39,7 @@ from psserver.contract import (MESSAGE_OVERHEAD, Code, Initializer, InvalidArgum
 
 from psserver.channel import ServerChannel
 from psserver.client_shm import SharedMemoryPath
+from psserver.client_tables import TableCalls
 from psserver.transport import Pending
 from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _halved, _meta_from_proto,
                                    _set_sync, _set_sync_read)
@@ -49,7 +50,7 @@ from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _halved, _me
 SCATTER_BYTES = 1 << 20
 
 
-class PSClient(SharedMemoryPath, ServerChannel):
+class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
     """Client of the parameter server at ``address`` ("host:port").
 
     Args:

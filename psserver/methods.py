@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from protos.pstrain.v1 import ps_pb2, worker_pb2
+from protos.pstrain.v1 import ps_pb2, tables_pb2, worker_pb2
 
 PS, BULK, SHM = ("pstrain.v1.ParameterServer", "pstrain.v1.ParameterServerBulk",
                  "pstrain.v1.SharedMemory")
 WORKER = "pstrain.v1.Worker"
+TABLES = "pstrain.v1.DynamicTables"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +55,13 @@ BULK_READ = Method(6, BULK, "Read", ps_pb2.ReadRequest, None, "bulk_read")
 BULK_PUSH = Method(7, BULK, "Push", None, ps_pb2.UpdateReply, "bulk_push")
 REPLICATE = Method(9, PS, "Replicate", ps_pb2.ReplicateRequest, ps_pb2.ReplicateReply,
                    "Replicate")
+TABLE_LOOKUP = Method(10, TABLES, "Lookup", tables_pb2.LookupRequest, tables_pb2.LookupReply,
+                      "Lookup")
+TABLE_UPDATE = Method(11, TABLES, "Update", tables_pb2.TableUpdateRequest,
+                      tables_pb2.TableUpdateReply, "Update")
 
-SOCKET = (SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH, REPLICATE)
+SOCKET = (SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH, REPLICATE,
+          TABLE_LOOKUP, TABLE_UPDATE)
 BY_ID: dict[int, Method] = {m.id: m for m in SOCKET}
 
 
@@ -83,12 +89,18 @@ WORKER_INFO = _grpc_only(WORKER, "GetWorkerInfo", worker_pb2.WorkerInfoRequest,
                          worker_pb2.WorkerInfo)
 CREATE_DATASET = _grpc_only(WORKER, "CreateDataset", worker_pb2.CreateDatasetRequest,
                             worker_pb2.CreateDatasetReply)
+TABLE_CREATE = _grpc_only(TABLES, "Create", tables_pb2.CreateTableRequest, tables_pb2.TableInfo)
+TABLE_INFO = _grpc_only(TABLES, "Info", tables_pb2.TableRef, tables_pb2.TableInfo)
+TABLE_LIST = _grpc_only(TABLES, "List", tables_pb2.ListTablesRequest, tables_pb2.ListTablesReply)
+TABLE_DELETE = _grpc_only(TABLES, "Delete", tables_pb2.TableRef, tables_pb2.DeleteTableReply)
 
 ALL = SOCKET + (SERVER_INFO, CREATE, DELETE, META, LIST, READ, PUSH, ASSIGN, ABANDON, SAVE,
-                RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET)
+                RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET,
+                TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE)
 #: Calls that change nothing: made again, over gRPC, after a socket broke under them.
+#: (A table look-up counts and admits: not one of them.)
 IDEMPOTENT = frozenset({SERVER_INFO, META, LIST, READ, BULK_READ, GATHER, SHM_READ, SHM_SHARE,
-                        ABANDON, WORKER_INFO})
+                        ABANDON, WORKER_INFO, TABLE_INFO, TABLE_LIST})
 
 
 def socket_handlers(servicers: Mapping[str, object], *, shm: bool

@@ -32,7 +32,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos.pstrain.v1 import ps_pb2
+from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver import ipc, ipc_server, methods, metrics, rpc, shm, tf_config
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
@@ -221,6 +221,9 @@ def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server
     rpc.add_service(server, services["ParameterServer"], servicer)
     rpc.add_service(server, services["SharedMemory"], servicer.shared_memory)
 
+    rpc.add_service(server, tables_pb2.DESCRIPTOR.services_by_name["DynamicTables"],
+                    servicer.tables)
+
     rpc.add_service(server, services["ParameterServerBulk"], None, {
         "Read": lambda raw, context: servicer.bulk_read(rpc.parse(ps_pb2.ReadRequest, raw),
                                                         context),
@@ -256,7 +259,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     # own handlers; the shared-memory ones only where the segments can be: the
     # Unix socket. (Which client takes which socket: psserver/routing.py.)
     services = {methods.PS: servicer, methods.BULK: servicer,
-                methods.SHM: servicer.shared_memory}
+                methods.SHM: servicer.shared_memory, methods.TABLES: servicer.tables}
     identity = f"{PROTOCOL_VERSION}:{servicer.server_id}"
     if shm.available() and ipc.available():
         shared = servicer.shared_memory

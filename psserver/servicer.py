@@ -21,6 +21,7 @@ from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, P
                                InvalidArgument, OutOfRange, ResourceExhausted)
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
+from psserver.tables import TableServicer
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.max_upload_bytes = max_upload_bytes
         self.server_id = uuid.uuid4().hex
         self.shared_memory = SharedMemoryServicer(self)
+        self.tables = TableServicer(max_message_bytes, store)   # dynamic embedding tables
         self.data_port = 0   # set by create_server when it serves one (psserver/ipc.py)
 
     # -- plumbing (handlers raise typed errors; each transport maps them once:

@@ -24,7 +24,7 @@ import collections
 import contextlib
 import os
 import threading
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -56,6 +56,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         self.checkpoint_dirs = None if checkpoint_dirs is None else tuple(
             os.path.realpath(d) for d in checkpoint_dirs)
         self.observer = observer or StoreObserver()
+        # Bytes the server's dynamic tables hold (psserver/tables.py sets it):
+        # max_bytes bounds variables and tables together.
+        self.table_bytes: Callable[[], int] = lambda: 0
         self._vars: dict[str, Variable] = {}
         self._lock = threading.Lock()   # guards _vars and _abandoned (not the variables)
         # Sync mode: step -> replicas that will not push for it (their worker died).
@@ -179,10 +182,11 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 f"variable {name!r} exists already; delete it first, use another "
                 "name, or pass exist_ok=True to reuse it")
         need = nbytes_of(shape, dt) * (1 + len([s for s in opt.slot_names if s != "iterations"]))
-        if self.max_bytes is not None and self.total_bytes() + need > self.max_bytes:
+        held = self.total_bytes() + self.table_bytes()
+        if self.max_bytes is not None and held + need > self.max_bytes:
             raise ResourceExhausted(
                 f"creating {name!r} needs {need} bytes with its slots, but this "
-                f"server holds {self.total_bytes()} of its {self.max_bytes}-byte "
+                f"server holds {held} of its {self.max_bytes}-byte "
                 "limit; shard the variable over more parameter servers or raise "
                 "--max-memory-bytes")
         if initial_value is not None:

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 import pytest
 
-from protos.pstrain.v1 import ps_pb2
+from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver import ipc
 from psserver import methods
 from psserver import tensor as T
@@ -93,6 +93,20 @@ def templates(tmp: str) -> dict[str, list]:
         "SharedMemory/Read": [ps_pb2.ShmReadRequest(segment=1, names=["w"])],
         "SharedMemory/Push": [ps_pb2.ShmPushRequest(segment=1, updates=[ps_pb2.ShmTensor(
             name="w", dtype="float32", shape=[8, 4])])],
+        "DynamicTables/Create": [
+            tables_pb2.CreateTableRequest(name="fzt", spec=tables_pb2.TableSpec(
+                dim=4, min_count=2, capacity=8, max_age_steps=3,
+                initializer=ps_pb2.Initializer(kind="random_uniform"),
+                optimizer=ps_pb2.OptimizerSpec(name="adagrad"))),
+            tables_pb2.CreateTableRequest(name="d", spec=tables_pb2.TableSpec(dim=4),
+                                          exist_ok=True)],
+        "DynamicTables/Lookup": [tables_pb2.LookupRequest(name="d", keys=_t(ids)),
+                                 tables_pb2.LookupRequest(name="d", keys=_t(ids), no_admit=True)],
+        "DynamicTables/Update": [tables_pb2.TableUpdateRequest(
+            name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32)))],
+        "DynamicTables/Info": [tables_pb2.TableRef(name="d")],
+        "DynamicTables/List": [tables_pb2.ListTablesRequest()],
+        "DynamicTables/Delete": [tables_pb2.TableRef(name="fzt")],
     }
 
 
@@ -201,11 +215,15 @@ class Target:
                                       optimizer="adam")
         if "t" not in names:
             self.good.create_variable("t", initial_value=np.zeros((16, 4), np.float32))
+        self.good.create_table("d", 4, exist_ok=True)
 
     def state(self):
         metas = sorted((m.name, m.version, m.role, m.epoch) for m in self.good.list_variables())
         values = [self.good.read(n).tobytes() for n, *_ in metas]
-        return metas, values
+        tables = [(t.name, t.SerializeToString(deterministic=True))
+                  for t in self.good.list_tables()]
+        rows = [self.good.lookup(n, np.arange(-2, 8), admit=False).tobytes() for n, _ in tables]
+        return metas, values, tables, rows
 
 
 def check(target: Target, before, refused: bool, code, what: str):
@@ -274,6 +292,8 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
              methods.BULK_PUSH.id: templ["ParameterServerBulk/Push"],
              methods.REPLICATE.id: templ["ParameterServer/Replicate"],
              methods.SHM_READ.id: templ["SharedMemory/Read"], methods.SHM_PUSH.id: templ["SharedMemory/Push"],
+             methods.TABLE_LOOKUP.id: templ["DynamicTables/Lookup"],
+             methods.TABLE_UPDATE.id: templ["DynamicTables/Update"],
              methods.RUN_CLOSURE.id: [ps_pb2.ListRequest()], 99: [ps_pb2.ListRequest()]}
     if path == "data":
         port = target.good.server_info().data_port

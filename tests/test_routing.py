@@ -81,8 +81,9 @@ def test_the_calls_are_one_table():
     assert [m for m in methods.ALL if m.id is not None] == list(methods.SOCKET)
     assert {m.name for m in methods.ALL if m.shm} == {"Read", "Push"}
     assert all(m.service == methods.SHM and m.id is not None for m in methods.ALL if m.shm)
-    from protos.pstrain.v1 import ps_pb2, worker_pb2
-    services = {**ps_pb2.DESCRIPTOR.services_by_name, **worker_pb2.DESCRIPTOR.services_by_name}
+    from protos.pstrain.v1 import ps_pb2, tables_pb2, worker_pb2
+    services = {**ps_pb2.DESCRIPTOR.services_by_name, **worker_pb2.DESCRIPTOR.services_by_name,
+                **tables_pb2.DESCRIPTOR.services_by_name}
     unary = {(s.full_name, d.name) for s in services.values() for d in s.methods
              if not (d.client_streaming or d.server_streaming)}
     paths = [(m.service, m.name) for m in methods.ALL]

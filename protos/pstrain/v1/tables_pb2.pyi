@@ -1,0 +1,134 @@
+from protos.pstrain.v1 import ps_pb2 as _ps_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TableSpec(_message.Message):
+    __slots__ = ("dim", "dtype", "initializer", "optimizer", "min_count", "probability", "capacity", "policy", "max_age_steps", "max_age_seconds", "admission_capacity", "seed")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_AGE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    dtype: str
+    initializer: _ps_pb2.Initializer
+    optimizer: _ps_pb2.OptimizerSpec
+    min_count: int
+    probability: float
+    capacity: int
+    policy: str
+    max_age_steps: int
+    max_age_seconds: float
+    admission_capacity: int
+    seed: int
+    def __init__(self, dim: _Optional[int] = ..., dtype: _Optional[str] = ..., initializer: _Optional[_Union[_ps_pb2.Initializer, _Mapping]] = ..., optimizer: _Optional[_Union[_ps_pb2.OptimizerSpec, _Mapping]] = ..., min_count: _Optional[int] = ..., probability: _Optional[float] = ..., capacity: _Optional[int] = ..., policy: _Optional[str] = ..., max_age_steps: _Optional[int] = ..., max_age_seconds: _Optional[float] = ..., admission_capacity: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("name", "spec", "exist_ok")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    spec: TableSpec
+    exist_ok: bool
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class TableRef(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("name", "spec", "rows", "step", "lookups", "hits", "admitted", "not_admitted", "evicted_capacity", "evicted_age", "updated", "dropped", "bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_AGE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    spec: TableSpec
+    rows: int
+    step: int
+    lookups: int
+    hits: int
+    admitted: int
+    not_admitted: int
+    evicted_capacity: int
+    evicted_age: int
+    updated: int
+    dropped: int
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admitted: _Optional[int] = ..., not_admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_age: _Optional[int] = ..., updated: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("name", "keys", "no_admit")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NO_ADMIT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    keys: _ps_pb2.Tensor
+    no_admit: bool
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., no_admit: _Optional[bool] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _ps_pb2.Tensor
+    def __init__(self, rows: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class TableUpdateRequest(_message.Message):
+    __slots__ = ("name", "keys", "grads")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    keys: _ps_pb2.Tensor
+    grads: _ps_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class TableUpdateReply(_message.Message):
+    __slots__ = ("updated", "dropped", "step")
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    updated: int
+    dropped: int
+    step: int
+    def __init__(self, updated: _Optional[int] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesReply(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteTableReply(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,212 @@
+"""The DynamicTables service (protos/pstrain/v1/tables.proto): this
+server's shards of dynamic embedding tables (psserver/dynamic_table.py).
+
+Tables live beside the variables, in a namespace of their own: none of the
+variable calls (Read, Push, Assign, Save...) reach them, and these calls
+reach nothing else. Each table has a lock: a look-up changes the table too
+(it counts, admits and evicts), so calls on one table run one at a time and
+calls on different tables in parallel. Every request is checked whole
+before anything changes: a refused call leaves the table as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import numpy as np
+
+from protos.pstrain.v1 import tables_pb2
+from psserver import tensor as T
+from psserver.contract import (AlreadyExists, Initializer, InvalidArgument, NotFound,
+                               ResourceExhausted)
+from psserver.dynamic_table import DynamicTable, TableConfig
+from psserver.optimizers import make_optimizer
+from psserver.variable import INITIALIZERS, check_name
+
+#: Keys one call may carry (a look-up's reply is keys x dim values: the
+#: message limit checks that as well).
+MAX_KEYS = 1 << 24
+
+
+def config_from_spec(spec: tables_pb2.TableSpec) -> TableConfig:
+    """The TableConfig a TableSpec asks for; InvalidArgument saying what is wrong."""
+    init = spec.initializer
+    kind = init.kind or "zeros"
+    if kind not in INITIALIZERS:
+        raise InvalidArgument(f"unknown initializer {kind!r}; use one of {list(INITIALIZERS)}")
+    used = {"constant": ("value",), "random_normal": ("mean", "stddev"),
+            "truncated_normal": ("mean", "stddev"),
+            "random_uniform": ("minval", "maxval")}.get(kind, ())
+    bad = [f"{k}={getattr(init, k)}" for k in used if not math.isfinite(getattr(init, k))]
+    if bad:
+        raise InvalidArgument(f"initializer {kind} with {', '.join(bad)}: give finite numbers")
+    if kind in ("random_normal", "truncated_normal") and init.stddev < 0:
+        raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
+    if kind == "random_uniform" and not init.maxval >= init.minval:
+        raise InvalidArgument(
+            f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
+    return TableConfig(
+        dim=int(spec.dim), dtype=spec.dtype or "float32",
+        initializer=Initializer(kind=kind, value=init.value, mean=init.mean,
+                                stddev=init.stddev, minval=init.minval, maxval=init.maxval,
+                                seed=init.seed),
+        min_count=int(spec.min_count) or 1, probability=spec.probability or 1.0,
+        capacity=int(spec.capacity), policy=spec.policy or "lru",
+        max_age_steps=int(spec.max_age_steps), max_age_seconds=spec.max_age_seconds,
+        admission_capacity=int(spec.admission_capacity), seed=int(spec.seed)).check()
+
+
+def _optimizer(spec: tables_pb2.TableSpec):
+    name = spec.optimizer.name or "sgd"
+    try:
+        return make_optimizer(name, dict(spec.optimizer.params))
+    except ValueError as exc:
+        raise InvalidArgument(f"table optimizer: {exc}") from None
+
+
+class _Entry:
+    def __init__(self, spec: tables_pb2.TableSpec, table: DynamicTable):
+        self.spec, self.table, self.lock = spec, table, threading.Lock()
+
+
+class TableServicer:
+    """The DynamicTables service: handlers take parsed requests (psserver/rpc.py)."""
+
+    def __init__(self, max_message_bytes: int, store=None):
+        self.max_message_bytes = max_message_bytes
+        self._tables: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        # The store's --max-memory-bytes bounds variables and tables together.
+        self._store = store
+        if store is not None:
+            store.table_bytes = self.total_bytes
+
+    def total_bytes(self) -> int:
+        """Bytes every table shard here holds (an estimate while one changes;
+        taken without locks: it is asked with a table's lock or the registry's
+        held)."""
+        entries = list(self._tables.values())   # a copy: atomic under the GIL
+        return sum(e.table.nbytes for e in entries)
+
+    def _check_room(self, name: str, rows: int, row_bytes: int) -> None:
+        """ResourceExhausted, before anything changes, when ``rows`` more rows
+        of ``row_bytes`` could take the server past --max-memory-bytes."""
+        limit = None if self._store is None else self._store.max_bytes
+        if limit is None or not rows:
+            return
+        held = self._store.total_bytes() + self.total_bytes()
+        need = rows * row_bytes
+        if held + need > limit:
+            raise ResourceExhausted(
+                f"table {name!r} may need {need} more bytes ({rows} new rows), but this "
+                f"server holds {held} of its {limit}-byte limit (--max-memory-bytes); give "
+                "the table a capacity, spread it over more parameter servers, or raise "
+                "--max-memory-bytes")
+
+    def _entry(self, name: str) -> _Entry:
+        with self._lock:
+            entry = self._tables.get(name)
+        if entry is None:
+            raise NotFound(f"no dynamic table {name!r} on this server; create it first "
+                           "(ParameterServerStrategy.create_embedding_table, or "
+                           "PSClient.create_table)")
+        return entry
+
+    def _info(self, name: str, entry: _Entry) -> tables_pb2.TableInfo:
+        t = entry.table
+        s = t.stats
+        return tables_pb2.TableInfo(
+            name=name, spec=entry.spec, rows=len(t), step=t.step,
+            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "rows"},
+            bytes=t.nbytes)
+
+    # -- calls ---------------------------------------------------------------------------------
+    def Create(self, request, context):
+        name = check_name(request.name)
+        config = config_from_spec(request.spec)
+        optimizer = _optimizer(request.spec)
+        spec = tables_pb2.TableSpec()
+        spec.CopyFrom(request.spec)
+        with self._lock:
+            entry = self._tables.get(name)
+            if entry is not None:
+                if request.exist_ok and entry.spec == spec:
+                    return self._info(name, entry)
+                raise AlreadyExists(
+                    f"dynamic table {name!r} exists"
+                    + (" with another spec" if request.exist_ok else "")
+                    + "; delete it first, or create with exist_ok and the same spec")
+            row_bytes = _row_bytes(config, optimizer)
+            hint = max(16, min(1024, (1 << 20) // row_bytes))   # ~1 MiB to start
+            self._check_room(name, hint, row_bytes)
+            entry = self._tables[name] = _Entry(
+                spec, DynamicTable(config, optimizer, initial_rows_hint=hint))
+        with entry.lock:
+            return self._info(name, entry)
+
+    def Lookup(self, request, context):
+        entry = self._entry(request.name)
+        keys = T.decode(request.keys, T.ID_DTYPES, "lookup keys")
+        if keys.size > MAX_KEYS:
+            raise InvalidArgument(f"{keys.size} keys in one look-up; send at most {MAX_KEYS}")
+        dim, itemsize = entry.table.config.dim, entry.table.dtype.itemsize
+        if keys.size * dim * itemsize > self.max_message_bytes:
+            raise ResourceExhausted(
+                f"a look-up of {keys.size} keys returns {keys.size * dim * itemsize} bytes, "
+                f"over the {self.max_message_bytes}-byte message limit; look up fewer keys "
+                "per call")
+        with entry.lock:
+            if not request.no_admit:   # at most every key new: room for that first
+                self._check_room(request.name, keys.size,
+                                 _row_bytes(entry.table.config, entry.table.optimizer))
+            rows = entry.table.lookup(keys, admit=not request.no_admit)
+        reply = tables_pb2.LookupReply()
+        T.fill(reply.rows, rows)
+        return reply
+
+    def Update(self, request, context):
+        entry = self._entry(request.name)
+        keys = T.decode(request.keys, T.ID_DTYPES, "update keys")
+        grads = T.decode(request.grads, T.VALUE_DTYPES, "update grads")
+        if keys.ndim != 1:
+            raise InvalidArgument(f"update keys must be 1-D, got shape {list(keys.shape)}")
+        if keys.size > MAX_KEYS:
+            raise InvalidArgument(f"{keys.size} keys in one update; send at most {MAX_KEYS}")
+        with entry.lock:
+            t = entry.table
+            dropped = t.stats.dropped
+            updated = t.apply_gradients(keys, grads)
+            return tables_pb2.TableUpdateReply(updated=updated,
+                                               dropped=t.stats.dropped - dropped, step=t.step)
+
+    def Info(self, request, context):
+        entry = self._entry(request.name)
+        with entry.lock:
+            return self._info(request.name, entry)
+
+    def List(self, request, context):
+        with self._lock:
+            entries = sorted(self._tables.items())
+        reply = tables_pb2.ListTablesReply()
+        for name, entry in entries:
+            with entry.lock:
+                reply.tables.append(self._info(name, entry))
+        return reply
+
+    def Delete(self, request, context):
+        with self._lock:
+            gone = self._tables.pop(request.name, None)
+        return tables_pb2.DeleteTableReply(deleted=gone is not None)
+
+
+def _row_bytes(config: TableConfig, optimizer) -> int:
+    """A row's bytes with its optimizer slots and per-key bookkeeping (the
+    upper figure psserver/dynamic_table.py states)."""
+    slots = len(optimizer._array_slots(optimizer.create_slots(np.zeros((1, 1)))))
+    return config.dim * np.dtype(config.dtype).itemsize * (1 + slots) + 104
+
+
+def rows_of(reply: tables_pb2.LookupReply) -> np.ndarray:
+    """The rows a LookupReply carries (a writable copy)."""
+    return T.decode(reply.rows, T.VALUE_DTYPES, "lookup rows").copy()

@@ -1,0 +1,176 @@
+"""The DynamicTables service on a real parameter-server process: the same
+calls over gRPC, the data port and the same-host socket; admission and
+updates as psserver/dynamic_table.py says; bad input refused with the table
+unchanged; the token required. (The data structure's own rules, off-by-one
+included: tests/test_dynamic_table.py.)"""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from protos.pstrain.v1 import tables_pb2
+from psserver import methods
+from psserver.client import PSClient
+from psserver.contract import Code
+from psserver.errors import PSError, Unauthenticated
+from psserver.server import TOKEN_ENV
+
+pytestmark = pytest.mark.timeout(120)
+
+ROUTES = {
+    "grpc": dict(shared_memory=False, data_port=False),
+    "data port": dict(shared_memory=False),
+    "same host": dict(),
+}
+
+
+def _info(c: PSClient, name: str) -> dict:
+    info = c.table_info(name)
+    return {f.name: getattr(info, f.name) for f in tables_pb2.TableInfo.DESCRIPTOR.fields
+            if f.name not in ("spec", "bytes")}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_look_up_admit_and_update_over_each_transport(start_ps, route):
+    ps = start_ps(env={TOKEN_ENV: "t"})
+    with PSClient(ps.address, token="t", **ROUTES[route]) as c:
+        info = c.create_table("emb", 4, initializer="ones", optimizer="sgd",
+                              optimizer_params={"learning_rate": 0.5}, min_count=2)
+        assert info.rows == 0 and info.spec.dim == 4
+        keys = np.array([[7, -(1 << 62)], [7, 12]], np.int64)
+        rows = c.lookup("emb", keys)             # 7 twice: admitted; the others once: not
+        assert rows.shape == (2, 2, 4) and rows.dtype == np.float32
+        np.testing.assert_array_equal(rows[:, :, 0], [[1, 0], [1, 0]])
+        assert c.update_table("emb", [7, 12, 7], np.ones((3, 4), np.float32)) == (1, 1)
+        np.testing.assert_array_equal(c.lookup("emb", [7, 12], admit=False),
+                                      [[0, 0, 0, 0], [0, 0, 0, 0]])   # 1 - 0.5 * 2
+        got = _info(c, "emb")
+        assert (got["rows"], got["step"], got["admitted"], got["not_admitted"],
+                got["updated"], got["dropped"], got["lookups"], got["hits"]) == \
+            (1, 1, 1, 2, 1, 1, 4, 0)   # 7 was made by that look-up: not a hit
+        if route != "grpc":   # the hot calls took the socket
+            assert c._socket(methods.TABLE_LOOKUP) is not None
+        else:
+            assert c._socket(methods.TABLE_LOOKUP) is None
+        assert [t.name for t in c.list_tables()] == ["emb"]
+        assert c.delete_table("emb") and not c.delete_table("emb")
+
+
+def test_create_is_idempotent_only_with_the_same_spec(ps):
+    with PSClient(ps.address) as c:
+        c.create_table("t", 8, capacity=100)
+        assert c.create_table("t", 8, capacity=100, exist_ok=True).spec.capacity == 100
+        for kw in ({"exist_ok": False, "capacity": 100}, {"exist_ok": True, "capacity": 5}):
+            with pytest.raises(PSError) as e:
+                c.create_table("t", 8, **kw)
+            assert e.value.code == Code.ALREADY_EXISTS
+
+
+@pytest.mark.parametrize("route", ["grpc", "data port"])
+def test_bad_calls_are_refused_and_change_nothing(start_ps, route):
+    ps = start_ps()
+    with PSClient(ps.address, **ROUTES[route]) as c:
+        c.create_table("t", 4, initializer="ones")
+        c.lookup("t", [1, 2, 3])
+        c.update_table("t", [1], np.ones((1, 4), np.float32))
+        before = _info(c, "t")
+        values = c.lookup("t", [1, 2, 3], admit=False)
+        bad = [
+            (lambda: c.lookup("t", np.array([1.5, 2.0])), Code.INVALID_ARGUMENT, "dtype"),
+            (lambda: c.lookup("nope", [1]), Code.NOT_FOUND, "create it first"),
+            (lambda: c.update_table("t", [1, 2], np.ones((1, 4), np.float32)),
+             Code.INVALID_ARGUMENT, "shape"),
+            (lambda: c.update_table("t", [1], np.ones((1, 5), np.float32)),
+             Code.INVALID_ARGUMENT, "shape"),
+            (lambda: c.update_table("t", [1], np.full((1, 4), np.inf, np.float32)),
+             Code.INVALID_ARGUMENT, "NaN or Inf"),
+            (lambda: c.update_table("t", [1], np.ones((1, 4), np.int32)),
+             Code.INVALID_ARGUMENT, "dtype"),
+        ]
+        for call, code, words in bad:
+            with pytest.raises(PSError, match=words) as e:
+                call()
+            assert e.value.code == code, e.value
+        assert _info(c, "t") == before
+        np.testing.assert_array_equal(c.lookup("t", [1, 2, 3], admit=False), values)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ({"dim": 0}, "dim"), ({"dim": -1}, "dim"), ({"dtype": "int64"}, "dtype"),
+    ({"optimizer": "nonesuch"}, "optimizer"), ({"min_count": -1}, "min_count"),
+    ({"probability": 2.0}, "probability"), ({"policy": "fifo"}, "policy"),
+    ({"capacity": -5}, "capacity"), ({"max_age_seconds": float("inf")}, "max_age_seconds"),
+    ({"initializer": "nonesuch"}, "initializer"), ({"name": "bad name!"}, "name"),
+])
+def test_bad_table_specs_are_refused_and_nothing_is_created(client, spec, words):
+    kw = {"dim": 4, **spec}
+    name = kw.pop("name", "t")
+    dim = kw.pop("dim")
+    with pytest.raises(PSError, match=words) as e:
+        client.create_table(name, dim, **kw)
+    assert e.value.code == Code.INVALID_ARGUMENT, e.value
+    assert client.list_tables() == []
+
+
+def test_malformed_requests_get_invalid_argument_not_internal(ps):
+    """Bytes that are no LookupRequest / a Tensor that lies about its size."""
+    with PSClient(ps.address, shared_memory=False, data_port=False) as c:
+        c.create_table("t", 4)
+        one = np.ones(4, np.float32).tobytes()
+        for method, payload in [
+            ("Lookup", b"\x0a\xff\xff\xff"),
+            ("Update", b"\x12\x05\x0a\x03"),
+            ("Lookup", tables_pb2.LookupRequest(   # 3 keys in 8 bytes
+                name="t", keys={"dtype": "int64", "shape": [3], "data": b"\x01" * 8})),
+            ("Update", tables_pb2.TableUpdateRequest(   # keys of shape [1, 1]
+                name="t", keys={"dtype": "int64", "shape": [1, 1], "data": b"\x01" * 8},
+                grads={"dtype": "float32", "shape": [1, 4], "data": one})),
+            ("Lookup", tables_pb2.LookupRequest(   # a shape of 2**62 keys
+                name="t", keys={"dtype": "int64", "shape": [1 << 31, 1 << 31], "data": b""})),
+        ]:
+            raw = c.grpc.channel.unary_unary(f"/pstrain.v1.DynamicTables/{method}",
+                                             request_serializer=None,
+                                             response_deserializer=None)
+            if not isinstance(payload, bytes):
+                payload = payload.SerializeToString()
+            with pytest.raises(grpc.RpcError) as e:
+                raw(payload, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        info = c.table_info("t")
+        assert (info.lookups, info.step, info.rows) == (0, 0, 0)
+
+
+def test_every_table_call_needs_the_token(start_ps):
+    ps = start_ps(env={TOKEN_ENV: "right"})
+    with PSClient(ps.address, token="right") as owner:
+        owner.create_table("t", 4)
+    with PSClient(ps.address, token="wrong", shared_memory=False) as c:
+        for call in (lambda: c.create_table("u", 4), lambda: c.lookup("t", [1]),
+                     lambda: c.update_table("t", [1], np.ones((1, 4), np.float32)),
+                     lambda: c.table_info("t"), lambda: c.list_tables(),
+                     lambda: c.delete_table("t")):
+            with pytest.raises(Unauthenticated):
+                call()
+    with PSClient(ps.address, token="right") as owner:
+        assert [t.name for t in owner.list_tables()] == ["t"]
+        assert owner.table_info("t").lookups == 0
+
+
+def test_tables_count_against_the_servers_memory_limit(start_ps):
+    """--max-memory-bytes bounds variables and tables together: a look-up
+    that could grow a table past it is refused before anything changes, and
+    a variable's create counts the tables' bytes."""
+    ps = start_ps("--max-memory-bytes", str(8 << 20))
+    with PSClient(ps.address) as c:
+        c.create_table("t", 256)   # a row: 1 KiB + 104 bytes of bookkeeping
+        c.lookup("t", np.arange(2000))   # ~2.2 MB: room
+        info = c.table_info("t")
+        with pytest.raises(PSError, match="max-memory-bytes") as e:
+            c.lookup("t", np.arange(10_000, 20_000))   # ~11 MB more: no room
+        assert e.value.code == Code.RESOURCE_EXHAUSTED
+        assert c.table_info("t") == info
+        held = info.bytes
+        with pytest.raises(PSError, match="max-memory-bytes"):
+            c.create_variable("v", (((8 << 20) - held) // 4 + 1024,), "float32")
+        c.create_variable("small", (1000,), "float32")
