@@ -9,6 +9,7 @@ from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterSer
 from coordinator.datasets import InputContext, batches
 from coordinator.local import LocalCluster
 from coordinator.docker_cluster import DockerCluster
+from coordinator.embedding import DynamicEmbedding, TableStats
 from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
                                       MinSizePartitioner)
 from coordinator.strategy import ParameterServerStrategy
@@ -30,7 +31,7 @@ __all__ = [
     "DockerCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
-    "IndexedSlices", "Lookup",
+    "IndexedSlices", "Lookup", "DynamicEmbedding", "TableStats",
     "Initializer", "CheckpointManager", "FitState", "fit", "Callback", "CheckpointCallback",
     "EarlyStopping", "History", "LambdaCallback", "PlotHistory", "TensorBoard",
     "TerminateOnNaN", "Progress", "plot_history", "ReplicaContext", "get_replica_context",

@@ -20,6 +20,7 @@ from coordinator import routes
 from coordinator import variables as V
 from coordinator.calls import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
+from coordinator.embedding import DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import Peer
@@ -191,6 +192,7 @@ class ParameterServerStrategy:
         self._lock = threading.Lock()
         self._next_ps = 0      # round-robin placement counter, as TF's
         self._variables: dict[str, V.ShardedVariable] = {}
+        self._tables: dict[str, DynamicEmbedding] = {}
         # How each shard was created, to create it again on a parameter server
         # that restarted empty when no checkpoint holds it.
         self._creation: dict[str, dict] = {}
@@ -387,6 +389,45 @@ class ParameterServerStrategy:
             routes.refresh([(var, k) for k in range(len(backups))])
         self._variables[name] = var
         return var
+
+    def create_embedding_table(self, name: str, dim: int, *, dtype: str = "float32",
+                               initializer: Initializer | str | None = None,
+                               optimizer: str = "sgd",
+                               optimizer_params: Mapping[str, float] | None = None,
+                               min_count: int = 1, probability: float = 1.0,
+                               capacity: int = 0, policy: str = "lru",
+                               max_age_steps: int = 0, max_age_seconds: float = 0.0,
+                               seed: int = 0) -> DynamicEmbedding:
+        """A dynamic embedding table keyed by any int64, its keys spread over
+        every parameter server by hash (coordinator/embedding.py,
+        psserver/dynamic_table.py). A key gets a row on its ``min_count``-th
+        look-up, then with ``probability`` per look-up; until then it reads as
+        zeros and its gradients are dropped. ``capacity`` (0: none) bounds
+        the rows of the whole table (each server holds capacity / servers,
+        rounded up), evicting by ``policy`` ("lru" or "lfu"); rows not
+        updated for ``max_age_steps`` updates of their shard or
+        ``max_age_seconds`` are evicted too. New rows come from
+        ``initializer`` as a function of (``seed``, key) alone.
+
+        Made again with the same arguments (a coordinator that restarts), the
+        existing table is used. Not checkpointed or replicated yet."""
+        if name in self._tables:
+            raise ValueError(f"embedding table {name!r} was created already by this strategy")
+        self._check_servers()
+        n = len(self._ps)
+        per_shard = -(-capacity // n) if capacity else 0
+        if initializer is None or isinstance(initializer, str):
+            initializer = Initializer(kind=initializer or "zeros", seed=seed)
+        for i, addr in enumerate(self._ps):
+            V.client_for(addr).create_table(
+                name, dim, exist_ok=True, dtype=dtype, initializer=initializer,
+                optimizer=optimizer, optimizer_params=optimizer_params, min_count=min_count,
+                probability=probability, capacity=per_shard, policy=policy,
+                max_age_steps=max_age_steps, max_age_seconds=max_age_seconds,
+                seed=seed * n + i)   # each shard its own admission draws; rows: the same
+        table = DynamicEmbedding(name, dim, dtype, tuple(self._ps))
+        self._tables[name] = table
+        return table
 
     def _check_servers(self) -> None:
         """Once: every parameter server answers within connect_timeout (all

@@ -33,9 +33,10 @@ rows not updated for ``max_age_steps`` table steps (a step: one applied
 gradient batch) or ``max_age_seconds``. An evicted key forgets everything:
 seen again, it starts over (admission included) from its initializer.
 
-New rows are initialized from (seed, key) alone (``initial_rows``), so a
-key's first value does not depend on the order keys arrive in, or on the
-shard: a table resharded or re-created gives the same rows.
+New rows are initialized from (the initializer's seed, key) alone
+(``initial_rows``), so a key's first value does not depend on the order
+keys arrive in, or on the shard: a table resharded or re-created gives the
+same rows. (``TableConfig.seed`` seeds probability admission's draws.)
 """
 from __future__ import annotations
 
@@ -261,11 +262,11 @@ class TableConfig:
         return self
 
 
-def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer,
-                 seed: int) -> np.ndarray:
-    """Rows for new ``keys``, each a function of (seed, key) alone: counter-
-    based uniforms (splitmix64 of key, seed and column), Box-Muller for
-    normals, redrawn with the next counter beyond 2 stddev for truncated."""
+def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer) -> np.ndarray:
+    """Rows for new ``keys``, each a function of (``init.seed``, key) alone,
+    whichever shard holds the key: counter-based uniforms (splitmix64 of
+    key, seed and column), Box-Muller for normals, redrawn with the next
+    counter beyond 2 stddev for truncated."""
     keys = np.asarray(keys, np.int64)
     shape = (keys.size, dim)
     if init.kind == "zeros":
@@ -275,7 +276,7 @@ def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer,
     if init.kind == "constant":
         return np.full(shape, init.value, dtype)
     with np.errstate(over="ignore"):
-        base = mix64(keys.view(np.uint64) ^ mix64(np.uint64(seed ^ init.seed) + _GOLDEN))
+        base = mix64(keys.view(np.uint64) ^ mix64(np.uint64(init.seed) + _GOLDEN))
         cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
 
     def uniform(salt: int) -> np.ndarray:   # in (0, 1), 53 bits
@@ -477,7 +478,7 @@ class DynamicTable:
             self._evict_for(self.index.size + take.size - c.capacity)
         keys = keys[take]
         rows = self._take_rows(keys.size)
-        self.value[rows] = initial_rows(keys, c.dim, self.dtype, c.initializer, c.seed)
+        self.value[rows] = initial_rows(keys, c.dim, self.dtype, c.initializer)
         for name in self._row_slots:
             self.slots[name][rows] = self._slot_init[name][0]
         self.row_key[rows] = keys

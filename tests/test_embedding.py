@@ -1,0 +1,96 @@
+"""Dynamic embedding tables through the strategy and the coordinator
+(coordinator/embedding.py): keys spread over real parameter servers by
+hash, looked up and trained by step closures on real workers."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from coordinator import ClusterCoordinator, DynamicEmbedding, LocalCluster, ParameterServerStrategy
+from psserver.client import PSClient
+
+pytestmark = pytest.mark.timeout(180)
+I64 = np.iinfo(np.int64)
+
+
+def _target(keys: np.ndarray) -> np.ndarray:
+    """The row each key should learn: a function of the key."""
+    return np.repeat(((keys % 7) - 3).astype(np.float32)[:, None], 4, axis=1)
+
+
+def _train_step(table: DynamicEmbedding, keys: np.ndarray):
+    def step(seed):
+        rng = np.random.default_rng(seed)
+        batch = keys[rng.integers(0, keys.size, 64)]
+        rows = table.lookup(batch)
+        table.push_gradient(batch, rows - _target(batch))   # d/drow of 0.5 |row - target|^2
+        return float(np.mean((rows - _target(batch)) ** 2))
+    return step
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_ps=2, num_workers=2) as c:
+        yield c
+
+
+def test_workers_train_a_table_whose_keys_spread_over_every_server(cluster):
+    strategy = ParameterServerStrategy(cluster.spec)
+    table = strategy.create_embedding_table("emb", 4, optimizer="sgd",
+                                            optimizer_params={"learning_rate": 0.5})
+    assert pickle.loads(pickle.dumps(table)) == table
+    keys = np.random.default_rng(0).integers(I64.min, I64.max, 200, dtype=np.int64)
+    with ClusterCoordinator(strategy) as coord:
+        step = _train_step(table, keys)
+        losses = coord.fetch([coord.schedule(step, args=(i,)) for i in range(120)])
+    assert losses[0] > 1.0 and np.mean(losses[-10:]) < 0.05 * losses[0], losses
+    learnt = table.lookup(keys, admit=False)
+    np.testing.assert_allclose(learnt, _target(keys), atol=0.05)
+    stats = table.stats()
+    assert stats.rows == 200 and stats.admitted == 200 and stats.dropped == 0
+    assert stats.lookups == 120 * 64 and stats.updated > 0
+    per_server = []
+    for address in cluster.spec.ps:
+        with PSClient(address, token=cluster.spec.token, tls=strategy.tls) as c:
+            per_server.append(c.table_info("emb").rows)
+    assert sum(per_server) == 200 and min(per_server) > 60, per_server   # both hold a share
+
+
+def test_admission_and_capacity_hold_over_the_shards(cluster):
+    strategy = ParameterServerStrategy(cluster.spec)
+    table = strategy.create_embedding_table("capped", 2, initializer="ones", min_count=2,
+                                            capacity=100)
+    keys = np.arange(300, dtype=np.int64) * 1_000_003
+    np.testing.assert_array_equal(table.lookup(keys), np.zeros((300, 2)))   # once: not yet
+    assert table.stats().rows == 0 and table.stats().not_admitted == 300
+    rows = table.lookup(keys[:80])                                          # twice: admitted
+    np.testing.assert_array_equal(rows, np.ones((80, 2)))
+    table.lookup(keys[80:])
+    stats = table.stats()
+    assert stats.rows <= 100 and stats.evicted_capacity == stats.admitted - stats.rows > 0
+    updated, dropped = table.push_gradient(keys, np.ones((300, 2), np.float32))
+    assert (updated, dropped) == (stats.rows, 300 - stats.rows)
+
+
+def test_made_again_with_the_same_arguments_the_table_is_reused(cluster):
+    first = ParameterServerStrategy(cluster.spec).create_embedding_table("again", 3,
+                                                                         initializer="ones")
+    first.lookup([5, 6])
+    again = ParameterServerStrategy(cluster.spec).create_embedding_table("again", 3,
+                                                                         initializer="ones")
+    assert again.stats().rows == 2
+    with pytest.raises(Exception, match="exists"):
+        ParameterServerStrategy(cluster.spec).create_embedding_table("again", 5)
+
+
+def test_bad_keys_and_gradients_are_refused_before_any_call(cluster):
+    table = ParameterServerStrategy(cluster.spec).create_embedding_table("strict", 3)
+    with pytest.raises(ValueError, match="int64"):
+        table.lookup(np.array([1.5]))
+    with pytest.raises(ValueError, match="int64"):
+        table.lookup(np.array([1], np.uint64))
+    with pytest.raises(ValueError, match="shape"):
+        table.push_gradient([1, 2], np.ones((2, 4), np.float32))
+    assert table.stats().lookups == 0
