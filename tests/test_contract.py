@@ -37,6 +37,9 @@ def test_store_runs_without_grpc_or_protobuf():
         SyncSpec(step=0, replica=0, num_replicas=1, required=1).validate()
         version, value = s.snapshot("w")
         assert version >= 1 and value.shape == (4,) and (value < 1).all(), (version, value)
+        from psserver.dynamic_table import DynamicTable, TableConfig
+        t = DynamicTable(TableConfig(dim=2), optimizers.make_optimizer("sgd", {}))
+        assert t.lookup(np.array([5, 6])).shape == (2, 2) and len(t) == 2
         for mod in ("grpc", "google.protobuf", "protos"):
             assert mod not in sys.modules, mod
         print("ok", version)
