@@ -149,7 +149,8 @@ class CheckpointManager:
         # With replication, each shard is saved from the copy that is primary now.
         final, nbytes = write_checkpoint(self.directory, step, self.strategy.variables,
                                          V.client_for, copies=routes.primaries,
-                                         ps_index=ps_index, extra=extra)
+                                         ps_index=ps_index, extra=extra,
+                                         tables=self.strategy.tables)
         self._last_step, self._last_time = step, time.monotonic()
         for old in self.checkpoints()[:-self.max_to_keep]:
             remove_checkpoint(old)
@@ -178,7 +179,7 @@ class CheckpointManager:
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/replication.py).
         return restore_checkpoint(path, chosen, V.client_for, copies=routes.primaries,
-                                  address=address)
+                                  address=address, tables=self.strategy.tables)
 
 
 # -- the one implementation of save and restore (CheckpointManager, coordinator checkpoint) --
@@ -186,7 +187,7 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                      client_for: Callable[[str], Any], *,
                      copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
                      ps_index: Mapping[str, int] | None = None, extra: dict | None = None,
-                     replace: bool = True) -> tuple[str, int]:
+                     replace: bool = True, tables: Sequence = ()) -> tuple[str, int]:
     """Write checkpoint ``step`` of ``variables`` under ``directory``: each
     server saves its shards (``copies(v)``: the copies to save from, in shard
     order) through ``client_for(address)``, then the manifest is written and
@@ -207,18 +208,29 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
         for c in chosen[v.name]:
             by_ps.setdefault(c.address, []).append(c.name)
     files: dict[str, Any] = {}
+    table_files: dict[str, list] = {}
     try:
         os.makedirs(tmp)
-        with futures.ThreadPoolExecutor(max(1, len(by_ps))) as pool:
-            jobs = {}
-            for addr, names in by_ps.items():
-                sub = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
-                os.makedirs(sub)
-                jobs[addr] = (sub, pool.submit(client_for(addr).save, sub, names))
-            for addr, (sub, job) in jobs.items():
+        addresses = set(by_ps) | {a for t in tables for a in t.addresses}
+        with futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
+            subs = {}
+            for addr in addresses:
+                subs[addr] = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
+                os.makedirs(subs[addr])
+            jobs = {addr: pool.submit(client_for(addr).save, subs[addr], names)
+                    for addr, names in by_ps.items()}
+            table_jobs = {t.name: [pool.submit(client_for(a).save_table, t.name, subs[a])
+                                   for a in t.addresses] for t in tables}
+            for addr, job in jobs.items():
                 for f in job.result():
-                    files[f.name] = {"file": os.path.relpath(os.path.join(sub, f.file), tmp),
+                    files[f.name] = {"file": os.path.relpath(os.path.join(subs[addr], f.file),
+                                                             tmp),
                                      "version": f.version, "bytes": f.bytes}
+            for t in tables:
+                table_files[t.name] = [
+                    {"file": os.path.relpath(os.path.join(subs[a], r.file), tmp),
+                     "rows": r.rows, "bytes": r.bytes, "step": r.step}
+                    for a, r in zip(t.addresses, (j.result() for j in table_jobs[t.name]))]
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
@@ -230,6 +242,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                 "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
                             **files[c.name]} for s, c in zip(v.shards, chosen[v.name])]}
                 for v in variables},
+            "tables": {t.name: {"dim": t.dim, "dtype": t.dtype, "shards": table_files[t.name]}
+                       for t in tables},
         }
         _write_json(os.path.join(tmp, "manifest.json"), manifest)
         replaced = None
@@ -244,7 +258,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final, sum(f["bytes"] for f in files.values())
+    return final, (sum(f["bytes"] for f in files.values())
+                   + sum(f["bytes"] for fs in table_files.values() for f in fs))
 
 
 def read_manifest(path: str) -> dict:
@@ -267,7 +282,7 @@ def read_manifest(path: str) -> dict:
 def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
                        client_for: Callable[[str], Any], *,
                        copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
-                       address: str | None = None) -> dict:
+                       address: str | None = None, tables: Sequence = ()) -> dict:
     """Load checkpoint ``path`` into ``variables`` (into ``copies(v)``, with
     ``address``: only those on that server). Values and slots are
     reassembled and cut again by each variable's shards (any layout); a
@@ -279,9 +294,13 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
     manifest = read_manifest(path)
     saved = manifest["variables"]
     loaded = [_load_variable(v, saved.get(v.name), path) for v in variables]
+    saved_tables = manifest.get("tables", {})
+    table_states = [_load_table(t, saved_tables.get(t.name), path) for t in tables]
     with futures.ThreadPoolExecutor(4) as pool:
         handles = [h for v, state in zip(variables, loaded)
                    for h in _write_variable(v, state, pool, client_for, copies, address)]
+        handles += [h for t, (state, step) in zip(tables, table_states)
+                    for h in _write_table(t, state, step, pool, client_for, address)]
         for h in handles:
             h.result()
     return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
@@ -333,6 +352,88 @@ def _load_variable(v: V.ShardedVariable, info: dict | None, path: str) -> dict:
                          (int(e["version"]), p.get("applied_ids", ()),
                           {k[5:]: a for k, a in p.items() if k.startswith("slot/") and a.ndim == 0})
                          for e, p in zip(entries, parts)}}
+
+
+def _load_table(t, info: dict | None, path: str) -> tuple[dict[str, np.ndarray], int]:
+    """A dynamic table's rows from checkpoint ``path``, every shard file
+    joined (keys unique), and the largest shard step; checked against the
+    table ``t`` (dim, dtype) and the files against the manifest."""
+    if info is None:
+        raise CheckpointError(f"dynamic table {t.name!r} is not in checkpoint {path}")
+    try:
+        same = (int(info["dim"]), info["dtype"]) == (t.dim, t.dtype)
+        entries = list(info["shards"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the manifest of {path} is incomplete: table {t.name!r} lacks "
+                              f"{exc}; nothing was restored") from None
+    if not same:
+        raise CheckpointError(f"dynamic table {t.name!r} has dim {t.dim} {t.dtype} here but "
+                              f"{info['dim']} {info['dtype']} in {path}")
+    parts, step = [], 0
+    for e in entries:
+        try:
+            file, rows = os.path.join(path, e["file"]), int(e["rows"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the manifest of {path} is incomplete: a shard of table "
+                                  f"{t.name!r} lacks {exc}; nothing was restored") from None
+        tensors, meta = _load_shard(file)
+        keys = tensors.get("keys")
+        values = tensors.get("values")
+        if keys is None or keys.shape != (rows,) or values is None or \
+                values.shape != (rows, t.dim) or values.dtype.name != t.dtype:
+            raise CheckpointError(f"checkpoint file {file} does not hold the {rows} rows of "
+                                  f"dim {t.dim} {t.dtype} its manifest promises; nothing was "
+                                  "restored (restore an older one: coordinator checkpoint list)")
+        parts.append(tensors)
+        step = max(step, int(meta.get("step", "0")))
+    from psserver import optimizers as optim
+    slots = optim.make_optimizer(t.optimizer, {}).create_slots(np.zeros((1, t.dim)))
+    names = {"keys", "values", "age_steps", "age_seconds", "freq"} | {f"slot/{n}" for n in slots}
+    for e, p in zip(entries, parts):
+        if set(p) != names:
+            raise CheckpointError(
+                f"checkpoint file {os.path.join(path, e['file'])} holds {sorted(p)}, not the "
+                f"arrays of a {t.optimizer} table ({sorted(names)}); nothing was restored")
+    state = {k: (np.max([p[k] for p in parts]).astype(parts[0][k].dtype).reshape(())
+                 if parts[0][k].ndim == 0 else np.concatenate([p[k] for p in parts]))
+             for k in names}
+    if state and np.unique(state["keys"]).size != state["keys"].size:
+        raise CheckpointError(f"the shard files of table {t.name!r} in {path} hold a key "
+                              "twice; nothing was restored")
+    if state:   # by key, whatever the shards were
+        order = np.argsort(state["keys"], kind="stable")
+        state = {k: a if a.ndim == 0 else a[order] for k, a in state.items()}
+    _metrics.checkpoint_bytes("restore", sum(e.get("bytes", 0) for e in entries))
+    return state, step
+
+
+def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
+                 address: str | None = None) -> list[futures.Future]:
+    """Each current shard of ``t`` emptied and given the saved rows its keys
+    send it now (psserver.dynamic_table.shard_of: any number of servers)."""
+    from psserver.dynamic_table import shard_of
+    keys = state.get("keys", np.zeros(0, np.int64))
+    which = shard_of(keys, len(t.addresses))
+    handles = []
+    for i, addr in enumerate(t.addresses):
+        if address is not None and addr != address:
+            continue
+        mine = which == i
+        part = {k: (a if a.ndim == 0 else a[mine]) for k, a in state.items()}
+        if not part:
+            part = {"keys": keys}
+        handles.append(pool.submit(client_for(addr).import_table, t.name, _full(part, t),
+                                   step, reset=True))
+    return handles
+
+
+def _full(part: dict, t) -> dict:
+    """An import's arrays, the bookkeeping ones made for an empty table."""
+    n = part["keys"].size
+    defaults = {"values": np.zeros((n, t.dim), np.dtype(t.dtype)),
+                "age_steps": np.zeros(n, np.int64), "age_seconds": np.zeros(n),
+                "freq": np.zeros(n, np.int64)}
+    return {**defaults, **part}
 
 
 def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, client_for,

@@ -56,6 +56,7 @@ class DynamicEmbedding:
     dim: int
     dtype: str
     addresses: tuple[str, ...]
+    optimizer: str = "sgd"
 
     def _split(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(server index, positions of its keys) for each server with keys."""

@@ -390,6 +390,11 @@ class ParameterServerStrategy:
         self._variables[name] = var
         return var
 
+    @property
+    def tables(self) -> list[DynamicEmbedding]:
+        """The dynamic embedding tables this strategy created."""
+        return list(self._tables.values())
+
     def create_embedding_table(self, name: str, dim: int, *, dtype: str = "float32",
                                initializer: Initializer | str | None = None,
                                optimizer: str = "sgd",
@@ -425,7 +430,7 @@ class ParameterServerStrategy:
                 probability=probability, capacity=per_shard, policy=policy,
                 max_age_steps=max_age_steps, max_age_seconds=max_age_seconds,
                 seed=seed * n + i)   # each shard its own admission draws; rows: the same
-        table = DynamicEmbedding(name, dim, dtype, tuple(self._ps))
+        table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer)
         self._tables[name] = table
         return table
 

@@ -13,7 +13,7 @@ from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver import methods
 from psserver import tensor as T
 from psserver.client_util import Handle
-from psserver.contract import Initializer
+from psserver.contract import MESSAGE_OVERHEAD, Initializer
 
 
 def table_spec(dim: int, *, dtype: str = "float32",
@@ -82,6 +82,35 @@ class TableCalls:
 
     def delete_table(self, name: str) -> bool:
         return self._call(methods.TABLE_DELETE, tables_pb2.TableRef(name=name)).deleted
+
+    def save_table(self, name: str, directory: str) -> tables_pb2.SaveTableReply:
+        """Write this server's shard of ``name`` to a file in ``directory``
+        (under its --checkpoint-dir; psserver/tables.py)."""
+        return self._call(methods.TABLE_SAVE,
+                          tables_pb2.SaveTableRequest(name=name, directory=directory))
+
+    def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
+                     reset: bool = True) -> int:
+        """Put rows (psserver.dynamic_table.DynamicTable.export's arrays) into
+        this server's shard of ``name``, emptied first with ``reset``; sent in
+        pieces that fit a message. Returns the rows the shard holds."""
+        keys = np.asarray(state["keys"], np.int64)
+        per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
+                      if np.ndim(a) and keys.size)
+        per_call = max(1, (self.max_message_bytes - MESSAGE_OVERHEAD) // max(1, per_row))
+        rows = 0
+        for i, lo in enumerate(range(0, max(1, keys.size), per_call)):
+            hi = lo + per_call
+            req = tables_pb2.ImportTableRequest(name=name, reset=reset and i == 0, step=step)
+            for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
+                T.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
+            for key, a in state.items():
+                if key.startswith("slot/"):
+                    a = np.asarray(a)
+                    T.fill(req.slots.add(name=key[5:]).tensor,
+                           np.ascontiguousarray(a if a.ndim == 0 else a[lo:hi]))
+            rows = self._call(methods.TABLE_IMPORT, req).rows
+        return rows
 
 
 def _keys(keys) -> np.ndarray:

@@ -587,16 +587,89 @@ class DynamicTable:
 
     # -- state (checkpoints, resharding) -------------------------------------------------------
     def export(self) -> dict[str, np.ndarray]:
-        """Every live row: keys, values, slots and bookkeeping, sorted by key."""
+        """Every live row, sorted by key: keys, values, per-row slots
+        ("slot/<name>"), scalar slots as they are, and bookkeeping relative
+        to now (age_steps, age_seconds: clocks and step counts differ
+        between servers), freq."""
         keys, rows = self.index.items()
         order = np.argsort(keys)
         keys, rows = keys[order], rows[order]
         out = {"keys": keys, "values": self.value[rows],
-               "updated_step": self.updated_step[rows], "freq": self.freq[rows],
-               "age_seconds": self.clock() - self.updated_time[rows]}
-        for name in self._row_slots:
-            out[f"slot/{name}"] = self.slots[name][rows]
+               "age_steps": self.step - self.updated_step[rows],
+               "age_seconds": self.clock() - self.updated_time[rows],
+               "freq": self.freq[rows]}
+        for name, slot in self.slots.items():
+            out[f"slot/{name}"] = slot[rows] if name in self._row_slots else np.array(slot)
         return out
+
+    def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool) -> int:
+        """Put rows ``state`` (export()'s arrays, any subset of keys) into this
+        shard; ``reset`` empties it first. Checked whole before anything
+        changes (InvalidArgument). Over capacity afterwards, the policy's
+        victims are evicted. Returns the rows held."""
+        c = self.config
+        keys = _keys(state.get("keys", np.zeros(0, np.int64))).reshape(-1)
+        n = keys.size
+
+        def need(name, shape, kinds, dtype):
+            if name not in state and (n or name.startswith("slot/") and not shape):
+                raise InvalidArgument(f"dynamic table import: {name} is missing")
+            a = np.asarray(state.get(name, np.zeros(shape, dtype)))
+            if a.shape != shape or a.dtype.kind not in kinds:
+                raise InvalidArgument(f"dynamic table import: {name} must be {kinds!r}-kind "
+                                      f"of shape {shape}, got {a.dtype} {a.shape}")
+            return a.astype(dtype, copy=False)
+        values = need("values", (n, c.dim), "f", self.dtype)
+        age_steps = need("age_steps", (n,), "iu", np.int64)
+        age_seconds = need("age_seconds", (n,), "f", np.float64)
+        freq = need("freq", (n,), "iu", np.int64)
+        slots = {}
+        for name in self.slots:
+            shape = (n, c.dim) if name in self._row_slots else np.shape(self._slot_init[name])
+            kinds = "f" if name in self._row_slots else "iuf"
+            slots[name] = need(f"slot/{name}", shape, kinds, self.slots[name].dtype)
+        extra = sorted(set(state) - {"keys", "values", "age_steps", "age_seconds", "freq"}
+                       - {f"slot/{m}" for m in self.slots})
+        if extra:
+            raise InvalidArgument(f"dynamic table import: unknown arrays {extra}")
+        if np.unique(keys).size != n:
+            raise InvalidArgument("dynamic table import: keys must be unique")
+        if not (np.isfinite(values).all() and all(np.isfinite(a).all() for a in slots.values())
+                and np.isfinite(age_seconds).all()):
+            raise InvalidArgument("dynamic table import: NaN or Inf in the rows; nothing imported")
+        if n and (age_steps.min() < 0 or freq.min() < 0 or age_seconds.min() < 0):
+            raise InvalidArgument("dynamic table import: negative ages or counts")
+        if not isinstance(step, int) or step < 0 or (n and step < age_steps.max()):
+            raise InvalidArgument(f"dynamic table import: step {step!r} must be >= 0 and at "
+                                  "least every row's age_steps")
+        if not reset and (self.index.find(keys) >= 0).any():
+            raise InvalidArgument("dynamic table import: keys this shard holds already "
+                                  "(import into an emptied shard: reset)")
+        # Checked: from here on nothing fails.
+        if reset:
+            _, live = self.index.items()
+            self._evict_rows(live)
+            self.pending = KeyIndex()
+            self._pfree, self._pn = [], 0
+        self.step = step if reset else max(self.step, step)
+        for name in self.slots:
+            if name not in self._row_slots:   # scalar (Adam's count): the largest
+                self.slots[name][...] = slots[name] if reset else \
+                    np.maximum(self.slots[name], slots[name])
+        rows = self._take_rows(n)
+        self.value[rows] = values
+        for name in self._row_slots:
+            self.slots[name][rows] = slots[name]
+        self.row_key[rows] = keys
+        self.updated_step[rows] = self.step - age_steps
+        self.updated_time[rows] = self.clock() - age_seconds
+        self.used_step[rows] = self._tick
+        self.freq[rows] = freq
+        self.index.insert(keys, rows)
+        if c.capacity and self.index.size > c.capacity:
+            self._evict_for(self.index.size - c.capacity)
+        self.stats.rows = self.index.size
+        return self.index.size
 
 
 def _keys(keys) -> np.ndarray:

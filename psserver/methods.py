@@ -93,10 +93,13 @@ TABLE_CREATE = _grpc_only(TABLES, "Create", tables_pb2.CreateTableRequest, table
 TABLE_INFO = _grpc_only(TABLES, "Info", tables_pb2.TableRef, tables_pb2.TableInfo)
 TABLE_LIST = _grpc_only(TABLES, "List", tables_pb2.ListTablesRequest, tables_pb2.ListTablesReply)
 TABLE_DELETE = _grpc_only(TABLES, "Delete", tables_pb2.TableRef, tables_pb2.DeleteTableReply)
+TABLE_SAVE = _grpc_only(TABLES, "Save", tables_pb2.SaveTableRequest, tables_pb2.SaveTableReply)
+TABLE_IMPORT = _grpc_only(TABLES, "Import", tables_pb2.ImportTableRequest,
+                          tables_pb2.ImportTableReply)
 
 ALL = SOCKET + (SERVER_INFO, CREATE, DELETE, META, LIST, READ, PUSH, ASSIGN, ABANDON, SAVE,
                 RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET,
-                TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE)
+                TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE, TABLE_SAVE, TABLE_IMPORT)
 #: Calls that change nothing: made again, over gRPC, after a socket broke under them.
 #: (A table look-up counts and admits: not one of them.)
 IDEMPOTENT = frozenset({SERVER_INFO, META, LIST, READ, BULK_READ, GATHER, SHM_READ, SHM_SHARE,

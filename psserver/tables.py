@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
+import urllib.parse
 
 import numpy as np
+from google.protobuf import json_format
 
 from protos.pstrain.v1 import tables_pb2
 from psserver import tensor as T
@@ -194,10 +197,66 @@ class TableServicer:
                 reply.tables.append(self._info(name, entry))
         return reply
 
+    def Save(self, request, context):
+        """The shard's rows to a safetensors file under the server's
+        --checkpoint-dir (psserver/saving.py confines it), written under a
+        temporary name and renamed."""
+        from safetensors.numpy import save_file
+        entry = self._entry(request.name)
+        if self._store is None:
+            raise InvalidArgument("this server keeps no checkpoint directories")
+        directory = self._store._confined(request.directory)
+        if not os.path.isdir(directory):
+            raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
+                                  "parameter server (it must see the same filesystem)")
+        with entry.lock:
+            state = entry.table.export()
+            step = entry.table.step
+        meta = {"name": request.name, "kind": "dynamic_table", "step": str(step),
+                "spec": json_format.MessageToJson(entry.spec, indent=None)}
+        file = table_file(request.name)
+        path = os.path.join(directory, file)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp, metadata=meta)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        return tables_pb2.SaveTableReply(file=file, rows=int(state["keys"].size),
+                                         bytes=os.path.getsize(path), step=step)
+
+    def Import(self, request, context):
+        entry = self._entry(request.name)
+        state = {"keys": T.decode(request.keys, T.ID_DTYPES, "import keys")}
+        for field in ("values", "age_seconds"):
+            state[field] = T.decode(getattr(request, field), T.VALUE_DTYPES, f"import {field}")
+        for field in ("age_steps", "freq"):
+            state[field] = T.decode(getattr(request, field), T.ID_DTYPES, f"import {field}")
+        for slot in request.slots:
+            key = f"slot/{slot.name}"
+            if key in state:
+                raise InvalidArgument(f"import: slot {slot.name!r} given twice")
+            state[key] = T.decode(slot.tensor, T.WIRE_DTYPES, f"import slot {slot.name!r}")
+        t = entry.table
+        with entry.lock:
+            self._check_room(request.name, state["keys"].size,
+                             _row_bytes(t.config, t.optimizer))
+            rows = t.import_rows(state, int(request.step), reset=request.reset)
+        return tables_pb2.ImportTableReply(rows=rows)
+
     def Delete(self, request, context):
         with self._lock:
             gone = self._tables.pop(request.name, None)
         return tables_pb2.DeleteTableReply(deleted=gone is not None)
+
+
+def table_file(name: str) -> str:
+    """A table shard's checkpoint file name: "~" cannot start a variable's
+    (psserver/saving.py quotes names, and "~" is no character of a name)."""
+    return "~table~" + urllib.parse.quote(name, safe="") + ".safetensors"
 
 
 def _row_bytes(config: TableConfig, optimizer) -> int:

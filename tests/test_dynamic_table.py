@@ -298,3 +298,62 @@ def test_memory_per_row_is_the_row_and_its_slots_plus_the_stated_overhead():
         t.lookup(part)
     per_row = t.nbytes / len(t)
     assert per_row <= 1.5 * (32 * 4 * 2) + 104, per_row
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_export_then_import_into_other_shards_gives_the_same_rows(optimizer):
+    """A table's rows exported, split by shard_of over 3 new shards and
+    imported: the same keys, values, slots and ages, bit for bit; trained
+    on, they move as the original does."""
+    clock = Clock()
+    src = table(dim=3, optimizer=optimizer, params={"learning_rate": 0.1}, clock=clock,
+                initializer=Initializer(kind="random_normal", seed=4))
+    keys = np.random.default_rng(0).integers(I64.min, I64.max, 500, dtype=np.int64)
+    src.lookup(keys)
+    for i in range(3):
+        src.apply_gradients(keys[i::3], np.full((len(keys[i::3]), 3), 0.5 + i, np.float32))
+    clock.now += 7.0
+    saved = src.export()
+    shards = [table(dim=3, optimizer=optimizer, params={"learning_rate": 0.1}, clock=clock,
+                    initializer=Initializer(kind="random_normal", seed=4)) for _ in range(3)]
+    which = shard_of(saved["keys"], 3)
+    for i, t in enumerate(shards):
+        part = {k: (v if v.ndim == 0 else v[which == i]) for k, v in saved.items()}
+        assert t.import_rows(part, src.step, reset=True) == int((which == i).sum())
+    merged = [t.export() for t in shards]
+    order = np.argsort(np.concatenate([m["keys"] for m in merged]))
+    for name, want in saved.items():
+        got = (merged[0][name] if want.ndim == 0 else
+               np.concatenate([m[name] for m in merged])[order])
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    g = np.ones((4, 3), np.float32)   # one update of the source, one per shard it touches
+    src.apply_gradients(keys[:4], g)
+    w = shard_of(keys[:4], 3)
+    for i, t in enumerate(shards):
+        if (w == i).any():
+            t.apply_gradients(keys[:4][w == i], g[w == i])
+    got = np.stack([shards[w[j]].lookup(keys[j:j + 1], admit=False)[0] for j in range(4)])
+    np.testing.assert_array_equal(got, src.lookup(keys[:4], admit=False))
+
+
+def test_a_bad_import_is_refused_whole():
+    t = table(dim=2)
+    t.lookup(k(1, 2))
+    before = t.export()
+    good = {"keys": k(5, 6), "values": np.ones((2, 2), np.float32),
+            "age_steps": np.zeros(2, np.int64), "age_seconds": np.zeros(2),
+            "freq": np.ones(2, np.int64)}
+    bad = [({**good, "keys": k(5, 5)}, "unique"),
+           ({**good, "values": np.ones((2, 3), np.float32)}, "values"),
+           ({**good, "values": np.full((2, 2), np.nan, np.float32)}, "NaN"),
+           ({**good, "age_steps": np.array([-1, 0])}, "negative"),
+           ({**good, "keys": k(1, 7)}, "holds already"),
+           ({**good, "bogus": np.zeros(2)}, "unknown")]
+    for state, words in bad:
+        with pytest.raises(InvalidArgument, match=words):
+            t.import_rows(state, 0, reset=False)
+    with pytest.raises(InvalidArgument, match="step"):
+        t.import_rows({**good, "age_steps": np.array([3, 0])}, 2, reset=False)
+    for name, arr in t.export().items():
+        np.testing.assert_array_equal(arr, before[name])
+    assert t.import_rows(good, 0, reset=False) == 4

@@ -8,7 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from coordinator import ClusterCoordinator, DynamicEmbedding, LocalCluster, ParameterServerStrategy
+from coordinator import (CheckpointManager, ClusterCoordinator, DynamicEmbedding, LocalCluster,
+                         ParameterServerStrategy)
+from coordinator.checkpoint import CheckpointError, read_manifest
 from psserver.client import PSClient
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,3 +96,68 @@ def test_bad_keys_and_gradients_are_refused_before_any_call(cluster):
     with pytest.raises(ValueError, match="shape"):
         table.push_gradient([1, 2], np.ones((2, 4), np.float32))
     assert table.stats().lookups == 0
+
+
+def _saved_table(path: str, table) -> dict:
+    from coordinator.checkpoint import _load_table
+    state, _ = _load_table(table, read_manifest(path)["tables"][table.name], path)
+    return state
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_two_servers_restores_into_three_bit_for_bit(tmp_path):
+    """Keys, rows, Adagrad's slot, look-up counts and ages saved atomically
+    with the variables, restored resharded by key into 3 servers: the same
+    arrays (ages in seconds aside: they grow), every server holding a share,
+    and training goes on from there."""
+    ckpt_dir = str(tmp_path / "ckpt")
+    keys = np.random.default_rng(3).integers(I64.min, I64.max, 500, dtype=np.int64)
+    spec = dict(optimizer="adagrad", optimizer_params={"learning_rate": 0.3},
+                initializer="random_normal", seed=9, min_count=1)
+    with LocalCluster(num_ps=2, num_workers=1) as two:
+        strategy = ParameterServerStrategy(two.spec)
+        table = strategy.create_embedding_table("emb", 4, **spec)
+        strategy.create_variable("w", initial_value=np.arange(6, dtype=np.float32))
+        with ClusterCoordinator(strategy) as coord:
+            first = coord.fetch([coord.schedule(_train_step(table, keys), args=(i,))
+                                 for i in range(30)])
+        saved_path = CheckpointManager(strategy, ckpt_dir).save(step=30)
+        before = table.lookup(keys, admit=False)
+        rows_before = table.stats().rows
+    saved = _saved_table(saved_path, table)
+    assert saved["keys"].size == rows_before > 0
+    with LocalCluster(num_ps=3, num_workers=1) as three:
+        strategy = ParameterServerStrategy(three.spec)
+        table3 = strategy.create_embedding_table("emb", 4, **spec)
+        w3 = strategy.create_variable("w", initial_value=np.zeros(6, np.float32))
+        assert CheckpointManager(strategy, ckpt_dir).restore()["step"] == 30
+        np.testing.assert_array_equal(w3.read(), np.arange(6))   # the variables as well
+        np.testing.assert_array_equal(table3.lookup(keys, admit=False), before)
+        shares = []
+        for address in three.spec.ps:
+            with PSClient(address, token=three.spec.token, tls=strategy.tls) as c:
+                shares.append(c.table_info("emb").rows)
+        assert sum(shares) == rows_before and min(shares) > 0, shares
+        again = _saved_table(CheckpointManager(strategy, ckpt_dir).save(step=31), table3)
+        for name, want in saved.items():
+            if name == "age_seconds":
+                assert (again[name] >= want).all()
+            else:
+                np.testing.assert_array_equal(again[name], want, err_msg=name)
+        with ClusterCoordinator(strategy) as coord:   # training goes on
+            losses = coord.fetch([coord.schedule(_train_step(table3, keys), args=(i,))
+                                  for i in range(30, 40)])
+        assert np.mean(losses) < 0.8 * np.mean(first[:10]), (first, losses)   # not from scratch
+
+
+def test_a_table_missing_from_a_checkpoint_is_refused_with_nothing_changed(cluster, tmp_path):
+    strategy = ParameterServerStrategy(cluster.spec)
+    old = strategy.create_embedding_table("kept", 2, initializer="ones")
+    old.lookup([1, 2, 3])
+    path = CheckpointManager(strategy, str(tmp_path)).save(step=1)
+    later = ParameterServerStrategy(cluster.spec)
+    later.create_embedding_table("kept", 2, initializer="ones").lookup([4])
+    later.create_embedding_table("new", 2)
+    with pytest.raises(CheckpointError, match="'new' is not in checkpoint"):
+        CheckpointManager(later, str(tmp_path)).restore(path)
+    assert old.stats().rows == 4   # 1, 2, 3 and 4: nothing restored

@@ -107,6 +107,11 @@ def templates(tmp: str) -> dict[str, list]:
         "DynamicTables/Info": [tables_pb2.TableRef(name="d")],
         "DynamicTables/List": [tables_pb2.ListTablesRequest()],
         "DynamicTables/Delete": [tables_pb2.TableRef(name="fzt")],
+        "DynamicTables/Save": [tables_pb2.SaveTableRequest(name="d", directory=tmp)],
+        "DynamicTables/Import": [tables_pb2.ImportTableRequest(
+            name="d", keys=_t(ids), values=_t(np.ones((2, 4), np.float32)),
+            age_steps=_t(np.zeros(2, np.int64)), age_seconds=_t(np.zeros(2)),
+            freq=_t(np.ones(2, np.int64)), step=3)],
     }
 
 

@@ -174,3 +174,34 @@ def test_tables_count_against_the_servers_memory_limit(start_ps):
         with pytest.raises(PSError, match="max-memory-bytes"):
             c.create_variable("v", (((8 << 20) - held) // 4 + 1024,), "float32")
         c.create_variable("small", (1000,), "float32")
+
+
+def test_save_writes_only_under_the_checkpoint_dir_and_import_is_checked_whole(start_ps,
+                                                                             tmp_path):
+    ps = start_ps("--checkpoint-dir", str(tmp_path))
+    with PSClient(ps.address) as c:
+        c.create_table("t", 2, initializer="ones", optimizer="adagrad")
+        c.lookup("t", [1, 2, 3])
+        reply = c.save_table("t", str(tmp_path))
+        assert (tmp_path / reply.file).is_file() and reply.rows == 3
+        for where in ("/tmp/../etc", str(tmp_path / ".." / "elsewhere")):
+            with pytest.raises(PSError) as e:
+                c.save_table("t", where)
+            assert e.value.code == Code.PERMISSION_DENIED
+        before = _info(c, "t")
+        rows = c.lookup("t", [1, 2, 3], admit=False)
+        good = {"keys": np.array([7, 8]), "values": np.ones((2, 2), np.float32),
+                "age_steps": np.zeros(2, np.int64), "age_seconds": np.zeros(2),
+                "freq": np.ones(2, np.int64), "slot/accumulator": np.ones((2, 2), np.float32)}
+        for bad, words in [({**good, "keys": np.array([7, 7])}, "unique"),
+                           ({**good, "values": np.full((2, 2), np.nan, np.float32)}, "NaN"),
+                           ({k: v for k, v in good.items() if k != "slot/accumulator"},
+                            "missing"),
+                           ({**good, "keys": np.array([1, 9])}, "holds already")]:
+            with pytest.raises(PSError, match=words) as e:
+                c.import_table("t", bad, 0, reset=False)
+            assert e.value.code == Code.INVALID_ARGUMENT
+        assert _info(c, "t") == before
+        np.testing.assert_array_equal(c.lookup("t", [1, 2, 3], admit=False), rows)
+        assert c.import_table("t", good, 0, reset=True) == 2   # reset: only 7 and 8
+        np.testing.assert_array_equal(c.lookup("t", [1, 7], admit=False), [[0, 0], [1, 1]])

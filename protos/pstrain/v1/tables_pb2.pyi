@@ -132,3 +132,51 @@ class DeleteTableReply(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: bool
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
+class SaveTableRequest(_message.Message):
+    __slots__ = ("name", "directory")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    directory: str
+    def __init__(self, name: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class SaveTableReply(_message.Message):
+    __slots__ = ("file", "rows", "bytes", "step")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    rows: int
+    bytes: int
+    step: int
+    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ImportTableRequest(_message.Message):
+    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    AGE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FREQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reset: bool
+    keys: _ps_pb2.Tensor
+    values: _ps_pb2.Tensor
+    slots: _containers.RepeatedCompositeFieldContainer[_ps_pb2.SlotValue]
+    age_steps: _ps_pb2.Tensor
+    age_seconds: _ps_pb2.Tensor
+    freq: _ps_pb2.Tensor
+    step: int
+    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ImportTableReply(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    def __init__(self, rows: _Optional[int] = ...) -> None: ...

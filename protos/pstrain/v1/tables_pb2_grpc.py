@@ -64,6 +64,16 @@ class DynamicTablesStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.TableRef.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.DeleteTableReply.FromString,
                 _registered_method=True)
+        self.Save = channel.unary_unary(
+                '/pstrain.v1.DynamicTables/Save',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.SaveTableRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.SaveTableReply.FromString,
+                _registered_method=True)
+        self.Import = channel.unary_unary(
+                '/pstrain.v1.DynamicTables/Import',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableReply.FromString,
+                _registered_method=True)
 
 
 class DynamicTablesServicer:
@@ -105,6 +115,18 @@ class DynamicTablesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Save(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DynamicTablesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_DynamicTablesServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.TableRef.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.DeleteTableReply.SerializeToString,
+            ),
+            'Save': grpc.unary_unary_rpc_method_handler(
+                    servicer.Save,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.SaveTableRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.SaveTableReply.SerializeToString,
+            ),
+            'Import': grpc.unary_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class DynamicTables:
             '/pstrain.v1.DynamicTables/Delete',
             protos_dot_pstrain_dot_v1_dot_tables__pb2.TableRef.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_tables__pb2.DeleteTableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Save(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.DynamicTables/Save',
+            protos_dot_pstrain_dot_v1_dot_tables__pb2.SaveTableRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_tables__pb2.SaveTableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.DynamicTables/Import',
+            protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableReply.FromString,
             options,
             channel_credentials,
             insecure,
