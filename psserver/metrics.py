@@ -30,7 +30,7 @@ from typing import Callable
 import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, start_http_server)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from psserver.variable import StoreObserver
@@ -337,6 +337,50 @@ class _StoreCollector(Collector):
             yield lim
 
     def describe(self):   # no describe-time scrape of the store
+        return []
+
+
+class TablesCollector(Collector):
+    """The dynamic tables' counters (psserver/tables.py), read at each scrape:
+    rows and bytes held; look-ups, hits (hit rate: rate(hits) / rate(lookups)),
+    admissions, look-ups answered with the default row, evictions by reason,
+    rows updated and gradient rows dropped, by table."""
+
+    _COUNTERS = (("lookups", "Keys looked up with admission."),
+                 ("hits", "Keys looked up that had a row."),
+                 ("admitted", "Rows created (keys admitted)."),
+                 ("not_admitted", "Look-ups answered with the default row (key not admitted)."),
+                 ("updated", "Rows a gradient changed."),
+                 ("dropped", "Gradient rows dropped: their key had no row."))
+
+    def __init__(self, tables):
+        self.tables = tables
+
+    def collect(self):
+        infos = self.tables.List(None, None).tables
+        rows = GaugeMetricFamily("pstrain_ps_table_rows", "Rows held, by dynamic table.",
+                                 labels=["table"])
+        held = GaugeMetricFamily("pstrain_ps_table_bytes",
+                                 "Bytes a dynamic table's shard holds (rows, slots, index).",
+                                 labels=["table"])
+        counters = {k: CounterMetricFamily(f"pstrain_ps_table_{k}", text, labels=["table"])
+                    for k, text in self._COUNTERS}
+        evicted = CounterMetricFamily("pstrain_ps_table_evicted",
+                                      "Rows evicted: reason capacity | age.",
+                                      labels=["table", "reason"])
+        for i in infos:
+            rows.add_metric([i.name], i.rows)
+            held.add_metric([i.name], i.bytes)
+            for k, c in counters.items():
+                c.add_metric([i.name], getattr(i, k))
+            evicted.add_metric([i.name, "capacity"], i.evicted_capacity)
+            evicted.add_metric([i.name, "age"], i.evicted_age)
+        yield rows
+        yield held
+        yield from counters.values()
+        yield evicted
+
+    def describe(self):
         return []
 
 

@@ -556,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"psserver: cannot listen on {address}: {exc}. Pick another --port or "
               "--data-port, or 0 for a free one", file=sys.stderr)
         return 2
+    if served is not None:
+        served[0].register(metrics.TablesCollector(handle.servicer.tables))
     serve(handle, grace=args.grace, port_file=args.port_file, host=args.host)
     return 0
 

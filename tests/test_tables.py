@@ -205,3 +205,32 @@ def test_save_writes_only_under_the_checkpoint_dir_and_import_is_checked_whole(s
         np.testing.assert_array_equal(c.lookup("t", [1, 2, 3], admit=False), rows)
         assert c.import_table("t", good, 0, reset=True) == 2   # reset: only 7 and 8
         np.testing.assert_array_equal(c.lookup("t", [1, 7], admit=False), [[0, 0], [1, 1]])
+
+
+def test_table_counters_are_on_the_metrics_page(start_ps):
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    ps = start_ps("--metrics-port", "0")
+    with PSClient(ps.address) as c:
+        c.create_table("t", 2, capacity=3, min_count=2)
+        c.lookup("t", [1, 1, 2, 2, 3, 3])   # 3 admitted
+        c.lookup("t", [4, 4, 5])             # 4 admitted (1 evicted: capacity), 5 not yet
+        assert c.update_table("t", [1, 2, 5], np.ones((3, 2), np.float32)) == (1, 2)
+        info = c.table_info("t")
+    address = next(m.group(1) for line in list(ps.log_lines)
+                   if (m := re.match(r"^psserver metrics on (\S+)$", line.strip())))
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name.startswith("pstrain_ps_table_")}
+    t = (("table", "t"),)
+    assert got[("pstrain_ps_table_rows", t)] == info.rows == 3
+    assert got[("pstrain_ps_table_lookups_total", t)] == info.lookups == 9
+    assert got[("pstrain_ps_table_admitted_total", t)] == 4
+    assert got[("pstrain_ps_table_not_admitted_total", t)] == 1
+    assert got[("pstrain_ps_table_evicted_total", (("reason", "capacity"),) + t)] == 1
+    assert got[("pstrain_ps_table_dropped_total", t)] == info.dropped == 2
+    assert got[("pstrain_ps_table_bytes", t)] == info.bytes > 0
