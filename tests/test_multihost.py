@@ -127,6 +127,46 @@ def _run_through(coord, step, n: int, during) -> list:
     return coord.fetch(scheduled)
 
 
+def test_a_dynamic_table_trains_across_hosts_over_the_data_ports():
+    """A dynamic embedding table over 2 parameter servers on hosts of their
+    own, looked up and trained by workers on 2 other hosts: keys spread
+    over both servers, the workers' look-ups and updates take the data ports,
+    the rows learn their targets."""
+    from psserver.client import PSClient
+    from psserver.methods import TABLE_LOOKUP
+    keys = np.random.default_rng(5).integers(-2**63, 2**63 - 1, 200, dtype=np.int64)
+
+    def target(k):
+        return np.repeat(((k % 5) - 2).astype(np.float32)[:, None], 8, axis=1)
+
+    with hosts.TestHosts(4) as h, _host_cluster(h) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        table = strategy.create_embedding_table("emb", 8, optimizer="sgd",
+                                                optimizer_params={"learning_rate": 0.5})
+
+        def step(seed):
+            from coordinator.calls import client_for
+            batch = keys[np.random.default_rng(seed).integers(0, keys.size, 64)]
+            rows = table.lookup(batch)
+            table.push_gradient(batch, rows - target(batch))
+            routes = {client_for(a).route.socket for a in table.addresses}
+            return float(np.mean((rows - target(batch)) ** 2)), sorted(routes), \
+                os.environ.get("PSTRAIN_TEST_HOST", "")
+        with ClusterCoordinator(strategy) as coord:
+            out = coord.fetch([coord.schedule(step, args=(i,)) for i in range(100)])
+        losses = [o[0] for o in out]
+        assert {tuple(o[1]) for o in out} == {("tcp",)}          # the data ports
+        assert {o[2] for o in out} == {h.addresses[2], h.addresses[3]}   # both workers
+        assert np.mean(losses[-10:]) < 0.05 * losses[0], losses
+        np.testing.assert_allclose(table.lookup(keys, admit=False), target(keys), atol=0.05)
+        shares = []
+        for address in cluster.spec.ps:
+            with PSClient(address, token=cluster.spec.token, tls=strategy.tls) as c:
+                shares.append(c.table_info("emb").rows)
+                assert c._socket(TABLE_LOOKUP) is not None   # the coordinator's too
+        assert sum(shares) == 200 and min(shares) > 60, shares
+
+
 def test_a_parameter_server_cut_off_for_20s_loses_nothing_acknowledged():
     """Replication on: parameter server 0's host is cut off (both ways) for
     20 s mid-training, then healed. Every step completes, and the table
