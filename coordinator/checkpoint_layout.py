@@ -149,3 +149,31 @@ def restore_plan(variables: Sequence[V.ShardedVariable], manifest: Mapping[str, 
 
 def _cuts(cuts: Sequence[tuple[str, int, int]]) -> str:
     return ", ".join(f"{o}:{o + r}" for _, o, r in cuts)
+
+
+def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str]) -> list:
+    """The dynamic tables held by the parameter servers ``ps`` (in the
+    cluster's order: a table's keys go to servers by their index), from
+    each server's TableInfo list. A table must be on every server with the
+    same dim, dtype and optimizer (else CheckpointError: a server restarted
+    empty, or tables of another job)."""
+    from coordinator.embedding import DynamicEmbedding
+    names = sorted({t.name for infos in listing.values() for t in infos})
+    out, problems = [], []
+    for name in names:
+        specs = {}
+        for address in ps:
+            info = next((t for t in listing.get(address, ()) if t.name == name), None)
+            if info is None:
+                problems.append(f"dynamic table {name!r} is not on {address}")
+                continue
+            specs[address] = (int(info.spec.dim), info.spec.dtype or "float32",
+                              info.spec.optimizer.name or "sgd")
+        if len(set(specs.values())) > 1:
+            problems.append(f"dynamic table {name!r} differs between servers: {specs}")
+        elif specs and len(specs) == len(ps):
+            dim, dtype, optimizer = next(iter(specs.values()))
+            out.append(DynamicEmbedding(name, dim, dtype, tuple(ps), optimizer))
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return out

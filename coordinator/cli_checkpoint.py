@@ -36,10 +36,11 @@ def _ckpt_save(args) -> int:
     listing = _listing_or_fail(target)
     try:
         layout = L.layout_from_listing(listing)
+        tables = L.tables_from_listing(_table_listing(target), target.ps)
     except C.CheckpointError as exc:
         raise OperatorError(f"{exc}\nNo checkpoint written. Check that {target.source} lists "
                             "every parameter server.") from None
-    if not layout:
+    if not layout and not tables:
         raise OperatorError("nothing to save: the parameter servers hold no variables")
     directory = os.path.abspath(args.directory)
     try:
@@ -50,14 +51,15 @@ def _ckpt_save(args) -> int:
     if args.step is not None:
         step = args.step
     else:
-        step = max(m.version for metas in listing.values() for m in metas)
+        step = max((m.version for metas in listing.values() for m in metas), default=0)
         if existing:
             step = max(step, _step_of(existing[-1]) + 1)
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
     with _Clients(target) as clients:
         try:
             final, nbytes = C.write_checkpoint(directory, step, layout, clients.get,
-                                               ps_index=ps_index, extra=extra, replace=False)
+                                               ps_index=ps_index, extra=extra, replace=False,
+                                               tables=tables)
         except C.CheckpointError as exc:
             raise OperatorError(f"{exc}\nNo checkpoint written.") from None
         except PSError as exc:
@@ -77,9 +79,10 @@ def _ckpt_save(args) -> int:
                      "bytes": nbytes, "parameter_servers": len(by_ps)})
     else:
         print(final)
-        print(f"coordinator: saved {len(layout)} variable(s) ({nshards} shard(s), "
-              f"{human_bytes(nbytes)}) from {len(by_ps)} parameter server(s) as step {step}",
-              file=sys.stderr)
+        print(f"coordinator: saved {len(layout)} variable(s) ({nshards} shard(s)) and "
+              f"{len(tables)} dynamic table(s), {human_bytes(nbytes)}, from "
+              f"{len(by_ps | {a for t in tables for a in t.addresses})} parameter server(s) "
+              f"as step {step}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -100,6 +103,19 @@ def _checkpoint_path(directory: str, path: str | None) -> str:
         raise OperatorError(f"no checkpoint found in {directory}: no ckpt-NNNNNNNN/ directory "
                             "with a manifest.json (unfinished ckpt-*.tmp-* saves do not count)")
     return found[-1]
+
+
+def _table_listing(target: Target) -> dict[str, list]:
+    """{address: TableInfo list} of every parameter server (dynamic tables)."""
+    out = {}
+    with _Clients(target) as clients:
+        for address in target.ps:
+            try:
+                out[address] = clients.get(address).list_tables()
+            except PSError as exc:
+                raise OperatorError(_explain_error(target, "ps", address, exc,
+                                                   answered=True)) from None
+    return out
 
 
 class _Clients:
@@ -132,6 +148,7 @@ def _ckpt_restore(args) -> int:
     listing = _listing_or_fail(target)
     try:
         layout = L.layout_from_listing(listing)
+        tables = L.tables_from_listing(_table_listing(target), target.ps)
         plan = L.restore_plan(layout, manifest, path)
     except C.CheckpointError as exc:
         raise OperatorError(
@@ -144,7 +161,7 @@ def _ckpt_restore(args) -> int:
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
     with _Clients(target) as clients:
         try:   # everything read and checked first; nothing written on a bad checkpoint
-            C.restore_checkpoint(path, layout, clients.get)
+            C.restore_checkpoint(path, layout, clients.get, tables=tables)
         except C.CheckpointError as exc:
             raise OperatorError(str(exc)) from None
         except PSError as exc:

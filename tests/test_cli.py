@@ -24,6 +24,7 @@ from coordinator import FixedShardsPartitioner, LocalCluster, ParameterServerStr
 from coordinator.checkpoint import CheckpointError, CheckpointManager
 from coordinator.checkpoint_layout import (LayoutMismatch, layout_from_listing, restore_plan,
                                            split_shard_name)
+from coordinator import variables as V
 from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.process import child_env, start_task
@@ -493,7 +494,6 @@ def test_checkpoint_restore_keeps_the_idempotency_keys(live, env, capsys, tmp_pa
     """A push applied before the save and resent after `coordinator checkpoint
     restore` (a retry that crossed the restore) is acknowledged, not applied
     twice: the CLI restores through CheckpointManager's code, keys included."""
-    from coordinator import variables as V
     shard = live.bias.shards[0]
     c = V.client_for(shard.address)
     key = 0x5EED_0001
@@ -552,3 +552,35 @@ def test_only_ps_health_offers_worker(capsys):
         with pytest.raises(SystemExit):   # it would do nothing there
             parser.parse_args([*argv, "--worker", "h:1"])
         assert "unrecognized arguments: --worker" in capsys.readouterr().err
+
+
+def test_checkpoint_save_and_restore_carry_dynamic_tables(live, env, capsys, tmp_path):
+    """`coordinator checkpoint save` finds the tables on the servers and
+    saves them with the variables; `restore` puts their rows back (what a
+    CheckpointManager of the training program reads as well)."""
+    strategy = ParameterServerStrategy(live.cluster.spec)
+    table = strategy.create_embedding_table("cli_emb", 3, initializer="random_normal",
+                                            optimizer="adagrad")
+    keys = np.arange(50, dtype=np.int64) * 7919
+    try:
+        table.lookup(keys)
+        table.push_gradient(keys[:20], np.ones((20, 3), np.float32))
+        saved = table.lookup(keys, admit=False)
+        code, out, err = run(capsys, "checkpoint", "save", str(tmp_path), "--step", "5")
+        assert code == 0 and "1 dynamic table(s)" in err, err
+        manifest = json.loads((tmp_path / "ckpt-00000005" / "manifest.json").read_text())
+        assert sum(s["rows"] for s in manifest["tables"]["cli_emb"]["shards"]) == 50
+        table.push_gradient(keys, np.ones((50, 3), np.float32))
+        table.lookup(np.arange(1000, 1010))
+        code, out, err = run(capsys, "checkpoint", "restore", str(tmp_path))
+        assert code == 0, err
+        np.testing.assert_array_equal(table.lookup(keys, admit=False), saved)
+        assert table.stats().rows == 50
+        later = ParameterServerStrategy(live.cluster.spec)   # the program's way reads it too
+        t2 = later.create_embedding_table("cli_emb", 3, initializer="random_normal",
+                                          optimizer="adagrad")
+        CheckpointManager(later, str(tmp_path)).restore()
+        np.testing.assert_array_equal(t2.lookup(keys, admit=False), saved)
+    finally:
+        for address in live.cluster.spec.ps:
+            V.client_for(address).delete_table("cli_emb")
