@@ -264,10 +264,12 @@ class TableConfig:
 
 def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer) -> np.ndarray:
     """Rows for new ``keys``, each a function of (``init.seed``, key) alone,
-    whichever shard holds the key: counter-based uniforms (splitmix64 of
-    key, seed and column), Box-Muller for normals, redrawn with the next
-    counter beyond 2 stddev for truncated."""
-    keys = np.asarray(keys, np.int64)
+    whichever shard holds the key. Counter-based: element (key, j) hashes
+    (splitmix64) the key, the seed and j; uniforms take 53 bits of it;
+    normals take two 26-bit halves of one hash for Box-Muller, whose cosine
+    and sine give elements j and j + ceil(dim / 2); a truncated normal's
+    element beyond 2 stddev is drawn again from the next counter."""
+    keys = np.asarray(keys, np.int64).reshape(-1)
     shape = (keys.size, dim)
     if init.kind == "zeros":
         return np.zeros(shape, dtype)
@@ -277,28 +279,34 @@ def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer)
         return np.full(shape, init.value, dtype)
     with np.errstate(over="ignore"):
         base = mix64(keys.view(np.uint64) ^ mix64(np.uint64(init.seed) + _GOLDEN))
-        cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
 
-    def uniform(salt: int) -> np.ndarray:   # in (0, 1), 53 bits
+    def hashed(rows, cols, salt: int) -> np.ndarray:
         with np.errstate(over="ignore"):
-            u = mix64(base[:, None] + cols[None, :] + np.uint64(salt) * _C2)
-        return ((u >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+            return mix64(base[rows] + cols * _GOLDEN + np.uint64(salt) * _C2)
 
     if init.kind == "random_uniform":
-        out = init.minval + (init.maxval - init.minval) * uniform(1)
-        return out.astype(dtype)
+        u = hashed(np.arange(keys.size)[:, None], np.arange(dim, dtype=np.uint64), 1)
+        u = ((u >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+        return (init.minval + (init.maxval - init.minval) * u).astype(dtype)
+    work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
-    def normal(salt: int) -> np.ndarray:
-        return np.sqrt(-2.0 * np.log(uniform(salt))) * np.cos(2.0 * np.pi * uniform(salt + 1))
+    def box_muller(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        u1 = ((h >> np.uint64(38)).astype(work) + work(0.5)) * work(2.0 ** -26)
+        u2 = ((h & np.uint64((1 << 26) - 1)).astype(work) + work(0.5)) * work(2.0 ** -26)
+        r = np.sqrt(work(-2.0) * np.log(u1))
+        return r * np.cos(work(2 * np.pi) * u2), r * np.sin(work(2 * np.pi) * u2)
 
-    z = normal(2)
-    if init.kind == "truncated_normal":
-        salt = 4
-        bad = np.abs(z) > 2
-        while bad.any():
-            z[bad] = normal(salt)[bad]
-            salt += 2
-            bad = np.abs(z) > 2
+    half = (dim + 1) // 2
+    c, s_ = box_muller(hashed(np.arange(keys.size)[:, None], np.arange(half, dtype=np.uint64), 2))
+    z = np.concatenate([c, s_], axis=1)[:, :dim]
+    if init.kind == "truncated_normal":   # redraw beyond 2 stddev, as TensorFlow does
+        salt = 3
+        bad_i, bad_j = np.nonzero(np.abs(z) > 2)
+        while bad_i.size:
+            z[bad_i, bad_j] = box_muller(hashed(bad_i, bad_j.astype(np.uint64), salt))[0]
+            salt += 1
+            keep = np.abs(z[bad_i, bad_j]) > 2
+            bad_i, bad_j = bad_i[keep], bad_j[keep]
     return (init.mean + init.stddev * z).astype(dtype)
 
 
