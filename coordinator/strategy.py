@@ -305,7 +305,7 @@ class ParameterServerStrategy:
         kind ("glorot_uniform", "he_normal"), or an ``Initializer``. Random
         kinds use ``seed + shard index`` on each shard.
 
-        ``optimizer`` is "sgd", "momentum", "adagrad" or "adam", with
+        ``optimizer`` is "sgd", "momentum", "adagrad", "adam" or "ftrl", with
         tf.keras.optimizers' hyper-parameter names and defaults.
 
         Creation is all-or-nothing: if one shard cannot be created, the shards

@@ -199,7 +199,7 @@ class TorchModelBridge:
         here for the initial values; it goes to the workers and is called
         there for each module copy).
       optimizer, optimizer_params: the servers' optimizer for dense
-        parameters ("sgd", "momentum", "adagrad", "adam"; tf.keras names).
+        parameters ("sgd", "momentum", "adagrad", "adam", "ftrl"; tf.keras names).
       embedding_optimizer, embedding_optimizer_params: the optimizer of the
         embedding tables (default: the same as the dense parameters).
       name_prefix: variables are named ``f"{name_prefix}/{parameter name}"``

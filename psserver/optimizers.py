@@ -18,6 +18,11 @@ adagrad    learning_rate=0.001, initial_accumulator_value=0.1, accumulator
            epsilon=1e-7
 adam       learning_rate=0.001, beta_1=0.9, beta_2=0.999,    m, v, iterations
            epsilon=1e-7
+ftrl       learning_rate=0.001, learning_rate_power=-0.5,    accumulator, linear
+           initial_accumulator_value=0.1,
+           l1_regularization_strength=0,
+           l2_regularization_strength=0,
+           l2_shrinkage_regularization_strength=0, beta=0
 ========== ================================================= ==================
 
 Update rules (``g`` the gradient, ``lr`` the learning rate)::
@@ -33,6 +38,12 @@ Update rules (``g`` the gradient, ``lr`` the learning rate)::
               v += (g * g - v) * (1 - beta_2)
               var -= alpha * m / (sqrt(v) + epsilon)
               iterations += 1
+    ftrl      p = -learning_rate_power; l2_reg = l2 + beta / (2 * lr)
+              new_accum = accum + g * g
+              linear += g + 2 * l2_shrinkage * var - (new_accum**p - accum**p) / lr * var
+              quadratic = new_accum**p / lr + 2 * l2_reg
+              var = (clip(linear, -l1, l1) - linear) / quadratic
+              accum = new_accum
 
 Where this module differs from Keras 3, on purpose:
 
@@ -139,6 +150,9 @@ class Optimizer:
     name: ClassVar[str] = ""
     slot_names: ClassVar[tuple[str, ...]] = ()
     _defaults: ClassVar[dict[str, float]] = {}
+    #: Scratch blocks ``_kernel`` gets: 1 (an array), or more (a _Blocks whose
+    #: ``[:m]`` gives that many arrays of length m).
+    _scratch_blocks: ClassVar[int] = 1
 
     def __init__(self, **params: float) -> None:
         unknown = sorted(set(params) - set(self._defaults))
@@ -261,7 +275,10 @@ class Optimizer:
         """
         n = x.size
         block = max(1, min(n, BLOCK_BYTES // x.dtype.itemsize))
-        scratch = np.empty(block, dtype=x.dtype)
+        k = self._scratch_blocks
+        rows = np.empty((k, block), dtype=x.dtype)
+        # One block of scratch, or k of them for a kernel that needs more (FTRL).
+        scratch = rows[0] if k == 1 else _Blocks(rows)
         kernel = self._kernel
         if grad.dtype == x.dtype and grad.flags.c_contiguous:
             g = grad.reshape(-1)  # a view
@@ -286,6 +303,17 @@ class Optimizer:
                 kernel(x[lo:hi], {k: a[lo:hi] for k, a in slots.items()}, gk,
                        scratch[:hi - lo], consts)
                 lo = hi
+
+
+class _Blocks:
+    """Several scratch blocks: ``blocks[:m]`` is a tuple of arrays of length m
+    (as ``scratch[:m]`` is one array for a one-block kernel)."""
+
+    def __init__(self, rows: np.ndarray):
+        self._rows = rows
+
+    def __getitem__(self, cut: slice) -> tuple[np.ndarray, ...]:
+        return tuple(self._rows[:, cut])
 
 
 def _gradient(grad, shape: tuple, dtype: np.dtype) -> np.ndarray:
@@ -453,8 +481,69 @@ class Adam(Optimizer):
         np.subtract(x, scratch, out=x)           # var -= alpha*m/(sqrt(v)+eps)
 
 
+class Ftrl(Optimizer):
+    """Keras 3 Ftrl (Follow The Regularized Leader, the optimizer of
+    click-through-rate models); slots ``accumulator`` (starts at
+    initial_accumulator_value) and ``linear`` (zeros)."""
+
+    name = "ftrl"
+    slot_names = ("accumulator", "linear")
+    _defaults = {"learning_rate": 0.001, "learning_rate_power": -0.5,
+                 "initial_accumulator_value": 0.1, "l1_regularization_strength": 0.0,
+                 "l2_regularization_strength": 0.0,
+                 "l2_shrinkage_regularization_strength": 0.0, "beta": 0.0}
+    _scratch_blocks = 3
+
+    def _check(self, cfg):
+        if cfg["learning_rate_power"] > 0.0:
+            raise ValueError("ftrl: learning_rate_power must be <= 0 (as Keras), got "
+                             f"{cfg['learning_rate_power']!r}")
+        for key in ("initial_accumulator_value", "l1_regularization_strength",
+                    "l2_regularization_strength", "l2_shrinkage_regularization_strength",
+                    "beta"):
+            if cfg[key] < 0.0:
+                raise ValueError(f"ftrl: {key} must be >= 0, got {cfg[key]!r}")
+
+    def create_slots(self, value):
+        return {"accumulator": np.full_like(value, self._config["initial_accumulator_value"]),
+                "linear": np.zeros_like(value)}
+
+    def _constants(self, dtype, step):
+        t = dtype.type
+        c = self._config
+        lr = t(c["learning_rate"])
+        l2_reg = t(c["l2_regularization_strength"]) + t(c["beta"]) / (t(2.0) * lr)
+        return (lr, t(-c["learning_rate_power"]), t(c["l1_regularization_strength"]),
+                t(2) * l2_reg, t(2 * c["l2_shrinkage_regularization_strength"]))
+
+    def _kernel(self, x, slots, g, scratch, c):
+        lr, power, l1, two_l2, two_shrink = c
+        acc, linear = slots["accumulator"], slots["linear"]
+        new_acc, quad, tmp = scratch
+        np.multiply(g, g, out=new_acc)
+        np.add(acc, new_acc, out=new_acc)        # new_accum = accum + g*g
+        np.power(new_acc, power, out=quad)       # new_accum ** -lr_power
+        np.power(acc, power, out=acc)            # accum ** -lr_power (acc is replaced below)
+        np.subtract(quad, acc, out=acc)
+        np.divide(acc, lr, out=acc)
+        np.multiply(acc, x, out=acc)             # sigma * var
+        if two_shrink:
+            np.multiply(x, two_shrink, out=tmp)
+            np.add(g, tmp, out=tmp)              # grad_to_use = g + 2 * shrinkage * var
+            np.subtract(tmp, acc, out=tmp)
+        else:
+            np.subtract(g, acc, out=tmp)
+        np.add(linear, tmp, out=linear)          # linear += grad_to_use - sigma * var
+        np.divide(quad, lr, out=quad)
+        np.add(quad, two_l2, out=quad)           # quadratic = new_accum**p / lr + 2 * l2_reg
+        np.clip(linear, -l1, l1, out=tmp)
+        np.subtract(tmp, linear, out=tmp)
+        np.divide(tmp, quad, out=x)              # var = (clip(linear, l1) - linear) / quadratic
+        np.copyto(acc, new_acc)                  # accum = new_accum
+
+
 OPTIMIZERS: dict[str, type[Optimizer]] = {
-    cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)
+    cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam, Ftrl)
 }
 
 

@@ -1,7 +1,7 @@
 """Plain numpy reference implementations of the server's four optimizers.
 
 Written from the Keras 3 update rules (keras/src/optimizers/sgd.py,
-adagrad.py, adam.py), one readable statement per formula, with no import of
+adagrad.py, adam.py, ftrl.py), one readable statement per formula, with no import of
 ``psserver``: the end-to-end tests compare what a real parameter server
 computes with what these give.
 
@@ -36,6 +36,10 @@ DEFAULTS = {
     "momentum": {"learning_rate": 0.01, "momentum": 0.9, "nesterov": 0.0},
     "adagrad": {"learning_rate": 0.001, "initial_accumulator_value": 0.1, "epsilon": 1e-7},
     "adam": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7},
+    "ftrl": {"learning_rate": 0.001, "learning_rate_power": -0.5,
+             "initial_accumulator_value": 0.1, "l1_regularization_strength": 0.0,
+             "l2_regularization_strength": 0.0, "l2_shrinkage_regularization_strength": 0.0,
+             "beta": 0.0},
 }
 
 
@@ -73,8 +77,22 @@ def adam_step(var, g, slots, cfg, step):
     return var - (m * alpha) / (np.sqrt(v) + eps)
 
 
+def ftrl_step(var, g, slots, cfg, step):   # keras/src/optimizers/ftrl.py
+    f = var.dtype.type
+    lr, p = f(cfg["learning_rate"]), f(-cfg["learning_rate_power"])
+    l1 = f(cfg["l1_regularization_strength"])
+    l2_reg = f(cfg["l2_regularization_strength"]) + f(cfg["beta"]) / (f(2.0) * lr)
+    grad_to_use = g + f(2 * cfg["l2_shrinkage_regularization_strength"]) * var
+    accum = slots["accumulator"]
+    new_accum = accum + g * g
+    linear = slots["linear"] + (grad_to_use - (new_accum**p - accum**p) / lr * var)
+    quadratic = new_accum**p / lr + f(2) * l2_reg
+    slots["accumulator"], slots["linear"] = new_accum, linear
+    return (np.clip(linear, -l1, l1) - linear) / quadratic
+
+
 STEPS = {"sgd": sgd_step, "momentum": momentum_step, "adagrad": adagrad_step,
-         "adam": adam_step}
+         "adam": adam_step, "ftrl": ftrl_step}
 
 
 def initial_slots(name: str, cfg: dict, value: np.ndarray) -> dict[str, np.ndarray]:
@@ -84,6 +102,9 @@ def initial_slots(name: str, cfg: dict, value: np.ndarray) -> dict[str, np.ndarr
         return {"accumulator": np.full_like(value, cfg["initial_accumulator_value"])}
     if name == "adam":
         return {"m": np.zeros_like(value), "v": np.zeros_like(value)}
+    if name == "ftrl":
+        return {"accumulator": np.full_like(value, cfg["initial_accumulator_value"]),
+                "linear": np.zeros_like(value)}
     return {}
 
 

@@ -235,6 +235,7 @@ def test_initial_rows_depend_on_seed_and_key_only(kind):
     ("adagrad", {"learning_rate": 0.1}),
     ("adam", {"learning_rate": 0.01}),
     ("momentum", {"learning_rate": 0.1, "momentum": 0.9}),
+    ("ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "beta": 0.2}),
 ])
 def test_updates_are_the_optimizers_sparse_updates_on_the_keys_rows(optimizer, params):
     """The table's rows change exactly as a fixed table's rows do under the

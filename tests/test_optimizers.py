@@ -14,6 +14,10 @@ KERAS_DEFAULTS = {
     "momentum": {"learning_rate": 0.01, "momentum": 0.9, "nesterov": 0.0},
     "adagrad": {"learning_rate": 0.001, "initial_accumulator_value": 0.1, "epsilon": 1e-7},
     "adam": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7},
+    "ftrl": {"learning_rate": 0.001, "learning_rate_power": -0.5,
+             "initial_accumulator_value": 0.1, "l1_regularization_strength": 0.0,
+             "l2_regularization_strength": 0.0, "l2_shrinkage_regularization_strength": 0.0,
+             "beta": 0.0},
 }
 
 # (optimizer name, params): defaults and a few non-default settings.
@@ -26,6 +30,12 @@ CASES = [
     ("adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.0, "epsilon": 1e-3}),
     ("adam", {}),
     ("adam", {"learning_rate": 0.01, "beta_1": 0.5, "beta_2": 0.9, "epsilon": 1e-3}),
+    ("ftrl", {}),
+    ("ftrl", {"learning_rate": 0.1, "learning_rate_power": -0.7,
+              "initial_accumulator_value": 0.3, "l1_regularization_strength": 0.01,
+              "l2_regularization_strength": 0.02, "l2_shrinkage_regularization_strength": 0.05,
+              "beta": 0.4}),
+    ("ftrl", {"learning_rate": 0.05, "learning_rate_power": 0.0, "l1_regularization_strength": 0.5}),
 ]
 CASE_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items()) or 'defaults'}" for n, p in CASES]
 
@@ -43,6 +53,9 @@ def ref_init(name, p, var):
         return {"accumulator": np.full_like(var, cfg["initial_accumulator_value"])}
     if name == "adam":
         return {"m": np.zeros_like(var), "v": np.zeros_like(var)}
+    if name == "ftrl":
+        return {"accumulator": np.full_like(var, cfg["initial_accumulator_value"]),
+                "linear": np.zeros_like(var)}
     return {}
 
 
@@ -73,6 +86,17 @@ def ref_step(name, p, var, state, g, step):
         v = state["v"] + (g * g - state["v"]) * (f(1) - b2)
         state["m"], state["v"] = m, v
         return var - (m * alpha) / (np.sqrt(v) + eps)
+    if name == "ftrl":   # keras/src/optimizers/ftrl.py, update_step
+        p = f(-cfg["learning_rate_power"])
+        l1, l2 = f(cfg["l1_regularization_strength"]), f(cfg["l2_regularization_strength"])
+        l2_reg = l2 + f(cfg["beta"]) / (f(2.0) * lr)
+        grad_to_use = g + f(2 * cfg["l2_shrinkage_regularization_strength"]) * var
+        accum = state["accumulator"]
+        new_accum = accum + g * g
+        linear = state["linear"] + (grad_to_use - (new_accum**p - accum**p) / lr * var)
+        quadratic = new_accum**p / lr + f(2) * l2_reg
+        state["accumulator"], state["linear"] = new_accum, linear
+        return (np.clip(linear, -l1, l1) - linear) / quadratic
     raise AssertionError(name)
 
 
@@ -232,8 +256,11 @@ def test_create_slots(name, dtype):
             assert a.shape == value.shape and a.dtype == dtype
     if name == "adagrad":
         np.testing.assert_array_equal(slots["accumulator"], np.full((3, 2), 0.1, dtype))
+    if name == "ftrl":
+        np.testing.assert_array_equal(slots["accumulator"], np.full((3, 2), 0.1, dtype))
+        np.testing.assert_array_equal(slots["linear"], np.zeros((3, 2), dtype))
     expected = {"sgd": (), "momentum": ("momentum",), "adagrad": ("accumulator",),
-                "adam": ("m", "v", "iterations")}[name]
+                "adam": ("m", "v", "iterations"), "ftrl": ("accumulator", "linear")}[name]
     assert opt.slot_names == expected
 
 
@@ -298,7 +325,7 @@ def test_config_includes_overrides_and_is_a_copy():
 
 
 def test_registry_and_names():
-    assert set(OPTIMIZERS) == {"sgd", "momentum", "adagrad", "adam"}
+    assert set(OPTIMIZERS) == {"sgd", "momentum", "adagrad", "adam", "ftrl"}
     for name, cls in OPTIMIZERS.items():
         assert cls.name == name
         assert make_optimizer(name).name == name
@@ -461,7 +488,7 @@ def test_dense_apply_allocates_one_block_not_the_variable(name):
     slots = opt.create_slots(var)
     g = np.frombuffer(np.full(n, 0.5, np.float32).tobytes(), np.float32)
     opt.apply_dense(var, slots, g)
-    block = optimizers_module.BLOCK_BYTES
+    block = optimizers_module.BLOCK_BYTES * opt._scratch_blocks   # FTRL: 3 blocks
     assert block <= 1 << 20
     assert _peak_bytes(lambda: opt.apply_dense(var, slots, g)) < block + 64 * 1024
     # A grad of another dtype/layout is cast through a block-sized buffer.
@@ -480,7 +507,8 @@ def test_sparse_apply_temporaries_scale_with_rows_not_variable(name):
     rows = np.full((ids.size, 16), 0.5, np.float32)
     opt.apply_sparse(var, slots, ids, rows)
     n_copies = 1 + sum(1 for k in opt.slot_names if k != "iterations")  # gathered
-    limit = (n_copies + 1) * rows.nbytes + 64 * 1024  # + one scratch block <= rows
+    # + the scratch blocks, each <= rows
+    limit = (n_copies + opt._scratch_blocks) * rows.nbytes + 64 * 1024
     assert _peak_bytes(lambda: opt.apply_sparse(var, slots, ids, rows)) < limit
 
 
@@ -531,3 +559,63 @@ def test_all_finite_finds_every_nan_and_inf_and_only_them(dtype):
             b = a.copy()
             b[where] = bad
             assert not all_finite(b) and not all_finite(b[:, ::1]) and not all_finite(b.T)
+
+
+def _tensorflow():
+    """TensorFlow, or a skip (a failure with PSTRAIN_REQUIRE_TF=1)."""
+    import os
+    try:
+        import tensorflow as tf
+    except ImportError:
+        if os.environ.get("PSTRAIN_REQUIRE_TF") == "1":
+            pytest.fail("PSTRAIN_REQUIRE_TF=1 but tensorflow is not installed")
+        pytest.skip("tensorflow is not installed (pip install tensorflow-cpu to compare)")
+    return tf
+
+
+FTRL_TF = {"learning_rate": 0.1, "learning_rate_power": -0.6, "initial_accumulator_value": 0.2,
+           "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.03,
+           "l2_shrinkage_regularization_strength": 0.02, "beta": 0.5}
+
+
+@pytest.mark.timeout(120)
+def test_ftrl_equals_tensorflows_dense_and_sparse():
+    """Dense: tf.keras.optimizers.Ftrl (Keras 3) on a tf.Variable. Sparse:
+    TensorFlow's own lazy kernel (raw_ops.ResourceSparseApplyFtrlV2, which
+    Keras 2 used for IndexedSlices; Keras 3 densifies sparse gradients, which
+    is not lazy), with l2 + beta / (2 lr) as Keras passes it. Both within
+    float32 rounding: rtol 2e-6 (a few ulps: pow and division may round
+    differently in TensorFlow's kernels and numpy's)."""
+    tf = _tensorflow()
+    rng = np.random.default_rng(7)
+    value = rng.standard_normal((6, 5)).astype(np.float32)
+    ours = make_optimizer("ftrl", FTRL_TF)
+    var, slots = value.copy(), ours.create_slots(value)
+    tf_var = tf.Variable(value)
+    keras_opt = tf.keras.optimizers.Ftrl(**FTRL_TF)
+    for _ in range(6):
+        g = rng.standard_normal((6, 5)).astype(np.float32)
+        ours.apply_dense(var, slots, g)
+        keras_opt.apply_gradients([(tf.constant(g), tf_var)])
+    np.testing.assert_allclose(var, tf_var.numpy(), rtol=2e-6, atol=1e-7)
+
+    cfg = FTRL_TF
+    var, slots = value.copy(), ours.create_slots(value)
+    tf_var = tf.Variable(value)
+    accum = tf.Variable(np.full_like(value, cfg["initial_accumulator_value"]))
+    linear = tf.Variable(np.zeros_like(value))
+    l2 = cfg["l2_regularization_strength"] + cfg["beta"] / (2.0 * cfg["learning_rate"])
+    for _ in range(6):
+        ids = rng.integers(0, 6, 4)
+        rows = rng.standard_normal((4, 5)).astype(np.float32)
+        uniq, summed = sum_duplicates(ids, rows)
+        ours.apply_sparse(var, slots, uniq, summed)
+        tf.raw_ops.ResourceSparseApplyFtrlV2(
+            var=tf_var.handle, accum=accum.handle, linear=linear.handle,
+            grad=tf.constant(summed), indices=tf.constant(uniq),
+            lr=np.float32(cfg["learning_rate"]), l1=np.float32(cfg["l1_regularization_strength"]),
+            l2=np.float32(l2), l2_shrinkage=np.float32(cfg["l2_shrinkage_regularization_strength"]),
+            lr_power=np.float32(cfg["learning_rate_power"]))
+    np.testing.assert_allclose(var, tf_var.numpy(), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(slots["accumulator"], accum.numpy(), rtol=2e-6)
+    np.testing.assert_allclose(slots["linear"], linear.numpy(), rtol=2e-6, atol=1e-7)

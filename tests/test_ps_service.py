@@ -37,6 +37,9 @@ OPTIMIZERS = {   # non-default hyper-parameters, so each one is seen to travel
     "momentum": {"learning_rate": 0.05, "momentum": 0.8, "nesterov": 1.0},
     "adagrad": {"learning_rate": 0.1, "initial_accumulator_value": 0.2, "epsilon": 1e-6},
     "adam": {"learning_rate": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6},
+    "ftrl": {"learning_rate": 0.2, "learning_rate_power": -0.6, "initial_accumulator_value": 0.3,
+             "l1_regularization_strength": 0.001, "l2_regularization_strength": 0.01,
+             "l2_shrinkage_regularization_strength": 0.02, "beta": 0.1},
 }
 TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -266,7 +269,8 @@ def test_get_meta_list_and_delete(client, opt):
     assert (meta.shape, meta.dtype, meta.version, meta.nbytes) == ((8, 4), "float64", 0, 256)
     assert meta.allow_nonfinite is True
     slot_bytes = {"sgd": (0, 0), "momentum": (256, 256), "adagrad": (256, 256),
-                  "adam": (512, 512 + 8)}[opt]      # adam: m, v (+ an int64 step count)
+                  "adam": (512, 512 + 8),           # adam: m, v (+ an int64 step count)
+                  "ftrl": (512, 512)}[opt]          # ftrl: accumulator, linear
     assert slot_bytes[0] <= meta.slot_nbytes <= slot_bytes[1]
     client.create_variable("b", (3,), "float32")
     client.push("b", np.ones(3, np.float32))
@@ -466,6 +470,14 @@ BAD_CASES = [
         "w", (4, 3), optimizer_params={"learning_rate": 0.5}, exist_ok=True)),
     ("create-bad-optimizer", InvalidArgument,
      lambda c, s: c.create_variable("new", (2,), optimizer="rmsprop")),
+    *[(f"create-ftrl-{key}-{value}", InvalidArgument,
+       lambda c, s, key=key, value=value: c.create_variable(
+           "new", (2,), optimizer="ftrl", optimizer_params={key: value}))
+      for key, value in (("learning_rate_power", 0.5), ("initial_accumulator_value", -0.1),
+                         ("l1_regularization_strength", -1e-3),
+                         ("l2_regularization_strength", -1e-3),
+                         ("l2_shrinkage_regularization_strength", -1e-3), ("beta", -0.1),
+                         ("learning_rate", 0.0), ("beta", float("inf")))],
     ("create-empty-optimizer-params-bad", InvalidArgument,
      lambda c, s: c.create_variable("new", (2,), optimizer="sgd",
                                     optimizer_params={"learning_rate": 0.0})),
