@@ -1,0 +1,101 @@
+"""A DLRM-style click-through-rate model in numpy: forward and backward.
+
+    bottom MLP   13 dense features -> 64 -> DIM (relu, relu)
+    embeddings   26 rows of DIM, looked up elsewhere (dynamic tables)
+    interaction  pairwise dot products of the 27 vectors (bottom output and
+                 the 26 rows), upper triangle: 351 values, with the bottom
+                 output appended (DIM)
+    top MLP      351 + DIM -> 64 -> 1 (relu, then linear): the click logit
+    loss         sigmoid cross-entropy, mean over the batch (stable form)
+
+The dense parameters are a dict of arrays (``init_params``), as
+examples/nn.py's; ``loss_and_grads`` returns their gradients and the
+gradient of every embedding row it was given (the caller pushes those as
+sparse updates: duplicate keys are summed by the servers).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DIM = 16
+NUM_DENSE, NUM_SPARSE = 13, 26
+BOTTOM = (NUM_DENSE, 64, DIM)
+_PAIRS = np.triu_indices(NUM_SPARSE + 1, k=1)
+TOP = (len(_PAIRS[0]) + DIM, 64, 1)
+
+
+def layer_names() -> list[str]:
+    return [f"{part}{i}/{kind}" for part, sizes in (("bottom", BOTTOM), ("top", TOP))
+            for i in range(len(sizes) - 1) for kind in ("w", "b")]
+
+
+def init_params(seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Glorot-uniform weights, zero biases (Keras' Dense defaults)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for part, sizes in (("bottom", BOTTOM), ("top", TOP)):
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            limit = np.sqrt(6.0 / (n_in + n_out))
+            out[f"{part}{i}/w"] = rng.uniform(-limit, limit, (n_in, n_out)).astype(dtype)
+            out[f"{part}{i}/b"] = np.zeros(n_out, dtype)
+    return out
+
+
+def _mlp(params, part: str, x: np.ndarray, layers: int, relu_last: bool):
+    """Forward through an MLP; (output, cache of (input, pre-activation))."""
+    cache = []
+    for i in range(layers):
+        z = x @ params[f"{part}{i}/w"] + params[f"{part}{i}/b"]
+        cache.append((x, z))
+        x = np.maximum(z, 0) if (i < layers - 1 or relu_last) else z
+    return x, cache
+
+
+def _mlp_back(params, part: str, cache, grad: np.ndarray, relu_last: bool, grads: dict):
+    for i in reversed(range(len(cache))):
+        x, z = cache[i]
+        if i < len(cache) - 1 or relu_last:
+            grad = grad * (z > 0)
+        grads[f"{part}{i}/w"] = x.T @ grad
+        grads[f"{part}{i}/b"] = grad.sum(axis=0)
+        grad = grad @ params[f"{part}{i}/w"].T
+    return grad
+
+
+def forward(params, dense: np.ndarray, rows: np.ndarray):
+    """Logits (n,) of examples: ``dense`` (n, 13), ``rows`` (n, 26, DIM)."""
+    bottom, bcache = _mlp(params, "bottom", dense, len(BOTTOM) - 1, relu_last=True)
+    z = np.concatenate([bottom[:, None, :], rows], axis=1)          # (n, 27, DIM)
+    dots = np.matmul(z, z.transpose(0, 2, 1))[:, _PAIRS[0], _PAIRS[1]]   # (n, 351)
+    top_in = np.concatenate([dots, bottom], axis=1)
+    logits, tcache = _mlp(params, "top", top_in, len(TOP) - 1, relu_last=False)
+    return logits[:, 0], (bcache, z, tcache)
+
+
+def predict(params, dense: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Click probabilities."""
+    return 1.0 / (1.0 + np.exp(-forward(params, dense, rows)[0]))
+
+
+def loss_and_grads(params, dense: np.ndarray, rows: np.ndarray, labels: np.ndarray):
+    """(mean sigmoid cross-entropy, {name: gradient}, gradient of ``rows``)."""
+    logits, (bcache, z, tcache) = forward(params, dense, rows)
+    n = labels.shape[0]
+    y = labels.astype(logits.dtype)
+    # log(1 + e^x) - y x, stable for either sign of x
+    loss = float(np.mean(np.maximum(logits, 0) - logits * y + np.log1p(np.exp(-np.abs(logits)))))
+    g = ((1.0 / (1.0 + np.exp(-logits)) - y) / n).astype(logits.dtype)[:, None]
+    grads: dict[str, np.ndarray] = {}
+    g_top_in = _mlp_back(params, "top", tcache, g, relu_last=False, grads=grads)
+    pairs = len(_PAIRS[0])
+    g_dots, g_bottom = g_top_in[:, :pairs], g_top_in[:, pairs:]
+    m = np.zeros((n, NUM_SPARSE + 1, NUM_SPARSE + 1), logits.dtype)
+    m[:, _PAIRS[0], _PAIRS[1]] = g_dots
+    g_z = np.matmul(m + m.transpose(0, 2, 1), z)   # d(z_i . z_j) / d z
+    g_bottom = g_bottom + g_z[:, 0, :]
+    _mlp_back(params, "bottom", bcache, g_bottom, relu_last=True, grads=grads)
+    return loss, grads, g_z[:, 1:, :]
+
+
+def num_params() -> int:
+    return sum(a.size for a in init_params().values())
