@@ -233,6 +233,91 @@ class _Chief:
             ds = self.coord.create_per_worker_dataset(dataset_fn)
             self.steps[f"emb_{dist}"] = (train_step, iter(ds))
 
+    def setup_ctr(self, buckets, batch, lr, seed, n_batches, workers):
+        """The DLRM of examples/dlrm.py on coordinator/ctr_data.py's batches
+        (the same ones ours trains on), embeddings as TensorFlow users do
+        with unbounded ids: 26 fixed tables, id % buckets rows each (at most
+        the feature's vocabulary). Plain SGD, as ours in bench/bench_ctr.py."""
+        tf = self.tf
+        from coordinator import ctr_data as D
+        from examples import dlrm as M
+        sizes = [min(buckets, v) for v in D.VOCABS]
+        init = M.init_params(seed)
+        with self.strategy.scope():
+            dense = {n: tf.Variable(v, name=f"ctr/{n}") for n, v in init.items()}
+            tables = [self._variable(f"ctr/emb_{f}", (rows, M.DIM), "uniform", seed + f)
+                      for f, rows in enumerate(sizes)]
+        self.variables += list(dense.values())
+        self.ctr = (dense, tables, sizes)
+        names = list(dense)
+        pairs = np.triu_indices(M.NUM_SPARSE + 1, k=1)
+        flat_pairs = tf.constant(pairs[0] * (M.NUM_SPARSE + 1) + pairs[1], tf.int32)
+        buckets_t = tf.constant(sizes, tf.int64)
+
+        def mlp(x, part, layers, relu_last):
+            for i in range(layers):
+                x = tf.matmul(x, dense[f"{part}{i}/w"]) + dense[f"{part}{i}/b"]
+                if i < layers - 1 or relu_last:
+                    x = tf.nn.relu(x)
+            return x
+
+        @tf.function
+        def train_step(iterator):
+            def step_fn(x, ids, y):
+                rows_idx = tf.math.floormod(ids, buckets_t)          # (n, 26)
+                with tf.GradientTape() as tape:
+                    emb = tf.stack([tf.nn.embedding_lookup(tables[f], rows_idx[:, f])
+                                    for f in range(M.NUM_SPARSE)], axis=1)
+                    bottom = mlp(x, "bottom", len(M.BOTTOM) - 1, True)
+                    z = tf.concat([bottom[:, None, :], emb], axis=1)
+                    dots = tf.reshape(tf.matmul(z, z, transpose_b=True), (-1, 27 * 27))
+                    top_in = tf.concat([tf.gather(dots, flat_pairs, axis=1), bottom], axis=1)
+                    logits = mlp(top_in, "top", len(M.TOP) - 1, False)[:, 0]
+                    loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                        labels=y, logits=logits))
+                watched = [dense[n] for n in names] + [p for t in tables for p in self._parts(t)]
+                grads = tape.gradient(loss, watched)
+                for v, g in zip(watched, grads):
+                    if isinstance(g, tf.IndexedSlices):
+                        v.scatter_sub(tf.IndexedSlices(lr * g.values, g.indices))
+                    else:
+                        v.assign_sub(lr * g)
+                return loss
+            x, ids, y = next(iterator)
+            return self.strategy.run(step_fn, args=(x, ids, y))
+
+        # Every worker gets the batches all of ours train on (workers x
+        # n_batches), each in its own shuffled order (a dataset_fn here does
+        # not know its worker).
+        bs = [D.batch(seed, k, batch) for k in range(workers * n_batches)]
+        x = np.concatenate([b.dense for b in bs])
+        ids = np.concatenate([b.sparse for b in bs])
+        y = np.concatenate([b.labels for b in bs])
+
+        def dataset_fn():
+            return (tf.data.Dataset.from_tensor_slices((x, ids, y))
+                    .batch(batch, drop_remainder=True).cache()
+                    .shuffle(workers * n_batches).repeat())
+        ds = self.coord.create_per_worker_dataset(dataset_fn)
+        self.steps["ctr"] = (train_step, iter(ds))
+
+    def ctr_auc(self, seed, batches, size) -> float:
+        """AUC of the CTR model's current weights on held-out batches (numpy,
+        examples/dlrm.py's forward, as ours is measured)."""
+        from coordinator import ctr_data as D
+        from examples import dlrm as M
+        dense, tables, sizes = self.ctr
+        params = {n: v.numpy() for n, v in dense.items()}
+        weights = [np.concatenate([s.numpy() for s in self._parts(t)], 0) for t in tables]
+        labels, scores = [], []
+        for i in range(batches):
+            b = D.batch(seed + 1, i, size)
+            rows = np.stack([weights[f][b.sparse[:, f] % sizes[f]]
+                             for f in range(M.NUM_SPARSE)], axis=1)
+            labels.append(b.labels)
+            scores.append(M.forward(params, b.dense, rows)[0])
+        return D.auc(np.concatenate(labels), np.concatenate(scores))
+
     def run(self, workload: str, steps: int) -> dict:
         fn, it = self.steps[workload]
         t0 = time.perf_counter()
@@ -276,6 +361,11 @@ def chief_main(args: argparse.Namespace) -> int:
             elif cmd == "setup_emb":
                 chief.setup_emb(**req)
                 out = {"ok": True}
+            elif cmd == "setup_ctr":
+                chief.setup_ctr(**req)
+                out = {"ok": True}
+            elif cmd == "ctr_auc":
+                out = {"auc": chief.ctr_auc(**req)}
             elif cmd == "run":
                 out = chief.run(**req)
             elif cmd == "accuracy":
