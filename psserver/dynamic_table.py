@@ -647,9 +647,10 @@ class DynamicTable:
             raise InvalidArgument("dynamic table import: NaN or Inf in the rows; nothing imported")
         if n and (age_steps.min() < 0 or freq.min() < 0 or age_seconds.min() < 0):
             raise InvalidArgument("dynamic table import: negative ages or counts")
-        if not isinstance(step, int) or step < 0 or (n and step < age_steps.max()):
-            raise InvalidArgument(f"dynamic table import: step {step!r} must be >= 0 and at "
-                                  "least every row's age_steps")
+        if not isinstance(step, int) or not 0 <= step < 1 << 62 or \
+                (n and step < age_steps.max()):
+            raise InvalidArgument(f"dynamic table import: step {step!r} must be in "
+                                  "[0, 2**62) and at least every row's age_steps")
         if not reset and (self.index.find(keys) >= 0).any():
             raise InvalidArgument("dynamic table import: keys this shard holds already "
                                   "(import into an emptied shard: reset)")

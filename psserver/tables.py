@@ -49,6 +49,16 @@ def config_from_spec(spec: tables_pb2.TableSpec) -> TableConfig:
     if kind == "random_uniform" and not init.maxval >= init.minval:
         raise InvalidArgument(
             f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
+    dtype = spec.dtype or "float32"
+    if dtype in ("float32", "float64"):   # else TableConfig.check names the dtype
+        largest = float(np.finfo(dtype).max)
+        reach = {"constant": abs(init.value),
+                 "random_uniform": max(abs(init.minval), abs(init.maxval)),
+                 "random_normal": abs(init.mean) + 40 * init.stddev,
+                 "truncated_normal": abs(init.mean) + 2 * init.stddev}.get(kind, 0.0)
+        if not reach < largest:
+            raise InvalidArgument(f"initializer {kind} would make values beyond {dtype}'s "
+                                  "range (Inf); give smaller parameters")
     return TableConfig(
         dim=int(spec.dim), dtype=spec.dtype or "float32",
         initializer=Initializer(kind=kind, value=init.value, mean=init.mean,

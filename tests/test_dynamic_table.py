@@ -355,6 +355,8 @@ def test_a_bad_import_is_refused_whole():
             t.import_rows(state, 0, reset=False)
     with pytest.raises(InvalidArgument, match="step"):
         t.import_rows({**good, "age_steps": np.array([3, 0])}, 2, reset=False)
+    with pytest.raises(InvalidArgument, match="step"):   # would overflow the int64 steps
+        t.import_rows(good, 1 << 63, reset=False)
     for name, arr in t.export().items():
         np.testing.assert_array_equal(arr, before[name])
     assert t.import_rows(good, 0, reset=False) == 4

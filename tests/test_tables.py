@@ -12,7 +12,7 @@ import pytest
 from protos.pstrain.v1 import tables_pb2
 from psserver import methods
 from psserver.client import PSClient
-from psserver.contract import Code
+from psserver.contract import Code, Initializer
 from psserver.errors import PSError, Unauthenticated
 from psserver.server import TOKEN_ENV
 
@@ -102,6 +102,8 @@ def test_bad_calls_are_refused_and_change_nothing(start_ps, route):
     ({"probability": 2.0}, "probability"), ({"policy": "fifo"}, "policy"),
     ({"capacity": -5}, "capacity"), ({"max_age_seconds": float("inf")}, "max_age_seconds"),
     ({"initializer": "nonesuch"}, "initializer"), ({"name": "bad name!"}, "name"),
+    ({"initializer": Initializer(kind="constant", value=1e300)}, "range"),
+    ({"initializer": Initializer(kind="random_normal", stddev=1e37)}, "range"),
 ])
 def test_bad_table_specs_are_refused_and_nothing_is_created(client, spec, words):
     kw = {"dim": 4, **spec}
