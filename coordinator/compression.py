@@ -37,7 +37,7 @@ Compressors:
   Residuals live in this process (a dict keyed by variable name): each worker
   has its own, and they are lost if the worker restarts. 1-D and scalar
   variables (biases) are sent dense. Note: the servers' sparse updates are
-  lazy: with Adam/Adagrad/momentum only the sent rows and their slots
+  lazy: with Adam/Adagrad/momentum/FTRL only the sent rows and their slots
   advance (moments of unsent rows are not decayed), as for embedding
   gradients.
 

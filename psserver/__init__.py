@@ -4,7 +4,7 @@ Modules:
   errors      typed errors shared by server and client, and their gRPC codes
   tensor      numpy <-> wire Tensor conversion (raw little-endian bytes)
   wire        hand-framed ReadReply / PushRequest for ParameterServerBulk
-  optimizers  SGD, Momentum, Adagrad, Adam: dense and lazy sparse, in place
+  optimizers  SGD, Momentum, Adagrad, Adam, FTRL: dense and lazy sparse, in place
   sync        sync mode: one step's gradients gathered, applied once
   store       VariableStore: the parameter-server logic, no gRPC in it
   servicer    the thin gRPC servicer over a VariableStore

@@ -70,9 +70,21 @@ Where this module differs from Keras 3, on purpose:
   point operations is sometimes rearranged to work in one scratch buffer
   (e.g. ``(lr*g)/d`` becomes ``(g/d)*lr``), so results may differ from Keras
   in the last bit.
+* FTRL's sparse updates are lazy, as TensorFlow's sparse kernels
+  (``ResourceSparseApplyFtrl[V2]``, which Keras 2 used): rows not named keep
+  their value and slots. Keras 3 densifies an ``IndexedSlices`` gradient, so
+  there every row takes a zero-gradient step, which recomputes its value from
+  ``linear`` and its l2 shrinkage: without shrinkage a row already updated
+  keeps its value and one never updated becomes 0 (so both agree on a
+  zero-initialised variable); with shrinkage every row moves. Keras 3's
+  TensorFlow backend also squares an ``IndexedSlices``' rows before it sums
+  duplicate ids (its accumulator gets the sum of the squares); here duplicates
+  are summed first, as for every optimizer.
 * Validation is stricter where Keras would silently produce NaN: Adam needs
   ``epsilon > 0`` (else an element whose gradients were all zero becomes 0/0),
   and Adagrad needs ``epsilon > 0`` or ``initial_accumulator_value > 0``.
+  FTRL refuses a negative ``beta`` (Keras does not check it; it would lower
+  the l2 term, and can make ``quadratic`` 0 or negative).
 
 Atomicity: an apply either fully succeeds or leaves the variable and slots
 untouched. The caller validates ids, shapes, dtypes and finiteness before it
@@ -110,6 +122,7 @@ __all__ = [
     "Momentum",
     "Adagrad",
     "Adam",
+    "Ftrl",
     "OPTIMIZERS",
     "make_optimizer",
     "sum_duplicates",

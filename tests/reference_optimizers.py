@@ -1,4 +1,4 @@
-"""Plain numpy reference implementations of the server's four optimizers.
+"""Plain numpy reference implementations of the server's five optimizers.
 
 Written from the Keras 3 update rules (keras/src/optimizers/sgd.py,
 adagrad.py, adam.py, ftrl.py), one readable statement per formula, with no import of

@@ -287,7 +287,9 @@ def test_a_checkpoint_lacking_what_its_manifest_promises_is_refused(tmp_path, da
 
 @pytest.mark.parametrize("optimizer,params", [
     ("sgd", {}), ("momentum", {"momentum": 0.9}), ("momentum", {"nesterov": 1.0}),
-    ("adagrad", {}), ("adam", {}), ("adam", {"beta_1": 0.5})])
+    ("adagrad", {}), ("adam", {}), ("adam", {"beta_1": 0.5}),
+    ("ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01,
+              "l2_shrinkage_regularization_strength": 0.02, "beta": 0.3})])
 def test_every_optimizer_slot_survives_save_and_restore(tmp_path, optimizer, params):
     """The store writes every slot of every optimizer (store.save) and the
     checkpoint restores every one (load_checked_shard + create(slots=...)):

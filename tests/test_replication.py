@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(180)
 
 OPTIMIZERS = [("sgd", {"learning_rate": 0.1}), ("momentum", {"learning_rate": 0.1}),
               ("momentum", {"learning_rate": 0.1, "nesterov": 1.0}),
-              ("adagrad", {"learning_rate": 0.1}), ("adam", {"learning_rate": 0.01})]
+              ("adagrad", {"learning_rate": 0.1}), ("adam", {"learning_rate": 0.01}),
+              ("ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01})]
 
 
 def _copies_equal(cluster, var) -> list[tuple[int, int, bool]]:
@@ -50,7 +51,7 @@ def noisy_step(w, seed_base):
 
 
 @pytest.mark.parametrize("optimizer,params", OPTIMIZERS,
-                         ids=["sgd", "momentum", "nesterov", "adagrad", "adam"])
+                         ids=["sgd", "momentum", "nesterov", "adagrad", "adam", "ftrl"])
 def test_backup_is_bit_identical_to_its_primary_under_concurrent_pushes(optimizer, params):
     """Three workers push at once: each copy applies the same updates in the
     same order, so primary and backup agree to the bit (slots included: the
