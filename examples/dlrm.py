@@ -10,8 +10,13 @@
 
 The dense parameters are a dict of arrays (``init_params``), as
 examples/nn.py's; ``loss_and_grads`` returns their gradients and the
-gradient of every embedding row it was given (the caller pushes those as
-sparse updates: duplicate keys are summed by the servers).
+gradient of every embedding row it was given, in the form given: an array
+(n, 26, DIM) or a list of 26 blocks (n, DIM). The caller pushes those as
+sparse updates; the servers sum duplicate keys, and ``sum_rows`` does it on
+the caller's side (unique ids, summed rows).
+
+Parameters: bottom 13*64+64 + 64*16+16 = 1,936, top 367*64+64 + 64+1 =
+23,617: 25,553 dense parameters, besides 16 per embedding row.
 """
 from __future__ import annotations
 
@@ -62,8 +67,25 @@ def _mlp_back(params, part: str, cache, grad: np.ndarray, relu_last: bool, grads
     return grad
 
 
-def forward(params, dense: np.ndarray, rows: np.ndarray):
-    """Logits (n,) of examples: ``dense`` (n, 13), ``rows`` (n, 26, DIM)."""
+def _rows(rows) -> np.ndarray:
+    """(n, 26, DIM) from an array of that shape or a list of 26 (n, DIM) blocks."""
+    if isinstance(rows, (list, tuple)):
+        if len(rows) != NUM_SPARSE:
+            raise ValueError(f"{len(rows)} row blocks given, the model takes {NUM_SPARSE}")
+        rows = np.stack(rows, axis=1)
+    if rows.ndim != 3 or rows.shape[1:] != (NUM_SPARSE, DIM):
+        raise ValueError(f"rows of shape {rows.shape}, the model takes (n, {NUM_SPARSE}, {DIM})")
+    return rows
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))      # no overflow for any x
+
+
+def forward(params, dense: np.ndarray, rows):
+    """Logits (n,) of examples: ``dense`` (n, 13), ``rows`` (n, 26, DIM) or
+    a list of 26 (n, DIM) blocks."""
+    rows = _rows(rows)
     bottom, bcache = _mlp(params, "bottom", dense, len(BOTTOM) - 1, relu_last=True)
     z = np.concatenate([bottom[:, None, :], rows], axis=1)          # (n, 27, DIM)
     dots = np.matmul(z, z.transpose(0, 2, 1))[:, _PAIRS[0], _PAIRS[1]]   # (n, 351)
@@ -72,19 +94,21 @@ def forward(params, dense: np.ndarray, rows: np.ndarray):
     return logits[:, 0], (bcache, z, tcache)
 
 
-def predict(params, dense: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Click probabilities."""
-    return 1.0 / (1.0 + np.exp(-forward(params, dense, rows)[0]))
+def predict(params, dense: np.ndarray, rows) -> np.ndarray:
+    """Click probabilities (n,) (for AUC the logits, ``forward``'s, rank the same)."""
+    return _sigmoid(forward(params, dense, rows)[0])
 
 
-def loss_and_grads(params, dense: np.ndarray, rows: np.ndarray, labels: np.ndarray):
-    """(mean sigmoid cross-entropy, {name: gradient}, gradient of ``rows``)."""
+def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
+    """(mean sigmoid cross-entropy, {name: gradient}, gradient of ``rows``
+    in the form given: an array (n, 26, DIM) or a list of 26 (n, DIM))."""
+    as_list = isinstance(rows, (list, tuple))
     logits, (bcache, z, tcache) = forward(params, dense, rows)
     n = labels.shape[0]
     y = labels.astype(logits.dtype)
     # log(1 + e^x) - y x, stable for either sign of x
     loss = float(np.mean(np.maximum(logits, 0) - logits * y + np.log1p(np.exp(-np.abs(logits)))))
-    g = ((1.0 / (1.0 + np.exp(-logits)) - y) / n).astype(logits.dtype)[:, None]
+    g = ((_sigmoid(logits) - y) / n).astype(logits.dtype)[:, None]
     grads: dict[str, np.ndarray] = {}
     g_top_in = _mlp_back(params, "top", tcache, g, relu_last=False, grads=grads)
     pairs = len(_PAIRS[0])
@@ -94,7 +118,16 @@ def loss_and_grads(params, dense: np.ndarray, rows: np.ndarray, labels: np.ndarr
     g_z = np.matmul(m + m.transpose(0, 2, 1), z)   # d(z_i . z_j) / d z
     g_bottom = g_bottom + g_z[:, 0, :]
     _mlp_back(params, "bottom", bcache, g_bottom, relu_last=True, grads=grads)
-    return loss, grads, g_z[:, 1:, :]
+    g_rows = g_z[:, 1:, :]
+    return loss, grads, ([g_rows[:, f] for f in range(NUM_SPARSE)] if as_list else g_rows)
+
+
+def sum_rows(ids: np.ndarray, row_grads) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted unique int64 ids, their row gradients summed) from ids (n, 26)
+    and row gradients as ``loss_and_grads`` returns them (array or list):
+    one row per id, ready for a sparse push (psserver.optimizers.sum_duplicates)."""
+    from psserver.optimizers import sum_duplicates
+    return sum_duplicates(np.asarray(ids).reshape(-1), _rows(row_grads).reshape(-1, DIM))
 
 
 def num_params() -> int:
