@@ -37,6 +37,7 @@ from coordinator import (ClusterCoordinator, Initializer, LocalCluster,
                          ParameterServerStrategy, TFConfigClusterResolver, push_gradients,
                          read_variables)
 from coordinator import ctr_data as D
+from coordinator.calls import client_for
 from coordinator.fit import fit
 from coordinator.local import run_main
 from examples import dlrm as M
@@ -113,6 +114,8 @@ def main(argv=None) -> dict:
             optimizer_params={"learning_rate": args.lr}, min_count=2, capacity=4_000_000)
         if args.cluster == "tf_config":   # leave the shared servers as we found them
             stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
+            stack.callback(lambda: [client_for(a).delete_table(table.name)
+                                    for a in table.addresses])
         seed, size = args.seed, args.batch_size
 
         def dataset_fn(ctx):   # on every worker: its own batches of the stream
