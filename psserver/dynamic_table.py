@@ -48,6 +48,7 @@ from typing import Callable
 import numpy as np
 
 from psserver.contract import Initializer, InvalidArgument
+from psserver.variable import check_initializer
 
 EMPTY, DELETED = -1, -2   # a slot's row when it holds no key
 _BUCKET = 4
@@ -256,9 +257,10 @@ class TableConfig:
                 f"got {self.max_age_seconds!r}")
         if self.policy not in EVICTION_POLICIES:
             bad(f"policy must be one of {list(EVICTION_POLICIES)}, got {self.policy!r}")
-        if self.initializer.kind not in ("zeros", "ones", "constant", "random_normal",
-                                         "truncated_normal", "random_uniform"):
-            bad(f"unknown initializer {self.initializer.kind!r}")
+        try:
+            check_initializer(self.initializer)
+        except InvalidArgument as exc:
+            bad(str(exc))
         return self
 
 

@@ -11,7 +11,6 @@ before anything changes: a refused call leaves the table as it was.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import urllib.parse
@@ -25,7 +24,7 @@ from psserver.contract import (AlreadyExists, Initializer, InvalidArgument, NotF
                                ResourceExhausted)
 from psserver.dynamic_table import DynamicTable, TableConfig
 from psserver.optimizers import make_optimizer
-from psserver.variable import INITIALIZERS, check_name
+from psserver.variable import check_initializer, check_name
 
 #: Keys one call may carry (a look-up's reply is keys x dim values: the
 #: message limit checks that as well).
@@ -34,21 +33,11 @@ MAX_KEYS = 1 << 24
 
 def config_from_spec(spec: tables_pb2.TableSpec) -> TableConfig:
     """The TableConfig a TableSpec asks for; InvalidArgument saying what is wrong."""
-    init = spec.initializer
-    kind = init.kind or "zeros"
-    if kind not in INITIALIZERS:
-        raise InvalidArgument(f"unknown initializer {kind!r}; use one of {list(INITIALIZERS)}")
-    used = {"constant": ("value",), "random_normal": ("mean", "stddev"),
-            "truncated_normal": ("mean", "stddev"),
-            "random_uniform": ("minval", "maxval")}.get(kind, ())
-    bad = [f"{k}={getattr(init, k)}" for k in used if not math.isfinite(getattr(init, k))]
-    if bad:
-        raise InvalidArgument(f"initializer {kind} with {', '.join(bad)}: give finite numbers")
-    if kind in ("random_normal", "truncated_normal") and init.stddev < 0:
-        raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
-    if kind == "random_uniform" and not init.maxval >= init.minval:
-        raise InvalidArgument(
-            f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
+    i = spec.initializer
+    init = Initializer(kind=i.kind or "zeros", value=i.value, mean=i.mean, stddev=i.stddev,
+                       minval=i.minval, maxval=i.maxval, seed=i.seed)
+    check_initializer(init)
+    kind = init.kind
     dtype = spec.dtype or "float32"
     if dtype in ("float32", "float64"):   # else TableConfig.check names the dtype
         largest = float(np.finfo(dtype).max)
@@ -61,9 +50,7 @@ def config_from_spec(spec: tables_pb2.TableSpec) -> TableConfig:
                                   "range (Inf); give smaller parameters")
     return TableConfig(
         dim=int(spec.dim), dtype=spec.dtype or "float32",
-        initializer=Initializer(kind=kind, value=init.value, mean=init.mean,
-                                stddev=init.stddev, minval=init.minval, maxval=init.maxval,
-                                seed=init.seed),
+        initializer=init,
         min_count=int(spec.min_count) or 1, probability=spec.probability or 1.0,
         capacity=int(spec.capacity), policy=spec.policy or "lru",
         max_age_steps=int(spec.max_age_steps), max_age_seconds=spec.max_age_seconds,

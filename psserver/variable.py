@@ -170,23 +170,41 @@ def check_name(name: str) -> str:
     return name
 
 
+#: The Initializer fields each kind reads.
+INITIALIZER_PARAMS = {"constant": ("value",), "random_normal": ("mean", "stddev"),
+                      "truncated_normal": ("mean", "stddev"),
+                      "random_uniform": ("minval", "maxval")}
+
+
+def check_initializer(init: Initializer, allow_nonfinite: bool = False,
+                      nonfinite_hint: str = "") -> tuple[str, ...]:
+    """InvalidArgument unless ``init`` is a known kind with usable parameters
+    (finite unless ``allow_nonfinite``; ``nonfinite_hint`` ends that message),
+    as variables and dynamic tables need them. Returns the fields it reads."""
+    if init.kind not in INITIALIZERS:
+        raise InvalidArgument(f"unknown initializer {init.kind!r}; use one of {list(INITIALIZERS)}")
+    used = INITIALIZER_PARAMS.get(init.kind, ())
+    if not allow_nonfinite:
+        bad = [f"{k}={getattr(init, k)}" for k in used if not math.isfinite(getattr(init, k))]
+        if bad:
+            raise InvalidArgument(
+                f"initializer {init.kind} with {', '.join(bad)} would make NaN or Inf values; "
+                f"give finite parameters{nonfinite_hint}")
+    if init.kind in ("random_normal", "truncated_normal") and not init.stddev >= 0:
+        raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
+    if init.kind == "random_uniform" and not init.maxval >= init.minval:
+        raise InvalidArgument(f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
+    return used
+
+
 def make_initial_value(shape, dtype: np.dtype, init: Initializer,
                        allow_nonfinite: bool = False) -> np.ndarray:
     """A new array of shape/dtype filled as ``init`` says. Unless
     ``allow_nonfinite``, parameters that are NaN or Inf, or values that come
     out NaN or Inf in ``dtype`` (1e300 in float32, a uniform range wider than
     the largest float), are refused as a NaN in an initial value is."""
-    if init.kind not in INITIALIZERS:
-        raise InvalidArgument(f"unknown initializer {init.kind!r}; use one of {list(INITIALIZERS)}")
-    used = {"constant": ("value",), "random_normal": ("mean", "stddev"),
-            "truncated_normal": ("mean", "stddev"),
-            "random_uniform": ("minval", "maxval")}.get(init.kind, ())
-    if not allow_nonfinite:
-        bad = [f"{k}={getattr(init, k)}" for k in used if not math.isfinite(getattr(init, k))]
-        if bad:
-            raise InvalidArgument(
-                f"initializer {init.kind} with {', '.join(bad)} would make NaN or Inf values; "
-                "give finite parameters (or create the variable with allow_nonfinite=True)")
+    used = check_initializer(init, allow_nonfinite,
+                             " (or create the variable with allow_nonfinite=True)")
     with np.errstate(all="ignore"):   # an overflow is checked for below
         out = _initial_value(shape, dtype, init)
     if not allow_nonfinite and not all_finite(out):
@@ -198,10 +216,7 @@ def make_initial_value(shape, dtype: np.dtype, init: Initializer,
 
 
 def _initial_value(shape, dtype: np.dtype, init: Initializer) -> np.ndarray:
-    if init.kind in ("random_normal", "truncated_normal") and not init.stddev >= 0:
-        raise InvalidArgument(f"initializer stddev must be >= 0, got {init.stddev}")
-    if init.kind == "random_uniform" and not init.maxval >= init.minval:
-        raise InvalidArgument(f"initializer needs minval <= maxval, got {init.minval} > {init.maxval}")
+    """The array (``init`` checked by check_initializer first)."""
     try:
         if init.kind == "zeros":
             return np.zeros(shape, dtype)
