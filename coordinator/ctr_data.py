@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from psserver.dynamic_table import mix64   # splitmix64's finalizer: the ids' hash
+
 NUM_DENSE, NUM_SPARSE = 13, 26
 #: Values of each categorical feature (Criteo's 26 run from 3 to ~10M).
 VOCABS = (50_000_000, 30_000, 10_000_000, 2_000_000, 300, 24, 12_000, 600, 3, 90_000,
@@ -44,7 +46,6 @@ BIAS = -2.4
 #: only in their frequent values, which a model can learn.
 WEIGHT_SCALE = tuple(0.45 if v > 1000 else 0.25 for v in VOCABS)
 DENSE_WEIGHTS = np.linspace(-0.12, 0.12, NUM_DENSE).astype(np.float64)
-_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -52,17 +53,6 @@ class Batch(NamedTuple):
     dense: np.ndarray    # (n, 13) float32, log1p of counts
     sparse: np.ndarray   # (n, 26) int64 ids
     labels: np.ndarray   # (n,) float32, 0 or 1
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    z = np.asarray(x).astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= _C1
-        z ^= z >> np.uint64(27)
-        z *= _C2
-        z ^= z >> np.uint64(31)
-    return z
 
 
 def _zipf_ranks(u: np.ndarray, vocab: int, a: float = ZIPF_A) -> np.ndarray:
@@ -78,12 +68,12 @@ def ids_of(ranks: np.ndarray) -> np.ndarray:
     """(n, 26) ranks -> int64 ids: each rank hashed with its feature."""
     salts = (np.arange(NUM_SPARSE, dtype=np.uint64) + np.uint64(1)) * _GOLDEN
     with np.errstate(over="ignore"):
-        return _mix(ranks.astype(np.uint64) ^ salts).view(np.int64)
+        return mix64(ranks.astype(np.uint64) ^ salts).view(np.int64)
 
 
 def id_weights(ids: np.ndarray) -> np.ndarray:
     """The planted weight of each (n, 26) id: a normal derived from its hash."""
-    h = _mix(ids.view(np.uint64) ^ np.uint64(0x5DEECE66D))
+    h = mix64(ids.view(np.uint64) ^ np.uint64(0x5DEECE66D))
     u1 = ((h >> np.uint64(38)).astype(np.float64) + 0.5) * 2.0 ** -26
     u2 = ((h & np.uint64((1 << 26) - 1)).astype(np.float64) + 0.5) * 2.0 ** -26
     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2 * np.pi * u2)

@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 
 from coordinator.calls import client_for
-from psserver.dynamic_table import shard_of
+from psserver.dynamic_table import check_keys, shard_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ class DynamicEmbedding:
     def lookup(self, keys, *, admit: bool = True) -> np.ndarray:
         """Rows of ``keys`` (int64, any shape): shape keys.shape + (dim,).
         ``admit=False`` (evaluation): no key is counted, admitted or evicted."""
-        keys = _keys(keys)
+        keys = check_keys(keys)
         flat = keys.reshape(-1)
         out = np.empty((flat.size, self.dim), np.dtype(self.dtype))
         parts = self._split(flat)
@@ -85,7 +85,7 @@ class DynamicEmbedding:
         """Apply row gradients ``grads[i]`` of ``keys[i]`` (duplicates summed
         on the servers); (rows updated, gradient rows dropped: keys without
         a row)."""
-        keys = _keys(keys).reshape(-1)
+        keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.dim):
             raise ValueError(f"gradient for table {self.name!r} has shape {grads.shape}, "
@@ -105,11 +105,3 @@ class DynamicEmbedding:
 
     def __len__(self) -> int:
         return self.stats().rows
-
-
-def _keys(keys) -> np.ndarray:
-    a = np.asarray(keys)
-    if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
-        raise ValueError(f"table keys must be int64 (or a narrower integer type), got "
-                         f"{a.dtype}; hash string features to int64 first")
-    return a.astype(np.int64, copy=False)

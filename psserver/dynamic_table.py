@@ -392,7 +392,7 @@ class DynamicTable:
         dim): existing rows, rows created for keys admitted now, and the
         default row (zeros) for the others. ``admit=False`` (evaluation,
         serving): nothing is counted, created or touched."""
-        keys = _keys(keys)
+        keys = check_keys(keys)
         flat = keys.reshape(-1)
         self.expire()
         rows = self.index.find(flat)
@@ -568,7 +568,7 @@ class DynamicTable:
         the keys that have rows; the rest are dropped and counted. One table
         step. Returns how many rows changed."""
         from psserver.optimizers import sum_duplicates
-        keys = _keys(keys).reshape(-1)
+        keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.config.dim):
             raise InvalidArgument(
@@ -618,7 +618,7 @@ class DynamicTable:
         changes (InvalidArgument). Over capacity afterwards, the policy's
         victims are evicted. Returns the rows held."""
         c = self.config
-        keys = _keys(state.get("keys", np.zeros(0, np.int64))).reshape(-1)
+        keys = check_keys(state.get("keys", np.zeros(0, np.int64))).reshape(-1)
         n = keys.size
 
         def need(name, shape, kinds, dtype):
@@ -683,7 +683,8 @@ class DynamicTable:
         return self.index.size
 
 
-def _keys(keys) -> np.ndarray:
+def check_keys(keys) -> np.ndarray:
+    """``keys`` as int64; InvalidArgument (a ValueError) for any other kind."""
     a = np.asarray(keys)
     if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
         raise InvalidArgument(
