@@ -314,7 +314,7 @@ def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer)
 
 @dataclasses.dataclass
 class TableStats:
-    rows: int = 0
+    """A shard's counters (its rows: len(table))."""
     lookups: int = 0          # keys looked up
     hits: int = 0             # ... that had a row
     admitted: int = 0         # rows created
@@ -498,7 +498,6 @@ class DynamicTable:
         self.freq[rows] = 1
         self.index.insert(keys, rows)
         self.stats.admitted += keys.size
-        self.stats.rows = self.index.size
         out[take] = rows
         return out
 
@@ -531,7 +530,6 @@ class DynamicTable:
     def _evict_rows(self, rows: np.ndarray) -> None:
         self.index.delete(self.row_key[rows])
         self._free.append(rows.astype(np.int64))
-        self.stats.rows = self.index.size
 
     def _evict_for(self, n: int) -> None:
         """Evict ``n`` rows by the policy: least recently used (LRU) or least
@@ -679,7 +677,6 @@ class DynamicTable:
         self.index.insert(keys, rows)
         if c.capacity and self.index.size > c.capacity:
             self._evict_for(self.index.size - c.capacity)
-        self.stats.rows = self.index.size
         return self.index.size
 
 

@@ -118,7 +118,7 @@ class TableServicer:
         s = t.stats
         return tables_pb2.TableInfo(
             name=name, spec=entry.spec, rows=len(t), step=t.step,
-            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "rows"},
+            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
             bytes=t.nbytes)
 
     # -- calls ---------------------------------------------------------------------------------
