@@ -219,8 +219,10 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                 os.makedirs(subs[addr])
             jobs = {addr: pool.submit(client_for(addr).save, subs[addr], names)
                     for addr, names in by_ps.items()}
-            table_jobs = {t.name: [pool.submit(client_for(a).save_table, t.name, subs[a])
-                                   for a in t.addresses] for t in tables}
+            copies = {t.name: t.primaries() for t in tables}   # (replication: primaries)
+            table_jobs = {t.name: [pool.submit(client_for(c.address).save_table, c.table,
+                                               subs[c.address]) for c in copies[t.name]]
+                          for t in tables}
             for addr, job in jobs.items():
                 for f in job.result():
                     files[f.name] = {"file": os.path.relpath(os.path.join(subs[addr], f.file),
@@ -230,7 +232,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                 table_files[t.name] = [
                     {"file": os.path.relpath(os.path.join(subs[a], r.file), tmp),
                      "rows": r.rows, "bytes": r.bytes, "step": r.step}
-                    for a, r in zip(t.addresses, (j.result() for j in table_jobs[t.name]))]
+                    for a, r in zip((c.address for c in copies[t.name]),
+                                    (j.result() for j in table_jobs[t.name]))]
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
@@ -415,15 +418,15 @@ def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
     keys = state.get("keys", np.zeros(0, np.int64))
     which = shard_of(keys, len(t.addresses))
     handles = []
-    for i, addr in enumerate(t.addresses):
-        if address is not None and addr != address:
+    for i, copy in enumerate(t.primaries()):   # (replication: each primary copies
+        if address is not None and copy.address != address:   # itself to its backup)
             continue
         mine = which == i
         part = {k: (a if a.ndim == 0 else a[mine]) for k, a in state.items()}
         if not part:
             part = {"keys": keys}
-        handles.append(pool.submit(client_for(addr).import_table, t.name, _full(part, t),
-                                   step, reset=True))
+        handles.append(pool.submit(client_for(copy.address).import_table, copy.table,
+                                   _full(part, t), step, reset=True))
     return handles
 
 

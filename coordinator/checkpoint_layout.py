@@ -156,9 +156,12 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
     cluster's order: a table's keys go to servers by their index), from
     each server's TableInfo list. A table must be on every server with the
     same dim, dtype and optimizer (else CheckpointError: a server restarted
-    empty, or tables of another job)."""
-    from coordinator.embedding import DynamicEmbedding
-    names = sorted({t.name for infos in listing.values() for t in infos})
+    empty, or tables of another job). A table with backup copies is
+    replicated (ask coordinator.routes where its primaries are before use)."""
+    from coordinator.embedding import BACKUP_PREFIX, DynamicEmbedding
+    every = {t.name for infos in listing.values() for t in infos}
+    # "_backup/<name>": the backup copies of a replicated table's shards
+    names = sorted(n for n in every if not n.startswith(BACKUP_PREFIX))
     out, problems = [], []
     for name in names:
         specs = {}
@@ -173,7 +176,8 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
             problems.append(f"dynamic table {name!r} differs between servers: {specs}")
         elif specs and len(specs) == len(ps):
             dim, dtype, optimizer = next(iter(specs.values()))
-            out.append(DynamicEmbedding(name, dim, dtype, tuple(ps), optimizer))
+            out.append(DynamicEmbedding(name, dim, dtype, tuple(ps), optimizer,
+                                        replicated=BACKUP_PREFIX + name in every))
     if problems:
         raise CheckpointError("; ".join(problems))
     return out

@@ -36,7 +36,7 @@ def _ckpt_save(args) -> int:
     listing = _listing_or_fail(target)
     try:
         layout = L.layout_from_listing(listing)
-        tables = L.tables_from_listing(_table_listing(target), target.ps)
+        tables = _tables(target)
     except C.CheckpointError as exc:
         raise OperatorError(f"{exc}\nNo checkpoint written. Check that {target.source} lists "
                             "every parameter server.") from None
@@ -105,6 +105,14 @@ def _checkpoint_path(directory: str, path: str | None) -> str:
     return found[-1]
 
 
+def _tables(target) -> list:
+    """The dynamic tables on the servers; a replicated one's primaries asked for."""
+    from coordinator import routes
+    tables = L.tables_from_listing(_table_listing(target), target.ps)
+    routes.refresh([(t, k) for t in tables for k in range(len(t.backups))])
+    return tables
+
+
 def _table_listing(target: Target) -> dict[str, list]:
     """{address: TableInfo list} of every parameter server (dynamic tables)."""
     out = {}
@@ -148,7 +156,7 @@ def _ckpt_restore(args) -> int:
     listing = _listing_or_fail(target)
     try:
         layout = L.layout_from_listing(listing)
-        tables = L.tables_from_listing(_table_listing(target), target.ps)
+        tables = _tables(target)
         plan = L.restore_plan(layout, manifest, path)
     except C.CheckpointError as exc:
         raise OperatorError(

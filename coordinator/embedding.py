@@ -13,10 +13,15 @@ row: not admitted yet, or evicted), and ``push_gradient(keys, grads)``
 applies row gradients (duplicates summed) with the table's optimizer, both
 one call per server, all at once.
 
-Not yet: checkpoints and replication of dynamic tables, sync mode (their
-updates apply on arrival, as in async mode), and resending a call after a
-server restarts (a restarted server has lost its shards: recreate the
-table).
+With ``replication=True`` each shard has a backup on the next parameter
+server (table name ``_backup/<name>`` there), which follows every change
+its primary makes (psserver/tables.py); calls go to whichever copy is
+primary now (coordinator.routes) and are resent there after a failover,
+updates with their update key, so each applies once. Admission counters
+of keys not admitted yet, and look-up statistics, are the primary's alone
+(after a failover such a key counts again from zero).
+
+Not yet: sync mode (a table's updates apply on arrival, as in async mode).
 """
 from __future__ import annotations
 
@@ -24,8 +29,26 @@ import dataclasses
 
 import numpy as np
 
+from coordinator import calls, routes
 from coordinator.calls import client_for
 from psserver.dynamic_table import check_keys, shard_of
+from psserver.replication import TABLE_PREFIX
+
+#: Table name of a shard's backup copy (replication) on the next server.
+BACKUP_PREFIX = "_backup/"
+
+
+@dataclasses.dataclass(frozen=True)
+class TableShard:
+    """One copy of a table shard: the server, and its replication name
+    (TABLE_PREFIX + its table name there), as coordinator.routes and
+    coordinator.recovery take a variable's Shard."""
+    address: str
+    name: str
+
+    @property
+    def table(self) -> str:
+        return self.name[len(TABLE_PREFIX):]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +80,47 @@ class DynamicEmbedding:
     dtype: str
     addresses: tuple[str, ...]
     optimizer: str = "sgd"
+    replicated: bool = False
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def shards(self) -> tuple[TableShard, ...]:
+        """Each shard's copy that was created primary."""
+        return tuple(TableShard(a, TABLE_PREFIX + self.name) for a in self.addresses)
+
+    @property
+    def backups(self) -> tuple[TableShard, ...]:
+        """With replication, each shard's other copy, on the next server."""
+        if not self.replicated:
+            return ()
+        n = len(self.addresses)
+        return tuple(TableShard(self.addresses[(i + 1) % n],
+                                TABLE_PREFIX + BACKUP_PREFIX + self.name) for i in range(n))
+
+    def primaries(self) -> list[TableShard]:
+        """Each shard's copy that takes calls now (the created one, unless a
+        failover moved it: coordinator.routes)."""
+        if not self.replicated:
+            return list(self.shards)
+        return [routes.primary(self, i) for i in range(self.num_shards)]
+
+    def _calls(self, parts, blocking, non_blocking) -> list:
+        """One call per (shard, positions) to the copy that is primary now,
+        resent where it is after a failover (coordinator.calls)."""
+        def plan():
+            ops = []
+            for i, pos in parts:
+                target = routes.primary(self, i)
+                ops.append(calls._Op(target.address,
+                                     lambda c, t=target.table, i=i, p=pos: blocking(c, t, i, p),
+                                     lambda c, t=target.table, i=i, p=pos:
+                                         non_blocking(c, t, i, p),
+                                     pairs=[(self, i)]))
+            return calls._settle(ops)
+        return calls._routed(plan)
 
     def _split(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(server index, positions of its keys) for each server with keys."""
@@ -75,10 +139,16 @@ class DynamicEmbedding:
         flat = keys.reshape(-1)
         out = np.empty((flat.size, self.dim), np.dtype(self.dtype))
         parts = self._split(flat)
-        handles = [client_for(self.addresses[i]).lookup_async(self.name, flat[pos], admit=admit)
-                   for i, pos in parts]
-        for (_, pos), h in zip(parts, handles):
-            out[pos] = h.result()
+        if not self.replicated:   # one call per server, all at once
+            handles = [client_for(self.addresses[i]).lookup_async(self.name, flat[pos],
+                                                                  admit=admit)
+                       for i, pos in parts]
+            rows = [h.result() for h in handles]
+        else:
+            rows = self._calls(parts, lambda c, t, i, p: c.lookup(t, flat[p], admit=admit),
+                               lambda c, t, i, p: c.lookup_async(t, flat[p], admit=admit))
+        for (_, pos), r in zip(parts, rows):
+            out[pos] = r
         return out.reshape(keys.shape + (self.dim,))
 
     def push_gradient(self, keys, grads) -> tuple[int, int]:
@@ -91,15 +161,24 @@ class DynamicEmbedding:
             raise ValueError(f"gradient for table {self.name!r} has shape {grads.shape}, "
                              f"expected {(keys.size, self.dim)}")
         parts = self._split(keys)
-        handles = [client_for(self.addresses[i]).update_table_async(self.name, keys[pos],
-                                                                    grads[pos])
-                   for i, pos in parts]
-        done = [h.result() for h in handles]
+        if not self.replicated:
+            handles = [client_for(self.addresses[i]).update_table_async(self.name, keys[pos],
+                                                                        grads[pos])
+                       for i, pos in parts]
+            done = [h.result() for h in handles]
+        else:   # an update key per shard: a resend after a failover applies once
+            uids = {i: calls.new_update_id() for i, _ in parts}
+            done = self._calls(
+                parts,
+                lambda c, t, i, p: c.update_table(t, keys[p], grads[p], update_id=uids[i]),
+                lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
+                                                        update_id=uids[i]))
         return sum(u for u, _ in done), sum(d for _, d in done)
 
     def stats(self) -> TableStats:
-        """Counters summed over the shards (rows, admissions, evictions, hits...)."""
-        infos = [client_for(a).table_info(self.name) for a in self.addresses]
+        """Counters summed over the shards (rows, admissions, evictions, hits...),
+        of the copies that are primary now."""
+        infos = [client_for(c.address).table_info(c.table) for c in self.primaries()]
         return TableStats(**{f.name: sum(getattr(i, f.name) for i in infos)
                              for f in dataclasses.fields(TableStats)})
 

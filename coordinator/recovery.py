@@ -152,7 +152,7 @@ def read_copies(strategy, address: str | None = None) -> list[Copies]:
         except PSError:
             return None
     out = []
-    for v in strategy.variables:
+    for v in strategy.variables + strategy.tables:   # dynamic tables' shards too
         for k, (c, o) in enumerate(zip(v.shards, v.backups)):
             if address is None or address in (c.address, o.address):
                 out.append(Copies(c, o, ask(c), ask(o)))
@@ -175,7 +175,8 @@ def apply_changes(changes: Sequence[Change]) -> None:
 
 def _sync_routes(strategy) -> None:
     """This process's routes after changes it made (workers learn them by asking)."""
-    pairs = [(v, k) for v in strategy.variables for k in range(len(v.backups))]
+    pairs = [(v, k) for v in strategy.variables + strategy.tables
+             for k in range(len(v.backups))]
     routes.refresh(pairs)
 
 

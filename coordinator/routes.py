@@ -40,12 +40,18 @@ class Route:
     alone: bool = False
 
 
-_routes: dict[str, Route] = {}   # by the shard's name as created (v.shards[k].name)
+# by the created copy's (address, name): a variable's shard names are unique,
+# a dynamic table's shards share one name on different servers
+_routes: dict[tuple[str, str], Route] = {}
 _lock = threading.Lock()
 
 
 def route(v, k: int) -> Route:
-    return _routes.get(v.shards[k].name, _DEFAULT) if v.backups else _DEFAULT
+    return _routes.get(_key(v.shards[k]), _DEFAULT) if v.backups else _DEFAULT
+
+
+def _key(shard) -> tuple[str, str]:
+    return shard.address, shard.name
 
 
 _DEFAULT = Route()
@@ -72,13 +78,13 @@ def sync_targets(v, k: int) -> tuple:
     return (first,) if r.alone else (first, other)
 
 
-def set_route(name: str, r: Route) -> None:
-    """Record where shard ``name``'s calls go (the coordinator, after a change it made)."""
+def set_route(shard, r: Route) -> None:
+    """Record where the calls of the shard created as ``shard`` go."""
     with _lock:
         if r == _DEFAULT:
-            _routes.pop(name, None)
+            _routes.pop(_key(shard), None)
         else:
-            _routes[name] = r
+            _routes[_key(shard)] = r
 
 
 def decide(created, other) -> Route | None:
@@ -109,15 +115,15 @@ def refresh(pairs: Sequence[tuple]) -> bool:
     moved = False
     seen = set()
     for v, k in pairs:
-        if not v.backups or (v.name, k) in seen:
+        if not v.backups or _key(v.shards[k]) in seen:
             continue
-        seen.add((v.name, k))
+        seen.add(_key(v.shards[k]))
         new = decide(ask(v.shards[k]), ask(v.backups[k]))
         if new is None:
             continue
         if new != route(v, k):
             moved = True
-            set_route(v.shards[k].name, new)
+            set_route(v.shards[k], new)
     return moved
 
 

@@ -23,7 +23,7 @@ from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigCl
 from coordinator.embedding import DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
-from psserver.replication import Peer
+from psserver.replication import ROLE_PRIMARY, SET_BACKUP, Peer
 from psserver.server import TOKEN_ENV
 from psserver.contract import Initializer
 from psserver.contract import SyncSpec
@@ -415,7 +415,8 @@ class ParameterServerStrategy:
         ``initializer`` as a function of (``seed``, key) alone.
 
         Made again with the same arguments (a coordinator that restarts), the
-        existing table is used. Not checkpointed or replicated yet."""
+        existing table is used. With ``replication=True`` each shard has a
+        backup on the next server (coordinator/embedding.py)."""
         if name in self._tables:
             raise ValueError(f"embedding table {name!r} was created already by this strategy")
         self._check_servers()
@@ -430,7 +431,16 @@ class ParameterServerStrategy:
                 probability=probability, capacity=per_shard, policy=policy,
                 max_age_steps=max_age_steps, max_age_seconds=max_age_seconds,
                 seed=seed * n + i)   # each shard its own admission draws; rows: the same
-        table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer)
+            self._note_server(addr)   # watched: a restart or a loss is noticed
+        table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer,
+                                 replicated=self.replication)
+        if self.replication:   # each primary copies itself to its backup on the next server
+            for c, b in zip(table.shards, table.backups):
+                meta = V.client_for(c.address).get_meta(c.name)
+                if meta.role == ROLE_PRIMARY and meta.epoch == 0 and meta.backup is None:
+                    V.client_for(c.address).reconfigure(
+                        [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
+            routes.refresh([(table, k) for k in range(n)])   # adopted: it may have failed over
         self._tables[name] = table
         return table
 

@@ -452,9 +452,11 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
                                     update_id=r.update_id, sync_steps=r.sync_steps, kind=r.kind)
                 T.fill(m.tensor, r.tensor, with_data=False)
                 arrays.append(r.tensor)
-                if r.ids is not None:
-                    T.fill(m.ids, r.ids, with_data=False)
-                    arrays.append(r.ids)
+                for field in ("ids", "evicted"):
+                    a = getattr(r, field)
+                    if a is not None:
+                        T.fill(getattr(m, field), a, with_data=False)
+                        arrays.append(a)
             kw = {} if timeout is None else {"timeout": timeout}
             reply = self._upload("replicate", req, arrays, **kw).replicated
         return [(a.name, a.version, int(a.status)) for a in reply.acks]

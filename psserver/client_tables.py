@@ -63,16 +63,18 @@ class TableCalls:
     def lookup(self, name: str, keys, *, admit: bool = True) -> np.ndarray:
         return self.lookup_async(name, keys, admit=admit).result()
 
-    def update_table_async(self, name: str, keys, grads) -> Handle:
+    def update_table_async(self, name: str, keys, grads, *, update_id: int = 0) -> Handle:
         """Apply row gradients (duplicate keys summed) with the table's
-        optimizer; ``result()``: (rows updated, gradient rows dropped)."""
-        req = tables_pb2.TableUpdateRequest(name=name)
+        optimizer; ``result()``: (rows updated, gradient rows dropped).
+        ``update_id`` (non-zero): the update applies once however often it
+        is sent (a resend answers (0, 0))."""
+        req = tables_pb2.TableUpdateRequest(name=name, update_id=update_id)
         T.fill(req.keys, _keys(keys).reshape(-1))
         T.fill(req.grads, np.asarray(grads))
         return self._invoke(False, methods.TABLE_UPDATE, req, lambda r: (r.updated, r.dropped))
 
-    def update_table(self, name: str, keys, grads) -> tuple[int, int]:
-        return self.update_table_async(name, keys, grads).result()
+    def update_table(self, name: str, keys, grads, *, update_id: int = 0) -> tuple[int, int]:
+        return self.update_table_async(name, keys, grads, update_id=update_id).result()
 
     def table_info(self, name: str) -> tables_pb2.TableInfo:
         return self._call(methods.TABLE_INFO, tables_pb2.TableRef(name=name))
@@ -90,10 +92,14 @@ class TableCalls:
                           tables_pb2.SaveTableRequest(name=name, directory=directory))
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
-                     reset: bool = True) -> int:
+                     reset: bool = True, replica: Mapping | None = None,
+                     timeout: float | None = None) -> int:
         """Put rows (psserver.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
-        pieces that fit a message. Returns the rows the shard holds."""
+        pieces that fit a message. Returns the rows the shard holds.
+        ``replica`` (a primary's server copying its state to its backup:
+        spec, epoch, version, applied_ids): make or replace the copy as a
+        backup (tables.proto ReplicaCopy)."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -102,6 +108,9 @@ class TableCalls:
         for i, lo in enumerate(range(0, max(1, keys.size), per_call)):
             hi = lo + per_call
             req = tables_pb2.ImportTableRequest(name=name, reset=reset and i == 0, step=step)
+            if replica is not None:
+                req.replica.CopyFrom(tables_pb2.ReplicaCopy(
+                    complete=hi >= keys.size, **replica))
             for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
                 T.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
             for key, a in state.items():
@@ -109,7 +118,7 @@ class TableCalls:
                     a = np.asarray(a)
                     T.fill(req.slots.add(name=key[5:]).tensor,
                            np.ascontiguousarray(a if a.ndim == 0 else a[lo:hi]))
-            rows = self._call(methods.TABLE_IMPORT, req).rows
+            rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
 
 

@@ -373,6 +373,10 @@ class DynamicTable:
         self._pn = 0
         self._pfree: list[np.ndarray] = []
         self._rng = np.random.default_rng(config.seed)
+        # Replication (psserver/tables.py): while not None, the keys whose rows
+        # were evicted and created, in order, and the last update's effect.
+        self._journal: tuple[list, list] | None = None
+        self._last_update: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- sizes -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -476,14 +480,15 @@ class DynamicTable:
             self._pn += more
         return got
 
-    def _create(self, keys: np.ndarray) -> np.ndarray:
+    def _create(self, keys: np.ndarray, exact: bool = False) -> np.ndarray:
         """Rows for new unique ``keys``, initialized (-1 for keys beyond a
         capacity smaller than the batch: the last ``capacity`` get rows);
-        over capacity, the policy's victims are evicted first."""
+        over capacity, the policy's victims are evicted first (not with
+        ``exact``: a backup makes the rows its primary made)."""
         c = self.config
         out = np.full(keys.size, -1, np.int64)
         take = np.arange(keys.size)
-        if c.capacity and self.index.size + keys.size > c.capacity:
+        if c.capacity and self.index.size + keys.size > c.capacity and not exact:
             take = take[-c.capacity:]
             self._evict_for(self.index.size + take.size - c.capacity)
         keys = keys[take]
@@ -498,6 +503,8 @@ class DynamicTable:
         self.freq[rows] = 1
         self.index.insert(keys, rows)
         self.stats.admitted += keys.size
+        if self._journal is not None:
+            self._journal[1].append(keys.copy())
         out[take] = rows
         return out
 
@@ -528,6 +535,8 @@ class DynamicTable:
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict_rows(self, rows: np.ndarray) -> None:
+        if self._journal is not None and rows.size:
+            self._journal[0].append(self.row_key[rows])
         self.index.delete(self.row_key[rows])
         self._free.append(rows.astype(np.int64))
 
@@ -586,12 +595,64 @@ class DynamicTable:
             r = rows[have]
             order = np.argsort(r)
             r = r[order]
-            self.optimizer.apply_sparse(self.value, self.slots, r,
-                                        summed[have][order].astype(self.dtype, copy=False))
+            g = summed[have][order].astype(self.dtype, copy=False)
+            self.optimizer.apply_sparse(self.value, self.slots, r, g)
             self.updated_step[r] = self.step
             self.updated_time[r] = self.clock()
             self.stats.updated += r.size
+            if self._journal is not None:
+                self._last_update = (ukeys[have][order], g)
+        elif self._journal is not None:
+            self._last_update = (np.zeros(0, np.int64), np.zeros((0, self.config.dim),
+                                                                  self.dtype))
         return int(have.sum())
+
+    # -- replication: a primary's effects, followed by its backup (psserver/tables.py) -------
+    # A backup makes no decisions of its own (admission, eviction, ages): it
+    # does what its primary did, so both hold the same keys, values and slots.
+    # Admission counters and look-up statistics are the primary's alone.
+    def start_journal(self) -> None:
+        """Note from now on the keys whose rows are evicted and created."""
+        self._journal, self._last_update = ([], []), None
+
+    def take_journal(self) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+        """(evicted keys, created keys, the last update's (keys, rows) or
+        None) since start_journal; journaling stops."""
+        ev, made = self._journal or ([], [])
+        update, self._journal, self._last_update = self._last_update, None, None
+        cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        return cat(ev), cat(made), update
+
+    def follow_rows(self, evicted: np.ndarray, created: np.ndarray) -> None:
+        """What a primary's look-up changed: the rows of ``evicted`` keys
+        gone, then rows made for ``created`` keys (initialized as the
+        primary's were). InvalidArgument, nothing changed, if they do not fit
+        this copy (it lacks a key to evict, or holds one to create)."""
+        rows = self.index.find(evicted)
+        gone = set(evicted.tolist())
+        if (rows < 0).any() or len(gone) != evicted.size or \
+                np.unique(created).size != created.size or \
+                any(k not in gone for k in created[self.index.find(created) >= 0].tolist()):
+            raise InvalidArgument("dynamic table: a primary's changes do not fit this copy")
+        self._tick += 1
+        self._evict_rows(rows)
+        if created.size:
+            self._create(created, exact=True)
+
+    def follow_update(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        """A primary's update as applied: ``grads`` (the table's dtype) to
+        the rows of unique ``keys`` in that order (InvalidArgument, nothing
+        changed, if a key has no row here). One table step, as there."""
+        rows = self.index.find(keys)
+        if (rows < 0).any() or grads.shape != (keys.size, self.config.dim) or \
+                grads.dtype != self.dtype:
+            raise InvalidArgument("dynamic table: a primary's update does not fit this copy")
+        self.step += 1
+        if rows.size:
+            self.optimizer.apply_sparse(self.value, self.slots, rows, grads)
+            self.updated_step[rows] = self.step
+            self.updated_time[rows] = self.clock()
+            self.stats.updated += rows.size
 
     # -- state (checkpoints, resharding) -------------------------------------------------------
     def export(self) -> dict[str, np.ndarray]:

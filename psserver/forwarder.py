@@ -166,8 +166,9 @@ class _PeerSender:
             if link.needs_state:
                 with var.lock:   # a consistent copy (the link may have changed meanwhile)
                     if var.link is link and link.needs_state:
+                        take = getattr(var, "take_state", None)   # a table's own
                         copies.append((store, var, link, link.generation,
-                                       _take_state(var, link)))
+                                       take(link) if take else _take_state(var, link)))
                 continue
             # Records are taken without the variable's lock: the next may be
             # being applied here meanwhile (it went ahead), overlapping its send.
@@ -181,10 +182,14 @@ class _PeerSender:
 
     def _copy(self, store, var, link: R.Link, generation: int, state: dict) -> None:
         """Copy a whole state to the peer (it creates or replaces its copy)."""
-        mib = (state["initial_value"].nbytes + sum(a.nbytes for a in state["slots"].values())) / 2**20
         try:
-            self._client.create_variable(link.peer.name, timeout=60.0 + mib * COPY_SECONDS_PER_MIB,
-                                         **state)
+            if hasattr(var, "send_state"):   # a dynamic table shard (psserver/tables.py)
+                var.send_state(self._client, link.peer.name, state, COPY_SECONDS_PER_MIB)
+            else:
+                mib = (state["initial_value"].nbytes
+                       + sum(a.nbytes for a in state["slots"].values())) / 2**20
+                self._client.create_variable(link.peer.name,
+                                             timeout=60.0 + mib * COPY_SECONDS_PER_MIB, **state)
             status = R.OK
         except NotPrimary:   # a newer epoch owns the peer's copy: this primary is stale
             status = R.FENCED

@@ -37,11 +37,15 @@ from typing import Callable
 import numpy as np
 
 from psserver.contract import (ROLE_BACKUP, ROLE_PRIMARY, DeadlineExceeded,  # noqa: F401
-                               FailedPrecondition, InvalidArgument, NotPrimary, Peer)
+                               FailedPrecondition, InvalidArgument, NotFound, NotPrimary, Peer)
 
 ROLE_NAMES = {ROLE_PRIMARY: "primary", ROLE_BACKUP: "backup"}
-#: ReplicaRecord.Kind in ps.proto.
-DENSE, SPARSE, ASSIGN = 0, 1, 2
+#: ReplicaRecord.Kind in ps.proto (TABLE_*: a dynamic table shard's, psserver/tables.py).
+DENSE, SPARSE, ASSIGN, TABLE_ROWS, TABLE_UPDATE = 0, 1, 2, 3, 4
+TABLE_KINDS = (TABLE_ROWS, TABLE_UPDATE)
+#: Replication names of dynamic table shards: "~table~<table name>" ("~" starts
+#: no variable name), so GetMeta, Reconfigure and records reach tables too.
+TABLE_PREFIX = "~table~"
 #: ReplicaAck.Status in ps.proto.
 OK, NEEDS_STATE, FENCED = 0, 1, 2
 #: ReplicaChange.Action in ps.proto.
@@ -65,13 +69,55 @@ class Record:
     version: int          # after applying it
     update_id: int
     sync_steps: int       # after applying it
-    kind: int             # DENSE, SPARSE or ASSIGN
+    kind: int             # DENSE, SPARSE, ASSIGN, TABLE_ROWS or TABLE_UPDATE
     tensor: np.ndarray    # the gradient, the summed rows, or the assigned value
-    ids: np.ndarray | None = None   # SPARSE: unique int64 row ids
+    ids: np.ndarray | None = None   # SPARSE: unique int64 row ids; TABLE_*: keys
+    evicted: np.ndarray | None = None   # TABLE_ROWS: keys whose rows went first
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.nbytes + (0 if self.ids is None else self.ids.nbytes)
+        return sum(a.nbytes for a in (self.tensor, self.ids, self.evicted) if a is not None)
+
+
+class CopyState:
+    """What every copy of a replicated shard keeps (a Variable, a dynamic
+    table shard: psserver/tables.py), guarded by its ``lock``: ``role``,
+    ``epoch`` (its fencing token), ``link`` (a primary's to its backup),
+    ``draining`` (a planned hand-over), ``version`` and the update keys
+    applied (``applied``: key -> the version it made, oldest first)."""
+
+    name: str
+    version: int
+    role: int
+    epoch: int
+    draining: bool
+    applied: collections.OrderedDict
+
+    #: How many update keys a copy remembers: a resent update older than
+    #: this many later updates would be applied again. Retries come within
+    #: seconds, when far fewer updates have happened.
+    APPLIED_IDS_KEPT = 8192
+
+    def applied_at(self, update_id: int) -> int | None:
+        """The version update_id made, if it was applied already (lock held)."""
+        return self.applied.get(update_id) if update_id else None
+
+    def remember(self, update_id: int) -> None:
+        """Record that update_id made the current version (lock held)."""
+        if update_id:
+            self.applied[update_id] = self.version
+            if len(self.applied) > self.APPLIED_IDS_KEPT:
+                self.applied.popitem(last=False)
+
+    def check_primary(self) -> None:
+        """Raise NotPrimary unless this copy takes client updates now (lock held
+        or not: a role read is atomic)."""
+        if self.role != ROLE_PRIMARY or self.draining:
+            what = "handing over to its other copy" if self.draining else "a backup copy"
+            raise NotPrimary(
+                f"{self.name!r} on this server is {what} (epoch {self.epoch}) and takes no "
+                "client updates; nothing was applied. Send it to the primary copy (ask "
+                "both copies' GetMeta for role and epoch; coordinator.variables does)")
 
 
 class Link:
@@ -161,6 +207,25 @@ class ReplicaMethods:
     a replicated primary (FailedPrecondition)."""
 
     forwarding: Forwarding | None = None
+    #: Finds a dynamic table shard's copy by its table name (set by
+    #: psserver.tables.TableServicer; None: no tables here).
+    table_copy: Callable[[str], CopyState | None] | None = None
+
+    def _copy(self, name: str):
+        """The copy ``name`` names: a variable, or (TABLE_PREFIX) a table shard."""
+        found = self._find_copy(name)
+        if found is None:
+            if name.startswith(TABLE_PREFIX):
+                raise NotFound(f"no dynamic table {name[len(TABLE_PREFIX):]!r} on this "
+                               "parameter server")
+            return self._get(name)   # its NotFound
+        return found
+
+    def _find_copy(self, name: str):
+        if name.startswith(TABLE_PREFIX):
+            find = self.table_copy
+            return None if find is None else find(name[len(TABLE_PREFIX):])
+        return self._vars.get(name)
 
     # -- the primary's side ------------------------------------------------------------
     def set_backup(self, name: str, peer: Peer, epoch: int,
@@ -173,7 +238,7 @@ class ReplicaMethods:
             raise FailedPrecondition(
                 "this parameter server cannot replicate (its store has no forwarding); "
                 "run a psserver process, which can")
-        var = self._get(name)
+        var = self._copy(name)
         with var.lock:
             _fence(var, epoch, allow_same=True)
             var.check_primary()
@@ -188,7 +253,7 @@ class ReplicaMethods:
 
     def drop_backup(self, name: str, epoch: int) -> None:
         """The backup is gone: acknowledge updates without it from now on."""
-        var = self._get(name)
+        var = self._copy(name)
         with var.lock:
             _fence(var, epoch, allow_same=True)
             var.check_primary()
@@ -200,7 +265,7 @@ class ReplicaMethods:
         """Backup -> primary (its primary is gone); then, with ``peer``, copy
         the state to a new backup there (as set_backup). A sync step whose
         gradients this copy gathered completes here if it can."""
-        var = self._get(name)
+        var = self._copy(name)
         with var.lock:
             if not (var.role == ROLE_PRIMARY and var.epoch == epoch and not var.draining):
                 _fence(var, epoch, allow_same=False)
@@ -218,7 +283,7 @@ class ReplicaMethods:
         """Primary -> backup, a planned hand-over: refuse client updates, wait
         until the backup acknowledged every version, then take records only.
         Raises DeadlineExceeded (then it stays primary and takes updates again)."""
-        var = self._get(name)
+        var = self._copy(name)
         deadline = _deadline_or_default(deadline)
         with var.lock:
             if var.role == ROLE_BACKUP and var.epoch == epoch:
@@ -245,7 +310,7 @@ class ReplicaMethods:
         changed. Returns each copy's VariableMeta after the changes."""
         plan: dict[str, tuple[int, int]] = {}   # name -> (role, epoch) once its changes ran
         for name, action, epoch, peer in changes:
-            var = self._get(name)
+            var = self._copy(name)
             if action not in ACTION_NAMES:
                 raise InvalidArgument(f"unknown replica change {action}; use one of "
                                       f"{sorted(ACTION_NAMES.values())}")
@@ -285,7 +350,9 @@ class ReplicaMethods:
         else:
             raise InvalidArgument(f"unknown replica change {action}; use one of "
                                   f"{sorted(ACTION_NAMES.values())}")
-        return self.meta(name)
+        copy = self._copy(name)
+        with copy.lock:
+            return copy.meta()
 
     def _wait_acked(self, pairs, deadline: float | None) -> None:
         """Block until each (variable, version)'s backup acknowledged it (or the
@@ -345,12 +412,12 @@ class ReplicaMethods:
         groups: dict[str, list[Record]] = {}
         for i, rec in enumerate(records):
             groups.setdefault(rec.name, []).append(rec)
-            var = self._vars.get(rec.name)
+            var = self._find_copy(rec.name)
             if var is not None:
                 self._check_record(var, rec, f"record {i}")
         out = []
         for name, recs in groups.items():
-            var = self._vars.get(name)
+            var = self._find_copy(name)
             if var is None:
                 out.append((name, -1, NEEDS_STATE))
                 continue
@@ -364,13 +431,20 @@ class ReplicaMethods:
                             not _fits(var, rec):
                         status = NEEDS_STATE
                         break
-                    if rec.version == var.version + 1:
-                        _apply_record(var, rec)
+                    if rec.version == var.version + 1 and not _apply_record(var, rec):
+                        status = NEEDS_STATE
+                        break
                 out.append((name, var.version, status))
         return out
 
     def _check_record(self, var, rec: Record, what: str) -> None:
-        if rec.kind == SPARSE:
+        if (rec.kind in TABLE_KINDS) != hasattr(var, "follow"):
+            raise InvalidArgument(f"{what}: a record of kind {rec.kind} for {var.name!r}, "
+                                  "which is " + ("a dynamic table" if hasattr(var, "follow")
+                                                 else "a variable"))
+        if rec.kind in TABLE_KINDS:
+            var.check_record(rec, what)
+        elif rec.kind == SPARSE:
             if rec.ids is None or rec.ids.ndim != 1 or rec.ids.dtype != np.int64:
                 raise InvalidArgument(f"{what}: sparse record ids must be 1-D int64")
             self._check_ids(var, rec.ids, what)
@@ -391,13 +465,18 @@ class ReplicaMethods:
 
 def _fits(var, rec: Record) -> bool:
     """Whether a checked record still fits var (it may have been replaced since)."""
+    if rec.kind in TABLE_KINDS:
+        return hasattr(var, "follow")   # the table says when it applies (_apply_record)
     rows = (rec.ids.size,) if rec.kind == SPARSE else ()
     want = rows + var.value.shape[len(rows):] if rows else var.value.shape
     return rec.tensor.shape == want
 
 
-def _apply_record(var, rec: Record) -> None:
-    """The primary's update, applied the same way (lock held)."""
+def _apply_record(var, rec: Record) -> bool:
+    """The primary's update, applied the same way (lock held); False (nothing
+    changed) where a table's record does not fit its state (copy it whole)."""
+    if rec.kind in TABLE_KINDS:
+        return var.follow(rec)
     with var.writing():
         if rec.kind == DENSE:
             var.optimizer.apply_dense(var.value, var.slots, rec.tensor)
@@ -411,6 +490,7 @@ def _apply_record(var, rec: Record) -> None:
         var.acc = None   # the step this copy was gathering was applied by its primary
     var.remember(rec.update_id)
     var.cond.notify_all()
+    return True
 
 
 def _fence(var, epoch: int, allow_same: bool) -> None:

@@ -56,8 +56,9 @@ def _records(request: ps_pb2.ReplicateRequest, arrays) -> list[R.Record]:
     for r in request.records:
         tensor = next(it)
         ids = next(it) if r.HasField("ids") else None
+        evicted = next(it) if r.HasField("evicted") else None
         out.append(R.Record(r.name, r.epoch, r.version, r.update_id, r.sync_steps,
-                            int(r.kind), tensor, ids))
+                            int(r.kind), tensor, ids, evicted))
     return out
 
 
@@ -89,7 +90,8 @@ def tensors_of(request) -> list[ps_pb2.Tensor]:
         return [request.ids, request.values]
     if isinstance(request, ps_pb2.ReplicateRequest):
         return [t for r in request.records
-                for t in ([r.tensor, r.ids] if r.HasField("ids") else [r.tensor])]
+                for t in [r.tensor] + [getattr(r, f) for f in ("ids", "evicted")
+                                       if r.HasField(f)]]
     raise InvalidArgument(f"no tensors in a {type(request).__name__}")
 
 

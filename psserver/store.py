@@ -218,7 +218,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         if not peer.address or len(peer.address) > 1024 or not peer.address.isprintable():
             raise InvalidArgument(f"a backup needs a server address (host:port), got "
                                   f"{peer.address!r}")
-        check_name(peer.name)
+        # a variable's name, or a table shard's replication name (TABLE_PREFIX + table name)
+        table = peer.name.startswith(R.TABLE_PREFIX)
+        check_name(peer.name[len(R.TABLE_PREFIX):] if table else peer.name)
         return peer
 
     def _replace_copy(self, existing: Variable | None, name, dt, shape, opt, value, slots,
@@ -339,7 +341,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         return out
 
     def meta(self, name: str) -> VariableMeta:
-        var = self._get(name)
+        """A variable's metadata, or a dynamic table shard's (its replication
+        name: psserver.replication.TABLE_PREFIX + table name)."""
+        var = self._copy(name)
         with var.lock:
             return var.meta()
 

@@ -10,18 +10,22 @@ before anything changes: a refused call leaves the table as it was.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
 import threading
+import time
 import urllib.parse
 
 import numpy as np
 from google.protobuf import json_format
 
 from protos.pstrain.v1 import tables_pb2
+from psserver import replication as R
 from psserver import tensor as T
-from psserver.contract import (AlreadyExists, Initializer, InvalidArgument, NotFound,
-                               ResourceExhausted)
+from psserver.contract import (AlreadyExists, Initializer, InvalidArgument, NotFound, NotPrimary,
+                               ResourceExhausted, VariableMeta)
 from psserver.dynamic_table import DynamicTable, TableConfig
 from psserver.optimizers import make_optimizer
 from psserver.variable import check_initializer, check_name
@@ -65,9 +69,109 @@ def _optimizer(spec: tables_pb2.TableSpec):
         raise InvalidArgument(f"table optimizer: {exc}") from None
 
 
-class _Entry:
-    def __init__(self, spec: tables_pb2.TableSpec, table: DynamicTable):
-        self.spec, self.table, self.lock = spec, table, threading.Lock()
+class _Entry(R.CopyState):
+    """A table shard on this server and, with replication, its copy's role
+    (psserver.replication: the primary journals what each call changed and
+    hands it to its backup as a record; the backup does the same to its
+    rows). Replicated under the name ``TABLE_PREFIX + name``."""
+
+    def __init__(self, name: str, spec: tables_pb2.TableSpec, table: DynamicTable):
+        self.table_name, self.name = name, R.TABLE_PREFIX + name
+        self.spec, self.table = spec, table
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.version = 0      # changes made (look-ups that made or evicted rows, updates)
+        self.role, self.epoch, self.draining = R.ROLE_PRIMARY, 0, False
+        self.link: R.Link | None = None
+        self.applied: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.acc, self.sync_steps = None, 0   # (no sync mode for tables)
+
+    def writing(self):
+        return contextlib.nullcontext()
+
+    def meta(self) -> VariableMeta:
+        t = self.table
+        slots = sum(a.nbytes for a in t.slots.values())
+        return VariableMeta(self.name, t.dtype.name, (len(t), t.config.dim), self.version,
+                            t.optimizer.name, t.optimizer.config(), t.value.nbytes, slots,
+                            False, 0, 0, self.role, self.epoch,
+                            self.link.peer if self.link is not None else None)
+
+    # -- the primary ---------------------------------------------------------------------------
+    def journal(self) -> bool:
+        """Start noting what the next call changes, if a backup follows (lock held)."""
+        if self.link is None:
+            return False
+        self.table.start_journal()
+        return True
+
+    def changed(self, journaled: bool, update_id: int = 0, update: bool = False) -> int | None:
+        """After a call (lock held): a new version if it changed rows, and its
+        record for the backup. Returns the version the caller waits for its
+        backup to have (None: nothing to wait for)."""
+        evicted, created, applied = self.table.take_journal() if journaled else (None,) * 3
+        if not update and not (journaled and (evicted.size or created.size)):
+            return None   # (without a backup, a look-up's rows are the state copy's business)
+        self.version += 1
+        self.remember(update_id)
+        if journaled:
+            if update:
+                keys, rows = applied if applied is not None else (
+                    np.zeros(0, np.int64), np.zeros((0, self.table.config.dim), self.table.dtype))
+                rec = R.Record(self.link.peer.name, self.epoch, self.version, update_id, 0,
+                               R.TABLE_UPDATE, rows, keys)
+            else:
+                rec = R.Record(self.link.peer.name, self.epoch, self.version, 0, 0,
+                               R.TABLE_ROWS, np.zeros(0, self.table.dtype), created, evicted)
+            self.link.add(rec)
+        return self.version
+
+    def take_state(self, link: R.Link) -> dict:
+        """The whole shard for its backup (lock held; psserver.forwarder)."""
+        link.state_taken(self.version)
+        return dict(spec=self.spec, rows=self.table.export(), step=self.table.step,
+                    epoch=self.epoch, version=self.version, applied_ids=list(self.applied))
+
+    @staticmethod
+    def send_state(client, peer_name: str, state: dict, seconds_per_mib: float) -> None:
+        mib = sum(a.nbytes for a in state["rows"].values()) / 2**20
+        client.import_table(peer_name[len(R.TABLE_PREFIX):], state["rows"], state["step"],
+                            replica=dict(spec=state["spec"], epoch=state["epoch"],
+                                         version=state["version"],
+                                         applied_ids=state["applied_ids"]),
+                            timeout=60.0 + mib * seconds_per_mib)
+
+    # -- the backup ----------------------------------------------------------------------------
+    def check_record(self, rec: R.Record, what: str) -> None:
+        def int_keys(a, field):
+            if a is None or a.ndim != 1 or a.dtype != np.int64:
+                raise InvalidArgument(f"{what}: a table record's {field} must be 1-D int64")
+        int_keys(rec.ids, "keys")
+        if rec.kind == R.TABLE_ROWS:
+            int_keys(rec.evicted if rec.evicted is not None else np.zeros(0, np.int64),
+                     "evicted keys")
+        elif rec.tensor.shape != (rec.ids.size, self.table.config.dim) or \
+                rec.tensor.dtype != self.table.dtype or not np.isfinite(rec.tensor).all():
+            raise InvalidArgument(f"{what}: a table update's rows must be finite "
+                                  f"{self.table.dtype.name} of shape "
+                                  f"{[rec.ids.size, self.table.config.dim]}")
+        if not (1 <= rec.version < R.MAX_EPOCH and 0 <= rec.epoch < R.MAX_EPOCH):
+            raise InvalidArgument(f"{what}: version must be in [1, 2**62), epoch in [0, 2**62)")
+
+    def follow(self, rec: R.Record) -> bool:
+        """Apply the primary's record (lock held); False if it does not fit."""
+        try:
+            if rec.kind == R.TABLE_ROWS:
+                evicted = rec.evicted if rec.evicted is not None else np.zeros(0, np.int64)
+                self.table.follow_rows(evicted, rec.ids)
+            else:
+                self.table.follow_update(rec.ids, rec.tensor)
+        except InvalidArgument:
+            return False
+        self.version = rec.version
+        self.remember(rec.update_id)
+        self.cond.notify_all()
+        return True
 
 
 class TableServicer:
@@ -81,6 +185,11 @@ class TableServicer:
         self._store = store
         if store is not None:
             store.table_bytes = self.total_bytes
+            store.table_copy = self._copy_of   # replication reaches table shards
+
+    def _copy_of(self, name: str) -> _Entry | None:
+        with self._lock:
+            return self._tables.get(name)
 
     def total_bytes(self) -> int:
         """Bytes every table shard here holds (an estimate while one changes;
@@ -141,7 +250,7 @@ class TableServicer:
             hint = max(16, min(1024, (1 << 20) // row_bytes))   # ~1 MiB to start
             self._check_room(name, hint, row_bytes)
             entry = self._tables[name] = _Entry(
-                spec, DynamicTable(config, optimizer, initial_rows_hint=hint))
+                name, spec, DynamicTable(config, optimizer, initial_rows_hint=hint))
         with entry.lock:
             return self._info(name, entry)
 
@@ -157,10 +266,24 @@ class TableServicer:
                 f"over the {self.max_message_bytes}-byte message limit; look up fewer keys "
                 "per call")
         with entry.lock:
+            # A look-up changes the shard (ages, admission): a backup only follows.
+            entry.check_primary()
             if not request.no_admit:   # at most every key new: room for that first
                 self._check_room(request.name, keys.size,
                                  _row_bytes(entry.table.config, entry.table.optimizer))
-            rows = entry.table.lookup(keys, admit=not request.no_admit)
+            journaled = entry.journal()
+            try:
+                rows = entry.table.lookup(keys, admit=not request.no_admit)
+            except BaseException:
+                if journaled:   # (a bug half-way: the backup gets the whole state)
+                    entry.table.take_journal()
+                    entry.link.reset()
+                raise
+            version = entry.changed(journaled)
+        if version is not None and self._store is not None:
+            # rows made now are returned once the backup has them: a gradient
+            # for them after a failover finds them there
+            self._store._wait_acked([(entry, version)], _deadline(context))
         reply = tables_pb2.LookupReply()
         T.fill(reply.rows, rows)
         return reply
@@ -173,12 +296,29 @@ class TableServicer:
             raise InvalidArgument(f"update keys must be 1-D, got shape {list(keys.shape)}")
         if keys.size > MAX_KEYS:
             raise InvalidArgument(f"{keys.size} keys in one update; send at most {MAX_KEYS}")
+        uid = int(request.update_id)
         with entry.lock:
+            entry.check_primary()
             t = entry.table
-            dropped = t.stats.dropped
-            updated = t.apply_gradients(keys, grads)
-            return tables_pb2.TableUpdateReply(updated=updated,
-                                               dropped=t.stats.dropped - dropped, step=t.step)
+            version = entry.applied_at(uid)
+            if version is not None:   # a resend: applied once already
+                reply = tables_pb2.TableUpdateReply(step=t.step)
+            else:
+                dropped = t.stats.dropped
+                journaled = entry.journal()
+                try:   # it checks the gradient whole first: a refusal changes nothing
+                    updated = t.apply_gradients(keys, grads)
+                except BaseException:
+                    if journaled:
+                        t.take_journal()
+                    raise
+                entry.changed(journaled, uid, update=True)
+                version = entry.version
+                reply = tables_pb2.TableUpdateReply(
+                    updated=updated, dropped=t.stats.dropped - dropped, step=t.step)
+        if self._store is not None:   # acknowledged once its backup has it (if any)
+            self._store._wait_acked([(entry, version)], _deadline(context))
+        return reply
 
     def Info(self, request, context):
         entry = self._entry(request.name)
@@ -226,7 +366,6 @@ class TableServicer:
                                          bytes=os.path.getsize(path), step=step)
 
     def Import(self, request, context):
-        entry = self._entry(request.name)
         state = {"keys": T.decode(request.keys, T.ID_DTYPES, "import keys")}
         for field in ("values", "age_seconds"):
             state[field] = T.decode(getattr(request, field), T.VALUE_DTYPES, f"import {field}")
@@ -237,17 +376,90 @@ class TableServicer:
             if key in state:
                 raise InvalidArgument(f"import: slot {slot.name!r} given twice")
             state[key] = T.decode(slot.tensor, T.WIRE_DTYPES, f"import slot {slot.name!r}")
+        if request.HasField("replica"):
+            return self._import_copy(request, state)
+        entry = self._entry(request.name)
         t = entry.table
         with entry.lock:
+            entry.check_primary()   # a backup takes its primary's state only
             self._check_room(request.name, state["keys"].size,
                              _row_bytes(t.config, t.optimizer))
             rows = t.import_rows(state, int(request.step), reset=request.reset)
+            entry.version += 1
+            if entry.link is not None:   # the backup copies the new state whole
+                entry.link.reset()
         return tables_pb2.ImportTableReply(rows=rows)
+
+    def _import_copy(self, request, state: dict) -> tables_pb2.ImportTableReply:
+        """A primary's whole state, a piece at a time, making or replacing
+        this server's copy as its backup (ImportTableRequest.replica)."""
+        r = request.replica
+        name = check_name(request.name)
+        spec = tables_pb2.TableSpec()
+        spec.CopyFrom(r.spec)
+        config, optimizer = config_from_spec(spec), _optimizer(spec)
+        if not (0 <= r.epoch < R.MAX_EPOCH and 0 <= r.version < R.MAX_EPOCH):
+            raise InvalidArgument("a table copy's epoch and version must be in [0, 2**62)")
+        step, n = int(request.step), state["keys"].size
+        row_bytes = _row_bytes(config, optimizer)
+
+        def fresh() -> DynamicTable:   # checked whole before anything changes
+            table = DynamicTable(config, optimizer, initial_rows_hint=max(16, n))
+            table.import_rows(state, step, reset=True)
+            return table
+        made = False
+        with self._lock:
+            entry = self._tables.get(name)
+            if entry is None:
+                made = True
+                if not request.reset:
+                    raise InvalidArgument(f"table copy {name!r}: a later piece came first; "
+                                          "the copy starts with reset")
+                self._check_room(name, n, row_bytes)
+                entry = self._tables[name] = _Entry(name, spec, fresh())
+                entry.role, entry.epoch, entry.version = R.ROLE_BACKUP, r.epoch, -1
+        with entry.lock:
+            if not made:
+                stale = entry.epoch > r.epoch or (
+                    entry.epoch == r.epoch and entry.role == R.ROLE_PRIMARY
+                    and not (entry.link is not None and entry.link.fenced))
+                if stale:
+                    raise NotPrimary(
+                        f"table {name!r} here is at epoch {entry.epoch} "
+                        f"({R.ROLE_NAMES[entry.role]}); a state copy of epoch {r.epoch} comes "
+                        "from a superseded primary and was refused")
+                if request.reset:
+                    self._check_room(name, n, row_bytes)
+                    if entry.spec == spec:
+                        entry.table.import_rows(state, step, reset=True)
+                    else:   # another spec: the primary's wins
+                        entry.table, entry.spec = fresh(), spec
+                elif entry.role != R.ROLE_BACKUP or entry.epoch != r.epoch or \
+                        entry.version != -1:
+                    raise InvalidArgument(f"table copy {name!r}: a piece of a state copy that "
+                                          "was not started (or is complete); start with reset")
+                else:
+                    self._check_room(name, n, row_bytes)
+                    entry.table.import_rows(state, step, reset=False)
+                entry.role, entry.epoch, entry.link, entry.draining = \
+                    R.ROLE_BACKUP, r.epoch, None, False
+                entry.version = -1   # takes no records until complete
+            if r.complete:
+                entry.version = r.version
+                entry.applied = collections.OrderedDict.fromkeys(
+                    (int(i) for i in r.applied_ids), 0)
+            entry.cond.notify_all()
+            return tables_pb2.ImportTableReply(rows=len(entry.table))
 
     def Delete(self, request, context):
         with self._lock:
             gone = self._tables.pop(request.name, None)
         return tables_pb2.DeleteTableReply(deleted=gone is not None)
+
+
+def _deadline(context) -> float | None:
+    remaining = context.time_remaining() if context is not None else None
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def table_file(name: str) -> str:

@@ -18,7 +18,7 @@ from psserver import optimizers as optim
 from psserver import replication as R
 from psserver import sync as S
 from psserver.contract import Initializer, InvalidArgument, VariableMeta
-from psserver.contract import NotPrimary, ResourceExhausted
+from psserver.contract import ResourceExhausted
 
 # Names are path-like so sharded variables can be called "dense/kernel/part_0".
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/:]{1,256}$")
@@ -45,7 +45,7 @@ class StoreObserver:
         """A sync gradient arrived when its variable had applied this many steps past it."""
 
 
-class Variable:
+class Variable(R.CopyState):
     """One variable (or one shard of a sharded variable) and its slots."""
 
     def __init__(self, name, value: np.ndarray, optimizer: optim.Optimizer,
@@ -82,22 +82,6 @@ class Variable:
         shared value see it as being written (its seqlock), then the new version."""
         return self.shared.writing(self) if self.shared is not None else contextlib.nullcontext()
 
-    #: How many update keys a variable remembers: a resent update older than
-    #: this many later updates would be applied again. Retries come within
-    #: seconds, when far fewer updates have happened.
-    APPLIED_IDS_KEPT = 8192
-
-    def applied_at(self, update_id: int) -> int | None:
-        """The version update_id made, if it was applied already (lock held)."""
-        return self.applied.get(update_id) if update_id else None
-
-    def remember(self, update_id: int) -> None:
-        """Record that update_id made the current version (lock held)."""
-        if update_id:
-            self.applied[update_id] = self.version
-            if len(self.applied) > self.APPLIED_IDS_KEPT:
-                self.applied.popitem(last=False)
-
     def record(self, kind: int, tensor: np.ndarray, ids: np.ndarray | None = None,
                update_id: int = 0, copy: bool = False, ahead: bool = False) -> None:
         """Hand an update (lock held) to the backup, if any: the one just
@@ -122,16 +106,6 @@ class Variable:
             if self.link is not None:
                 self.link.reset()
             raise
-
-    def check_primary(self) -> None:
-        """Raise NotPrimary unless this copy takes client updates now (lock held
-        or not: a role read is atomic)."""
-        if self.role != R.ROLE_PRIMARY or self.draining:
-            what = "handing over to its other copy" if self.draining else "a backup copy"
-            raise NotPrimary(
-                f"{self.name!r} on this server is {what} (epoch {self.epoch}) and takes no "
-                "client updates; nothing was applied. Send it to the primary copy (ask "
-                "both copies' GetMeta for role and epoch; coordinator.variables does)")
 
     @property
     def slot_nbytes(self) -> int:

@@ -203,10 +203,11 @@ def encode_replicate_request(records) -> bytes:
             _key(f, _VARINT) + _varint(v) for f, v in (
                 (2, r.epoch), (3, r.version), (4, r.update_id), (5, r.sync_steps), (6, r.kind))
             if v)
-        if r.ids is not None:
-            ids = _contiguous_bytes(r.ids)
-            ids_head = _tensor_head(dtype_name(r.ids.dtype), r.ids.shape, len(ids))
-            head += _len_field(8, len(ids_head) + len(ids)) + ids_head + bytes(ids)
+        for field, a in ((8, r.ids), (9, getattr(r, "evicted", None))):
+            if a is not None:
+                raw = _contiguous_bytes(a)
+                a_head = _tensor_head(dtype_name(a.dtype), a.shape, len(raw))
+                head += _len_field(field, len(a_head) + len(raw)) + a_head + bytes(raw)
         tensor_head = _tensor_head(dtype_name(r.tensor.dtype), r.tensor.shape, len(data))
         head += _len_field(7, len(tensor_head) + len(data)) + tensor_head
         parts += [_len_field(1, len(head) + len(data)), head, data]

@@ -360,3 +360,65 @@ def test_a_bad_import_is_refused_whole():
     for name, arr in t.export().items():
         np.testing.assert_array_equal(arr, before[name])
     assert t.import_rows(good, 0, reset=False) == 4
+
+
+def _same_rows(a: DynamicTable, b: DynamicTable) -> None:
+    ea, eb = a.export(), b.export()
+    assert ea.keys() == eb.keys()
+    for name in ea:
+        if name not in ("freq", "age_seconds"):   # look-up counts and clocks are each copy's
+            assert ea[name].tobytes() == eb[name].tobytes(), name
+    assert a.step == b.step
+
+
+@pytest.mark.parametrize("optimizer,params,config", [
+    ("adagrad", {"learning_rate": 0.1}, dict(capacity=40, policy="lru", min_count=2)),
+    ("adam", {"learning_rate": 0.01}, dict(capacity=40, policy="lfu", probability=0.5)),
+    ("ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01},
+     dict(max_age_steps=3, min_count=3)),
+], ids=["adagrad-lru-count", "adam-lfu-probability", "ftrl-age"])
+def test_a_backup_following_its_primarys_journal_holds_the_same_rows(optimizer, params, config):
+    """Replication (psserver/tables.py): the backup applies what each of the
+    primary's calls changed (rows evicted, rows made, rows updated), never
+    deciding itself, and holds the same keys, values, slots and ages to the
+    bit after every call, whatever admission and eviction did."""
+    init = Initializer(kind="random_normal", stddev=0.1, seed=3)
+    primary = table(optimizer=optimizer, params=params, initializer=init, **config)
+    backup = table(optimizer=optimizer, params=params, initializer=init, **config)
+    rng = np.random.default_rng(7)
+    followed = 0
+    for i in range(120):
+        keys = rng.zipf(1.3, 48).astype(np.int64) % 200
+        primary.start_journal()
+        if i % 3 == 2:
+            grads = rng.normal(size=(keys.size, 4)).astype(np.float32)
+            primary.apply_gradients(keys, grads)
+            evicted, created, (ukeys, rows) = primary.take_journal()
+            assert evicted.size == created.size == 0
+            backup.follow_update(ukeys, rows)
+        else:
+            primary.lookup(keys)
+            evicted, created, update = primary.take_journal()
+            assert update is None
+            followed += bool(evicted.size or created.size)
+            backup.follow_rows(evicted, created)
+        _same_rows(primary, backup)
+    assert followed > 10 and primary.stats.evicted_capacity + primary.stats.evicted_age > 0
+
+
+def test_a_backup_refuses_changes_that_do_not_fit_it_and_keeps_its_rows():
+    """A record that does not fit the copy (a key to evict it lacks, a row to
+    make it has, an update for a key without a row) is refused whole (the
+    primary then copies its whole state): nothing changes."""
+    b = table()
+    b.follow_rows(k(), k(1, 2, 3))
+    before = b.export()
+    for evicted, created in [(k(9), k()), (k(1), k(4, 2)), (k(1, 1), k()), (k(), k(5, 5))]:
+        with pytest.raises(InvalidArgument):
+            b.follow_rows(evicted, created)
+    with pytest.raises(InvalidArgument):
+        b.follow_update(k(1, 7), np.ones((2, 4), np.float32))
+    with pytest.raises(InvalidArgument):
+        b.follow_update(k(1), np.ones((1, 4), np.float64))   # not the table's dtype
+    after = b.export()
+    assert all(before[n].tobytes() == after[n].tobytes() for n in before) and b.step == 0

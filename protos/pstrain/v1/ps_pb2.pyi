@@ -348,15 +348,19 @@ class SavedFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ReplicaRecord(_message.Message):
-    __slots__ = ("name", "epoch", "version", "update_id", "sync_steps", "kind", "tensor", "ids")
+    __slots__ = ("name", "epoch", "version", "update_id", "sync_steps", "kind", "tensor", "ids", "evicted")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DENSE: _ClassVar[ReplicaRecord.Kind]
         SPARSE: _ClassVar[ReplicaRecord.Kind]
         ASSIGN: _ClassVar[ReplicaRecord.Kind]
+        TABLE_ROWS: _ClassVar[ReplicaRecord.Kind]
+        TABLE_UPDATE: _ClassVar[ReplicaRecord.Kind]
     DENSE: ReplicaRecord.Kind
     SPARSE: ReplicaRecord.Kind
     ASSIGN: ReplicaRecord.Kind
+    TABLE_ROWS: ReplicaRecord.Kind
+    TABLE_UPDATE: ReplicaRecord.Kind
     NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +369,7 @@ class ReplicaRecord(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     epoch: int
     version: int
@@ -373,7 +378,8 @@ class ReplicaRecord(_message.Message):
     kind: ReplicaRecord.Kind
     tensor: Tensor
     ids: Tensor
-    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., update_id: _Optional[int] = ..., sync_steps: _Optional[int] = ..., kind: _Optional[_Union[ReplicaRecord.Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    evicted: Tensor
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., update_id: _Optional[int] = ..., sync_steps: _Optional[int] = ..., kind: _Optional[_Union[ReplicaRecord.Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., evicted: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("records",)

@@ -98,14 +98,16 @@ class LookupReply(_message.Message):
     def __init__(self, rows: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TableUpdateRequest(_message.Message):
-    __slots__ = ("name", "keys", "grads")
+    __slots__ = ("name", "keys", "grads", "update_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     keys: _ps_pb2.Tensor
     grads: _ps_pb2.Tensor
-    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    update_id: int
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class TableUpdateReply(_message.Message):
     __slots__ = ("updated", "dropped", "step")
@@ -154,7 +156,7 @@ class SaveTableReply(_message.Message):
     def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
-    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step")
+    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,7 @@ class ImportTableRequest(_message.Message):
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FREQ_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     name: str
     reset: bool
     keys: _ps_pb2.Tensor
@@ -173,7 +176,22 @@ class ImportTableRequest(_message.Message):
     age_seconds: _ps_pb2.Tensor
     freq: _ps_pb2.Tensor
     step: int
-    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    replica: ReplicaCopy
+    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ...) -> None: ...
+
+class ReplicaCopy(_message.Message):
+    __slots__ = ("spec", "epoch", "version", "complete", "applied_ids")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    epoch: int
+    version: int
+    complete: bool
+    applied_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ImportTableReply(_message.Message):
     __slots__ = ("rows",)
