@@ -107,6 +107,17 @@ def counting_step(w_var, where: str = "PSTRAIN_TEST_HOST"):
     return step
 
 
+def counting_both(w_var, table, keys):
+    """counting_step on the variable and on the dynamic table's ``keys``."""
+    step = counting_step(w_var)
+
+    def both():
+        table.lookup(keys)
+        table.push_gradient(keys, -np.ones((keys.size, table.dim), np.float32))
+        return step()
+    return both
+
+
 def _host_cluster(h: hosts.TestHosts, **kw) -> LocalCluster:
     """2 parameter servers on hosts 0 and 1, 2 workers on 2 and 3 (each
     worker says its host in PSTRAIN_TEST_HOST); this process, the
@@ -169,15 +180,19 @@ def test_a_dynamic_table_trains_across_hosts_over_the_data_ports():
 
 def test_a_parameter_server_cut_off_for_20s_loses_nothing_acknowledged():
     """Replication on: parameter server 0's host is cut off (both ways) for
-    20 s mid-training, then healed. Every step completes, and the table
-    holds exactly one update per acknowledged step."""
+    20 s mid-training, then healed. Every step completes, and the variable
+    and the dynamic table (its shards replicated too) hold exactly one
+    update per acknowledged step."""
+    keys = np.random.default_rng(3).integers(-2**63, 2**63 - 1, 64, dtype=np.int64)
     with hosts.TestHosts(4) as h, _host_cluster(h) as cluster:
         strategy = ParameterServerStrategy(cluster.spec, replication=True,
                                            variable_partitioner=FixedShardsPartitioner(2))
         w = _counting_table(strategy)
+        table = strategy.create_embedding_table("dynamic_count", 2, optimizer="sgd",
+                                                optimizer_params={"learning_rate": 1.0})
         with ClusterCoordinator(strategy, ps_check_interval=0.5,
                                 ps_failover_after=5.0) as coord:
-            step = counting_step(w)
+            step = counting_both(w, table, keys)
             done = threading.Event()
 
             def cut_for_20s():
@@ -190,7 +205,9 @@ def test_a_parameter_server_cut_off_for_20s_loses_nothing_acknowledged():
             value = w.read()
             # its shards failed over to their backups, and were rebuilt once it answered
             assert coord._recovery.wait_for_recoveries(1, timeout=60)
+            rows = table.lookup(keys, admit=False)
     np.testing.assert_array_equal(value, np.full((ROWS, 4), len(results), np.float32))
+    np.testing.assert_array_equal(rows, np.full((keys.size, 2), len(results), np.float32))
 
 
 def test_a_worker_cut_off_has_its_closures_run_elsewhere_and_rejoins():

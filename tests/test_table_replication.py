@@ -194,3 +194,33 @@ def test_table_replication_calls_validate_what_they_receive_and_change_nothing(s
         assert cb.update_table("_t", np.arange(3), np.ones((3, 4), np.float32),
                                update_id=5) == (0, 0)
         assert cb.get_meta("~table~_t").version == 2
+
+
+def test_a_restarted_server_gets_its_table_copies_back_and_its_primaries_handed_back(tmp_path):
+    """A server killed and restarted empty: its table shards fail over, and
+    when it answers again each gets a copy there again (the primary copies
+    its whole state) and the shards created primary there are handed back.
+    Every acknowledged update counted once; copies bit-identical after."""
+    keys = np.arange(40, dtype=np.int64)
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        t = strategy.create_embedding_table("count", 3, optimizer="adagrad",
+                                            optimizer_params={"learning_rate": 1.0})
+        with ClusterCoordinator(strategy, ps_check_interval=0.2, ps_failover_after=1.0) as coord:
+            step = counting_step(t, keys)
+            done = [coord.schedule(step) for _ in range(20)]
+            cluster.kill_ps(0)   # restarted, empty
+            done += [coord.schedule(step) for _ in range(20)]
+            coord.fetch(done)
+            assert coord._recovery.wait_for_recoveries(1, timeout=120)
+            coord.fetch([coord.schedule(step) for _ in range(10)])
+            coord.join()
+            values = t.lookup(keys, admit=False)
+            primaries = t.primaries()
+        copies = _copies(cluster, t, tmp_path)
+    # adagrad, lr 1, accumulator 0.1 + n: the n-th update of -1 adds 1/sqrt(0.1 + n)
+    expected = sum(1 / np.sqrt(0.1 + n) for n in range(1, 51))
+    np.testing.assert_allclose(values, np.full((40, 3), expected), rtol=1e-5)
+    assert primaries == list(t.shards)   # handed back: the layout as created
+    for version_p, version_b, rows_p, rows_b in copies:
+        assert version_p == version_b and _same(rows_p, rows_b) and rows_p["keys"].size > 0
