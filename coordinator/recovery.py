@@ -348,14 +348,17 @@ class _PSRecovery:
         if ckpt is not None and ckpt.latest():
             log.warning("parameter server %s restarted; restoring its shards from %s",
                         address, ckpt.latest())
+            strategy.recreate_tables(address)   # empty: the restore fills them
             ckpt.restore(address=address)
             return "restored"
-        names = [s.name for _, s in strategy.shards_on(address)]
+        names = [s.name for _, s in strategy.shards_on(address)] + [
+            f"dynamic table {t!r}" for t in strategy.tables_on(address)]
         if coord.recreate_lost_shards:
             log.warning("parameter server %s restarted and no checkpoint holds its shards; "
                         "creating %s again as first created (recreate_lost_shards=True): "
                         "their training so far is lost", address, names)
             strategy.recreate_shards(address)
+            strategy.recreate_tables(address)
             return "recreated"
         raise ParameterServerLost(
             f"parameter server {address} restarted empty and nothing holds the state of its "

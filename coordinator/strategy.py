@@ -20,7 +20,7 @@ from coordinator import routes
 from coordinator import variables as V
 from coordinator.calls import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
-from coordinator.embedding import DynamicEmbedding
+from coordinator.embedding import BACKUP_PREFIX as TABLE_BACKUP_PREFIX, DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import ROLE_PRIMARY, SET_BACKUP, Peer
@@ -193,6 +193,7 @@ class ParameterServerStrategy:
         self._next_ps = 0      # round-robin placement counter, as TF's
         self._variables: dict[str, V.ShardedVariable] = {}
         self._tables: dict[str, DynamicEmbedding] = {}
+        self._table_creation: dict[str, tuple[int, list]] = {}   # name -> (dim, [(addr, kw)])
         # How each shard was created, to create it again on a parameter server
         # that restarted empty when no checkpoint holds it.
         self._creation: dict[str, dict] = {}
@@ -415,8 +416,12 @@ class ParameterServerStrategy:
         ``initializer`` as a function of (``seed``, key) alone.
 
         Made again with the same arguments (a coordinator that restarts), the
-        existing table is used. With ``replication=True`` each shard has a
-        backup on the next server (coordinator/embedding.py)."""
+        existing table is used; a call that fails leaves no shard it made.
+        With ``replication=True`` each shard has a backup on the next server
+        (coordinator/embedding.py). Without it, a server that restarts gets
+        its shards made again and filled from the coordinator's latest
+        checkpoint (ClusterCoordinator(checkpoint_manager=...)), as its
+        variables' shards are."""
         if name in self._tables:
             raise ValueError(f"embedding table {name!r} was created already by this strategy")
         self._check_servers()
@@ -424,23 +429,40 @@ class ParameterServerStrategy:
         per_shard = -(-capacity // n) if capacity else 0
         if initializer is None or isinstance(initializer, str):
             initializer = Initializer(kind=initializer or "zeros", seed=seed)
-        for i, addr in enumerate(self._ps):
-            V.client_for(addr).create_table(
-                name, dim, exist_ok=True, dtype=dtype, initializer=initializer,
-                optimizer=optimizer, optimizer_params=optimizer_params, min_count=min_count,
-                probability=probability, capacity=per_shard, policy=policy,
-                max_age_steps=max_age_steps, max_age_seconds=max_age_seconds,
-                seed=seed * n + i)   # each shard its own admission draws; rows: the same
-            self._note_server(addr)   # watched: a restart or a loss is noticed
+        creations = [(addr, dict(
+            dtype=dtype, initializer=initializer, optimizer=optimizer,
+            optimizer_params=optimizer_params, min_count=min_count, probability=probability,
+            capacity=per_shard, policy=policy, max_age_steps=max_age_steps,
+            max_age_seconds=max_age_seconds,
+            seed=seed * n + i))   # each shard its own admission draws; rows: the same
+            for i, addr in enumerate(self._ps)]
         table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer,
                                  replicated=self.replication)
-        if self.replication:   # each primary copies itself to its backup on the next server
-            for c, b in zip(table.shards, table.backups):
-                meta = V.client_for(c.address).get_meta(c.name)
-                if meta.role == ROLE_PRIMARY and meta.epoch == 0 and meta.backup is None:
-                    V.client_for(c.address).reconfigure(
-                        [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
-            routes.refresh([(table, k) for k in range(n)])   # adopted: it may have failed over
+        made = []
+        try:   # all or nothing: shards this call made go again if one fails
+            for addr, kw in creations:
+                try:
+                    V.client_for(addr).create_table(name, dim, **kw)
+                    made.append(addr)
+                except AlreadyExists:   # adopted (same spec), or an error saying it differs
+                    V.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
+                self._note_server(addr)   # watched: a restart or a loss is noticed
+            if self.replication:   # each primary copies itself to its backup on the next server
+                for c, b in zip(table.shards, table.backups):
+                    meta = V.client_for(c.address).get_meta(c.name)
+                    if meta.role == ROLE_PRIMARY and meta.epoch == 0 and meta.backup is None:
+                        V.client_for(c.address).reconfigure(
+                            [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
+                routes.refresh([(table, k) for k in range(n)])   # adopted: may have failed over
+        except BaseException:
+            for addr in made:
+                for copy in (name, TABLE_BACKUP_PREFIX + name):
+                    try:
+                        V.client_for(addr).delete_table(copy)
+                    except PSError:
+                        pass
+            raise
+        self._table_creation[name] = (dim, creations)
         self._tables[name] = table
         return table
 
@@ -482,6 +504,20 @@ class ParameterServerStrategy:
         (their training is lost: used when no checkpoint holds them)."""
         for _, s in self.shards_on(addr):
             V.client_for(addr).create_variable(**self._creation[s.name], exist_ok=True)
+
+    def tables_on(self, addr: str) -> list[str]:
+        """The dynamic tables with a shard on ``addr``."""
+        return [name for name, (_, made) in self._table_creation.items()
+                if any(a == addr for a, _ in made)]
+
+    def recreate_tables(self, addr: str) -> None:
+        """Create again, empty, the shards of dynamic tables that lived on
+        ``addr`` (a restarted server; a checkpoint restore fills them)."""
+        for name in self.tables_on(addr):
+            dim, made = self._table_creation[name]
+            for a, kw in made:
+                if a == addr:
+                    V.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
         for s in var.shards + var.backups:

@@ -12,6 +12,7 @@ from coordinator import (CheckpointManager, ClusterCoordinator, DynamicEmbedding
                          ParameterServerStrategy)
 from coordinator.checkpoint import CheckpointError, read_manifest
 from psserver.client import PSClient
+from psserver.errors import AlreadyExists
 
 pytestmark = pytest.mark.timeout(180)
 I64 = np.iinfo(np.int64)
@@ -161,3 +162,48 @@ def test_a_table_missing_from_a_checkpoint_is_refused_with_nothing_changed(clust
     with pytest.raises(CheckpointError, match="'new' is not in checkpoint"):
         CheckpointManager(later, str(tmp_path)).restore(path)
     assert old.stats().rows == 4   # 1, 2, 3 and 4: nothing restored
+
+
+def test_a_restarted_server_gets_its_table_shard_back_from_the_latest_checkpoint(tmp_path):
+    """Without replication: a server restarted empty gets its shard of the
+    table made again and filled from the coordinator's latest checkpoint;
+    the other server's shard is untouched, and training goes on."""
+    keys = np.arange(64, dtype=np.int64)
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        t = strategy.create_embedding_table("count", 2, optimizer="sgd",
+                                            optimizer_params={"learning_rate": 1.0})
+        ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt"))
+
+        def step():
+            t.lookup(keys)
+            t.push_gradient(keys, -np.ones((keys.size, 2), np.float32))
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt, ps_check_interval=0.2) as coord:
+            coord.fetch([coord.schedule(step) for _ in range(10)])
+            coord.join()
+            ckpt.save(step=10)
+            cluster.kill_ps(0)   # restarted, empty
+            assert coord._recovery.wait_for_recoveries(1, timeout=60)
+            restored = t.lookup(keys, admit=False)
+            coord.fetch([coord.schedule(step) for _ in range(5)])
+            coord.join()
+            after = t.lookup(keys, admit=False)
+    np.testing.assert_array_equal(restored, np.full((64, 2), 10, np.float32))
+    np.testing.assert_array_equal(after, np.full((64, 2), 15, np.float32))
+
+
+def test_a_table_that_cannot_be_made_everywhere_is_made_nowhere(cluster):
+    """create_embedding_table is all or nothing: a server holding a table of
+    that name with another spec refuses, and the shards this call made on
+    the other servers are deleted again."""
+    with PSClient(cluster.spec.ps[1], token=cluster.token, tls=cluster.tls) as c:
+        c.create_table("clash", 8)
+    strategy = ParameterServerStrategy(cluster.spec)
+    with pytest.raises(AlreadyExists, match="another spec"):
+        strategy.create_embedding_table("clash", 4)
+    with PSClient(cluster.spec.ps[0], token=cluster.token, tls=cluster.tls) as c0, \
+            PSClient(cluster.spec.ps[1], token=cluster.token, tls=cluster.tls) as c1:
+        assert "clash" not in [i.name for i in c0.list_tables()]
+        assert [i.spec.dim for i in c1.list_tables() if i.name == "clash"] == [8]   # untouched
+        c1.delete_table("clash")
+    assert strategy.tables == []
