@@ -52,16 +52,19 @@ class TableCalls:
         return self._call(methods.TABLE_CREATE, tables_pb2.CreateTableRequest(
             name=name, spec=spec, exist_ok=exist_ok))
 
-    def lookup_async(self, name: str, keys, *, admit: bool = True) -> Handle:
+    def lookup_async(self, name: str, keys, *, admit: bool = True, counts=None) -> Handle:
         """Rows of int64 ``keys`` (any shape; result keys.shape + (dim,));
         zeros for keys without a row. ``admit=False`` (evaluation, serving):
-        nothing is counted, created or evicted."""
+        nothing is counted, created or evicted. ``counts``: how often each
+        key occurs in the caller's batch (it sends unique keys)."""
         req = tables_pb2.LookupRequest(name=name, no_admit=not admit)
         T.fill(req.keys, _keys(keys))
+        if counts is not None:
+            T.fill(req.counts, np.asarray(counts))
         return self._invoke(False, methods.TABLE_LOOKUP, req, lambda r: T.decode(r.rows))
 
-    def lookup(self, name: str, keys, *, admit: bool = True) -> np.ndarray:
-        return self.lookup_async(name, keys, admit=admit).result()
+    def lookup(self, name: str, keys, *, admit: bool = True, counts=None) -> np.ndarray:
+        return self.lookup_async(name, keys, admit=admit, counts=counts).result()
 
     def update_table_async(self, name: str, keys, grads, *, update_id: int = 0) -> Handle:
         """Apply row gradients (duplicate keys summed) with the table's

@@ -391,27 +391,45 @@ class DynamicTable:
         return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes
 
     # -- look-ups ----------------------------------------------------------------------------
-    def lookup(self, keys, *, admit: bool = True) -> np.ndarray:
+    def lookup(self, keys, *, admit: bool = True, counts: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``keys`` (any shape of int64; the result has a trailing
         dim): existing rows, rows created for keys admitted now, and the
         default row (zeros) for the others. ``admit=False`` (evaluation,
-        serving): nothing is counted, created or touched."""
+        serving): nothing is counted, created or touched. ``counts`` (int64
+        >= 1, one per key): each key stands for that many occurrences (a
+        caller that sent its batch's unique keys), for admission, LFU and
+        the statistics alike."""
         keys = check_keys(keys)
         flat = keys.reshape(-1)
+        if counts is not None:
+            counts = np.asarray(counts)
+            if counts.shape != keys.shape or counts.dtype.kind not in "iu" or \
+                    (counts.size and counts.min() < 1):
+                raise InvalidArgument(f"look-up counts must be integers >= 1 of the keys' "
+                                      f"shape {list(keys.shape)}, got {counts.dtype} "
+                                      f"{list(counts.shape)}")
+            counts = counts.astype(np.int64, copy=False).reshape(-1)
         self.expire()
         rows = self.index.find(flat)
         if admit:
             self._tick += 1
-            self.stats.lookups += flat.size
-            self.stats.hits += int((rows >= 0).sum())
-            hit = rows[rows >= 0]
+            found = rows >= 0
+            self.stats.lookups += flat.size if counts is None else int(counts.sum())
+            self.stats.hits += int(found.sum()) if counts is None else int(counts[found].sum())
+            hit = rows[found]
             self.used_step[hit] = self._tick
-            np.add.at(self.freq, hit, 1)
-            missing = rows < 0
+            if counts is None:
+                np.add.at(self.freq, hit, 1)
+            else:
+                np.add.at(self.freq, hit, counts[found])
+            missing = ~found
             if missing.any():
                 new_keys, inverse = np.unique(flat[missing], return_inverse=True)
                 evicted = self.stats.evicted_capacity
-                made = self._admit(new_keys, np.bincount(inverse, minlength=new_keys.size))
+                times = np.bincount(inverse, minlength=new_keys.size) if counts is None else \
+                    np.bincount(inverse, weights=counts[missing],
+                                minlength=new_keys.size).astype(np.int64)
+                made = self._admit(new_keys, times)
                 rows[missing] = made[inverse]
                 if self.stats.evicted_capacity != evicted:   # a row hit above may be gone
                     rows = self.index.find(flat)

@@ -259,6 +259,8 @@ class TableServicer:
         keys = T.decode(request.keys, T.ID_DTYPES, "lookup keys")
         if keys.size > MAX_KEYS:
             raise InvalidArgument(f"{keys.size} keys in one look-up; send at most {MAX_KEYS}")
+        counts = T.decode(request.counts, T.ID_DTYPES, "lookup counts") \
+            if request.HasField("counts") else None
         dim, itemsize = entry.table.config.dim, entry.table.dtype.itemsize
         if keys.size * dim * itemsize > self.max_message_bytes:
             raise ResourceExhausted(
@@ -273,7 +275,7 @@ class TableServicer:
                                  _row_bytes(entry.table.config, entry.table.optimizer))
             journaled = entry.journal()
             try:
-                rows = entry.table.lookup(keys, admit=not request.no_admit)
+                rows = entry.table.lookup(keys, admit=not request.no_admit, counts=counts)
             except BaseException:
                 if journaled:   # (a bug half-way: the backup gets the whole state)
                     entry.table.take_journal()

@@ -422,3 +422,33 @@ def test_a_backup_refuses_changes_that_do_not_fit_it_and_keeps_its_rows():
         b.follow_update(k(1), np.ones((1, 4), np.float64))   # not the table's dtype
     after = b.export()
     assert all(before[n].tobytes() == after[n].tobytes() for n in before) and b.step == 0
+
+
+def test_a_look_up_of_unique_keys_with_their_counts_is_a_look_up_of_the_whole_batch():
+    """coordinator.DynamicEmbedding sends each distinct key once with how
+    often it occurs: admission, LFU counts, eviction and statistics come
+    out as if the whole batch had been sent."""
+    rng = np.random.default_rng(11)
+    whole = table(min_count=3, capacity=60, policy="lfu")
+    unique = table(min_count=3, capacity=60, policy="lfu")
+    for _ in range(30):
+        batch = rng.zipf(1.4, 80).astype(np.int64) % 150
+        whole.lookup(batch)
+        keys, counts = np.unique(batch, return_counts=True)
+        unique.lookup(keys, counts=counts)
+        a, b = whole.export(), unique.export()
+        assert all(a[n].tobytes() == b[n].tobytes() for n in a)   # freq included
+        assert whole.stats == unique.stats
+    assert whole.stats.evicted_capacity > 0 and whole.stats.not_admitted > 0
+
+
+@pytest.mark.parametrize("counts", [np.array([1, 0]), np.array([1]), np.array([1.0, 2.0]),
+                                    np.array([[1, 1]])], ids=["zero", "short", "float", "2-D"])
+def test_bad_look_up_counts_are_refused_and_change_nothing(counts):
+    t = table(min_count=2)
+    t.lookup(k(1, 2))
+    before, stats = t.export(), dataclasses.replace(t.stats)
+    with pytest.raises(InvalidArgument, match="counts"):
+        t.lookup(k(1, 2), counts=counts)
+    after = t.export()
+    assert all(before[n].tobytes() == after[n].tobytes() for n in before) and t.stats == stats

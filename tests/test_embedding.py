@@ -207,3 +207,18 @@ def test_a_table_that_cannot_be_made_everywhere_is_made_nowhere(cluster):
         assert [i.spec.dim for i in c1.list_tables() if i.name == "clash"] == [8]   # untouched
         c1.delete_table("clash")
     assert strategy.tables == []
+
+
+def test_sum_rows_sums_each_keys_gradient_rows():
+    """The worker sums a batch's duplicate keys' gradient rows before sending."""
+    from coordinator.embedding import sum_rows
+    rng = np.random.default_rng(2)
+    inverse = rng.integers(0, 7, 50)
+    rows = rng.normal(size=(50, 3)).astype(np.float32)
+    want = np.zeros((7, 3))
+    np.add.at(want, inverse, rows.astype(np.float64))
+    got = sum_rows(inverse, rows, 7)
+    assert got.dtype == np.float32 and got.shape == (7, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(ValueError, match="floating"):
+        sum_rows(inverse, rows.astype(np.int32), 7)

@@ -82,14 +82,16 @@ class TableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admitted: _Optional[int] = ..., not_admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_age: _Optional[int] = ..., updated: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("name", "keys", "no_admit")
+    __slots__ = ("name", "keys", "no_admit", "counts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NO_ADMIT_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     keys: _ps_pb2.Tensor
     no_admit: bool
-    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., no_admit: _Optional[bool] = ...) -> None: ...
+    counts: _ps_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., no_admit: _Optional[bool] = ..., counts: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("rows",)
