@@ -63,6 +63,19 @@ def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(out.T)
 
 
+class Pending:
+    """A table call sent (``lookup_async``, ``push_gradient_async``):
+    ``result()`` waits for it (once; later calls return the same value)."""
+
+    def __init__(self, finish):
+        self._finish, self._done, self._value = finish, False, None
+
+    def result(self):
+        if not self._done:
+            self._value, self._done, self._finish = self._finish(), True, None
+        return self._value
+
+
 @dataclasses.dataclass(frozen=True)
 class TableStats:
     """A table's counters summed over its shards (protos tables.proto TableInfo)."""
@@ -149,6 +162,12 @@ class DynamicEmbedding:
         ``admit=False`` (evaluation): no key is counted, admitted or evicted.
         Each distinct key is sent once, with how often it occurs (admission
         and the statistics count every occurrence)."""
+        return self.lookup_async(keys, admit=admit).result()
+
+    def lookup_async(self, keys, *, admit: bool = True) -> "Pending":
+        """lookup, sent now; ``result()`` waits for the rows (a step reads
+        its dense variables meanwhile). With replication the calls run in
+        result() (they may be resent to another copy)."""
         keys = check_keys(keys)
         flat = keys.reshape(-1)
         uniq, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
@@ -165,20 +184,32 @@ class DynamicEmbedding:
             handles = [client_for(self.addresses[i]).lookup_async(self.name, uniq[pos],
                                                                   admit=admit, counts=n(pos))
                        for i, pos in parts]
-            rows = [h.result() for h in handles]
+
+            def replies():
+                return [h.result() for h in handles]
         else:
-            rows = self._calls(
-                parts, lambda c, t, i, p: c.lookup(t, uniq[p], admit=admit, counts=n(p)),
-                lambda c, t, i, p: c.lookup_async(t, uniq[p], admit=admit, counts=n(p)))
-        for (_, pos), r in zip(parts, rows):
-            rows_u[pos] = r
-        out = rows_u if inverse is None else rows_u[inverse.reshape(-1)]
-        return out.reshape(keys.shape + (self.dim,))
+            def replies():
+                return self._calls(
+                    parts, lambda c, t, i, p: c.lookup(t, uniq[p], admit=admit, counts=n(p)),
+                    lambda c, t, i, p: c.lookup_async(t, uniq[p], admit=admit, counts=n(p)))
+
+        def rows():
+            for (_, pos), r in zip(parts, replies()):
+                rows_u[pos] = r
+            out = rows_u if inverse is None else rows_u[inverse.reshape(-1)]
+            return out.reshape(keys.shape + (self.dim,))
+        return Pending(rows)
 
     def push_gradient(self, keys, grads) -> tuple[int, int]:
         """Apply row gradients ``grads[i]`` of ``keys[i]`` (duplicates summed
         here, each distinct key sent once); (rows updated, distinct keys
         whose gradient was dropped: they have no row)."""
+        return self.push_gradient_async(keys, grads).result()
+
+    def push_gradient_async(self, keys, grads) -> "Pending":
+        """push_gradient, sent now; ``result()`` waits for the servers (a step
+        pushes its dense gradients meanwhile). With replication the calls
+        run in result()."""
         keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.dim):
@@ -192,15 +223,23 @@ class DynamicEmbedding:
             handles = [client_for(self.addresses[i]).update_table_async(self.name, keys[pos],
                                                                         grads[pos])
                        for i, pos in parts]
-            done = [h.result() for h in handles]
+
+            def replies():
+                return [h.result() for h in handles]
         else:   # an update key per shard: a resend after a failover applies once
             uids = {i: calls.new_update_id() for i, _ in parts}
-            done = self._calls(
-                parts,
-                lambda c, t, i, p: c.update_table(t, keys[p], grads[p], update_id=uids[i]),
-                lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
-                                                        update_id=uids[i]))
-        return sum(u for u, _ in done), sum(d for _, d in done)
+
+            def replies():
+                return self._calls(
+                    parts,
+                    lambda c, t, i, p: c.update_table(t, keys[p], grads[p], update_id=uids[i]),
+                    lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
+                                                            update_id=uids[i]))
+
+        def counts():
+            done = replies()
+            return sum(u for u, _ in done), sum(d for _, d in done)
+        return Pending(counts)
 
     def stats(self) -> TableStats:
         """Counters summed over the shards (rows, admissions, evictions, hits...),

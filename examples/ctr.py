@@ -49,11 +49,13 @@ def make_train_step(table, variables: dict):
 
     def train_step(iterator):
         b = next(iterator)
+        looking_up = table.lookup_async(b.sparse)                    # sent; meanwhile:
         params = dict(zip(names, read_variables([variables[n] for n in names])))
-        rows = table.lookup(b.sparse)                                # (n, 26, DIM)
+        rows = looking_up.result()                                   # (n, 26, DIM)
         loss, grads, row_grads = M.loss_and_grads(params, b.dense, rows, b.labels)
+        pushing = table.push_gradient_async(b.sparse.reshape(-1), row_grads.reshape(-1, M.DIM))
         push_gradients([(variables[n], grads[n]) for n in names])
-        table.push_gradient(b.sparse.reshape(-1), row_grads.reshape(-1, M.DIM))
+        pushing.result()
         return loss
     return train_step
 
