@@ -63,9 +63,26 @@ def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(out.T)
 
 
+def _unique_of(keys: np.ndarray, known) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted unique keys, inverse) of 1-D ``keys``: ``known`` (a look-up's
+    Pending.unique) when it describes these keys, else computed."""
+    if known is not None:
+        uniq, same, inverse = known
+        if same is not None and same.shape == keys.shape and np.array_equal(same, keys):
+            return keys, np.arange(keys.size)   # no duplicates (uniq is keys)
+        if inverse is not None and inverse.shape == keys.shape and \
+                np.array_equal(uniq[inverse], keys):
+            return uniq, inverse
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    return uniq, inverse.reshape(-1)
+
+
 class Pending:
     """A table call sent (``lookup_async``, ``push_gradient_async``):
-    ``result()`` waits for it (once; later calls return the same value)."""
+    ``result()`` waits for it (once; later calls return the same value).
+    A look-up's ``unique`` describes its distinct keys (for the push)."""
+
+    unique = None
 
     def __init__(self, finish):
         self._finish, self._done, self._value = finish, False, None
@@ -198,7 +215,11 @@ class DynamicEmbedding:
                 rows_u[pos] = r
             out = rows_u if inverse is None else rows_u[inverse.reshape(-1)]
             return out.reshape(keys.shape + (self.dim,))
-        return Pending(rows)
+        pending = Pending(rows)
+        # (the step's push_gradient_async(..., unique=pending.unique) sorts nothing again)
+        pending.unique = (uniq, flat if inverse is None else None,
+                          None if inverse is None else inverse.reshape(-1))
+        return pending
 
     def push_gradient(self, keys, grads) -> tuple[int, int]:
         """Apply row gradients ``grads[i]`` of ``keys[i]`` (duplicates summed
@@ -206,18 +227,19 @@ class DynamicEmbedding:
         whose gradient was dropped: they have no row)."""
         return self.push_gradient_async(keys, grads).result()
 
-    def push_gradient_async(self, keys, grads) -> "Pending":
+    def push_gradient_async(self, keys, grads, *, unique=None) -> "Pending":
         """push_gradient, sent now; ``result()`` waits for the servers (a step
         pushes its dense gradients meanwhile). With replication the calls
-        run in result()."""
+        run in result(). ``unique``: the ``unique`` of this step's
+        lookup_async of the same keys (checked), to skip sorting them again."""
         keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.dim):
             raise ValueError(f"gradient for table {self.name!r} has shape {grads.shape}, "
                              f"expected {(keys.size, self.dim)}")
-        uniq, inverse = np.unique(keys, return_inverse=True)
+        uniq, inverse = _unique_of(keys, unique)
         if uniq.size < keys.size:
-            keys, grads = uniq, sum_rows(inverse.reshape(-1), grads, uniq.size)
+            keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
         parts = self._split(keys)
         if not self.replicated:
             handles = [client_for(self.addresses[i]).update_table_async(self.name, keys[pos],

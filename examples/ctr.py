@@ -53,7 +53,8 @@ def make_train_step(table, variables: dict):
         params = dict(zip(names, read_variables([variables[n] for n in names])))
         rows = looking_up.result()                                   # (n, 26, DIM)
         loss, grads, row_grads = M.loss_and_grads(params, b.dense, rows, b.labels)
-        pushing = table.push_gradient_async(b.sparse.reshape(-1), row_grads.reshape(-1, M.DIM))
+        pushing = table.push_gradient_async(b.sparse.reshape(-1), row_grads.reshape(-1, M.DIM),
+                                            unique=looking_up.unique)   # (no second sort)
         push_gradients([(variables[n], grads[n]) for n in names])
         pushing.result()
         return loss
