@@ -604,16 +604,21 @@ class DynamicTable:
                                   f"{grads.dtype}")
         if not np.isfinite(grads).all():
             raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
-        ukeys, summed = sum_duplicates(keys, grads)
+        if keys.size < 2 or bool((keys[1:] > keys[:-1]).all()):
+            ukeys, summed = keys, grads   # unique already (a DynamicEmbedding sends them so)
+        else:
+            ukeys, summed = sum_duplicates(keys, grads)
         rows = self.index.find(ukeys)
         have = rows >= 0
-        self.stats.dropped += int((~have).sum())
+        n_have = int(have.sum())
+        self.stats.dropped += ukeys.size - n_have
         self.step += 1
-        if have.any():
-            r = rows[have]
+        if n_have:
+            r = rows[have] if n_have < rows.size else rows
             order = np.argsort(r)
             r = r[order]
-            g = summed[have][order].astype(self.dtype, copy=False)
+            g = (summed[have] if n_have < rows.size else summed)[order]
+            g = g.astype(self.dtype, copy=False)
             self.optimizer.apply_sparse(self.value, self.slots, r, g)
             self.updated_step[r] = self.step
             self.updated_time[r] = self.clock()
