@@ -33,9 +33,8 @@ from coordinator import calls, routes
 from coordinator.calls import client_for
 from psserver.dynamic_table import check_keys, shard_of
 from psserver.replication import TABLE_PREFIX
+from psserver.tables import BACKUP_PREFIX   # a shard's backup copy's table name: the prefix
 
-#: Table name of a shard's backup copy (replication) on the next server.
-BACKUP_PREFIX = "_backup/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +63,8 @@ def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
 
 
 def _unique_of(keys: np.ndarray, known) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted unique keys, inverse) of 1-D ``keys``: ``known`` (a look-up's
+    """(unique keys, inverse) of 1-D ``keys`` (sorted, unless ``keys`` had
+    no duplicates: then keys themselves): from ``known`` (a look-up's
     Pending.unique) when it describes these keys, else computed."""
     if known is not None:
         uniq, same, inverse = known

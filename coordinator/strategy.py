@@ -424,6 +424,9 @@ class ParameterServerStrategy:
         variables' shards are."""
         if name in self._tables:
             raise ValueError(f"embedding table {name!r} was created already by this strategy")
+        if name.startswith(TABLE_BACKUP_PREFIX):
+            raise ValueError(f"table names starting {TABLE_BACKUP_PREFIX!r} are the backup "
+                             "copies replication makes; choose another name")
         self._check_servers()
         n = len(self._ps)
         per_shard = -(-capacity // n) if capacity else 0
@@ -438,12 +441,12 @@ class ParameterServerStrategy:
             for i, addr in enumerate(self._ps)]
         table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer,
                                  replicated=self.replication)
-        made = []
+        made = []   # indices of the shards this call made
         try:   # all or nothing: shards this call made go again if one fails
-            for addr, kw in creations:
+            for i, (addr, kw) in enumerate(creations):
                 try:
                     V.client_for(addr).create_table(name, dim, **kw)
-                    made.append(addr)
+                    made.append(i)
                 except AlreadyExists:   # adopted (same spec), or an error saying it differs
                     V.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
                 self._note_server(addr)   # watched: a restart or a loss is noticed
@@ -454,11 +457,11 @@ class ParameterServerStrategy:
                         V.client_for(c.address).reconfigure(
                             [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
                 routes.refresh([(table, k) for k in range(n)])   # adopted: may have failed over
-        except BaseException:
-            for addr in made:
-                for copy in (name, TABLE_BACKUP_PREFIX + name):
+        except BaseException:   # each made shard, and its backup if one was copied yet
+            for i in made:
+                for copy in (table.shards[i], *table.backups[i:i + 1]):
                     try:
-                        V.client_for(addr).delete_table(copy)
+                        V.client_for(copy.address).delete_table(copy.table)
                     except PSError:
                         pass
             raise
@@ -507,15 +510,15 @@ class ParameterServerStrategy:
 
     def tables_on(self, addr: str) -> list[str]:
         """The dynamic tables with a shard on ``addr``."""
-        return [name for name, (_, made) in self._table_creation.items()
-                if any(a == addr for a, _ in made)]
+        return [name for name, (_, creations) in self._table_creation.items()
+                if any(a == addr for a, _ in creations)]
 
     def recreate_tables(self, addr: str) -> None:
         """Create again, empty, the shards of dynamic tables that lived on
         ``addr`` (a restarted server; a checkpoint restore fills them)."""
         for name in self.tables_on(addr):
-            dim, made = self._table_creation[name]
-            for a, kw in made:
+            dim, creations = self._table_creation[name]
+            for a, kw in creations:
                 if a == addr:
                     V.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
 

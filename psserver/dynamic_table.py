@@ -402,13 +402,7 @@ class DynamicTable:
         keys = check_keys(keys)
         flat = keys.reshape(-1)
         if counts is not None:
-            counts = np.asarray(counts)
-            if counts.shape != keys.shape or counts.dtype.kind not in "iu" or \
-                    (counts.size and counts.min() < 1):
-                raise InvalidArgument(f"look-up counts must be integers >= 1 of the keys' "
-                                      f"shape {list(keys.shape)}, got {counts.dtype} "
-                                      f"{list(counts.shape)}")
-            counts = counts.astype(np.int64, copy=False).reshape(-1)
+            counts = check_counts(keys, counts).reshape(-1)
         self.expire()
         rows = self.index.find(flat)
         if admit:
@@ -652,10 +646,10 @@ class DynamicTable:
         primary's were). InvalidArgument, nothing changed, if they do not fit
         this copy (it lacks a key to evict, or holds one to create)."""
         rows = self.index.find(evicted)
-        gone = set(evicted.tolist())
-        if (rows < 0).any() or len(gone) != evicted.size or \
+        held = created[self.index.find(created) >= 0]
+        if (rows < 0).any() or np.unique(evicted).size != evicted.size or \
                 np.unique(created).size != created.size or \
-                any(k not in gone for k in created[self.index.find(created) >= 0].tolist()):
+                not np.isin(held, evicted).all():
             raise InvalidArgument("dynamic table: a primary's changes do not fit this copy")
         self._tick += 1
         self._evict_rows(rows)
@@ -762,6 +756,21 @@ class DynamicTable:
         if c.capacity and self.index.size > c.capacity:
             self._evict_for(self.index.size - c.capacity)
         return self.index.size
+
+
+#: The most occurrences one look-up may say a key had.
+MAX_COUNT = 1 << 31
+
+
+def check_counts(keys: np.ndarray, counts) -> np.ndarray:
+    """Look-up ``counts`` as int64: integers in [1, MAX_COUNT] of the keys'
+    shape; InvalidArgument otherwise."""
+    a = np.asarray(counts)
+    if a.shape != keys.shape or a.dtype.kind not in "iu" or \
+            (a.size and (a.min() < 1 or a.max() > MAX_COUNT)):
+        raise InvalidArgument(f"look-up counts must be integers in [1, 2**31] of the keys' "
+                              f"shape {list(keys.shape)}, got {a.dtype} {list(a.shape)}")
+    return a.astype(np.int64, copy=False)
 
 
 def check_keys(keys) -> np.ndarray:

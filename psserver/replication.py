@@ -1,4 +1,5 @@
-"""Primary-backup replication of a variable, inside the parameter server (no grpc).
+"""Primary-backup replication of a variable or a dynamic table shard, inside
+the parameter server (no grpc).
 
 With ``ParameterServerStrategy(replication=True)`` every shard has two copies
 on two servers: a *primary*, which takes the clients' updates, and a
@@ -23,8 +24,15 @@ Guarantees:
   records) answers NEEDS_STATE; the primary then copies its whole state
   (value, slots, version, update keys, sync steps) and goes on from there.
 
+A dynamic table shard (psserver/tables.py) is a copy too (``CopyState``),
+named ``TABLE_PREFIX + table``: its records say what a call changed (rows
+evicted and made: TABLE_ROWS; rows updated: TABLE_UPDATE), which its
+backup follows without deciding anything itself, and its state copies come
+in pieces, swapped in whole by the last (a copy that never completed
+cannot be promoted).
+
 The network side (sending records, copying state) is ``psserver.forwarder``;
-this module holds the state each variable keeps, under the variable's lock.
+this module holds the state each copy keeps, under the copy's lock.
 """
 from __future__ import annotations
 
@@ -117,7 +125,7 @@ class CopyState:
             raise NotPrimary(
                 f"{self.name!r} on this server is {what} (epoch {self.epoch}) and takes no "
                 "client updates; nothing was applied. Send it to the primary copy (ask "
-                "both copies' GetMeta for role and epoch; coordinator.variables does)")
+                "both copies' GetMeta for role and epoch; coordinator.routes does)")
 
 
 class Link:
@@ -267,6 +275,10 @@ class ReplicaMethods:
         gradients this copy gathered completes here if it can."""
         var = self._copy(name)
         with var.lock:
+            if var.version < 0:   # a table copy whose state copy never completed
+                raise FailedPrecondition(
+                    f"{var.name!r} here is an incomplete state copy and cannot become "
+                    "primary; nothing changed. Restore the shard from a checkpoint")
             if not (var.role == ROLE_PRIMARY and var.epoch == epoch and not var.draining):
                 _fence(var, epoch, allow_same=False)
                 var.role, var.epoch, var.draining = ROLE_PRIMARY, epoch, False
@@ -320,6 +332,10 @@ class ReplicaMethods:
                 raise InvalidArgument("SET_BACKUP needs the backup's address and name")
             if peer is not None:
                 self._check_peer(peer)
+                if peer.name.startswith(TABLE_PREFIX) != name.startswith(TABLE_PREFIX):
+                    raise InvalidArgument(f"{name!r} and its backup {peer.name!r} must both "
+                                          "be variables or both table shards ("
+                                          f"{TABLE_PREFIX}<table>)")
             with var.lock:
                 role, current = plan.get(name, (var.role, var.epoch))
             idempotent = (action == PROMOTE and role == ROLE_PRIMARY
@@ -410,15 +426,17 @@ class ReplicaMethods:
         Raises InvalidArgument (nothing applied) for a record that does not
         fit its variable."""
         groups: dict[str, list[Record]] = {}
+        checked = set()
         for i, rec in enumerate(records):
             groups.setdefault(rec.name, []).append(rec)
             var = self._find_copy(rec.name)
             if var is not None:
                 self._check_record(var, rec, f"record {i}")
+                checked.add(rec.name)
         out = []
         for name, recs in groups.items():
             var = self._find_copy(name)
-            if var is None:
+            if var is None or name not in checked:   # (made meanwhile: its records unchecked)
                 out.append((name, -1, NEEDS_STATE))
                 continue
             with var.lock:

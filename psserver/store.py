@@ -151,6 +151,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                                   "initial_value (and slots), and no backup of its own")
         if backup is not None:
             backup = self._check_peer(backup)
+            if backup.name.startswith(R.TABLE_PREFIX):
+                raise InvalidArgument(f"a variable's backup must be a variable, not the table "
+                                      f"shard {backup.name!r}")
         if slots is not None:
             slots = self._check_slots(name, opt, dt, shape, slots)
         with self._lock:

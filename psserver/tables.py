@@ -3,15 +3,20 @@ server's shards of dynamic embedding tables (psserver/dynamic_table.py).
 
 Tables live beside the variables, in a namespace of their own: none of the
 variable calls (Read, Push, Assign, Save...) reach them, and these calls
-reach nothing else. Each table has a lock: a look-up changes the table too
-(it counts, admits and evicts), so calls on one table run one at a time and
-calls on different tables in parallel. Every request is checked whole
-before anything changes: a refused call leaves the table as it was.
+reach nothing else; only replication's GetMeta, Reconfigure and Replicate
+reach a table shard, by the name ``~table~<table>`` (psserver.replication),
+which no variable can have. Each table has a lock: a look-up changes the
+table too (it counts, admits and evicts), so calls on one table run one at
+a time and calls on different tables in parallel. Every request is checked
+whole before anything changes: a refused call leaves the table as it was.
+
+With replication a shard's primary journals what each call changed and
+hands it to its backup (``_backup/<table>`` on the next server) as a
+record; look-ups and updates are answered once the backup has them.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
 import threading
@@ -26,13 +31,17 @@ from psserver import replication as R
 from psserver import tensor as T
 from psserver.contract import (AlreadyExists, Initializer, InvalidArgument, NotFound, NotPrimary,
                                ResourceExhausted, VariableMeta)
-from psserver.dynamic_table import DynamicTable, TableConfig
+from psserver.dynamic_table import DynamicTable, TableConfig, check_counts
 from psserver.optimizers import make_optimizer
 from psserver.variable import check_initializer, check_name
 
 #: Keys one call may carry (a look-up's reply is keys x dim values: the
 #: message limit checks that as well).
 MAX_KEYS = 1 << 24
+_INT64_MAX = (1 << 63) - 1
+#: Names of backup copies of replicated table shards (coordinator.embedding);
+#: replication makes them (ImportTable with ``replica``), Create refuses them.
+BACKUP_PREFIX = "_backup/"
 
 
 def config_from_spec(spec: tables_pb2.TableSpec) -> TableConfig:
@@ -84,10 +93,9 @@ class _Entry(R.CopyState):
         self.role, self.epoch, self.draining = R.ROLE_PRIMARY, 0, False
         self.link: R.Link | None = None
         self.applied: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self.acc, self.sync_steps = None, 0   # (no sync mode for tables)
-
-    def writing(self):
-        return contextlib.nullcontext()
+        self.acc = None   # (no sync mode for tables; promote() asks)
+        # A state copy arriving in pieces: (epoch, spec, table) until its last.
+        self.staging: tuple | None = None
 
     def meta(self) -> VariableMeta:
         t = self.table
@@ -196,7 +204,8 @@ class TableServicer:
         taken without locks: it is asked with a table's lock or the registry's
         held)."""
         entries = list(self._tables.values())   # a copy: atomic under the GIL
-        return sum(e.table.nbytes for e in entries)
+        return sum(e.table.nbytes + (e.staging[2].nbytes if e.staging else 0)
+                   for e in entries)
 
     def _check_room(self, name: str, rows: int, row_bytes: int) -> None:
         """ResourceExhausted, before anything changes, when ``rows`` more rows
@@ -227,12 +236,15 @@ class TableServicer:
         s = t.stats
         return tables_pb2.TableInfo(
             name=name, spec=entry.spec, rows=len(t), step=t.step,
-            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
+            **{f.name: min(getattr(s, f.name), _INT64_MAX) for f in dataclasses.fields(s)},
             bytes=t.nbytes)
 
     # -- calls ---------------------------------------------------------------------------------
     def Create(self, request, context):
         name = check_name(request.name)
+        if name.startswith(BACKUP_PREFIX):
+            raise InvalidArgument(f"table names starting {BACKUP_PREFIX!r} are the backup "
+                                  "copies replication makes; choose another name")
         config = config_from_spec(request.spec)
         optimizer = _optimizer(request.spec)
         spec = tables_pb2.TableSpec()
@@ -259,7 +271,7 @@ class TableServicer:
         keys = T.decode(request.keys, T.ID_DTYPES, "lookup keys")
         if keys.size > MAX_KEYS:
             raise InvalidArgument(f"{keys.size} keys in one look-up; send at most {MAX_KEYS}")
-        counts = T.decode(request.counts, T.ID_DTYPES, "lookup counts") \
+        counts = check_counts(keys, T.decode(request.counts, T.ID_DTYPES, "lookup counts")) \
             if request.HasField("counts") else None
         dim, itemsize = entry.table.config.dim, entry.table.dtype.itemsize
         if keys.size * dim * itemsize > self.max_message_bytes:
@@ -277,14 +289,16 @@ class TableServicer:
             try:
                 rows = entry.table.lookup(keys, admit=not request.no_admit, counts=counts)
             except BaseException:
-                if journaled:   # (a bug half-way: the backup gets the whole state)
-                    entry.table.take_journal()
+                if journaled:   # (checked first: a failure here is a bug half-way,
+                    entry.table.take_journal()   # so the backup gets the whole state)
                     entry.link.reset()
                 raise
             version = entry.changed(journaled)
+            if version is None and entry.link is not None:
+                version = entry.version   # rows another look-up made may not be there yet
         if version is not None and self._store is not None:
-            # rows made now are returned once the backup has them: a gradient
-            # for them after a failover finds them there
+            # rows are returned once the backup has them: a gradient for them
+            # after a failover finds them there
             self._store._wait_acked([(entry, version)], _deadline(context))
         reply = tables_pb2.LookupReply()
         T.fill(reply.rows, rows)
@@ -310,9 +324,14 @@ class TableServicer:
                 journaled = entry.journal()
                 try:   # it checks the gradient whole first: a refusal changes nothing
                     updated = t.apply_gradients(keys, grads)
-                except BaseException:
+                except InvalidArgument:
                     if journaled:
                         t.take_journal()
+                    raise
+                except BaseException:   # a failure half-way: the backup gets the whole state
+                    if journaled:
+                        t.take_journal()
+                        entry.link.reset()
                     raise
                 entry.changed(journaled, uid, update=True)
                 version = entry.version
@@ -394,7 +413,10 @@ class TableServicer:
 
     def _import_copy(self, request, state: dict) -> tables_pb2.ImportTableReply:
         """A primary's whole state, a piece at a time, making or replacing
-        this server's copy as its backup (ImportTableRequest.replica)."""
+        this server's copy as its backup (ImportTableRequest.replica). The
+        pieces go into a table of their own (``staging``): the copy here
+        keeps its rows, role and version (it may be promoted meanwhile,
+        should the primary die mid-copy) until the last piece swaps it in."""
         r = request.replica
         name = check_name(request.name)
         spec = tables_pb2.TableSpec()
@@ -404,58 +426,55 @@ class TableServicer:
             raise InvalidArgument("a table copy's epoch and version must be in [0, 2**62)")
         step, n = int(request.step), state["keys"].size
         row_bytes = _row_bytes(config, optimizer)
-
-        def fresh() -> DynamicTable:   # checked whole before anything changes
-            table = DynamicTable(config, optimizer, initial_rows_hint=max(16, n))
-            table.import_rows(state, step, reset=True)
-            return table
-        made = False
+        if request.reset:   # checked whole, and built, before anything here changes
+            self._check_room(name, n, row_bytes)
+            fresh = DynamicTable(config, optimizer, initial_rows_hint=max(16, n))
+            fresh.import_rows(state, step, reset=True)
         with self._lock:
             entry = self._tables.get(name)
             if entry is None:
-                made = True
                 if not request.reset:
                     raise InvalidArgument(f"table copy {name!r}: a later piece came first; "
                                           "the copy starts with reset")
-                self._check_room(name, n, row_bytes)
-                entry = self._tables[name] = _Entry(name, spec, fresh())
+                entry = self._tables[name] = _Entry(name, spec, fresh)
                 entry.role, entry.epoch, entry.version = R.ROLE_BACKUP, r.epoch, -1
+                entry.staging = (r.epoch, spec, fresh)
         with entry.lock:
-            if not made:
-                stale = entry.epoch > r.epoch or (
-                    entry.epoch == r.epoch and entry.role == R.ROLE_PRIMARY
-                    and not (entry.link is not None and entry.link.fenced))
-                if stale:
-                    raise NotPrimary(
-                        f"table {name!r} here is at epoch {entry.epoch} "
-                        f"({R.ROLE_NAMES[entry.role]}); a state copy of epoch {r.epoch} comes "
-                        "from a superseded primary and was refused")
-                if request.reset:
-                    self._check_room(name, n, row_bytes)
-                    if entry.spec == spec:
-                        entry.table.import_rows(state, step, reset=True)
-                    else:   # another spec: the primary's wins
-                        entry.table, entry.spec = fresh(), spec
-                elif entry.role != R.ROLE_BACKUP or entry.epoch != r.epoch or \
-                        entry.version != -1:
-                    raise InvalidArgument(f"table copy {name!r}: a piece of a state copy that "
-                                          "was not started (or is complete); start with reset")
-                else:
-                    self._check_room(name, n, row_bytes)
-                    entry.table.import_rows(state, step, reset=False)
+            stale = entry.epoch > r.epoch or (
+                entry.epoch == r.epoch and entry.role == R.ROLE_PRIMARY
+                and not (entry.link is not None and entry.link.fenced))
+            if stale:
+                raise NotPrimary(
+                    f"table {name!r} here is at epoch {entry.epoch} "
+                    f"({R.ROLE_NAMES[entry.role]}); a state copy of epoch {r.epoch} comes "
+                    "from a superseded primary and was refused")
+            if request.reset:
+                entry.staging = (r.epoch, spec, fresh)
+            elif entry.staging is None or entry.staging[0] != r.epoch:
+                raise InvalidArgument(f"table copy {name!r}: a piece of a state copy that "
+                                      "was not started (or is complete); start with reset")
+            else:
+                self._check_room(name, n, row_bytes)
+                entry.staging[2].import_rows(state, step, reset=False)
+            if r.complete:   # swap it in: a backup at the primary's version
+                _, entry.spec, entry.table = entry.staging
+                entry.staging = None
                 entry.role, entry.epoch, entry.link, entry.draining = \
                     R.ROLE_BACKUP, r.epoch, None, False
-                entry.version = -1   # takes no records until complete
-            if r.complete:
                 entry.version = r.version
                 entry.applied = collections.OrderedDict.fromkeys(
                     (int(i) for i in r.applied_ids), 0)
-            entry.cond.notify_all()
+                entry.cond.notify_all()
             return tables_pb2.ImportTableReply(rows=len(entry.table))
 
     def Delete(self, request, context):
         with self._lock:
             gone = self._tables.pop(request.name, None)
+        if gone is not None:
+            with gone.lock:   # its forwarding stops (it would make its backup again)
+                gone.link, gone.staging = None, None
+                gone.role = R.ROLE_BACKUP   # a call still holding it is refused
+                gone.cond.notify_all()
         return tables_pb2.DeleteTableReply(deleted=gone is not None)
 
 

@@ -443,7 +443,8 @@ def test_a_look_up_of_unique_keys_with_their_counts_is_a_look_up_of_the_whole_ba
 
 
 @pytest.mark.parametrize("counts", [np.array([1, 0]), np.array([1]), np.array([1.0, 2.0]),
-                                    np.array([[1, 1]])], ids=["zero", "short", "float", "2-D"])
+                                    np.array([[1, 1]]), np.array([1, 2**31 + 1])],
+                         ids=["zero", "short", "float", "2-D", "huge"])
 def test_bad_look_up_counts_are_refused_and_change_nothing(counts):
     t = table(min_count=2)
     t.lookup(k(1, 2))

@@ -210,6 +210,8 @@ def test_a_table_that_cannot_be_made_everywhere_is_made_nowhere(cluster):
         assert [i.spec.dim for i in c1.list_tables() if i.name == "clash"] == [8]   # untouched
         c1.delete_table("clash")
     assert strategy.tables == []
+    with pytest.raises(ValueError, match="_backup/"):   # replication's own copies' names
+        strategy.create_embedding_table("_backup/x", 4)
 
 
 def test_sum_rows_sums_each_keys_gradient_rows():

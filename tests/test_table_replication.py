@@ -130,9 +130,12 @@ def test_table_replication_calls_validate_what_they_receive_and_change_nothing(s
     """Records and state copies of tables: bad input refused with the right
     code and nothing changed; a backup copy refuses clients' calls; a stale
     primary's state copy does not overwrite a newer copy."""
+    from protos.pstrain.v1 import tables_pb2
+    from psserver import methods
     from psserver import replication as R
+    from psserver import tensor as T
     from psserver.client_tables import table_spec
-    from psserver.errors import InvalidArgument, NotPrimary
+    from psserver.errors import FailedPrecondition, InvalidArgument, NotPrimary
 
     token = "table-replication-secret"
     env = {"PSTRAIN_AUTH_TOKEN": token}
@@ -194,6 +197,36 @@ def test_table_replication_calls_validate_what_they_receive_and_change_nothing(s
         assert cb.update_table("_t", np.arange(3), np.ones((3, 4), np.float32),
                                update_id=5) == (0, 0)
         assert cb.get_meta("~table~_t").version == 2
+
+        # A state copy in pieces: the copy keeps its rows and version until the
+        # last piece arrives, and a copy that never completed is never promoted.
+        def piece(name, keys, epoch, complete):
+            req = tables_pb2.ImportTableRequest(name=name, reset=True, step=0)
+            req.replica.CopyFrom(tables_pb2.ReplicaCopy(spec=table_spec(4, min_count=1),
+                                                        epoch=epoch, version=40,
+                                                        complete=complete))
+            part = dict(rows, keys=keys, values=np.zeros((keys.size, 4), np.float32),
+                        age_steps=np.zeros(keys.size, np.int64),
+                        age_seconds=np.zeros(keys.size), freq=np.ones(keys.size, np.int64))
+            for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
+                T.fill(getattr(req, field), part[field])
+            return cb._call(methods.TABLE_IMPORT, req)
+        cb.reconfigure([("~table~_t", R.DEMOTE, 4, None)])
+        held = cb.table_info("_t").rows
+        piece("_t", np.arange(100, 103), 4, complete=False)
+        assert (cb.get_meta("~table~_t").version, cb.table_info("_t").rows) == (2, held)
+        piece("_t", np.arange(100, 103), 4, complete=True)
+        assert (cb.get_meta("~table~_t").version, cb.table_info("_t").rows) == (40, 3)
+        piece("_u", np.arange(5), 4, complete=False)
+        with pytest.raises(FailedPrecondition, match="incomplete"):
+            cb.reconfigure([("~table~_u", R.PROMOTE, 5, None)])
+        # reserved and mismatched names
+        with pytest.raises(InvalidArgument, match="_backup/"):
+            ca.create_table("_backup/mine", 4)
+        with pytest.raises(InvalidArgument, match="both"):
+            ca.reconfigure([("~table~t", R.SET_BACKUP, 1, R.Peer(b.address, "w"))])
+        with pytest.raises(InvalidArgument, match="counts"):
+            ca.lookup("t", np.arange(2), counts=np.array([1, 2**31 + 1]))
 
 
 def test_a_restarted_server_gets_its_table_copies_back_and_its_primaries_handed_back(tmp_path):
