@@ -373,7 +373,7 @@ class _PSRecovery:
         it has been away ps_failover_after seconds; rebuild and hand back
         when it answers again. Training never pauses."""
         coord, strategy = self.coord, self.coord.strategy
-        start, last, error = time.monotonic(), [0.0], None
+        start, last = time.monotonic(), [0.0]
         failed_over = address in self.lost
         restarted = False
         try:
@@ -405,7 +405,6 @@ class _PSRecovery:
                 _metrics.PS_RECOVERIES.labels("replicated").inc()
                 return
         except Exception as exc:   # a change refused or a server away mid-change: retried
-            error = exc
             log.warning("replication: recovering %s failed (%s: %s); it is tried again on "
                         "the next check", address, type(exc).__name__, exc)
         finally:
