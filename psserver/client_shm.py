@@ -42,6 +42,23 @@ _SERVER_DONE = frozenset({
     Code.PERMISSION_DENIED})
 
 
+def _together(sent: Sequence[Handle], combine, target: str) -> Handle:
+    """One Handle over calls already sent: ``result()`` reads every reply (each
+    holds a connection until read, so all are read even when one failed),
+    then raises the first error or returns ``combine([results])``."""
+    def collect():
+        got, first = [], None
+        for h in sent:
+            try:
+                got.append(h.result())
+            except BaseException as exc:   # noqa: BLE001 (raised below, after the rest)
+                first = first or exc
+        if first is not None:
+            raise first
+        return combine(got)
+    return Handle(Pending(collect, lambda: all(h.done() for h in sent)), target=target)
+
+
 class SharedMemoryPath:
     """PSClient's same-host calls (a mixin over ServerChannel's state)."""
 
@@ -320,6 +337,13 @@ class SharedMemoryPath:
                 return reshape(out)
             return Handle(Pending(lambda: reshape(out.result()), out.done), target=self.address)
 
+        if not wait and self.local:   # a socket: every call sent now, no thread
+            read = [self._read_many(names, False, sync_step)] if names and not direct else []
+            sent = read + [self._gather(name, ids, False, sync_step, use_shm=False)
+                           for name, ids in shaped]
+            return _together(sent, lambda got: (direct or (got[0] if read else []),
+                                                 got[len(read):]), self.address)
+
         def separate():
             snaps = direct or (self._read_many(names, True, sync_step) if names else [])
             return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
@@ -354,4 +378,10 @@ class SharedMemoryPath:
             out = self._shm_push(items, arrays, uids, wait, None, separate, sparse)
             if out is not None:
                 return out
+        if not wait and self.local:   # a socket: every call sent now, no thread
+            sent = ([self._dense("push", items, False, sync, use_shm=False)] if items else []) \
+                + [self._push_sparse(name, ids, rows, False, sync, uid)
+                   for name, ids, rows, uid in sparse]
+            return _together(sent, lambda got: (got[0] if items else []) + got[bool(items):],
+                             self.address)
         return self._run(wait, separate)

@@ -7,6 +7,7 @@ import re
 import socket
 import ssl
 import struct
+import threading
 import urllib.request
 
 import numpy as np
@@ -524,3 +525,39 @@ def test_a_large_receive_waits_in_the_kernel_and_keeps_the_socket_timeout():
     finally:
         for x in (c, s, srv):
             x.close()
+
+
+def test_a_steps_read_and_gather_and_its_pushes_are_sent_at_once_over_the_data_port(start_ps):
+    """Over a socket, read_and_gather_async and push_dense_and_sparse_async send
+    each of their calls at once (no thread, no waiting for one reply before the
+    next call goes), and give what the separate blocking calls give."""
+    ps = start_ps()
+    with remote(ps.address) as c, grpc_only(ps.address) as ref:
+        init = _make(c)
+        table = np.arange(40, dtype=np.float32).reshape(10, 4)
+        c.create_variable("t", initial_value=table, optimizer="sgd",
+                          optimizer_params={"learning_rate": 1.0})
+        c.read("w")   # the route is planned
+        assert c.local
+        before = {t.ident for t in threading.enumerate()}
+        h = c.read_and_gather_async(["w"], [("t", [[1, 7], [1, 0]]), ("t", [9])])
+        p = c.push_dense_and_sparse_async([("w", np.ones(N, np.float32), 5)],
+                                          [("t", np.array([1, 1]), np.ones((2, 4), np.float32), 6)])
+        assert {t.ident for t in threading.enumerate()} <= before   # no thread for them
+        snaps, rows = h.result()
+        np.testing.assert_array_equal(snaps[0].value, init)
+        np.testing.assert_array_equal(rows[0][0], table[[[1, 7], [1, 0]]])
+        np.testing.assert_array_equal(rows[1][0], table[[9]])
+        assert p.result() == [1, 1]
+        np.testing.assert_allclose(ref.read("w"), init - 0.5, atol=1e-6)
+        np.testing.assert_array_equal(ref.read("t")[1], table[1] - 2)
+        # An error in one of the calls is raised once every reply is read; the
+        # other call of the pair still applied (they are separate calls).
+        bad = c.push_dense_and_sparse_async([("w", np.ones(N, np.float32), 7)],
+                                            [("nope", np.array([1]), np.ones((1, 4), np.float32), 8)])
+        with pytest.raises(PSError) as e:
+            bad.result()
+        assert e.value.code == Code.NOT_FOUND
+        assert ref.get_meta("w").version == 2
+        snaps, rows = c.read_and_gather_async(["w"], [("t", [2])]).result()   # still usable
+        np.testing.assert_array_equal(rows[0][0], table[[2]])
