@@ -40,6 +40,7 @@ from coordinator.calls import (_Op, _dense_op, _routed, _settle, _sparse_op,
                                client_for, close_clients, configure,  # noqa: F401  (re-exported)
                                new_update_id)
 from coordinator.replica import current_sync
+from psserver.optimizers import sum_duplicates
 
 
 # -- the variable ----------------------------------------------------------------
@@ -118,45 +119,43 @@ class ShardedVariable:
         return [arr[s.offset:s.offset + s.rows] for s in self.shards]
 
     # -- sparse (rows by id) ---------------------------------------------------------
-    def _route(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(shard index of each id, id local to that shard)."""
+    def _runs(self, ids: np.ndarray) -> list[tuple[int, slice, np.ndarray]]:
+        """(shard index, its run of ``ids``, those ids local to the shard) per
+        shard with ids, for sorted ``ids`` (each shard's ids are one run: shards
+        hold consecutive rows). Raises ValueError for ids out of range."""
         if not self.shape:
             raise ValueError(f"variable {self.name!r} is a scalar: it has no rows")
         if ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be integers, got {ids.dtype.name}")
-        rows = self.shape[0]
-        if ids.size and (ids.min() < 0 or ids.max() >= rows):
-            raise ValueError(f"ids out of range for {self.name!r} with {rows} rows")
-        starts = self.offsets[:-1]
-        which = np.searchsorted(starts, ids, side="right") - 1
-        return which, ids - starts[which]
+        if ids.size and (ids[0] < 0 or ids[-1] >= self.shape[0]):
+            raise ValueError(f"ids out of range for {self.name!r} with {self.shape[0]} rows")
+        bounds = np.searchsorted(ids, self.offsets)
+        return [(k, slice(lo, hi), ids[lo:hi] - self.offsets[k])
+                for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo]
 
     def gather(self, ids) -> np.ndarray:
-        """Rows ``value[ids]``: shape ids.shape + row shape, in the order of ids."""
+        """Rows ``value[ids]``: shape ids.shape + row shape, in the order of ids.
+        Each distinct id is asked for once."""
         ids = np.asarray(ids)
-        flat = ids.reshape(-1).astype(np.int64, copy=False)
-        which, local = self._route(flat)
-        out = np.empty((flat.size,) + self.shape[1:], np.dtype(self.dtype))
+        uniq, inverse = distinct(ids)
+        runs = self._runs(uniq)
+        out = np.empty((uniq.size,) + self.shape[1:], np.dtype(self.dtype))
         sync = current_sync()
         step = sync.step if sync is not None else None
 
         def plan():
-            positions, starts = [], []
-            for k, s in enumerate(routes.primaries(self)):
-                pos = np.nonzero(which == k)[0]
-                if pos.size:
-                    positions.append(pos)
-                    starts.append(_Op(
-                        s.address,
-                        lambda c, s=s, ids=local[pos]: c.gather(s.name, ids, with_version=True,
-                                                                sync_step=step),
-                        lambda c, s=s, ids=local[pos]: c.gather_async(s.name, ids,
-                                                                      sync_step=step),
-                        [(self, k)]))
-            for pos, (rows, _) in zip(positions, _settle(starts)):
-                out[pos] = rows
+            prim = routes.primaries(self)
+            starts = [_Op(prim[k].address,
+                          lambda c, s=prim[k], ids=local: c.gather(s.name, ids, with_version=True,
+                                                                   sync_step=step),
+                          lambda c, s=prim[k], ids=local: c.gather_async(s.name, ids,
+                                                                         sync_step=step),
+                          [(self, k)])
+                      for k, _, local in runs]
+            for (_, run, _), (rows, _) in zip(runs, _settle(starts)):
+                out[run] = rows
         _routed(plan)
-        return out.reshape(ids.shape + self.shape[1:])
+        return out[inverse].reshape(ids.shape + self.shape[1:])
 
     def lookup(self, ids) -> "Lookup":
         """A request for ``gather(ids)``'s rows, to pass to read_variables with
@@ -164,26 +163,32 @@ class ShardedVariable:
         return Lookup(self, np.asarray(ids))
 
     def push_sparse(self, ids, rows) -> None:
-        """Apply a row-wise gradient; duplicate ids are summed on the servers."""
+        """Apply a row-wise gradient; duplicate ids are summed (here, before
+        sending: each distinct id's row crosses the wire once)."""
         sync = current_sync()
         parts = self._sparse_split(ids, rows, sync)
         _routed(lambda: _settle(self._sparse_ops(parts, sync)))
 
     def _sparse_split(self, ids, rows, sync=None) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
         """(shard index, local ids, rows, update_id) per shard with ids (every
-        shard in sync mode: an empty push counts the replica). Made once per
+        shard in sync mode: an empty push counts the replica). Duplicate ids
+        are summed here as a server would (psserver.optimizers.sum_duplicates:
+        the same bits), so each shard gets sorted distinct ids. Made once per
         push: a push sent again after a route changed keeps its keys."""
-        ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+        ids = np.asarray(ids).reshape(-1)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be integers, got {ids.dtype.name}")
         rows = np.asarray(rows, dtype=self.dtype)
         if rows.shape != (ids.size,) + self.shape[1:]:
             raise ValueError(f"sparse gradient rows for {self.name!r} have shape {rows.shape}, "
                              f"expected {(ids.size,) + self.shape[1:]}")
-        which, local = self._route(ids)
+        ids, rows = sum_duplicates(ids.astype(np.int64, copy=False), rows)
+        runs = {k: (run, local) for k, run, local in self._runs(ids)}
         out = []
         for k in range(self.num_shards):
-            pos = np.nonzero(which == k)[0]
-            if pos.size or sync is not None:   # sync: every shard counts this replica
-                out.append((k, local[pos], rows[pos], 0 if sync is not None else new_update_id()))
+            if k in runs or sync is not None:   # sync: every shard counts this replica
+                run, local = runs.get(k, (slice(0, 0), ids[:0]))
+                out.append((k, local, rows[run], 0 if sync is not None else new_update_id()))
         return out
 
     def _targets(self, k: int, sync) -> tuple["Shard", ...]:
@@ -198,6 +203,15 @@ class ShardedVariable:
     def _sparse_ops(self, parts, sync) -> list[Callable]:
         return [_sparse_op(t, i, r, sync, uid, [(self, k)])
                 for t, i, r, uid, k in self._sparse_parts(parts, sync)]
+
+
+def distinct(ids) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse])."""
+    flat = np.asarray(ids).reshape(-1)
+    if flat.dtype.kind not in "iu":
+        raise ValueError(f"ids must be integers, got {flat.dtype.name}")
+    uniq, inverse = np.unique(flat.astype(np.int64, copy=False), return_inverse=True)
+    return uniq, inverse.reshape(-1)
 
 
 def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
@@ -299,13 +313,10 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
                     groups[s.address].append((i, s))
                 continue
             ids = np.asarray(v.ids)
-            flat = ids.reshape(-1).astype(np.int64, copy=False)
-            which, local = v.variable._route(flat)
-            shaped[i] = (ids.shape, flat.size)
-            for k, s in enumerate(prim[i]):
-                pos = np.nonzero(which == k)[0]
-                if pos.size:
-                    gather_groups[s.address].append((i, pos, s, local[pos]))
+            uniq, inverse = distinct(ids)   # each distinct id asked for once
+            shaped[i] = (ids.shape, uniq.size, inverse)
+            for k, run, local in v.variable._runs(uniq):
+                gather_groups[prim[i][k].address].append((i, run, prim[i][k], local))
         addrs = list(dict.fromkeys([*groups, *gather_groups]))
         starts = [_Op(addr,
                       lambda c, n=[s.name for _, s in groups[addr]],
@@ -342,11 +353,11 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
                     _shard_view(full[i], s, v)[...] = part
             out.append(full[i])
         elif isinstance(v, Lookup):
-            shape, n = shaped[i]
+            shape, n, inverse = shaped[i]
             rows = rows_out.get(i)
             if rows is None:   # no ids
                 rows = np.empty((n,) + v.variable.shape[1:], np.dtype(v.variable.dtype))
-            out.append(rows.reshape(shape + v.variable.shape[1:]))
+            out.append(rows[inverse].reshape(shape + v.variable.shape[1:]))
         elif v.num_shards == 1:
             out.append(parts[(i, prim[i][0].name)].copy())
         else:

@@ -598,10 +598,7 @@ class DynamicTable:
                                   f"{grads.dtype}")
         if not np.isfinite(grads).all():
             raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
-        if keys.size < 2 or bool((keys[1:] > keys[:-1]).all()):
-            ukeys, summed = keys, grads   # unique already (a DynamicEmbedding sends them so)
-        else:
-            ukeys, summed = sum_duplicates(keys, grads)
+        ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
         rows = self.index.find(ukeys)
         have = rows >= 0
         n_have = int(have.sum())

@@ -571,7 +571,8 @@ def make_optimizer(name: str, params: Mapping[str, float] | None = None) -> Opti
 
 
 def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted unique int64 ids, rows summed per id), rows' dtype kept.
+    """(sorted unique int64 ids, rows summed per id), rows' dtype kept (the
+    arrays given, not copies, when ids are sorted and distinct already).
 
     The result is deterministic (a stable sort; the same input gives the same
     bits), though numpy may sum one id's rows in another order than a plain
@@ -581,8 +582,8 @@ def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     """
     ids = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)
     rows = np.asarray(rows)
-    if ids.size == 0:
-        return ids.copy(), rows[:0].copy()
+    if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, rows   # sorted and distinct already (a client summed them): as they are
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     first = np.empty(sorted_ids.size, dtype=bool)

@@ -445,14 +445,15 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
             sparse = [(u.name,
                        _segment_array(u.ids, buf, f"sparse update {i} ids ({u.name!r})",
                                       T.ID_DTYPES).copy(),
-                       _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"),
+                       _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"
+                                      ).copy(),
                        u.update_id)
                       for i, u in enumerate(request.sparse)]
             try:
                 # Applied before the segment is unmapped; the store keeps no
                 # reference to a dense gradient (sync mode adds it into its
-                # own sum) nor to a sparse one (its duplicates are summed
-                # into new arrays first).
+                # own sum); a sparse one is copied out above (its arrays may
+                # be kept as they are: the replication record).
                 if sparse:
                     if request.HasField("sync"):
                         raise InvalidArgument("sparse updates in a shared-memory push "

@@ -214,6 +214,49 @@ def test_sharded_gather_and_sparse_push_route_every_id(cluster):
     np.testing.assert_array_equal(table.gather([3]), expected[[3]])
 
 
+def test_each_distinct_id_crosses_the_wire_once_and_sums_as_the_server_would(cluster,
+                                                                          monkeypatch):
+    """gather / read_variables(lookup) ask for each distinct id once;
+    push_sparse / push_gradients(IndexedSlices) send each distinct id once,
+    its rows summed here as the server sums duplicates (the same bits)."""
+    from coordinator import IndexedSlices, push_gradients, read_variables
+    from coordinator.calls import client_for
+    from psserver.client import PSClient
+    strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
+    rng = np.random.default_rng(0)
+    table0 = rng.standard_normal((50, 8)).astype(np.float32)
+    kw = dict(initial_value=table0, optimizer="adagrad", optimizer_params={"learning_rate": 0.3})
+    ours, ref = strategy.create_variable("ours", **kw), strategy.create_variable("ref", **kw)
+    sent = []   # (call, ids) of every gather and sparse push, whichever call carries it
+    ids_of = {"gather": lambda a: [a[1]], "push_sparse": lambda a: [a[1]],
+              "read_and_gather": lambda a: [ids for _, ids in a[1]],
+              "push_dense_and_sparse": lambda a: [u[1] for u in a[1]]}
+    for name, which in [*ids_of.items(), *((n + "_async", w) for n, w in ids_of.items())]:
+        def spy(self, *a, _real=getattr(PSClient, name), _m=name, _which=which, **k):
+            sent.extend((_m, np.asarray(i).reshape(-1).copy()) for i in _which(a))
+            return _real(self, *a, **k)
+        monkeypatch.setattr(PSClient, name, spy)
+    ids = rng.integers(0, 50, (6, 30))          # many repeats, both shards
+    np.testing.assert_array_equal(ours.gather(ids), table0[ids])
+    (rows,) = read_variables([ours.lookup(ids)])
+    np.testing.assert_array_equal(rows, table0[ids])
+    grads = rng.standard_normal((ids.size, 8)).astype(np.float32)
+    ours.push_sparse(ids.ravel(), grads)
+    push_gradients([(ours, IndexedSlices(grads, ids.ravel()))])
+    for method, got in sent:
+        assert np.all(np.diff(got) > 0), (method, got)   # sorted, each id once
+    pushes = ("push_sparse", "push_dense_and_sparse", "push_sparse_async",
+              "push_dense_and_sparse_async")
+    assert sum(got.size for m, got in sent if m in pushes) == 2 * np.unique(ids).size
+    assert sum(got.size for m, got in sent if m not in pushes) == 2 * np.unique(ids).size
+    # The reference: each shard sent every duplicate, summed on its server.
+    for _ in range(2):
+        for s in ref.shards:
+            mine = (ids.ravel() >= s.offset) & (ids.ravel() < s.offset + s.rows)
+            client_for(s.address).push_sparse(s.name, ids.ravel()[mine] - s.offset, grads[mine])
+    np.testing.assert_array_equal(ours.read(), ref.read())
+
+
 def test_min_size_partitioner_shards_a_large_table(cluster):
     strategy = ParameterServerStrategy(
         cluster.spec, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2))

@@ -324,6 +324,18 @@ def test_sum_duplicates_matches_naive(n, vocab, row_shape, dtype):
     assert again[1].tobytes() == summed.tobytes()
 
 
+def test_sum_duplicates_takes_sorted_distinct_ids_as_they_are():
+    """What a client that summed its duplicates sends (coordinator.variables):
+    nothing to sort or copy; anything else still is (summed into new arrays)."""
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    ids = np.array([1, 5, 6, 9])
+    uid, summed = sum_duplicates(ids, rows)
+    assert summed is rows and np.array_equal(uid, ids)
+    for ids in ([1, 6, 5, 9], [1, 5, 5, 9]):   # out of order; a duplicate
+        uid, summed = sum_duplicates(np.array(ids), rows)
+        assert not np.shares_memory(summed, rows)
+
+
 def test_sum_duplicates_all_same_id():
     ids = np.full(10, 7, np.int64)
     rows = np.ones((10, 2), np.float32)
