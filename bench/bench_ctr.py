@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -36,38 +37,53 @@ from bench.common import machine_info, print_table, write_json
 BATCH, LR, BUCKETS, SEED = 512, 0.1, 100_000, 0
 
 
-def ours(steps: int, warmup: int, n_batches: int, placement=None) -> dict:
-    from coordinator import ClusterCoordinator, Initializer, LocalCluster, ParameterServerStrategy
+class OursCTR:
+    """The CTR workload on one of our strategies: ``run(n)`` trains n steps
+    (seconds), ``auc()`` measures the model on held-out batches. Also the
+    (e) workload of bench/suite.py."""
+
+    def __init__(self, strategy, coord, n_batches: int, prefix: str = "ctr"):
+        from coordinator import Initializer
+        from examples import ctr
+        from examples import dlrm as M
+        self.variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
+                                                      optimizer="sgd",
+                                                      optimizer_params={"learning_rate": LR})
+                          for n, v in M.init_params(SEED).items()}
+        self.table = strategy.create_embedding_table(
+            f"{prefix}/emb", M.DIM, optimizer="sgd", optimizer_params={"learning_rate": LR},
+            initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05))
+        self.coord = coord
+        self.it = iter(coord.create_per_worker_dataset(functools.partial(ctr_dataset, n_batches)))
+        self.step = ctr.make_train_step(self.table, self.variables)   # examples/ctr.py's step
+
+    def run(self, n: int) -> float:
+        t0 = time.perf_counter()
+        self.coord.fetch([self.coord.schedule(self.step, args=(self.it,)) for _ in range(n)])
+        return time.perf_counter() - t0
+
+    def auc(self) -> float:
+        from examples import ctr
+        return ctr.evaluate(self.table, self.variables, SEED, 20, BATCH)["auc"]
+
+
+def ctr_dataset(n_batches: int, ctx):
+    """On each worker, once: its batches (worker i: i, i + 2, ...), then round and round."""
     from coordinator import ctr_data as D
-    from examples import ctr
-    from examples import dlrm as M
+    i = ctx.input_pipeline_id
+    return itertools.cycle([D.batch(SEED, i + 2 * k, BATCH) for k in range(n_batches)])
+
+
+def ours(steps: int, warmup: int, n_batches: int, placement=None) -> dict:
+    from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
     with LocalCluster(num_ps=2, num_workers=2, placement=placement) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
-        variables = {n: strategy.create_variable(f"ctr/{n}", initial_value=v,
-                                                 optimizer="sgd",
-                                                 optimizer_params={"learning_rate": LR})
-                     for n, v in M.init_params(SEED).items()}
-        table = strategy.create_embedding_table(
-            "ctr/emb", M.DIM, optimizer="sgd", optimizer_params={"learning_rate": LR},
-            initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05))
-        n = n_batches
-
-        def dataset_fn(ctx):   # on each worker, once: its batches, then round and round
-            i = ctx.input_pipeline_id
-            return itertools.cycle([D.batch(SEED, i + 2 * k, BATCH) for k in range(n)])
-        train_step = ctr.make_train_step(table, variables)   # examples/ctr.py's step
         with ClusterCoordinator(strategy) as coord:
-            it = iter(coord.create_per_worker_dataset(dataset_fn))
-
-            def schedule(k):
-                return [coord.schedule(train_step, args=(it,)) for _ in range(k)]
-            coord.fetch(schedule(warmup))
-            t0 = time.perf_counter()
-            coord.fetch(schedule(steps))
-            seconds = time.perf_counter() - t0
-        auc = ctr.evaluate(table, variables, SEED, 20, BATCH)["auc"]
-        return {"samples_per_s": steps * BATCH / seconds, "auc": auc,
-                "rows": table.stats().rows}
+            w = OursCTR(strategy, coord, n_batches)
+            w.run(warmup)
+            seconds = w.run(steps)
+        return {"samples_per_s": steps * BATCH / seconds, "auc": w.auc(),
+                "rows": w.table.stats().rows}
 
 
 def tensorflow(steps: int, warmup: int, n_batches: int, placement=None) -> dict:
