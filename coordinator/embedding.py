@@ -112,6 +112,8 @@ class TableStats:
     updated: int
     dropped: int
     bytes: int
+    late: int = 0   # sync mode: updates dropped whole (their step was applied, their
+                    # replica abandoned, or the replica's second)
 
     @property
     def hit_rate(self) -> float:
