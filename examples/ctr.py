@@ -86,6 +86,20 @@ def make_train_step(table, variables: dict, batch_of=None):
     return train_step
 
 
+def build(strategy, seed: int, lr: float, prefix: str = "ctr"):
+    """The model on ``strategy``: (dense variables by name, the table), all
+    Adagrad with learning rate ``lr``, named ``{prefix}/...``."""
+    variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
+                                             optimizer="adagrad",
+                                             optimizer_params={"learning_rate": lr})
+                 for n, v in M.init_params(seed).items()}
+    table = strategy.create_embedding_table(
+        f"{prefix}/emb", M.DIM, seed=seed, optimizer="adagrad",
+        initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05, seed=seed),
+        optimizer_params={"learning_rate": lr}, min_count=2, capacity=4_000_000)
+    return variables, table
+
+
 def evaluate(table, variables: dict, seed: int, batches: int, size: int) -> dict:
     """AUC and loss on held-out batches (stream seed + 1): nothing admitted."""
     names = list(variables)
@@ -137,16 +151,7 @@ def main(argv=None) -> dict:
               f"dynamic table), {spec.num_ps} ps, {spec.num_workers} workers, {args.mode}, "
               f"batch {args.batch_size}" + (f" x {replicas} replicas" if replicas > 1 else "")
               + f"; the planted model's AUC: {ceiling:.4f}", flush=True)
-        init = M.init_params(args.seed)
-        variables = {n: strategy.create_variable(f"ctr/{n}", initial_value=v,
-                                                 optimizer="adagrad",
-                                                 optimizer_params={"learning_rate": args.lr})
-                     for n, v in init.items()}
-        table = strategy.create_embedding_table(
-            "ctr/emb", M.DIM, seed=args.seed, optimizer="adagrad",
-            initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05,
-                                    seed=args.seed),
-            optimizer_params={"learning_rate": args.lr}, min_count=2, capacity=4_000_000)
+        variables, table = build(strategy, args.seed, args.lr)
         if args.cluster == "tf_config":   # leave the shared servers as we found them
             stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
             stack.callback(lambda: [client_for(a).delete_table(table.name)
@@ -179,7 +184,7 @@ def main(argv=None) -> dict:
           f"look-ups not admitted yet, {stats.evicted_capacity + stats.evicted_age:,} evicted, "
           f"hit rate {stats.hit_rate:.3f}", flush=True)
     print(f"test AUC: {aucs[-1]:.4f} (the planted model: {ceiling:.4f})", flush=True)
-    return {"auc": aucs[-1], "aucs": aucs, "ceiling": ceiling,
+    return {"mode": args.mode, "auc": aucs[-1], "aucs": aucs, "ceiling": ceiling,
             "samples_per_second": float(np.median(rates)), "rows": stats.rows,
             "history": history.history}
 
