@@ -78,7 +78,7 @@ class ClusterCoordinator:
         replication, when a parameter server is away the coordinator pauses,
         waits for it (saying so every 30 s), and, if it restarted empty,
         restores its shards from the manager's latest checkpoint. Async and
-        bounded modes; in sync mode the step fails. (coordinator/recovery.py)
+        bounded modes; in sync and hybrid modes the step fails. (coordinator/recovery.py)
       ps_recovery_timeout: how long to wait for such a server (seconds).
       recreate_lost_shards: without replication or a checkpoint, a server that
         restarted empty stops the job with ParameterServerLost (its shards'

@@ -24,7 +24,7 @@ from psserver.contract import SyncSpec
 class ReplicaContext:
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
-    step: int | None = None            # the global sync step; None outside sync mode
+    step: int | None = None            # the global step; None outside sync and hybrid modes
     sync: SyncSpec | None = None       # what the parameter servers need to know
 
 
