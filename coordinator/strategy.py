@@ -140,10 +140,10 @@ class ParameterServerStrategy:
         replicas' gradients, right for per-replica mean losses; ``"sum"``
         adds them, right for losses already scaled by the global batch size
         as ``tf.nn.compute_average_loss`` does.
-      step_timeout: sync and hybrid modes: seconds after a step's first gradient after
-        which the step is applied with the gradients that arrived (a replica
-        that hangs). A replica whose worker dies is abandoned at once. 0:
-        wait for every replica.
+      step_timeout: sync and hybrid modes: seconds after a step's first
+        gradient after which the step is applied with the gradients that
+        arrived (a replica that hangs). A replica whose worker dies is
+        abandoned at once. 0: wait for every replica.
       staleness: bounded mode: the bound s (required).
       replication: keep a backup of every shard on the next parameter server
         (chain replication, psserver/replication.py): a push goes to the

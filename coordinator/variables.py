@@ -442,18 +442,18 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
     _routed(lambda: _push_plan(dense, sparse, sync, rows))
 
 
-def _push_plan(dense: list, sparse: list, sync, rows) -> None:
+def _push_plan(dense: list, sparse: list, sync, row_sync) -> None:
     """push_gradients' calls on the current routes: one per server (dense and
     row-wise together), but sync-mode row-wise pushes one per shard (every
     shard must count the replica), and in hybrid mode (``sync`` for the dense
-    ones, ``rows`` None) the row-wise ones apart, asynchronous."""
+    ones, ``row_sync`` None) the row-wise ones apart, asynchronous."""
     items, by_addr, sparse_ops = [], defaultdict(list), []
     for v, k, part, uid in dense:
         for target in v._targets(k, sync):
             items.append((((target.name, part, uid), (v, k)), target))
     for v, parts in sparse:
         if sync is not None:
-            sparse_ops += v._sparse_ops(parts, rows)
+            sparse_ops += v._sparse_ops(parts, row_sync)
             continue
         for target, ids, rows, uid, k in v._sparse_parts(parts, sync):
             by_addr[target.address].append(((target.name, ids, rows, uid), (v, k)))

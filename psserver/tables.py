@@ -147,7 +147,8 @@ class _Entry(R.CopyState):
                                self.sync_steps, R.TABLE_UPDATE, rows, keys)
             else:
                 rec = R.Record(self.link.peer.name, self.epoch, self.version, 0,
-                               self.sync_steps, R.TABLE_ROWS, np.zeros(0, self.table.dtype), created, evicted)
+                               self.sync_steps, R.TABLE_ROWS, np.zeros(0, self.table.dtype),
+                               created, evicted)
             self.link.add(rec)
         return self.version
 
