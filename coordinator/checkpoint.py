@@ -26,7 +26,8 @@ Guarantees:
   slots + version per shard). Shards are taken one after another, so with
   asynchronous training in flight the checkpoint is not one global cut; save
   between steps (after ``ClusterCoordinator.join()``) for that. In sync mode
-  that cut is exact.
+  that cut is exact (in hybrid mode too, after ``join()``: every push of
+  the steps scheduled has been applied).
 * Restore reshards: values and slots are reassembled along axis 0 from the
   saved shards and split again by the *current* variables' shards, so a
   checkpoint restores into any number of parameter servers or any

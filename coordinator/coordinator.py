@@ -22,7 +22,7 @@ Guarantees:
   queue and runs again elsewhere (or on the same worker when it returns).
   Write steps whose re-run is harmless, as with TensorFlow's
   ParameterServerStrategy.
-* In sync mode a scheduled step is ``num_replicas_in_sync`` closures, one
+* In sync and hybrid modes a scheduled step is ``num_replicas_in_sync`` closures, one
   per replica, in the queue together; the step's RemoteValue combines their
   results. A replica whose worker dies is **not** re-run: it is abandoned on
   every parameter server, and the step completes with the replicas that
@@ -54,7 +54,7 @@ from coordinator import metrics as _metrics
 from coordinator import serialization
 from coordinator.datasets import PerWorkerDataset
 from coordinator.recovery import _PSRecovery, _PSWatch
-from coordinator.strategy import ParameterServerStrategy
+from coordinator.strategy import SYNC_MODES, ParameterServerStrategy
 from coordinator.closures import (ABANDONED, Closure, RemoteValue,  # noqa: F401  (re-exported)
                                   RemoteValueStatus, StepRemoteValue, _ClosureQueue)
 from coordinator.worker_channel import _Membership, _WorkerThread
@@ -78,7 +78,7 @@ class ClusterCoordinator:
         replication, when a parameter server is away the coordinator pauses,
         waits for it (saying so every 30 s), and, if it restarted empty,
         restores its shards from the manager's latest checkpoint. Async and
-        bounded modes; in sync mode the step fails. (coordinator/recovery.py)
+        bounded modes; in sync and hybrid modes the step fails. (coordinator/recovery.py)
       ps_recovery_timeout: how long to wait for such a server (seconds).
       recreate_lost_shards: without replication or a checkpoint, a server that
         restarted empty stops the job with ParameterServerLost (its shards'
@@ -138,7 +138,7 @@ class ClusterCoordinator:
         except Exception as exc:
             raise TypeError(f"cannot send the arguments of {_name(fn)} to a worker: "
                             f"{type(exc).__name__}: {exc}") from exc
-        if self.strategy.mode == "sync":
+        if self.strategy.mode in SYNC_MODES:
             step = next(self._steps)
             closures = [Closure(ref, payload, f"{_name(fn)}[step {step} replica {i}]",
                                 self.strategy.sync_spec(step, i))

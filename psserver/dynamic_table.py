@@ -582,11 +582,9 @@ class DynamicTable:
         return int(old.sum())
 
     # -- updates -----------------------------------------------------------------------------
-    def apply_gradients(self, keys, grads) -> int:
-        """Apply row gradients (duplicate keys summed) with the optimizer, to
-        the keys that have rows; the rest are dropped and counted. One table
-        step. Returns how many rows changed."""
-        from psserver.optimizers import sum_duplicates
+    def check_gradients(self, keys, grads) -> tuple[np.ndarray, np.ndarray]:
+        """(1-D int64 keys, grads) as apply_gradients takes them, or
+        InvalidArgument saying what is wrong (nothing changes either way)."""
         keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.config.dim):
@@ -598,6 +596,14 @@ class DynamicTable:
                                   f"{grads.dtype}")
         if not np.isfinite(grads).all():
             raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
+        return keys, grads
+
+    def apply_gradients(self, keys, grads) -> int:
+        """Apply row gradients (duplicate keys summed) with the optimizer, to
+        the keys that have rows; the rest are dropped and counted. One table
+        step. Returns how many rows changed."""
+        from psserver.optimizers import sum_duplicates
+        keys, grads = self.check_gradients(keys, grads)
         ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
         rows = self.index.find(ukeys)
         have = rows >= 0

@@ -218,6 +218,8 @@ class ReplicaMethods:
     #: Finds a dynamic table shard's copy by its table name (set by
     #: psserver.tables.TableServicer; None: no tables here).
     table_copy: Callable[[str], CopyState | None] | None = None
+    #: Every dynamic table shard's copy here (set with table_copy).
+    table_copies: Callable[[], list] | None = None
 
     def _copy(self, name: str):
         """The copy ``name`` names: a variable, or (TABLE_PREFIX) a table shard."""

@@ -65,8 +65,7 @@ def _records(request: ps_pb2.ReplicateRequest, arrays) -> list[R.Record]:
 def _sync_spec(request) -> SyncSpec | None:
     if not request.HasField("sync"):
         return None
-    i = request.sync
-    return SyncSpec(i.step, i.replica, i.num_replicas, i.required, i.sum, i.step_timeout)
+    return SyncSpec.of(request.sync)
 
 
 def _sync_step(request) -> int | None:

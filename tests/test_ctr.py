@@ -214,12 +214,14 @@ def test_dlrm_learns_in_process_with_sgd_on_dict_tables():
 
 
 @pytest.mark.timeout(240)
-def test_the_ctr_example_learns_on_dynamic_tables():
+@pytest.mark.parametrize("mode, steps", [("async", 80), ("hybrid", 60)])
+def test_the_ctr_example_learns_on_dynamic_tables(mode, steps):
     """examples/ctr.py on a LocalCluster (2 ps, 2 workers): AUC rises well
-    above chance, below the planted model's, and the table admitted keys."""
+    above chance, below the planted model's, and the table admitted keys.
+    (hybrid: a step is 2 replicas of a batch each.)"""
     from examples import ctr
-    out = ctr.main(["--epochs", "2", "--steps-per-epoch", "80", "--batch-size", "256",
-                    "--eval-batches", "10", "--verbose", "0"])
+    out = ctr.main(["--epochs", "2", "--steps-per-epoch", str(steps), "--batch-size", "256",
+                    "--eval-batches", "10", "--verbose", "0", "--mode", mode])
     assert out["aucs"][-1] > out["aucs"][0] - 0.01
     assert 0.6 < out["auc"] < out["ceiling"]
     assert out["rows"] > 10_000 and out["samples_per_second"] > 0

@@ -101,9 +101,14 @@ def templates(tmp: str) -> dict[str, list]:
             tables_pb2.CreateTableRequest(name="d", spec=tables_pb2.TableSpec(dim=4),
                                           exist_ok=True)],
         "DynamicTables/Lookup": [tables_pb2.LookupRequest(name="d", keys=_t(ids)),
-                                 tables_pb2.LookupRequest(name="d", keys=_t(ids), no_admit=True)],
+                                 tables_pb2.LookupRequest(name="d", keys=_t(ids), no_admit=True),
+                                 tables_pb2.LookupRequest(name="d", keys=_t(ids),
+                                                          sync=ps_pb2.SyncRead(step=0))],
         "DynamicTables/Update": [tables_pb2.TableUpdateRequest(
-            name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32)))],
+            name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32))),
+            tables_pb2.TableUpdateRequest(   # a sync step of one replica
+                name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32)),
+                sync=ps_pb2.SyncInfo(step=0, replica=0, num_replicas=2, required=1))],
         "DynamicTables/Info": [tables_pb2.TableRef(name="d")],
         "DynamicTables/List": [tables_pb2.ListTablesRequest()],
         "DynamicTables/Delete": [tables_pb2.TableRef(name="fzt")],

@@ -110,20 +110,22 @@ class SlotValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SyncInfo(_message.Message):
-    __slots__ = ("step", "replica", "num_replicas", "required", "sum", "step_timeout")
+    __slots__ = ("step", "replica", "num_replicas", "required", "sum", "step_timeout", "hybrid")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HYBRID_FIELD_NUMBER: _ClassVar[int]
     step: int
     replica: int
     num_replicas: int
     required: int
     sum: bool
     step_timeout: float
-    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., required: _Optional[int] = ..., sum: _Optional[bool] = ..., step_timeout: _Optional[float] = ...) -> None: ...
+    hybrid: bool
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., required: _Optional[int] = ..., sum: _Optional[bool] = ..., step_timeout: _Optional[float] = ..., hybrid: _Optional[bool] = ...) -> None: ...
 
 class SyncRead(_message.Message):
     __slots__ = ("step", "step_timeout")
