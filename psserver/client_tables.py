@@ -88,11 +88,12 @@ class TableCalls:
     def delete_table(self, name: str) -> bool:
         return self._call(methods.TABLE_DELETE, tables_pb2.TableRef(name=name)).deleted
 
-    def save_table(self, name: str, directory: str) -> tables_pb2.SaveTableReply:
+    def save_table(self, name: str, directory: str, **incremental) -> tables_pb2.SaveTableReply:
         """Write this server's shard of ``name`` to a file in ``directory``
-        (under its --checkpoint-dir; psserver/tables.py)."""
-        return self._call(methods.TABLE_SAVE,
-                          tables_pb2.SaveTableRequest(name=name, directory=directory))
+        (under its --checkpoint-dir; psserver/tables.py). ``incremental``:
+        save_id, since, incarnation, stream, weights_only (tables.proto)."""
+        return self._call(methods.TABLE_SAVE, tables_pb2.SaveTableRequest(
+            name=name, directory=directory, **incremental))
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,

@@ -76,6 +76,14 @@ class Variable(R.CopyState):
         self.epoch = 0
         self.link: R.Link | None = None
         self.draining = False
+        # Incremental saves (psserver.tracking): what changed since a save
+        # point; None until a save names a save id.
+        self.tracker = None
+
+    def forget_changes(self) -> None:
+        """The state was replaced or the copy changed role (lock held): what
+        changed since a save point is unknown now (the next save writes it whole)."""
+        self.tracker = None
 
     def writing(self):
         """Wrap every change of value and version (lock held): readers of a
