@@ -105,11 +105,14 @@ class CheckpointManager:
       weights_only: values only, no optimizer state, update keys or table
         bookkeeping: a serving copy (coordinator.serving.Exporter), which
         ``restore`` refuses.
+      client_for: address -> PSClient (default: the process's connection
+        pool; the operator CLI passes its own).
     """
 
     def __init__(self, strategy, directory: str, *, max_to_keep: int = 5,
                  every_n_steps: int | None = None, every_seconds: float | None = None,
-                 incremental: bool = False, full_every: int = 10, weights_only: bool = False):
+                 incremental: bool = False, full_every: int = 10, weights_only: bool = False,
+                 client_for: Callable[[str], Any] | None = None):
         if max_to_keep < 1:
             raise ValueError("max_to_keep must be >= 1")
         if full_every < 1:
@@ -120,6 +123,7 @@ class CheckpointManager:
         self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
         self.incremental, self.full_every = incremental, full_every
         self.weights_only = weights_only
+        self._client_for = client_for or V.client_for
         # Whose saves these are, for the servers (psserver/tracking.py): each
         # directory's points are committed apart from any other's.
         self.stream = ("export:" if weights_only else "ckpt:") + hashlib.sha256(
@@ -190,7 +194,7 @@ class CheckpointManager:
                                       self.weights_only)
         # With replication, each shard is saved from the copy that is primary now.
         final, nbytes = write_checkpoint(self.directory, step, self.strategy.variables,
-                                         V.client_for, copies=routes.primaries,
+                                         self._client_for, copies=routes.primaries,
                                          ps_index=ps_index, extra=extra,
                                          tables=self.strategy.tables, incremental=incremental)
         self._last_step, self._last_time = step, time.monotonic()
@@ -259,7 +263,7 @@ class CheckpointManager:
                   if address is None or any(s.address == address for s in routes.primaries(v))]
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/replication.py).
-        out = restore_checkpoint(path, chosen, V.client_for, copies=routes.primaries,
+        out = restore_checkpoint(path, chosen, self._client_for, copies=routes.primaries,
                                  address=address, tables=self.strategy.tables)
         if address is None:   # the servers hold that checkpoint now: the next save is a base
             self._force_full = True

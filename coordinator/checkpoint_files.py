@@ -200,34 +200,39 @@ def load_variable(v, chain: list[tuple[str, dict]]) -> dict:
 def _compose_shard(v, history: list[tuple[str, dict]], weights_only: bool):
     """(tensors, metadata) of one shard: its last full file, and every later
     delta applied in order."""
-    (path, entry), later = history[0], history[1:]
-    tensors, meta = load_checked_shard(path, entry, v.dtype, v.shape, v.optimizer, weights_only)
-    for path, entry in later:
-        kind = entry.get("kind")
-        if kind == "unchanged":
-            continue
-        if kind != "delta":
-            raise CheckpointError(f"the manifest of {path} gives shard {entry.get('name')!r} "
-                                  f"the unknown kind {kind!r}; it cannot be restored")
-        delta, meta = load_checked_delta(path, entry, v.dtype, v.shape, v.optimizer,
-                                         weights_only)
-        apply_variable_delta(tensors, delta)
+    tensors = meta = None
+    for path, entry in history:
+        tensors, meta = advance_shard(tensors, meta, path, entry, v, weights_only)
     return tensors, meta
 
 
-def apply_variable_delta(tensors: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> None:
-    """A shard's delta (load_checked_delta's) applied to its arrays in place:
-    its rows of the value and of each per-row slot; scalar slots and update
-    keys replaced."""
+def advance_shard(tensors: dict | None, meta: dict | None, path: str, entry: Mapping[str, Any],
+                  v, weights_only: bool) -> tuple[dict[str, np.ndarray], dict]:
+    """A variable shard's (tensors, metadata) at checkpoint ``path``, from
+    those at the checkpoint before (None: none) and its ``entry`` there:
+    the file of a full entry; a delta's rows applied (in place) to the
+    tensors; an unchanged entry's as they were."""
+    kind = entry.get("kind", "full")
+    if kind == "full":
+        return load_checked_shard(path, entry, v.dtype, v.shape, v.optimizer, weights_only)
+    if tensors is None or kind not in ("delta", "unchanged"):
+        raise CheckpointError(f"the manifest of {path} gives shard {entry.get('name')!r} the "
+                              f"kind {kind!r}, which cannot follow what came before; it "
+                              "cannot be restored")
+    if kind == "unchanged":
+        return tensors, meta
+    delta, meta = load_checked_delta(path, entry, v.dtype, v.shape, v.optimizer, weights_only)
     rows = delta["rows"]
     shape = tensors["value"].shape
     for k, a in delta.items():
         if k == "rows":
             continue
-        if k == "value" or (k.startswith("slot/") and tensors[k].shape == shape):
+        if k == "value" or (k in tensors and k.startswith("slot/")
+                            and tensors[k].shape == shape):
             tensors[k][rows] = a
-        else:
+        else:   # scalar slots, update keys
             tensors[k] = a
+    return tensors, meta
 
 
 def load_checked_shard(ckpt: str, entry: Mapping[str, Any], dtype: str, shape: Sequence[int],
@@ -319,6 +324,26 @@ def load_table(t, chain: list[tuple[str, dict]]) -> tuple[dict[str, np.ndarray],
     shard joined and sorted by key (keys unique), and the largest shard
     step; checked against the table ``t`` (name, dim, dtype, optimizer) and
     the files against their manifests. A weights-only chain: keys and values."""
+    shards = load_table_shards(t, chain)
+    parts = [state for state, _, _ in shards]
+    step = max((s for _, s, _ in shards), default=0)
+    names = parts[0].keys() if parts else ()
+    state = {k: (np.max([p[k] for p in parts]).astype(parts[0][k].dtype).reshape(())
+                 if parts[0][k].ndim == 0 else np.concatenate([p[k] for p in parts]))
+             for k in names}
+    if state and np.unique(state["keys"]).size != state["keys"].size:
+        raise CheckpointError(f"the shard files of table {t.name!r} in {chain[-1][0]} hold a "
+                              "key twice; nothing was restored")
+    if state:   # by key, whatever the shards were
+        order = np.argsort(state["keys"], kind="stable")
+        state = {k: a if a.ndim == 0 else a[order] for k, a in state.items()}
+    return state, step
+
+
+def load_table_shards(t, chain: list[tuple[str, dict]]) -> list[tuple]:
+    """Each shard's (arrays sorted by key, step, clock) of a dynamic table
+    at the last checkpoint of ``chain`` (advance_table_shard's), checked as
+    load_table says."""
     path, manifest = chain[-1]
     info = manifest.get("tables", {}).get(t.name)
     if info is None:
@@ -333,34 +358,36 @@ def load_table(t, chain: list[tuple[str, dict]]) -> tuple[dict[str, np.ndarray],
         raise CheckpointError(f"dynamic table {t.name!r} has dim {t.dim} {t.dtype} here but "
                               f"{info['dim']} {info['dtype']} in {path}")
     weights_only = bool(manifest.get("weights_only"))
-    parts, step = [], 0
+    out = []
     for i in range(len(entries)):
-        history = _shard_history(chain, "tables", t.name, i, _same_table)
-        state, shard_step, clock = load_table_file(history[0][0], history[0][1], t,
-                                                   weights_only, delta=False)
-        for p, e in history[1:]:
-            delta, d_step, d_clock = load_table_file(p, e, t, weights_only, delta=True)
-            if not weights_only:   # rows kept: as old as they were, now
-                if clock is None or d_step < shard_step:
-                    raise CheckpointError(f"{p}: a table delta whose base lacks its clock or "
-                                          "is at a later step; it cannot be restored")
-                state["age_steps"] = state["age_steps"] + (d_step - shard_step)
-                state["age_seconds"] = state["age_seconds"] + (d_clock - clock)
-            state = merge_table_rows(state, delta)
-            shard_step, clock = d_step, d_clock
-        parts.append(state)
-        step = max(step, shard_step)
-    names = parts[0].keys() if parts else ()
-    state = {k: (np.max([p[k] for p in parts]).astype(parts[0][k].dtype).reshape(())
-                 if parts[0][k].ndim == 0 else np.concatenate([p[k] for p in parts]))
-             for k in names}
-    if state and np.unique(state["keys"]).size != state["keys"].size:
-        raise CheckpointError(f"the shard files of table {t.name!r} in {path} hold a key "
-                              "twice; nothing was restored")
-    if state:   # by key, whatever the shards were
-        order = np.argsort(state["keys"], kind="stable")
-        state = {k: a if a.ndim == 0 else a[order] for k, a in state.items()}
-    return state, step
+        shard = None
+        for p, e in _shard_history(chain, "tables", t.name, i, _same_table):
+            shard = advance_table_shard(shard, p, e, t, weights_only)
+        out.append(shard)
+    return out
+
+
+def advance_table_shard(shard: tuple | None, path: str, entry: Mapping[str, Any], t,
+                        weights_only: bool) -> tuple[dict[str, np.ndarray], int, float | None]:
+    """A table shard's (arrays, step, clock) at checkpoint ``path`` from
+    those at the checkpoint before (None: none) and its ``entry`` there: the
+    file of a full entry, or the delta merged in (rows kept age by the steps
+    and seconds between the two saves)."""
+    if entry.get("kind", "full") == "full":
+        return load_table_file(path, entry, t, weights_only, delta=False)
+    if shard is None or entry.get("kind") != "delta":
+        raise CheckpointError(f"the manifest of {path} gives a shard of table {t.name!r} the "
+                              f"kind {entry.get('kind')!r}, which cannot follow what came "
+                              "before; it cannot be restored")
+    state, step, clock = shard
+    delta, d_step, d_clock = load_table_file(path, entry, t, weights_only, delta=True)
+    if not weights_only:   # rows kept: as old as they were, now
+        if clock is None or d_step < step:
+            raise CheckpointError(f"{path}: a table delta whose base lacks its clock or is at "
+                                  "a later step; it cannot be restored")
+        state = {**state, "age_steps": state["age_steps"] + (d_step - step),
+                 "age_seconds": state["age_seconds"] + (d_clock - clock)}
+    return merge_table_rows(state, delta), d_step, d_clock
 
 
 def merge_table_rows(state: dict[str, np.ndarray], delta: dict[str, np.ndarray]
