@@ -120,8 +120,8 @@ class TableCalls:
             for key, a in state.items():
                 if key.startswith("slot/"):
                     a = np.asarray(a)
-                    T.fill(req.slots.add(name=key[5:]).tensor,
-                           np.ascontiguousarray(a if a.ndim == 0 else a[lo:hi]))
+                    T.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
+                           a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
 

@@ -30,7 +30,8 @@ from psserver.tracking import VariableTracker
 
 
 #: Testing switch: a parameter server with this set dies in the middle of a
-#: save (after writing a temporary file, before renaming it).
+#: save (after writing a temporary file, before renaming it); set to
+#: "delta", only in the middle of writing a delta.
 FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
 
 #: How a shard was written (ps.proto SaveKind).
@@ -71,16 +72,19 @@ def save_fields(request) -> dict:
                 stream=request.stream, weights_only=request.weights_only)
 
 
-def write_tensors(directory: str, file: str, tensors: dict, meta: dict) -> int:
+def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
+                  delta: bool = False) -> int:
     """Write a safetensors file atomically: a temporary name, fsync, chmod
-    0644 (a coordinator of another user reads it), rename. Returns its bytes."""
+    0644 (a coordinator of another user reads it), rename. Returns its bytes.
+    ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta)."""
     from safetensors.numpy import save_file
 
     path = os.path.join(directory, file)
     tmp = f"{path}.tmp{os.getpid()}"
     save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)   # (0-d stays 0-d)
                for k, v in tensors.items()}, tmp, metadata=meta)
-    if os.environ.get(FAULT_CRASH_IN_SAVE_ENV):   # fault injection for tests
+    fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
+    if fault and (delta or fault != "delta"):   # fault injection for tests
         os._exit(3)
     _fsync_file(tmp)    # on disk before it gets its final name
     os.chmod(tmp, 0o644)
@@ -221,7 +225,7 @@ class SaveMethods:
                 out.append(SavedShard(var.name, "", version, 0, kind))
                 continue
             file = urllib.parse.quote(var.name, safe="") + ".safetensors"
-            nbytes = write_tensors(directory, file, tensors, meta)
+            nbytes = write_tensors(directory, file, tensors, meta, delta=kind == DELTA)
             out.append(SavedShard(var.name, file, version, nbytes, kind,
                                   0 if rows is None else int(rows.size)))
         return out

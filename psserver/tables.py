@@ -388,7 +388,7 @@ class TableServicer:
                 "clock": repr(now), "save": KIND_NAMES[kind],
                 "spec": json_format.MessageToJson(entry.spec, indent=None)}
         file = table_file(request.name)
-        nbytes = write_tensors(directory, file, state, meta)
+        nbytes = write_tensors(directory, file, state, meta, delta=kind == DELTA)
         return tables_pb2.SaveTableReply(
             file=file, rows=int(state["keys"].size), bytes=nbytes, step=step, kind=kind,
             evicted=int(state["evicted"].size) if "evicted" in state else 0,
