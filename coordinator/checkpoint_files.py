@@ -455,7 +455,7 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
 def _load_shard(path: str, nbytes: Any = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of one shard file; with ``nbytes`` (its manifest
     entry's), a file of another size is refused first (cut short, damaged)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if isinstance(nbytes, int):
         try:
@@ -468,7 +468,7 @@ def _load_shard(path: str, nbytes: Any = None) -> tuple[dict[str, np.ndarray], d
     try:
         with safe_open(path, framework="np") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
 
 
