@@ -13,9 +13,10 @@ costs on the push path.
    and a list of the pushes' id arrays. Variants alternate call by call
    (bench.common.time_interleaved); p50 of the per-call times.
 2. **Through a parameter server** (LocalCluster, 1 ps, the route it
-   plans): the same sparse push from this process to two like variables,
-   one never saved incrementally (no tracker) and one saved once at the
-   start (tracked), alternating call by call.
+   plans): the same sparse push from this process to three like
+   variables, two never saved incrementally (no tracker; their difference
+   is the measurement's noise) and one saved once at the start (tracked),
+   one call of each per round, in rotating order.
 3. **Before / after** (``--before PATH``: a checkout of the code before
    tracking, e.g. ``git archive 8484d06 | tar -x -C PATH``): part 1's
    sparse push with tracking off, run alternately in child processes on
@@ -32,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -122,10 +124,10 @@ class _ListTracker:
 
 
 def through_server(reps: int) -> dict:
-    """Sparse pushes to two like variables on one server, one tracked (an
-    incremental save taken once at the start), one not, alternating call
-    by call."""
-    from bench.common import time_interleaved
+    """Sparse pushes to three like variables on one server: two never
+    saved incrementally ("off", and "off_again": the noise between two
+    identical variants), one tracked ("on": an incremental save taken once
+    at the start); one call of each per round, the order rotating."""
     from coordinator import LocalCluster, ParameterServerStrategy
     from psserver.client import PSClient
 
@@ -133,20 +135,23 @@ def through_server(reps: int) -> dict:
     grads = rng.normal(size=(IDS, DIM)).astype(np.float32)
     ids = [_ids(rng) for _ in range(16)]
     tmp = tempfile.mkdtemp(prefix="pstrain-bench-tracking-")
+    names = ("off", "off_again", "on")
+    samples = {n: [] for n in names}
     with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(tmp,)) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
         with PSClient(cluster.spec.ps[0], token=cluster.token, tls=strategy.tls) as c:
-            for name in ("off", "on"):
+            for name in names:
                 c.create_variable(name, (ROWS, DIM), "float32", optimizer="adagrad")
             c.save_incremental(tmp, ["on"], save_id=1, stream="bench")
-            counter = iter(range(1 << 30))
-
-            def push(name):
-                return lambda: c.push_sparse(name, ids[next(counter) % 16], grads)
-            stats = time_interleaved({k: push(k) for k in ("off", "on")}, reps, warmup=20)
+            for r in range(reps + 20):
+                for name in names[r % 3:] + names[:r % 3]:
+                    t0 = time.perf_counter()
+                    c.push_sparse(name, ids[r % 16], grads)
+                    if r >= 20:   # (warm-up rounds)
+                        samples[name].append(time.perf_counter() - t0)
     import shutil
     shutil.rmtree(tmp, ignore_errors=True)
-    return {k: v.p50 for k, v in stats.items()}
+    return {k: float(np.median(v)) for k, v in samples.items()}
 
 
 #: Part 3's child: a sparse push's p50 (tracking off) with the psserver of
@@ -206,7 +211,8 @@ def main(argv=None) -> int:
     s = result["server"]
     print_table(["tracking", "p50 push_sparse", "x off"],
                 [[k, fmt_seconds(v), f"{v / s['off']:.3f}"] for k, v in s.items()],
-                title="## through a parameter server (LocalCluster, 1 ps), alternating calls")
+                title="## through a parameter server (LocalCluster, 1 ps), calls alternating "
+                      "in rotating order")
     if args.before:
         result["before_after"] = ba = before_after(args.before, 3, reps)
         print_table(["tree", "p50 push_sparse (no tracker)", "x before"],
