@@ -293,3 +293,63 @@ def test_a_serving_export_is_not_restored_as_a_checkpoint(tmp_path):
                                  weights_only=True).save(1)
         with pytest.raises(CheckpointError, match="serving export"):
             CheckpointManager(strategy, str(tmp_path)).restore(path)
+
+
+def _replicated_step(w, table, seed: int):
+    """A worker's step: rows of w and of the table (looked up, updated)."""
+    from coordinator import push_gradients as push
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(40, 4, replace=False)
+    push([(w, IndexedSlices(np.ones((4, 2), np.float32), ids))])
+    keys = np.unique(rng.integers(0, 100, 8))
+    table.lookup(keys)
+    table.push_gradient(keys, np.ones((keys.size, 2), np.float32))
+
+
+def test_a_failed_over_shard_is_saved_whole_and_the_chain_stays_exact(tmp_path):
+    """Replication: a server dies and its shards' backups are promoted. The
+    next incremental save writes the promoted copies whole (their changes
+    since the base are not known there) and the others as deltas; the
+    chain composes to what the servers hold."""
+    from coordinator import ClusterCoordinator, routes
+    with LocalCluster(num_ps=2, num_workers=1, restart=()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True,
+                                           variable_partitioner=FixedShardsPartitioner(2))
+        w = strategy.create_variable("w", shape=(40, 2), optimizer="adam")
+        table = strategy.create_embedding_table("t", 2, initializer="random_normal",
+                                                optimizer="adagrad")
+        inc = CheckpointManager(strategy, str(tmp_path), incremental=True)
+        with ClusterCoordinator(strategy, ps_check_interval=0.2, ps_failover_after=1.0,
+                                ps_recovery_timeout=10.0) as coord:
+            def run(first, n):
+                coord.fetch([coord.schedule(_replicated_step, args=(w, table, s))
+                             for s in range(first, first + n)])
+            run(0, 10)
+            inc.save(1)
+            run(10, 5)
+            second = inc.save(2)
+            cluster.kill_ps(1)
+            run(15, 10)   # fails over, and goes on
+            dead = cluster.spec.ps[1]
+            deadline = time.monotonic() + 60   # the recovery's own routes moved off it
+            while any(c.address == dead for c in routes.primaries(w) + table.primaries()):
+                assert time.monotonic() < deadline, "the failover did not complete"
+                time.sleep(0.05)
+            assert coord._recovery.lost == {dead}
+            third = inc.save(3)
+            keys = np.arange(100, dtype=np.int64)
+            want_w, want_rows = w.read(), table.lookup(keys, admit=False)
+
+    def kinds(path):
+        m = json.load(open(os.path.join(path, "manifest.json")))
+        return ([e["kind"] for e in m["variables"]["w"]["shards"]],
+                [e["kind"] for e in m["tables"]["t"]["shards"]])
+    assert kinds(second) == (["delta", "delta"], ["delta", "delta"])
+    assert kinds(third) == (["delta", "full"], ["delta", "full"])   # shard 1: promoted
+    chain = chain_of(third)
+    assert len(chain) == 3
+    np.testing.assert_array_equal(load_variable(w, chain)["value"], want_w)
+    state, _ = load_table(table, chain)
+    held = np.isin(keys, state["keys"])
+    np.testing.assert_array_equal(state["values"], want_rows[held])
+    assert not want_rows[~held].any()   # keys it does not hold: no row there either
