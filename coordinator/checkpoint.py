@@ -87,7 +87,14 @@ from psserver.errors import DeadlineExceeded, NotFound, PSError, Unavailable
 log = logging.getLogger("coordinator.checkpoint")
 
 #: SavedFile.kind / SaveTableReply.kind (ps.proto SaveKind) as manifests write them.
-_KINDS = {0: "full", 1: "delta", 2: "unchanged"}
+_KIND_NAMES = {0: "full", 1: "delta", 2: "unchanged"}
+
+
+def _kind(kind: int) -> str:
+    if kind not in _KIND_NAMES:
+        raise CheckpointError(f"a parameter server wrote a shard of kind {kind}, which this "
+                              "version of pstrain does not know; upgrade the coordinator")
+    return _KIND_NAMES[kind]
 
 
 class CheckpointManager:
@@ -376,7 +383,7 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                 reply = job.result()
                 servers[addr] = reply.incarnation
                 for f in reply.files:
-                    entry = {"version": f.version, "bytes": f.bytes, "kind": _KINDS[f.kind]}
+                    entry = {"version": f.version, "bytes": f.bytes, "kind": _kind(f.kind)}
                     if f.file:
                         entry["file"] = os.path.relpath(os.path.join(subs[addr], f.file), tmp)
                     if f.kind == 1:
@@ -390,7 +397,7 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                     table_files[t].append(
                         {"file": os.path.relpath(os.path.join(subs[c.address], r.file), tmp),
                          "rows": r.rows, "bytes": r.bytes, "step": r.step,
-                         "kind": _KINDS[r.kind], **({"evicted": r.evicted} if r.kind else {})})
+                         "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")

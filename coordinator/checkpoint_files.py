@@ -260,7 +260,7 @@ def _checked(ckpt, entry, dtype, shape, optimizer, weights_only, delta):
     from psserver import optimizers as optim
 
     try:
-        file = os.path.join(ckpt, entry["file"])
+        file = _file_in(ckpt, entry["file"])
         rows, version = int(entry["rows"]), int(entry["version"])
         nrows = int(entry["delta_rows"]) if delta else rows
     except (KeyError, TypeError, ValueError) as exc:
@@ -415,7 +415,7 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     delta's "evicted" keys apart (in the arrays). Clock: None when the file
     has none (written before incremental saves)."""
     try:
-        file, rows = os.path.join(ckpt, entry["file"]), int(entry["rows"])
+        file, rows = _file_in(ckpt, entry["file"]), int(entry["rows"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest of {ckpt} is incomplete: a shard of table "
                               f"{t.name!r} lacks {exc}; nothing was restored") from None
@@ -450,6 +450,19 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     if delta and clock is None and not weights_only:
         raise CheckpointError(f"checkpoint file {file} is a table delta without a clock")
     return tensors, step, clock
+
+
+def _file_in(ckpt: str, name) -> str:
+    """The path of a file a manifest of checkpoint ``ckpt`` names; it must
+    lie inside the checkpoint (CheckpointError: a manifest that points
+    elsewhere is not read from)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError("a file name")
+    path = os.path.normpath(os.path.join(ckpt, name))
+    if os.path.isabs(name) or not path.startswith(os.path.normpath(ckpt) + os.sep):
+        raise CheckpointError(f"the manifest of {ckpt} names the file {name!r}, outside the "
+                              "checkpoint; nothing was read from it")
+    return path
 
 
 def _load_shard(path: str, nbytes: Any = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -353,3 +353,22 @@ def test_a_failed_over_shard_is_saved_whole_and_the_chain_stays_exact(tmp_path):
     held = np.isin(keys, state["keys"])
     np.testing.assert_array_equal(state["values"], want_rows[held])
     assert not want_rows[~held].any()   # keys it does not hold: no row there either
+
+
+def test_a_manifest_cannot_point_the_reader_outside_its_checkpoint(tmp_path):
+    """Chains name parents by directory name beside them and files inside
+    the checkpoint: a manifest naming anything else is refused, unread."""
+    from coordinator.checkpoint_files import load_checked_shard
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"x")
+    ckpt = tmp_path / "d" / "ckpt-00000002"
+    ckpt.mkdir(parents=True)
+    for parent in ("../secret", "ckpt-1/../../x", 7):
+        (ckpt / "manifest.json").write_text(json.dumps(
+            {"step": 2, "variables": {}, "chain": {"parent": parent, "parent_id": 1}}))
+        with pytest.raises(CheckpointError, match="no valid parent"):
+            chain_of(str(ckpt))
+    for name in ("../../secret.safetensors", str(secret)):
+        with pytest.raises(CheckpointError, match="outside the checkpoint"):
+            load_checked_shard(str(ckpt), {"file": name, "rows": 1, "version": 0},
+                               "float32", (1,), "sgd")
