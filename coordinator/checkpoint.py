@@ -82,7 +82,8 @@ from coordinator import variables as V
 from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # noqa: F401
                                           chain_of, find_checkpoints, load_checked_shard,
                                           load_table, load_variable, read_manifest)
-from psserver.errors import DeadlineExceeded, NotFound, PSError, Unavailable
+from psserver.errors import (DeadlineExceeded, FailedPrecondition, NotFound, PSError,
+                             Unavailable)
 
 log = logging.getLogger("coordinator.checkpoint")
 
@@ -199,11 +200,21 @@ class CheckpointManager:
             parent = None if os.path.exists(final) else self._parent_for_next()
             incremental = Incremental(secrets.randbits(63) + 1, self.stream, parent,
                                       self.weights_only)
-        # With replication, each shard is saved from the copy that is primary now.
-        final, nbytes = write_checkpoint(self.directory, step, self.strategy.variables,
-                                         self._client_for, copies=routes.primaries,
-                                         ps_index=ps_index, extra=extra,
-                                         tables=self.strategy.tables, incremental=incremental)
+
+        def write(incremental):   # with replication: from the copies that are primary now
+            return write_checkpoint(self.directory, step, self.strategy.variables,
+                                    self._client_for, copies=routes.primaries,
+                                    ps_index=ps_index, extra=extra,
+                                    tables=self.strategy.tables, incremental=incremental)
+        try:
+            final, nbytes = write(incremental)
+        except FailedPrecondition as exc:
+            if incremental is None or incremental.parent is None:
+                raise
+            # A server has forgotten the parent's save (it took too many since): a base.
+            log.warning("incremental checkpoint at step %d written whole: %s", step, exc)
+            final, nbytes = write(Incremental(secrets.randbits(63) + 1, self.stream, None,
+                                              self.weights_only))
         self._last_step, self._last_time = step, time.monotonic()
         self._parent, self._force_full = final, False
         for orphan in orphans:

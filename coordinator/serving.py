@@ -268,8 +268,10 @@ class Snapshot:
                         old.manifest.get("save_id") and latest == old.path:
                     return False
                 new = self._advance(old, chain)
-            except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
-                raise SnapshotError(f"cannot load export {latest}: {exc}; still serving "
+            except Exception as exc:   # noqa: BLE001 -- whatever the files hold: refused
+                what = str(exc) if isinstance(exc, CheckpointError) else \
+                    f"{type(exc).__name__}: {exc} (a malformed manifest?)"
+                raise SnapshotError(f"cannot load export {latest}: {what}; still serving "
                                     f"{old.path if old else 'nothing'}") from None
             with self._changed:
                 self._state = new

@@ -38,8 +38,11 @@ FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
 FULL, DELTA, UNCHANGED = 0, 1, 2
 KIND_NAMES = {FULL: "full", DELTA: "delta", UNCHANGED: "unchanged"}
 #: Save ids a server remembers having taken (to tell a forgotten one from a
-#: wrong one), and the longest stream name.
-SAVES_KEPT = 4096
+#: wrong one), per stream (one stream's saves never push out another's), of
+#: at most this many streams (the least recently saved forgotten first),
+#: and the longest stream name.
+SAVES_KEPT = 1024
+STREAMS_KEPT = 64
 MAX_STREAM = 128
 
 
@@ -107,7 +110,9 @@ class SaveMethods:
         #: This server process; a save point is known only to the incarnation
         #: that took it (a restarted server writes its next save whole).
         self.incarnation = uuid.uuid4().hex
-        self._saves: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._saves: dict[int, str] = {}   # save id -> its stream
+        self._streams: collections.OrderedDict[str, collections.OrderedDict] = \
+            collections.OrderedDict()      # stream -> its save ids, oldest first
         self._saves_lock = threading.Lock()
 
     def begin_save(self, save_id: int = 0, since: int = 0, incarnation: str = "",
@@ -142,11 +147,23 @@ class SaveMethods:
                 raise InvalidArgument(f"save {since} belongs to stream "
                                       f"{self._saves[since]!r}, not {stream!r}")
             if save_id:
-                self._saves[save_id] = stream
-                self._saves.move_to_end(save_id)
-                while len(self._saves) > SAVES_KEPT:
-                    self._saves.popitem(last=False)
+                self._note_save(save_id, stream)
         return SaveSpec(save_id, since if known else 0, stream, bool(weights_only))
+
+    def _note_save(self, save_id: int, stream: str) -> None:
+        """Remember save_id as one of ``stream``'s (saves lock held)."""
+        if self._saves.get(save_id, stream) != stream:   # (an id reused by another stream)
+            self._streams[self._saves[save_id]].pop(save_id, None)
+        self._saves[save_id] = stream
+        ids = self._streams.setdefault(stream, collections.OrderedDict())
+        ids[save_id] = None
+        ids.move_to_end(save_id)
+        self._streams.move_to_end(stream)
+        while len(ids) > SAVES_KEPT:
+            self._saves.pop(ids.popitem(last=False)[0], None)
+        while len(self._streams) > STREAMS_KEPT:
+            for old in self._streams.popitem(last=False)[1]:
+                self._saves.pop(old, None)
 
     def commit_save(self, save_id: int, stream: str = "", incarnation: str = "") -> tuple[int, int]:
         """Save ``save_id`` of ``stream`` is on disk for good (its manifest

@@ -294,6 +294,7 @@ class TableServicer:
             try:
                 rows = entry.table.lookup(keys, admit=not request.no_admit, counts=counts)
             except BaseException:
+                entry.forget_changes()   # (a bug half-way: saved whole next)
                 if journaled:   # (checked first: a failure here is a bug half-way,
                     entry.table.take_journal()   # so the backup gets the whole state)
                     entry.link.reset()
@@ -334,6 +335,7 @@ class TableServicer:
                         t.take_journal()
                     raise
                 except BaseException:   # a failure half-way: the backup gets the whole state
+                    entry.forget_changes()   # (and the next incremental save)
                     if journaled:
                         t.take_journal()
                         entry.link.reset()

@@ -106,13 +106,15 @@ class Variable(R.CopyState):
     def applying(self):
         """Wrap an update whose record went ahead (lock held): the value's
         seqlock (writing), and, should the update fail half-way (a bug), a
-        whole copy of the state for the backup, which had the record."""
+        whole copy of the state for the backup, which had the record, and
+        the whole variable in the next incremental save."""
         try:
             with self.writing():
                 yield
         except BaseException:
             if self.link is not None:
                 self.link.reset()
+            self.forget_changes()   # (which rows changed is not known: saved whole next)
             raise
 
     @property

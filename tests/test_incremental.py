@@ -250,6 +250,31 @@ def test_retention_keeps_chains_whole_and_the_cli_lists_restores_and_exports(
         assert [os.path.basename(p) for p in inc.checkpoints()] == \
             ["ckpt-00000005", "ckpt-00000007"]
 
+        from coordinator import variables as V
+        refused = []
+
+        class Forgetful:   # a server that no longer knows the parent's save
+            def __init__(self, address):
+                self.client = V.client_for(address)
+
+            def __getattr__(self, name):
+                return getattr(self.client, name)
+
+            def save_incremental(self, *a, since=0, **k):
+                if since and not refused:
+                    refused.append(since)
+                    raise FailedPrecondition("save id unknown")
+                return self.client.save_incremental(*a, since=since, **k)
+        forgetful = CheckpointManager(strategy, ckpt_dir, incremental=True, client_for=Forgetful)
+        w.push_sparse(np.array([9]), np.ones((1, 2), np.float32))
+        path = forgetful.save(8)   # written whole instead, and a delta follows it
+        assert refused and "chain" not in json.load(open(os.path.join(path, "manifest.json")))
+        w.push_sparse(np.array([9]), np.ones((1, 2), np.float32))
+        values[9] = w.read()
+        assert "chain" in json.load(open(os.path.join(forgetful.save(9), "manifest.json")))
+        inc.restore()
+        np.testing.assert_array_equal(w.read(), values[9])
+
         export_dir = str(tmp_path / "export")
         assert cli.main(["export", export_dir, "--every", "0.05", "--count", "2", "--json",
                          *ps]) == 0

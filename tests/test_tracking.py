@@ -265,3 +265,18 @@ def test_table_shards_track_made_updated_looked_up_and_evicted_keys(tmp_path):
             else:
                 assert shard[0][k].tobytes() == a.tobytes(), (n, k)
     assert all(rows < 30 for rows, _ in deltas) and sum(e for _, e in deltas) > 0
+
+
+def test_one_streams_many_saves_never_make_a_server_forget_anothers(tmp_path, monkeypatch):
+    from psserver import saving
+    monkeypatch.setattr(saving, "SAVES_KEPT", 4)
+    store = VariableStore()
+    store.create("w", "float32", (4, 2))
+    store.save(str(tmp_path), (), store.begin_save(1, 0, "", "ckpt"))
+    for i in range(2, 30):   # an export's many saves
+        store.begin_save(i, 0, "", "export")
+    assert store.begin_save(100, 1, store.incarnation, "ckpt").since == 1
+    for i in range(101, 106):   # the checkpoint stream's own: its oldest goes
+        store.begin_save(i, 0, "", "ckpt")
+    with pytest.raises(FailedPrecondition, match="unknown"):
+        store.begin_save(200, 1, store.incarnation, "ckpt")
