@@ -60,16 +60,19 @@ def test_a_snapshot_follows_training_atomically_and_serves_without_the_servers(t
                 seen.add(float(rows[0, 0]))
         thread = threading.Thread(target=reader, daemon=True)
         thread.start()
+        first = snap.generation
         for k in range(1, 13):
             a.assign(np.full(6, k, np.float32))
             marks.push_gradient(MARKS, -np.ones((MARKS.size, 2), np.float32))
             done = snap.generation
             exporter.export()
-            snap.wait(done, timeout=30)
+            assert snap.wait(done, timeout=30) == done + 1
         stop.set()
         thread.join()
         assert not mixed, mixed[:2]
-        assert len(seen) >= 4 and max(seen) == 12.0, seen   # it followed the deltas
+        assert snap.generation - first == 12       # it followed every delta, one by one
+        assert (snap.lookup("marks", MARKS) == 12).all() and (snap.read("a") == 12).all()
+        assert len(seen) >= 2, seen                # and the reader saw them change
 
         # 2. Beside a running job: exports every 0.3 s while the workers train;
         # the Snapshot follows, and after the last export equals the servers.
