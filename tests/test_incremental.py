@@ -142,7 +142,9 @@ def test_a_crash_while_writing_a_delta_keeps_the_previous_chain_restorable(tmp_p
         strategy = ParameterServerStrategy(cluster.spec,
                                            variable_partitioner=FixedShardsPartitioner(2))
         model = make_model(strategy)
-        inc = CheckpointManager(strategy, str(tmp_path), incremental=True)
+        from coordinator.calls import client_for   # (calls to a dead server fail at once)
+        inc = CheckpointManager(strategy, str(tmp_path), incremental=True,
+                                client_for=lambda a: client_for(a, fail_fast=True))
         train(model, rng, 2)
         base = inc.save(1)                  # a base: written whole, no crash
         with pytest.raises(PSError):
