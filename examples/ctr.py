@@ -32,6 +32,11 @@ AUC (the ceiling) is printed first::
     python examples/ctr.py
     python -m examples.ctr --epochs 3 --steps-per-epoch 200 --num-workers 2
     python examples/ctr.py --mode hybrid
+
+``--incremental-checkpoints DIR`` saves an incremental checkpoint after
+each epoch (a base, then deltas); ``--export DIR`` writes a serving copy
+beside training (the weights, a delta every ``--export-every`` seconds),
+which ``examples/serve_ctr.py`` follows and scores in a process of its own.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import contextlib
 import functools
 import os
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):   # run as a script: make the repo importable (here and on workers)
@@ -47,9 +53,9 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-from coordinator import (ClusterCoordinator, Initializer, LocalCluster,
-                         ParameterServerStrategy, TFConfigClusterResolver, push_gradients,
-                         read_variables)
+from coordinator import (CheckpointCallback, CheckpointManager, ClusterCoordinator,
+                         Initializer, LocalCluster, ParameterServerStrategy,
+                         TFConfigClusterResolver, push_gradients, read_variables)
 from coordinator import ctr_data as D
 from coordinator.calls import client_for
 from coordinator.fit import fit
@@ -104,10 +110,16 @@ def evaluate(table, variables: dict, seed: int, batches: int, size: int) -> dict
     """AUC and loss on held-out batches (stream seed + 1): nothing admitted."""
     names = list(variables)
     params = dict(zip(names, read_variables([variables[n] for n in names])))
+    return held_out(params, lambda ids: table.lookup(ids, admit=False), seed, batches, size)
+
+
+def held_out(params: dict, lookup, seed: int, batches: int, size: int) -> dict:
+    """AUC and loss of ``params`` (the dense layers) and ``lookup`` (ids ->
+    embedding rows) on the held-out batches (also examples/serve_ctr.py)."""
     labels, scores, losses = [], [], []
     for i in range(batches):
         b = D.batch(seed + 1, i, size)
-        rows = table.lookup(b.sparse, admit=False)
+        rows = lookup(b.sparse)
         losses.append(M.loss_and_grads(params, b.dense, rows, b.labels)[0])
         labels.append(b.labels)
         scores.append(M.forward(params, b.dense, rows)[0])
@@ -134,13 +146,20 @@ def main(argv=None) -> dict:
                    help="local: start a LocalCluster (default); tf_config: the running "
                         "cluster in TF_CONFIG / TF_CONFIG_FILE")
     p.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1)
+    p.add_argument("--incremental-checkpoints", metavar="DIR",
+                   help="an incremental checkpoint after each epoch (a base, then deltas)")
+    p.add_argument("--export", metavar="DIR", help="write a serving copy beside training "
+                                                   "(examples/serve_ctr.py follows it)")
+    p.add_argument("--export-every", type=float, default=5.0, metavar="SECONDS")
     args = p.parse_args(argv)
+    dirs = [os.path.abspath(d) for d in (args.incremental_checkpoints, args.export) if d]
     ceiling = D.bayes_auc(args.seed + 1, 50_000)
 
     with contextlib.ExitStack() as stack:
         if args.cluster == "local":
-            cluster = stack.enter_context(LocalCluster(num_ps=args.num_ps,
-                                                       num_workers=args.num_workers))
+            cluster = stack.enter_context(LocalCluster(
+                num_ps=args.num_ps, num_workers=args.num_workers,
+                checkpoint_dirs=(os.getcwd(), tempfile.gettempdir(), *dirs)))
             resolver = cluster.spec
         else:
             resolver = TFConfigClusterResolver()
@@ -169,11 +188,17 @@ def main(argv=None) -> dict:
             seconds.append(time.perf_counter())
             return evaluate(table, variables, seed, args.eval_batches, size)
 
+        callbacks = [CheckpointCallback(CheckpointManager(
+            strategy, args.incremental_checkpoints, incremental=True, max_to_keep=3))] \
+            if args.incremental_checkpoints else []
+        if args.export:   # (its last export when the run ends, before the cluster stops)
+            from coordinator.serving import Exporter
+            stack.enter_context(Exporter(strategy, args.export, every_seconds=args.export_every))
         with ClusterCoordinator(strategy) as coord:
             t0 = time.perf_counter()
             history = fit(coord, make_train_step(table, variables, batch_of), dataset_fn,
                           epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-                          validation_fn=validate, verbose=args.verbose)
+                          validation_fn=validate, verbose=args.verbose, callbacks=callbacks)
         stats = table.stats()
     marks = [t0] + seconds
     rates = [samples / (b - a) for a, b in zip(marks, marks[1:])]

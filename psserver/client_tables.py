@@ -101,11 +101,12 @@ class TableCalls:
     def delete_table(self, name: str) -> bool:
         return self._call(methods.TABLE_DELETE, tables_pb2.TableRef(name=name)).deleted
 
-    def save_table(self, name: str, directory: str) -> tables_pb2.SaveTableReply:
+    def save_table(self, name: str, directory: str, **incremental) -> tables_pb2.SaveTableReply:
         """Write this server's shard of ``name`` to a file in ``directory``
-        (under its --checkpoint-dir; psserver/tables.py)."""
-        return self._call(methods.TABLE_SAVE,
-                          tables_pb2.SaveTableRequest(name=name, directory=directory))
+        (under its --checkpoint-dir; psserver/tables.py). ``incremental``:
+        save_id, since, incarnation, stream, weights_only (tables.proto)."""
+        return self._call(methods.TABLE_SAVE, tables_pb2.SaveTableRequest(
+            name=name, directory=directory, **incremental))
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
@@ -132,8 +133,8 @@ class TableCalls:
             for key, a in state.items():
                 if key.startswith("slot/"):
                     a = np.asarray(a)
-                    T.fill(req.slots.add(name=key[5:]).tensor,
-                           np.ascontiguousarray(a if a.ndim == 0 else a[lo:hi]))
+                    T.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
+                           a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
 

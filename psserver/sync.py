@@ -133,6 +133,11 @@ def _apply(var) -> None:
             var.sync_buffer = acc.total   # reused by the next step
     var.version += 1
     var.sync_steps = acc.step + 1
+    if var.tracker is not None:
+        if acc.sparse:
+            var.tracker.mark_rows(uniq)
+        else:
+            var.tracker.mark_all()
     if acc.sparse:   # the backup applies exactly this: new arrays, kept by the record
         var.record(SPARSE, summed, uniq)
     else:   # acc.total is reused by the next step: the record keeps a copy

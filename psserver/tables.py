@@ -44,6 +44,7 @@ from psserver.contract import (MAX_COUNT, AlreadyExists, Initializer, InvalidArg
                                NotPrimary, ResourceExhausted, SyncSpec, VariableMeta)
 from psserver.dynamic_table import DynamicTable, TableConfig, check_counts
 from psserver.optimizers import make_optimizer
+from psserver.saving import DELTA, FULL, KIND_NAMES, save_fields, write_tensors
 from psserver.variable import check_initializer, check_name
 
 #: Keys one call may carry (a look-up's reply is keys x dim values: the
@@ -121,6 +122,9 @@ class _Entry(R.CopyState):
                             t.optimizer.name, t.optimizer.config(), t.value.nbytes, slots,
                             False, self.sync_steps, self.dropped, self.role, self.epoch,
                             self.link.peer if self.link is not None else None)
+
+    def forget_changes(self) -> None:
+        self.table.tracker = None
 
     # -- the primary ---------------------------------------------------------------------------
     def journal(self) -> bool:
@@ -243,6 +247,7 @@ class TableServicer:
         self._store = store
         if store is not None:
             store.table_bytes = self.total_bytes
+            store.table_entries = lambda: list(self._tables.values())   # (commit_save)
             store.table_copy = self._copy_of   # replication reaches table shards
             store.table_copies = self._copies   # so does a sync step's AbandonStep
 
@@ -350,6 +355,7 @@ class TableServicer:
             try:
                 rows = entry.table.lookup(keys, admit=not request.no_admit, counts=counts)
             except BaseException:
+                entry.forget_changes()   # (a bug half-way: saved whole next)
                 if journaled:   # (checked first: a failure here is a bug half-way,
                     entry.table.take_journal()   # so the backup gets the whole state)
                     entry.link.reset()
@@ -393,6 +399,7 @@ class TableServicer:
                         t.take_journal()
                     raise
                 except BaseException:   # a failure half-way: the backup gets the whole state
+                    entry.forget_changes()   # (and the next incremental save)
                     if journaled:
                         t.take_journal()
                         entry.link.reset()
@@ -440,8 +447,11 @@ class TableServicer:
     def Save(self, request, context):
         """The shard's rows to a safetensors file under the server's
         --checkpoint-dir (psserver/saving.py confines it), written under a
-        temporary name and renamed."""
-        from safetensors.numpy import save_file
+        temporary name and renamed. An incremental save (``save_id``,
+        ``since``: psserver/saving.py) writes the rows of the keys changed
+        since that save point and the keys evicted since ("evicted"), or
+        the whole shard where it cannot tell; the metadata has "save":
+        full or delta, the step and the clock the ages are taken at."""
         entry = self._entry(request.name)
         if self._store is None:
             raise InvalidArgument("this server keeps no checkpoint directories")
@@ -449,24 +459,24 @@ class TableServicer:
         if not os.path.isdir(directory):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
                                   "parameter server (it must see the same filesystem)")
+        spec = self._store.begin_save(**save_fields(request))
         with entry.lock:
-            state = entry.table.export()
-            step = entry.table.step
+            t = entry.table
+            changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
+                if spec.save_id else None
+            now = t.clock()
+            state = t.export(None if changes is None else changes.keys, now, spec.weights_only)
+            step = t.step
+        kind = FULL if changes is None else DELTA
         meta = {"name": request.name, "kind": "dynamic_table", "step": str(step),
+                "clock": repr(now), "save": KIND_NAMES[kind],
                 "spec": json_format.MessageToJson(entry.spec, indent=None)}
         file = table_file(request.name)
-        path = os.path.join(directory, file)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp, metadata=meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        return tables_pb2.SaveTableReply(file=file, rows=int(state["keys"].size),
-                                         bytes=os.path.getsize(path), step=step)
+        nbytes = write_tensors(directory, file, state, meta, delta=kind == DELTA)
+        return tables_pb2.SaveTableReply(
+            file=file, rows=int(state["keys"].size), bytes=nbytes, step=step, kind=kind,
+            evicted=int(state["evicted"].size) if "evicted" in state else 0,
+            incarnation=self._store.incarnation)
 
     def Import(self, request, context):
         state = {"keys": T.decode(request.keys, T.ID_DTYPES, "import keys")}

@@ -148,24 +148,40 @@ class DeleteTableReply(_message.Message):
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
 class SaveTableRequest(_message.Message):
-    __slots__ = ("name", "directory")
+    __slots__ = ("name", "directory", "save_id", "since", "incarnation", "stream", "weights_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     directory: str
-    def __init__(self, name: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+    save_id: int
+    since: int
+    incarnation: str
+    stream: str
+    weights_only: bool
+    def __init__(self, name: _Optional[str] = ..., directory: _Optional[str] = ..., save_id: _Optional[int] = ..., since: _Optional[int] = ..., incarnation: _Optional[str] = ..., stream: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class SaveTableReply(_message.Message):
-    __slots__ = ("file", "rows", "bytes", "step")
+    __slots__ = ("file", "rows", "bytes", "step", "kind", "evicted", "incarnation")
     FILE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     file: str
     rows: int
     bytes: int
     step: int
-    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    kind: _ps_pb2.SaveKind
+    evicted: int
+    incarnation: str
+    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
     __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica")
