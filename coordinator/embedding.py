@@ -241,16 +241,16 @@ class DynamicEmbedding:
         if uniq.size < keys.size:
             keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
         parts = self._split(keys)
+        # An update key per shard: a resend after a failover applies once, and
+        # a re-run of an exactly-once batch (coordinator/sharded.py) sends the same.
+        uids = {i: calls.new_update_id(f"{TABLE_PREFIX}{self.name}#{i}") for i, _ in parts}
         if not self.replicated:
-            handles = [client_for(self.addresses[i]).update_table_async(self.name, keys[pos],
-                                                                        grads[pos])
-                       for i, pos in parts]
+            handles = [client_for(self.addresses[i]).update_table_async(
+                self.name, keys[pos], grads[pos], update_id=uids[i]) for i, pos in parts]
 
             def replies():
                 return [h.result() for h in handles]
-        else:   # an update key per shard: a resend after a failover applies once
-            uids = {i: calls.new_update_id() for i, _ in parts}
-
+        else:
             def replies():
                 return self._calls(
                     parts,
