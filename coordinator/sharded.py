@@ -111,7 +111,7 @@ class ShardedSource:
             raise ValueError(f"shard_sizes must be one or more sizes >= 0 with at least one "
                              f"example in all, got {list(shard_sizes)!r}")
         if any(n != s for n, s in zip(sizes, shard_sizes)):
-            raise ValueError(f"shard sizes must be integers, got {list(shard_sizes)!r}")
+            raise ValueError(f"shard_sizes must be integers, got {list(shard_sizes)!r}")
         self.shard_sizes = sizes
 
     @property
@@ -277,8 +277,9 @@ class _Dispatch:
     #: weight of the newest batch time in a worker's running mean
     _EMA = 0.3
 
-    def __init__(self, sizes: Sequence[int], batch_size: int, drop_remainder: bool):
-        self.sizes, self.bs = tuple(sizes), batch_size
+    def __init__(self, sizes: Sequence[int], batch_size: int, drop_remainder: bool,
+                 clock: Callable[[], float] = time.monotonic):
+        self.sizes, self.bs, self._clock = tuple(sizes), batch_size, clock
         self.nb = [n // batch_size if drop_remainder else -(-n // batch_size) for n in sizes]
         self.batches_per_epoch = sum(self.nb)
         if not self.batches_per_epoch:
@@ -349,7 +350,7 @@ class _Dispatch:
                 self._start_epoch()
 
     def _issue(self, batch: Batch, worker: str) -> Batch:
-        self._inflight[batch] = (worker, time.monotonic())
+        self._inflight[batch] = (worker, self._clock())
         self.dispatched += 1
         _metrics.data_batches("dispatched")
         return batch
@@ -360,7 +361,7 @@ class _Dispatch:
         with self._cond:
             self.reruns += 1
             self.rerun_batches.append(batch)
-            self._inflight[batch] = (worker, time.monotonic())
+            self._inflight[batch] = (worker, self._clock())
         _metrics.data_batches("rerun")
 
     def ack(self, batch: Batch) -> None:
@@ -369,7 +370,7 @@ class _Dispatch:
             if held is None or batch.epoch not in self._unacked:
                 return
             worker, since = held
-            took = time.monotonic() - since
+            took = self._clock() - since
             mean = self._seconds.get(worker)
             self._seconds[worker] = took if mean is None else mean + self._EMA * (took - mean)
             self.acknowledged += 1
