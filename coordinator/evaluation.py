@@ -299,22 +299,24 @@ class Sidecar:
             for k, v in values.items():
                 self.writer.add_scalar(f"eval_{k}", v, step)
             self.writer.flush()
+        _metrics.evaluation("sidecar", outcome, seconds, step, values)
+        self.last_step = step   # once each, whatever the outcome; said once recorded
+        self._write_state()
+        name = os.path.basename(path)
+        if outcome == "ok":
             self.evaluated += 1
-            print(f"coordinator evaluate: {os.path.basename(path)} (step {step}): "
+            print(f"coordinator evaluate: {name} (step {step}): "
                   + "  ".join(f"{k} {v:.6g}" for k, v in values.items())
                   + f"  ({seconds:.2f}s)", flush=True)
         elif outcome == "failed":
             self.failed += 1
-            print(f"coordinator evaluate: {os.path.basename(path)} (step {step}) failed:\n{text}",
+            print(f"coordinator evaluate: {name} (step {step}) failed:\n{text}",
                   file=sys.stderr, flush=True)
         else:
             self.abandoned += 1
-            print(f"coordinator evaluate: {os.path.basename(path)} (step {step}) abandoned: "
-                  f"still running after {self.timeout:g}s (--timeout); going on with the next "
-                  "checkpoint", file=sys.stderr, flush=True)
-        _metrics.evaluation("sidecar", outcome, seconds, step, values)
-        self.last_step = step   # once each, whatever the outcome
-        self._write_state()
+            print(f"coordinator evaluate: {name} (step {step}) abandoned: still running after "
+                  f"{self.timeout:g}s (--timeout); going on with the next checkpoint",
+                  file=sys.stderr, flush=True)
         return step
 
     def _evaluate(self, path: str) -> tuple[str, dict[str, float], str]:

@@ -109,7 +109,7 @@ EVALUATION_SECONDS = Histogram(
     registry=REGISTRY)
 EVALUATION_METRIC = Gauge(
     "pstrain_evaluation_metric", "The latest value of each metric an evaluation returned.",
-    ["source", "name"], registry=REGISTRY)
+    ["source", "metric"], registry=REGISTRY)
 EVALUATION_STEP = Gauge(
     "pstrain_evaluation_step",
     "What the latest evaluation evaluated: the epoch (fit) or the checkpoint's step (sidecar).",
