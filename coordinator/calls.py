@@ -12,6 +12,9 @@ a step's calls are sent, settled and retried.
   (or met a copy that is not primary: NotPrimary) where coordinator.routes
   says the primary is now, with the same idempotency keys, for up to
   ``RETRY_SECONDS``.
+* ``new_update_id`` / ``update_key_scope``: a push's idempotency key, random,
+  or inside a step of an exactly-once sharded dataset derived from its batch
+  (coordinator/sharded.py), so a re-run of the batch sends the same keys.
 """
 from __future__ import annotations
 
