@@ -197,7 +197,8 @@ class BackgroundValidation:
 # -- as a process of its own: `coordinator evaluate` ------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint as an evaluation function gets it."""
+    """A checkpoint as an evaluation function gets it: its variables' values
+    (dynamic tables are not read; their files are under ``path``)."""
     step: int
     path: str
     extra: dict
@@ -247,14 +248,11 @@ class Sidecar:
     ``logdir`` holds the events and the state file."""
 
     def __init__(self, ckpt_dir: str, fn: Callable[[Checkpoint], Any], logdir: str, *,
-                 timeout: float | None = 600.0, flush_secs: int = 10):
-        from coordinator.callbacks import summary_writer
-
+                 timeout: float | None = 600.0):
         self.ckpt_dir, self.fn, self.logdir, self.timeout = ckpt_dir, fn, logdir, timeout
         os.makedirs(logdir, exist_ok=True)
         self.state_path = os.path.join(logdir, STATE_FILE)
         self.last_step = self._read_state()
-        self.writer = summary_writer(os.path.join(logdir, "evaluation"), flush_secs)
         self.evaluated = self.failed = self.skipped = self.abandoned = 0
 
     def _read_state(self) -> int:
@@ -296,9 +294,7 @@ class Sidecar:
         outcome, values, text = self._evaluate(path)
         seconds = time.monotonic() - start
         if outcome == "ok":
-            for k, v in values.items():
-                self.writer.add_scalar(f"eval_{k}", v, step)
-            self.writer.flush()
+            self._write_events(step, values)
         _metrics.evaluation("sidecar", outcome, seconds, step, values)
         self.last_step = step   # once each, whatever the outcome; said once recorded
         self._write_state()
@@ -318,6 +314,19 @@ class Sidecar:
                   f"{self.timeout:g}s (--timeout); going on with the next checkpoint",
                   file=sys.stderr, flush=True)
         return step
+
+    def _write_events(self, step: int, values: dict[str, float]) -> None:
+        """An event file of its own per evaluation, closed before the state
+        says it was done (tensorboardX writes on a thread: only close() makes
+        sure the events are in the file)."""
+        from coordinator.callbacks import summary_writer
+        writer = summary_writer(os.path.join(self.logdir, "evaluation"),
+                                filename_suffix=f".step{step}.{os.getpid()}")
+        try:
+            for k, v in values.items():
+                writer.add_scalar(f"eval_{k}", v, step)
+        finally:
+            writer.close()
 
     def _evaluate(self, path: str) -> tuple[str, dict[str, float], str]:
         """("ok" | "failed" | "abandoned", metrics, error text), run on a
@@ -352,7 +361,7 @@ class Sidecar:
                 return
 
     def close(self) -> None:
-        self.writer.close()
+        """(Nothing is held between evaluations.)"""
 
 
 def _step_of(path: str) -> int:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -119,6 +120,23 @@ def test_a_hung_validation_is_abandoned_and_a_failing_one_does_not_stop_training
     assert "the evaluation data is missing" in caplog.text
     with pytest.raises(ValueError, match="validation_timeout"):
         BackgroundValidation(validate, 0)
+
+
+def test_early_stopping_watches_background_validations_as_they_come():
+    import types
+    from coordinator import EarlyStopping
+    state = types.SimpleNamespace(background_validation=True, stop_training=False, step=0)
+    es = EarlyStopping(monitor="val_loss", patience=1)
+    es.set_fit_state(state)
+    es.on_train_begin()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # no "not in the epoch logs"
+        es.on_epoch_end(0, {"loss": 1.0})
+        es.on_validation_end(0, {"val_loss": 1.0})
+        es.on_epoch_end(1, {"loss": 1.0})
+        assert not state.stop_training
+        es.on_validation_end(1, {"val_loss": 2.0})
+    assert state.stop_training and es.stopped_epoch == 1 and es.best_epoch == 0
 
 
 class _Sidecar:
