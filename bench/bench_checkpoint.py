@@ -49,6 +49,19 @@ Two parts, both on real ``LocalCluster`` processes (mutual TLS, as by default):
    made. ``--task-env KEY=VALUE`` passes environment variables to that
    cluster's tasks (e.g. ``PSTRAIN_RETRY_SECONDS``).
 
+3. **Incremental checkpoints** (``--incremental``, or ``--only-incremental``):
+   ``LocalCluster(num_ps=2)`` holds a fixed embedding table (a variable of
+   ``inc_rows`` x ``inc_dim`` float32, Adagrad, split over both servers)
+   and a dynamic table of as many keys and dim (Adagrad). Each round
+   changes 1% of the rows of each (row-wise pushes to 1% of the fixed
+   table's rows; look-ups and row gradients of 1% of the dynamic table's
+   keys), then saves a delta (``CheckpointManager(incremental=True)``) and a
+   full checkpoint (another manager, its own directory), in alternating
+   order (ABBA). Sizes: the bytes of each table's files in the manifests
+   (delta / full, per table, and the checkpoint's total); times: ``save()``.
+   Then restore: the 10th delta (base + 10 deltas composed) against the
+   full checkpoint of the same moment, alternating, 2 rounds each.
+
 The checkpoint directory (default: a fresh temporary directory under /tmp;
 with ``--dir``, a fresh subdirectory of it) is deleted at the end.
 MB/s are decimal (1e6 bytes/s); sizes (MiB, GiB) binary.
@@ -88,12 +101,15 @@ class Plan:
     adam_reps: int          # timed rounds per variant, optimizer "adam" (0: skipped)
     recovery_reps: int      # kills
     recovery_timeout_s: float   # training must resume within this after a kill
+    inc_rows: int = 200_000     # incremental part: rows (keys) of each table
+    inc_dim: int = 64
+    inc_deltas: int = 10        # deltas after the base (save rounds)
 
 
 FULL = Plan(model_bytes=1 * GiB, sgd_reps=3, adam_reps=2, recovery_reps=3,
             recovery_timeout_s=20.0)
 QUICK = Plan(model_bytes=256 * MiB, sgd_reps=2, adam_reps=1, recovery_reps=1,
-             recovery_timeout_s=10.0)
+             recovery_timeout_s=10.0, inc_rows=50_000, inc_dim=32, inc_deltas=10)
 
 
 def log(msg: str) -> None:
@@ -187,6 +203,107 @@ def measure_throughput(optimizer: str, plan: Plan, reps: int, workdir: str,
             "samples_s": samples,
             "stats": {k: {**st.to_dict(), "median_MBps": nbytes / st.p50 / 1e6,
                           "best_MBps": nbytes / st.best / 1e6} for k, st in stats.items()}}
+
+
+# -- part 3: incremental checkpoints ------------------------------------------------------
+def _table_bytes(path: str) -> dict[str, int]:
+    """Bytes of each table's files in a checkpoint: {"fixed", "dynamic", "total"}."""
+    import json as _json
+    m = _json.load(open(os.path.join(path, "manifest.json")))
+    fixed = sum(e.get("bytes", 0) for e in m["variables"]["fixed"]["shards"])
+    dynamic = sum(e.get("bytes", 0) for e in m["tables"]["dynamic"]["shards"])
+    return {"fixed": fixed, "dynamic": dynamic, "total": fixed + dynamic}
+
+
+def measure_incremental(plan: Plan, workdir: str) -> dict:
+    """Delta against full checkpoints when 1% of each table's rows changed."""
+    from coordinator.variables import IndexedSlices
+    n, dim = plan.inc_rows, plan.inc_dim
+    changed = max(1, n // 100)
+    rng = np.random.default_rng(0)
+    keys = rng.choice(1 << 40, n, replace=False).astype(np.int64)
+    log(f"incremental: 2 parameter servers; a fixed table {n} x {dim} and a dynamic table of "
+        f"{n} keys, float32 Adagrad; {changed} rows (1%) of each change per round")
+    samples: dict[str, list] = {"delta_save": [], "full_save": [], "delta_bytes": [],
+                                "full_bytes": [], "delta_restore": [], "full_restore": []}
+    with LocalCluster(num_ps=2, num_workers=0, checkpoint_dirs=(workdir,)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec,
+                                           variable_partitioner=FixedShardsPartitioner(2))
+        fixed = strategy.create_variable("fixed", (n, dim), "float32",
+                                         initializer="random_normal", optimizer="adagrad")
+        table = strategy.create_embedding_table("dynamic", dim, initializer="random_normal",
+                                                optimizer="adagrad")
+        for lo in range(0, n, 50_000):
+            table.lookup(keys[lo:lo + 50_000])
+        inc = CheckpointManager(strategy, os.path.join(workdir, "inc"), incremental=True,
+                                full_every=plan.inc_deltas + 5, max_to_keep=plan.inc_deltas + 1)
+        full = CheckpointManager(strategy, os.path.join(workdir, "full"), max_to_keep=1)
+        t0 = time.perf_counter()
+        inc.save(0)
+        log(f"incremental: base {fmt_bytes(_table_bytes(inc.latest())['total'])} in "
+            f"{fmt_seconds(time.perf_counter() - t0)}")
+
+        def change():
+            ids = np.sort(rng.choice(n, changed, replace=False))
+            push_gradients([(fixed, IndexedSlices(
+                rng.normal(size=(changed, dim)).astype(np.float32), ids))])
+            k = np.sort(rng.choice(keys, changed, replace=False))
+            table.lookup(k)
+            table.push_gradient(k, rng.normal(size=(changed, dim)).astype(np.float32))
+
+        for r in range(1, plan.inc_deltas + 1):
+            change()
+            order = ("delta", "full") if r % 2 else ("full", "delta")
+            for kind in order:
+                t0 = time.perf_counter()
+                path = inc.save(r) if kind == "delta" else full.save(r)
+                samples[f"{kind}_save"].append(time.perf_counter() - t0)
+                samples[f"{kind}_bytes"].append(_table_bytes(path))
+            d, f = samples["delta_bytes"][-1], samples["full_bytes"][-1]
+            log(f"incremental: round {r}: delta {fmt_bytes(d['total'])} "
+                f"({d['total'] / f['total']:.2%} of full) in "
+                f"{fmt_seconds(samples['delta_save'][-1])}, full {fmt_bytes(f['total'])} in "
+                f"{fmt_seconds(samples['full_save'][-1])}")
+        delta_path, full_path = inc.latest(), full.latest()
+        for r in range(2):
+            order = ("delta", "full") if r % 2 == 0 else ("full", "delta")
+            for kind in order:
+                t0 = time.perf_counter()
+                (inc if kind == "delta" else full).restore(delta_path if kind == "delta"
+                                                           else full_path)
+                samples[f"{kind}_restore"].append(time.perf_counter() - t0)
+    shutil.rmtree(os.path.join(workdir, "inc"), ignore_errors=True)
+    shutil.rmtree(os.path.join(workdir, "full"), ignore_errors=True)
+    med = statistics.median
+    ratio = {part: med(d[part] / f[part] for d, f in zip(samples["delta_bytes"],
+                                                          samples["full_bytes"]))
+             for part in ("fixed", "dynamic", "total")}
+    return {"rows": n, "dim": dim, "changed_rows": changed, "deltas": plan.inc_deltas,
+            "samples": samples, "size_ratio_median": ratio,
+            "median": {k: med(v) for k, v in samples.items() if not k.endswith("bytes")},
+            "delta_bytes_median": {p: med(d[p] for d in samples["delta_bytes"])
+                                   for p in ("fixed", "dynamic", "total")},
+            "full_bytes_median": {p: med(d[p] for d in samples["full_bytes"])
+                                  for p in ("fixed", "dynamic", "total")}}
+
+
+def report_incremental(res: dict) -> None:
+    db, fb, ratio, med = (res["delta_bytes_median"], res["full_bytes_median"],
+                          res["size_ratio_median"], res["median"])
+    rows = [[f"{label}: 1% of rows changed", fmt_bytes(int(db[p])), fmt_bytes(int(fb[p])),
+             f"{ratio[p]:.2%}"] for p, label in (("fixed", "fixed table (variable)"),
+                                                 ("dynamic", "dynamic table"),
+                                                 ("total", "the checkpoint"))]
+    rows.append(["save time", fmt_seconds(med["delta_save"]), fmt_seconds(med["full_save"]),
+                 f"{med['delta_save'] / med['full_save']:.2%}"])
+    rows.append([f"restore (base + {res['deltas']} deltas / full)",
+                 fmt_seconds(med["delta_restore"]), fmt_seconds(med["full_restore"]),
+                 f"{med['delta_restore'] / med['full_restore']:.2f}x"])
+    print_table(["", "delta", "full", "delta / full"], rows,
+                title=f"## incremental checkpoints: {res['rows']} x {res['dim']} float32 "
+                      f"Adagrad fixed table + dynamic table of {res['rows']} keys, 2 ps; "
+                      f"medians of {res['deltas']} rounds ({res['changed_rows']} rows of each "
+                      "changed per round)")
 
 
 # -- part 2: recovery after a parameter-server kill --------------------------------------
@@ -437,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{FULL.recovery_timeout_s:.0f}; {QUICK.recovery_timeout_s:.0f} with --quick)")
     p.add_argument("--task-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the recovery cluster's tasks (repeatable)")
+    p.add_argument("--incremental", action="store_true",
+                   help="also part 3: incremental checkpoints (delta vs full size and time)")
+    p.add_argument("--only-incremental", action="store_true", help="only part 3")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.no_adam:
@@ -450,28 +570,36 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         log(f"checkpoints under {workdir}")
-        throughput = []
-        if not args.no_throughput:
+        throughput, recovery, incremental = [], None, None
+        if args.incremental or args.only_incremental:
+            incremental = measure_incremental(plan, workdir)
+        if not args.no_throughput and not args.only_incremental:
             throughput.append(measure_throughput("sgd", plan, plan.sgd_reps, workdir))
             if plan.adam_reps:
                 # No warm-up round: the sgd run warmed every code path up.
                 throughput.append(measure_throughput("adam", plan, plan.adam_reps, workdir,
                                                      warmup=False))
-        recovery = measure_recovery(plan, workdir, plan.recovery_timeout_s, task_env or None)
+        if not args.only_incremental:
+            recovery = measure_recovery(plan, workdir, plan.recovery_timeout_s,
+                                        task_env or None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = report_throughput(throughput) if throughput else []
     if throughput:
         print("\nReads may come from the page cache (not dropped), for ours and numpy alike; "
               "neither side fsyncs its tensor files.")
-    report_recovery(recovery)
+    if recovery is not None:
+        report_recovery(recovery)
+    if incremental is not None:
+        report_incremental(incremental)
     elapsed = time.perf_counter() - t0
     print(f"\n({'quick' if args.quick else 'full'} plan, {elapsed:.0f} s)")
     if args.json:
         write_json(args.json, {"benchmark": "bench_checkpoint", "machine": machine_info(),
                                "plan": dataclasses.asdict(plan), "elapsed_s": elapsed,
                                "directory": workdir, "summary": summary,
-                               "throughput": throughput, "recovery": recovery})
+                               "throughput": throughput, "recovery": recovery,
+                               "incremental": incremental})
         print(f"wrote {args.json}")
     return 0
 

@@ -830,20 +830,33 @@ def run_ctr(plan: Plan, ours: "Ours", tf: "TF | None") -> dict:
     from coordinator import ctr_data as D
     log("(e) ctr: creating variables, tables and datasets")
     ours.setup_ctr()
-    variants = [Variant("ours_ctr", ours.run_ctr, plan.ctr_steps, ours.meter)]
-    if tf:
-        tf.setup_ctr()
-        variants.append(Variant("tf_ctr", functools.partial(tf.run, "ctr"), plan.ctr_steps,
-                                tf.meter))
-    run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(e) ctr")
-    out = {v.key: v.result() for v in variants}
+    out = _race(plan, [Variant("ours_ctr", ours.run_ctr, plan.ctr_steps, ours.meter)],
+                tf, "tf_ctr", "ctr", "(e) ctr")
     out["ours_ctr"]["auc"] = ours.ctr.auc()
     if tf:
         out["tf_ctr"]["auc"] = tf.ctr_auc()
     out.update(batch=C.BATCH, ceiling_auc=D.bayes_auc(C.SEED + 1, 20 * C.BATCH),
-               steps_trained=max(4, int(plan.ctr_steps * plan.warmup_blocks))
-               + plan.rounds * plan.ctr_steps)
+               steps_trained=_steps_trained(plan, plan.ctr_steps))
     return out
+
+
+def _race(plan: Plan, ours: list[Variant], tf: "TF | None", tf_key: str, workload: str,
+          what: str) -> dict:
+    """Our variants and, where TensorFlow runs, its ``workload`` (made by
+    ``tf.setup_<workload>()``) as ``tf_key``, in interleaved blocks:
+    {key: Variant.result()}."""
+    variants = list(ours)
+    if tf:
+        getattr(tf, f"setup_{workload}")()
+        variants.append(Variant(tf_key, functools.partial(tf.run, workload), ours[0].steps,
+                                tf.meter))
+    run_interleaved(variants, plan.rounds, plan.warmup_blocks, what)
+    return {v.key: v.result() for v in variants}
+
+
+def _steps_trained(plan: Plan, steps: int) -> int:
+    """Steps each variant trained: the warm-up block, then every timed block."""
+    return max(4, int(steps * plan.warmup_blocks)) + plan.rounds * steps
 
 
 def run_shaped(plan: Plan, hosts, ours: "Ours", tf: "TF | None") -> dict:
@@ -857,15 +870,10 @@ def run_shaped(plan: Plan, hosts, ours: "Ours", tf: "TF | None") -> dict:
     log(f"(d): every link shaped to {SHAPED_RATE}"
         + (f", {delay} each way" if delay else " (no delay: this kernel has no netem)"))
     ours.setup_digits()
-    variants = [Variant(f"ours_{k}", functools.partial(ours.run_mlp, f"digits_{k}"),
-                        plan.digits_steps, ours.meter) for k in ("fp32", "fp16")]
-    if tf:
-        tf.setup_digits()
-        variants.append(Variant("tf", functools.partial(tf.run, "digits"), plan.digits_steps,
-                                tf.meter))
-    run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(d) digits, shaped links")
-    out = {v.key: v.result() for v in variants}
-    steps = max(4, int(plan.digits_steps * plan.warmup_blocks)) + plan.rounds * plan.digits_steps
+    out = _race(plan, [Variant(f"ours_{k}", functools.partial(ours.run_mlp, f"digits_{k}"),
+                               plan.digits_steps, ours.meter) for k in ("fp32", "fp16")],
+                tf, "tf", "digits", "(d) digits, shaped links")
+    steps = _steps_trained(plan, plan.digits_steps)
     for k in ("fp32", "fp16"):
         out[f"ours_{k}"]["test_accuracy"] = ours.digits_accuracy(k)
     if tf:

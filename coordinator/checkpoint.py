@@ -13,6 +13,21 @@ Layout of one checkpoint (a directory; readable without this package)::
       ps-1/...                        "slot/<name>" tensors; name, version and
                                       optimizer in the file's metadata
 
+Incremental checkpoints (``incremental=True``): a full *base* now and then
+(every ``full_every`` saves, and whenever the layout changed), and between
+them *deltas* holding only what changed since the previous checkpoint: the
+variables that changed, the rows a row-wise update touched (with their
+slots; scalar slots, version and update keys whole), a dynamic table's rows
+made, updated or looked up and the keys it evicted. Each parameter server
+knows what changed in its shards since a save (psserver/tracking.py) and
+writes the delta itself; where it cannot tell (it restarted, a shard was
+restored or failed over since) it writes that shard whole: never a wrong
+delta. A delta's manifest names its ``base`` and ``parent``; restoring it
+applies base + every delta of the chain in order, which gives exactly what
+a full checkpoint of that moment holds (coordinator/checkpoint_files.py).
+The servers forget what a save took only once its manifest is renamed into
+place (``CommitSave``): a save that fails is taken again by the next one.
+
 Guarantees:
 
 * Atomic: a checkpoint is written under ``ckpt-XXXX.tmp-<id>/`` and renamed
@@ -20,13 +35,14 @@ Guarantees:
   A crash at any point (of a parameter server or of the coordinator) leaves
   the previous checkpoints intact; ``latest()`` never returns a partial one,
   and the next ``save`` clears leftovers.
-* Keeps the newest ``max_to_keep`` checkpoints, deleting older ones after a
-  save succeeds.
+* Keeps the newest ``max_to_keep`` checkpoints, and every checkpoint their
+  chains need, deleting the others after a save succeeds.
 * Consistency: each shard is copied under its lock (one consistent value +
   slots + version per shard). Shards are taken one after another, so with
   asynchronous training in flight the checkpoint is not one global cut; save
   between steps (after ``ClusterCoordinator.join()``) for that. In sync mode
-  that cut is exact.
+  that cut is exact (in hybrid mode too, after ``join()``: every push of
+  the steps scheduled has been applied).
 * Restore reshards: values and slots are reassembled along axis 0 from the
   saved shards and split again by the *current* variables' shards, so a
   checkpoint restores into any number of parameter servers or any
@@ -47,10 +63,12 @@ the files back on restore.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
-import re
+import secrets
 import shutil
 import time
 import uuid
@@ -62,16 +80,23 @@ import numpy as np
 from coordinator import metrics as _metrics
 from coordinator import routes
 from coordinator import variables as V
-from psserver.errors import DeadlineExceeded, NotFound, Unavailable
+from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # noqa: F401
+                                          chain_of, find_checkpoints, load_checked_shard,
+                                          load_table, load_variable, read_manifest)
+from psserver.errors import (DeadlineExceeded, FailedPrecondition, NotFound, PSError,
+                             Unavailable)
 
 log = logging.getLogger("coordinator.checkpoint")
 
-FORMAT_VERSION = 1
-_CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+#: SavedFile.kind / SaveTableReply.kind (ps.proto SaveKind) as manifests write them.
+_KIND_NAMES = {0: "full", 1: "delta", 2: "unchanged"}
 
 
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete, or does not match the variables."""
+def _kind(kind: int) -> str:
+    if kind not in _KIND_NAMES:
+        raise CheckpointError(f"a parameter server wrote a shard of kind {kind}, which this "
+                              "version of pstrain does not know; upgrade the coordinator")
+    return _KIND_NAMES[kind]
 
 
 class CheckpointManager:
@@ -80,19 +105,40 @@ class CheckpointManager:
     Args:
       strategy: the ParameterServerStrategy whose variables to save.
       directory: where checkpoints go (created if missing).
-      max_to_keep: how many newest checkpoints survive a save.
+      max_to_keep: how many newest checkpoints survive a save (with every
+        checkpoint their chains need).
       every_n_steps / every_seconds: what ``maybe_save`` waits for between
         saves (either may be None).
+      incremental: write a full base, then deltas chained to it (see the
+        module); ``full_every``: a full base at least every that many saves.
+      weights_only: values only, no optimizer state, update keys or table
+        bookkeeping: a serving copy (coordinator.serving.Exporter), which
+        ``restore`` refuses.
+      client_for: address -> PSClient (default: the process's connection
+        pool; the operator CLI passes its own).
     """
 
     def __init__(self, strategy, directory: str, *, max_to_keep: int = 5,
-                 every_n_steps: int | None = None, every_seconds: float | None = None):
+                 every_n_steps: int | None = None, every_seconds: float | None = None,
+                 incremental: bool = False, full_every: int = 10, weights_only: bool = False,
+                 client_for: Callable[[str], Any] | None = None):
         if max_to_keep < 1:
             raise ValueError("max_to_keep must be >= 1")
+        if full_every < 1:
+            raise ValueError("full_every must be >= 1 (1: every save is full)")
         self.strategy = strategy
         self.directory = os.path.abspath(directory)
         self.max_to_keep = max_to_keep
         self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
+        self.incremental, self.full_every = incremental, full_every
+        self.weights_only = weights_only
+        self._client_for = client_for or V.client_for
+        # Whose saves these are, for the servers (psserver/tracking.py): each
+        # directory's points are committed apart from any other's.
+        self.stream = ("export:" if weights_only else "ckpt:") + hashlib.sha256(
+            self.directory.encode()).hexdigest()[:24]
+        self._parent: str | None = None   # the checkpoint the next delta follows
+        self._force_full = False
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         os.makedirs(self.directory, exist_ok=True)
@@ -140,22 +186,78 @@ class CheckpointManager:
 
         ``extra`` (JSON-serialisable: epoch, data positions...) is stored in
         the manifest and returned by ``restore``. Saving a step again
-        replaces its checkpoint.
+        replaces its checkpoint (then it is a full one, and checkpoints
+        whose chains needed the replaced one are removed).
         Raises PSError if a parameter server fails; nothing is left behind
-        as a checkpoint then.
+        as a checkpoint then (an incremental save that failed is taken
+        again by the next one).
         """
         self._clear_leftovers()
         ps_index = {addr: i for i, addr in enumerate(self.strategy.cluster_spec.ps)}
-        # With replication, each shard is saved from the copy that is primary now.
-        final, nbytes = write_checkpoint(self.directory, step, self.strategy.variables,
-                                         V.client_for, copies=routes.primaries,
-                                         ps_index=ps_index, extra=extra,
-                                         tables=self.strategy.tables)
+        final = os.path.join(self.directory, f"ckpt-{step:08d}")
+        orphans = dependents(self.directory, final) if os.path.exists(final) else []
+        incremental = None
+        if self.incremental:
+            parent = None if os.path.exists(final) else self._parent_for_next()
+            incremental = Incremental(secrets.randbits(63) + 1, self.stream, parent,
+                                      self.weights_only)
+
+        def write(incremental):   # with replication: from the copies that are primary now
+            return write_checkpoint(self.directory, step, self.strategy.variables,
+                                    self._client_for, copies=routes.primaries,
+                                    ps_index=ps_index, extra=extra,
+                                    tables=self.strategy.tables, incremental=incremental)
+        try:
+            final, nbytes = write(incremental)
+        except FailedPrecondition as exc:
+            if incremental is None or incremental.parent is None:
+                raise
+            # A server has forgotten the parent's save (it took too many since): a base.
+            log.warning("incremental checkpoint at step %d written whole: %s", step, exc)
+            final, nbytes = write(Incremental(secrets.randbits(63) + 1, self.stream, None,
+                                              self.weights_only))
         self._last_step, self._last_time = step, time.monotonic()
-        for old in self.checkpoints()[:-self.max_to_keep]:
-            remove_checkpoint(old)
+        self._parent, self._force_full = final, False
+        for orphan in orphans:
+            log.warning("removing %s: it was a delta of %s, which was just saved again",
+                        orphan, final)
+            remove_checkpoint(orphan)
+        self._prune()
         _metrics.checkpoint_bytes("save", nbytes)
         return final
+
+    def _parent_for_next(self) -> tuple[str, dict] | None:
+        """(path, manifest) the next save is a delta of, or None: a full base
+        is due (none yet, full_every reached, the layout changed, restored)."""
+        if self._force_full:
+            return None
+        path = self._parent or self.latest()
+        if path is None or not os.path.isdir(path):
+            return None
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            return None
+        depth = manifest.get("chain", {}).get("depth", 0)
+        if manifest.get("stream") != self.stream or not manifest.get("save_id") or \
+                depth + 1 >= self.full_every or \
+                not same_layout(manifest, self.strategy.variables, self.strategy.tables):
+            return None
+        return path, manifest
+
+    def _prune(self) -> None:
+        """Remove all but the newest max_to_keep checkpoints and what their
+        chains need."""
+        ckpts = self.checkpoints()
+        keep = set(ckpts[-self.max_to_keep:])
+        for path in list(keep):
+            try:
+                keep.update(p for p, _ in chain_of(path))
+            except CheckpointError:
+                pass   # (a broken chain keeps nothing else)
+        for old in ckpts:
+            if old not in keep:
+                remove_checkpoint(old)
 
     def _clear_leftovers(self) -> None:
         clear_leftovers(self.directory)
@@ -166,10 +268,12 @@ class CheckpointManager:
         """Load a checkpoint (default: the latest) into the strategy's variables.
 
         Every variable of the strategy must be in the checkpoint with the same
-        shape, dtype and optimizer (its sharding may differ). With
+        shape, dtype and optimizer (its sharding may differ). A delta is
+        restored with its whole chain (base + every delta in order). With
         ``address``, only the shards on that parameter server are restored
         (recovering a server that restarted). Returns {"step", "extra",
-        "path"}. Raises CheckpointError.
+        "path"}. Raises CheckpointError (a broken chain, a serving export
+        among them).
         """
         path = path or self.latest()
         if path is None:
@@ -178,8 +282,56 @@ class CheckpointManager:
                   if address is None or any(s.address == address for s in routes.primaries(v))]
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/replication.py).
-        return restore_checkpoint(path, chosen, V.client_for, copies=routes.primaries,
-                                  address=address, tables=self.strategy.tables)
+        out = restore_checkpoint(path, chosen, self._client_for, copies=routes.primaries,
+                                 address=address, tables=self.strategy.tables)
+        if address is None:   # the servers hold that checkpoint now: the next save is a base
+            self._force_full = True
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Incremental:
+    """An incremental save: its id, its stream (psserver/tracking.py), the
+    checkpoint it is a delta of ((path, manifest); None: a base) and whether
+    it holds weights only (a serving export)."""
+    save_id: int
+    stream: str
+    parent: tuple[str, dict] | None = None
+    weights_only: bool = False
+
+
+def same_layout(manifest: Mapping[str, Any], variables: Sequence[V.ShardedVariable],
+                tables: Sequence = ()) -> bool:
+    """Whether a checkpoint has these variables (shapes, dtypes, optimizers,
+    shards) and dynamic tables (dims, dtypes, number of shards): a delta
+    can follow it only then."""
+    saved, saved_tables = manifest.get("variables", {}), manifest.get("tables", {})
+    if set(saved) != {v.name for v in variables} or set(saved_tables) != {t.name for t in tables}:
+        return False
+    for v in variables:
+        info = saved[v.name]
+        if (info.get("shape"), info.get("dtype"), info.get("optimizer")) != (
+                list(v.shape), v.dtype, v.optimizer) or \
+                [(s.get("name"), s.get("offset"), s.get("rows")) for s in info.get("shards", ())] != \
+                [(s.name, s.offset, s.rows) for s in v.shards]:
+            return False
+    return all((saved_tables[t.name].get("dim"), saved_tables[t.name].get("dtype"),
+                len(saved_tables[t.name].get("shards", ()))) == (t.dim, t.dtype, t.num_shards)
+               for t in tables)
+
+
+def dependents(directory: str, path: str) -> list[str]:
+    """The checkpoints in ``directory`` whose chains need ``path`` (not itself)."""
+    out = []
+    for other in find_checkpoints(directory):
+        if other == path:
+            continue
+        try:
+            if path in (p for p, _ in chain_of(other)):
+                out.append(other)
+        except CheckpointError:
+            pass
+    return out
 
 
 # -- the one implementation of save and restore (CheckpointManager, coordinator checkpoint) --
@@ -187,7 +339,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                      client_for: Callable[[str], Any], *,
                      copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
                      ps_index: Mapping[str, int] | None = None, extra: dict | None = None,
-                     replace: bool = True, tables: Sequence = ()) -> tuple[str, int]:
+                     replace: bool = True, tables: Sequence = (),
+                     incremental: Incremental | None = None) -> tuple[str, int]:
     """Write checkpoint ``step`` of ``variables`` under ``directory``: each
     server saves its shards (``copies(v)``: the copies to save from, in shard
     order) through ``client_for(address)``, then the manifest is written and
@@ -195,7 +348,11 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
 
     ``replace``: a checkpoint of the same step is replaced; else refused
     (CheckpointError). A failed save (PSError from a server, OSError,
-    CheckpointError) leaves nothing listed.
+    CheckpointError) leaves nothing listed. ``incremental``: the save is a
+    save point on the servers, and with a parent each shard is written as
+    its changes since the parent where its server can tell them; once the
+    checkpoint is in place the servers are told (CommitSave: a server that
+    cannot be told keeps the changes, and the next save takes them again).
     """
     final = os.path.join(directory, f"ckpt-{step:08d}")
     if not replace and os.path.exists(final):
@@ -207,8 +364,17 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     for v in variables:
         for c in chosen[v.name]:
             by_ps.setdefault(c.address, []).append(c.name)
+    inc = incremental or Incremental(0, "")
+    parent = inc.parent[1] if inc.parent else {}
+    known = parent.get("servers", {})
+
+    def fields(addr: str) -> dict:
+        return dict(save_id=inc.save_id, since=parent.get("save_id", 0),
+                    incarnation=known.get(addr, ""), stream=inc.stream,
+                    weights_only=inc.weights_only)
     files: dict[str, Any] = {}
     table_files: dict[str, list] = {}
+    servers: dict[str, str] = {}
     try:
         os.makedirs(tmp)
         addresses = set(by_ps) | {a for t in tables for a in t.addresses}
@@ -217,28 +383,38 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
             for addr in addresses:
                 subs[addr] = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
                 os.makedirs(subs[addr])
-            jobs = {addr: pool.submit(client_for(addr).save, subs[addr], names)
+            jobs = {addr: pool.submit(client_for(addr).save_incremental, subs[addr], names,
+                                      **fields(addr))
                     for addr, names in by_ps.items()}
             copies = {t.name: t.primaries() for t in tables}   # (replication: primaries)
             table_jobs = {t.name: [pool.submit(client_for(c.address).save_table, c.table,
-                                               subs[c.address]) for c in copies[t.name]]
+                                               subs[c.address], **fields(c.address))
+                                   for c in copies[t.name]]
                           for t in tables}
             for addr, job in jobs.items():
-                for f in job.result():
-                    files[f.name] = {"file": os.path.relpath(os.path.join(subs[addr], f.file),
-                                                             tmp),
-                                     "version": f.version, "bytes": f.bytes}
-            for t in tables:
-                table_files[t.name] = [
-                    {"file": os.path.relpath(os.path.join(subs[a], r.file), tmp),
-                     "rows": r.rows, "bytes": r.bytes, "step": r.step}
-                    for a, r in zip((c.address for c in copies[t.name]),
-                                    (j.result() for j in table_jobs[t.name]))]
+                reply = job.result()
+                servers[addr] = reply.incarnation
+                for f in reply.files:
+                    entry = {"version": f.version, "bytes": f.bytes, "kind": _kind(f.kind)}
+                    if f.file:
+                        entry["file"] = os.path.relpath(os.path.join(subs[addr], f.file), tmp)
+                    if f.kind == 1:
+                        entry["delta_rows"] = f.rows
+                    files[f.name] = entry
+            for t in table_jobs:
+                table_files[t] = []
+                for c, job in zip(copies[t], table_jobs[t]):
+                    r = job.result()
+                    servers[c.address] = r.incarnation
+                    table_files[t].append(
+                        {"file": os.path.relpath(os.path.join(subs[c.address], r.file), tmp),
+                         "rows": r.rows, "bytes": r.bytes, "step": r.step,
+                         "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
         manifest = {
-            "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+            "format_version": 1, "step": step, "time": time.time(),
             "extra": extra or {},
             "variables": {v.name: {
                 "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
@@ -248,6 +424,18 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
             "tables": {t.name: {"dim": t.dim, "dtype": t.dtype, "shards": table_files[t.name]}
                        for t in tables},
         }
+        if inc.save_id:
+            manifest.update(save_id=inc.save_id, stream=inc.stream, servers=servers)
+            if inc.weights_only:
+                manifest["weights_only"] = True
+            kinds = [e["kind"] for e in files.values()] + \
+                [e["kind"] for es in table_files.values() for e in es]
+            if inc.parent and any(k != "full" for k in kinds):   # else it stands alone: a base
+                link = parent.get("chain", {})
+                manifest.update(format_version=FORMAT_VERSION, chain={
+                    "parent": os.path.basename(inc.parent[0]), "parent_id": parent["save_id"],
+                    "base": link.get("base", os.path.basename(inc.parent[0])),
+                    "depth": link.get("depth", 0) + 1})
         _write_json(os.path.join(tmp, "manifest.json"), manifest)
         replaced = None
         if os.path.exists(final):
@@ -261,25 +449,23 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if inc.save_id:
+        _commit(inc, servers, client_for)
     return final, (sum(f["bytes"] for f in files.values())
                    + sum(f["bytes"] for fs in table_files.values() for f in fs))
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest of checkpoint ``path``, checked to be one this version reads."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read the manifest of {path}: {exc}") from None
-    saved = manifest.get("variables") if isinstance(manifest, dict) else None
-    if not isinstance(saved, dict) or "step" not in manifest:
-        raise CheckpointError(f"the manifest of {path} lacks its variables or step; "
-                              "nothing was restored")
-    if manifest.get("format_version", 1) > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {manifest['format_version']}; this "
-                              f"version of pstrain reads up to {FORMAT_VERSION}")
-    return manifest
+def _commit(inc: Incremental, servers: Mapping[str, str], client_for) -> None:
+    """Tell every server that saved that the save is in place (CommitSave).
+    A server that cannot be told keeps what the save took (the next delta
+    is then larger, never wrong): logged, not raised."""
+    for addr, incarnation in servers.items():
+        try:
+            client_for(addr).commit_save(inc.save_id, inc.stream, incarnation)
+        except PSError as exc:
+            log.warning("parameter server %s was not told that save %d is in place (%s); its "
+                        "next incremental save takes those changes again", addr, inc.save_id,
+                        exc)
 
 
 def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
@@ -287,18 +473,25 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
                        copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
                        address: str | None = None, tables: Sequence = ()) -> dict:
     """Load checkpoint ``path`` into ``variables`` (into ``copies(v)``, with
-    ``address``: only those on that server). Values and slots are
+    ``address``: only those on that server). A delta is composed with its
+    chain first (checkpoint_files.chain_of). Values and slots are
     reassembled and cut again by each variable's shards (any layout); a
     shard restored into the cut it was saved in keeps its version and
     idempotency keys. Everything is read and checked before any server is
-    written: a checkpoint that lacks anything its manifest promises is
-    refused (CheckpointError) with nothing changed. Returns {"step",
-    "extra", "path"}; a server's failure raises its PSError."""
-    manifest = read_manifest(path)
-    saved = manifest["variables"]
-    loaded = [_load_variable(v, saved.get(v.name), path) for v in variables]
-    saved_tables = manifest.get("tables", {})
-    table_states = [_load_table(t, saved_tables.get(t.name), path) for t in tables]
+    written: a checkpoint that lacks anything its manifest promises, or
+    whose chain is broken, is refused (CheckpointError) with nothing
+    changed. Returns {"step", "extra", "path"}; a server's failure raises
+    its PSError."""
+    chain = chain_of(path)
+    manifest = chain[-1][1]
+    if manifest.get("weights_only"):
+        raise CheckpointError(f"{path} is a serving export (weights without optimizer state, "
+                              "coordinator.serving): restore a checkpoint instead")
+    loaded = [load_variable(v, chain) for v in variables]
+    table_states = [load_table(t, chain) for t in tables]
+    _metrics.checkpoint_bytes("restore", sum(
+        e.get("bytes", 0) for _, m in chain for section in ("variables", "tables")
+        for info in m.get(section, {}).values() for e in info.get("shards", ())))
     with futures.ThreadPoolExecutor(4) as pool:
         handles = [h for v, state in zip(variables, loaded)
                    for h in _write_variable(v, state, pool, client_for, copies, address)]
@@ -307,107 +500,6 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
         for h in handles:
             h.result()
     return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
-
-
-def _load_variable(v: V.ShardedVariable, info: dict | None, path: str) -> dict:
-    """The variable's whole state from checkpoint ``path`` (checked)."""
-    if info is None:
-        raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
-    try:
-        same = (tuple(info["shape"]), info["dtype"], info["optimizer"]) == (
-            v.shape, v.dtype, v.optimizer)
-        entries = list(info["shards"])
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"the manifest of {path} is incomplete: {v.name!r} lacks "
-                              f"{exc}; nothing was restored") from None
-    if not same:
-        raise CheckpointError(
-            f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
-            f"{info['dtype']} {info['shape']} {info['optimizer']} in {path}")
-    if not entries:
-        raise CheckpointError(f"the manifest of {path} lists no shard of {v.name!r}")
-    if v.shape:   # the shards must cover the rows in order, each once
-        covered = 0
-        for e in entries:
-            if e.get("offset") != covered or not isinstance(e.get("rows"), int):
-                break
-            covered += e["rows"]
-        if covered != v.shape[0] or e.get("offset") is None:
-            raise CheckpointError(f"the shards of {v.name!r} in {path} do not cover its "
-                                  f"{v.shape[0]} rows in order; nothing was restored")
-    loaded = [load_checked_shard(path, e, v.dtype, v.shape, v.optimizer) for e in entries]
-    _metrics.checkpoint_bytes("restore", sum(e.get("bytes", 0) for e in entries))
-    parts = [tensors for tensors, _ in loaded]
-    meta = loaded[0][1]
-    slots = {}
-    for key in parts[0]:
-        if key.startswith("slot/"):
-            arrays = [p[key] for p in parts]
-            slots[key[5:]] = (np.max(arrays).astype(arrays[0].dtype).reshape(())
-                              if arrays[0].ndim == 0 else _join(arrays, v.shape))
-    # A shard restored into the same place keeps its version, idempotency keys
-    # and scalar slots (same_cut).
-    return {"value": _join([p["value"] for p in parts], v.shape), "slots": slots,
-            "optimizer_params": json.loads(meta.get("optimizer_params", "{}")),
-            "allow_nonfinite": json.loads(meta.get("allow_nonfinite", "false")),
-            "version": max(int(e["version"]) for e in entries),
-            "same_cut": {(e["name"], e["offset"], e["rows"]):
-                         (int(e["version"]), p.get("applied_ids", ()),
-                          {k[5:]: a for k, a in p.items() if k.startswith("slot/") and a.ndim == 0})
-                         for e, p in zip(entries, parts)}}
-
-
-def _load_table(t, info: dict | None, path: str) -> tuple[dict[str, np.ndarray], int]:
-    """A dynamic table's rows from checkpoint ``path``, every shard file
-    joined (keys unique), and the largest shard step; checked against the
-    table ``t`` (dim, dtype) and the files against the manifest."""
-    if info is None:
-        raise CheckpointError(f"dynamic table {t.name!r} is not in checkpoint {path}")
-    try:
-        same = (int(info["dim"]), info["dtype"]) == (t.dim, t.dtype)
-        entries = list(info["shards"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"the manifest of {path} is incomplete: table {t.name!r} lacks "
-                              f"{exc}; nothing was restored") from None
-    if not same:
-        raise CheckpointError(f"dynamic table {t.name!r} has dim {t.dim} {t.dtype} here but "
-                              f"{info['dim']} {info['dtype']} in {path}")
-    parts, step = [], 0
-    for e in entries:
-        try:
-            file, rows = os.path.join(path, e["file"]), int(e["rows"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"the manifest of {path} is incomplete: a shard of table "
-                                  f"{t.name!r} lacks {exc}; nothing was restored") from None
-        tensors, meta = _load_shard(file)
-        keys = tensors.get("keys")
-        values = tensors.get("values")
-        if keys is None or keys.shape != (rows,) or values is None or \
-                values.shape != (rows, t.dim) or values.dtype.name != t.dtype:
-            raise CheckpointError(f"checkpoint file {file} does not hold the {rows} rows of "
-                                  f"dim {t.dim} {t.dtype} its manifest promises; nothing was "
-                                  "restored (restore an older one: coordinator checkpoint list)")
-        parts.append(tensors)
-        step = max(step, int(meta.get("step", "0")))
-    from psserver import optimizers as optim
-    slots = optim.make_optimizer(t.optimizer, {}).create_slots(np.zeros((1, t.dim)))
-    names = {"keys", "values", "age_steps", "age_seconds", "freq"} | {f"slot/{n}" for n in slots}
-    for e, p in zip(entries, parts):
-        if set(p) != names:
-            raise CheckpointError(
-                f"checkpoint file {os.path.join(path, e['file'])} holds {sorted(p)}, not the "
-                f"arrays of a {t.optimizer} table ({sorted(names)}); nothing was restored")
-    state = {k: (np.max([p[k] for p in parts]).astype(parts[0][k].dtype).reshape(())
-                 if parts[0][k].ndim == 0 else np.concatenate([p[k] for p in parts]))
-             for k in names}
-    if state and np.unique(state["keys"]).size != state["keys"].size:
-        raise CheckpointError(f"the shard files of table {t.name!r} in {path} hold a key "
-                              "twice; nothing was restored")
-    if state:   # by key, whatever the shards were
-        order = np.argsort(state["keys"], kind="stable")
-        state = {k: a if a.ndim == 0 else a[order] for k, a in state.items()}
-    _metrics.checkpoint_bytes("restore", sum(e.get("bytes", 0) for e in entries))
-    return state, step
 
 
 def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
@@ -460,76 +552,6 @@ def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, c
             slots={k: scalars.get(k, cut(a)) for k, a in state["slots"].items()},
             version=version, overwrite=True, applied_ids=applied))
     return handles
-
-
-def load_checked_shard(ckpt: str, entry: Mapping[str, Any], dtype: str, shape: Sequence[int],
-                       optimizer: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of one shard file of checkpoint ``ckpt``, checked
-    to hold all its manifest entry promises for a shard of a ``dtype``
-    variable of ``shape`` (its rows) with ``optimizer``: the value, every
-    slot the optimizer keeps, each of the right dtype and shape, readable
-    metadata. Raises CheckpointError naming the file and what is missing."""
-    from psserver import optimizers as optim
-
-    try:
-        file = os.path.join(ckpt, entry["file"])
-        rows, version = int(entry["rows"]), int(entry["version"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"the manifest of {ckpt} is incomplete: a shard entry of "
-                              f"{entry.get('name', '?')!r} lacks {exc}; the checkpoint cannot "
-                              "be restored (restore an older one: coordinator checkpoint "
-                              "list)") from None
-    tensors, meta = _load_shard(file)
-    want = tuple(shape) if not shape else (rows,) + tuple(shape[1:])
-
-    def refuse(what: str):
-        raise CheckpointError(f"checkpoint file {file} {what}: the checkpoint is incomplete "
-                              "or damaged and nothing was restored (restore an older one: "
-                              "coordinator checkpoint list)")
-    value = tensors.get("value")
-    if value is None:
-        refuse("holds no value")
-    if value.dtype.name != dtype or value.shape != want:
-        refuse(f"holds a {value.dtype.name} {list(value.shape)} value, not {dtype} {list(want)}")
-    if meta.get("optimizer", optimizer) != optimizer:
-        refuse(f"was saved with optimizer {meta.get('optimizer')}, not {optimizer}")
-    try:
-        params = json.loads(meta.get("optimizer_params", "{}"))
-        json.loads(meta.get("allow_nonfinite", "false"))
-        expected = optim.make_optimizer(optimizer, params).create_slots(
-            np.zeros(want, np.dtype(dtype)))
-    except (ValueError, TypeError) as exc:
-        refuse(f"has unreadable metadata ({exc})")
-    for name, proto in expected.items():
-        got = tensors.get(f"slot/{name}")
-        if got is None:
-            refuse(f"lacks the optimizer slot {name!r} that {optimizer} keeps")
-        if got.dtype != proto.dtype or got.shape != proto.shape:
-            refuse(f"holds slot {name!r} as {got.dtype.name} {list(got.shape)}, not "
-                   f"{proto.dtype.name} {list(proto.shape)}")
-    extra = sorted(k[5:] for k in tensors if k.startswith("slot/") and k[5:] not in expected)
-    if extra:
-        refuse(f"holds slots {extra} that {optimizer} does not keep")
-    if version < 0:
-        refuse(f"has version {version}")
-    return tensors, meta
-
-
-def _load_shard(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of one shard file."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="np") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
-
-
-def _join(arrays: list[np.ndarray], shape) -> np.ndarray:
-    if not shape:
-        return arrays[0]
-    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
 
 
 def _write_json(path: str, obj) -> None:
@@ -589,20 +611,3 @@ def clear_leftovers(directory: str) -> None:
         if (".tmp-" in name and name.startswith("ckpt-")) or \
                 name.startswith((_DELETING, _REPLACED)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def find_checkpoints(directory: str) -> list[str]:
-    """Complete checkpoints (ckpt-N/ with a manifest) in directory, oldest
-    first, as CheckpointManager.checkpoints() sees them; [] when the
-    directory does not exist."""
-    found = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        m = _CKPT_RE.match(name)
-        path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, "manifest.json")):
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]

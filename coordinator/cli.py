@@ -31,7 +31,11 @@ Operator tools, on the cluster in TF_CONFIG / TF_CONFIG_FILE or
         Put a checkpoint (default: the latest) back into the running
         servers, shard by shard; the layout must be the same.
     coordinator checkpoint list DIR [--json]
-        The complete checkpoints in DIR.
+        The complete checkpoints in DIR (full, or a delta of its parent).
+    coordinator export DIR [--every S] [--count N] [--full-every N] [--json]
+        Write the model's weights (no optimizer state) under DIR as a
+        serving export: a base, then deltas (coordinator.serving.Snapshot
+        reads them); once, or every S seconds.
 
 Exit status: run: 2 for a bad cluster description, 3 when tasks do not come
 up. Operator tools: 0 ok, 1 failure (a task unreachable or refusing, no
@@ -40,7 +44,7 @@ or malformed cluster description, unreadable TLS files).
 
 By command group: this module (run, health, task; the parser),
 coordinator/cli_ops.py (the target, errors a person can act on, ps list and
-health), coordinator/cli_checkpoint.py (checkpoint save, restore, list).
+health), coordinator/cli_checkpoint.py (checkpoint save, restore, list; export).
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ from coordinator import checkpoint as C
 from coordinator import evaluation
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       Refreshing, TFConfigClusterResolver, parse_tf_config)
-from coordinator.cli_checkpoint import _ckpt_list, _ckpt_restore, _ckpt_save
+from coordinator.cli_checkpoint import _ckpt_list, _ckpt_restore, _ckpt_save, _export
 from coordinator.cli_ops import (EXIT_CONFIG, EXIT_FAILURE, EXIT_NOT_READY, NotReady,
                                  OperatorError, _ps_health, _ps_list, check_health, wait_ready)
 from psserver.server import TOKEN_ENV, join_host_port
@@ -216,7 +220,7 @@ def _task(args) -> int:
 _OPERATOR_COMMANDS = {("ps", "list"): _ps_list, ("ps", "health"): _ps_health,
                       ("checkpoint", "save"): _ckpt_save,
                       ("checkpoint", "restore"): _ckpt_restore,
-                      ("checkpoint", "list"): _ckpt_list}
+                      ("checkpoint", "list"): _ckpt_list, ("export", None): _export}
 
 
 def _operator(args) -> int:
@@ -237,8 +241,8 @@ def _operator(args) -> int:
 #: docstring is reST for the documentation).
 _DESCRIPTION = ("Deployment and operator tools of a pstrain cluster: run a training script "
                 "as its chief, check a task's health, start a pod's task, inspect the "
-                "parameter servers and workers, save, restore and list checkpoints, evaluate "
-                "checkpoints beside training.")
+                "parameter servers and workers, save, restore and list checkpoints, export "
+                "the weights for serving, evaluate checkpoints beside training.")
 _EPILOG = (f"The cluster: TF_CONFIG (TensorFlow's JSON) or TF_CONFIG_FILE (a file holding "
            f"it); operator tools also take --ps / --worker. Auth token: ${TOKEN_ENV}, the "
            "cluster's shared secret (or --token). TLS: $PSTRAIN_TLS_CERT, $PSTRAIN_TLS_KEY, "
@@ -348,6 +352,26 @@ def build_parser() -> argparse.ArgumentParser:
     ls = ck_sub.add_parser("list", parents=[as_json], help="the checkpoints in DIR")
     ls.add_argument("directory", metavar="DIR", help="the checkpoint directory")
 
+    ex = sub.add_parser("export", parents=[cluster, as_json], epilog=epilog,
+                        help="write the weights (no optimizer state) for serving, as deltas",
+                        description="Have the parameter servers write the values of every "
+                                    "variable and dynamic table under DIR (a base, then deltas "
+                                    "of what changed since the export before), which "
+                                    "coordinator.serving.Snapshot loads and follows in a "
+                                    "process that does not talk to the servers. DIR must be on "
+                                    "storage the parameter servers see at the same path, under "
+                                    "their --checkpoint-dir. Prints each export's path, kind "
+                                    "and bytes.")
+    ex.set_defaults(action=None)
+    ex.add_argument("directory", metavar="DIR", help="the export directory")
+    ex.add_argument("--every", type=float, metavar="SECONDS",
+                    help="export again every SECONDS until interrupted (default: once)")
+    ex.add_argument("--count", type=int, metavar="N", help="with --every: stop after N exports")
+    ex.add_argument("--full-every", type=int, default=20, metavar="N",
+                    help="a base at least every N exports (default 20)")
+    ex.add_argument("--max-to-keep", type=int, default=3, metavar="N",
+                    help="newest exports kept, with what their chains need (default 3)")
+
     ev = sub.add_parser("evaluate", help="evaluate each new checkpoint of a directory, beside "
                                          "training (TensorBoard, Prometheus)",
                         description="Follow CKPT_DIR and evaluate each new complete checkpoint "
@@ -363,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
-    if args.command in ("ps", "checkpoint"):
+    if args.command in ("ps", "checkpoint", "export"):
         return _operator(args)
     if args.command == "evaluate":
         return evaluation.main(args)

@@ -1,5 +1,6 @@
-"""`coordinator checkpoint save|restore|list`: checkpoints from outside the
-training program, through coordinator/checkpoint.py's one implementation.
+"""`coordinator checkpoint save|restore|list` and `coordinator export`:
+checkpoints and serving exports from outside the training program, through
+coordinator/checkpoint.py's one implementation.
 """
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import sys
 import time
+import types
 
 
 from coordinator import checkpoint as C
@@ -180,12 +182,15 @@ def _ckpt_restore(args) -> int:
                 "failure hold the checkpoint, the others their own state. Fix the cause and "
                 "restore again.") from None
     nvars = len({v.name for v, _, _ in plan})
+    chain = [os.path.basename(p) for p, _ in C.chain_of(path)]
     if args.json:
         _print_json({"path": path, "step": manifest.get("step"), "extra": manifest.get("extra", {}),
-                     "variables": nvars, "shards": len(plan)})
+                     "variables": nvars, "shards": len(plan), "chain": chain})
     else:
-        print(f"restored {path} (step {manifest.get('step')}): {nvars} variable(s), "
-              f"{len(plan)} shard(s) on {len(target.ps)} parameter server(s)")
+        print(f"restored {path} (step {manifest.get('step')}"
+              + (f"; base {chain[0]} + {len(chain) - 1} delta(s)" if len(chain) > 1 else "")
+              + f"): {nvars} variable(s), {len(plan)} shard(s) on {len(target.ps)} parameter "
+              "server(s)")
     return EXIT_OK
 
 
@@ -197,9 +202,16 @@ def _ckpt_list(args) -> int:
             with open(os.path.join(path, "manifest.json")) as f:
                 m = json.load(f)
             shards = [s for v in m["variables"].values() for s in v["shards"]]
+            tables = [s for t in m.get("tables", {}).values() for s in t["shards"]]
+            link = m.get("chain")
             out.append({"path": path, "step": m.get("step"), "time": m.get("time"),
                         "variables": len(m["variables"]), "shards": len(shards),
-                        "bytes": sum(s.get("bytes", 0) for s in shards),
+                        "tables": len(m.get("tables", {})),
+                        "bytes": sum(s.get("bytes", 0) for s in shards + tables),
+                        "kind": "delta" if link else "full",
+                        "parent": link["parent"] if link else None,
+                        "base": link["base"] if link else None,
+                        "weights_only": bool(m.get("weights_only")),
                         "extra": m.get("extra", {})})
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             out.append({"path": path, "error": f"unreadable manifest: {exc}"})
@@ -209,9 +221,80 @@ def _ckpt_list(args) -> int:
     if not out:
         print(f"no checkpoint in {directory}", file=sys.stderr)
         return EXIT_OK
-    print(_table(["STEP", "SAVED", "VARIABLES", "SHARDS", "BYTES", "PATH"], [
+    def kind(c):
+        if "kind" not in c:
+            return "?"
+        what = ("export " if c["weights_only"] else "") + c["kind"]
+        return what if c["kind"] == "full" else f"{what} of {c['parent']} (base {c['base']})"
+    print(_table(["STEP", "SAVED", "KIND", "VARIABLES", "SHARDS", "BYTES", "PATH"], [
         [c.get("step", "?"), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"]))
-         if c.get("time") else "?", c.get("variables", "?"), c.get("shards", "?"),
+         if c.get("time") else "?", kind(c), c.get("variables", "?"), c.get("shards", "?"),
          human_bytes(c["bytes"]) if "bytes" in c else c.get("error"), c["path"]]
-        for c in out], right={0, 2, 3, 4}))
+        for c in out], right={0, 3, 4, 5}))
     return EXIT_OK
+
+
+# -- coordinator export -------------------------------------------------------------------
+def _export(args) -> int:
+    """Weights-only exports of the running servers' variables and tables
+    (coordinator.serving.Exporter): one, or one every --every seconds."""
+    from coordinator.serving import Exporter
+    for flag, value, low in (("--every", args.every, 0.0), ("--count", args.count, 1),
+                             ("--full-every", args.full_every, 1),
+                             ("--max-to-keep", args.max_to_keep, 1)):
+        if value is not None and not (value > low if flag == "--every" else value >= low):
+            raise ClusterConfigError(f"{flag} must be {'>' if flag == '--every' else '>='} "
+                                     f"{low}, got {value}")
+    target = target_from_args(args)
+    listing = _listing_or_fail(target)
+    try:
+        layout = L.layout_from_listing(listing)
+        tables = _tables(target)
+    except C.CheckpointError as exc:
+        raise OperatorError(f"{exc}\nNothing exported. Check that {target.source} lists "
+                            "every parameter server.") from None
+    if not layout and not tables:
+        raise OperatorError("nothing to export: the parameter servers hold no variables")
+    directory = os.path.abspath(args.directory)
+    ps_index = {addr: i for i, addr in enumerate(target.ps)}
+    model = types.SimpleNamespace(variables=layout, tables=tables,
+                                  cluster_spec=types.SimpleNamespace(ps=target.ps))
+    done = 0
+    with _Clients(target) as clients:
+        try:
+            exporter = Exporter(model, directory, full_every=args.full_every,
+                                max_to_keep=args.max_to_keep, client_for=clients.get)
+        except OSError as exc:
+            raise OperatorError(f"cannot create export directory {directory}: {exc}") from None
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    path = exporter.export()
+                except C.CheckpointError as exc:
+                    raise OperatorError(f"{exc}\nNothing exported.") from None
+                except PSError as exc:
+                    raise OperatorError(
+                        _explain_error(target, f"ps {ps_index.get(exc.address, '?')}",
+                                       exc.address, exc, answered=True)
+                        + "\nThe parameter servers write the files themselves: DIR must be "
+                        "on storage they see at the same path, under their --checkpoint-dir."
+                        "\nNothing exported.") from None
+                except OSError as exc:
+                    raise OperatorError(f"cannot write under {directory}: {exc}") from None
+                done += 1
+                manifest = C.read_manifest(path)
+                nbytes = sum(e.get("bytes", 0) for section in ("variables", "tables")
+                             for info in manifest.get(section, {}).values()
+                             for e in info["shards"])
+                kind = "delta" if "chain" in manifest else "base"
+                if args.json:
+                    print(json.dumps({"path": path, "kind": kind, "bytes": nbytes}), flush=True)
+                else:
+                    print(f"{path}\t{kind}\t{human_bytes(nbytes)}", flush=True)
+                if args.every is None or (args.count is not None and done >= args.count):
+                    return EXIT_OK
+                time.sleep(max(0.0, args.every - (time.monotonic() - started)))
+        except KeyboardInterrupt:
+            print(f"coordinator: stopped after {done} export(s)", file=sys.stderr)
+            return 130

@@ -44,8 +44,8 @@ Compressors:
 Compression applies to asynchronous pushes ("async" and "bounded" modes):
 in sync mode the servers sum replicas' gradients in the first arrival's
 dtype, and top-k residuals would outlive their step, so the strategy refuses
-``mode="sync"`` with compression and ``push_gradients`` raises ValueError in
-a sync step.
+``mode="sync"`` and ``mode="hybrid"`` with compression and
+``push_gradients`` raises ValueError in their steps.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ Guarantees:
   queue and runs again elsewhere (or on the same worker when it returns).
   Write steps whose re-run is harmless, as with TensorFlow's
   ParameterServerStrategy.
-* In sync mode a scheduled step is ``num_replicas_in_sync`` closures, one
+* In sync and hybrid modes a scheduled step is ``num_replicas_in_sync`` closures, one
   per replica, in the queue together; the step's RemoteValue combines their
   results. A replica whose worker dies is **not** re-run: it is abandoned on
   every parameter server, and the step completes with the replicas that
@@ -62,7 +62,7 @@ from coordinator import sharded
 from coordinator.datasets import PerWorkerDataset
 from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.recovery import _PSRecovery, _PSWatch
-from coordinator.strategy import ParameterServerStrategy
+from coordinator.strategy import SYNC_MODES, ParameterServerStrategy
 from coordinator.closures import (ABANDONED, Closure, RemoteValue,  # noqa: F401  (re-exported)
                                   RemoteValueStatus, StepRemoteValue, _ClosureQueue)
 from coordinator.worker_channel import _Membership, _WorkerThread
@@ -90,7 +90,7 @@ class ClusterCoordinator:
         replication, when a parameter server is away the coordinator pauses,
         waits for it (saying so every 30 s), and, if it restarted empty,
         restores its shards from the manager's latest checkpoint. Async and
-        bounded modes; in sync mode the step fails. (coordinator/recovery.py)
+        bounded modes; in sync and hybrid modes the step fails. (coordinator/recovery.py)
       ps_recovery_timeout: how long to wait for such a server (seconds).
       recreate_lost_shards: without replication or a checkpoint, a server that
         restarted empty stops the job with ParameterServerLost (its shards'
@@ -151,11 +151,11 @@ class ClusterCoordinator:
         except Exception as exc:
             raise TypeError(f"cannot send the arguments of {_name(fn)} to a worker: "
                             f"{type(exc).__name__}: {exc}") from exc
-        if found:   # sharded datasets refuse sync mode; their closures bind batches
+        if found:   # sharded datasets refuse sync modes; their closures bind batches
             closure = Closure(ref, payload, _name(fn), datasets=tuple(found.values()))
             self._queue.put(closure)
             return closure.remote_value
-        if self.strategy.mode == "sync":
+        if self.strategy.mode in SYNC_MODES:
             step = next(self._steps)
             closures = [Closure(ref, payload, f"{_name(fn)}[step {step} replica {i}]",
                                 self.strategy.sync_spec(step, i))
@@ -210,7 +210,7 @@ class ClusterCoordinator:
         takes ``iter(dataset)`` as an argument gets one batch when a worker
         takes it. ``visitation``: "exactly_once" (async and bounded modes)
         or "at_least_once"; see coordinator/sharded.py for what each
-        guarantees. Raises ValueError for a bad argument, in sync mode, or
+        guarantees. Raises ValueError for a bad argument, in sync or hybrid mode, or
         for a source too large to send (over 48 MiB pickled: read it on
         the workers instead, e.g. ShardedSource.from_generator)."""
         if not isinstance(source, ShardedSource):
@@ -221,11 +221,12 @@ class ClusterCoordinator:
         if visitation not in sharded.VISITATIONS:
             raise ValueError(f"visitation must be one of {sharded.VISITATIONS}, "
                              f"got {visitation!r}")
-        if self.strategy.mode == "sync":
+        if self.strategy.mode in SYNC_MODES:
             raise ValueError(
-                "sharded datasets run in async and bounded modes: in sync mode a replica "
-                "whose worker dies is abandoned rather than re-run, so its batch would be "
-                "neither trained nor handed out again; use create_per_worker_dataset")
+                f"sharded datasets run in async and bounded modes, not {self.strategy.mode!r}: "
+                "there a step is one closure per replica, and a replica whose worker dies is "
+                "abandoned rather than re-run, so its batch would be neither trained nor handed "
+                "out again; use create_per_worker_dataset")
         ref = self._function_ref(functools.partial(sharded.source_of, source))
         if len(ref.pickled) > _MAX_SOURCE_BYTES:
             raise ValueError(

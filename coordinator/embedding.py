@@ -21,7 +21,12 @@ updates with their update key, so each applies once. Admission counters
 of keys not admitted yet, and look-up statistics, are the primary's alone
 (after a failover such a key counts again from zero).
 
-Not yet: sync mode (a table's updates apply on arrival, as in async mode).
+Modes (coordinator.replica): in a sync step, look-ups wait for the
+previous step on each shard, and every shard gets this replica's update
+(an empty one counts), gathered with the other replicas' and applied once
+(their sum, or mean: the strategy's aggregation) when the step is complete
+(psserver/tables.py); with replication both copies get it. In async,
+bounded and hybrid modes look-ups never wait and updates apply on arrival.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 
 from coordinator import calls, routes
 from coordinator.calls import client_for
+from coordinator.replica import rows_sync
 from psserver.dynamic_table import check_keys, shard_of
 from psserver.replication import TABLE_PREFIX
 from psserver.tables import BACKUP_PREFIX   # a shard's backup copy's table name: the prefix
@@ -106,6 +112,8 @@ class TableStats:
     updated: int
     dropped: int
     bytes: int
+    late: int = 0   # sync mode: updates dropped whole (their step was applied, their
+                    # replica abandoned, or the replica's second)
 
     @property
     def hit_rate(self) -> float:
@@ -149,18 +157,20 @@ class DynamicEmbedding:
             return list(self.shards)
         return [routes.primary(self, i) for i in range(self.num_shards)]
 
-    def _calls(self, parts, blocking, non_blocking) -> list:
-        """One call per (shard, positions) to the copy that is primary now,
-        resent where it is after a failover (coordinator.calls)."""
+    def _calls(self, parts, blocking, non_blocking, targets=None) -> list:
+        """One call per (shard, positions) to the copy that is primary now
+        (or to each of ``targets(i)``: a sync update's), resent where it is
+        after a failover (coordinator.calls). One result per call."""
         def plan():
             ops = []
             for i, pos in parts:
-                target = routes.primary(self, i)
-                ops.append(calls._Op(target.address,
-                                     lambda c, t=target.table, i=i, p=pos: blocking(c, t, i, p),
-                                     lambda c, t=target.table, i=i, p=pos:
-                                         non_blocking(c, t, i, p),
-                                     pairs=[(self, i)]))
+                for target in (targets(i) if targets else (routes.primary(self, i),)):
+                    ops.append(calls._Op(target.address,
+                                         lambda c, t=target.table, i=i, p=pos:
+                                             blocking(c, t, i, p),
+                                         lambda c, t=target.table, i=i, p=pos:
+                                             non_blocking(c, t, i, p),
+                                         pairs=[(self, i)]))
             return calls._settle(ops)
         return calls._routed(plan)
 
@@ -186,6 +196,8 @@ class DynamicEmbedding:
         its dense variables meanwhile). With replication the calls run in
         result() (they may be resent to another copy)."""
         keys = check_keys(keys)
+        sync = rows_sync()
+        step = sync.step if sync is not None else None
         flat = keys.reshape(-1)
         uniq, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
         if uniq.size == flat.size:
@@ -198,17 +210,19 @@ class DynamicEmbedding:
         def n(p):
             return None if counts is None else counts[p]
         if not self.replicated:   # one call per server, all at once
-            handles = [client_for(self.addresses[i]).lookup_async(self.name, uniq[pos],
-                                                                  admit=admit, counts=n(pos))
-                       for i, pos in parts]
+            handles = [client_for(self.addresses[i]).lookup_async(
+                self.name, uniq[pos], admit=admit, counts=n(pos), sync_step=step)
+                for i, pos in parts]
 
             def replies():
                 return [h.result() for h in handles]
         else:
             def replies():
                 return self._calls(
-                    parts, lambda c, t, i, p: c.lookup(t, uniq[p], admit=admit, counts=n(p)),
-                    lambda c, t, i, p: c.lookup_async(t, uniq[p], admit=admit, counts=n(p)))
+                    parts, lambda c, t, i, p: c.lookup(t, uniq[p], admit=admit, counts=n(p),
+                                                       sync_step=step),
+                    lambda c, t, i, p: c.lookup_async(t, uniq[p], admit=admit, counts=n(p),
+                                                      sync_step=step))
 
         def rows():
             for (_, pos), r in zip(parts, replies()):
@@ -224,7 +238,9 @@ class DynamicEmbedding:
     def push_gradient(self, keys, grads) -> tuple[int, int]:
         """Apply row gradients ``grads[i]`` of ``keys[i]`` (duplicates summed
         here, each distinct key sent once); (rows updated, distinct keys
-        whose gradient was dropped: they have no row)."""
+        whose gradient was dropped: they have no row). In a sync step the
+        rows are updated once the step is complete: the counts are those of
+        the steps this update completed on some shard (else 0)."""
         return self.push_gradient_async(keys, grads).result()
 
     def push_gradient_async(self, keys, grads, *, unique=None) -> "Pending":
@@ -241,12 +257,19 @@ class DynamicEmbedding:
         if uniq.size < keys.size:
             keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
         parts = self._split(keys)
-        # An update key per shard: a resend after a failover applies once, and
-        # a re-run of an exactly-once batch (coordinator/sharded.py) sends the same.
-        uids = {i: calls.new_update_id(f"{TABLE_PREFIX}{self.name}#{i}") for i, _ in parts}
+        sync = rows_sync()
+        if sync is not None:   # every shard counts this replica (an empty update too)
+            have = dict(parts)
+            parts = [(i, have.get(i, np.zeros(0, np.int64))) for i in range(self.num_shards)]
+        # An update key per shard: a resend after a failover applies once, and a
+        # re-run of an exactly-once batch (coordinator/sharded.py) sends the same.
+        # Sync updates are known by step and replica instead (and go to both copies).
+        uids = {i: calls.new_update_id(f"{TABLE_PREFIX}{self.name}#{i}") if sync is None else 0
+                for i, _ in parts}
         if not self.replicated:
             handles = [client_for(self.addresses[i]).update_table_async(
-                self.name, keys[pos], grads[pos], update_id=uids[i]) for i, pos in parts]
+                self.name, keys[pos], grads[pos], update_id=uids[i], sync=sync)
+                for i, pos in parts]
 
             def replies():
                 return [h.result() for h in handles]
@@ -254,9 +277,11 @@ class DynamicEmbedding:
             def replies():
                 return self._calls(
                     parts,
-                    lambda c, t, i, p: c.update_table(t, keys[p], grads[p], update_id=uids[i]),
+                    lambda c, t, i, p: c.update_table(t, keys[p], grads[p], update_id=uids[i],
+                                                      sync=sync),
                     lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
-                                                            update_id=uids[i]))
+                                                            update_id=uids[i], sync=sync),
+                    targets=None if sync is None else lambda i: routes.sync_targets(self, i))
 
         def counts():
             done = replies()

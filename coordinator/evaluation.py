@@ -207,25 +207,15 @@ class Checkpoint:
 
 def read_checkpoint(path: str) -> Checkpoint:
     """Every variable's value in checkpoint ``path``, read from its files
-    (each shard file checked against the manifest: CheckpointError)."""
-    from coordinator import checkpoint as C
+    (an incremental checkpoint composed with its chain; each file checked
+    against its manifest: CheckpointError)."""
+    from coordinator.checkpoint_files import chain_of, load_variable
+    from coordinator.serving import _spec   # what the loaders need of a variable
 
-    manifest = C.read_manifest(path)
-    values = {}
-    for name, info in manifest["variables"].items():
-        try:
-            shape, dtype, optimizer = list(info["shape"]), info["dtype"], info["optimizer"]
-            entries = sorted(info["shards"], key=lambda e: e.get("offset", 0))
-        except (KeyError, TypeError) as exc:
-            raise C.CheckpointError(f"the manifest of {path} is incomplete: {name!r} lacks "
-                                    f"{exc}") from None
-        parts = [C.load_checked_shard(path, e, dtype, shape, optimizer)[0]["value"]
-                 for e in entries]
-        value = parts[0] if not shape else np.concatenate(parts)
-        if list(value.shape) != shape:
-            raise C.CheckpointError(f"the shards of {name!r} in {path} make "
-                                    f"{list(value.shape)}, not {shape}")
-        values[name] = value
+    chain = chain_of(path)
+    manifest = chain[-1][1]
+    values = {name: load_variable(_spec(name, info), chain)["value"]
+              for name, info in manifest["variables"].items()}
     return Checkpoint(int(manifest["step"]), path, manifest.get("extra", {}), values)
 
 
@@ -275,8 +265,8 @@ class Sidecar:
 
     def pending(self) -> list[str]:
         """Complete checkpoints newer than the last one evaluated, oldest first."""
-        from coordinator import checkpoint as C
-        return [p for p in C.find_checkpoints(self.ckpt_dir) if _step_of(p) > self.last_step]
+        from coordinator.checkpoint_files import find_checkpoints
+        return [p for p in find_checkpoints(self.ckpt_dir) if _step_of(p) > self.last_step]
 
     def step_once(self) -> int | None:
         """Evaluate the newest pending checkpoint (skipping older pending

@@ -1,11 +1,15 @@
 """The replica context of a running step: which sync step and replica it is.
 
-In sync mode each scheduled step runs as ``num_replicas_in_sync`` closures,
-one per replica, each on its slice of the global batch. Inside a step
-function, ``get_replica_context()`` says which slice this is (as
+In sync and hybrid modes each scheduled step runs as
+``num_replicas_in_sync`` closures, one per replica, each on its slice of
+the global batch. Inside a step function, ``get_replica_context()`` says
+which slice this is (as
 ``tf.distribute.get_replica_context().replica_id_in_sync_group`` does), and
-the variable operations of ``coordinator.variables`` use it to tag their
-reads and pushes. Outside sync mode it reports replica 0 of 1 and no step.
+the variable operations of ``coordinator.variables`` and
+``coordinator.embedding`` use it to tag their reads and pushes: dense ones
+with ``current_sync()``, the row-wise ones of embedding tables with
+``rows_sync()`` (None in hybrid mode: applied on arrival). Outside these
+modes it reports replica 0 of 1 and no step.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from psserver.contract import SyncSpec
 class ReplicaContext:
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
-    step: int | None = None            # the global sync step; None outside sync mode
+    step: int | None = None            # the global step; None outside sync and hybrid modes
     sync: SyncSpec | None = None       # what the parameter servers need to know
 
 
@@ -33,8 +37,17 @@ def get_replica_context() -> ReplicaContext:
 
 
 def current_sync() -> SyncSpec | None:
+    """The running step's SyncSpec (sync and hybrid modes), else None."""
     ctx = getattr(_local, "ctx", None)
     return ctx.sync if ctx is not None else None
+
+
+def rows_sync() -> SyncSpec | None:
+    """The SyncSpec that embedding tables' row-wise gradients and dynamic
+    tables' look-ups go with: the step's in sync mode; None in hybrid mode
+    (applied on arrival, as in async mode) and outside sync steps."""
+    sync = current_sync()
+    return None if sync is None or sync.hybrid else sync
 
 
 @contextlib.contextmanager

@@ -72,9 +72,9 @@ Visitation, per epoch:
   the keys), not without. Dynamic tables' keys are not in checkpoints.
   Calls made with a PSClient directly carry no such keys.
 
-Sync mode has neither: a replica whose worker dies is abandoned, not
-re-run, and its gradients are keyed by (step, replica);
-``create_sharded_dataset`` refuses it (use per-worker datasets there).
+Sync and hybrid modes have neither: a replica whose worker dies is
+abandoned, not re-run, and its gradients are keyed by (step, replica);
+``create_sharded_dataset`` refuses them (use per-worker datasets there).
 """
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ from psserver.contract import Initializer
 from psserver.contract import SyncSpec
 from psserver.tls import TLSConfig
 
-MODES = ("async", "sync", "bounded")
+MODES = ("async", "sync", "hybrid", "bounded")
+#: The modes whose scheduled steps run as num_replicas closures of one step.
+SYNC_MODES = ("sync", "hybrid")
 #: Name prefix of backup shards (replication=True): "_backup/<shard name>".
 BACKUP_PREFIX = "_backup/"
 
@@ -107,24 +109,41 @@ class ParameterServerStrategy:
           ``num_replicas`` closures, one per replica; every variable waits
           for the step's gradients, combines them (``aggregation``) and
           applies its optimizer once; reads of the next step wait for that.
+          Dynamic embedding tables too: each shard sums (or averages) the
+          step's row gradients and applies them once; look-ups of the next
+          step wait for that.
+        * ``"hybrid"``: dense variables as in ``"sync"`` (num_replicas
+          closures per step, one combined update per step, backup_workers,
+          step_timeout, dead replicas abandoned); embedding tables as in
+          ``"async"`` (Persia's and TFRA's half-sync training): row-wise
+          gradients (``IndexedSlices``, ``push_sparse``, and every dynamic
+          table's) are applied on arrival, each replica's push on its own
+          with its update key (the optimizer runs once per push), and
+          table look-ups never wait for the step. A variable is dense or a
+          table by its gradients: one given both kinds is refused
+          (ValueError on the worker, see coordinator.variables). Row
+          gradients of a replica that is abandoned, or that a backup worker
+          made late, were applied on arrival and stay applied; only its
+          dense gradients are dropped.
         * ``"bounded"``: asynchronous, but no worker starts a step more than
           ``staleness`` steps ahead of the slowest live worker (stale
           synchronous parallel). 0 runs the workers in lock-step; a large
           value is plain async.
-      num_replicas: sync mode: replicas per step (default: the number of
-        workers in the cluster spec now). Replicas are slices of the global
-        batch, not processes: any worker may run any replica.
-      backup_workers: sync mode: a step completes once ``num_replicas -
-        backup_workers`` replicas pushed; later gradients of that step are
-        dropped and counted (``VariableMeta.dropped_gradients``).
-      aggregation: sync mode: ``"mean"`` (default) averages the replicas'
-        gradients, right for per-replica mean losses; ``"sum"`` adds them,
-        right for losses already scaled by the global batch size as
-        ``tf.nn.compute_average_loss`` does.
-      step_timeout: sync mode: seconds after a step's first gradient after
-        which the step is applied with the gradients that arrived (a replica
-        that hangs). A replica whose worker dies is abandoned at once. 0:
-        wait for every replica.
+      num_replicas: sync and hybrid modes: replicas per step (default: the
+        number of workers in the cluster spec now). Replicas are slices of
+        the global batch, not processes: any worker may run any replica.
+      backup_workers: sync and hybrid modes: a step completes once
+        ``num_replicas - backup_workers`` replicas pushed; later gradients
+        of that step are dropped and counted
+        (``VariableMeta.dropped_gradients``, ``TableStats.late``).
+      aggregation: sync and hybrid modes: ``"mean"`` (default) averages the
+        replicas' gradients, right for per-replica mean losses; ``"sum"``
+        adds them, right for losses already scaled by the global batch size
+        as ``tf.nn.compute_average_loss`` does.
+      step_timeout: sync and hybrid modes: seconds after a step's first
+        gradient after which the step is applied with the gradients that
+        arrived (a replica that hangs). A replica whose worker dies is
+        abandoned at once. 0: wait for every replica.
       staleness: bounded mode: the bound s (required).
       replication: keep a backup of every shard on the next parameter server
         (chain replication, psserver/replication.py): a push goes to the
@@ -215,7 +234,7 @@ class ParameterServerStrategy:
         self.step_timeout = float(step_timeout)
         self.num_replicas = 1
         self.backup_workers = 0
-        if mode == "sync":
+        if mode in SYNC_MODES:
             n = num_replicas if num_replicas is not None else max(1, len(spec.worker))
             if n < 1:
                 raise ValueError(f"num_replicas must be >= 1, got {n}")
@@ -224,7 +243,8 @@ class ParameterServerStrategy:
                                  f"got {backup_workers}")
             self.num_replicas, self.backup_workers = n, backup_workers
         elif num_replicas is not None or backup_workers:
-            raise ValueError("num_replicas and backup_workers apply to mode=\"sync\" only")
+            raise ValueError('num_replicas and backup_workers apply to mode="sync" or '
+                             '"hybrid" only')
         self.staleness = None
         if mode == "bounded":
             if staleness is None or staleness < 0:
@@ -235,9 +255,9 @@ class ParameterServerStrategy:
         from coordinator.compression import resolve as _resolve_compression
         #: What step functions pass to push_gradients(..., compression=...).
         self.gradient_compression_spec = _resolve_compression(gradient_compression)
-        if self.gradient_compression_spec is not None and mode == "sync":
+        if self.gradient_compression_spec is not None and mode in SYNC_MODES:
             raise ValueError('gradient_compression applies to mode="async" or "bounded", '
-                             'not "sync"')
+                             f'not "{mode}"')
         V.read_value_dtype(read_compression)   # ValueError now, not on a worker
         #: What step functions pass to read_variables(..., compression=...).
         self.read_compression_spec = "fp16" if read_compression is not None else None
@@ -248,8 +268,9 @@ class ParameterServerStrategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """Replicas whose gradients make one update: num_replicas in sync mode, else 1."""
-        return self.num_replicas if self.mode == "sync" else 1
+        """Replicas whose gradients make one update: num_replicas in sync and
+        hybrid modes (dense variables), else 1."""
+        return self.num_replicas if self.mode in SYNC_MODES else 1
 
     def scale_learning_rate(self, learning_rate: float) -> float:
         """The linear scaling rule (Goyal et al., 2017): when the global batch
@@ -262,7 +283,7 @@ class ParameterServerStrategy:
         """What the parameter servers need to know of replica ``replica`` of ``step``."""
         return SyncSpec(step, replica, self.num_replicas,
                         self.num_replicas - self.backup_workers,
-                        self.aggregation == "sum", self.step_timeout)
+                        self.aggregation == "sum", self.step_timeout, self.mode == "hybrid")
 
     def abandon(self, step: int, replica: int) -> None:
         """Tell every parameter server that a replica will not push for a step.

@@ -28,6 +28,14 @@ In sync mode (inside a replica of a sync step, see coordinator.replica)
 reads wait for the previous step to be applied, and pushes join the step's
 gradients on the servers instead of being applied one by one. A sync sparse
 push reaches every shard (an empty push counts as this replica's share).
+
+In hybrid mode dense gradients join the step as in sync mode, and row-wise
+ones (``IndexedSlices``, ``push_sparse``) are applied on arrival with
+update keys, as in async mode. A variable is one or the other: a worker
+process refuses (ValueError, nothing sent) a gradient of the other kind
+for a variable it pushed before in a hybrid step. Reads and look-ups carry
+the step: a server waits only on a variable that is gathering an earlier
+step, which a table (no dense gradients) never is.
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ from coordinator import routes
 from coordinator.calls import (_Op, _dense_op, _routed, _settle, _sparse_op,
                                client_for, close_clients, configure,  # noqa: F401  (re-exported)
                                new_update_id)
-from coordinator.replica import current_sync
+from coordinator.replica import current_sync, rows_sync
 from psserver.optimizers import sum_duplicates
 
 
@@ -166,8 +174,12 @@ class ShardedVariable:
 
     def push_sparse(self, ids, rows) -> None:
         """Apply a row-wise gradient; duplicate ids are summed (here, before
-        sending: each distinct id's row crosses the wire once)."""
-        sync = current_sync()
+        sending: each distinct id's row crosses the wire once). In a sync step
+        it joins the step; in a hybrid step it is applied on arrival
+        (ValueError if this variable took dense gradients in a hybrid step of
+        this process)."""
+        _check_hybrid_kinds([(self, "row-wise")])
+        sync = rows_sync()
         parts = self._sparse_split(ids, rows, sync)
         _routed(lambda: _settle(self._sparse_ops(parts, sync)))
 
@@ -220,6 +232,33 @@ def distinct(ids) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"ids must be integers, got {flat.dtype.name}")
     uniq, inverse = np.unique(flat.astype(np.int64, copy=False), return_inverse=True)
     return uniq, inverse.reshape(-1)
+
+
+#: Hybrid mode: the kind of gradient ("dense" or "row-wise") each variable
+#: took in this process's hybrid steps, by (name, shards).
+_hybrid_kinds: dict[tuple, str] = {}
+
+
+def _check_hybrid_kinds(pairs: Iterable[tuple["ShardedVariable", str]]) -> None:
+    """In a hybrid step: ValueError, before anything is sent, if a variable
+    gets a kind of gradient other than the one it got before in this process
+    (or in this call); then remember the kinds."""
+    sync = current_sync()
+    if sync is None or not sync.hybrid:
+        return
+    seen: dict[tuple, str] = {}
+    for v, kind in pairs:
+        key = (v.name, v.shards)
+        before = seen.get(key) or _hybrid_kinds.get(key)
+        if before is not None and before != kind:
+            raise ValueError(
+                f"{v.name!r} got a {kind} gradient in a hybrid-mode step after a {before} one. "
+                'In mode="hybrid" a variable is dense (its gradients join the sync step) or '
+                "an embedding table (row-wise gradients: IndexedSlices, push_sparse; applied "
+                "on arrival), not both: give it one kind of gradient, or train in "
+                'mode="sync". Nothing was pushed')
+        seen[key] = kind
+    _hybrid_kinds.update(seen)
 
 
 def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
@@ -398,35 +437,42 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
             ...
             push_gradients(zip(variables, grads), compression=spec)
 
-    Compression applies to asynchronous pushes only: ValueError in a sync step.
+    Compression applies to asynchronous pushes only: ValueError in a sync or
+    hybrid step. In a hybrid step dense gradients join the step and
+    ``IndexedSlices`` are applied on arrival (ValueError, nothing sent, for a
+    variable that got the other kind before: see the module docstring).
     """
-    sync = current_sync()
+    sync, rows = current_sync(), rows_sync()
     if compression is not None:
         _push_compressed(pairs, compression, sync)
         return
+    pairs = list(pairs)
+    _check_hybrid_kinds((v, "row-wise" if isinstance(g, IndexedSlices) else "dense")
+                        for v, g in pairs)
     # Split and keyed once: a push sent again after a route changed keeps its keys.
     dense, sparse = [], []   # (variable, shard index, part, key) / (variable, split parts)
     for v, g in pairs:
         if isinstance(g, IndexedSlices):
-            sparse.append((v, v._sparse_split(g.indices, g.values, sync)))
+            sparse.append((v, v._sparse_split(g.indices, g.values, rows)))
             continue
         g = v._check_dense(g, "gradient")
         dense += [(v, k, part, 0 if sync is not None else new_update_id(v._key_label(k)))
                   for k, part in enumerate(v._split(g))]
-    _routed(lambda: _push_plan(dense, sparse, sync))
+    _routed(lambda: _push_plan(dense, sparse, sync, rows))
 
 
-def _push_plan(dense: list, sparse: list, sync) -> None:
+def _push_plan(dense: list, sparse: list, sync, row_sync) -> None:
     """push_gradients' calls on the current routes: one per server (dense and
     row-wise together), but sync-mode row-wise pushes one per shard (every
-    shard must count the replica)."""
+    shard must count the replica), and in hybrid mode (``sync`` for the dense
+    ones, ``row_sync`` None) the row-wise ones apart, asynchronous."""
     items, by_addr, sparse_ops = [], defaultdict(list), []
     for v, k, part, uid in dense:
         for target in v._targets(k, sync):
             items.append((((target.name, part, uid), (v, k)), target))
     for v, parts in sparse:
         if sync is not None:
-            sparse_ops += v._sparse_ops(parts, sync)
+            sparse_ops += v._sparse_ops(parts, row_sync)
             continue
         for target, ids, rows, uid, k in v._sparse_parts(parts, sync):
             by_addr[target.address].append(((target.name, ids, rows, uid), (v, k)))
@@ -459,7 +505,7 @@ def _push_compressed(pairs, compression, sync) -> None:
         return push_gradients(pairs)
     if sync is not None:
         raise ValueError("gradient compression applies to asynchronous pushes only, "
-                         "not to a sync-mode step")
+                         "not to a sync- or hybrid-mode step")
     dense, sparse = [], []   # (variable, k, part, key) / (variable, k, ids, rows, key)
     for v, g in pairs:
         if isinstance(g, IndexedSlices):   # row-wise gradients go as they are

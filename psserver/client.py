@@ -427,8 +427,23 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
 
     def save(self, directory: str, names: Sequence[str] = ()) -> list[ps_pb2.SavedFile]:
         """Have the server write variables (all by default) to its directory."""
-        return list(self._call(methods.SAVE, ps_pb2.SaveRequest(
-            directory=directory, names=list(names)), timeout=max(self.timeout or 0, 600.0)).files)
+        return list(self.save_incremental(directory, names).files)
+
+    def save_incremental(self, directory: str, names: Sequence[str] = (), *, save_id: int = 0,
+                         since: int = 0, incarnation: str = "", stream: str = "",
+                         weights_only: bool = False) -> ps_pb2.SaveReply:
+        """save(), as save point ``save_id`` and with each shard written as
+        the changes since point ``since`` where the server can tell them
+        (ps.proto SaveRequest). Returns the reply (files, incarnation)."""
+        return self._call(methods.SAVE, ps_pb2.SaveRequest(
+            directory=directory, names=list(names), save_id=save_id, since=since,
+            incarnation=incarnation, stream=stream, weights_only=weights_only),
+            timeout=max(self.timeout or 0, 600.0))
+
+    def commit_save(self, save_id: int, stream: str, incarnation: str) -> ps_pb2.CommitSaveReply:
+        """Save ``save_id`` is on disk for good: the server forgets what it took."""
+        return self._call(methods.COMMIT_SAVE, ps_pb2.CommitSaveRequest(
+            save_id=save_id, stream=stream, incarnation=incarnation))
 
     def abandon_step(self, step: int, replica: int) -> None:
         """Sync mode: replica will not push for step; stop waiting for it."""

@@ -206,7 +206,8 @@ class SharedMemoryPath:
         """Read ``names`` (their sizes ``known``) through a segment: a list of
         Snapshot (values copied into ``out``'s arrays where given); with
         ``gathers`` ([(name, 1-D ids)], row sizes known too), (snapshots,
-        [(rows, version)]) from the same call."""
+        [(rows, version)]) from the same call (an empty list of gathers too)."""
+        paired = gathers is not None
         gathers = list(gathers or ())
         out_offset = sum(shm.align(ids.nbytes) for _, ids in gathers)
         need = out_offset + sum(shm.align(n) for n in known) + sum(
@@ -215,7 +216,7 @@ class SharedMemoryPath:
         def fallback(exc: PSError | None = None):   # over gRPC, relearning the sizes
             self._forget_sizes(names)
             snaps = self._read_many(names, True, sync_step, out) if names else []
-            if not gathers:
+            if not paired:
                 return snaps
             return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
                            for name, ids in gathers]
@@ -248,7 +249,7 @@ class SharedMemoryPath:
             snaps = self._snapshots([
                 (v.name, v.version, copy_out(v, i))
                 for i, v in enumerate(reply.values)])
-            if not gathers:
+            if not paired:
                 return snaps
             return snaps, [(copy_out(g), g.version) for g in reply.gathered]
         return self._shm_invoke(wait, methods.SHM_READ, req, seg, finish, fallback)

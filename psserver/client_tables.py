@@ -12,8 +12,8 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver import methods
 from psserver import tensor as T
-from psserver.client_util import Handle
-from psserver.contract import MESSAGE_OVERHEAD, Initializer
+from psserver.client_util import Handle, _set_sync, _set_sync_read
+from psserver.contract import MESSAGE_OVERHEAD, Initializer, SyncSpec
 
 
 def table_spec(dim: int, *, dtype: str = "float32",
@@ -52,32 +52,45 @@ class TableCalls:
         return self._call(methods.TABLE_CREATE, tables_pb2.CreateTableRequest(
             name=name, spec=spec, exist_ok=exist_ok))
 
-    def lookup_async(self, name: str, keys, *, admit: bool = True, counts=None) -> Handle:
+    def lookup_async(self, name: str, keys, *, admit: bool = True, counts=None,
+                     sync_step: int | None = None) -> Handle:
         """Rows of int64 ``keys`` (any shape; result keys.shape + (dim,));
         zeros for keys without a row. ``admit=False`` (evaluation, serving):
         nothing is counted, created or evicted. ``counts``: how often each
-        key occurs in the caller's batch (it sends unique keys)."""
+        key occurs in the caller's batch (it sends unique keys).
+        ``sync_step`` (sync mode): first wait while an earlier step's
+        updates are being gathered on the shard."""
         req = tables_pb2.LookupRequest(name=name, no_admit=not admit)
         T.fill(req.keys, _keys(keys))
         if counts is not None:
             T.fill(req.counts, np.asarray(counts))
+        _set_sync_read(req, sync_step)
         return self._invoke(False, methods.TABLE_LOOKUP, req, lambda r: T.decode(r.rows))
 
-    def lookup(self, name: str, keys, *, admit: bool = True, counts=None) -> np.ndarray:
-        return self.lookup_async(name, keys, admit=admit, counts=counts).result()
+    def lookup(self, name: str, keys, *, admit: bool = True, counts=None,
+               sync_step: int | None = None) -> np.ndarray:
+        return self.lookup_async(name, keys, admit=admit, counts=counts,
+                                 sync_step=sync_step).result()
 
-    def update_table_async(self, name: str, keys, grads, *, update_id: int = 0) -> Handle:
+    def update_table_async(self, name: str, keys, grads, *, update_id: int = 0,
+                           sync: SyncSpec | None = None) -> Handle:
         """Apply row gradients (duplicate keys summed) with the table's
         optimizer; ``result()``: (rows updated, gradient rows dropped).
         ``update_id`` (non-zero): the update applies once however often it
-        is sent (a resend answers (0, 0))."""
+        is sent (a resend answers (0, 0)). ``sync`` (sync mode): this
+        replica's share of a step, gathered and applied with the others'
+        once the step is complete; the counts are the step's if this update
+        completed it, else (0, 0)."""
         req = tables_pb2.TableUpdateRequest(name=name, update_id=update_id)
         T.fill(req.keys, _keys(keys).reshape(-1))
         T.fill(req.grads, np.asarray(grads))
+        _set_sync(req, sync)
         return self._invoke(False, methods.TABLE_UPDATE, req, lambda r: (r.updated, r.dropped))
 
-    def update_table(self, name: str, keys, grads, *, update_id: int = 0) -> tuple[int, int]:
-        return self.update_table_async(name, keys, grads, update_id=update_id).result()
+    def update_table(self, name: str, keys, grads, *, update_id: int = 0,
+                     sync: SyncSpec | None = None) -> tuple[int, int]:
+        return self.update_table_async(name, keys, grads, update_id=update_id,
+                                       sync=sync).result()
 
     def table_info(self, name: str) -> tables_pb2.TableInfo:
         return self._call(methods.TABLE_INFO, tables_pb2.TableRef(name=name))
@@ -88,11 +101,12 @@ class TableCalls:
     def delete_table(self, name: str) -> bool:
         return self._call(methods.TABLE_DELETE, tables_pb2.TableRef(name=name)).deleted
 
-    def save_table(self, name: str, directory: str) -> tables_pb2.SaveTableReply:
+    def save_table(self, name: str, directory: str, **incremental) -> tables_pb2.SaveTableReply:
         """Write this server's shard of ``name`` to a file in ``directory``
-        (under its --checkpoint-dir; psserver/tables.py)."""
-        return self._call(methods.TABLE_SAVE,
-                          tables_pb2.SaveTableRequest(name=name, directory=directory))
+        (under its --checkpoint-dir; psserver/tables.py). ``incremental``:
+        save_id, since, incarnation, stream, weights_only (tables.proto)."""
+        return self._call(methods.TABLE_SAVE, tables_pb2.SaveTableRequest(
+            name=name, directory=directory, **incremental))
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
@@ -119,8 +133,8 @@ class TableCalls:
             for key, a in state.items():
                 if key.startswith("slot/"):
                     a = np.asarray(a)
-                    T.fill(req.slots.add(name=key[5:]).tensor,
-                           np.ascontiguousarray(a if a.ndim == 0 else a[lo:hi]))
+                    T.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
+                           a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
 

@@ -255,6 +255,15 @@ class SyncSpec:
     required: int
     sum: bool = False
     step_timeout: float = 0.0
+    #: Hybrid mode: only dense gradients join the step; row-wise ones (tables)
+    #: are applied on arrival (servers refuse a row-wise sync push marked so).
+    hybrid: bool = False
+
+    @classmethod
+    def of(cls, info) -> "SyncSpec":
+        """The SyncSpec a SyncInfo message (ps.proto) carries (not validated)."""
+        return cls(info.step, info.replica, info.num_replicas, info.required, info.sum,
+                   info.step_timeout, info.hybrid)
 
     def validate(self) -> "SyncSpec":
         if not 0 <= self.step < MAX_COUNT:

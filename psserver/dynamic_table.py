@@ -48,6 +48,7 @@ from typing import Callable
 import numpy as np
 
 from psserver.contract import Initializer, InvalidArgument
+from psserver.tracking import TableTracker
 from psserver.variable import check_initializer
 
 EMPTY, DELETED = -1, -2   # a slot's row when it holds no key
@@ -377,6 +378,9 @@ class DynamicTable:
         # were evicted and created, in order, and the last update's effect.
         self._journal: tuple[list, list] | None = None
         self._last_update: tuple[np.ndarray, np.ndarray] | None = None
+        # Incremental saves (psserver.tracking): rows made, updated or looked
+        # up and keys evicted since a save point; None until a save names one.
+        self.tracker: TableTracker | None = None
 
     # -- sizes -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -412,6 +416,8 @@ class DynamicTable:
             self.stats.hits += int(found.sum()) if counts is None else int(counts[found].sum())
             hit = rows[found]
             self.used_step[hit] = self._tick
+            if self.tracker is not None:   # (their look-up counts change)
+                self.tracker.dirty[hit] = True
             if counts is None:
                 np.add.at(self.freq, hit, 1)
             else:
@@ -515,6 +521,8 @@ class DynamicTable:
         self.freq[rows] = 1
         self.index.insert(keys, rows)
         self.stats.admitted += keys.size
+        if self.tracker is not None:
+            self.tracker.dirty[rows] = True
         if self._journal is not None:
             self._journal[1].append(keys.copy())
         out[take] = rows
@@ -544,11 +552,15 @@ class DynamicTable:
             self.slots[n] = grown(self.slots[n])
         for name in ("row_key", "updated_step", "updated_time", "used_step", "freq"):
             setattr(self, name, grown(getattr(self, name)))
+        if self.tracker is not None:
+            self.tracker.grow(size)
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict_rows(self, rows: np.ndarray) -> None:
         if self._journal is not None and rows.size:
             self._journal[0].append(self.row_key[rows])
+        if self.tracker is not None and rows.size:
+            self.tracker.evicted.append(self.row_key[rows])
         self.index.delete(self.row_key[rows])
         self._free.append(rows.astype(np.int64))
 
@@ -582,11 +594,9 @@ class DynamicTable:
         return int(old.sum())
 
     # -- updates -----------------------------------------------------------------------------
-    def apply_gradients(self, keys, grads) -> int:
-        """Apply row gradients (duplicate keys summed) with the optimizer, to
-        the keys that have rows; the rest are dropped and counted. One table
-        step. Returns how many rows changed."""
-        from psserver.optimizers import sum_duplicates
+    def check_gradients(self, keys, grads) -> tuple[np.ndarray, np.ndarray]:
+        """(1-D int64 keys, grads) as apply_gradients takes them, or
+        InvalidArgument saying what is wrong (nothing changes either way)."""
         keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.config.dim):
@@ -598,6 +608,14 @@ class DynamicTable:
                                   f"{grads.dtype}")
         if not np.isfinite(grads).all():
             raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
+        return keys, grads
+
+    def apply_gradients(self, keys, grads) -> int:
+        """Apply row gradients (duplicate keys summed) with the optimizer, to
+        the keys that have rows; the rest are dropped and counted. One table
+        step. Returns how many rows changed."""
+        from psserver.optimizers import sum_duplicates
+        keys, grads = self.check_gradients(keys, grads)
         ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
         rows = self.index.find(ukeys)
         have = rows >= 0
@@ -614,6 +632,8 @@ class DynamicTable:
             self.updated_step[r] = self.step
             self.updated_time[r] = self.clock()
             self.stats.updated += r.size
+            if self.tracker is not None:
+                self.tracker.dirty[r] = True
             if self._journal is not None:
                 self._last_update = (ukeys[have][order], g)
         elif self._journal is not None:
@@ -667,23 +687,46 @@ class DynamicTable:
             self.updated_step[rows] = self.step
             self.updated_time[rows] = self.clock()
             self.stats.updated += rows.size
+            if self.tracker is not None:
+                self.tracker.dirty[rows] = True
 
     # -- state (checkpoints, resharding) -------------------------------------------------------
-    def export(self) -> dict[str, np.ndarray]:
+    def export(self, keys: np.ndarray | None = None, now: float | None = None,
+               weights_only: bool = False) -> dict[str, np.ndarray]:
         """Every live row, sorted by key: keys, values, per-row slots
         ("slot/<name>"), scalar slots as they are, and bookkeeping relative
-        to now (age_steps, age_seconds: clocks and step counts differ
-        between servers), freq."""
-        keys, rows = self.index.items()
-        order = np.argsort(keys)
-        keys, rows = keys[order], rows[order]
-        out = {"keys": keys, "values": self.value[rows],
-               "age_steps": self.step - self.updated_step[rows],
-               "age_seconds": self.clock() - self.updated_time[rows],
-               "freq": self.freq[rows]}
+        to ``now`` (default: the clock now) (age_steps, age_seconds: clocks
+        and step counts differ between servers), freq. With ``keys`` (sorted,
+        unique): only the rows of those that have one, and "evicted": the
+        others. ``weights_only``: keys and values (and evicted) only."""
+        now = self.clock() if now is None else now
+        if keys is None:
+            keys, rows = self.index.items()
+            order = np.argsort(keys)
+            keys, rows, gone = keys[order], rows[order], None
+        else:
+            rows = self.index.find(keys)
+            live = rows >= 0
+            keys, rows, gone = keys[live], rows[live], keys[~live]
+        out = {"keys": keys, "values": self.value[rows]}
+        if gone is not None:
+            out["evicted"] = gone
+        if weights_only:
+            return out
+        out.update({"age_steps": self.step - self.updated_step[rows],
+                    "age_seconds": now - self.updated_time[rows],
+                    "freq": self.freq[rows]})
         for name, slot in self.slots.items():
             out[f"slot/{name}"] = slot[rows] if name in self._row_slots else np.array(slot)
         return out
+
+    def take_changes(self, save_id: int, stream: str, since: int):
+        """Save point ``save_id`` of this shard (see psserver.tracking): the
+        keys changed since point ``since`` (an Interval), or None (unknown:
+        save it whole). Starts tracking on the first call."""
+        if self.tracker is None:
+            self.tracker = TableTracker(self.value.shape[0])
+        return self.tracker.take(save_id, stream, since, self.row_key)
 
     def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool) -> int:
         """Put rows ``state`` (export()'s arrays, any subset of keys) into this
@@ -730,6 +773,7 @@ class DynamicTable:
             raise InvalidArgument("dynamic table import: keys this shard holds already "
                                   "(import into an emptied shard: reset)")
         # Checked: from here on nothing fails.
+        self.tracker = None   # a restore: its next incremental save is whole
         if reset:
             _, live = self.index.items()
             self._evict_rows(live)

@@ -80,6 +80,7 @@ PUSH = _grpc_only(PS, "Push", ps_pb2.PushRequest, ps_pb2.UpdateReply)
 ASSIGN = _grpc_only(PS, "Assign", ps_pb2.AssignRequest, ps_pb2.UpdateReply)
 ABANDON = _grpc_only(PS, "AbandonStep", ps_pb2.AbandonRequest, ps_pb2.AbandonReply)
 SAVE = _grpc_only(PS, "Save", ps_pb2.SaveRequest, ps_pb2.SaveReply)
+COMMIT_SAVE = _grpc_only(PS, "CommitSave", ps_pb2.CommitSaveRequest, ps_pb2.CommitSaveReply)
 RECONFIGURE = _grpc_only(PS, "Reconfigure", ps_pb2.ReconfigureRequest,
                          ps_pb2.ReconfigureReply)
 SHM_SHARE = _grpc_only(SHM, "Share", ps_pb2.ShmShareRequest, ps_pb2.ShmShareReply)
@@ -98,7 +99,7 @@ TABLE_IMPORT = _grpc_only(TABLES, "Import", tables_pb2.ImportTableRequest,
                           tables_pb2.ImportTableReply)
 
 ALL = SOCKET + (SERVER_INFO, CREATE, DELETE, META, LIST, READ, PUSH, ASSIGN, ABANDON, SAVE,
-                RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET,
+                COMMIT_SAVE, RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET,
                 TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE, TABLE_SAVE, TABLE_IMPORT)
 #: Calls that change nothing: made again, over gRPC, after a socket broke under them.
 #: (A table look-up counts and admits: not one of them.)

@@ -344,14 +344,16 @@ class TablesCollector(Collector):
     """The dynamic tables' counters (psserver/tables.py), read at each scrape:
     rows and bytes held; look-ups, hits (hit rate: rate(hits) / rate(lookups)),
     admissions, look-ups answered with the default row, evictions by reason,
-    rows updated and gradient rows dropped, by table."""
+    rows updated, gradient rows dropped and late sync updates, by table."""
 
     _COUNTERS = (("lookups", "Keys looked up with admission."),
                  ("hits", "Keys looked up that had a row."),
                  ("admitted", "Rows created (keys admitted)."),
                  ("not_admitted", "Look-ups answered with the default row (key not admitted)."),
                  ("updated", "Rows a gradient changed."),
-                 ("dropped", "Gradient rows dropped: their key had no row."))
+                 ("dropped", "Gradient rows dropped: their key had no row."),
+                 ("late", "Sync-mode updates dropped whole: their step was applied, their "
+                          "replica abandoned, or a replica's second."))
 
     def __init__(self, tables):
         self.tables = tables

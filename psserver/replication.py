@@ -117,6 +117,11 @@ class CopyState:
             if len(self.applied) > self.APPLIED_IDS_KEPT:
                 self.applied.popitem(last=False)
 
+    def forget_changes(self) -> None:
+        """Drop what an incremental save would ask about (psserver.tracking;
+        lock held): the state was replaced, or the copy changed role."""
+        raise NotImplementedError
+
     def check_primary(self) -> None:
         """Raise NotPrimary unless this copy takes client updates now (lock held
         or not: a role read is atomic)."""
@@ -218,6 +223,8 @@ class ReplicaMethods:
     #: Finds a dynamic table shard's copy by its table name (set by
     #: psserver.tables.TableServicer; None: no tables here).
     table_copy: Callable[[str], CopyState | None] | None = None
+    #: Every dynamic table shard's copy here (set with table_copy).
+    table_copies: Callable[[], list] | None = None
 
     def _copy(self, name: str):
         """The copy ``name`` names: a variable, or (TABLE_PREFIX) a table shard."""
@@ -282,6 +289,7 @@ class ReplicaMethods:
             if not (var.role == ROLE_PRIMARY and var.epoch == epoch and not var.draining):
                 _fence(var, epoch, allow_same=False)
                 var.role, var.epoch, var.draining = ROLE_PRIMARY, epoch, False
+                var.forget_changes()   # promoted: its next incremental save is whole
                 if var.link is not None and var.link.fenced:
                     var.link = None
                 if var.acc is not None:
@@ -313,6 +321,7 @@ class ReplicaMethods:
             finally:
                 var.draining = False
             var.role, var.link, var.epoch = ROLE_BACKUP, None, epoch
+            var.forget_changes()
             var.cond.notify_all()
 
     def reconfigure_all(self, changes, deadline: float | None = None) -> list:
@@ -413,6 +422,7 @@ class ReplicaMethods:
         elif status == FENCED:   # the other copy was promoted: this one is stale
             link.fenced = True
             var.role = ROLE_BACKUP
+            var.forget_changes()
             link.wake()
         var.cond.notify_all()
 
@@ -503,6 +513,11 @@ def _apply_record(var, rec: Record) -> bool:
         else:
             np.copyto(var.value, rec.tensor)
         var.version = rec.version
+    if var.tracker is not None:   # (a backup tracks only if something saved from it)
+        if rec.kind == SPARSE:
+            var.tracker.mark_rows(rec.ids)
+        else:
+            var.tracker.mark_all()
     var.sync_steps = max(var.sync_steps, rec.sync_steps)
     if var.acc is not None and var.acc.step < var.sync_steps:
         var.acc = None   # the step this copy was gathering was applied by its primary

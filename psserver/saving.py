@@ -3,22 +3,97 @@ idempotency keys in a safetensors file, written under a directory the
 operator allowed (``psserver --checkpoint-dir``) and nowhere else.
 ``SaveMethods`` is a mixin of psserver.store.VariableStore (it uses the
 store's _get, _lock, _vars and checkpoint_dirs). Free of grpc and protobuf.
+
+Incremental saves (coordinator/checkpoint.py, psserver/tracking.py): a save
+with a ``save_id`` is a save point of every shard it writes; with ``since``
+(a point taken on this server, ``incarnation`` naming this server process)
+each shard is written as a *delta* holding only the rows changed since that
+point (or ``UNCHANGED``: no file), or whole where the server cannot prove
+what changed (``FULL``). ``commit_save`` tells the server that a save is on
+disk for good; only then are the changes it took forgotten.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
+import threading
 import urllib.parse
+import uuid
 from typing import Sequence
 
 import numpy as np
 
-from psserver.contract import InvalidArgument, PermissionDenied
+from psserver.contract import FailedPrecondition, InvalidArgument, PermissionDenied
+from psserver.tracking import VariableTracker
 
 
 #: Testing switch: a parameter server with this set dies in the middle of a
-#: save (after writing a temporary file, before renaming it).
+#: save (after writing a temporary file, before renaming it); set to
+#: "delta", only in the middle of writing a delta.
 FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
+
+#: How a shard was written (ps.proto SaveKind).
+FULL, DELTA, UNCHANGED = 0, 1, 2
+KIND_NAMES = {FULL: "full", DELTA: "delta", UNCHANGED: "unchanged"}
+#: Save ids a server remembers having taken (to tell a forgotten one from a
+#: wrong one), per stream (one stream's saves never push out another's), of
+#: at most this many streams (the least recently saved forgotten first),
+#: and the longest stream name.
+SAVES_KEPT = 1024
+STREAMS_KEPT = 64
+MAX_STREAM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedShard:
+    """One variable shard a save wrote: ``file`` ("" when UNCHANGED), the
+    version it holds, its bytes, ``kind`` and, for a delta, its rows."""
+    name: str
+    file: str
+    version: int
+    bytes: int
+    kind: int = FULL
+    rows: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSpec:
+    """An incremental save's parameters, checked (``SaveMethods.begin_save``):
+    ``since`` is 0 where the base is not this server's (write whole)."""
+    save_id: int = 0
+    since: int = 0
+    stream: str = ""
+    weights_only: bool = False
+
+
+def save_fields(request) -> dict:
+    """An incremental save's fields of a SaveRequest or SaveTableRequest (a
+    message, read by attribute: begin_save checks them)."""
+    return dict(save_id=request.save_id, since=request.since, incarnation=request.incarnation,
+                stream=request.stream, weights_only=request.weights_only)
+
+
+def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
+                  delta: bool = False) -> int:
+    """Write a safetensors file atomically: a temporary name, fsync, chmod
+    0644 (a coordinator of another user reads it), rename. Returns its bytes.
+    ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta)."""
+    from safetensors.numpy import save_file
+
+    path = os.path.join(directory, file)
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)   # (0-d stays 0-d)
+               for k, v in tensors.items()}, tmp, metadata=meta)
+    fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
+    if fault and (delta or fault != "delta"):   # fault injection for tests
+        os._exit(3)
+    _fsync_file(tmp)    # on disk before it gets its final name
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
 
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -31,18 +106,114 @@ def _fsync_file(path: str) -> None:
 class SaveMethods:
     """Checkpoint files of the store's variables (see the module)."""
 
-    def save(self, directory: str, names: Sequence[str] = ()) -> list[tuple[str, str, int, int]]:
+    def _init_saving(self) -> None:
+        #: This server process; a save point is known only to the incarnation
+        #: that took it (a restarted server writes its next save whole).
+        self.incarnation = uuid.uuid4().hex
+        self._saves: dict[int, str] = {}   # save id -> its stream
+        self._streams: collections.OrderedDict[str, collections.OrderedDict] = \
+            collections.OrderedDict()      # stream -> its save ids, oldest first
+        self._saves_lock = threading.Lock()
+
+    def begin_save(self, save_id: int = 0, since: int = 0, incarnation: str = "",
+                   stream: str = "", weights_only: bool = False) -> SaveSpec:
+        """Check an incremental save's fields and note ``save_id`` as taken
+        here. ``since`` from another incarnation (or none named) is unknown:
+        every shard is written whole. Raises InvalidArgument, and
+        FailedPrecondition when ``since`` names no save this incarnation took
+        (nothing is written)."""
+        for what, v in (("save_id", save_id), ("since", since)):
+            if not isinstance(v, int) or not 0 <= v < 1 << 64:
+                raise InvalidArgument(f"{what} must be an integer in [0, 2**64), got {v!r}")
+        if not isinstance(stream, str) or len(stream) > MAX_STREAM or \
+                not (stream.isascii() and stream.isprintable()):
+            raise InvalidArgument(f"a save's stream must be printable ASCII of at most "
+                                  f"{MAX_STREAM} characters, got {stream!r}")
+        if not isinstance(incarnation, str) or len(incarnation) > 64:
+            raise InvalidArgument("incarnation must be a server's incarnation (<= 64 characters)")
+        if since and not save_id:
+            raise InvalidArgument("a save since a save point needs a save_id of its own "
+                                  "(the point it makes); nothing was written")
+        if since and since == save_id:
+            raise InvalidArgument(f"save {save_id} cannot be its own base")
+        known = bool(since) and incarnation == self.incarnation
+        with self._saves_lock:
+            if known and since not in self._saves:
+                raise FailedPrecondition(
+                    f"save id {since} is unknown to this parameter server (incarnation "
+                    f"{self.incarnation}): it took no such save, so it cannot tell what "
+                    "changed since; nothing was written. Save a full checkpoint (since=0)")
+            if known and self._saves[since] != stream:
+                raise InvalidArgument(f"save {since} belongs to stream "
+                                      f"{self._saves[since]!r}, not {stream!r}")
+            if save_id:
+                self._note_save(save_id, stream)
+        return SaveSpec(save_id, since if known else 0, stream, bool(weights_only))
+
+    def _note_save(self, save_id: int, stream: str) -> None:
+        """Remember save_id as one of ``stream``'s (saves lock held)."""
+        if self._saves.get(save_id, stream) != stream:   # (an id reused by another stream)
+            self._streams[self._saves[save_id]].pop(save_id, None)
+        self._saves[save_id] = stream
+        ids = self._streams.setdefault(stream, collections.OrderedDict())
+        ids[save_id] = None
+        ids.move_to_end(save_id)
+        self._streams.move_to_end(stream)
+        while len(ids) > SAVES_KEPT:
+            self._saves.pop(ids.popitem(last=False)[0], None)
+        while len(self._streams) > STREAMS_KEPT:
+            for old in self._streams.popitem(last=False)[1]:
+                self._saves.pop(old, None)
+
+    def commit_save(self, save_id: int, stream: str = "", incarnation: str = "") -> tuple[int, int]:
+        """Save ``save_id`` of ``stream`` is on disk for good (its manifest
+        renamed into place): every shard forgets the changes that save and
+        the earlier ones of its stream took. Returns (variables, table
+        shards) that had the point. Raises FailedPrecondition (nothing
+        changed) when this incarnation took no such save."""
+        if not isinstance(save_id, int) or not 0 < save_id < 1 << 64:
+            raise InvalidArgument(f"commit needs a save id in [1, 2**64), got {save_id!r}")
+        if incarnation != self.incarnation:
+            raise FailedPrecondition(
+                f"save {save_id} was taken on parameter server incarnation {incarnation!r}, "
+                f"but this is {self.incarnation!r} (the server restarted since): nothing to "
+                "commit; its next incremental save is written whole")
+        with self._saves_lock:
+            if save_id not in self._saves:
+                raise FailedPrecondition(f"save id {save_id} is unknown to this parameter "
+                                         "server; nothing was committed")
+            if self._saves[save_id] != stream:
+                raise InvalidArgument(f"save {save_id} belongs to stream "
+                                      f"{self._saves[save_id]!r}, not {stream!r}")
+        with self._lock:
+            chosen = list(self._vars.values())
+        nvars = ntables = 0
+        for var in chosen:
+            with var.lock:
+                if var.tracker is not None and var.tracker.log.commit(save_id, stream):
+                    nvars += 1
+        for entry in self.table_entries():
+            with entry.lock:
+                tracker = entry.table.tracker
+                if tracker is not None and tracker.log.commit(save_id, stream):
+                    ntables += 1
+        return nvars, ntables
+
+    def save(self, directory: str, names: Sequence[str] = (),
+             spec: SaveSpec = SaveSpec()) -> list[SavedShard]:
         """Write variables to directory, one safetensors file each.
 
         Each file holds "value" and "slot/<name>" tensors and, in its
         metadata, the variable's name, version and optimizer. It is written
         under a temporary name and renamed, so a file that exists is whole.
         Each variable is copied under its lock first (a consistent snapshot of
-        that variable; variables are taken one after another). Returns
-        (name, file, version, bytes) per variable.
-        """
-        from safetensors.numpy import save_file
+        that variable; variables are taken one after another).
 
+        ``spec`` (begin_save's): with a save id the copy is that save point
+        of the variable; a delta holds "rows" (int64) and only those rows of
+        the value and of each per-row slot (scalar slots and update keys
+        whole); with ``weights_only`` only the value (or its rows).
+        """
         directory = self._confined(directory)
         if not os.path.isdir(directory):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
@@ -52,24 +223,43 @@ class SaveMethods:
         out = []
         for var in chosen:
             with var.lock:
-                tensors = {"value": var.value.copy(),
-                           **{f"slot/{k}": v.copy() for k, v in var.slots.items()},
-                           "applied_ids": np.fromiter(var.applied, np.uint64, len(var.applied))}
+                kind, rows = FULL, None
+                if spec.save_id:
+                    if var.tracker is None:
+                        var.tracker = VariableTracker(var.value.shape)
+                    changes = var.tracker.take(spec.save_id, spec.stream, spec.since)
+                    if changes is not None and not changes.whole:
+                        kind = DELTA if changes.touched else UNCHANGED
+                        rows = np.flatnonzero(changes.rows)
+                tensors = {} if kind == UNCHANGED else self._copy_out(var, rows, spec.weights_only)
                 meta = {"name": var.name, "version": str(var.version),
                         "optimizer": var.optimizer.name,
                         "optimizer_params": json.dumps(var.optimizer.config()),
-                        "allow_nonfinite": json.dumps(var.allow_nonfinite)}
+                        "allow_nonfinite": json.dumps(var.allow_nonfinite),
+                        "kind": KIND_NAMES[kind]}
                 version = var.version
+            if kind == UNCHANGED:
+                out.append(SavedShard(var.name, "", version, 0, kind))
+                continue
             file = urllib.parse.quote(var.name, safe="") + ".safetensors"
-            path = os.path.join(directory, file)
-            tmp = f"{path}.tmp{os.getpid()}"
-            save_file(tensors, tmp, metadata=meta)
-            if os.environ.get(FAULT_CRASH_IN_SAVE_ENV):   # fault injection for tests
-                os._exit(3)
-            _fsync_file(tmp)    # on disk before it gets its final name
-            os.chmod(tmp, 0o644)   # safetensors writes 0600: let a coordinator of another user read it
-            os.replace(tmp, path)
-            out.append((var.name, file, version, os.path.getsize(path)))
+            nbytes = write_tensors(directory, file, tensors, meta, delta=kind == DELTA)
+            out.append(SavedShard(var.name, file, version, nbytes, kind,
+                                  0 if rows is None else int(rows.size)))
+        return out
+
+    @staticmethod
+    def _copy_out(var, rows: np.ndarray | None, weights_only: bool) -> dict[str, np.ndarray]:
+        """The arrays a file holds (lock held): all, or only ``rows`` of the
+        value and of the per-row slots."""
+        pick = (lambda a: a.copy()) if rows is None else (lambda a: a[rows])
+        out = {"value": pick(var.value)}
+        if rows is not None:
+            out["rows"] = rows.astype(np.int64)
+        if weights_only:
+            return out
+        for k, a in var.slots.items():
+            out[f"slot/{k}"] = pick(a) if a.shape == var.value.shape else a.copy()
+        out["applied_ids"] = np.fromiter(var.applied, np.uint64, len(var.applied))
         return out
 
     def _confined(self, directory: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Callable, Iterator
 
 import numpy as np
@@ -19,6 +18,7 @@ from psserver import tensor as T
 from psserver import rpc, shm, wire
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
                                InvalidArgument, OutOfRange, ResourceExhausted)
+from psserver.saving import save_fields
 from psserver.store import Initializer, VariableMeta, VariableStore
 from psserver.sync import SyncSpec
 from psserver.tables import TableServicer
@@ -65,8 +65,7 @@ def _records(request: ps_pb2.ReplicateRequest, arrays) -> list[R.Record]:
 def _sync_spec(request) -> SyncSpec | None:
     if not request.HasField("sync"):
         return None
-    i = request.sync
-    return SyncSpec(i.step, i.replica, i.num_replicas, i.required, i.sum, i.step_timeout)
+    return SyncSpec.of(request.sync)
 
 
 def _sync_step(request) -> int | None:
@@ -143,7 +142,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # A frame must fit in one message, whatever the two options say.
         self.chunk_bytes = max(1, min(chunk_bytes, max_message_bytes))
         self.max_upload_bytes = max_upload_bytes
-        self.server_id = uuid.uuid4().hex
+        self.server_id = store.incarnation   # random per process start
         self.shared_memory = SharedMemoryServicer(self)
         self.tables = TableServicer(max_message_bytes, store)   # dynamic embedding tables
         self.data_port = 0   # set by create_server when it serves one (psserver/ipc.py)
@@ -341,9 +340,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._push_sparse(request, self._decoded(request), context)
 
     def Save(self, request, context):
-        saved = self.store.save(request.directory, list(request.names))
-        return ps_pb2.SaveReply(files=[ps_pb2.SavedFile(name=n, file=f, version=v, bytes=b)
-                                       for n, f, v, b in saved])
+        spec = self.store.begin_save(**save_fields(request))
+        saved = self.store.save(request.directory, list(request.names), spec)
+        return ps_pb2.SaveReply(
+            files=[ps_pb2.SavedFile(name=s.name, file=s.file, version=s.version, bytes=s.bytes,
+                                    kind=s.kind, rows=s.rows) for s in saved],
+            incarnation=self.store.incarnation)
+
+    def CommitSave(self, request, context):
+        nvars, ntables = self.store.commit_save(request.save_id, request.stream,
+                                                request.incarnation)
+        return ps_pb2.CommitSaveReply(variables=nvars, tables=ntables)
 
     def AbandonStep(self, request, context):
         self.store.abandon(request.step, request.replica)

@@ -59,6 +59,10 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         # Bytes the server's dynamic tables hold (psserver/tables.py sets it):
         # max_bytes bounds variables and tables together.
         self.table_bytes: Callable[[], int] = lambda: 0
+        # The server's dynamic table shards (psserver/tables.py sets it):
+        # commit_save reaches their trackers too.
+        self.table_entries: Callable[[], list] = lambda: []
+        self._init_saving()
         self._vars: dict[str, Variable] = {}
         self._lock = threading.Lock()   # guards _vars and _abandoned (not the variables)
         # Sync mode: step -> replicas that will not push for it (their worker died).
@@ -253,6 +257,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                         (int(i) for i in applied_ids), 0)
                     existing.role, existing.epoch, existing.link = R.ROLE_BACKUP, epoch, None
                     existing.draining = False
+                    existing.forget_changes()
                     existing.allow_nonfinite = allow_nonfinite
                     existing.cond.notify_all()
                     return existing.meta()
@@ -296,6 +301,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
             var.version, var.sync_steps = version, sync_steps
             var.acc = None
             var.applied = collections.OrderedDict.fromkeys((int(i) for i in applied_ids), 0)
+            var.forget_changes()   # a restore: the next incremental save writes it whole
             if var.link is not None:   # the backup gets the whole new state
                 var.link.reset()
             var.cond.notify_all()
@@ -476,6 +482,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 with var.applying():
                     var.optimizer.apply_dense(var.value, var.slots, grad)
                     var.version += 1
+                if var.tracker is not None:
+                    var.tracker.mark_all()
                 var.remember(update_id)
                 self.observer.gradients("dense", "async")
                 done = var.version
@@ -498,6 +506,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 with var.applying():
                     np.copyto(var.value, value)
                     var.version += 1
+                if var.tracker is not None:
+                    var.tracker.mark_all()
                 done.append((var, var.version))
         self._wait_acked(done, deadline)
         return [v for _, v in done]
@@ -533,6 +543,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 with var.applying():
                     var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                     var.version += 1
+                if var.tracker is not None:
+                    var.tracker.mark_rows(uniq)
                 var.remember(update_id)
                 self.observer.gradients("sparse", "async")
                 done = var.version

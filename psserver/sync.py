@@ -85,27 +85,46 @@ def wait_for_earlier_steps(var, step: int, deadline: float | None) -> None:
 
 
 def apply(var, forced: bool = False) -> None:
-    """Apply the pending step's combined gradient (lock held)."""
-    with var.writing():
-        _apply(var)
+    """Apply the pending step's combined gradient (lock held). A dynamic
+    table shard (psserver/tables.py) applies it with its own ``apply_step``."""
+    if hasattr(var, "apply_step"):
+        var.apply_step()
+    else:
+        with var.writing():
+            _apply(var)
     var.cond.notify_all()
+
+
+def _scale(acc: Accumulation) -> float | None:
+    """What the sum of a step's gradients is multiplied by: 1/n for the mean
+    over the n replicas that pushed (None: the sum, or one replica)."""
+    n = max(1, len(acc.replicas))
+    return None if acc.spec.sum or n == 1 else 1.0 / n
+
+
+def combined_rows(acc: Accumulation, row_shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse step's (unique ids, their rows summed over the replicas,
+    scaled for the mean): what the optimizer applies once."""
+    if acc.parts:
+        ids = np.concatenate([p[0] for p in acc.parts]).astype(np.int64, copy=False)
+        rows = np.concatenate([p[1] for p in acc.parts])
+    else:
+        ids = np.empty(0, np.int64)
+        rows = np.empty((0,) + tuple(row_shape), dtype)
+    scale = _scale(acc)
+    with np.errstate(all="ignore"):
+        uniq, summed = optim.sum_duplicates(ids, rows)
+        if scale is not None:
+            summed *= summed.dtype.type(scale)
+    return uniq, summed
 
 
 def _apply(var) -> None:
     acc, var.acc = var.acc, None
-    n = max(1, len(acc.replicas))
-    scale = None if acc.spec.sum or n == 1 else 1.0 / n
+    scale = _scale(acc)
     with np.errstate(all="ignore"):
         if acc.sparse:
-            if acc.parts:
-                ids = np.concatenate([p[0] for p in acc.parts]).astype(np.int64, copy=False)
-                rows = np.concatenate([p[1] for p in acc.parts])
-            else:
-                ids = np.empty(0, np.int64)
-                rows = np.empty((0,) + var.value.shape[1:], var.value.dtype)
-            uniq, summed = optim.sum_duplicates(ids, rows)
-            if scale is not None:
-                summed *= summed.dtype.type(scale)
+            uniq, summed = combined_rows(acc, var.value.shape[1:], var.value.dtype)
             var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
         else:
             if scale is not None:
@@ -114,6 +133,11 @@ def _apply(var) -> None:
             var.sync_buffer = acc.total   # reused by the next step
     var.version += 1
     var.sync_steps = acc.step + 1
+    if var.tracker is not None:
+        if acc.sparse:
+            var.tracker.mark_rows(uniq)
+        else:
+            var.tracker.mark_all()
     if acc.sparse:   # the backup applies exactly this: new arrays, kept by the record
         var.record(SPARSE, summed, uniq)
     else:   # acc.total is reused by the next step: the record keeps a copy
@@ -147,6 +171,17 @@ def maybe_complete(var, abandoned: set[int]) -> None:
     if acc is not None and var.role == ROLE_PRIMARY and \
             len(acc.replicas | abandoned) >= acc.spec.required:
         apply(var)
+
+
+def check_rows_spec(spec: SyncSpec) -> SyncSpec:
+    """Validate the SyncSpec of a row-wise sync push (a fixed table's, a
+    dynamic table's): hybrid mode sends none (InvalidArgument)."""
+    spec.validate()
+    if spec.hybrid:
+        raise InvalidArgument(
+            "a row-wise gradient of a hybrid-mode step is applied on arrival: push it "
+            "without sync info (coordinator.variables does); nothing was applied")
+    return spec
 
 
 class SyncMethods:
@@ -194,8 +229,10 @@ class SyncMethods:
 
     def push_sparse_sync(self, name: str, ids: np.ndarray, rows: np.ndarray,
                          spec: SyncSpec, deadline: float | None = None) -> tuple[int, bool]:
-        """Add one replica's row gradient to its sync step (an empty one counts)."""
-        spec.validate()
+        """Add one replica's row gradient to its sync step (an empty one counts).
+        InvalidArgument for a hybrid-mode spec: row-wise gradients are applied
+        on arrival there (pushed without a SyncSpec)."""
+        check_rows_spec(spec)
         var = self._get(name)
         if var.draining:
             var.check_primary()
@@ -231,7 +268,8 @@ class SyncMethods:
     _ABANDONED_KEPT = 1024
 
     def abandon(self, step: int, replica: int) -> None:
-        """Replica ``replica`` will not push for ``step``: stop waiting for it."""
+        """Replica ``replica`` will not push for ``step``: stop waiting for it
+        (on every variable and dynamic table shard here)."""
         if not (0 <= step < MAX_COUNT and 0 <= replica < MAX_COUNT):
             raise InvalidArgument(f"bad step {step} or replica {replica}")
         with self._lock:
@@ -240,6 +278,7 @@ class SyncMethods:
                 del self._abandoned[min(self._abandoned)]
             abandoned = set(self._abandoned[step])
             vs = list(self._vars.values())
+        vs += self.table_copies() if self.table_copies is not None else []
         for var in vs:
             with var.lock:
                 if var.acc is not None and var.acc.step == step:

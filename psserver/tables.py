@@ -13,6 +13,16 @@ whole before anything changes: a refused call leaves the table as it was.
 With replication a shard's primary journals what each call changed and
 hands it to its backup (``_backup/<table>`` on the next server) as a
 record; look-ups and updates are answered once the backup has them.
+
+Sync mode (an update carrying SyncInfo, a look-up carrying SyncRead): a
+shard gathers a step's updates, one per replica, and applies their sum (or
+mean) once, as one table step, when enough replicas sent theirs or were
+abandoned; a look-up for step s waits while an earlier step is being
+gathered (psserver/sync.py, shared with the variables; a late update is
+dropped whole and counted in ``late``). The applied step is journaled and
+replicated as any update; sync updates go to both copies of a replicated
+shard (the backup gathers too, and drops what its primary's record
+applied), so a promoted backup can finish the step.
 """
 from __future__ import annotations
 
@@ -28,11 +38,13 @@ from google.protobuf import json_format
 
 from protos.pstrain.v1 import tables_pb2
 from psserver import replication as R
+from psserver import sync as S
 from psserver import tensor as T
-from psserver.contract import (AlreadyExists, Initializer, InvalidArgument, NotFound, NotPrimary,
-                               ResourceExhausted, VariableMeta)
+from psserver.contract import (MAX_COUNT, AlreadyExists, Initializer, InvalidArgument, NotFound,
+                               NotPrimary, ResourceExhausted, SyncSpec, VariableMeta)
 from psserver.dynamic_table import DynamicTable, TableConfig, check_counts
 from psserver.optimizers import make_optimizer
+from psserver.saving import DELTA, FULL, KIND_NAMES, save_fields, write_tensors
 from psserver.variable import check_initializer, check_name
 
 #: Keys one call may carry (a look-up's reply is keys x dim values: the
@@ -93,7 +105,13 @@ class _Entry(R.CopyState):
         self.role, self.epoch, self.draining = R.ROLE_PRIMARY, 0, False
         self.link: R.Link | None = None
         self.applied: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self.acc = None   # (no sync mode for tables; promote() asks)
+        # Sync mode (psserver/sync.py): the step being gathered, the steps
+        # applied, sync updates dropped whole (late), and the last applied
+        # step's (rows updated, gradient rows dropped).
+        self.acc: S.Accumulation | None = None
+        self.sync_steps = 0
+        self.dropped = 0
+        self.step_counts = (0, 0)
         # A state copy arriving in pieces: (epoch, spec, table) until its last.
         self.staging: tuple | None = None
 
@@ -102,8 +120,11 @@ class _Entry(R.CopyState):
         slots = sum(a.nbytes for a in t.slots.values())
         return VariableMeta(self.name, t.dtype.name, (len(t), t.config.dim), self.version,
                             t.optimizer.name, t.optimizer.config(), t.value.nbytes, slots,
-                            False, 0, 0, self.role, self.epoch,
+                            False, self.sync_steps, self.dropped, self.role, self.epoch,
                             self.link.peer if self.link is not None else None)
+
+    def forget_changes(self) -> None:
+        self.table.tracker = None
 
     # -- the primary ---------------------------------------------------------------------------
     def journal(self) -> bool:
@@ -126,19 +147,41 @@ class _Entry(R.CopyState):
             if update:
                 keys, rows = applied if applied is not None else (
                     np.zeros(0, np.int64), np.zeros((0, self.table.config.dim), self.table.dtype))
-                rec = R.Record(self.link.peer.name, self.epoch, self.version, update_id, 0,
-                               R.TABLE_UPDATE, rows, keys)
+                rec = R.Record(self.link.peer.name, self.epoch, self.version, update_id,
+                               self.sync_steps, R.TABLE_UPDATE, rows, keys)
             else:
-                rec = R.Record(self.link.peer.name, self.epoch, self.version, 0, 0,
-                               R.TABLE_ROWS, np.zeros(0, self.table.dtype), created, evicted)
+                rec = R.Record(self.link.peer.name, self.epoch, self.version, 0,
+                               self.sync_steps, R.TABLE_ROWS, np.zeros(0, self.table.dtype),
+                               created, evicted)
             self.link.add(rec)
         return self.version
+
+    def apply_step(self) -> None:
+        """Apply the sync step gathered in ``acc`` (lock held; psserver.sync
+        calls it): the replicas' rows summed (or their mean), one table step,
+        journaled for the backup like any update."""
+        acc, self.acc = self.acc, None
+        t = self.table
+        keys, grads = S.combined_rows(acc, (t.config.dim,), t.dtype)
+        dropped = t.stats.dropped
+        journaled = self.journal()
+        try:   # every part was checked when it came: a failure here is a bug half-way
+            updated = t.apply_gradients(keys, grads)
+        except BaseException:
+            if journaled:
+                t.take_journal()
+                self.link.reset()
+            raise
+        self.sync_steps = acc.step + 1
+        self.step_counts = (updated, t.stats.dropped - dropped)
+        self.changed(journaled, update=True)
 
     def take_state(self, link: R.Link) -> dict:
         """The whole shard for its backup (lock held; psserver.forwarder)."""
         link.state_taken(self.version)
         return dict(spec=self.spec, rows=self.table.export(), step=self.table.step,
-                    epoch=self.epoch, version=self.version, applied_ids=list(self.applied))
+                    epoch=self.epoch, version=self.version, applied_ids=list(self.applied),
+                    sync_steps=self.sync_steps)
 
     @staticmethod
     def send_state(client, peer_name: str, state: dict, seconds_per_mib: float) -> None:
@@ -146,7 +189,8 @@ class _Entry(R.CopyState):
         client.import_table(peer_name[len(R.TABLE_PREFIX):], state["rows"], state["step"],
                             replica=dict(spec=state["spec"], epoch=state["epoch"],
                                          version=state["version"],
-                                         applied_ids=state["applied_ids"]),
+                                         applied_ids=state["applied_ids"],
+                                         sync_steps=state["sync_steps"]),
                             timeout=60.0 + mib * seconds_per_mib)
 
     # -- the backup ----------------------------------------------------------------------------
@@ -163,8 +207,10 @@ class _Entry(R.CopyState):
             raise InvalidArgument(f"{what}: a table update's rows must be finite "
                                   f"{self.table.dtype.name} of shape "
                                   f"{[rec.ids.size, self.table.config.dim]}")
-        if not (1 <= rec.version < R.MAX_EPOCH and 0 <= rec.epoch < R.MAX_EPOCH):
-            raise InvalidArgument(f"{what}: version must be in [1, 2**62), epoch in [0, 2**62)")
+        if not (1 <= rec.version < R.MAX_EPOCH and 0 <= rec.epoch < R.MAX_EPOCH
+                and 0 <= rec.sync_steps < R.MAX_EPOCH):
+            raise InvalidArgument(f"{what}: version must be in [1, 2**62), epoch and "
+                                  "sync_steps in [0, 2**62)")
 
     def follow(self, rec: R.Record) -> bool:
         """Apply the primary's record (lock held); False if it does not fit."""
@@ -178,8 +224,16 @@ class _Entry(R.CopyState):
             return False
         self.version = rec.version
         self.remember(rec.update_id)
+        self.synced_to(rec.sync_steps)
         self.cond.notify_all()
         return True
+
+    def synced_to(self, sync_steps: int) -> None:
+        """The primary applied sync steps before ``sync_steps`` (lock held):
+        a step this copy was gathering is done there."""
+        self.sync_steps = max(self.sync_steps, sync_steps)
+        if self.acc is not None and self.acc.step < self.sync_steps:
+            self.acc = None
 
 
 class TableServicer:
@@ -193,11 +247,20 @@ class TableServicer:
         self._store = store
         if store is not None:
             store.table_bytes = self.total_bytes
+            store.table_entries = lambda: list(self._tables.values())   # (commit_save)
             store.table_copy = self._copy_of   # replication reaches table shards
+            store.table_copies = self._copies   # so does a sync step's AbandonStep
 
     def _copy_of(self, name: str) -> _Entry | None:
         with self._lock:
             return self._tables.get(name)
+
+    def _copies(self) -> list[_Entry]:
+        with self._lock:
+            return list(self._tables.values())
+
+    def _abandoned_for(self, step: int) -> set[int]:
+        return self._store._abandoned_for(step) if self._store is not None else set()
 
     def total_bytes(self) -> int:
         """Bytes every table shard here holds (an estimate while one changes;
@@ -237,7 +300,7 @@ class TableServicer:
         return tables_pb2.TableInfo(
             name=name, spec=entry.spec, rows=len(t), step=t.step,
             **{f.name: min(getattr(s, f.name), _INT64_MAX) for f in dataclasses.fields(s)},
-            bytes=t.nbytes)
+            bytes=t.nbytes, sync_steps=entry.sync_steps, late=min(entry.dropped, _INT64_MAX))
 
     # -- calls ---------------------------------------------------------------------------------
     def Create(self, request, context):
@@ -279,7 +342,10 @@ class TableServicer:
                 f"a look-up of {keys.size} keys returns {keys.size * dim * itemsize} bytes, "
                 f"over the {self.max_message_bytes}-byte message limit; look up fewer keys "
                 "per call")
+        sync_step = _sync_read_step(request)
         with entry.lock:
+            if sync_step is not None:   # the rows after step sync_step - 1 (psserver/sync.py)
+                S.wait_for_earlier_steps(entry, sync_step, _deadline(context))
             # A look-up changes the shard (ages, admission): a backup only follows.
             entry.check_primary()
             if not request.no_admit:   # at most every key new: room for that first
@@ -289,6 +355,7 @@ class TableServicer:
             try:
                 rows = entry.table.lookup(keys, admit=not request.no_admit, counts=counts)
             except BaseException:
+                entry.forget_changes()   # (a bug half-way: saved whole next)
                 if journaled:   # (checked first: a failure here is a bug half-way,
                     entry.table.take_journal()   # so the backup gets the whole state)
                     entry.link.reset()
@@ -312,6 +379,9 @@ class TableServicer:
             raise InvalidArgument(f"update keys must be 1-D, got shape {list(keys.shape)}")
         if keys.size > MAX_KEYS:
             raise InvalidArgument(f"{keys.size} keys in one update; send at most {MAX_KEYS}")
+        if request.HasField("sync"):
+            return self._update_sync(entry, keys, grads, S.check_rows_spec(
+                SyncSpec.of(request.sync)), context)
         uid = int(request.update_id)
         with entry.lock:
             entry.check_primary()
@@ -329,6 +399,7 @@ class TableServicer:
                         t.take_journal()
                     raise
                 except BaseException:   # a failure half-way: the backup gets the whole state
+                    entry.forget_changes()   # (and the next incremental save)
                     if journaled:
                         t.take_journal()
                         entry.link.reset()
@@ -340,6 +411,24 @@ class TableServicer:
         if self._store is not None:   # acknowledged once its backup has it (if any)
             self._store._wait_acked([(entry, version)], _deadline(context))
         return reply
+
+    def _update_sync(self, entry: _Entry, keys: np.ndarray, grads: np.ndarray,
+                     spec: SyncSpec, context) -> tables_pb2.TableUpdateReply:
+        """A replica's update for a sync step (spec checked): gathered, the
+        step applied once complete (psserver.sync.push; a late one dropped
+        whole). A backup copy gathers too (it finishes the step if promoted)
+        and applies only its primary's records."""
+        abandoned = self._abandoned_for(spec.step)
+        deadline = _deadline(context)
+        with entry.lock:
+            if entry.draining:
+                entry.check_primary()
+            keys, grads = entry.table.check_gradients(keys, grads)   # now, not at the apply
+            late = S.push(entry, spec, (keys, grads), True, abandoned, deadline)
+            completed = not late and entry.sync_steps > spec.step   # by this update
+            updated, dropped = entry.step_counts if completed else (0, 0)
+            return tables_pb2.TableUpdateReply(updated=updated, dropped=dropped,
+                                               step=entry.table.step, late=late)
 
     def Info(self, request, context):
         entry = self._entry(request.name)
@@ -358,8 +447,11 @@ class TableServicer:
     def Save(self, request, context):
         """The shard's rows to a safetensors file under the server's
         --checkpoint-dir (psserver/saving.py confines it), written under a
-        temporary name and renamed."""
-        from safetensors.numpy import save_file
+        temporary name and renamed. An incremental save (``save_id``,
+        ``since``: psserver/saving.py) writes the rows of the keys changed
+        since that save point and the keys evicted since ("evicted"), or
+        the whole shard where it cannot tell; the metadata has "save":
+        full or delta, the step and the clock the ages are taken at."""
         entry = self._entry(request.name)
         if self._store is None:
             raise InvalidArgument("this server keeps no checkpoint directories")
@@ -367,24 +459,24 @@ class TableServicer:
         if not os.path.isdir(directory):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
                                   "parameter server (it must see the same filesystem)")
+        spec = self._store.begin_save(**save_fields(request))
         with entry.lock:
-            state = entry.table.export()
-            step = entry.table.step
+            t = entry.table
+            changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
+                if spec.save_id else None
+            now = t.clock()
+            state = t.export(None if changes is None else changes.keys, now, spec.weights_only)
+            step = t.step
+        kind = FULL if changes is None else DELTA
         meta = {"name": request.name, "kind": "dynamic_table", "step": str(step),
+                "clock": repr(now), "save": KIND_NAMES[kind],
                 "spec": json_format.MessageToJson(entry.spec, indent=None)}
         file = table_file(request.name)
-        path = os.path.join(directory, file)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp, metadata=meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        return tables_pb2.SaveTableReply(file=file, rows=int(state["keys"].size),
-                                         bytes=os.path.getsize(path), step=step)
+        nbytes = write_tensors(directory, file, state, meta, delta=kind == DELTA)
+        return tables_pb2.SaveTableReply(
+            file=file, rows=int(state["keys"].size), bytes=nbytes, step=step, kind=kind,
+            evicted=int(state["evicted"].size) if "evicted" in state else 0,
+            incarnation=self._store.incarnation)
 
     def Import(self, request, context):
         state = {"keys": T.decode(request.keys, T.ID_DTYPES, "import keys")}
@@ -407,6 +499,9 @@ class TableServicer:
                              _row_bytes(t.config, t.optimizer))
             rows = t.import_rows(state, int(request.step), reset=request.reset)
             entry.version += 1
+            if request.reset:   # a restored shard: no sync step applied or pending
+                entry.acc, entry.sync_steps = None, 0
+                entry.cond.notify_all()
             if entry.link is not None:   # the backup copies the new state whole
                 entry.link.reset()
         return tables_pb2.ImportTableReply(rows=rows)
@@ -422,8 +517,10 @@ class TableServicer:
         spec = tables_pb2.TableSpec()
         spec.CopyFrom(r.spec)
         config, optimizer = config_from_spec(spec), _optimizer(spec)
-        if not (0 <= r.epoch < R.MAX_EPOCH and 0 <= r.version < R.MAX_EPOCH):
-            raise InvalidArgument("a table copy's epoch and version must be in [0, 2**62)")
+        if not (0 <= r.epoch < R.MAX_EPOCH and 0 <= r.version < R.MAX_EPOCH
+                and 0 <= r.sync_steps < R.MAX_EPOCH):
+            raise InvalidArgument("a table copy's epoch, version and sync_steps must be in "
+                                  "[0, 2**62)")
         step, n = int(request.step), state["keys"].size
         row_bytes = _row_bytes(config, optimizer)
         if request.reset:   # checked whole, and built, before anything here changes
@@ -464,6 +561,8 @@ class TableServicer:
                 entry.version = r.version
                 entry.applied = collections.OrderedDict.fromkeys(
                     (int(i) for i in r.applied_ids), 0)
+                entry.sync_steps = 0
+                entry.synced_to(int(r.sync_steps))
                 entry.cond.notify_all()
             return tables_pb2.ImportTableReply(rows=len(entry.table))
 
@@ -476,6 +575,17 @@ class TableServicer:
                 gone.role = R.ROLE_BACKUP   # a call still holding it is refused
                 gone.cond.notify_all()
         return tables_pb2.DeleteTableReply(deleted=gone is not None)
+
+
+def _sync_read_step(request: tables_pb2.LookupRequest) -> int | None:
+    """A sync look-up's step (None: not sync), checked."""
+    if not request.HasField("sync"):
+        return None
+    step, timeout = request.sync.step, request.sync.step_timeout
+    if not (0 <= step < MAX_COUNT and timeout >= 0):
+        raise InvalidArgument(f"a sync look-up needs a step in [0, 2**62) and a step_timeout "
+                              f">= 0, got step {step}, step_timeout {timeout}")
+    return step
 
 
 def _deadline(context) -> float | None:

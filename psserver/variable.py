@@ -76,6 +76,14 @@ class Variable(R.CopyState):
         self.epoch = 0
         self.link: R.Link | None = None
         self.draining = False
+        # Incremental saves (psserver.tracking): what changed since a save
+        # point; None until a save names a save id.
+        self.tracker = None
+
+    def forget_changes(self) -> None:
+        """The state was replaced or the copy changed role (lock held): what
+        changed since a save point is unknown now (the next save writes it whole)."""
+        self.tracker = None
 
     def writing(self):
         """Wrap every change of value and version (lock held): readers of a
@@ -98,13 +106,15 @@ class Variable(R.CopyState):
     def applying(self):
         """Wrap an update whose record went ahead (lock held): the value's
         seqlock (writing), and, should the update fail half-way (a bug), a
-        whole copy of the state for the backup, which had the record."""
+        whole copy of the state for the backup, which had the record, and
+        the whole variable in the next incremental save."""
         try:
             with self.writing():
                 yield
         except BaseException:
             if self.link is not None:
                 self.link.reset()
+            self.forget_changes()   # (which rows changed is not known: saved whole next)
             raise
 
     @property

@@ -138,8 +138,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}") from None
         sync = None
         if request.HasField("sync"):
-            i = request.sync
-            sync = SyncSpec(i.step, i.replica, i.num_replicas, i.required, i.sum, i.step_timeout)
+            sync = SyncSpec.of(request.sync)
         m, outcome, start = self.metrics, "error", time.perf_counter()
         if m is not None:
             m.running.inc()

@@ -304,7 +304,8 @@ def test_every_optimizer_slot_survives_save_and_restore(tmp_path, optimizer, par
     for i in range(3):
         a.push([("w", rng.normal(size=(5, 3)).astype(np.float32), i + 1)])
         a.push_sparse("w", np.array([1, 4]), rng.normal(size=(2, 3)).astype(np.float32))
-    (name, file, version, _), = a.save(str(tmp_path))
+    (saved,) = a.save(str(tmp_path))
+    name, file, version = saved.name, saved.file, saved.version
     entry = {"name": name, "file": file, "offset": 0, "rows": 5, "version": version}
     tensors, meta = load_checked_shard(str(tmp_path), entry, "float32", (5, 3), optimizer)
     slots = {k[5:]: v for k, v in tensors.items() if k.startswith("slot/")}

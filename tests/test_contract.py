@@ -40,6 +40,14 @@ def test_store_runs_without_grpc_or_protobuf():
         from psserver.dynamic_table import DynamicTable, TableConfig
         t = DynamicTable(TableConfig(dim=2), optimizers.make_optimizer("sgd", {}))
         assert t.lookup(np.array([5, 6])).shape == (2, 2) and len(t) == 2
+        import tempfile   # incremental saves: tracking, deltas, commits
+        d = tempfile.mkdtemp()
+        s.save(d, (), s.begin_save(1, 0, "", "s"))
+        s.commit_save(1, "s", s.incarnation)
+        s.push_sparse("w", np.array([2]), np.ones(1, np.float32))
+        (saved,) = s.save(d, (), s.begin_save(2, 1, s.incarnation, "s"))
+        assert (saved.kind, saved.rows) == (1, 1), saved
+        assert t.take_changes(1, "s", 0) is None and t.tracker is not None
         for mod in ("grpc", "google.protobuf", "protos"):
             assert mod not in sys.modules, mod
         print("ok", version)

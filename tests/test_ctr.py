@@ -214,12 +214,40 @@ def test_dlrm_learns_in_process_with_sgd_on_dict_tables():
 
 
 @pytest.mark.timeout(240)
-def test_the_ctr_example_learns_on_dynamic_tables():
+@pytest.mark.parametrize("mode, steps", [("async", 80), ("hybrid", 60)])
+def test_the_ctr_example_learns_on_dynamic_tables(mode, steps):
     """examples/ctr.py on a LocalCluster (2 ps, 2 workers): AUC rises well
-    above chance, below the planted model's, and the table admitted keys."""
+    above chance, below the planted model's, and the table admitted keys.
+    (hybrid: a step is 2 replicas of a batch each.)"""
     from examples import ctr
-    out = ctr.main(["--epochs", "2", "--steps-per-epoch", "80", "--batch-size", "256",
-                    "--eval-batches", "10", "--verbose", "0"])
+    out = ctr.main(["--epochs", "2", "--steps-per-epoch", str(steps), "--batch-size", "256",
+                    "--eval-batches", "10", "--verbose", "0", "--mode", mode])
     assert out["aucs"][-1] > out["aucs"][0] - 0.01
     assert 0.6 < out["auc"] < out["ceiling"]
     assert out["rows"] > 10_000 and out["samples_per_second"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_the_same(
+        tmp_path):
+    """examples/ctr.py --incremental-checkpoints --export: a base and a delta
+    checkpoint, a serving copy exported beside training; examples/serve_ctr.py
+    scores the last export (from memory, no parameter server) with the
+    training run's own final AUC."""
+    import json
+    import os
+
+    from coordinator.checkpoint_files import chain_of
+    from examples import ctr, serve_ctr
+    ckpt, export = str(tmp_path / "ckpt"), str(tmp_path / "export")
+    out = ctr.main(["--epochs", "2", "--steps-per-epoch", "30", "--batch-size", "256",
+                    "--eval-batches", "5", "--verbose", "0", "--incremental-checkpoints", ckpt,
+                    "--export", export, "--export-every", "0.5"])
+    latest = sorted(os.listdir(ckpt))[-1]
+    assert [os.path.basename(p) for p, _ in chain_of(os.path.join(ckpt, latest))] == [
+        "ckpt-00000030", "ckpt-00000060"]
+    exports = sorted(os.listdir(export))
+    assert any("chain" in json.load(open(os.path.join(export, e, "manifest.json")))
+               for e in exports), exports
+    served = serve_ctr.main(["--export", export, "--eval-batches", "5", "--batch-size", "256"])
+    assert served["auc"] == out["auc"] and served["path"].endswith(exports[-1])

@@ -255,6 +255,11 @@ def test_an_epoch_visits_every_example_once_with_a_slow_worker_and_uneven_shards
             assert len(history.steps) == ds.batches_per_epoch
             assert ds.epochs_completed == 2
             np.testing.assert_array_equal(seen.read(), np.full((n, 1), 2.0))
+            for mode in ("sync", "hybrid"):   # a dead replica is abandoned there, not re-run
+                with ClusterCoordinator(ParameterServerStrategy(cluster.spec,
+                                                                mode=mode)) as other:
+                    with pytest.raises(ValueError, match=f"not '{mode}'"):
+                        other.create_sharded_dataset(src, BATCH)
             # a step that calls next() twice fails with a clear error
             bad = coord.schedule(lambda it: (next(it), next(it)), args=(it,))
             with pytest.raises(StepFunctionError, match="twice in one step"):

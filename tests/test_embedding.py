@@ -103,8 +103,8 @@ def test_bad_keys_and_gradients_are_refused_before_any_call(cluster):
 
 
 def _saved_table(path: str, table) -> dict:
-    from coordinator.checkpoint import _load_table
-    state, _ = _load_table(table, read_manifest(path)["tables"][table.name], path)
+    from coordinator.checkpoint_files import chain_of, load_table
+    state, _ = load_table(table, chain_of(path))
     return state
 
 

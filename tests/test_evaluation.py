@@ -20,6 +20,7 @@ from coordinator import (Callback, CheckpointCallback, CheckpointManager, Cluste
                          IndexedSlices, LocalCluster, ParameterServerStrategy, ShardedSource,
                          TensorBoard, fit, push_gradients)
 from coordinator import metrics as _metrics
+from coordinator.checkpoint_files import read_manifest
 from coordinator.evaluation import BackgroundValidation, Sidecar
 from psserver.process import child_env
 from test_fit import read_events
@@ -181,7 +182,7 @@ class _Sidecar:
 
 
 def test_a_sidecar_killed_and_restarted_during_training_changes_nothing_there(cluster, tmp_path):
-    """Training checkpoints each epoch; the sidecar follows the directory.
+    """Training checkpoints each epoch (incremental); the sidecar follows the directory.
     After the first checkpoint's evaluation it is SIGKILLed and started
     again while training goes on. Training ends with the exact counts; the
     sidecars evaluated each checkpoint at most once (the second goes on
@@ -190,7 +191,8 @@ def test_a_sidecar_killed_and_restarted_during_training_changes_nothing_there(cl
     strategy = ParameterServerStrategy(cluster.spec)
     w, step, source = counting(strategy, "ev_w")
     ckpt_dir, logdir = tmp_path / "ckpt", tmp_path / "eval"
-    manager = CheckpointManager(strategy, str(ckpt_dir), max_to_keep=10)
+    manager = CheckpointManager(strategy, str(ckpt_dir), max_to_keep=10,
+                                incremental=True)   # a base, then deltas: read as chains
     sidecars = []
     try:
         with ClusterCoordinator(strategy) as coord:
@@ -218,6 +220,7 @@ def test_a_sidecar_killed_and_restarted_during_training_changes_nothing_there(cl
             s.kill()
     np.testing.assert_array_equal(trained, np.full((N, 1), float(epochs)))  # as without it
     assert history.epoch == [0, 1, 2] and ds.epochs_completed == epochs
+    assert ["chain" in read_manifest(p) for p in manager.checkpoints()] == [False, True, True]
     events = read_events(logdir / "evaluation")
     evaluated = sorted(s for s, _ in events["eval_mean"])   # (two processes' files)
     assert len(evaluated) == len(set(evaluated))            # each checkpoint at most once

@@ -57,6 +57,11 @@ def test_lookup_and_indexed_slices_match_gather_and_push_sparse(cluster, transpo
     np.testing.assert_array_equal(rows, table0[ids])
     np.testing.assert_array_equal(w, head0)
     assert versions == [[0, 0, 0], [0]]
+    # A server with dense reads and none of the lookup's rows (head or head2 is on
+    # the server without shard 0): its call has an empty list of gathers.
+    rows, w, w2 = read_variables([fused.lookup(np.array([1, 0])), head, head2])
+    np.testing.assert_array_equal(rows, table0[[1, 0]])
+    np.testing.assert_array_equal(w2, head0)
     empty = read_variables([fused.lookup(np.zeros((0, 3), np.int64))])[0]
     assert empty.shape == (0, 3, 4)
 

@@ -77,7 +77,13 @@ def templates(tmp: str) -> dict[str, list]:
         "ParameterServer/PushSparse": [ps_pb2.PushSparseRequest(
             name="t", ids=_t(ids), values=_t(np.ones((2, 4), np.float32)), update_id=9)],
         "ParameterServer/AbandonStep": [ps_pb2.AbandonRequest(step=3, replica=1)],
-        "ParameterServer/Save": [ps_pb2.SaveRequest(directory=tmp, names=["w"])],
+        "ParameterServer/Save": [
+            ps_pb2.SaveRequest(directory=tmp, names=["w"]),
+            ps_pb2.SaveRequest(directory=tmp, names=["w"], save_id=7, stream="s"),
+            ps_pb2.SaveRequest(directory=tmp, names=["w", "t"], save_id=8, since=7, stream="s",
+                               incarnation="0" * 32, weights_only=True)],
+        "ParameterServer/CommitSave": [ps_pb2.CommitSaveRequest(save_id=7, stream="s",
+                                                                incarnation="0" * 32)],
         "ParameterServer/Replicate": [ps_pb2.ReplicateRequest(records=[ps_pb2.ReplicaRecord(
             name="w", epoch=0, version=1, tensor=_t(w))])],
         "ParameterServer/Reconfigure": [ps_pb2.ReconfigureRequest(changes=[
@@ -101,13 +107,21 @@ def templates(tmp: str) -> dict[str, list]:
             tables_pb2.CreateTableRequest(name="d", spec=tables_pb2.TableSpec(dim=4),
                                           exist_ok=True)],
         "DynamicTables/Lookup": [tables_pb2.LookupRequest(name="d", keys=_t(ids)),
-                                 tables_pb2.LookupRequest(name="d", keys=_t(ids), no_admit=True)],
+                                 tables_pb2.LookupRequest(name="d", keys=_t(ids), no_admit=True),
+                                 tables_pb2.LookupRequest(name="d", keys=_t(ids),
+                                                          sync=ps_pb2.SyncRead(step=0))],
         "DynamicTables/Update": [tables_pb2.TableUpdateRequest(
-            name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32)))],
+            name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32))),
+            tables_pb2.TableUpdateRequest(   # a sync step of one replica
+                name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32)),
+                sync=ps_pb2.SyncInfo(step=0, replica=0, num_replicas=2, required=1))],
         "DynamicTables/Info": [tables_pb2.TableRef(name="d")],
         "DynamicTables/List": [tables_pb2.ListTablesRequest()],
         "DynamicTables/Delete": [tables_pb2.TableRef(name="fzt")],
-        "DynamicTables/Save": [tables_pb2.SaveTableRequest(name="d", directory=tmp)],
+        "DynamicTables/Save": [
+            tables_pb2.SaveTableRequest(name="d", directory=tmp),
+            tables_pb2.SaveTableRequest(name="d", directory=tmp, save_id=9, since=7,
+                                        stream="s", incarnation="0" * 32)],
         "DynamicTables/Import": [tables_pb2.ImportTableRequest(
             name="d", keys=_t(ids), values=_t(np.ones((2, 4), np.float32)),
             age_steps=_t(np.zeros(2, np.int64)), age_seconds=_t(np.zeros(2)),

@@ -81,6 +81,13 @@ def _cases():
             updates=[pb.DenseUpdate(name="w", tensor=t(dtype="float32", shape=[4],
                                                       data=bytes(16)))]).SerializeToString()
             + b"\x12\x02\x08"),
+        # incremental saves (psserver/saving.py begin_save), checked before any file
+        "Save since without a save id": ("ParameterServer", "Save", pb.SaveRequest(
+            directory="/tmp", since=3)),
+        "Save with a control character in its stream": ("ParameterServer", "Save",
+                                                         pb.SaveRequest(directory="/tmp",
+                                                                        save_id=1, stream="a\n")),
+        "Commit of save id 0": ("ParameterServer", "CommitSave", pb.CommitSaveRequest()),
     }
 
 

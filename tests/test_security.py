@@ -128,9 +128,14 @@ def test_save_writes_only_under_the_checkpoint_dirs(start_ps, tmp_path):
             client.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
         (saved,) = c.save(str(allowed / "run1"), ["w"])
         assert (allowed / "run1" / saved.file).exists()
+        c.create_table("t", 2)
         for where in (elsewhere, allowed / "escape", allowed / ".." / "etc", "/"):
             with pytest.raises(PermissionDenied, match="--checkpoint-dir"):
                 c.save(str(where), ["w"])
+            with pytest.raises(PermissionDenied, match="--checkpoint-dir"):   # incremental
+                c.save_incremental(str(where), ["w"], save_id=5, stream="s", weights_only=True)
+            with pytest.raises(PermissionDenied, match="--checkpoint-dir"):
+                c.save_table("t", str(where), save_id=6, stream="s")
         with pytest.raises(PermissionDenied, match="started without --checkpoint-dir"):
             b.save(str(allowed / "run1"), ["w"])
     assert list(elsewhere.iterdir()) == []

@@ -106,10 +106,11 @@ def make_crashing_step(w_var, b_var, crash_step: int, marker: str):
     return step
 
 
-def test_sigkilled_replica_does_not_stop_the_job(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_sigkilled_replica_does_not_stop_the_job(tmp_path, mode):
     x, y = make_data(2)
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
-        strategy = ParameterServerStrategy(cluster.spec, mode="sync", step_timeout=0)
+        strategy = ParameterServerStrategy(cluster.spec, mode=mode, step_timeout=0)
         w_var = strategy.create_variable("w", initial_value=np.zeros((N_FEATURES, 1), np.float32),
                                          optimizer="sgd", optimizer_params={"learning_rate": 0.05})
         b_var = strategy.create_variable("b", initial_value=np.zeros((1,), np.float32),

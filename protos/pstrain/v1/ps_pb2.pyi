@@ -11,8 +11,17 @@ class ReplicaRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLE_PRIMARY: _ClassVar[ReplicaRole]
     ROLE_BACKUP: _ClassVar[ReplicaRole]
+
+class SaveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_FULL: _ClassVar[SaveKind]
+    SAVE_DELTA: _ClassVar[SaveKind]
+    SAVE_UNCHANGED: _ClassVar[SaveKind]
 ROLE_PRIMARY: ReplicaRole
 ROLE_BACKUP: ReplicaRole
+SAVE_FULL: SaveKind
+SAVE_DELTA: SaveKind
+SAVE_UNCHANGED: SaveKind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -110,20 +119,22 @@ class SlotValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SyncInfo(_message.Message):
-    __slots__ = ("step", "replica", "num_replicas", "required", "sum", "step_timeout")
+    __slots__ = ("step", "replica", "num_replicas", "required", "sum", "step_timeout", "hybrid")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_FIELD_NUMBER: _ClassVar[int]
     SUM_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HYBRID_FIELD_NUMBER: _ClassVar[int]
     step: int
     replica: int
     num_replicas: int
     required: int
     sum: bool
     step_timeout: float
-    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., required: _Optional[int] = ..., sum: _Optional[bool] = ..., step_timeout: _Optional[float] = ...) -> None: ...
+    hybrid: bool
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ..., num_replicas: _Optional[int] = ..., required: _Optional[int] = ..., sum: _Optional[bool] = ..., step_timeout: _Optional[float] = ..., hybrid: _Optional[bool] = ...) -> None: ...
 
 class SyncRead(_message.Message):
     __slots__ = ("step", "step_timeout")
@@ -322,30 +333,64 @@ class AbandonReply(_message.Message):
     def __init__(self) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("directory", "names")
+    __slots__ = ("directory", "names", "save_id", "since", "incarnation", "stream", "weights_only")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     directory: str
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, directory: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+    save_id: int
+    since: int
+    incarnation: str
+    stream: str
+    weights_only: bool
+    def __init__(self, directory: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., save_id: _Optional[int] = ..., since: _Optional[int] = ..., incarnation: _Optional[str] = ..., stream: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class SaveReply(_message.Message):
-    __slots__ = ("files",)
+    __slots__ = ("files", "incarnation")
     FILES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedCompositeFieldContainer[SavedFile]
-    def __init__(self, files: _Optional[_Iterable[_Union[SavedFile, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, files: _Optional[_Iterable[_Union[SavedFile, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SavedFile(_message.Message):
-    __slots__ = ("name", "file", "version", "bytes")
+    __slots__ = ("name", "file", "version", "bytes", "kind", "rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     file: str
     version: int
     bytes: int
-    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    kind: SaveKind
+    rows: int
+    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class CommitSaveRequest(_message.Message):
+    __slots__ = ("save_id", "stream", "incarnation")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    save_id: int
+    stream: str
+    incarnation: str
+    def __init__(self, save_id: _Optional[int] = ..., stream: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class CommitSaveReply(_message.Message):
+    __slots__ = ("variables", "tables")
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    variables: int
+    tables: int
+    def __init__(self, variables: _Optional[int] = ..., tables: _Optional[int] = ...) -> None: ...
 
 class ReplicaRecord(_message.Message):
     __slots__ = ("name", "epoch", "version", "update_id", "sync_steps", "kind", "tensor", "ids", "evicted")

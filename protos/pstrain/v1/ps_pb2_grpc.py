@@ -104,6 +104,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.FromString,
                 _registered_method=True)
+        self.CommitSave = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/CommitSave',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.CommitSaveRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.CommitSaveReply.FromString,
+                _registered_method=True)
         self.Replicate = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/Replicate',
                 request_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
@@ -203,6 +208,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitSave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Replicate(self, request, context):
         """Replication: a primary's records to its backup, and the coordinator's role changes.
         """
@@ -288,6 +299,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.SerializeToString,
+            ),
+            'CommitSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSave,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.CommitSaveRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_ps__pb2.CommitSaveReply.SerializeToString,
             ),
             'Replicate': grpc.unary_unary_rpc_method_handler(
                     servicer.Replicate,
@@ -678,6 +694,33 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/Save',
             protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveRequest.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_ps__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/CommitSave',
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.CommitSaveRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_ps__pb2.CommitSaveReply.FromString,
             options,
             channel_credentials,
             insecure,

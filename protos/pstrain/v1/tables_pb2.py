@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pstrain.v1 import ps_pb2 as protos_dot_pstrain_dot_v1_dot_ps__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pstrain/v1/tables.proto\x12\npstrain.v1\x1a\x1aprotos/pstrain/v1/ps.proto\"\xa7\x02\n\tTableSpec\x12\x0b\n\x03\x64im\x18\x01 \x01(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12,\n\x0binitializer\x18\x03 \x01(\x0b\x32\x17.pstrain.v1.Initializer\x12,\n\toptimizer\x18\x04 \x01(\x0b\x32\x19.pstrain.v1.OptimizerSpec\x12\x11\n\tmin_count\x18\x05 \x01(\x03\x12\x13\n\x0bprobability\x18\x06 \x01(\x01\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x03\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x15\n\rmax_age_steps\x18\t \x01(\x03\x12\x17\n\x0fmax_age_seconds\x18\n \x01(\x01\x12\x1a\n\x12\x61\x64mission_capacity\x18\x0b \x01(\x03\x12\x0c\n\x04seed\x18\x0c \x01(\x04\"Y\n\x12\x43reateTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.TableSpec\x12\x10\n\x08\x65xist_ok\x18\x03 \x01(\x08\"\x18\n\x08TableRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x81\x02\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.TableSpec\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07lookups\x18\x05 \x01(\x03\x12\x0c\n\x04hits\x18\x06 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x03\x12\x14\n\x0cnot_admitted\x18\x08 \x01(\x03\x12\x18\n\x10\x65victed_capacity\x18\t \x01(\x03\x12\x13\n\x0b\x65victed_age\x18\n \x01(\x03\x12\x0f\n\x07updated\x18\x0b \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x0c \x01(\x03\x12\r\n\x05\x62ytes\x18\r \x01(\x03\"u\n\rLookupRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x10\n\x08no_admit\x18\x03 \x01(\x08\x12\"\n\x06\x63ounts\x18\x04 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"/\n\x0bLookupReply\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"z\n\x12TableUpdateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12!\n\x05grads\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x11\n\tupdate_id\x18\x04 \x01(\x04\"B\n\x10TableUpdateReply\x12\x0f\n\x07updated\x18\x01 \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\x13\n\x11ListTablesRequest\"8\n\x0fListTablesReply\x12%\n\x06tables\x18\x01 \x03(\x0b\x32\x15.pstrain.v1.TableInfo\"#\n\x10\x44\x65leteTableReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"3\n\x10SaveTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\"I\n\x0eSaveTableReply\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\"\xc7\x02\n\x12ImportTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05reset\x18\x02 \x01(\x08\x12 \n\x04keys\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\"\n\x06values\x18\x04 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12$\n\x05slots\x18\x05 \x03(\x0b\x32\x15.pstrain.v1.SlotValue\x12%\n\tage_steps\x18\x06 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\'\n\x0b\x61ge_seconds\x18\x07 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12 \n\x04\x66req\x18\x08 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x0c\n\x04step\x18\t \x01(\x03\x12(\n\x07replica\x18\n \x01(\x0b\x32\x17.pstrain.v1.ReplicaCopy\"y\n\x0bReplicaCopy\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.pstrain.v1.TableSpec\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\x13\n\x0b\x61pplied_ids\x18\x05 \x03(\x04\" \n\x10ImportTableReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x32\x97\x04\n\rDynamicTables\x12?\n\x06\x43reate\x12\x1e.pstrain.v1.CreateTableRequest\x1a\x15.pstrain.v1.TableInfo\x12<\n\x06Lookup\x12\x19.pstrain.v1.LookupRequest\x1a\x17.pstrain.v1.LookupReply\x12\x46\n\x06Update\x12\x1e.pstrain.v1.TableUpdateRequest\x1a\x1c.pstrain.v1.TableUpdateReply\x12\x33\n\x04Info\x12\x14.pstrain.v1.TableRef\x1a\x15.pstrain.v1.TableInfo\x12\x42\n\x04List\x12\x1d.pstrain.v1.ListTablesRequest\x1a\x1b.pstrain.v1.ListTablesReply\x12<\n\x06\x44\x65lete\x12\x14.pstrain.v1.TableRef\x1a\x1c.pstrain.v1.DeleteTableReply\x12@\n\x04Save\x12\x1c.pstrain.v1.SaveTableRequest\x1a\x1a.pstrain.v1.SaveTableReply\x12\x46\n\x06Import\x12\x1e.pstrain.v1.ImportTableRequest\x1a\x1c.pstrain.v1.ImportTableReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pstrain/v1/tables.proto\x12\npstrain.v1\x1a\x1aprotos/pstrain/v1/ps.proto\"\xa7\x02\n\tTableSpec\x12\x0b\n\x03\x64im\x18\x01 \x01(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12,\n\x0binitializer\x18\x03 \x01(\x0b\x32\x17.pstrain.v1.Initializer\x12,\n\toptimizer\x18\x04 \x01(\x0b\x32\x19.pstrain.v1.OptimizerSpec\x12\x11\n\tmin_count\x18\x05 \x01(\x03\x12\x13\n\x0bprobability\x18\x06 \x01(\x01\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x03\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x15\n\rmax_age_steps\x18\t \x01(\x03\x12\x17\n\x0fmax_age_seconds\x18\n \x01(\x01\x12\x1a\n\x12\x61\x64mission_capacity\x18\x0b \x01(\x03\x12\x0c\n\x04seed\x18\x0c \x01(\x04\"Y\n\x12\x43reateTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.TableSpec\x12\x10\n\x08\x65xist_ok\x18\x03 \x01(\x08\"\x18\n\x08TableRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xa3\x02\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.TableSpec\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07lookups\x18\x05 \x01(\x03\x12\x0c\n\x04hits\x18\x06 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x03\x12\x14\n\x0cnot_admitted\x18\x08 \x01(\x03\x12\x18\n\x10\x65victed_capacity\x18\t \x01(\x03\x12\x13\n\x0b\x65victed_age\x18\n \x01(\x03\x12\x0f\n\x07updated\x18\x0b \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x0c \x01(\x03\x12\r\n\x05\x62ytes\x18\r \x01(\x03\x12\x12\n\nsync_steps\x18\x0e \x01(\x03\x12\x0c\n\x04late\x18\x0f \x01(\x03\"\x99\x01\n\rLookupRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x10\n\x08no_admit\x18\x03 \x01(\x08\x12\"\n\x06\x63ounts\x18\x04 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\"\n\x04sync\x18\x05 \x01(\x0b\x32\x14.pstrain.v1.SyncRead\"/\n\x0bLookupReply\x12 \n\x04rows\x18\x01 \x01(\x0b\x32\x12.pstrain.v1.Tensor\"\x9e\x01\n\x12TableUpdateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04keys\x18\x02 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12!\n\x05grads\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x11\n\tupdate_id\x18\x04 \x01(\x04\x12\"\n\x04sync\x18\x05 \x01(\x0b\x32\x14.pstrain.v1.SyncInfo\"P\n\x10TableUpdateReply\x12\x0f\n\x07updated\x18\x01 \x01(\x03\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04late\x18\x04 \x01(\x08\"\x13\n\x11ListTablesRequest\"8\n\x0fListTablesReply\x12%\n\x06tables\x18\x01 \x03(\x0b\x32\x15.pstrain.v1.TableInfo\"#\n\x10\x44\x65leteTableReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x8e\x01\n\x10SaveTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x0f\n\x07save_id\x18\x03 \x01(\x04\x12\r\n\x05since\x18\x04 \x01(\x04\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0e\n\x06stream\x18\x06 \x01(\t\x12\x14\n\x0cweights_only\x18\x07 \x01(\x08\"\x93\x01\n\x0eSaveTableReply\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\"\n\x04kind\x18\x05 \x01(\x0e\x32\x14.pstrain.v1.SaveKind\x12\x0f\n\x07\x65victed\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\"\xc7\x02\n\x12ImportTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05reset\x18\x02 \x01(\x08\x12 \n\x04keys\x18\x03 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\"\n\x06values\x18\x04 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12$\n\x05slots\x18\x05 \x03(\x0b\x32\x15.pstrain.v1.SlotValue\x12%\n\tage_steps\x18\x06 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\'\n\x0b\x61ge_seconds\x18\x07 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12 \n\x04\x66req\x18\x08 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x0c\n\x04step\x18\t \x01(\x03\x12(\n\x07replica\x18\n \x01(\x0b\x32\x17.pstrain.v1.ReplicaCopy\"\x8d\x01\n\x0bReplicaCopy\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.pstrain.v1.TableSpec\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\x13\n\x0b\x61pplied_ids\x18\x05 \x03(\x04\x12\x12\n\nsync_steps\x18\x06 \x01(\x03\" \n\x10ImportTableReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x32\x97\x04\n\rDynamicTables\x12?\n\x06\x43reate\x12\x1e.pstrain.v1.CreateTableRequest\x1a\x15.pstrain.v1.TableInfo\x12<\n\x06Lookup\x12\x19.pstrain.v1.LookupRequest\x1a\x17.pstrain.v1.LookupReply\x12\x46\n\x06Update\x12\x1e.pstrain.v1.TableUpdateRequest\x1a\x1c.pstrain.v1.TableUpdateReply\x12\x33\n\x04Info\x12\x14.pstrain.v1.TableRef\x1a\x15.pstrain.v1.TableInfo\x12\x42\n\x04List\x12\x1d.pstrain.v1.ListTablesRequest\x1a\x1b.pstrain.v1.ListTablesReply\x12<\n\x06\x44\x65lete\x12\x14.pstrain.v1.TableRef\x1a\x1c.pstrain.v1.DeleteTableReply\x12@\n\x04Save\x12\x1c.pstrain.v1.SaveTableRequest\x1a\x1a.pstrain.v1.SaveTableReply\x12\x46\n\x06Import\x12\x1e.pstrain.v1.ImportTableRequest\x1a\x1c.pstrain.v1.ImportTableReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,31 +39,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TABLEREF']._serialized_start=463
   _globals['_TABLEREF']._serialized_end=487
   _globals['_TABLEINFO']._serialized_start=490
-  _globals['_TABLEINFO']._serialized_end=747
-  _globals['_LOOKUPREQUEST']._serialized_start=749
-  _globals['_LOOKUPREQUEST']._serialized_end=866
-  _globals['_LOOKUPREPLY']._serialized_start=868
-  _globals['_LOOKUPREPLY']._serialized_end=915
-  _globals['_TABLEUPDATEREQUEST']._serialized_start=917
-  _globals['_TABLEUPDATEREQUEST']._serialized_end=1039
-  _globals['_TABLEUPDATEREPLY']._serialized_start=1041
-  _globals['_TABLEUPDATEREPLY']._serialized_end=1107
-  _globals['_LISTTABLESREQUEST']._serialized_start=1109
-  _globals['_LISTTABLESREQUEST']._serialized_end=1128
-  _globals['_LISTTABLESREPLY']._serialized_start=1130
-  _globals['_LISTTABLESREPLY']._serialized_end=1186
-  _globals['_DELETETABLEREPLY']._serialized_start=1188
-  _globals['_DELETETABLEREPLY']._serialized_end=1223
-  _globals['_SAVETABLEREQUEST']._serialized_start=1225
-  _globals['_SAVETABLEREQUEST']._serialized_end=1276
-  _globals['_SAVETABLEREPLY']._serialized_start=1278
-  _globals['_SAVETABLEREPLY']._serialized_end=1351
-  _globals['_IMPORTTABLEREQUEST']._serialized_start=1354
-  _globals['_IMPORTTABLEREQUEST']._serialized_end=1681
-  _globals['_REPLICACOPY']._serialized_start=1683
-  _globals['_REPLICACOPY']._serialized_end=1804
-  _globals['_IMPORTTABLEREPLY']._serialized_start=1806
-  _globals['_IMPORTTABLEREPLY']._serialized_end=1838
-  _globals['_DYNAMICTABLES']._serialized_start=1841
-  _globals['_DYNAMICTABLES']._serialized_end=2376
+  _globals['_TABLEINFO']._serialized_end=781
+  _globals['_LOOKUPREQUEST']._serialized_start=784
+  _globals['_LOOKUPREQUEST']._serialized_end=937
+  _globals['_LOOKUPREPLY']._serialized_start=939
+  _globals['_LOOKUPREPLY']._serialized_end=986
+  _globals['_TABLEUPDATEREQUEST']._serialized_start=989
+  _globals['_TABLEUPDATEREQUEST']._serialized_end=1147
+  _globals['_TABLEUPDATEREPLY']._serialized_start=1149
+  _globals['_TABLEUPDATEREPLY']._serialized_end=1229
+  _globals['_LISTTABLESREQUEST']._serialized_start=1231
+  _globals['_LISTTABLESREQUEST']._serialized_end=1250
+  _globals['_LISTTABLESREPLY']._serialized_start=1252
+  _globals['_LISTTABLESREPLY']._serialized_end=1308
+  _globals['_DELETETABLEREPLY']._serialized_start=1310
+  _globals['_DELETETABLEREPLY']._serialized_end=1345
+  _globals['_SAVETABLEREQUEST']._serialized_start=1348
+  _globals['_SAVETABLEREQUEST']._serialized_end=1490
+  _globals['_SAVETABLEREPLY']._serialized_start=1493
+  _globals['_SAVETABLEREPLY']._serialized_end=1640
+  _globals['_IMPORTTABLEREQUEST']._serialized_start=1643
+  _globals['_IMPORTTABLEREQUEST']._serialized_end=1970
+  _globals['_REPLICACOPY']._serialized_start=1973
+  _globals['_REPLICACOPY']._serialized_end=2114
+  _globals['_IMPORTTABLEREPLY']._serialized_start=2116
+  _globals['_IMPORTTABLEREPLY']._serialized_end=2148
+  _globals['_DYNAMICTABLES']._serialized_start=2151
+  _globals['_DYNAMICTABLES']._serialized_end=2686
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class TableRef(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "spec", "rows", "step", "lookups", "hits", "admitted", "not_admitted", "evicted_capacity", "evicted_age", "updated", "dropped", "bytes")
+    __slots__ = ("name", "spec", "rows", "step", "lookups", "hits", "admitted", "not_admitted", "evicted_capacity", "evicted_age", "updated", "dropped", "bytes", "sync_steps", "late")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class TableInfo(_message.Message):
     UPDATED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     spec: TableSpec
     rows: int
@@ -79,19 +81,23 @@ class TableInfo(_message.Message):
     updated: int
     dropped: int
     bytes: int
-    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admitted: _Optional[int] = ..., not_admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_age: _Optional[int] = ..., updated: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    sync_steps: int
+    late: int
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admitted: _Optional[int] = ..., not_admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_age: _Optional[int] = ..., updated: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ..., sync_steps: _Optional[int] = ..., late: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("name", "keys", "no_admit", "counts")
+    __slots__ = ("name", "keys", "no_admit", "counts", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NO_ADMIT_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     keys: _ps_pb2.Tensor
     no_admit: bool
     counts: _ps_pb2.Tensor
-    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., no_admit: _Optional[bool] = ..., counts: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    sync: _ps_pb2.SyncRead
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., no_admit: _Optional[bool] = ..., counts: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., sync: _Optional[_Union[_ps_pb2.SyncRead, _Mapping]] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("rows",)
@@ -100,26 +106,30 @@ class LookupReply(_message.Message):
     def __init__(self, rows: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TableUpdateRequest(_message.Message):
-    __slots__ = ("name", "keys", "grads", "update_id")
+    __slots__ = ("name", "keys", "grads", "update_id", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     keys: _ps_pb2.Tensor
     grads: _ps_pb2.Tensor
     update_id: int
-    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
+    sync: _ps_pb2.SyncInfo
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., grads: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[int] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ...) -> None: ...
 
 class TableUpdateReply(_message.Message):
-    __slots__ = ("updated", "dropped", "step")
+    __slots__ = ("updated", "dropped", "step", "late")
     UPDATED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     updated: int
     dropped: int
     step: int
-    def __init__(self, updated: _Optional[int] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    late: bool
+    def __init__(self, updated: _Optional[int] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class ListTablesRequest(_message.Message):
     __slots__ = ()
@@ -138,24 +148,40 @@ class DeleteTableReply(_message.Message):
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
 class SaveTableRequest(_message.Message):
-    __slots__ = ("name", "directory")
+    __slots__ = ("name", "directory", "save_id", "since", "incarnation", "stream", "weights_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     directory: str
-    def __init__(self, name: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+    save_id: int
+    since: int
+    incarnation: str
+    stream: str
+    weights_only: bool
+    def __init__(self, name: _Optional[str] = ..., directory: _Optional[str] = ..., save_id: _Optional[int] = ..., since: _Optional[int] = ..., incarnation: _Optional[str] = ..., stream: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class SaveTableReply(_message.Message):
-    __slots__ = ("file", "rows", "bytes", "step")
+    __slots__ = ("file", "rows", "bytes", "step", "kind", "evicted", "incarnation")
     FILE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     file: str
     rows: int
     bytes: int
     step: int
-    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    kind: _ps_pb2.SaveKind
+    evicted: int
+    incarnation: str
+    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
     __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica")
@@ -182,18 +208,20 @@ class ImportTableRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ...) -> None: ...
 
 class ReplicaCopy(_message.Message):
-    __slots__ = ("spec", "epoch", "version", "complete", "applied_ids")
+    __slots__ = ("spec", "epoch", "version", "complete", "applied_ids", "sync_steps")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     epoch: int
     version: int
     complete: bool
     applied_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sync_steps: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[int]] = ..., sync_steps: _Optional[int] = ...) -> None: ...
 
 class ImportTableReply(_message.Message):
     __slots__ = ("rows",)

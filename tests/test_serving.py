@@ -1,0 +1,161 @@
+"""The serving copy (coordinator/serving.py) on a real cluster: exports
+written beside training, a Snapshot that follows them, never shows part of
+an export, ends equal to the servers, keeps serving without them, and
+refuses damaged or broken exports while serving what it had."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
+from coordinator.serving import Exporter, Snapshot, SnapshotError
+
+pytestmark = pytest.mark.timeout(240)
+
+MARKS = np.arange(1000, 1040, dtype=np.int64)   # spread over both servers' shards
+
+
+def _train_step(table, w, seed: int):
+    """A worker's step: look up, push row and dense gradients."""
+    from coordinator import push_gradients, read_variables
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, 300, 32))
+    rows = table.lookup(keys)
+    (wv,) = read_variables([w])
+    table.push_gradient(keys, (0.01 * rows + 0.1).astype(np.float32))
+    push_gradients([(w, np.full_like(wv, 0.01))])
+    return float(rows.sum())
+
+
+def test_a_snapshot_follows_training_atomically_and_serves_without_the_servers(tmp_path):
+    export_dir = str(tmp_path / "export")
+    with LocalCluster(num_ps=2, num_workers=2, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        emb = strategy.create_embedding_table("emb", 4, initializer="random_normal", seed=5)
+        w = strategy.create_variable("w", shape=(16, 4), initializer="ones")
+        marks = strategy.create_embedding_table("marks", 2, optimizer="sgd",
+                                                optimizer_params={"learning_rate": 1.0})
+        a = strategy.create_variable("a", shape=(6,))
+        marks.lookup(MARKS)
+        exporter = Exporter(strategy, export_dir, every_seconds=0.3, full_every=4)
+        exporter.export()
+
+        # 1. Atomic for readers: round k sets every row of "marks" and of "a"
+        # (both over two servers) to k, then exports; a reader looking up
+        # while the Snapshot applies deltas must see one k per call.
+        snap = Snapshot(export_dir, follow=True, poll_seconds=0.01)
+        seen, mixed, stop = set(), [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                rows, value = snap.lookup("marks", MARKS), snap.read("a")
+                for arr in (rows, value):
+                    if np.unique(arr).size != 1:
+                        mixed.append(arr)
+                seen.add(float(rows[0, 0]))
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        first = snap.generation
+        for k in range(1, 13):
+            a.assign(np.full(6, k, np.float32))
+            marks.push_gradient(MARKS, -np.ones((MARKS.size, 2), np.float32))
+            done = snap.generation
+            exporter.export()
+            assert snap.wait(done, timeout=30) == done + 1
+        stop.set()
+        thread.join()
+        assert not mixed, mixed[:2]
+        assert snap.generation - first == 12       # it followed every delta, one by one
+        assert (snap.lookup("marks", MARKS) == 12).all() and (snap.read("a") == 12).all()
+        assert len(seen) >= 2, seen                # and the reader saw them change
+
+        # 2. Beside a running job: exports every 0.3 s while the workers train;
+        # the Snapshot follows, and after the last export equals the servers.
+        start_generation = snap.generation
+        exporter.start()
+        with ClusterCoordinator(strategy) as coord:
+            coord.fetch([coord.schedule(_train_step, args=(emb, w, i)) for i in range(150)])
+        exporter.stop()                      # and one last export
+        while snap.path != exporter.last:
+            snap.wait(snap.generation, timeout=30)
+        assert snap.generation - start_generation >= 2
+        keys = np.arange(-5, 305, dtype=np.int64)
+        served_rows, served_w = snap.lookup("emb", keys), snap.read("w")
+        np.testing.assert_array_equal(served_rows, emb.lookup(keys, admit=False))
+        np.testing.assert_array_equal(served_w, w.read())
+        assert exporter.errors == 0
+        kinds = [json.load(open(os.path.join(p, "manifest.json"))).get("chain") is not None
+                 for p in exporter.manager.checkpoints()]
+        assert any(kinds), kinds   # deltas among them
+    snap.close()
+    # The servers are gone: it still answers, from memory.
+    np.testing.assert_array_equal(snap.lookup("emb", keys), served_rows)
+    np.testing.assert_array_equal(snap.lookup("w", np.array([[0, 15]])), served_w[[[0, 15]]])
+    with pytest.raises(KeyError):
+        snap.lookup("nope", [1])
+    with pytest.raises(IndexError):
+        snap.lookup("w", [16])
+    with pytest.raises(ValueError, match="int64"):
+        snap.lookup("emb", [1.5])
+
+
+def test_a_damaged_or_broken_delta_is_refused_and_the_previous_state_served(tmp_path):
+    export_dir = tmp_path / "export"
+    with LocalCluster(num_ps=2, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        emb = strategy.create_embedding_table("emb", 3, initializer="random_normal", seed=1)
+        w = strategy.create_variable("w", shape=(4, 3), initializer="ones")
+        keys = np.arange(50, dtype=np.int64)
+        emb.lookup(keys)
+        exporter = Exporter(strategy, str(export_dir))
+        exporter.export()
+        snap = Snapshot(str(export_dir))
+        before = snap.lookup("emb", keys), snap.read("w")
+
+        def changed_export():
+            emb.push_gradient(keys[:10], np.ones((10, 3), np.float32))
+            w.push_sparse(np.array([1]), np.ones((1, 3), np.float32))
+            return exporter.export()
+
+        # cut short: the file's size is not the manifest's
+        delta = changed_export()
+        victim = next(os.path.join(r, f) for r, _, fs in os.walk(delta) for f in fs
+                      if f.endswith(".safetensors"))
+        whole = open(victim, "rb").read()
+        open(victim, "wb").write(whole[:-7])
+        with pytest.raises(SnapshotError, match="damaged"):
+            snap.refresh()
+        np.testing.assert_array_equal(snap.lookup("emb", keys), before[0])
+        np.testing.assert_array_equal(snap.read("w"), before[1])
+        # garbage of the right size: unreadable
+        open(victim, "wb").write(b"\xff" * len(whole))
+        with pytest.raises(SnapshotError, match="cannot"):
+            snap.refresh()
+        open(victim, "wb").write(whole)
+        assert snap.refresh()                  # mended: applied
+        np.testing.assert_array_equal(snap.lookup("emb", keys), emb.lookup(keys, admit=False))
+
+        # a delta whose parent is gone: the chain is broken
+        kept = snap.lookup("emb", keys)
+        parent = exporter.last
+        nxt = changed_export()
+        shutil.move(parent, str(tmp_path / "elsewhere"))
+        fresh = Snapshot.__new__(Snapshot)     # (a reader that starts now)
+        with pytest.raises(SnapshotError, match="missing"):
+            Snapshot.__init__(fresh, str(export_dir))
+        assert os.path.isdir(nxt)
+        with pytest.raises(SnapshotError, match="missing"):
+            snap.refresh()
+        np.testing.assert_array_equal(snap.lookup("emb", keys), kept)
+        # an export being written (no manifest yet) is not looked at
+        shutil.move(str(tmp_path / "elsewhere"), parent)
+        (export_dir / "ckpt-00000099.tmp-0123abcd").mkdir()
+        (export_dir / "ckpt-00000099.tmp-0123abcd" / "junk.safetensors").write_bytes(b"x")
+        assert snap.refresh() and snap.path == nxt
+    with pytest.raises(SnapshotError, match="no export"):
+        Snapshot(str(tmp_path / "empty"))
