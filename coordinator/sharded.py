@@ -101,8 +101,9 @@ class ShardedSource:
     ``shard_sizes`` and ``read``, or use ``from_arrays`` / ``from_generator``.
 
     ``read(shard, start, count)`` runs on a worker and returns the batch of
-    examples [start, start + count) of that shard (any picklable-free value:
-    it stays on the worker). ``current_batch()`` tells it the epoch too.
+    examples [start, start + count) of that shard (any value: it is not
+    pickled, the step gets it as it is); ``sharded.current_batch()`` there
+    tells it the epoch too.
     """
 
     def __init__(self, shard_sizes: Sequence[int]):
