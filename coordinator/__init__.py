@@ -7,6 +7,7 @@ from coordinator.coordinator import ClusterCoordinator, RemoteValue, RemoteValue
 from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterServerLost,
                                 StepFunctionError, WorkerCallError)
 from coordinator.datasets import InputContext, batches
+from coordinator.sharded import DataStats, ShardedDataset, ShardedSource
 from coordinator.local import LocalCluster
 from coordinator.docker_cluster import DockerCluster
 from coordinator.embedding import DynamicEmbedding, TableStats
@@ -27,7 +28,8 @@ from psserver.contract import Initializer
 __all__ = [
     "ClusterConfigError", "ClusterSpec", "TFConfigClusterResolver", "ClosureCancelled",
     "ClusterCoordinator", "CoordinatorError", "RemoteValue", "RemoteValueStatus",
-    "StepFunctionError", "WorkerCallError", "ParameterServerLost", "InputContext", "batches", "LocalCluster",
+    "StepFunctionError", "WorkerCallError", "ParameterServerLost", "InputContext", "batches",
+    "ShardedSource", "ShardedDataset", "DataStats", "LocalCluster",
     "DockerCluster",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",

@@ -15,6 +15,8 @@
         on_train_batch_begin(batch, logs)         when step ``batch`` of the epoch is scheduled
         on_train_batch_end(batch, logs)           when its result is back (in schedule order)
       on_epoch_end(epoch, logs)                   after join() and validation
+      on_validation_end(epoch, logs)              background validation only: when the
+                                                  validation of ``epoch`` ended (any time)
     on_train_end(logs)
     close()                                       always, also when fit raises
 
@@ -66,6 +68,11 @@ class Callback:
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         pass
+
+    def on_validation_end(self, epoch: int, logs: dict | None = None) -> None:
+        """With ``fit(..., background_validation=True)``: the validation of
+        ``epoch`` ended; ``logs`` are its ``val_`` metrics. Called on fit's
+        thread between steps, in the order validations ended."""
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self.on_batch_begin(batch, logs=logs)
@@ -144,6 +151,13 @@ class History(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch.append(epoch)
+        self._record(epoch, logs)
+
+    def on_validation_end(self, epoch, logs=None):
+        """Background validation: its metrics, under the epoch validated."""
+        self._record(epoch, logs)
+
+    def _record(self, epoch, logs) -> None:
         for k, v in (logs or {}).items():
             self.history.setdefault(k, []).append(v)
             self.epochs_of.setdefault(k, []).append(epoch)
@@ -160,7 +174,7 @@ class LambdaCallback(Callback):
     """
 
     _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
-              "on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+              "on_validation_end", "on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
 
     def __init__(self, **hooks: Callable):
         unknown = set(hooks) - set(self._HOOKS)
@@ -257,6 +271,17 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         self._last_epoch = epoch
+        if self.monitor not in logs and self.monitor.startswith("val_") and \
+                getattr(self.fit_state, "background_validation", False):
+            return   # on_validation_end brings it
+        self._observe(epoch, logs)
+
+    def on_validation_end(self, epoch, logs=None):
+        """Background validation: watch the monitor as it comes."""
+        if self.monitor in (logs or {}):
+            self._observe(epoch, logs)
+
+    def _observe(self, epoch: int, logs: dict) -> None:
         value = logs.get(self.monitor)
         if value is None:
             _warn_missing(self, self.monitor, logs)
@@ -328,13 +353,8 @@ class TensorBoard(Callback):
     def _writer(self, which: str):
         w = self._writers.get(which)
         if w is None:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise ImportError("the TensorBoard callback needs tensorboardX: "
-                                  "pip install 'pstrain[viz]'") from None
-            w = self._writers[which] = SummaryWriter(os.path.join(self.log_dir, which),
-                                                     flush_secs=self.flush_secs)
+            w = self._writers[which] = summary_writer(os.path.join(self.log_dir, which),
+                                                      self.flush_secs)
         return w
 
     def on_train_begin(self, logs=None):
@@ -356,6 +376,10 @@ class TensorBoard(Callback):
             self._writer(which).add_scalar(f"epoch_{name}", v, epoch)
         for w in self._writers.values():
             w.flush()
+
+    def on_validation_end(self, epoch, logs=None):
+        """Background validation: its metrics at the epoch validated."""
+        self.on_epoch_end(epoch, {k: v for k, v in (logs or {}).items() if k.startswith("val_")})
 
     def on_train_end(self, logs=None):
         self.close()
@@ -388,6 +412,18 @@ class PlotHistory(Callback):
 
 
 # -- helpers -----------------------------------------------------------------------------
+def summary_writer(directory: str, flush_secs: int = 10, filename_suffix: str = ""):
+    """A tensorboardX SummaryWriter into ``directory`` (ImportError saying
+    what to install when tensorboardX is missing). Its events reach the file
+    on a thread of its own: only close() makes sure they are there."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError("TensorBoard event files need tensorboardX: "
+                          "pip install 'pstrain[viz]'") from None
+    return SummaryWriter(directory, flush_secs=flush_secs, filename_suffix=filename_suffix)
+
+
 def _comparator(monitor: str, mode: str, min_delta: float) -> Callable[[float, float], bool]:
     if mode not in ("auto", "min", "max"):
         raise ValueError(f'mode must be "auto", "min" or "max", got {mode!r}')

@@ -12,9 +12,14 @@ a step's calls are sent, settled and retried.
   (or met a copy that is not primary: NotPrimary) where coordinator.routes
   says the primary is now, with the same idempotency keys, for up to
   ``RETRY_SECONDS``.
+* ``new_update_id`` / ``update_key_scope``: a push's idempotency key, random,
+  or inside a step of an exactly-once sharded dataset derived from its batch
+  (coordinator/sharded.py), so a re-run of the batch sends the same keys.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import queue
 import secrets
@@ -305,9 +310,54 @@ def _drain(pending: list) -> None:
             pass
 
 
-def new_update_id() -> int:
-    """A random non-zero 63-bit idempotency key."""
-    return secrets.randbits(63) or 1
+# -- update keys -----------------------------------------------------------------
+_keys = threading.local()
+
+
+class _DerivedKeys:
+    """Update keys of one step, derived from ``seed`` (what the step is: an
+    exactly-once batch, coordinator/sharded.py): the n-th key asked for
+    ``label`` (a variable shard, a table shard) is a hash of (seed, label, n)."""
+
+    def __init__(self, seed: bytes):
+        self.seed = seed
+        self._counts: dict[str, int] = {}
+
+    def next(self, label: str) -> int:
+        n = self._counts.get(label, 0)
+        self._counts[label] = n + 1
+        h = hashlib.blake2b(self.seed, digest_size=8,
+                            person=b"pstrain-upd-key")
+        h.update(len(label).to_bytes(4, "little") + label.encode())
+        h.update(n.to_bytes(8, "little"))
+        return (int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)) or 1
+
+
+@contextlib.contextmanager
+def update_key_scope(seed: bytes | None):
+    """Inside the body, on this thread, ``new_update_id(label)`` derives its
+    keys from ``seed`` (None: random keys, as outside any scope). A step run
+    twice in scopes of the same seed, making the same pushes in the same
+    order per label, sends the same keys both times: a parameter server that
+    applied one drops the other (it remembers the keys of its last
+    APPLIED_IDS_KEPT updates per shard, psserver/replication.py)."""
+    previous = getattr(_keys, "scope", None)
+    _keys.scope = None if seed is None else _DerivedKeys(seed)
+    try:
+        yield
+    finally:
+        _keys.scope = previous
+
+
+def new_update_id(label: str = "") -> int:
+    """A non-zero 63-bit idempotency key: random, or inside update_key_scope
+    derived from its seed, ``label`` (what the key is for: a variable shard
+    "name#k", a table shard "~table~name#i") and how many keys this step asked
+    for that label before."""
+    scope = getattr(_keys, "scope", None)
+    if scope is None:
+        return secrets.randbits(63) or 1
+    return scope.next(label)
 
 
 def close_clients() -> None:

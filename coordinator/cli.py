@@ -9,6 +9,10 @@
     coordinator task --type {ps,worker} [--index N] [-- TASK ARGS...]
         Start this pod's psserver / psworker: the index is the StatefulSet
         ordinal of the hostname (ps-1 -> 1), the port that entry's port.
+    coordinator evaluate CKPT_DIR --fn MODULE:FUNCTION --logdir DIR [--metrics-port N]
+        Follow a checkpoint directory beside training: evaluate each new
+        checkpoint once, write TensorBoard events, serve Prometheus metrics
+        (coordinator/evaluation.py). Needs no cluster.
 
 Operator tools, on the cluster in TF_CONFIG / TF_CONFIG_FILE or
 ``--ps HOST:PORT,...`` (token: $PSTRAIN_AUTH_TOKEN or --token; TLS: $PSTRAIN_TLS_*):
@@ -57,6 +61,7 @@ import tempfile
 from typing import Mapping
 
 from coordinator import checkpoint as C
+from coordinator import evaluation
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       Refreshing, TFConfigClusterResolver, parse_tf_config)
 from coordinator.cli_checkpoint import _ckpt_list, _ckpt_restore, _ckpt_save, _export
@@ -237,7 +242,7 @@ def _operator(args) -> int:
 _DESCRIPTION = ("Deployment and operator tools of a pstrain cluster: run a training script "
                 "as its chief, check a task's health, start a pod's task, inspect the "
                 "parameter servers and workers, save, restore and list checkpoints, export "
-                "the weights for serving.")
+                "the weights for serving, evaluate checkpoints beside training.")
 _EPILOG = (f"The cluster: TF_CONFIG (TensorFlow's JSON) or TF_CONFIG_FILE (a file holding "
            f"it); operator tools also take --ps / --worker. Auth token: ${TOKEN_ENV}, the "
            "cluster's shared secret (or --token). TLS: $PSTRAIN_TLS_CERT, $PSTRAIN_TLS_KEY, "
@@ -366,6 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a base at least every N exports (default 20)")
     ex.add_argument("--max-to-keep", type=int, default=3, metavar="N",
                     help="newest exports kept, with what their chains need (default 3)")
+
+    ev = sub.add_parser("evaluate", help="evaluate each new checkpoint of a directory, beside "
+                                         "training (TensorBoard, Prometheus)",
+                        description="Follow CKPT_DIR and evaluate each new complete checkpoint "
+                                    "once (the newest first: older new ones are skipped) with "
+                                    "FUNCTION, reading the variables from its files. Training "
+                                    "never waits for it. Exit status: 0 done (--once, "
+                                    "--until-step), 1 FUNCTION cannot be loaded, 2 usage.")
+    evaluation.add_arguments(ev)
     return p
 
 
@@ -375,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command in ("ps", "checkpoint", "export"):
         return _operator(args)
+    if args.command == "evaluate":
+        return evaluation.main(args)
     try:
         return _health(args) if args.command == "health" else _task(args)
     except ClusterConfigError as exc:

@@ -46,17 +46,24 @@ class RemoteValue:
         self._status = RemoteValueStatus.PENDING
         self._value: Any = None
         self._error: BaseException | None = None
+        # Called with whether a result came back, before fetch() sees the end
+        # (a closure's sharded-dataset batches are acknowledged or given back).
+        self._on_done = None
 
     @property
     def status(self) -> RemoteValueStatus:
         return self._status
 
     def _set_value(self, value) -> None:
+        if self._on_done is not None:
+            self._on_done(value is not ABANDONED)
         self._value, self._status = value, RemoteValueStatus.READY
         self._done.set()
         _metrics.closure_result(abandoned=value is ABANDONED)
 
     def _set_error(self, error: BaseException, cancelled: bool = False) -> None:
+        if self._on_done is not None:
+            self._on_done(False)
         self._error = error
         self._status = RemoteValueStatus.CANCELLED if cancelled else RemoteValueStatus.FAILED
         self._done.set()
@@ -131,21 +138,49 @@ class StepRemoteValue(RemoteValue):
 
 
 class Closure:
+    """``datasets``: the sharded datasets (coordinator/sharded.py) whose
+    iterators the arguments hold. Each binds a batch to the closure when a
+    worker's thread takes it (``bind``), the first time; the closure keeps
+    it when re-queued, and acknowledges it when its result comes back or
+    gives it back when it ends otherwise."""
+
     _ids = itertools.count()
 
     def __init__(self, fn_ref: worker_pb2.FunctionRef, args_payload: bytes, name: str,
-                 sync: SyncSpec | None = None):
+                 sync: SyncSpec | None = None, datasets: tuple = ()):
         self.closure_id = f"{next(self._ids)}"
         self.fn_ref, self.args_payload, self.name = fn_ref, args_payload, name
         self.sync = sync
         self.remote_value = RemoteValue()
         self.attempts = 0
+        self.datasets = datasets
+        self.batches: dict = {}   # dataset_id -> its Batch, once bound
+        if datasets:
+            self.remote_value._on_done = self._settled
+
+    def bind(self, worker: str) -> None:
+        """Taken by ``worker``'s thread: bind a batch of each sharded dataset
+        (or, re-queued, run the bound one again)."""
+        for ds in self.datasets:
+            b = self.batches.get(ds.dataset_id)
+            if b is None:
+                self.batches[ds.dataset_id] = ds.take(worker)
+            else:
+                ds.again(b, worker)
+
+    def _settled(self, ok: bool) -> None:
+        for ds in self.datasets:
+            b = self.batches.get(ds.dataset_id)
+            if b is not None:
+                ds.ack(b) if ok else ds.release(b)
 
     def request(self, worker_id: str) -> worker_pb2.ClosureRequest:
         req = worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
                                         args=self.args_payload, worker_id=worker_id)
         if self.sync is not None:
             req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(self.sync)))
+        for ds in self.datasets:
+            req.batches.append(ds.assignment(self.batches[ds.dataset_id]))
         return req
 
 

@@ -34,6 +34,11 @@ Guarantees:
   closures still queued are cancelled (their ``fetch`` raises
   ``ClosureCancelled``), and the next ``join()`` or ``done()`` raises that
   error once, after which scheduling works again.
+* A closure whose arguments hold a sharded dataset's iterator
+  (``create_sharded_dataset``) gets its batch when a worker takes it, keeps
+  it when re-queued, and acknowledges it when its result comes back;
+  exactly-once visitation makes a re-run's pushes carry the same update keys
+  (coordinator/sharded.py says what that covers).
 * Workers listed in the cluster spec that are not up yet, that restart, or
   that are added to the spec later are picked up within ``membership_interval``
   seconds; they create every per-worker dataset before taking closures. One
@@ -43,6 +48,7 @@ Guarantees:
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -52,7 +58,9 @@ from typing import Callable
 
 from coordinator import metrics as _metrics
 from coordinator import serialization
+from coordinator import sharded
 from coordinator.datasets import PerWorkerDataset
+from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.recovery import _PSRecovery, _PSWatch
 from coordinator.strategy import SYNC_MODES, ParameterServerStrategy
 from coordinator.closures import (ABANDONED, Closure, RemoteValue,  # noqa: F401  (re-exported)
@@ -62,6 +70,10 @@ from protos.pstrain.v1 import worker_pb2
 from psserver.server import call_metadata
 
 log = logging.getLogger("coordinator")
+
+#: Largest pickled ShardedSource create_sharded_dataset sends (the workers'
+#: gRPC messages are at most 64 MiB; room left for the rest of the call).
+_MAX_SOURCE_BYTES = 48 << 20
 
 
 # -- the facade ----------------------------------------------------------------------
@@ -134,10 +146,15 @@ class ClusterCoordinator:
             raise RuntimeError("this ClusterCoordinator was shut down")
         ref = self._function_ref(fn)
         try:
-            payload = serialization.dumps((tuple(args), dict(kwargs or {})))
+            with sharded.collect_datasets() as found:
+                payload = serialization.dumps((tuple(args), dict(kwargs or {})))
         except Exception as exc:
             raise TypeError(f"cannot send the arguments of {_name(fn)} to a worker: "
                             f"{type(exc).__name__}: {exc}") from exc
+        if found:   # sharded datasets refuse sync modes; their closures bind batches
+            closure = Closure(ref, payload, _name(fn), datasets=tuple(found.values()))
+            self._queue.put(closure)
+            return closure.remote_value
         if self.strategy.mode in SYNC_MODES:
             step = next(self._steps)
             closures = [Closure(ref, payload, f"{_name(fn)}[step {step} replica {i}]",
@@ -183,6 +200,44 @@ class ClusterCoordinator:
         ds_id = uuid.uuid4().hex[:12]
         self._datasets[ds_id] = self._function_ref(dataset_fn)
         return PerWorkerDataset(ds_id, dataset_fn)
+
+    def create_sharded_dataset(self, source: ShardedSource, batch_size: int, *,
+                               visitation: str = "exactly_once",
+                               drop_remainder: bool = False) -> ShardedDataset:
+        """A dataset whose batches the coordinator hands out: ``source`` (a
+        ShardedSource) goes to every worker once (and to workers that start
+        or restart later, before their first closure); each closure that
+        takes ``iter(dataset)`` as an argument gets one batch when a worker
+        takes it. ``visitation``: "exactly_once" (async and bounded modes)
+        or "at_least_once"; see coordinator/sharded.py for what each
+        guarantees. Raises ValueError for a bad argument, in sync or hybrid mode, or
+        for a source too large to send (over 48 MiB pickled: read it on
+        the workers instead, e.g. ShardedSource.from_generator)."""
+        if not isinstance(source, ShardedSource):
+            raise TypeError(f"source must be a ShardedSource (ShardedSource.from_arrays, "
+                            f".from_generator, or a subclass), got {type(source).__name__}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if visitation not in sharded.VISITATIONS:
+            raise ValueError(f"visitation must be one of {sharded.VISITATIONS}, "
+                             f"got {visitation!r}")
+        if self.strategy.mode in SYNC_MODES:
+            raise ValueError(
+                f"sharded datasets run in async and bounded modes, not {self.strategy.mode!r}: "
+                "there a step is one closure per replica, and a replica whose worker dies is "
+                "abandoned rather than re-run, so its batch would be neither trained nor handed "
+                "out again; use create_per_worker_dataset")
+        ref = self._function_ref(functools.partial(sharded.source_of, source))
+        if len(ref.pickled) > _MAX_SOURCE_BYTES:
+            raise ValueError(
+                f"the source pickles to {len(ref.pickled) / 2**20:.0f} MiB; it travels to each "
+                f"worker in one message of at most {_MAX_SOURCE_BYTES >> 20} MiB. Read the "
+                "data on the workers instead (ShardedSource.from_generator reading files, or "
+                "a ShardedSource subclass)")
+        ds_id = uuid.uuid4().hex[:12]
+        dataset = ShardedDataset(ds_id, source, batch_size, visitation, drop_remainder)
+        self._datasets[ds_id] = ref
+        return dataset
 
     @property
     def num_workers(self) -> int:

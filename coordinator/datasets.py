@@ -100,6 +100,12 @@ def register_dataset(dataset_id: str, dataset: Iterable) -> None:
             del _worker_data.iterators[it_id]
 
 
+def get_dataset(dataset_id: str) -> Any:
+    """The dataset (or sharded source) registered as ``dataset_id``, or None."""
+    with _worker_data.lock:
+        return _worker_data.datasets.get(dataset_id)
+
+
 def dataset_ids() -> list[str]:
     with _worker_data.lock:
         return list(_worker_data.datasets)

@@ -261,16 +261,19 @@ class DynamicEmbedding:
         if sync is not None:   # every shard counts this replica (an empty update too)
             have = dict(parts)
             parts = [(i, have.get(i, np.zeros(0, np.int64))) for i in range(self.num_shards)]
+        # An update key per shard: a resend after a failover applies once, and a
+        # re-run of an exactly-once batch (coordinator/sharded.py) sends the same.
+        # Sync updates are known by step and replica instead (and go to both copies).
+        uids = {i: calls.new_update_id(f"{TABLE_PREFIX}{self.name}#{i}") if sync is None else 0
+                for i, _ in parts}
         if not self.replicated:
             handles = [client_for(self.addresses[i]).update_table_async(
-                self.name, keys[pos], grads[pos], sync=sync) for i, pos in parts]
+                self.name, keys[pos], grads[pos], update_id=uids[i], sync=sync)
+                for i, pos in parts]
 
             def replies():
                 return [h.result() for h in handles]
-        else:   # an update key per shard: a resend after a failover applies once (sync
-            # updates are known by step and replica, and go to both copies)
-            uids = {i: calls.new_update_id() if sync is None else 0 for i, _ in parts}
-
+        else:
             def replies():
                 return self._calls(
                     parts,

@@ -17,18 +17,27 @@ the loop people write by hand instead, with Keras' shape::
 
 Each epoch schedules ``steps_per_epoch`` calls ``train_step(iterator)`` on
 the workers (``iterator``: one iterator over the per-worker dataset, made
-once, so the data goes on where the last epoch stopped), keeps up to
+once, so the data goes on where the last epoch stopped; or over a sharded
+dataset, ``coord.create_sharded_dataset``, whose epoch is its batches, one
+per step, so ``steps_per_epoch`` defaults to ``batches_per_epoch``), keeps up to
 ``max_pending_steps`` of them queued or running, takes their results back in
 schedule order, then ``join()``s, so every epoch ends at a consistent cut
 (checkpoints, validation). A step returns a float (the loss), a dict of
 floats (``{"loss": ..., "accuracy": ...}``), or None; the epoch's logs are
-the means over its steps, plus ``val_``-prefixed validation metrics.
+the means over its steps, plus ``val_``-prefixed validation metrics, plus
+for a sharded dataset ``rerun_batches`` (batches handed out again during
+the epoch: see coordinator/sharded.py).
+
+Validation runs after the epoch's join() on fit's thread (Keras' way), or
+with ``background_validation=True`` on a thread of its own while training
+goes on (coordinator/evaluation.py: skipped when the previous one still
+runs, abandoned after ``validation_timeout``; its metrics reach callbacks
+through ``on_validation_end``).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import numbers
 import time
 import warnings
 from collections import deque
@@ -37,7 +46,11 @@ from typing import Any, Callable, Iterable
 from coordinator.callbacks import Callback, CallbackList, History
 from coordinator.coordinator import ClusterCoordinator
 from coordinator.datasets import PerWorkerDataset, PerWorkerIterator
+from coordinator.evaluation import BackgroundValidation
+from coordinator.evaluation import scalar as _scalar
+from coordinator.evaluation import val_logs as _val_logs
 from coordinator.progress import Progress
+from coordinator.sharded import ShardedDataset, ShardedIterator
 
 __all__ = ["fit", "FitState"]
 
@@ -60,15 +73,19 @@ class FitState:
     step: int = 0
     steps_scheduled: int = 0
     stop_training: bool = False
+    background_validation: bool = False
+    validation: BackgroundValidation | None = None   # counters: skipped, abandoned, failed
 
 
 def fit(coordinator: ClusterCoordinator, train_step: Callable,
-        dataset_fn: Callable | PerWorkerDataset | PerWorkerIterator, *,
-        epochs: int = 1, steps_per_epoch: int,
+        dataset_fn: Callable | PerWorkerDataset | PerWorkerIterator | ShardedDataset
+        | ShardedIterator, *,
+        epochs: int = 1, steps_per_epoch: int | None = None,
         validation_fn: Callable[..., dict | None] | None = None, validation_freq: int = 1,
         callbacks: Iterable[Callback] | None = None, verbose: int | str = "auto",
         initial_epoch: int = 0, progress: Progress | None = None,
-        max_pending_steps: int = 256) -> History:
+        max_pending_steps: int = 256, background_validation: bool = False,
+        validation_timeout: float | None = 600.0) -> History:
     """Train for ``epochs`` epochs of ``steps_per_epoch`` scheduled steps; return the History.
 
     Args:
@@ -77,13 +94,26 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
         loss, a dict of floats, or None.
       dataset_fn: made into a per-worker dataset once
         (``coordinator.create_per_worker_dataset``); or an existing
-        PerWorkerDataset, or a PerWorkerIterator to go on with.
+        PerWorkerDataset, or a PerWorkerIterator to go on with; or a
+        ShardedDataset (``coordinator.create_sharded_dataset``) or its iterator.
       epochs: train until this epoch (counting ``initial_epoch``).
-      steps_per_epoch: steps scheduled per epoch.
+      steps_per_epoch: steps scheduled per epoch; required with a per-worker
+        dataset; with a sharded one it defaults to its ``batches_per_epoch``
+        (one step per batch: an epoch of fit is an epoch of the data).
       validation_fn: ``validation_fn(epoch)`` (or ``validation_fn()``), run on
         the coordinator after the epoch's join(); returns a dict of metrics,
         recorded with a ``val_`` prefix (kept if already there).
       validation_freq: validate every this many epochs (and after the last).
+      background_validation: run validation_fn on a thread of its own while
+        training goes on (coordinator/evaluation.py): a validation due while
+        the previous one runs is skipped (``fit_state.validation.skipped``);
+        one that raises is logged and counted, not raised; its metrics reach
+        callbacks by ``on_validation_end(epoch, logs)`` (History records them
+        under the epoch validated), not in the epoch's logs. After the last
+        epoch fit waits for the running validation, then validates the last
+        epoch if it was not, each up to ``validation_timeout``.
+      validation_timeout: seconds a background validation may run before it
+        is abandoned (reported, counted; None: no limit).
       callbacks: ``coordinator.callbacks.Callback`` instances, called in order.
       verbose: 0 silent; 1 (and "auto") a progress bar on a terminal or
         periodic lines otherwise (on stderr) plus one line per epoch (on
@@ -102,6 +132,15 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
     if epochs < 0 or not 0 <= initial_epoch:
         raise ValueError(f"need 0 <= initial_epoch and 0 <= epochs, got initial_epoch="
                          f"{initial_epoch}, epochs={epochs}")
+    if isinstance(dataset_fn, ShardedIterator):
+        dataset_fn = dataset_fn.dataset
+    sharded = dataset_fn if isinstance(dataset_fn, ShardedDataset) else None
+    if steps_per_epoch is None:
+        if sharded is None:
+            raise ValueError("steps_per_epoch is needed with a per-worker dataset (its "
+                             "epochs have no end); a sharded dataset "
+                             "(coordinator.create_sharded_dataset) gives its own")
+        steps_per_epoch = sharded.batches_per_epoch
     if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
         raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}")
     if validation_freq < 1:
@@ -115,15 +154,19 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
 
     if isinstance(dataset_fn, PerWorkerIterator):
         iterator = dataset_fn
-    elif isinstance(dataset_fn, PerWorkerDataset):
+    elif isinstance(dataset_fn, (PerWorkerDataset, ShardedDataset)):
         iterator = iter(dataset_fn)
     else:
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
     validate = _epoch_callable(validation_fn) if validation_fn is not None else None
+    background = None
+    if validate is not None and background_validation:
+        background = BackgroundValidation(validate, validation_timeout)
 
     history = History()
     state = FitState(coordinator, epochs, steps_per_epoch, history,
-                     epoch=initial_epoch, step=initial_epoch * steps_per_epoch)
+                     epoch=initial_epoch, step=initial_epoch * steps_per_epoch,
+                     background_validation=background is not None, validation=background)
     state.steps_scheduled = state.step
     params = {"epochs": epochs, "steps": steps_per_epoch, "initial_epoch": initial_epoch,
               "verbose": verbose}
@@ -141,6 +184,10 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
     t0 = time.perf_counter()
     done_at_start = state.step
 
+    def validations_ended(ended) -> None:
+        for ep, val in ended:
+            cbs.on_validation_end(ep, val)
+
     try:
         cbs.on_train_begin({})
         logs: dict[str, float] = {}
@@ -152,6 +199,7 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
             sums: dict[str, list[float]] = {}
             pending: deque = deque()
             next_batch = 0
+            reruns_before = sharded.stats().reruns if sharded is not None else 0
             while True:
                 while (not state.stop_training and next_batch < steps_per_epoch
                        and len(pending) < max_pending_steps):
@@ -170,6 +218,8 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
                 except TimeoutError:
                     if bar is not None:
                         bar.tick()
+                    if background is not None:
+                        validations_ended(background.poll())
                     continue
                 except Exception:   # StepFunctionError, ClosureCancelled, a PSError...
                     coordinator.join()   # raises the queue's first error (and clears it)
@@ -186,8 +236,15 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
                 cbs.on_train_batch_end(batch, step_logs)
             coordinator.join()
             logs = {k: s / n for k, (s, n) in sums.items()}
-            if validate is not None and ((epoch + 1) % validation_freq == 0
-                                         or epoch + 1 == epochs):
+            if sharded is not None:
+                logs["rerun_batches"] = float(sharded.stats().reruns - reruns_before)
+            due = validate is not None and ((epoch + 1) % validation_freq == 0
+                                            or epoch + 1 == epochs)
+            if background is not None:
+                validations_ended(background.poll())
+                if due and epoch + 1 < epochs:
+                    background.start(epoch)   # the last epoch's: after training, below
+            elif due:
                 logs.update(_val_logs(validate(epoch)))
             if verbose:
                 rate = (state.step - done_at_start) / max(time.perf_counter() - t0, 1e-9)
@@ -201,6 +258,10 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
             cbs.on_epoch_end(epoch, logs)
             if state.stop_training:
                 break
+        if background is not None:   # training is over: wait (bounded) for the last ones
+            last = state.epoch if state.epoch + 1 == epochs and not state.stop_training \
+                else None
+            validations_ended(background.finish(last))
         if bar is not None:
             bar.close()
         cbs.on_train_end(logs)
@@ -220,19 +281,6 @@ def _epoch_callable(fn: Callable) -> Callable[[int], Any]:
     except (TypeError, ValueError):
         n = 1
     return fn if n >= 1 else (lambda epoch: fn())
-
-
-def _scalar(v) -> float | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, numbers.Real):
-        return float(v)
-    if getattr(v, "ndim", None) == 0 or getattr(v, "shape", None) == (1,):
-        try:
-            return float(v)
-        except (TypeError, ValueError):
-            return None
-    return None
 
 
 def _step_logs(value, warned: set) -> dict[str, float]:
@@ -265,19 +313,3 @@ def _headline(logs: dict[str, float]) -> float | None:
     if "loss" in logs:
         return logs["loss"]
     return next(iter(logs.values()), None)
-
-
-def _val_logs(metrics) -> dict[str, float]:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise TypeError(f"validation_fn must return a dict of metrics (or None), got "
-                        f"{type(metrics).__name__}")
-    out = {}
-    for k, v in metrics.items():
-        f = _scalar(v)
-        if f is None:
-            raise TypeError(f"validation metric {k!r} is {type(v).__name__}, not a number")
-        out[k if str(k).startswith("val_") else f"val_{k}"] = f
-    return out
-

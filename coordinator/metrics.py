@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -88,6 +88,32 @@ for _op in ("save", "restore"):
     CHECKPOINT_SECONDS.labels(_op)
     CHECKPOINT_BYTES.labels(_op)
     CHECKPOINT_FAILURES.labels(_op)
+DATA_BATCHES = Counter(
+    "pstrain_coordinator_data_batches_total",
+    "Batches of sharded datasets, by outcome: dispatched (bound to a closure when a worker "
+    "took it), acknowledged (its closure's result came back), rerun (handed out again: its "
+    "closure did not come back).", ["outcome"], registry=REGISTRY)
+for _o in ("dispatched", "acknowledged", "rerun"):
+    DATA_BATCHES.labels(_o)
+#: Evaluations beside training: source "fit" (fit's background validation)
+#: or "sidecar" (`coordinator evaluate`, coordinator/evaluation.py).
+EVALUATIONS = Counter(
+    "pstrain_evaluations_total",
+    "Evaluations, by source (fit: fit's background validation; sidecar: coordinator "
+    "evaluate) and outcome: ok, failed (raised), skipped (due while the previous one still "
+    "ran; sidecar: checkpoints passed over for a newer one), abandoned (ran past its "
+    "timeout).", ["source", "outcome"], registry=REGISTRY)
+EVALUATION_SECONDS = Histogram(
+    "pstrain_evaluation_seconds", "Seconds an evaluation took (those that ended ok).",
+    ["source"], buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0),
+    registry=REGISTRY)
+EVALUATION_METRIC = Gauge(
+    "pstrain_evaluation_metric", "The latest value of each metric an evaluation returned.",
+    ["source", "metric"], registry=REGISTRY)
+EVALUATION_STEP = Gauge(
+    "pstrain_evaluation_step",
+    "What the latest evaluation evaluated: the epoch (fit) or the checkpoint's step (sidecar).",
+    ["source"], registry=REGISTRY)
 
 
 class _CoordinatorCollector(Collector):
@@ -222,3 +248,21 @@ def timed_checkpoint(op: str):
 
 def checkpoint_bytes(op: str, n: int) -> None:
     CHECKPOINT_BYTES.labels(op).inc(n)
+
+
+def data_batches(outcome: str) -> None:
+    DATA_BATCHES.labels(outcome).inc()
+
+
+def evaluation(source: str, outcome: str, seconds: float | None = None, step: int | None = None,
+               values: dict | None = None) -> None:
+    """Count an evaluation; an ok one also sets its step and metrics."""
+    EVALUATIONS.labels(source, outcome).inc()
+    if outcome != "ok":
+        return
+    if seconds is not None:
+        EVALUATION_SECONDS.labels(source).observe(seconds)
+    if step is not None:
+        EVALUATION_STEP.labels(source).set(step)
+    for name, v in (values or {}).items():
+        EVALUATION_METRIC.labels(source, name).set(v)

@@ -15,7 +15,9 @@ Calls ride out a parameter server that restarts: a read, gather or push
 that fails with UNAVAILABLE, NOT_FOUND (a restarted server before the
 coordinator restored it) or DEADLINE_EXCEEDED is sent again, for up to
 ``PSTRAIN_RETRY_SECONDS`` (default 120) seconds. Every push carries an
-idempotency key (``update_id``), so a resent push is applied at most once.
+idempotency key (``update_id``), so a resent push is applied at most once:
+random, or inside a step of an exactly-once sharded dataset derived from
+its batch (coordinator/sharded.py), so a re-run of the batch sends the same.
 With replication, a push goes to the shard's primary copy, which forwards it
 to its backup and answers once the backup has it (psserver.replication); a
 call refused by a copy that is not primary (NotPrimary), or that cannot
@@ -200,8 +202,14 @@ class ShardedVariable:
         for k in range(self.num_shards):
             if k in runs or sync is not None:   # sync: every shard counts this replica
                 run, local = runs.get(k, (slice(0, 0), ids[:0]))
-                out.append((k, local, rows[run], 0 if sync is not None else new_update_id()))
+                out.append((k, local, rows[run],
+                            0 if sync is not None else new_update_id(self._key_label(k))))
         return out
+
+    def _key_label(self, k: int) -> str:
+        """What an update key of shard k is for (calls.new_update_id): the
+        logical shard, whichever copy takes it."""
+        return f"{self.name}#{k}"
 
     def _targets(self, k: int, sync) -> tuple["Shard", ...]:
         """Where an update of shard k goes now: its primary copy; in sync mode
@@ -448,7 +456,7 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
             sparse.append((v, v._sparse_split(g.indices, g.values, rows)))
             continue
         g = v._check_dense(g, "gradient")
-        dense += [(v, k, part, 0 if sync is not None else new_update_id())
+        dense += [(v, k, part, 0 if sync is not None else new_update_id(v._key_label(k)))
                   for k, part in enumerate(v._split(g))]
     _routed(lambda: _push_plan(dense, sparse, sync, rows))
 
@@ -507,7 +515,7 @@ def _push_compressed(pairs, compression, sync) -> None:
         if isinstance(spec, C.TopK) and g.ndim >= 2:
             acc, picks = C.residuals.compensate_and_select(
                 v.name, g, [(s.offset, s.rows) for s in v.shards], spec)
-            sparse += [(v, k, ids, acc[s.offset + ids], new_update_id())
+            sparse += [(v, k, ids, acc[s.offset + ids], new_update_id(v._key_label(k)))
                        for k, (s, ids) in enumerate(zip(v.shards, picks))]
             continue
         if isinstance(spec, C.FP16):
@@ -516,7 +524,8 @@ def _push_compressed(pairs, compression, sync) -> None:
             g = C.to_bf16(g)
             if v.dtype != "float32":   # the server wants its own dtype (or float16)
                 g = g.astype(v.dtype)
-        dense += [(v, k, part, new_update_id()) for k, part in enumerate(v._split(g))]
+        dense += [(v, k, part, new_update_id(v._key_label(k)))
+                  for k, part in enumerate(v._split(g))]
 
     def plan():
         items = [(((routes.primary(v, k).name, part, uid), (v, k)), routes.primary(v, k))

@@ -226,6 +226,7 @@ class _WorkerThread:
     def _run(self, closure: Closure) -> None:
         queue = self.coord._queue
         closure.attempts += 1
+        closure.bind(self.address)   # sharded datasets: the batch is chosen now
         try:
             self._ensure_datasets()
             reply = self._run_closure(closure.request(self.worker_id))

@@ -26,7 +26,7 @@ import time
 import traceback
 import uuid
 
-from coordinator import datasets, serialization
+from coordinator import datasets, serialization, sharded
 from coordinator.replica import replica_scope
 from psserver.contract import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError
@@ -127,6 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def RunClosure(self, request, context):
         self._check_fence(request.worker_id, context)
         fn = self._function(request.fn, context)
+        sharded.check_assignments(request.batches)
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)
         except ModuleNotFoundError as exc:
@@ -142,7 +143,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if m is not None:
             m.running.inc()
         try:
-            with replica_scope(sync):
+            with replica_scope(sync), sharded.batch_scope(request.batches):
                 result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"

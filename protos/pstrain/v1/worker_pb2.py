@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pstrain.v1 import ps_pb2 as protos_dot_pstrain_dot_v1_dot_ps__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pstrain/v1/worker.proto\x12\npstrain.v1\x1a\x1aprotos/pstrain/v1/ps.proto\"B\n\x0b\x46unctionRef\x12\x18\n\x0equalified_name\x18\x01 \x01(\tH\x00\x12\x11\n\x07pickled\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x14\x43reateDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x14\n\x0cworker_index\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x14\n\x12\x43reateDatasetReply\"\x8e\x01\n\x0e\x43losureRequest\x12\x12\n\nclosure_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x0c\n\x04\x61rgs\x18\x03 \x01(\x0c\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\"\n\x04sync\x18\x05 \x01(\x0b\x32\x14.pstrain.v1.SyncInfo\"b\n\tErrorInfo\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x12\n\nps_address\x18\x04 \x01(\t\x12\x0f\n\x07ps_code\x18\x05 \x01(\t\"S\n\x0c\x43losureReply\x12\x10\n\x06result\x18\x01 \x01(\x0cH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.ErrorInfoH\x00\x42\t\n\x07outcome\"\x13\n\x11WorkerInfoRequest\"\xac\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x03 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x04 \x01(\x03\x12\x12\n\nipc_socket\x18\x05 \x01(\t\x12\x11\n\tdata_port\x18\x06 \x01(\r\x12\"\n\x04host\x18\x07 \x01(\x0b\x32\x14.pstrain.v1.HostInfo2\xe7\x01\n\x06Worker\x12\x46\n\rGetWorkerInfo\x12\x1d.pstrain.v1.WorkerInfoRequest\x1a\x16.pstrain.v1.WorkerInfo\x12Q\n\rCreateDataset\x12 .pstrain.v1.CreateDatasetRequest\x1a\x1e.pstrain.v1.CreateDatasetReply\x12\x42\n\nRunClosure\x12\x1a.pstrain.v1.ClosureRequest\x1a\x18.pstrain.v1.ClosureReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pstrain/v1/worker.proto\x12\npstrain.v1\x1a\x1aprotos/pstrain/v1/ps.proto\"B\n\x0b\x46unctionRef\x12\x18\n\x0equalified_name\x18\x01 \x01(\tH\x00\x12\x11\n\x07pickled\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x14\x43reateDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x14\n\x0cworker_index\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x14\n\x12\x43reateDatasetReply\"w\n\x0f\x42\x61tchAssignment\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05shard\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\x04\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x14\n\x0c\x65xactly_once\x18\x06 \x01(\x08\"\xbc\x01\n\x0e\x43losureRequest\x12\x12\n\nclosure_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x0c\n\x04\x61rgs\x18\x03 \x01(\x0c\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\"\n\x04sync\x18\x05 \x01(\x0b\x32\x14.pstrain.v1.SyncInfo\x12,\n\x07\x62\x61tches\x18\x06 \x03(\x0b\x32\x1b.pstrain.v1.BatchAssignment\"b\n\tErrorInfo\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x12\n\nps_address\x18\x04 \x01(\t\x12\x0f\n\x07ps_code\x18\x05 \x01(\t\"S\n\x0c\x43losureReply\x12\x10\n\x06result\x18\x01 \x01(\x0cH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.ErrorInfoH\x00\x42\t\n\x07outcome\"\x13\n\x11WorkerInfoRequest\"\xac\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x03 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x04 \x01(\x03\x12\x12\n\nipc_socket\x18\x05 \x01(\t\x12\x11\n\tdata_port\x18\x06 \x01(\r\x12\"\n\x04host\x18\x07 \x01(\x0b\x32\x14.pstrain.v1.HostInfo2\xe7\x01\n\x06Worker\x12\x46\n\rGetWorkerInfo\x12\x1d.pstrain.v1.WorkerInfoRequest\x1a\x16.pstrain.v1.WorkerInfo\x12Q\n\rCreateDataset\x12 .pstrain.v1.CreateDatasetRequest\x1a\x1e.pstrain.v1.CreateDatasetReply\x12\x42\n\nRunClosure\x12\x1a.pstrain.v1.ClosureRequest\x1a\x18.pstrain.v1.ClosureReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,16 +38,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEDATASETREQUEST']._serialized_end=284
   _globals['_CREATEDATASETREPLY']._serialized_start=286
   _globals['_CREATEDATASETREPLY']._serialized_end=306
-  _globals['_CLOSUREREQUEST']._serialized_start=309
-  _globals['_CLOSUREREQUEST']._serialized_end=451
-  _globals['_ERRORINFO']._serialized_start=453
-  _globals['_ERRORINFO']._serialized_end=551
-  _globals['_CLOSUREREPLY']._serialized_start=553
-  _globals['_CLOSUREREPLY']._serialized_end=636
-  _globals['_WORKERINFOREQUEST']._serialized_start=638
-  _globals['_WORKERINFOREQUEST']._serialized_end=657
-  _globals['_WORKERINFO']._serialized_start=660
-  _globals['_WORKERINFO']._serialized_end=832
-  _globals['_WORKER']._serialized_start=835
-  _globals['_WORKER']._serialized_end=1066
+  _globals['_BATCHASSIGNMENT']._serialized_start=308
+  _globals['_BATCHASSIGNMENT']._serialized_end=427
+  _globals['_CLOSUREREQUEST']._serialized_start=430
+  _globals['_CLOSUREREQUEST']._serialized_end=618
+  _globals['_ERRORINFO']._serialized_start=620
+  _globals['_ERRORINFO']._serialized_end=718
+  _globals['_CLOSUREREPLY']._serialized_start=720
+  _globals['_CLOSUREREPLY']._serialized_end=803
+  _globals['_WORKERINFOREQUEST']._serialized_start=805
+  _globals['_WORKERINFOREQUEST']._serialized_end=824
+  _globals['_WORKERINFO']._serialized_start=827
+  _globals['_WORKERINFO']._serialized_end=999
+  _globals['_WORKER']._serialized_start=1002
+  _globals['_WORKER']._serialized_end=1233
 # @@protoc_insertion_point(module_scope)

@@ -33,19 +33,37 @@ class CreateDatasetReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class BatchAssignment(_message.Message):
+    __slots__ = ("dataset_id", "epoch", "shard", "start", "count", "exactly_once")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXACTLY_ONCE_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    epoch: int
+    shard: int
+    start: int
+    count: int
+    exactly_once: bool
+    def __init__(self, dataset_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., exactly_once: _Optional[bool] = ...) -> None: ...
+
 class ClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync")
+    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     fn: FunctionRef
     args: bytes
     worker_id: str
     sync: _ps_pb2.SyncInfo
-    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[BatchAssignment]
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("type", "message", "traceback", "ps_address", "ps_code")
