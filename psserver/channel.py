@@ -129,6 +129,8 @@ class ServerChannel:
 
     def close(self) -> None:
         if self._arena is not None:
+            if self._ipc is not None and not self._ipc.alive():
+                self._arena.forget()   # its server is gone: no Detach to wait 2 s for each
             self._arena.close()
         for sock in (self._ipc, self._data):
             if sock is not None:

@@ -129,6 +129,28 @@ def test_restarted_server_lost_the_segment_client_recovers(start_ps):
         assert c.route.shm and _server_segments(ps2.pid)
 
 
+def test_a_client_of_a_server_that_is_gone_closes_at_once(start_ps, monkeypatch):
+    """Its segments are dropped without a Detach call each (one would wait for
+    the dead server until its deadline); a live server's are detached."""
+    detached = []
+    real = PSClient._shm_detach
+    monkeypatch.setattr(PSClient, "_shm_detach",
+                        lambda self, seg_id: detached.append(seg_id) or real(self, seg_id))
+    for kill in (False, True):
+        ps = start_ps()
+        c = PSClient(ps.address, wait_for_ready=True)
+        _make(c)
+        c.push("w", np.ones(N, np.float32))   # a segment is attached (and free again)
+        assert c.route.shm and _server_segments(ps.pid)
+        if kill:
+            ps.kill()
+        detached.clear()
+        c.close()
+        assert bool(detached) is not kill
+        if not kill:
+            assert not _server_segments(ps.pid)
+
+
 def test_sigkilled_client_leaves_nothing_behind(ps):
     """Its segments go with it (memfds: no name anywhere); the server closes
     its own descriptors of them once idle (see test_segments_expire_when_idle)."""
