@@ -40,6 +40,7 @@ same rows. (``TableConfig.seed`` seeds probability admission's draws.)
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -55,6 +56,10 @@ EMPTY, DELETED = -1, -2   # a slot's row when it holds no key
 _BUCKET = 4
 _TAIL = 8                # buckets a look-up past its home bucket takes at once
 _MIN_SLOTS = 64
+#: Look-ups whose rows a shard remembers for the updates that follow them
+#: (DynamicTable._rows_of): a step's update comes after its own look-up and
+#: those of the few other workers' steps in flight.
+_RECENT_LOOKUPS = 4
 _GROW = 1.25             # rows arrays grow by this factor when full
 EVICTION_POLICIES = ("lru", "lfu")
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -378,6 +383,11 @@ class DynamicTable:
         # were evicted and created, in order, and the last update's effect.
         self._journal: tuple[list, list] | None = None
         self._last_update: tuple[np.ndarray, np.ndarray] | None = None
+        # The rows of recent look-ups' keys, valid while no row is evicted
+        # (a key keeps its row until then; rows made since are found anew):
+        # the update of a step finds its rows here, not in the index again.
+        self._evictions = 0
+        self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
         # Incremental saves (psserver.tracking): rows made, updated or looked
         # up and keys evicted since a save point; None until a save names one.
         self.tracker: TableTracker | None = None
@@ -433,8 +443,22 @@ class DynamicTable:
                 rows[missing] = made[inverse]
                 if self.stats.evicted_capacity != evicted:   # a row hit above may be gone
                     rows = self.index.find(flat)
+            self._recent.append((flat, rows, self._evictions))
         out = np.take(self.value, np.maximum(rows, 0), axis=0)   # -1: row 0, the default row
         return out.reshape(keys.shape + (self.config.dim,))
+
+    def _rows_of(self, keys: np.ndarray) -> np.ndarray:
+        """index.find(keys), from a recent look-up of the same keys where no
+        row was evicted since (those without a row then are looked for again)."""
+        for seen, rows, evictions in reversed(self._recent):
+            if evictions == self._evictions and seen.shape == keys.shape and \
+                    np.array_equal(seen, keys):
+                rows = rows.copy()
+                missing = rows < 0
+                if missing.any():
+                    rows[missing] = self.index.find(keys[missing])
+                return rows
+        return self.index.find(keys)
 
     def _admit(self, keys: np.ndarray, times: np.ndarray) -> np.ndarray:
         """Rows for unique absent ``keys`` seen ``times`` more times now (-1:
@@ -557,6 +581,7 @@ class DynamicTable:
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict_rows(self, rows: np.ndarray) -> None:
+        self._evictions += 1   # rows looked up before may belong to other keys now
         if self._journal is not None and rows.size:
             self._journal[0].append(self.row_key[rows])
         if self.tracker is not None and rows.size:
@@ -617,7 +642,7 @@ class DynamicTable:
         from psserver.optimizers import sum_duplicates
         keys, grads = self.check_gradients(keys, grads)
         ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
-        rows = self.index.find(ukeys)
+        rows = self._rows_of(ukeys)
         have = rows >= 0
         n_have = int(have.sum())
         self.stats.dropped += ukeys.size - n_have

@@ -106,6 +106,24 @@ def test_gradients_for_keys_without_a_row_are_dropped_and_counted():
     np.testing.assert_array_equal(t.lookup(k(2), admit=False), np.zeros((1, 4)))
 
 
+def test_an_update_after_its_look_up_reaches_the_keys_rows_as_they_are_now():
+    """A step's update finds its keys' rows from its own look-up while no row
+    was evicted: keys admitted since (by another look-up) get their gradient,
+    and after an eviction (a row handed to another key) the index decides."""
+    t = table(min_count=2, capacity=3)
+    first = k(1, 2)
+    t.lookup(first, counts=k(2, 1))         # 1 admitted, 2 not yet
+    t.lookup(k(2))                          # another step admits 2
+    assert t.apply_gradients(first, np.ones((2, 4), np.float32)) == 2
+    np.testing.assert_array_equal(t.lookup(first, admit=False), np.zeros((2, 4)))   # 1 - 1
+    t.lookup(first, counts=k(2, 2))         # remembered: rows of 1 and 2
+    t.lookup(k(5, 6), counts=k(2, 2))       # capacity 3: evicts, and 5, 6 take the rows
+    t.apply_gradients(first, np.full((2, 4), 3, np.float32))
+    assert live(t) == {5, 6} | (live(t) & {1, 2}) and len(live(t)) == 3
+    np.testing.assert_array_equal(t.lookup(k(5, 6), admit=False), np.ones((2, 4)))   # untouched
+    assert t.stats.dropped == 2 - len(live(t) & {1, 2})
+
+
 def test_probability_admission_admits_about_that_share_and_is_seeded():
     n, p = 20_000, 0.25
     keys = np.arange(n, dtype=np.int64) * 7919
