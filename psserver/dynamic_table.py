@@ -388,11 +388,13 @@ class DynamicTable:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array this shard holds (resident or not)."""
+        """Bytes of every array this shard holds (resident or not), its
+        change tracking's included."""
         arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key, self.updated_step,
                   self.updated_time, self.used_step, self.freq, self._pcount, self._pseen,
                   self._pkey]
-        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes
+        tracking = 0 if self.tracker is None else self.tracker.nbytes
+        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes + tracking
 
     # -- look-ups ----------------------------------------------------------------------------
     def lookup(self, keys, *, admit: bool = True, counts: np.ndarray | None = None) -> np.ndarray:
@@ -560,7 +562,7 @@ class DynamicTable:
         if self._journal is not None and rows.size:
             self._journal[0].append(self.row_key[rows])
         if self.tracker is not None and rows.size:
-            self.tracker.evicted.append(self.row_key[rows])
+            self.tracker.note_evicted(self.row_key[rows])
         self.index.delete(self.row_key[rows])
         self._free.append(rows.astype(np.int64))
 
@@ -722,8 +724,9 @@ class DynamicTable:
 
     def take_changes(self, save_id: int, stream: str, since: int):
         """Save point ``save_id`` of this shard (see psserver.tracking): the
-        keys changed since point ``since`` (an Interval), or None (unknown:
-        save it whole). Starts tracking on the first call."""
+        keys changed since point ``since`` (an Interval), or None or an
+        Interval marked ``whole`` (unknown, or too many evictions kept: save
+        it whole). Starts tracking on the first call."""
         if self.tracker is None:
             self.tracker = TableTracker(self.value.shape[0])
         return self.tracker.take(save_id, stream, since, self.row_key)

@@ -44,8 +44,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
     """All variables of one parameter-server task.
 
     Args:
-      max_bytes: refuse creates that would make values and slots exceed this
-        many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
+      max_bytes: refuse creates that would make what the server holds
+        (held_bytes: values, slots, change tracking, dynamic tables) exceed
+        this many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
     """
 
     def __init__(self, max_bytes: int | None = None, observer: StoreObserver | None = None,
@@ -81,6 +82,16 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         with self._lock:
             vs = list(self._vars.values())
         return sum(v.value.nbytes + v.slot_nbytes for v in vs)
+
+    def held_bytes(self) -> int:
+        """What --max-memory-bytes bounds: variables' values and slots, their
+        change tracking (psserver/tracking.py: at most 1 + MAX_POINTS bytes a
+        row) and every dynamic table shard (its tracking included). An
+        estimate while things change: taken without the variables' locks."""
+        with self._lock:
+            vs = list(self._vars.values())
+        tracking = sum(t.nbytes for t in (v.tracker for v in vs) if t is not None)
+        return self.total_bytes() + tracking + self.table_bytes()
 
     def __len__(self) -> int:
         return len(self._vars)
@@ -189,7 +200,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 f"variable {name!r} exists already; delete it first, use another "
                 "name, or pass exist_ok=True to reuse it")
         need = nbytes_of(shape, dt) * (1 + len([s for s in opt.slot_names if s != "iterations"]))
-        held = self.total_bytes() + self.table_bytes()
+        held = self.held_bytes()
         if self.max_bytes is not None and held + need > self.max_bytes:
             raise ResourceExhausted(
                 f"creating {name!r} needs {need} bytes with its slots, but this "

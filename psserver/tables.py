@@ -276,7 +276,7 @@ class TableServicer:
         limit = None if self._store is None else self._store.max_bytes
         if limit is None or not rows:
             return
-        held = self._store.total_bytes() + self.total_bytes()
+        held = self._store.held_bytes()
         need = rows * row_bytes
         if held + need > limit:
             raise ResourceExhausted(
@@ -464,6 +464,8 @@ class TableServicer:
             t = entry.table
             changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
                 if spec.save_id else None
+            if changes is not None and changes.whole:
+                changes = None   # (too many evictions kept since: written whole)
             now = t.clock()
             state = t.export(None if changes is None else changes.keys, now, spec.weights_only)
             step = t.step
