@@ -214,12 +214,33 @@ class SaveMethods:
         the value and of each per-row slot (scalar slots and update keys
         whole); with ``weights_only`` only the value (or its rows).
         """
+        directory, chosen = self._save_target(directory, names)
+        return self._write_shards(directory, chosen, spec)
+
+    def save_point(self, directory: str, names: Sequence[str] = (), **fields) -> list[SavedShard]:
+        """A Save call: the directory and the names checked, then the
+        incremental fields (begin_save's ``fields``, which notes the save id),
+        then save(). A refused call (PermissionDenied, InvalidArgument,
+        NotFound, FailedPrecondition) notes nothing and writes nothing."""
+        directory, chosen = self._save_target(directory, names)
+        return self._write_shards(directory, chosen, self.begin_save(**fields))
+
+    def save_directory(self, directory: str) -> str:
+        """``directory`` resolved, if this server may write there and it
+        exists (PermissionDenied, InvalidArgument)."""
         directory = self._confined(directory)
         if not os.path.isdir(directory):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
                                   "parameter server (it must see the same filesystem)")
+        return directory
+
+    def _save_target(self, directory: str, names: Sequence[str]) -> tuple[str, list]:
+        directory = self.save_directory(directory)
         with self._lock:
             chosen = [self._get(n) for n in names] if names else list(self._vars.values())
+        return directory, chosen
+
+    def _write_shards(self, directory: str, chosen: list, spec: SaveSpec) -> list[SavedShard]:
         out = []
         for var in chosen:
             with var.lock:

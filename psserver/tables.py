@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import threading
 import time
 import urllib.parse
@@ -455,11 +454,8 @@ class TableServicer:
         entry = self._entry(request.name)
         if self._store is None:
             raise InvalidArgument("this server keeps no checkpoint directories")
-        directory = self._store._confined(request.directory)
-        if not os.path.isdir(directory):
-            raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
-                                  "parameter server (it must see the same filesystem)")
-        spec = self._store.begin_save(**save_fields(request))
+        directory = self._store.save_directory(request.directory)   # checked first:
+        spec = self._store.begin_save(**save_fields(request))   # it notes the save id
         with entry.lock:
             t = entry.table
             changes = t.take_changes(spec.save_id, spec.stream, spec.since) \

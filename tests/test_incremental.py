@@ -312,6 +312,47 @@ def test_unknown_save_ids_are_refused_over_the_wire_with_nothing_written(start_p
     shutil.rmtree(tmp_path / "next")
 
 
+def test_a_refused_save_notes_no_save_id_and_pushes_no_stream_out(start_ps, tmp_path):
+    """A Save refused for its directory or names (variables and tables)
+    leaves the server as it was: its save id is not one the server took,
+    and more refused saves on new streams than it keeps streams push no
+    real stream out."""
+    from psserver.client import PSClient
+    from psserver.errors import InvalidArgument, NotFound, PermissionDenied
+    from psserver.saving import STREAMS_KEPT
+
+    server = start_ps("--checkpoint-dir", str(tmp_path))
+    with PSClient(server.address) as c:
+        c.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+        c.create_table("t", 2)
+        inc = c.save_incremental(str(tmp_path), save_id=1, stream="s").incarnation
+        refused = []
+        for i in range(STREAMS_KEPT + 6):
+            with pytest.raises(PermissionDenied):
+                c.save_incremental("/etc", save_id=100 + i, stream=f"x{i}")
+            refused.append((100 + i, f"x{i}"))
+        for save_id, stream, call, err in (
+                (200, "y", lambda **f: c.save_incremental(str(tmp_path / "missing"), **f),
+                 InvalidArgument),
+                (201, "z", lambda **f: c.save_incremental(str(tmp_path), ["nope"], **f),
+                 NotFound),
+                (202, "u", lambda **f: c.save_table("t", "/etc", **f), PermissionDenied)):
+            with pytest.raises(err):
+                call(save_id=save_id, stream=stream)
+            refused.append((save_id, stream))
+        (tmp_path / "next").mkdir()
+        for save_id, stream in refused:
+            with pytest.raises(FailedPrecondition, match="unknown"):
+                c.save_incremental(str(tmp_path / "next"), save_id=300, since=save_id,
+                                   stream=stream, incarnation=inc)
+        assert os.listdir(tmp_path / "next") == []
+        c.push_sparse("w", np.array([2]), np.ones((1,), np.float32))
+        reply = c.save_incremental(str(tmp_path / "next"), save_id=3, since=1, stream="s",
+                                   incarnation=inc)
+        assert [(f.kind, f.rows) for f in reply.files] == [(1, 1)]   # still a delta since 1
+    shutil.rmtree(tmp_path / "next")
+
+
 def test_a_serving_export_is_not_restored_as_a_checkpoint(tmp_path):
     with LocalCluster(num_ps=1, num_workers=0) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
