@@ -81,8 +81,9 @@ from coordinator import metrics as _metrics
 from coordinator import routes
 from coordinator import variables as V
 from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # noqa: F401
-                                          chain_of, find_checkpoints, load_checked_shard,
-                                          load_table, load_variable, read_manifest)
+                                          chain_of, check_restorable, find_checkpoints,
+                                          load_checked_shard, load_table, load_variable,
+                                          read_manifest)
 from psserver.errors import (DeadlineExceeded, FailedPrecondition, NotFound, PSError,
                              Unavailable)
 
@@ -478,10 +479,14 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
     reassembled and cut again by each variable's shards (any layout); a
     shard restored into the cut it was saved in keeps its version and
     idempotency keys. Everything is read and checked before any server is
-    written: a checkpoint that lacks anything its manifest promises, or
-    whose chain is broken, is refused (CheckpointError) with nothing
-    changed. Returns {"step", "extra", "path"}; a server's failure raises
-    its PSError."""
+    written, every variable and every table, as the servers check it
+    (checkpoint_files.check_restorable): a checkpoint that lacks anything
+    its manifest promises, holds what a server would refuse, or whose chain
+    is broken, is refused (CheckpointError) with nothing changed. Returns
+    {"step", "extra", "path"}. A server that fails, or refuses its part for
+    a reason of its own (its --max-memory-bytes, a copy that is not
+    primary), raises its PSError after the others may have been written:
+    restore again once it is fixed."""
     chain = chain_of(path)
     manifest = chain[-1][1]
     if manifest.get("weights_only"):
@@ -489,6 +494,7 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
                               "coordinator.serving): restore a checkpoint instead")
     loaded = [load_variable(v, chain) for v in variables]
     table_states = [load_table(t, chain) for t in tables]
+    check_restorable(path, variables, loaded, tables, table_states)   # all before any write
     _metrics.checkpoint_bytes("restore", sum(
         e.get("bytes", 0) for _, m in chain for section in ("variables", "tables")
         for info in m.get(section, {}).values() for e in info.get("shards", ())))
