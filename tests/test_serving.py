@@ -159,3 +159,26 @@ def test_a_damaged_or_broken_delta_is_refused_and_the_previous_state_served(tmp_
         assert snap.refresh() and snap.path == nxt
     with pytest.raises(SnapshotError, match="no export"):
         Snapshot(str(tmp_path / "empty"))
+
+
+def test_an_exporter_whose_first_export_fails_raises_at_start(tmp_path, tmp_path_factory):
+    """A directory outside the servers' --checkpoint-dir used to be found
+    out only as warnings on the exporter's thread (nothing exported until
+    training ended). start() (entering the with) writes the first export
+    itself: it raises, and starts no thread; a good directory has its first
+    export when start() returns."""
+    from psserver.errors import PermissionDenied
+
+    outside = tmp_path_factory.mktemp("outside")
+    with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        strategy.create_variable("w", shape=(4,), initializer="ones")
+        bad = Exporter(strategy, str(outside / "export"), every_seconds=0.2)
+        with pytest.raises(PermissionDenied, match="outside"):
+            with bad:
+                pytest.fail("entered an exporter that cannot export")
+        assert bad._thread is None and bad.last is None and bad.manager.checkpoints() == []
+        good = Exporter(strategy, str(tmp_path / "export"), every_seconds=60)
+        with good:
+            assert good.manager.checkpoints() == [good.last]   # written by start()
+        assert good.errors == 0 and len(good.manager.checkpoints()) == 2   # and the final one
