@@ -167,6 +167,7 @@ class _Entry(R.CopyState):
         try:   # every part was checked when it came: a failure here is a bug half-way
             updated = t.apply_gradients(keys, grads)
         except BaseException:
+            self.forget_changes()   # (which rows changed is not known: saved whole next)
             if journaled:
                 t.take_journal()
                 self.link.reset()

@@ -348,3 +348,68 @@ def test_a_variables_tracking_is_bounded_per_row_and_counted_in_what_the_server_
     tracker = store._get("w").tracker
     assert 1000 * MAX_POINTS <= tracker.nbytes <= 1000 * (1 + MAX_POINTS)
     assert store.held_bytes() == store.total_bytes() + tracker.nbytes
+
+
+def _half_way(optimizer, method):
+    """Make ``optimizer.method`` change its rows' values, then fail (a bug
+    half-way through an apply)."""
+    def broken(value, slots, *args):
+        value[...] += 1
+        raise RuntimeError("a bug half-way")
+    setattr(optimizer, method, broken)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path, sparse):
+    """A sync step's apply that fails after changing values: the changes
+    it made are in no tracker, so the next incremental save must write the
+    variable whole (as the asynchronous paths do), not a delta without them."""
+    from psserver.contract import SyncSpec
+
+    store = VariableStore()
+    store.create("w", "float32", (4, 2))
+    saves = _Saves(store, str(tmp_path))
+    saves.save()
+    var = store._get("w")
+    _half_way(var.optimizer, "apply_sparse" if sparse else "apply_dense")
+    with pytest.raises(RuntimeError, match="half-way"):
+        if sparse:
+            store.push_sparse_sync("w", np.array([1]), np.ones((1, 2), np.float32),
+                                   SyncSpec(0, 0, 1, 1))
+        else:
+            store.push_sync([("w", np.ones((4, 2), np.float32))], SyncSpec(0, 0, 1, 1))
+    _, saved = saves.save()
+    assert saved["w"].kind == FULL
+    _assert_same(saves.compose("w"), _state(store, "w"))
+
+
+def test_a_tables_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path):
+    from protos.pstrain.v1 import ps_pb2, tables_pb2
+    from psserver.tables import TableServicer
+    from psserver.tensor import fill
+
+    store = VariableStore()
+    tables = TableServicer(1 << 26, store)
+    tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(dim=2)),
+                  None)
+    req = tables_pb2.LookupRequest(name="t")
+    fill(req.keys, np.arange(4))
+    tables.Lookup(req, None)
+
+    def save(n, since):
+        d = tmp_path / f"s{n}"
+        d.mkdir()
+        reply = tables.Save(tables_pb2.SaveTableRequest(
+            name="t", directory=str(d), save_id=n, since=since, stream="s",
+            incarnation=store.incarnation), None)
+        store.commit_save(n, "s", store.incarnation)
+        return reply.kind
+    assert save(1, 0) == FULL
+    _half_way(tables._entry("t").table.optimizer, "apply_sparse")
+    upd = tables_pb2.TableUpdateRequest(name="t", sync=ps_pb2.SyncInfo(
+        step=0, replica=0, num_replicas=1, required=1))
+    fill(upd.keys, np.array([1]))
+    fill(upd.grads, np.ones((1, 2), np.float32))
+    with pytest.raises(RuntimeError, match="half-way"):
+        tables.Update(upd, None)
+    assert save(2, 1) == FULL
