@@ -344,10 +344,14 @@ class TableServicer:
                 "per call")
         sync_step = _sync_read_step(request)
         with entry.lock:
+            # A look-up changes the shard (ages, admission): a backup only follows.
+            # Checked before a sync look-up waits (a backup would wait for
+            # its primary's steps, until the deadline, only to refuse), and
+            # again after (the wait releases the lock: the copy may be demoted).
+            entry.check_primary()
             if sync_step is not None:   # the rows after step sync_step - 1 (psserver/sync.py)
                 S.wait_for_earlier_steps(entry, sync_step, _deadline(context))
-            # A look-up changes the shard (ages, admission): a backup only follows.
-            entry.check_primary()
+                entry.check_primary()
             if not request.no_admit:   # at most every key new: room for that first
                 self._check_room(request.name, keys.size,
                                  _row_bytes(entry.table.config, entry.table.optimizer))
