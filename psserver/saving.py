@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
+import shutil
+import tempfile
 import threading
 import urllib.parse
 import uuid
@@ -25,7 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from psserver.contract import FailedPrecondition, InvalidArgument, PermissionDenied
+from psserver.contract import (FailedPrecondition, InvalidArgument, PermissionDenied,
+                               ResourceExhausted)
 from psserver.tracking import VariableTracker
 
 
@@ -77,22 +81,52 @@ def save_fields(request) -> dict:
 
 def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
                   delta: bool = False) -> int:
-    """Write a safetensors file atomically: a temporary name, fsync, chmod
-    0644 (a coordinator of another user reads it), rename. Returns its bytes.
-    ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta)."""
+    """Write a safetensors file atomically: under a temporary name, fsync,
+    chmod 0644 (a coordinator of another user reads it), rename. Returns its
+    bytes. ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta).
+
+    The temporary name is in a directory of its own made for this call
+    beside the file (tempfile.mkdtemp: a random name, created exclusively,
+    0700), so two saves of one shard into one directory never share it and
+    nothing planted at a name known in advance is written through or
+    replaced. A failure to write (disk full, permissions, the directory
+    gone) raises a PSError saying so: ResourceExhausted, PermissionDenied
+    or FailedPrecondition; nothing is left under the file's name."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     path = os.path.join(directory, file)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)   # (0-d stays 0-d)
-               for k, v in tensors.items()}, tmp, metadata=meta)
-    fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
-    if fault and (delta or fault != "delta"):   # fault injection for tests
-        os._exit(3)
-    _fsync_file(tmp)    # on disk before it gets its final name
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return os.path.getsize(path)
+    try:
+        private = tempfile.mkdtemp(prefix=".saving-", dir=directory)
+        try:
+            tmp = os.path.join(private, file)
+            save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)  # (0-d stays)
+                       for k, v in tensors.items()}, tmp, metadata=meta)
+            fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
+            if fault and (delta or fault != "delta"):   # fault injection for tests
+                os._exit(3)
+            _fsync_file(tmp)    # on disk before it gets its final name
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        return os.path.getsize(path)
+    except (OSError, SafetensorError) as exc:
+        raise _write_error(path, exc) from None
+
+
+def _write_error(path: str, exc: Exception) -> Exception:
+    """The PSError a failed write of checkpoint file ``path`` raises."""
+    text = f"cannot write checkpoint file {path} ({exc}); nothing was saved there"
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{text}: free space on that filesystem, or save elsewhere")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"{text}: the parameter server's user must be able to write "
+                                "there")
+    return FailedPrecondition(f"{text}: check that the directory exists, is a directory "
+                              "the parameter server can write, and holds no directory of "
+                              "that name")
 
 
 def _fsync_file(path: str) -> None:
