@@ -86,6 +86,7 @@ from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # no
                                           read_manifest)
 from psserver.errors import (DeadlineExceeded, FailedPrecondition, NotFound, PSError,
                              Unavailable)
+from psserver.saving import fsync_dir as _fsync_dir
 
 log = logging.getLogger("coordinator.checkpoint")
 
@@ -438,7 +439,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                     "base": link.get("base", os.path.basename(inc.parent[0])),
                     "depth": link.get("depth", 0) + 1})
         _write_json(os.path.join(tmp, "manifest.json"), manifest)
-        replaced = None
+        _fsync_dir(tmp)   # its entries (manifest, ps-N/) on disk before it is renamed into
+        replaced = None   # place (the servers fsynced each ps-N/ after their files)
         if os.path.exists(final):
             if not replace:
                 raise CheckpointError(f"{final} appeared during the save (another saver?)")
@@ -567,15 +569,6 @@ def _write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 #: Names a checkpoint directory takes while it is being removed (deleted by

@@ -82,8 +82,8 @@ def save_fields(request) -> dict:
 def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
                   delta: bool = False) -> int:
     """Write a safetensors file atomically: under a temporary name, fsync,
-    chmod 0644 (a coordinator of another user reads it), rename. Returns its
-    bytes. ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta).
+    chmod 0644 (a coordinator of another user reads it), rename, fsync the
+    directory. Returns its bytes. ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta).
 
     The temporary name is in a directory of its own made for this call
     beside the file (tempfile.mkdtemp: a random name, created exclusively,
@@ -110,6 +110,7 @@ def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
             os.replace(tmp, path)
         finally:
             shutil.rmtree(private, ignore_errors=True)
+        fsync_dir(directory)    # and the name on disk
         return os.path.getsize(path)
     except (OSError, SafetensorError) as exc:
         raise _write_error(path, exc) from None
@@ -131,6 +132,19 @@ def _write_error(path: str, exc: Exception) -> Exception:
 
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (names renamed or made in it) durable;
+    nothing where the directory cannot be opened (a platform without it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
     finally:
