@@ -501,7 +501,8 @@ def merge_table_rows(state: dict[str, np.ndarray], delta: dict[str, np.ndarray]
 def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, delta: bool
                     ) -> tuple[dict[str, np.ndarray], int, float | None]:
     """(arrays, step, clock) of one table shard file, checked against its
-    manifest entry and the table ``t``: "keys" and "values" of its rows,
+    manifest entry and the table ``t``: "keys" (sorted, distinct) and
+    "values" of its rows,
     and (not weights-only) the optimizer slots, ages and look-up counts; a
     delta's "evicted" keys apart (in the arrays). Clock: None when the file
     has none (written before incremental saves)."""
@@ -518,6 +519,10 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
         raise CheckpointError(f"checkpoint file {file} does not hold the {rows} rows of "
                               f"dim {t.dim} {t.dtype} its manifest promises; nothing was "
                               "restored (restore an older one: coordinator checkpoint list)")
+    if rows and (np.diff(keys) <= 0).any():   # (the servers write a shard's rows by key:
+        raise CheckpointError(                # a Snapshot's look-ups search them)
+            f"checkpoint file {file} holds keys that are not sorted and distinct; it is "
+            "damaged and nothing was restored")
     # Every other array of the file, (shape, dtype) as the servers write them.
     want = {"keys": keys, "values": values}
     if not weights_only:

@@ -535,7 +535,14 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
 
     def _check_sparse(self, name: str, ids: np.ndarray,
                       rows: np.ndarray) -> tuple[Variable, np.ndarray, np.ndarray]:
-        """(variable, unique ids, summed rows): new arrays, nothing of the inputs kept."""
+        """(variable, unique ids, summed rows): the request's own arrays when
+        its ids are sorted and distinct already (optim.sum_duplicates), else
+        new ones. Kept as they are (by the replication record) either way:
+        nothing changes a request's arrays afterwards (decoded from a
+        message's immutable bytes or a frame of its own, which the buffer
+        pool does not reuse while a view of it lives; the shared-memory path
+        copies them out of the client's segment first, servicer.py; a caller
+        in process must not change them after the call)."""
         var = self._get(name)
         if ids.ndim != 1:
             raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
@@ -550,7 +557,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
             var.check_primary()
             done = var.applied_at(update_id)
             if done is None:
-                var.record(R.SPARSE, summed, uniq, update_id, ahead=True)   # new arrays: no copy
+                # no copy: arrays nothing changes afterwards (see _check_sparse)
+                var.record(R.SPARSE, summed, uniq, update_id, ahead=True)
                 with var.applying():
                     var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                     var.version += 1
