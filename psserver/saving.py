@@ -165,11 +165,16 @@ class SaveMethods:
 
     def begin_save(self, save_id: int = 0, since: int = 0, incarnation: str = "",
                    stream: str = "", weights_only: bool = False) -> SaveSpec:
-        """Check an incremental save's fields and note ``save_id`` as taken
-        here. ``since`` from another incarnation (or none named) is unknown:
-        every shard is written whole. Raises InvalidArgument, and
-        FailedPrecondition when ``since`` names no save this incarnation took
-        (nothing is written)."""
+        """Check an incremental save's fields (check_save) and note
+        ``save_id`` as taken here (note_save)."""
+        return self.note_save(self.check_save(save_id, since, incarnation, stream, weights_only))
+
+    def check_save(self, save_id: int = 0, since: int = 0, incarnation: str = "",
+                   stream: str = "", weights_only: bool = False) -> SaveSpec:
+        """An incremental save's fields, checked; nothing changes. ``since``
+        from another incarnation (or none named) is unknown: every shard is
+        written whole. Raises InvalidArgument, and FailedPrecondition when
+        ``since`` names no save this incarnation took (nothing is written)."""
         for what, v in (("save_id", save_id), ("since", since)):
             if not isinstance(v, int) or not 0 <= v < 1 << 64:
                 raise InvalidArgument(f"{what} must be an integer in [0, 2**64), got {v!r}")
@@ -194,9 +199,15 @@ class SaveMethods:
             if known and self._saves[since] != stream:
                 raise InvalidArgument(f"save {since} belongs to stream "
                                       f"{self._saves[since]!r}, not {stream!r}")
-            if save_id:
-                self._note_save(save_id, stream)
         return SaveSpec(save_id, since if known else 0, stream, bool(weights_only))
+
+    def note_save(self, spec: SaveSpec) -> SaveSpec:
+        """Note ``spec.save_id`` (if any) as taken here, once everything about
+        the save was checked (a refused save notes nothing)."""
+        if spec.save_id:
+            with self._saves_lock:
+                self._note_save(spec.save_id, spec.stream)
+        return spec
 
     def _note_save(self, save_id: int, stream: str) -> None:
         """Remember save_id as one of ``stream``'s (saves lock held)."""
@@ -266,12 +277,13 @@ class SaveMethods:
         return self._write_shards(directory, chosen, spec)
 
     def save_point(self, directory: str, names: Sequence[str] = (), **fields) -> list[SavedShard]:
-        """A Save call: the directory and the names checked, then the
-        incremental fields (begin_save's ``fields``, which notes the save id),
-        then save(). A refused call (PermissionDenied, InvalidArgument,
-        NotFound, FailedPrecondition) notes nothing and writes nothing."""
+        """A Save call: its incremental fields (check_save's), the directory
+        and the names checked, then the save id noted, then save(). A refused
+        call (InvalidArgument, FailedPrecondition, PermissionDenied,
+        NotFound) notes nothing and writes nothing."""
+        spec = self.check_save(**fields)
         directory, chosen = self._save_target(directory, names)
-        return self._write_shards(directory, chosen, self.begin_save(**fields))
+        return self._write_shards(directory, chosen, self.note_save(spec))
 
     def save_directory(self, directory: str) -> str:
         """``directory`` resolved, if this server may write there and it

@@ -459,8 +459,9 @@ class TableServicer:
         entry = self._entry(request.name)
         if self._store is None:
             raise InvalidArgument("this server keeps no checkpoint directories")
-        directory = self._store.save_directory(request.directory)   # checked first:
-        spec = self._store.begin_save(**save_fields(request))   # it notes the save id
+        spec = self._store.check_save(**save_fields(request))   # all checked, then
+        directory = self._store.save_directory(request.directory)
+        self._store.note_save(spec)                              # the save id noted
         with entry.lock:
             t = entry.table
             changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
