@@ -412,16 +412,23 @@ class PlotHistory(Callback):
 
 
 # -- helpers -----------------------------------------------------------------------------
+def require_tensorboardx():
+    """tensorboardX's SummaryWriter, or ImportError saying what to install."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError("TensorBoard event files need tensorboardX, the viz extra: "
+                          "pip install 'pstrain[viz]' (from a checkout of the repository: "
+                          "pip install -e '.[viz]')") from None
+    return SummaryWriter
+
+
 def summary_writer(directory: str, flush_secs: int = 10, filename_suffix: str = ""):
     """A tensorboardX SummaryWriter into ``directory`` (ImportError saying
     what to install when tensorboardX is missing). Its events reach the file
     on a thread of its own: only close() makes sure they are there."""
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        raise ImportError("TensorBoard event files need tensorboardX: "
-                          "pip install 'pstrain[viz]'") from None
-    return SummaryWriter(directory, flush_secs=flush_secs, filename_suffix=filename_suffix)
+    return require_tensorboardx()(directory, flush_secs=flush_secs,
+                                  filename_suffix=filename_suffix)
 
 
 def _comparator(monitor: str, mode: str, min_delta: float) -> Callable[[float, float], bool]:

@@ -81,10 +81,12 @@ from coordinator import metrics as _metrics
 from coordinator import routes
 from coordinator import variables as V
 from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # noqa: F401
-                                          chain_of, find_checkpoints, load_checked_shard,
-                                          load_table, load_variable, read_manifest)
+                                          chain_of, check_restorable, find_checkpoints,
+                                          load_checked_shard, load_table, load_variable,
+                                          read_manifest)
 from psserver.errors import (DeadlineExceeded, FailedPrecondition, NotFound, PSError,
                              Unavailable)
+from psserver.saving import fsync_dir as _fsync_dir
 
 log = logging.getLogger("coordinator.checkpoint")
 
@@ -437,7 +439,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                     "base": link.get("base", os.path.basename(inc.parent[0])),
                     "depth": link.get("depth", 0) + 1})
         _write_json(os.path.join(tmp, "manifest.json"), manifest)
-        replaced = None
+        _fsync_dir(tmp)   # its entries (manifest, ps-N/) on disk before it is renamed into
+        replaced = None   # place (the servers fsynced each ps-N/ after their files)
         if os.path.exists(final):
             if not replace:
                 raise CheckpointError(f"{final} appeared during the save (another saver?)")
@@ -478,10 +481,14 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
     reassembled and cut again by each variable's shards (any layout); a
     shard restored into the cut it was saved in keeps its version and
     idempotency keys. Everything is read and checked before any server is
-    written: a checkpoint that lacks anything its manifest promises, or
-    whose chain is broken, is refused (CheckpointError) with nothing
-    changed. Returns {"step", "extra", "path"}; a server's failure raises
-    its PSError."""
+    written, every variable and every table, as the servers check it
+    (checkpoint_files.check_restorable): a checkpoint that lacks anything
+    its manifest promises, holds what a server would refuse, or whose chain
+    is broken, is refused (CheckpointError) with nothing changed. Returns
+    {"step", "extra", "path"}. A server that fails, or refuses its part for
+    a reason of its own (its --max-memory-bytes, a copy that is not
+    primary), raises its PSError after the others may have been written:
+    restore again once it is fixed."""
     chain = chain_of(path)
     manifest = chain[-1][1]
     if manifest.get("weights_only"):
@@ -489,6 +496,7 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
                               "coordinator.serving): restore a checkpoint instead")
     loaded = [load_variable(v, chain) for v in variables]
     table_states = [load_table(t, chain) for t in tables]
+    check_restorable(path, variables, loaded, tables, table_states)   # all before any write
     _metrics.checkpoint_bytes("restore", sum(
         e.get("bytes", 0) for _, m in chain for section in ("variables", "tables")
         for info in m.get(section, {}).values() for e in info.get("shards", ())))
@@ -561,15 +569,6 @@ def _write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 #: Names a checkpoint directory takes while it is being removed (deleted by

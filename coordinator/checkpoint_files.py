@@ -17,6 +17,7 @@ delta applied in order.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,10 +47,58 @@ def read_manifest(path: str) -> dict:
     if not isinstance(saved, dict) or "step" not in manifest:
         raise CheckpointError(f"the manifest of {path} lacks its variables or step; "
                               "nothing was restored")
-    if manifest.get("format_version", 1) > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {manifest['format_version']}; this "
+    version = manifest.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"the manifest of {path} has format_version {version!r}, not a "
+                              "version number; it is damaged and nothing was restored")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version {version}; this "
                               f"version of pstrain reads up to {FORMAT_VERSION}")
+    for section in ("variables", "tables"):
+        infos = manifest.get(section, {})
+        bad = [name for name, info in infos.items() if not isinstance(info, dict)] \
+            if isinstance(infos, dict) else [section]
+        if bad:
+            raise CheckpointError(f"the manifest of {path} has malformed {section} entries "
+                                  f"({', '.join(map(repr, bad))}); nothing was restored")
     return manifest
+
+
+@contextlib.contextmanager
+def _malformed(path: str, what: str):
+    """Whatever a manifest or file that is not as written makes the readers
+    raise (TypeError, AttributeError, KeyError, ValueError, IndexError)
+    becomes a CheckpointError naming the checkpoint and ``what``."""
+    try:
+        yield
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {what} is malformed ({type(exc).__name__}: "
+                              f"{exc}); it is damaged and nothing was restored (restore an "
+                              "older one: coordinator checkpoint list)") from None
+
+
+def _shard_entries(path: str, what: str, info: dict) -> list[dict]:
+    """The shard entries of a manifest's ``info`` (a variable's or table's):
+    a list of objects, each with a known kind, a file name (a string, but
+    for an unchanged shard), integers where it has rows, offset, version
+    (in [0, 2**62)), bytes, delta_rows or step. CheckpointError otherwise."""
+    entries = info.get("shards")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise CheckpointError(f"the manifest of {path} lists the shards of {what} as "
+                              f"{type(entries).__name__}, not a list of objects; nothing was "
+                              "restored")
+    for i, e in enumerate(entries):
+        ints = [k for k in ("rows", "offset", "version", "bytes", "delta_rows", "step")
+                if k in e and (isinstance(e[k], bool) or not isinstance(e[k], int))]
+        kind = e.get("kind", "full")
+        if ints or kind not in ("full", "delta", "unchanged") or \
+                (kind != "unchanged" and not isinstance(e.get("file"), str)) or \
+                not 0 <= e.get("version", 0) < 1 << 62:
+            raise CheckpointError(f"the manifest of {path} has a malformed shard {i} of {what} "
+                                  f"(kind {kind!r}, file {e.get('file')!r}, version "
+                                  f"{e.get('version')!r}, non-integer {ints}); nothing was "
+                                  "restored")
+    return entries
 
 
 def find_checkpoints(directory: str) -> list[str]:
@@ -148,16 +197,22 @@ def load_variable(v, chain: list[tuple[str, dict]]) -> dict:
     version, update keys and scalar slots (``same_cut``). A weights-only
     chain (a serving export) gives the value alone."""
     path, manifest = chain[-1]
+    with _malformed(path, f"variable {v.name!r}"):
+        return _load_variable(v, chain)
+
+
+def _load_variable(v, chain: list[tuple[str, dict]]) -> dict:
+    path, manifest = chain[-1]
     info = manifest["variables"].get(v.name)
     if info is None:
         raise CheckpointError(f"variable {v.name!r} is not in checkpoint {path}")
     try:
         same = (tuple(info["shape"]), info["dtype"], info["optimizer"]) == (
             tuple(v.shape), v.dtype, v.optimizer)
-        entries = list(info["shards"])
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"the manifest of {path} is incomplete: {v.name!r} lacks "
                               f"{exc}; nothing was restored") from None
+    entries = _shard_entries(path, f"variable {v.name!r}", info)
     if not same:
         raise CheckpointError(
             f"variable {v.name!r} is {v.dtype} {list(v.shape)} {v.optimizer} here but "
@@ -288,13 +343,14 @@ def _checked(ckpt, entry, dtype, shape, optimizer, weights_only, delta):
                    "manifest promises")
     if meta.get("optimizer", optimizer) != optimizer:
         refuse(f"was saved with optimizer {meta.get('optimizer')}, not {optimizer}")
-    if version < 0:
+    if not 0 <= version < 1 << 62:
         refuse(f"has version {version}")
     allowed = {"value"} | ({"rows"} if delta else set())
     if not weights_only:
         try:
             params = json.loads(meta.get("optimizer_params", "{}"))
-            json.loads(meta.get("allow_nonfinite", "false"))
+            if not isinstance(json.loads(meta.get("allow_nonfinite", "false")), bool):
+                raise ValueError("allow_nonfinite is not true or false")
             expected = optim.make_optimizer(optimizer, params).create_slots(
                 np.zeros((rows,) + tuple(shape[1:]) if shape else (), np.dtype(dtype)))
         except (ValueError, TypeError) as exc:
@@ -340,20 +396,55 @@ def load_table(t, chain: list[tuple[str, dict]]) -> tuple[dict[str, np.ndarray],
     return state, step
 
 
+def check_restorable(path: str, variables: Sequence, loaded: Sequence[dict],
+                     tables: Sequence = (), table_states: Sequence[tuple] = ()) -> None:
+    """What a restore sends the servers, checked as they check it (values
+    finite unless the variable allows otherwise; a table's rows as
+    psserver.dynamic_table.check_rows takes them: distinct keys, finite
+    rows and slots, ages and counts >= 0, its step past every age), so that
+    a checkpoint they would refuse is refused (CheckpointError) before any
+    of them is written."""
+    from psserver import optimizers as optim
+    from psserver.contract import InvalidArgument
+    from psserver.dynamic_table import check_rows, slot_layout
+    from psserver.variable import all_finite
+
+    for v, state in zip(variables, loaded):
+        if not state["allow_nonfinite"] and not all_finite(state["value"]):
+            raise CheckpointError(f"variable {v.name!r} in {path} holds NaN or Inf, which it "
+                                  "does not allow; nothing was restored")
+    for t, (state, step) in zip(tables, table_states):
+        if not state:
+            continue
+        dtype = np.dtype(t.dtype)
+        try:
+            check_rows(state, step, t.dim, dtype,
+                       *slot_layout(optim.make_optimizer(t.optimizer, {}), t.dim, dtype))
+        except InvalidArgument as exc:
+            raise CheckpointError(f"dynamic table {t.name!r} in {path} cannot be restored "
+                                  f"({exc}); nothing was restored") from None
+
+
 def load_table_shards(t, chain: list[tuple[str, dict]]) -> list[tuple]:
     """Each shard's (arrays sorted by key, step, clock) of a dynamic table
     at the last checkpoint of ``chain`` (advance_table_shard's), checked as
     load_table says."""
+    path, manifest = chain[-1]
+    with _malformed(path, f"dynamic table {t.name!r}"):
+        return _load_table_shards(t, chain)
+
+
+def _load_table_shards(t, chain: list[tuple[str, dict]]) -> list[tuple]:
     path, manifest = chain[-1]
     info = manifest.get("tables", {}).get(t.name)
     if info is None:
         raise CheckpointError(f"dynamic table {t.name!r} is not in checkpoint {path}")
     try:
         same = (int(info["dim"]), info["dtype"]) == (t.dim, t.dtype)
-        entries = list(info["shards"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest of {path} is incomplete: table {t.name!r} lacks "
                               f"{exc}; nothing was restored") from None
+    entries = _shard_entries(path, f"dynamic table {t.name!r}", info)
     if not same:
         raise CheckpointError(f"dynamic table {t.name!r} has dim {t.dim} {t.dtype} here but "
                               f"{info['dim']} {info['dtype']} in {path}")
@@ -410,7 +501,8 @@ def merge_table_rows(state: dict[str, np.ndarray], delta: dict[str, np.ndarray]
 def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, delta: bool
                     ) -> tuple[dict[str, np.ndarray], int, float | None]:
     """(arrays, step, clock) of one table shard file, checked against its
-    manifest entry and the table ``t``: "keys" and "values" of its rows,
+    manifest entry and the table ``t``: "keys" (sorted, distinct) and
+    "values" of its rows,
     and (not weights-only) the optimizer slots, ages and look-up counts; a
     delta's "evicted" keys apart (in the arrays). Clock: None when the file
     has none (written before incremental saves)."""
@@ -427,16 +519,33 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
         raise CheckpointError(f"checkpoint file {file} does not hold the {rows} rows of "
                               f"dim {t.dim} {t.dtype} its manifest promises; nothing was "
                               "restored (restore an older one: coordinator checkpoint list)")
-    names = {"keys", "values"} | ({"evicted"} if delta else set())
+    if rows and (np.diff(keys) <= 0).any():   # (the servers write a shard's rows by key:
+        raise CheckpointError(                # a Snapshot's look-ups search them)
+            f"checkpoint file {file} holds keys that are not sorted and distinct; it is "
+            "damaged and nothing was restored")
+    # Every other array of the file, (shape, dtype) as the servers write them.
+    want = {"keys": keys, "values": values}
     if not weights_only:
         from psserver import optimizers as optim
-        slots = optim.make_optimizer(t.optimizer, {}).create_slots(np.zeros((1, t.dim)))
-        names |= {"age_steps", "age_seconds", "freq"} | {f"slot/{n}" for n in slots}
+        from psserver.dynamic_table import slot_layout
+        init, per_row = slot_layout(optim.make_optimizer(t.optimizer, {}), t.dim,
+                                    np.dtype(t.dtype))
+        want.update({"age_steps": ((rows,), np.int64), "age_seconds": ((rows,), np.float64),
+                     "freq": ((rows,), np.int64)})
+        want.update({f"slot/{n}": ((rows, t.dim) if n in per_row else a.shape, a.dtype)
+                     for n, a in init.items()})
+    names = set(want) | ({"evicted"} if delta else set())
     if set(tensors) != names:
         raise CheckpointError(
             f"checkpoint file {file} holds {sorted(tensors)}, not the arrays of a "
             f"{t.optimizer} table {'delta' if delta else 'shard'} ({sorted(names)}); nothing "
             "was restored")
+    for name, spec in want.items():
+        if isinstance(spec, tuple) and (tensors[name].shape, tensors[name].dtype) != spec:
+            raise CheckpointError(
+                f"checkpoint file {file} holds {name} as {tensors[name].dtype.name} "
+                f"{list(tensors[name].shape)}, not {np.dtype(spec[1]).name} {list(spec[0])} "
+                f"(its {rows} rows of dim {t.dim}); it is damaged and nothing was restored")
     evicted = tensors.pop("evicted", None)
     if delta and (evicted.ndim != 1 or evicted.dtype != np.int64):
         raise CheckpointError(f"checkpoint file {file}: its evicted keys are not 1-D int64")

@@ -221,6 +221,8 @@ class ClusterCoordinator:
         if visitation not in sharded.VISITATIONS:
             raise ValueError(f"visitation must be one of {sharded.VISITATIONS}, "
                              f"got {visitation!r}")
+        if not isinstance(drop_remainder, bool):
+            raise ValueError(f"drop_remainder must be True or False, got {drop_remainder!r}")
         if self.strategy.mode in SYNC_MODES:
             raise ValueError(
                 f"sharded datasets run in async and bounded modes, not {self.strategy.mode!r}: "

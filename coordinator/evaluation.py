@@ -235,10 +235,14 @@ def load_function(name: str) -> Callable[[Checkpoint], Any]:
 class Sidecar:
     """Follows ``ckpt_dir``: evaluates each newer checkpoint once with
     ``fn(Checkpoint) -> {name: number}`` (see the module docstring).
-    ``logdir`` holds the events and the state file."""
+    ``logdir`` holds the events and the state file. Raises ImportError at
+    once, saying what to install, when tensorboardX (the viz extra) is
+    missing: not after the first evaluation, before its state is written."""
 
     def __init__(self, ckpt_dir: str, fn: Callable[[Checkpoint], Any], logdir: str, *,
                  timeout: float | None = 600.0):
+        from coordinator.callbacks import require_tensorboardx
+        require_tensorboardx()
         self.ckpt_dir, self.fn, self.logdir, self.timeout = ckpt_dir, fn, logdir, timeout
         os.makedirs(logdir, exist_ok=True)
         self.state_path = os.path.join(logdir, STATE_FILE)
@@ -383,7 +387,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     """`coordinator evaluate`: 0 when done, 1 when the function cannot be
-    loaded, 2 for bad arguments."""
+    loaded, 2 for bad arguments or without tensorboardX (the viz extra)."""
     if args.interval <= 0 or args.timeout <= 0:
         print("coordinator evaluate: --interval and --timeout must be > 0", file=sys.stderr)
         return 2

@@ -4,12 +4,14 @@ optimizer state, written as a base and deltas (``Exporter``, or
 answers look-ups and dense reads without talking to the parameter servers
 (``Snapshot``).
 
-    # beside training (the coordinator):
-    with Exporter(strategy, "/exports/ctr", every_seconds=5):
+    # beside training (the coordinator); the directory must lie under the
+    # parameter servers' --checkpoint-dir (LocalCluster: the current or the
+    # temporary directory):
+    with Exporter(strategy, "exports/ctr", every_seconds=5):
         fit(...)
 
     # in the serving process:
-    snap = Snapshot("/exports/ctr", follow=True)    # base + deltas, then follows
+    snap = Snapshot("exports/ctr", follow=True)     # base + deltas, then follows
     rows = snap.lookup("user_id", keys)             # unknown keys: zero rows
     w = snap.read("dense/kernel")
 
@@ -58,10 +60,13 @@ class Exporter:
 
     Exports are numbered 1, 2, ... (after the last one in the directory);
     ``max_to_keep`` newest survive with what their chains need, a base at
-    least every ``full_every`` exports. An export that fails (a parameter
-    server unreachable, recovering) is logged and counted in ``errors``; the
+    least every ``full_every`` exports. ``start()`` writes the first export
+    itself and raises if it fails; one that fails later (a parameter server
+    unreachable, recovering) is logged and counted in ``errors``, and the
     next one takes its changes again. ``directory`` must lie under every
-    parameter server's --checkpoint-dir, seen at the same path.
+    parameter server's --checkpoint-dir (LocalCluster's ``checkpoint_dirs``,
+    by default the current and the temporary directory), seen at the same
+    path.
     """
 
     def __init__(self, strategy, directory: str, *, every_seconds: float | None = None,
@@ -93,10 +98,15 @@ class Exporter:
             return path
 
     def start(self) -> "Exporter":
-        """Export every ``every_seconds`` on a daemon thread, the first one now."""
+        """Export now, then every ``every_seconds`` on a daemon thread. The
+        first export is written here and raises what it raises (a directory
+        outside the servers' --checkpoint-dir: PermissionDenied; PSError,
+        CheckpointError), with no thread started; later ones that fail are
+        logged and counted (``errors``), and the next one takes their changes."""
         if self.every_seconds is None:
             raise ValueError("start() needs every_seconds")
         if self._thread is None:
+            self.export()
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="pstrain-exporter",
                                             daemon=True)
@@ -114,7 +124,8 @@ class Exporter:
             self.export()
 
     def _run(self) -> None:
-        while True:
+        started = time.monotonic()   # (start() wrote the first export)
+        while not self._stop.wait(max(0.0, self.every_seconds - (time.monotonic() - started))):
             started = time.monotonic()
             try:
                 self.export()
@@ -122,8 +133,6 @@ class Exporter:
                 self.errors += 1
                 log.warning("export to %s failed (%s: %s); the next one takes its changes",
                             self.directory, type(exc).__name__, exc)
-            if self._stop.wait(max(0.0, self.every_seconds - (time.monotonic() - started))):
-                return
 
     def __enter__(self) -> "Exporter":
         return self.start()

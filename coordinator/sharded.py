@@ -145,6 +145,11 @@ class ShardedSource:
         return GeneratorSource(fn, shard_sizes)
 
 
+def _is_int(v) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 class ArraySource(ShardedSource):
     """ShardedSource.from_arrays."""
 
@@ -158,9 +163,15 @@ class ArraySource(ShardedSource):
                              f"{[len(a) if a.ndim else None for a in arrays]}")
         if (shard_sizes is None) == (num_shards is None):
             raise ValueError("give shard_sizes or num_shards (one of them)")
+        # Checked here, not when a worker reads (np.random.default_rng
+        # refuses a negative seed there, on every read).
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
         if shard_sizes is None:
-            if not 1 <= num_shards <= n:
-                raise ValueError(f"num_shards must be in [1, {n}], got {num_shards}")
+            if not _is_int(num_shards) or not 1 <= num_shards <= n:
+                raise ValueError(f"num_shards must be an integer in [1, {n}], got {num_shards!r}")
             shard_sizes = [n // num_shards + (i < n % num_shards) for i in range(num_shards)]
         super().__init__(shard_sizes)
         if sum(self.shard_sizes) != n:

@@ -120,8 +120,15 @@ class ParameterServerStrategy:
           table's) are applied on arrival, each replica's push on its own
           with its update key (the optimizer runs once per push), and
           table look-ups never wait for the step. A variable is dense or a
-          table by its gradients: one given both kinds is refused
-          (ValueError on the worker, see coordinator.variables). Row
+          table by its gradients. What is checked is per worker process:
+          a worker that gave a variable one kind in a hybrid step refuses
+          the other kind for it (ValueError naming it, nothing sent; a
+          restarted worker starts afresh). Two workers giving one variable
+          different kinds are not caught: the row-wise gradients are
+          applied on arrival, and the dense ones join a step that waits
+          for the other replicas' dense gradients, which never come, until
+          ``step_timeout`` (or backup workers) completes it with those
+          that came (with step_timeout 0, until the calls' deadlines). Row
           gradients of a replica that is abandoned, or that a backup worker
           made late, were applied on arrival and stay applied; only its
           dense gradients are dropped.

@@ -33,7 +33,10 @@ In hybrid mode dense gradients join the step as in sync mode, and row-wise
 ones (``IndexedSlices``, ``push_sparse``) are applied on arrival with
 update keys, as in async mode. A variable is one or the other: a worker
 process refuses (ValueError, nothing sent) a gradient of the other kind
-for a variable it pushed before in a hybrid step. Reads and look-ups carry
+for a variable it pushed before in a hybrid step. Only per process: two
+workers giving one variable different kinds are not caught (its dense
+pushes then wait for the others' until step_timeout: see
+ParameterServerStrategy's mode "hybrid"). Reads and look-ups carry
 the step: a server waits only on a variable that is gathering an earlier
 step, which a table (no dense gradients) never is.
 """

@@ -360,8 +360,7 @@ class DynamicTable:
         self.value[0] = 0
         # The optimizer's slots: a row per table row for its per-element
         # slots, and as they are for the others (Adam's step count).
-        self._slot_init = optimizer.create_slots(np.zeros((1, config.dim), self.dtype))
-        self._row_slots = tuple(optimizer._array_slots(self._slot_init))
+        self._slot_init, self._row_slots = slot_layout(optimizer, config.dim, self.dtype)
         self.slots = dict(self._slot_init)
         for n in self._row_slots:
             self.slots[n] = np.empty((cap, config.dim), self.dtype)
@@ -398,11 +397,13 @@ class DynamicTable:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array this shard holds (resident or not)."""
+        """Bytes of every array this shard holds (resident or not), its
+        change tracking's included."""
         arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key, self.updated_step,
                   self.updated_time, self.used_step, self.freq, self._pcount, self._pseen,
                   self._pkey]
-        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes
+        tracking = 0 if self.tracker is None else self.tracker.nbytes
+        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes + tracking
 
     # -- look-ups ----------------------------------------------------------------------------
     def lookup(self, keys, *, admit: bool = True, counts: np.ndarray | None = None) -> np.ndarray:
@@ -585,7 +586,7 @@ class DynamicTable:
         if self._journal is not None and rows.size:
             self._journal[0].append(self.row_key[rows])
         if self.tracker is not None and rows.size:
-            self.tracker.evicted.append(self.row_key[rows])
+            self.tracker.note_evicted(self.row_key[rows])
         self.index.delete(self.row_key[rows])
         self._free.append(rows.astype(np.int64))
 
@@ -747,8 +748,9 @@ class DynamicTable:
 
     def take_changes(self, save_id: int, stream: str, since: int):
         """Save point ``save_id`` of this shard (see psserver.tracking): the
-        keys changed since point ``since`` (an Interval), or None (unknown:
-        save it whole). Starts tracking on the first call."""
+        keys changed since point ``since`` (an Interval), or None or an
+        Interval marked ``whole`` (unknown, or too many evictions kept: save
+        it whole). Starts tracking on the first call."""
         if self.tracker is None:
             self.tracker = TableTracker(self.value.shape[0])
         return self.tracker.take(save_id, stream, since, self.row_key)
@@ -759,41 +761,9 @@ class DynamicTable:
         changes (InvalidArgument). Over capacity afterwards, the policy's
         victims are evicted. Returns the rows held."""
         c = self.config
-        keys = check_keys(state.get("keys", np.zeros(0, np.int64))).reshape(-1)
+        keys, values, age_steps, age_seconds, freq, slots = check_rows(
+            state, step, c.dim, self.dtype, self._slot_init, self._row_slots)
         n = keys.size
-
-        def need(name, shape, kinds, dtype):
-            if name not in state and (n or name.startswith("slot/") and not shape):
-                raise InvalidArgument(f"dynamic table import: {name} is missing")
-            a = np.asarray(state.get(name, np.zeros(shape, dtype)))
-            if a.shape != shape or a.dtype.kind not in kinds:
-                raise InvalidArgument(f"dynamic table import: {name} must be {kinds!r}-kind "
-                                      f"of shape {shape}, got {a.dtype} {a.shape}")
-            return a.astype(dtype, copy=False)
-        values = need("values", (n, c.dim), "f", self.dtype)
-        age_steps = need("age_steps", (n,), "iu", np.int64)
-        age_seconds = need("age_seconds", (n,), "f", np.float64)
-        freq = need("freq", (n,), "iu", np.int64)
-        slots = {}
-        for name in self.slots:
-            shape = (n, c.dim) if name in self._row_slots else np.shape(self._slot_init[name])
-            kinds = "f" if name in self._row_slots else "iuf"
-            slots[name] = need(f"slot/{name}", shape, kinds, self.slots[name].dtype)
-        extra = sorted(set(state) - {"keys", "values", "age_steps", "age_seconds", "freq"}
-                       - {f"slot/{m}" for m in self.slots})
-        if extra:
-            raise InvalidArgument(f"dynamic table import: unknown arrays {extra}")
-        if np.unique(keys).size != n:
-            raise InvalidArgument("dynamic table import: keys must be unique")
-        if not (np.isfinite(values).all() and all(np.isfinite(a).all() for a in slots.values())
-                and np.isfinite(age_seconds).all()):
-            raise InvalidArgument("dynamic table import: NaN or Inf in the rows; nothing imported")
-        if n and (age_steps.min() < 0 or freq.min() < 0 or age_seconds.min() < 0):
-            raise InvalidArgument("dynamic table import: negative ages or counts")
-        if not isinstance(step, int) or not 0 <= step < 1 << 62 or \
-                (n and step < age_steps.max()):
-            raise InvalidArgument(f"dynamic table import: step {step!r} must be in "
-                                  "[0, 2**62) and at least every row's age_steps")
         if not reset and (self.index.find(keys) >= 0).any():
             raise InvalidArgument("dynamic table import: keys this shard holds already "
                                   "(import into an emptied shard: reset)")
@@ -822,6 +792,58 @@ class DynamicTable:
         if c.capacity and self.index.size > c.capacity:
             self._evict_for(self.index.size - c.capacity)
         return self.index.size
+
+
+def slot_layout(optimizer, dim: int, dtype) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """(a table's optimizer slots for one row, the names of its per-row
+    ones): what a shard of ``dim`` ``dtype`` rows keeps with ``optimizer``."""
+    init = optimizer.create_slots(np.zeros((1, dim), dtype))
+    return init, tuple(optimizer._array_slots(init))
+
+
+def check_rows(state: dict, step: int, dim: int, dtype, slot_init: dict,
+               row_slots: tuple) -> tuple:
+    """export()'s arrays as import_rows takes them (a shard of ``dim``
+    ``dtype`` rows whose optimizer keeps ``slot_init``, ``row_slots`` a row
+    each), checked whole: (keys, values, age_steps, age_seconds, freq,
+    {slot: array}) converted, or InvalidArgument saying what is wrong. A
+    checkpoint's rows are checked with it before any server is written."""
+    keys = check_keys(state.get("keys", np.zeros(0, np.int64))).reshape(-1)
+    n = keys.size
+
+    def need(name, shape, kinds, dtype):
+        if name not in state and (n or name.startswith("slot/") and not shape):
+            raise InvalidArgument(f"dynamic table import: {name} is missing")
+        a = np.asarray(state.get(name, np.zeros(shape, dtype)))
+        if a.shape != shape or a.dtype.kind not in kinds:
+            raise InvalidArgument(f"dynamic table import: {name} must be {kinds!r}-kind "
+                                  f"of shape {shape}, got {a.dtype} {a.shape}")
+        return a.astype(dtype, copy=False)
+    values = need("values", (n, dim), "f", dtype)
+    age_steps = need("age_steps", (n,), "iu", np.int64)
+    age_seconds = need("age_seconds", (n,), "f", np.float64)
+    freq = need("freq", (n,), "iu", np.int64)
+    slots = {}
+    for name, init in slot_init.items():
+        shape = (n, dim) if name in row_slots else np.shape(init)
+        kinds = "f" if name in row_slots else "iuf"
+        slots[name] = need(f"slot/{name}", shape, kinds, init.dtype)
+    extra = sorted(set(state) - {"keys", "values", "age_steps", "age_seconds", "freq"}
+                   - {f"slot/{m}" for m in slot_init})
+    if extra:
+        raise InvalidArgument(f"dynamic table import: unknown arrays {extra}")
+    if np.unique(keys).size != n:
+        raise InvalidArgument("dynamic table import: keys must be unique")
+    if not (np.isfinite(values).all() and all(np.isfinite(a).all() for a in slots.values())
+            and np.isfinite(age_seconds).all()):
+        raise InvalidArgument("dynamic table import: NaN or Inf in the rows; nothing imported")
+    if n and (age_steps.min() < 0 or freq.min() < 0 or age_seconds.min() < 0):
+        raise InvalidArgument("dynamic table import: negative ages or counts")
+    if not isinstance(step, int) or not 0 <= step < 1 << 62 or \
+            (n and step < age_steps.max()):
+        raise InvalidArgument(f"dynamic table import: step {step!r} must be in "
+                              "[0, 2**62) and at least every row's age_steps")
+    return keys, values, age_steps, age_seconds, freq, slots
 
 
 #: The most occurrences one look-up may say a key had.

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
+import shutil
+import tempfile
 import threading
 import urllib.parse
 import uuid
@@ -25,7 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from psserver.contract import FailedPrecondition, InvalidArgument, PermissionDenied
+from psserver.contract import (FailedPrecondition, InvalidArgument, PermissionDenied,
+                               ResourceExhausted)
 from psserver.tracking import VariableTracker
 
 
@@ -77,26 +81,70 @@ def save_fields(request) -> dict:
 
 def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
                   delta: bool = False) -> int:
-    """Write a safetensors file atomically: a temporary name, fsync, chmod
-    0644 (a coordinator of another user reads it), rename. Returns its bytes.
-    ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta)."""
+    """Write a safetensors file atomically: under a temporary name, fsync,
+    chmod 0644 (a coordinator of another user reads it), rename, fsync the
+    directory. Returns its bytes. ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta).
+
+    The temporary name is in a directory of its own made for this call
+    beside the file (tempfile.mkdtemp: a random name, created exclusively,
+    0700), so two saves of one shard into one directory never share it and
+    nothing planted at a name known in advance is written through or
+    replaced. A failure to write (disk full, permissions, the directory
+    gone) raises a PSError saying so: ResourceExhausted, PermissionDenied
+    or FailedPrecondition; nothing is left under the file's name."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     path = os.path.join(directory, file)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)   # (0-d stays 0-d)
-               for k, v in tensors.items()}, tmp, metadata=meta)
-    fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
-    if fault and (delta or fault != "delta"):   # fault injection for tests
-        os._exit(3)
-    _fsync_file(tmp)    # on disk before it gets its final name
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return os.path.getsize(path)
+    try:
+        private = tempfile.mkdtemp(prefix=".saving-", dir=directory)
+        try:
+            tmp = os.path.join(private, file)
+            save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)  # (0-d stays)
+                       for k, v in tensors.items()}, tmp, metadata=meta)
+            fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
+            if fault and (delta or fault != "delta"):   # fault injection for tests
+                os._exit(3)
+            _fsync_file(tmp)    # on disk before it gets its final name
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        fsync_dir(directory)    # and the name on disk
+        return os.path.getsize(path)
+    except (OSError, SafetensorError) as exc:
+        raise _write_error(path, exc) from None
+
+
+def _write_error(path: str, exc: Exception) -> Exception:
+    """The PSError a failed write of checkpoint file ``path`` raises."""
+    text = f"cannot write checkpoint file {path} ({exc}); nothing was saved there"
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{text}: free space on that filesystem, or save elsewhere")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"{text}: the parameter server's user must be able to write "
+                                "there")
+    return FailedPrecondition(f"{text}: check that the directory exists, is a directory "
+                              "the parameter server can write, and holds no directory of "
+                              "that name")
 
 
 def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (names renamed or made in it) durable;
+    nothing where the directory cannot be opened (a platform without it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
     finally:
@@ -117,11 +165,16 @@ class SaveMethods:
 
     def begin_save(self, save_id: int = 0, since: int = 0, incarnation: str = "",
                    stream: str = "", weights_only: bool = False) -> SaveSpec:
-        """Check an incremental save's fields and note ``save_id`` as taken
-        here. ``since`` from another incarnation (or none named) is unknown:
-        every shard is written whole. Raises InvalidArgument, and
-        FailedPrecondition when ``since`` names no save this incarnation took
-        (nothing is written)."""
+        """Check an incremental save's fields (check_save) and note
+        ``save_id`` as taken here (note_save)."""
+        return self.note_save(self.check_save(save_id, since, incarnation, stream, weights_only))
+
+    def check_save(self, save_id: int = 0, since: int = 0, incarnation: str = "",
+                   stream: str = "", weights_only: bool = False) -> SaveSpec:
+        """An incremental save's fields, checked; nothing changes. ``since``
+        from another incarnation (or none named) is unknown: every shard is
+        written whole. Raises InvalidArgument, and FailedPrecondition when
+        ``since`` names no save this incarnation took (nothing is written)."""
         for what, v in (("save_id", save_id), ("since", since)):
             if not isinstance(v, int) or not 0 <= v < 1 << 64:
                 raise InvalidArgument(f"{what} must be an integer in [0, 2**64), got {v!r}")
@@ -146,9 +199,15 @@ class SaveMethods:
             if known and self._saves[since] != stream:
                 raise InvalidArgument(f"save {since} belongs to stream "
                                       f"{self._saves[since]!r}, not {stream!r}")
-            if save_id:
-                self._note_save(save_id, stream)
         return SaveSpec(save_id, since if known else 0, stream, bool(weights_only))
+
+    def note_save(self, spec: SaveSpec) -> SaveSpec:
+        """Note ``spec.save_id`` (if any) as taken here, once everything about
+        the save was checked (a refused save notes nothing)."""
+        if spec.save_id:
+            with self._saves_lock:
+                self._note_save(spec.save_id, spec.stream)
+        return spec
 
     def _note_save(self, save_id: int, stream: str) -> None:
         """Remember save_id as one of ``stream``'s (saves lock held)."""
@@ -214,12 +273,34 @@ class SaveMethods:
         the value and of each per-row slot (scalar slots and update keys
         whole); with ``weights_only`` only the value (or its rows).
         """
+        directory, chosen = self._save_target(directory, names)
+        return self._write_shards(directory, chosen, spec)
+
+    def save_point(self, directory: str, names: Sequence[str] = (), **fields) -> list[SavedShard]:
+        """A Save call: its incremental fields (check_save's), the directory
+        and the names checked, then the save id noted, then save(). A refused
+        call (InvalidArgument, FailedPrecondition, PermissionDenied,
+        NotFound) notes nothing and writes nothing."""
+        spec = self.check_save(**fields)
+        directory, chosen = self._save_target(directory, names)
+        return self._write_shards(directory, chosen, self.note_save(spec))
+
+    def save_directory(self, directory: str) -> str:
+        """``directory`` resolved, if this server may write there and it
+        exists (PermissionDenied, InvalidArgument)."""
         directory = self._confined(directory)
         if not os.path.isdir(directory):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
                                   "parameter server (it must see the same filesystem)")
+        return directory
+
+    def _save_target(self, directory: str, names: Sequence[str]) -> tuple[str, list]:
+        directory = self.save_directory(directory)
         with self._lock:
             chosen = [self._get(n) for n in names] if names else list(self._vars.values())
+        return directory, chosen
+
+    def _write_shards(self, directory: str, chosen: list, spec: SaveSpec) -> list[SavedShard]:
         out = []
         for var in chosen:
             with var.lock:

@@ -340,8 +340,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._push_sparse(request, self._decoded(request), context)
 
     def Save(self, request, context):
-        spec = self.store.begin_save(**save_fields(request))
-        saved = self.store.save(request.directory, list(request.names), spec)
+        saved = self.store.save_point(request.directory, list(request.names),
+                                      **save_fields(request))
         return ps_pb2.SaveReply(
             files=[ps_pb2.SavedFile(name=s.name, file=s.file, version=s.version, bytes=s.bytes,
                                     kind=s.kind, rows=s.rows) for s in saved],

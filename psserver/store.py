@@ -44,8 +44,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
     """All variables of one parameter-server task.
 
     Args:
-      max_bytes: refuse creates that would make values and slots exceed this
-        many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
+      max_bytes: refuse creates that would make what the server holds
+        (held_bytes: values, slots, change tracking, dynamic tables) exceed
+        this many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
     """
 
     def __init__(self, max_bytes: int | None = None, observer: StoreObserver | None = None,
@@ -81,6 +82,16 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         with self._lock:
             vs = list(self._vars.values())
         return sum(v.value.nbytes + v.slot_nbytes for v in vs)
+
+    def held_bytes(self) -> int:
+        """What --max-memory-bytes bounds: variables' values and slots, their
+        change tracking (psserver/tracking.py: at most 1 + MAX_POINTS bytes a
+        row) and every dynamic table shard (its tracking included). An
+        estimate while things change: taken without the variables' locks."""
+        with self._lock:
+            vs = list(self._vars.values())
+        tracking = sum(t.nbytes for t in (v.tracker for v in vs) if t is not None)
+        return self.total_bytes() + tracking + self.table_bytes()
 
     def __len__(self) -> int:
         return len(self._vars)
@@ -189,7 +200,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 f"variable {name!r} exists already; delete it first, use another "
                 "name, or pass exist_ok=True to reuse it")
         need = nbytes_of(shape, dt) * (1 + len([s for s in opt.slot_names if s != "iterations"]))
-        held = self.total_bytes() + self.table_bytes()
+        held = self.held_bytes()
         if self.max_bytes is not None and held + need > self.max_bytes:
             raise ResourceExhausted(
                 f"creating {name!r} needs {need} bytes with its slots, but this "
@@ -524,7 +535,14 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
 
     def _check_sparse(self, name: str, ids: np.ndarray,
                       rows: np.ndarray) -> tuple[Variable, np.ndarray, np.ndarray]:
-        """(variable, unique ids, summed rows): new arrays, nothing of the inputs kept."""
+        """(variable, unique ids, summed rows): the request's own arrays when
+        its ids are sorted and distinct already (optim.sum_duplicates), else
+        new ones. Kept as they are (by the replication record) either way:
+        nothing changes a request's arrays afterwards (decoded from a
+        message's immutable bytes or a frame of its own, which the buffer
+        pool does not reuse while a view of it lives; the shared-memory path
+        copies them out of the client's segment first, servicer.py; a caller
+        in process must not change them after the call)."""
         var = self._get(name)
         if ids.ndim != 1:
             raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
@@ -539,7 +557,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
             var.check_primary()
             done = var.applied_at(update_id)
             if done is None:
-                var.record(R.SPARSE, summed, uniq, update_id, ahead=True)   # new arrays: no copy
+                # no copy: arrays nothing changes afterwards (see _check_sparse)
+                var.record(R.SPARSE, summed, uniq, update_id, ahead=True)
                 with var.applying():
                     var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                     var.version += 1

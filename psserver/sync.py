@@ -86,13 +86,18 @@ def wait_for_earlier_steps(var, step: int, deadline: float | None) -> None:
 
 def apply(var, forced: bool = False) -> None:
     """Apply the pending step's combined gradient (lock held). A dynamic
-    table shard (psserver/tables.py) applies it with its own ``apply_step``."""
-    if hasattr(var, "apply_step"):
-        var.apply_step()
-    else:
-        with var.writing():
-            _apply(var)
-    var.cond.notify_all()
+    table shard (psserver/tables.py) applies it with its own ``apply_step``.
+    An apply that fails half-way (a bug) leaves which rows changed unknown:
+    the next incremental save writes the shard whole, and a backup gets the
+    whole state (Variable.applying; _Entry.apply_step does the same)."""
+    try:
+        if hasattr(var, "apply_step"):
+            var.apply_step()
+        else:
+            with var.applying():
+                _apply(var)
+    finally:   # (the step is gone either way: waiting calls look again)
+        var.cond.notify_all()
 
 
 def _scale(acc: Accumulation) -> float | None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import threading
 import time
 import urllib.parse
@@ -168,6 +167,7 @@ class _Entry(R.CopyState):
         try:   # every part was checked when it came: a failure here is a bug half-way
             updated = t.apply_gradients(keys, grads)
         except BaseException:
+            self.forget_changes()   # (which rows changed is not known: saved whole next)
             if journaled:
                 t.take_journal()
                 self.link.reset()
@@ -276,7 +276,7 @@ class TableServicer:
         limit = None if self._store is None else self._store.max_bytes
         if limit is None or not rows:
             return
-        held = self._store.total_bytes() + self.total_bytes()
+        held = self._store.held_bytes()
         need = rows * row_bytes
         if held + need > limit:
             raise ResourceExhausted(
@@ -344,10 +344,14 @@ class TableServicer:
                 "per call")
         sync_step = _sync_read_step(request)
         with entry.lock:
+            # A look-up changes the shard (ages, admission): a backup only follows.
+            # Checked before a sync look-up waits (a backup would wait for
+            # its primary's steps, until the deadline, only to refuse), and
+            # again after (the wait releases the lock: the copy may be demoted).
+            entry.check_primary()
             if sync_step is not None:   # the rows after step sync_step - 1 (psserver/sync.py)
                 S.wait_for_earlier_steps(entry, sync_step, _deadline(context))
-            # A look-up changes the shard (ages, admission): a backup only follows.
-            entry.check_primary()
+                entry.check_primary()
             if not request.no_admit:   # at most every key new: room for that first
                 self._check_room(request.name, keys.size,
                                  _row_bytes(entry.table.config, entry.table.optimizer))
@@ -455,15 +459,15 @@ class TableServicer:
         entry = self._entry(request.name)
         if self._store is None:
             raise InvalidArgument("this server keeps no checkpoint directories")
-        directory = self._store._confined(request.directory)
-        if not os.path.isdir(directory):
-            raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
-                                  "parameter server (it must see the same filesystem)")
-        spec = self._store.begin_save(**save_fields(request))
+        spec = self._store.check_save(**save_fields(request))   # all checked, then
+        directory = self._store.save_directory(request.directory)
+        self._store.note_save(spec)                              # the save id noted
         with entry.lock:
             t = entry.table
             changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
                 if spec.save_id else None
+            if changes is not None and changes.whole:
+                changes = None   # (too many evictions kept since: written whole)
             now = t.clock()
             state = t.export(None if changes is None else changes.keys, now, spec.weights_only)
             step = t.step

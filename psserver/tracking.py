@@ -25,6 +25,16 @@ forgotten) ``take`` answers None and the caller writes the shard whole.
 Changes are never guessed: a union is at worst a superset (rows written
 again with their current values), never a subset.
 
+Memory: a variable's tracker is a bool per row, now and in each of at most
+MAX_POINTS points (at most 1 + MAX_POINTS bytes per row). A table shard's
+evicted keys are kept at most ``evicted_limit`` (the shard's rows, at least
+MIN_EVICTED_KEPT): past twice that they are made unique, and if still past
+it the interval is marked ``whole`` (the next save writes the shard whole)
+and the keys dropped. So a churning table with tracking started and no
+save for a long time keeps a bounded number of keys, not 8 bytes per
+eviction forever. Both count in their shard's bytes (``nbytes``), which
+the server's --max-memory-bytes bounds.
+
 Free of grpc and protobuf.
 """
 from __future__ import annotations
@@ -37,6 +47,12 @@ import numpy as np
 #: interval is merged into the next one (a save since that point is then
 #: written whole: correct, only larger).
 MAX_POINTS = 16
+#: A table shard keeps at least this many evicted keys before it gives up
+#: and writes the shard whole at its next save (see the module).
+MIN_EVICTED_KEPT = 4096
+#: Batches of evicted keys kept apart before they are joined (each costs a
+#: Python object of ~100 bytes).
+_EVICTED_PARTS = 256
 
 
 @dataclasses.dataclass
@@ -50,11 +66,17 @@ class Interval:
     keys: np.ndarray | None = None
 
     def union(self, other: "Interval") -> "Interval":
+        if self.whole or other.whole:   # every row: which ones is not kept
+            return Interval(True, True)
         rows = self.rows if other.rows is None else (
             other.rows if self.rows is None else self.rows | other.rows)
         keys = self.keys if other.keys is None else (
             other.keys if self.keys is None else np.union1d(self.keys, other.keys))
-        return Interval(self.whole or other.whole, self.touched or other.touched, rows, keys)
+        return Interval(False, self.touched or other.touched, rows, keys)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.rows, self.keys) if a is not None)
 
 
 class ChangeLog:
@@ -86,6 +108,11 @@ class ChangeLog:
         while len(self.points) > MAX_POINTS:
             self._forget(self._oldest_uncommitted())
         return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the points' intervals hold."""
+        return sum(p[2].nbytes for p in self.points)
 
     def commit(self, save_id: int, stream: str) -> bool:
         """Point ``save_id`` of ``stream`` is on disk for good: points of that
@@ -152,35 +179,74 @@ class VariableTracker:
 
     def take(self, save_id: int, stream: str, since: int) -> Interval | None:
         """Save point ``save_id`` (lock held, with the copy the save writes)."""
-        current = Interval(self.whole, self.touched, self.rows)
+        current = Interval(True, True) if self.whole else \
+            Interval(False, self.touched, self.rows)
         self._fresh()
         return self.log.take(save_id, stream, since, current)
+
+    @property
+    def nbytes(self) -> int:
+        return (0 if self.rows is None else self.rows.nbytes) + self.log.nbytes
 
 
 class TableTracker:
     """A dynamic table shard's changes: rows made, updated or looked up (a
-    bool per table row, ``dirty``) and keys evicted, since the last point."""
+    bool per table row, ``dirty``) and keys evicted (``note_evicted``;
+    bounded: see the module), since the last point."""
 
-    __slots__ = ("dirty", "evicted", "log")
+    __slots__ = ("dirty", "evicted", "_evicted_n", "overflow", "log")
 
     def __init__(self, capacity: int):
         self.dirty = np.zeros(capacity, bool)
-        self.evicted: list[np.ndarray] = []
         self.log = ChangeLog()
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.evicted: list[np.ndarray] = []
+        self._evicted_n = 0
+        self.overflow = False   # too many evicted keys kept: the interval is whole
+
+    @property
+    def evicted_limit(self) -> int:
+        """Evicted keys one interval keeps at most (the shard's rows, or
+        MIN_EVICTED_KEPT): a delta with more is no smaller than the shard."""
+        return max(self.dirty.size, MIN_EVICTED_KEPT)
 
     def grow(self, capacity: int) -> None:
         grown = np.zeros(capacity, bool)
         grown[:self.dirty.size] = self.dirty
         self.dirty = grown
 
+    def note_evicted(self, keys: np.ndarray) -> None:
+        """The rows of ``keys`` were evicted (table lock held)."""
+        if self.overflow or not keys.size:
+            return
+        self.evicted.append(keys)
+        self._evicted_n += keys.size
+        if self._evicted_n > 2 * self.evicted_limit or len(self.evicted) > _EVICTED_PARTS:
+            kept = np.unique(np.concatenate(self.evicted))   # (a key evicted twice: once)
+            if kept.size > self.evicted_limit:
+                self._fresh()
+                self.overflow = True
+            else:
+                self.evicted, self._evicted_n = [kept], kept.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.dirty.nbytes + 8 * self._evicted_n + self.log.nbytes
+
     def take(self, save_id: int, stream: str, since: int,
              row_key: np.ndarray) -> Interval | None:
         """Save point ``save_id`` (table lock held): the keys of the marked
         rows (``row_key``: the table's key of each row) and the evicted keys;
         what changed since ``since`` (keys live now: rows to write; the
-        others: evicted), or None."""
-        parts = [row_key[np.flatnonzero(self.dirty)], *self.evicted]
-        current = Interval(touched=True, keys=np.unique(np.concatenate(parts)))
+        others: evicted; ``whole``: too many evictions were kept, write the
+        shard whole), or None."""
+        if self.overflow:
+            current = Interval(True, True)
+        else:
+            parts = [row_key[np.flatnonzero(self.dirty)], *self.evicted]
+            current = Interval(touched=True, keys=np.unique(np.concatenate(parts)))
         self.dirty = np.zeros(self.dirty.size, bool)
-        self.evicted = []
+        self._fresh()
         return self.log.take(save_id, stream, since, current)

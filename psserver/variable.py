@@ -104,10 +104,10 @@ class Variable(R.CopyState):
 
     @contextlib.contextmanager
     def applying(self):
-        """Wrap an update whose record went ahead (lock held): the value's
-        seqlock (writing), and, should the update fail half-way (a bug), a
-        whole copy of the state for the backup, which had the record, and
-        the whole variable in the next incremental save."""
+        """Wrap an update (lock held): the value's seqlock (writing), and,
+        should the update fail half-way (a bug), a whole copy of the state
+        for the backup (which had the record, if it went ahead, or will
+        have none), and the whole variable in the next incremental save."""
         try:
             with self.writing():
                 yield

@@ -343,3 +343,58 @@ def test_each_shard_restored_into_its_own_cut_keeps_its_own_step_count(tmp_path)
         expected = after()
         ckpt.restore()
         np.testing.assert_array_equal(after(), expected)
+
+
+class _DiskOps:
+    """Records this process's fsyncs (by path) and renames, in order."""
+
+    def __init__(self, monkeypatch):
+        self.events: list[tuple] = []
+        fsync, replace = os.fsync, os.replace
+
+        def spy_fsync(fd):
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            return fsync(fd)
+
+        def spy_replace(src, dst):
+            self.events.append(("replace", os.fspath(src), os.fspath(dst)))
+            return replace(src, dst)
+        monkeypatch.setattr(os, "fsync", spy_fsync)
+        monkeypatch.setattr(os, "replace", spy_replace)
+
+    def renamed(self, dst: str) -> tuple[int, str]:
+        """(index, source) of the rename into ``dst``."""
+        return next((i, e[1]) for i, e in enumerate(self.events)
+                    if e[0] == "replace" and e[2] == dst)
+
+
+def test_a_shard_files_name_is_on_disk_before_the_save_returns(tmp_path, monkeypatch):
+    """The server's side (the store, in process): the file is fsynced before
+    its rename, and its directory (a checkpoint's ps-N/) after it."""
+    from psserver.store import VariableStore
+
+    store = VariableStore()
+    store.create("w", "float32", (4, 2))
+    disk = _DiskOps(monkeypatch)
+    (saved,) = store.save(str(tmp_path))
+    final = str(tmp_path / saved.file)
+    at, tmp = disk.renamed(final)
+    assert ("fsync", tmp) in disk.events[:at]
+    assert ("fsync", str(tmp_path)) in disk.events[at:]
+
+
+def test_a_checkpoint_directory_is_on_disk_before_it_is_renamed_into_place(tmp_path,
+                                                                          monkeypatch):
+    """The coordinator's side: the temporary checkpoint directory (manifest,
+    ps-N/ entries) is fsynced before it is renamed to ckpt-N, and the
+    checkpoints' directory after."""
+    with LocalCluster(num_ps=1, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        strategy.create_variable("w", shape=(4,), initializer="ones")
+        manager = CheckpointManager(strategy, str(tmp_path))
+        disk = _DiskOps(monkeypatch)
+        path = manager.save(1)
+        monkeypatch.undo()
+    at, tmp = disk.renamed(path)
+    assert ("fsync", tmp) in disk.events[:at]
+    assert ("fsync", str(tmp_path)) in disk.events[at:]

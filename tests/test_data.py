@@ -176,11 +176,20 @@ def test_array_source_shards_and_shuffles_each_epoch_the_same_on_every_worker():
     assert (epoch_of(0, serialization.loads(serialization.dumps(src), True))[1] == ids).all()
     assert not (epoch_of(1)[1] == ids).all()
     for bad, words in (({"shard_sizes": [4, 4]}, "sum to 8"), ({}, "one of them"),
-                       ({"num_shards": 13}, "num_shards")):
+                       ({"num_shards": 13}, "num_shards"), ({"num_shards": 2.0}, "num_shards"),
+                       ({"num_shards": True}, "num_shards"),
+                       # refused here: every worker's read used to fail instead
+                       ({"num_shards": 2, "seed": -1}, "seed"),
+                       ({"num_shards": 2, "seed": 1.5}, "seed"),
+                       ({"num_shards": 2, "seed": "1"}, "seed"),
+                       ({"num_shards": 2, "shuffle": "no"}, "shuffle")):
         with pytest.raises(ValueError, match=words):
             ShardedSource.from_arrays(x, **bad)
     with pytest.raises(ValueError, match="aligned"):
         ShardedSource.from_arrays(x, np.arange(3), num_shards=2)
+    big = ShardedSource.from_arrays(x, np.arange(12), num_shards=np.int64(2),
+                                    seed=np.uint64(2**63))
+    assert sorted(epoch_of(0, big)[1]) == list(range(6, 12))   # (a large seed reads)
 
 
 def test_generator_source_goes_on_skips_ahead_and_restarts():
@@ -239,6 +248,8 @@ def test_an_epoch_visits_every_example_once_with_a_slow_worker_and_uneven_shards
                 coord.create_sharded_dataset(src, 4, visitation="twice")
             with pytest.raises(ValueError, match="batch_size"):
                 coord.create_sharded_dataset(src, 0)
+            with pytest.raises(ValueError, match="drop_remainder"):
+                coord.create_sharded_dataset(src, 4, drop_remainder="no")
             ds = coord.create_sharded_dataset(src, BATCH)
             it = iter(ds)
             with pytest.raises(TypeError, match="on a worker"):

@@ -55,6 +55,11 @@ def evaluate_counter(ckpt):
     return {"mean": float(ckpt.variables["ev_w"].mean()), "ckpt_step": ckpt.step}
 
 
+def evaluate_step(ckpt):
+    """A sidecar's evaluation that needs no particular variable."""
+    return {"step": ckpt.step}
+
+
 def _count(outcome: str) -> float:
     return _metrics.REGISTRY.get_sample_value(
         "pstrain_evaluations_total", {"source": "fit", "outcome": outcome}) or 0.0
@@ -255,3 +260,28 @@ def test_evaluate_command_says_what_is_wrong(tmp_path):
     r = run(str(tmp_path / "empty"), "--fn", "json:dumps", "--logdir", str(tmp_path / "l"),
             "--once")
     assert r.returncode == 0 and "following" in r.stdout
+
+
+def test_evaluate_without_tensorboardx_exits_at_once_and_says_what_to_install(cluster,
+                                                                               tmp_path):
+    """Without tensorboardX (here: an import of it that fails, first on the
+    path) `coordinator evaluate` used to evaluate the first checkpoint and
+    then crash before writing its state, so a restarted sidecar looped. It
+    exits 2 at start, naming the extra, having evaluated nothing."""
+    strategy = ParameterServerStrategy(cluster.spec)
+    strategy.create_variable("tbx_w", shape=(2,), optimizer="sgd")
+    CheckpointManager(strategy, str(tmp_path / "ckpt")).save(1)
+    hidden = tmp_path / "hidden" / "tensorboardX"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('tensorboardX hidden by the test')\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(
+        [sys.executable, "-m", "coordinator", "evaluate", str(tmp_path / "ckpt"),
+         "--fn", "test_evaluation:evaluate_step", "--logdir", str(tmp_path / "eval"), "--once"],
+        capture_output=True, text=True, timeout=60,
+        env=child_env({"PYTHONPATH": os.pathsep.join(
+            [str(tmp_path / "hidden"), tests, child_env()["PYTHONPATH"]])}))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "pip install 'pstrain[viz]'" in r.stderr and "Traceback" not in r.stderr
+    assert "step 1" not in r.stdout   # nothing evaluated
+    assert not (tmp_path / "eval" / "evaluator_state.json").exists()

@@ -312,6 +312,47 @@ def test_unknown_save_ids_are_refused_over_the_wire_with_nothing_written(start_p
     shutil.rmtree(tmp_path / "next")
 
 
+def test_a_refused_save_notes_no_save_id_and_pushes_no_stream_out(start_ps, tmp_path):
+    """A Save refused for its directory or names (variables and tables)
+    leaves the server as it was: its save id is not one the server took,
+    and more refused saves on new streams than it keeps streams push no
+    real stream out."""
+    from psserver.client import PSClient
+    from psserver.errors import InvalidArgument, NotFound, PermissionDenied
+    from psserver.saving import STREAMS_KEPT
+
+    server = start_ps("--checkpoint-dir", str(tmp_path))
+    with PSClient(server.address) as c:
+        c.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+        c.create_table("t", 2)
+        inc = c.save_incremental(str(tmp_path), save_id=1, stream="s").incarnation
+        refused = []
+        for i in range(STREAMS_KEPT + 6):
+            with pytest.raises(PermissionDenied):
+                c.save_incremental("/etc", save_id=100 + i, stream=f"x{i}")
+            refused.append((100 + i, f"x{i}"))
+        for save_id, stream, call, err in (
+                (200, "y", lambda **f: c.save_incremental(str(tmp_path / "missing"), **f),
+                 InvalidArgument),
+                (201, "z", lambda **f: c.save_incremental(str(tmp_path), ["nope"], **f),
+                 NotFound),
+                (202, "u", lambda **f: c.save_table("t", "/etc", **f), PermissionDenied)):
+            with pytest.raises(err):
+                call(save_id=save_id, stream=stream)
+            refused.append((save_id, stream))
+        (tmp_path / "next").mkdir()
+        for save_id, stream in refused:
+            with pytest.raises(FailedPrecondition, match="unknown"):
+                c.save_incremental(str(tmp_path / "next"), save_id=300, since=save_id,
+                                   stream=stream, incarnation=inc)
+        assert os.listdir(tmp_path / "next") == []
+        c.push_sparse("w", np.array([2]), np.ones((1,), np.float32))
+        reply = c.save_incremental(str(tmp_path / "next"), save_id=3, since=1, stream="s",
+                                   incarnation=inc)
+        assert [(f.kind, f.rows) for f in reply.files] == [(1, 1)]   # still a delta since 1
+    shutil.rmtree(tmp_path / "next")
+
+
 def test_a_serving_export_is_not_restored_as_a_checkpoint(tmp_path):
     with LocalCluster(num_ps=1, num_workers=0) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
@@ -399,3 +440,116 @@ def test_a_manifest_cannot_point_the_reader_outside_its_checkpoint(tmp_path):
         with pytest.raises(CheckpointError, match="outside the checkpoint"):
             load_checked_shard(str(ckpt), {"file": name, "rows": 1, "version": 0},
                                "float32", (1,), "sgd")
+
+
+def test_a_checkpoint_the_servers_would_refuse_is_refused_before_any_is_written(tmp_path):
+    """Every variable and table of a checkpoint is read and checked before any
+    server is written: table files whose per-row arrays have another shape or
+    dtype, or rows a server refuses (negative ages, NaN in
+    a slot, ages past the step), and malformed manifests (a format version
+    that is not a number, shard entries that are not objects, unchanged
+    entries without a valid version) are refused with CheckpointError, the
+    variables and the table on the server as they were."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with LocalCluster(num_ps=1, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        w = strategy.create_variable("w", shape=(4, 2), initializer="ones", optimizer="adam")
+        table = strategy.create_embedding_table("t", 2, initializer="random_normal",
+                                                optimizer="adam")
+        keys = np.arange(10, dtype=np.int64)
+        table.lookup(keys)
+        table.push_gradient(keys, np.ones((10, 2), np.float32))
+        ckpt = CheckpointManager(strategy, str(tmp_path), incremental=True)
+        base = ckpt.save(1)
+        table.push_gradient(keys[:3], np.ones((3, 2), np.float32))
+        delta = ckpt.save(2)   # w unchanged, the table a delta
+        saved = (w.read(), table.lookup(keys, admit=False))
+        w.push_gradient(np.ones((4, 2), np.float32))
+        table.push_gradient(keys, np.ones((10, 2), np.float32))
+        before = (w.read(), w.versions(), table.lookup(keys, admit=False))
+
+        manifest_path = os.path.join(base, "manifest.json")
+        manifest = json.load(open(manifest_path))
+        entry = manifest["tables"]["t"]["shards"][0]
+        shard = os.path.join(base, entry["file"])
+        with safe_open(shard, framework="np") as f:
+            meta = f.metadata()
+            good = {k: f.get_tensor(k) for k in f.keys()}
+        step = int(meta["step"])
+
+        def changed(name, fn):
+            def damage(t):
+                t[name] = fn(t[name].copy())
+            return damage
+
+        def negative(a):   # (the last key: the delta has rows of the first three)
+            a[-1] = -100
+            return a
+
+        def nan(a):
+            a[-1, 0] = np.nan
+            return a
+        damages = {
+            "age_steps longer": changed("age_steps", lambda a: np.r_[a, 0]),
+            "age_steps shorter": changed("age_steps", lambda a: a[:-1]),
+            "age_steps int32": changed("age_steps", lambda a: a.astype(np.int32)),
+            "age_seconds 2-D": changed("age_seconds", lambda a: a.reshape(-1, 1)),
+            "freq float": changed("freq", lambda a: a.astype(np.float64)),
+            "a slot's rows": changed("slot/m", lambda a: a[:-1]),
+            "a slot's dtype": changed("slot/v", lambda a: a.astype(np.float64)),
+            "a scalar slot's shape": changed("slot/iterations", lambda a: a.reshape(1)),
+            "a negative age": changed("age_steps", negative),
+            "NaN in a slot": changed("slot/v", nan),
+            "an age past the step": changed("age_steps", lambda a: a + step + 1),
+        }
+        for what, damage in damages.items():
+            tensors = {k: a.copy() for k, a in good.items()}
+            damage(tensors)
+            save_file(tensors, shard, metadata=meta)
+            entry["bytes"] = os.path.getsize(shard)
+            json.dump(manifest, open(manifest_path, "w"))
+            with pytest.raises(CheckpointError):
+                ckpt.restore(delta)
+                pytest.fail(f"restored with {what}")
+        save_file(good, shard, metadata=meta)
+        entry["bytes"] = os.path.getsize(shard)
+        json.dump(manifest, open(manifest_path, "w"))
+
+        delta_path = os.path.join(delta, "manifest.json")
+        good_delta = open(delta_path).read()
+
+        def edit(fn):
+            m = json.loads(good_delta)
+            fn(m)
+            return m
+        unchanged = lambda m: m["variables"]["w"]["shards"][0]   # noqa: E731
+        malformed = {
+            "format_version a string": edit(lambda m: m.update(format_version="9")),
+            "a shard entry a string": edit(
+                lambda m: m["variables"]["w"].update(shards=["ps-0/w.safetensors"])),
+            "table shards an object": edit(lambda m: m["tables"]["t"].update(shards={})),
+            "a variable an array": edit(lambda m: m["variables"].update(w=[1])),
+            "an unchanged entry's version a string": edit(
+                lambda m: unchanged(m).update(version="x")),
+            "an unchanged entry without a version": edit(lambda m: unchanged(m).pop("version")),
+            "an unchanged entry without rows": edit(lambda m: unchanged(m).pop("rows")),
+            "a negative version": edit(lambda m: unchanged(m).update(version=-1)),
+            "an unknown kind": edit(lambda m: unchanged(m).update(kind="partial")),
+        }
+        assert unchanged(json.loads(good_delta))["kind"] == "unchanged"
+        for what, m in malformed.items():
+            json.dump(m, open(delta_path, "w"))
+            with pytest.raises(CheckpointError):
+                ckpt.restore(delta)
+                pytest.fail(f"restored with {what}")
+        after = (w.read(), w.versions(), table.lookup(keys, admit=False))
+        open(delta_path, "w").write(good_delta)
+        ckpt.restore(delta)   # whole again: restored
+        restored = (w.read(), table.lookup(keys, admit=False))
+    np.testing.assert_array_equal(after[0], before[0])
+    assert after[1] == before[1]
+    np.testing.assert_array_equal(after[2], before[2])
+    np.testing.assert_array_equal(restored[0], saved[0])
+    np.testing.assert_array_equal(restored[1], saved[1])

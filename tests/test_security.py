@@ -171,3 +171,39 @@ def test_a_killed_local_cluster_leaves_no_private_key_behind(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_saves_write_through_temporary_names_of_their_own(start_ps, tmp_path):
+    """The temporary file was "<file>.tmp<server pid>": the same for every
+    thread (two concurrent saves of one shard into one directory raced,
+    INTERNAL) and known in advance (whatever was planted there broke or
+    took the save). Each write now has its own, made exclusively; a write
+    that fails is a clear error, not INTERNAL."""
+    from concurrent import futures
+
+    from safetensors.numpy import load_file
+
+    from psserver.errors import FailedPrecondition
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    ps = start_ps("--checkpoint-dir", str(d), env={"PSTRAIN_AUTH_TOKEN": TOKEN})
+    value = np.arange(1 << 20, dtype=np.float32)   # 4 MiB: a write takes a while
+    with PSClient(ps.address, token=TOKEN, timeout=60) as c:
+        c.create_variable("w", initial_value=value)
+        c.create_table("t", 2)
+        planted = [d / f"w.safetensors.tmp{ps.pid}", d / f"~table~t.safetensors.tmp{ps.pid}"]
+        for p in planted:   # where the old names were: in the way
+            p.mkdir()
+        (saved,) = c.save(str(d), ["w"])
+        assert c.save_table("t", str(d)).rows == 0
+        with futures.ThreadPoolExecutor(4) as pool:   # one shard, one directory, at once
+            jobs = [pool.submit(c.save, str(d), ["w"]) for _ in range(12)]
+            assert all(j.result()[0].file == saved.file for j in jobs)
+        (d / "sub" / "w.safetensors").mkdir(parents=True)   # a directory where the file goes
+        with pytest.raises(FailedPrecondition, match="cannot write checkpoint file"):
+            c.save(str(d / "sub"), ["w"])
+    np.testing.assert_array_equal(load_file(d / saved.file)["value"], value)
+    assert sorted(p.name for p in d.iterdir()) == sorted(
+        [saved.file, "~table~t.safetensors", "sub"] + [p.name for p in planted])
+    assert [p.name for p in (d / "sub").iterdir()] == ["w.safetensors"]

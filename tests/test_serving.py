@@ -159,3 +159,57 @@ def test_a_damaged_or_broken_delta_is_refused_and_the_previous_state_served(tmp_
         assert snap.refresh() and snap.path == nxt
     with pytest.raises(SnapshotError, match="no export"):
         Snapshot(str(tmp_path / "empty"))
+
+
+def test_an_exporter_whose_first_export_fails_raises_at_start(tmp_path, tmp_path_factory):
+    """A directory outside the servers' --checkpoint-dir used to be found
+    out only as warnings on the exporter's thread (nothing exported until
+    training ended). start() (entering the with) writes the first export
+    itself: it raises, and starts no thread; a good directory has its first
+    export when start() returns."""
+    from psserver.errors import PermissionDenied
+
+    outside = tmp_path_factory.mktemp("outside")
+    with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        strategy.create_variable("w", shape=(4,), initializer="ones")
+        bad = Exporter(strategy, str(outside / "export"), every_seconds=0.2)
+        with pytest.raises(PermissionDenied, match="outside"):
+            with bad:
+                pytest.fail("entered an exporter that cannot export")
+        assert bad._thread is None and bad.last is None and bad.manager.checkpoints() == []
+        good = Exporter(strategy, str(tmp_path / "export"), every_seconds=60)
+        with good:
+            assert good.manager.checkpoints() == [good.last]   # written by start()
+        assert good.errors == 0 and len(good.manager.checkpoints()) == 2   # and the final one
+
+
+def test_a_table_file_whose_keys_are_out_of_order_is_refused(tmp_path):
+    """A Snapshot finds a key's row by binary search in its shard's keys:
+    a file whose keys are not sorted and distinct (the servers write them
+    sorted) would answer wrong rows. It is refused when loaded."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    export_dir = tmp_path / "export"
+    with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        emb = strategy.create_embedding_table("emb", 2, initializer="random_normal", seed=1)
+        keys = np.arange(20, dtype=np.int64)
+        emb.lookup(keys)
+        path = Exporter(strategy, str(export_dir)).export()
+        want = emb.lookup(keys, admit=False)
+    assert (Snapshot(str(export_dir)).lookup("emb", keys) == want).all()
+    manifest_path = os.path.join(path, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    entry = manifest["tables"]["emb"]["shards"][0]
+    shard = os.path.join(path, entry["file"])
+    with safe_open(shard, framework="np") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for order in (np.arange(20)[::-1], np.r_[0, np.arange(19)]):   # reversed; a key twice
+        save_file({k: np.ascontiguousarray(a[order]) for k, a in tensors.items()}, shard,
+                  metadata=meta)
+        entry["bytes"] = os.path.getsize(shard)
+        json.dump(manifest, open(manifest_path, "w"))
+        with pytest.raises(SnapshotError, match="not sorted and distinct"):
+            Snapshot(str(export_dir))

@@ -268,3 +268,28 @@ def test_a_dead_replica_is_abandoned_and_the_step_applies_without_it():
     np.testing.assert_array_equal(got, ref.lookup(all_keys, admit=False))
     assert all(i.sync_steps == STEPS and i.step == STEPS for i in infos)
 
+
+
+def test_a_sync_look_up_sent_to_a_backup_copy_is_refused_at_once():
+    """A backup copy gathers a sync step's updates too (it finishes the step
+    if promoted), so a sync look-up of a later step sent to it used to wait
+    for that step until its deadline before answering NotPrimary. It is
+    refused at once, without waiting (the look-up's deadline is far off)."""
+    from psserver.errors import NotPrimary
+
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, mode="sync", replication=True)
+        table = strategy.create_embedding_table("emb", DIM, **SPEC)
+        keys = np.arange(4, dtype=np.int64)
+        grads = np.ones((4, DIM), np.float32)
+        backup = table.backups[0]
+        with PSClient(table.shards[0].address, token=cluster.token, tls=cluster.tls) as p, \
+                PSClient(backup.address, token=cluster.token, tls=cluster.tls,
+                         timeout=20) as b:
+            spec = SyncSpec(0, 0, 2, 2)   # one replica of two: step 0 stays pending
+            p.update_table(table.shards[0].table, keys, grads, sync=spec)
+            b.update_table(backup.table, keys, grads, sync=spec)
+            with pytest.raises(NotPrimary):
+                b.lookup(backup.table, keys, sync_step=1)
+            with pytest.raises(NotPrimary):
+                b.lookup(backup.table, keys)

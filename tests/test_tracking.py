@@ -280,3 +280,136 @@ def test_one_streams_many_saves_never_make_a_server_forget_anothers(tmp_path, mo
         store.begin_save(i, 0, "", "ckpt")
     with pytest.raises(FailedPrecondition, match="unknown"):
         store.begin_save(200, 1, store.incarnation, "ckpt")
+
+
+def test_a_churning_table_keeps_a_bounded_count_of_evicted_keys_and_counts_them(tmp_path):
+    """Tracking started (one save point) and then no save for a long time:
+    a table shard that evicts 200,000 keys keeps at most a bounded number of
+    them (past that its next save writes it whole), counts what it keeps in
+    its bytes, and every save still composes to the shard's state."""
+    from protos.pstrain.v1 import tables_pb2
+    from psserver.tables import TableServicer
+    from psserver.tensor import fill
+    from psserver.tracking import MIN_EVICTED_KEPT
+
+    store = VariableStore()
+    tables = TableServicer(1 << 26, store)
+    tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(
+        dim=2, capacity=1000)), None)
+    table = tables._entry("t").table
+    spec = types.SimpleNamespace(name="t", dim=2, dtype="float32", optimizer="sgd")
+
+    def lookup(keys):
+        req = tables_pb2.LookupRequest(name="t")
+        fill(req.keys, keys)
+        tables.Lookup(req, None)
+
+    def save(n, since):
+        d = tmp_path / f"s{n}"
+        d.mkdir()
+        reply = tables.Save(tables_pb2.SaveTableRequest(
+            name="t", directory=str(d), save_id=n, since=since, stream="s",
+            incarnation=store.incarnation), None)
+        store.commit_save(n, "s", store.incarnation)
+        return reply, {"file": reply.file, "rows": reply.rows, "bytes": reply.bytes,
+                       "kind": "delta" if reply.kind == DELTA else "full"}, str(d)
+
+    lookup(np.arange(1000))
+    reply, entry, d = save(1, 0)
+    shard = advance_table_shard(None, d, entry, spec, False)
+    untracked = table.nbytes - table.tracker.nbytes
+    limit = max(table.value.shape[0], MIN_EVICTED_KEPT)
+    most = 0
+    for i in range(1, 201):   # 1,000 new keys a look-up: 200,000 evictions in all
+        lookup(np.arange(1000 * i, 1000 * (i + 1)))
+        kept = sum(a.size for a in table.tracker.evicted)
+        most = max(most, kept)
+        assert table.nbytes >= untracked + table.tracker.dirty.nbytes + 8 * kept
+    assert table.stats.evicted_capacity == 200_000
+    assert most <= 2 * limit and table.tracker.nbytes < 100 * limit
+    reply, entry, d = save(2, 1)
+    assert reply.kind == FULL   # more evictions than it keeps: written whole
+    shard = advance_table_shard(shard, d, entry, spec, False)
+    lookup(np.arange(500_000, 500_010))
+    reply, entry, d = save(3, 2)
+    assert reply.kind == DELTA and reply.rows == 10 and reply.evicted == 10
+    shard = advance_table_shard(shard, d, entry, spec, False)
+    want = table.export(now=shard[2])
+    for k in ("keys", "values", "freq", "age_steps"):
+        assert shard[0][k].tobytes() == want[k].tobytes(), k
+
+
+def test_a_variables_tracking_is_bounded_per_row_and_counted_in_what_the_server_holds(tmp_path):
+    store = VariableStore()
+    store.create("w", "float32", (1000, 1))
+    for n in range(1, 3 * MAX_POINTS):   # never committed: every point kept, up to the bound
+        store.push_sparse("w", np.array([n]), np.ones((1, 1), np.float32))
+        store.save(str(tmp_path), (), store.begin_save(n, n - 1, store.incarnation, "s"))
+    tracker = store._get("w").tracker
+    assert 1000 * MAX_POINTS <= tracker.nbytes <= 1000 * (1 + MAX_POINTS)
+    assert store.held_bytes() == store.total_bytes() + tracker.nbytes
+
+
+def _half_way(optimizer, method):
+    """Make ``optimizer.method`` change its rows' values, then fail (a bug
+    half-way through an apply)."""
+    def broken(value, slots, *args):
+        value[...] += 1
+        raise RuntimeError("a bug half-way")
+    setattr(optimizer, method, broken)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path, sparse):
+    """A sync step's apply that fails after changing values: the changes
+    it made are in no tracker, so the next incremental save must write the
+    variable whole (as the asynchronous paths do), not a delta without them."""
+    from psserver.contract import SyncSpec
+
+    store = VariableStore()
+    store.create("w", "float32", (4, 2))
+    saves = _Saves(store, str(tmp_path))
+    saves.save()
+    var = store._get("w")
+    _half_way(var.optimizer, "apply_sparse" if sparse else "apply_dense")
+    with pytest.raises(RuntimeError, match="half-way"):
+        if sparse:
+            store.push_sparse_sync("w", np.array([1]), np.ones((1, 2), np.float32),
+                                   SyncSpec(0, 0, 1, 1))
+        else:
+            store.push_sync([("w", np.ones((4, 2), np.float32))], SyncSpec(0, 0, 1, 1))
+    _, saved = saves.save()
+    assert saved["w"].kind == FULL
+    _assert_same(saves.compose("w"), _state(store, "w"))
+
+
+def test_a_tables_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path):
+    from protos.pstrain.v1 import ps_pb2, tables_pb2
+    from psserver.tables import TableServicer
+    from psserver.tensor import fill
+
+    store = VariableStore()
+    tables = TableServicer(1 << 26, store)
+    tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(dim=2)),
+                  None)
+    req = tables_pb2.LookupRequest(name="t")
+    fill(req.keys, np.arange(4))
+    tables.Lookup(req, None)
+
+    def save(n, since):
+        d = tmp_path / f"s{n}"
+        d.mkdir()
+        reply = tables.Save(tables_pb2.SaveTableRequest(
+            name="t", directory=str(d), save_id=n, since=since, stream="s",
+            incarnation=store.incarnation), None)
+        store.commit_save(n, "s", store.incarnation)
+        return reply.kind
+    assert save(1, 0) == FULL
+    _half_way(tables._entry("t").table.optimizer, "apply_sparse")
+    upd = tables_pb2.TableUpdateRequest(name="t", sync=ps_pb2.SyncInfo(
+        step=0, replica=0, num_replicas=1, required=1))
+    fill(upd.keys, np.array([1]))
+    fill(upd.grads, np.ones((1, 2), np.float32))
+    with pytest.raises(RuntimeError, match="half-way"):
+        tables.Update(upd, None)
+    assert save(2, 1) == FULL
