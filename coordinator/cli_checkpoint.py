@@ -25,6 +25,22 @@ def _step_of(path: str) -> int:
     return int(os.path.basename(path).split("-", 1)[1])
 
 
+def _held(target, not_done: str, nothing: str):
+    """(the servers' listing, the variables' layout, the dynamic tables), or
+    OperatorError: ``not_done`` ("No checkpoint written") after a listing
+    that does not fit together, ``nothing`` ("nothing to save") when empty."""
+    listing = _listing_or_fail(target)
+    try:
+        layout = L.layout_from_listing(listing)
+        tables = _tables(target)
+    except C.CheckpointError as exc:
+        raise OperatorError(f"{exc}\n{not_done}. Check that {target.source} lists "
+                            "every parameter server.") from None
+    if not layout and not tables:
+        raise OperatorError(f"{nothing}: the parameter servers hold no variables")
+    return listing, layout, tables
+
+
 def _ckpt_save(args) -> int:
     target = target_from_args(args)
     try:
@@ -35,15 +51,7 @@ def _ckpt_save(args) -> int:
         raise ClusterConfigError('--extra must be a JSON object, e.g. \'{"epoch": 3}\'')
     if args.step is not None and args.step < 0:
         raise ClusterConfigError(f"--step must be >= 0, got {args.step}")
-    listing = _listing_or_fail(target)
-    try:
-        layout = L.layout_from_listing(listing)
-        tables = _tables(target)
-    except C.CheckpointError as exc:
-        raise OperatorError(f"{exc}\nNo checkpoint written. Check that {target.source} lists "
-                            "every parameter server.") from None
-    if not layout and not tables:
-        raise OperatorError("nothing to save: the parameter servers hold no variables")
+    listing, layout, tables = _held(target, "No checkpoint written", "nothing to save")
     directory = os.path.abspath(args.directory)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -246,15 +254,7 @@ def _export(args) -> int:
             raise ClusterConfigError(f"{flag} must be {'>' if flag == '--every' else '>='} "
                                      f"{low}, got {value}")
     target = target_from_args(args)
-    listing = _listing_or_fail(target)
-    try:
-        layout = L.layout_from_listing(listing)
-        tables = _tables(target)
-    except C.CheckpointError as exc:
-        raise OperatorError(f"{exc}\nNothing exported. Check that {target.source} lists "
-                            "every parameter server.") from None
-    if not layout and not tables:
-        raise OperatorError("nothing to export: the parameter servers hold no variables")
+    _, layout, tables = _held(target, "Nothing exported", "nothing to export")
     directory = os.path.abspath(args.directory)
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
     model = types.SimpleNamespace(variables=layout, tables=tables,
