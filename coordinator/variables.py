@@ -135,11 +135,10 @@ class ShardedVariable:
     def _runs(self, ids: np.ndarray) -> list[tuple[int, slice, np.ndarray]]:
         """(shard index, its run of ``ids``, those ids local to the shard) per
         shard with ids, for sorted ``ids`` (each shard's ids are one run: shards
-        hold consecutive rows). Raises ValueError for ids out of range."""
+        hold consecutive rows; int64, as distinct and sum_duplicates give them).
+        Raises ValueError for ids out of range."""
         if not self.shape:
             raise ValueError(f"variable {self.name!r} is a scalar: it has no rows")
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"ids must be integers, got {ids.dtype.name}")
         if ids.size and (ids[0] < 0 or ids[-1] >= self.shape[0]):
             raise ValueError(f"ids out of range for {self.name!r} with {self.shape[0]} rows")
         bounds = np.searchsorted(ids, self.offsets)
@@ -192,14 +191,12 @@ class ShardedVariable:
         are summed here as a server would (psserver.optimizers.sum_duplicates:
         the same bits), so each shard gets sorted distinct ids. Made once per
         push: a push sent again after a route changed keeps its keys."""
-        ids = np.asarray(ids).reshape(-1)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"ids must be integers, got {ids.dtype.name}")
+        ids = _int64_ids(ids)
         rows = np.asarray(rows, dtype=self.dtype)
         if rows.shape != (ids.size,) + self.shape[1:]:
             raise ValueError(f"sparse gradient rows for {self.name!r} have shape {rows.shape}, "
                              f"expected {(ids.size,) + self.shape[1:]}")
-        ids, rows = sum_duplicates(ids.astype(np.int64, copy=False), rows)
+        ids, rows = sum_duplicates(ids, rows)
         runs = {k: (run, local) for k, run, local in self._runs(ids)}
         out = []
         for k in range(self.num_shards):
@@ -228,12 +225,17 @@ class ShardedVariable:
                 for t, i, r, uid, k in self._sparse_parts(parts, sync)]
 
 
-def distinct(ids) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse])."""
+def _int64_ids(ids) -> np.ndarray:
+    """Row ids flattened, as int64; ValueError for any other kind than integers."""
     flat = np.asarray(ids).reshape(-1)
     if flat.dtype.kind not in "iu":
         raise ValueError(f"ids must be integers, got {flat.dtype.name}")
-    uniq, inverse = np.unique(flat.astype(np.int64, copy=False), return_inverse=True)
+    return flat.astype(np.int64, copy=False)
+
+
+def distinct(ids) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse])."""
+    uniq, inverse = np.unique(_int64_ids(ids), return_inverse=True)
     return uniq, inverse.reshape(-1)
 
 
