@@ -219,18 +219,50 @@ def test_a_restored_promoted_or_replaced_copy_is_saved_whole_next(tmp_path):
     assert next_kind() == FULL
 
 
-def test_table_shards_track_made_updated_looked_up_and_evicted_keys(tmp_path):
-    """A dynamic table shard's deltas through the DynamicTables service (in
-    process): made, updated, looked-up rows and evicted keys; composed with
-    the reader's merge they equal a full export of the shard."""
-    from protos.pstrain.v1 import ps_pb2, tables_pb2
+def _table_servicer(tmp_path, **spec):
+    """(a TableServicer holding table "t" of dim 2 and ``spec``, lookup(keys),
+    save(save_id, since) -> (reply, its directory): saved and committed on
+    stream "s")."""
+    from protos.pstrain.v1 import tables_pb2
     from psserver.tables import TableServicer
     from psserver.tensor import fill
 
     store = VariableStore()
     tables = TableServicer(1 << 26, store)
     tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(
-        dim=2, capacity=30, optimizer=ps_pb2.OptimizerSpec(name="adam"))), None)
+        dim=2, **spec)), None)
+
+    def lookup(keys):
+        req = tables_pb2.LookupRequest(name="t")
+        fill(req.keys, keys)
+        tables.Lookup(req, None)
+
+    def save(n, since):
+        d = tmp_path / f"s{n}"
+        d.mkdir()
+        reply = tables.Save(tables_pb2.SaveTableRequest(
+            name="t", directory=str(d), save_id=n, since=since, stream="s",
+            incarnation=store.incarnation), None)
+        store.commit_save(n, "s", store.incarnation)
+        return reply, str(d)
+    return tables, lookup, save
+
+
+def _entry_of(reply) -> dict:
+    """A table Save reply as a manifest entry (coordinator.checkpoint_files)."""
+    return {"file": reply.file, "rows": reply.rows, "bytes": reply.bytes,
+            "kind": "delta" if reply.kind == DELTA else "full"}
+
+
+def test_table_shards_track_made_updated_looked_up_and_evicted_keys(tmp_path):
+    """A dynamic table shard's deltas through the DynamicTables service (in
+    process): made, updated, looked-up rows and evicted keys; composed with
+    the reader's merge they equal a full export of the shard."""
+    from protos.pstrain.v1 import ps_pb2, tables_pb2
+    from psserver.tensor import fill
+
+    tables, lookup, save = _table_servicer(tmp_path, capacity=30,
+                                           optimizer=ps_pb2.OptimizerSpec(name="adam"))
     t = types.SimpleNamespace(name="t", dim=2, dtype="float32", optimizer="adam")
     rng = np.random.default_rng(1)
     shard = None
@@ -238,23 +270,14 @@ def test_table_shards_track_made_updated_looked_up_and_evicted_keys(tmp_path):
     deltas = []
     for n in range(1, 9):
         keys = rng.integers(0, 60, 12)
-        req = tables_pb2.LookupRequest(name="t")
-        fill(req.keys, keys)
-        tables.Lookup(req, None)
+        lookup(keys)
         upd = tables_pb2.TableUpdateRequest(name="t", update_id=n)
         fill(upd.keys, np.unique(keys)[:5])
         fill(upd.grads, np.ones((min(5, np.unique(keys).size), 2), np.float32))
         tables.Update(upd, None)
-        d = tmp_path / f"s{n}"
-        d.mkdir()
-        reply = tables.Save(tables_pb2.SaveTableRequest(
-            name="t", directory=str(d), save_id=n, since=since, stream="s",
-            incarnation=store.incarnation), None)
-        store.commit_save(n, "s", store.incarnation)
+        reply, d = save(n, since)
         since = n
-        entry = {"file": reply.file, "rows": reply.rows, "bytes": reply.bytes,
-                 "kind": "delta" if reply.kind == DELTA else "full"}
-        shard = advance_table_shard(shard, str(d), entry, t, False)
+        shard = advance_table_shard(shard, d, _entry_of(reply), t, False)
         if reply.kind == DELTA:
             deltas.append((reply.rows, reply.evicted))
         entry_now = tables._entry("t")
@@ -287,35 +310,18 @@ def test_a_churning_table_keeps_a_bounded_count_of_evicted_keys_and_counts_them(
     a table shard that evicts 200,000 keys keeps at most a bounded number of
     them (past that its next save writes it whole), counts what it keeps in
     its bytes, and every save still composes to the shard's state."""
-    from protos.pstrain.v1 import tables_pb2
-    from psserver.tables import TableServicer
-    from psserver.tensor import fill
     from psserver.tracking import MIN_EVICTED_KEPT
 
-    store = VariableStore()
-    tables = TableServicer(1 << 26, store)
-    tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(
-        dim=2, capacity=1000)), None)
+    tables, lookup, save = _table_servicer(tmp_path, capacity=1000)
     table = tables._entry("t").table
     spec = types.SimpleNamespace(name="t", dim=2, dtype="float32", optimizer="sgd")
 
-    def lookup(keys):
-        req = tables_pb2.LookupRequest(name="t")
-        fill(req.keys, keys)
-        tables.Lookup(req, None)
-
-    def save(n, since):
-        d = tmp_path / f"s{n}"
-        d.mkdir()
-        reply = tables.Save(tables_pb2.SaveTableRequest(
-            name="t", directory=str(d), save_id=n, since=since, stream="s",
-            incarnation=store.incarnation), None)
-        store.commit_save(n, "s", store.incarnation)
-        return reply, {"file": reply.file, "rows": reply.rows, "bytes": reply.bytes,
-                       "kind": "delta" if reply.kind == DELTA else "full"}, str(d)
+    def saved(n, since):
+        reply, d = save(n, since)
+        return reply, _entry_of(reply), d
 
     lookup(np.arange(1000))
-    reply, entry, d = save(1, 0)
+    reply, entry, d = saved(1, 0)
     shard = advance_table_shard(None, d, entry, spec, False)
     untracked = table.nbytes - table.tracker.nbytes
     limit = max(table.value.shape[0], MIN_EVICTED_KEPT)
@@ -327,11 +333,11 @@ def test_a_churning_table_keeps_a_bounded_count_of_evicted_keys_and_counts_them(
         assert table.nbytes >= untracked + table.tracker.dirty.nbytes + 8 * kept
     assert table.stats.evicted_capacity == 200_000
     assert most <= 2 * limit and table.tracker.nbytes < 100 * limit
-    reply, entry, d = save(2, 1)
+    reply, entry, d = saved(2, 1)
     assert reply.kind == FULL   # more evictions than it keeps: written whole
     shard = advance_table_shard(shard, d, entry, spec, False)
     lookup(np.arange(500_000, 500_010))
-    reply, entry, d = save(3, 2)
+    reply, entry, d = saved(3, 2)
     assert reply.kind == DELTA and reply.rows == 10 and reply.evicted == 10
     shard = advance_table_shard(shard, d, entry, spec, False)
     want = table.export(now=shard[2])
@@ -385,26 +391,11 @@ def test_a_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path, sparse):
 
 def test_a_tables_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path):
     from protos.pstrain.v1 import ps_pb2, tables_pb2
-    from psserver.tables import TableServicer
     from psserver.tensor import fill
 
-    store = VariableStore()
-    tables = TableServicer(1 << 26, store)
-    tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(dim=2)),
-                  None)
-    req = tables_pb2.LookupRequest(name="t")
-    fill(req.keys, np.arange(4))
-    tables.Lookup(req, None)
-
-    def save(n, since):
-        d = tmp_path / f"s{n}"
-        d.mkdir()
-        reply = tables.Save(tables_pb2.SaveTableRequest(
-            name="t", directory=str(d), save_id=n, since=since, stream="s",
-            incarnation=store.incarnation), None)
-        store.commit_save(n, "s", store.incarnation)
-        return reply.kind
-    assert save(1, 0) == FULL
+    tables, lookup, save = _table_servicer(tmp_path)
+    lookup(np.arange(4))
+    assert save(1, 0)[0].kind == FULL
     _half_way(tables._entry("t").table.optimizer, "apply_sparse")
     upd = tables_pb2.TableUpdateRequest(name="t", sync=ps_pb2.SyncInfo(
         step=0, replica=0, num_replicas=1, required=1))
@@ -412,4 +403,4 @@ def test_a_tables_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path):
     fill(upd.grads, np.ones((1, 2), np.float32))
     with pytest.raises(RuntimeError, match="half-way"):
         tables.Update(upd, None)
-    assert save(2, 1) == FULL
+    assert save(2, 1)[0].kind == FULL
