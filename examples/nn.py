@@ -21,9 +21,11 @@ def dense(x, w, b):
     return x @ w + b
 
 
-def dense_backward(dy, x, w):
-    """Gradients (dx, dw, db) of y = x @ w + b, given dy."""
-    return dy @ w.T, x.T @ dy, dy.sum(axis=0)
+def dense_backward(dy, x, w, need_dx: bool = True):
+    """Gradients (dx, dw, db) of y = x @ w + b, given dy. ``need_dx=False``:
+    dx is None (a first layer, whose input is data: as autodiff, which
+    never computes a gradient nobody asked for)."""
+    return (dy @ w.T if need_dx else None), x.T @ dy, dy.sum(axis=0)
 
 
 def relu(x):
@@ -135,7 +137,8 @@ class MLP:
         for i in reversed(range(len(params) // 2)):
             if i < len(params) // 2 - 1:
                 d = relu_backward(d, inputs.pop())
-            d, grads[2 * i], grads[2 * i + 1] = dense_backward(d, inputs.pop(), params[2 * i])
+            d, grads[2 * i], grads[2 * i + 1] = dense_backward(d, inputs.pop(), params[2 * i],
+                                                               need_dx=i > 0)
         return loss, grads
 
 
