@@ -164,32 +164,34 @@ class ServerChannel:
         """A blocking call over gRPC (control calls)."""
         return self.grpc.call(method, request, self.timeout if timeout is None else timeout)
 
-    def _invoke(self, wait: bool, method: Method, request, post=lambda r: r, recover=None):
+    def _invoke(self, wait: bool, method: Method, request, post=lambda r: r, recover=None,
+                receiver=None):
         """A unary call on the transport that carries it now: blocking (the
         value) or not (a Handle, sent now). ``post`` turns the reply into the
-        value; ``recover(error)`` may answer an error instead."""
+        value; ``recover(error)`` may answer an error instead; ``receiver``:
+        over a socket, what takes the reply off it (IpcClient.send)."""
         if not wait:
-            return Handle(self._send(method, request), post, self.address, recover)
+            return Handle(self._send(method, request, receiver), post, self.address, recover)
         try:
-            return post(self._make(method, request))
+            return post(self._make(method, request, receiver))
         except PSError as exc:
             if recover is None:
                 raise
             return recover(exc)
 
-    def _make(self, method: Method, request):
+    def _make(self, method: Method, request, receiver=None):
         """A blocking call on the transport that carries it."""
         sock = self._socket(method)
         if sock is None:
             return self.grpc.call(method, request, self.timeout)
-        return self._over(sock, method, request).result()
+        return self._over(sock, method, request, receiver).result()
 
-    def _send(self, method: Method, request) -> Pending:
+    def _send(self, method: Method, request, receiver=None) -> Pending:
         """A call sent now on the transport that carries it."""
         sock = self._socket(method)
         if sock is None:
             return self.grpc.send(method, request, self.timeout)
-        return self._over(sock, method, request)
+        return self._over(sock, method, request, receiver)
 
     def _run(self, wait: bool, fn, *args):
         """Run fn(*args) now (blocking) or on the client's threads (a Handle)."""
@@ -360,7 +362,7 @@ class ServerChannel:
                 self._data, self._plan = None, None
         sock.close()
 
-    def _over(self, sock: SocketTransport, method: Method, request) -> Pending:
+    def _over(self, sock: SocketTransport, method: Method, request, receiver=None) -> Pending:
         """``method`` sent over ``sock`` now, acting on its failures: a
         request that never reached the server goes over gRPC instead (safe:
         nothing ran) and the route is learnt again on the next call; a
@@ -374,7 +376,7 @@ class ServerChannel:
                 raise exc
             return self.grpc.call(method, request, self.timeout)
         try:
-            pending = sock.send(method, request, self.timeout)
+            pending = sock.send(method, request, self.timeout, receiver)
         except PSError as exc:
             # joined now, while the caller's arrays are as they were (wire.Scattered)
             request = wire.joined(request)

@@ -193,7 +193,8 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
                                remember)
 
     def _read_many(self, names: Sequence[str], wait: bool, sync_step: int | None = None,
-                   out: Sequence[np.ndarray | None] | None = None, value_dtype: str = ""):
+                   out: Sequence[np.ndarray | None] | None = None, value_dtype: str = "",
+                   _into: Sequence[np.ndarray | None] | None = None):
         names = list(names)
         half = T.read_as(value_dtype) is not None
         if sync_step is None and self._direct_ok():
@@ -209,8 +210,9 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
             if wait:
                 return _halved(got)
             return Handle(Pending(lambda: _halved(got.result()), got.done), target=self.address)
-        if out is not None:   # the other paths fill it from what they return
-            got = self._read_many(names, wait, sync_step, value_dtype=value_dtype)
+        if out is not None:   # the other paths fill it from what they return (over a
+            # socket, each value's data is received into its out array: not copied again)
+            got = self._read_many(names, wait, sync_step, value_dtype=value_dtype, _into=out)
             if wait:
                 return _fill(got, out)
             return Handle(Pending(lambda: _fill(got.result(), out), got.done), target=self.address)
@@ -230,9 +232,12 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
         _set_sync_read(req, sync_step)
         # Values read as float16 are not the variables' sizes: not remembered.
         if bulk:
+            want = list(zip(names, _into if _into is not None else [None] * len(names)))
             return self._invoke(wait, methods.BULK_READ, req,
                                 lambda raw: self._snapshots(wire.decode_read_reply(raw), not half),
-                                recover)
+                                recover,
+                                receiver=lambda recv_into, n: wire.receive_read_reply(
+                                    recv_into, n, want))
         return self._invoke(wait, methods.READ, req,
                             lambda reply: self._read_unary_post(reply, not half), recover)
 

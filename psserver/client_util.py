@@ -98,7 +98,7 @@ def _fill(snaps: list[Snapshot], out: Sequence[np.ndarray | None]) -> list[Snaps
     filled = []
     for i, s in enumerate(snaps):
         dest = _dest(out, i, s.value, widen=True)
-        if dest is not None:
+        if dest is not None and dest is not s.value:   # (received into it already: as is)
             if s.value.dtype == np.float16 and dest.dtype != np.float16:
                 T.widen_float16(s.value, dest.dtype, out=dest)
             else:

@@ -62,6 +62,7 @@ class Transport:
     kind = ""   # routing.GRPC, UNIX or TCP
 
     def send(self, method: Method, request, timeout: float | None) -> Pending:
+        """(A socket's send also takes ``receiver``: SocketTransport.send.)"""
         raise NotImplementedError
 
     def call(self, method: Method, request, timeout: float | None):
@@ -149,12 +150,15 @@ class SocketTransport(Transport):
     def __init__(self, client: IpcClient, kind: str):
         self.client, self.kind = client, kind
 
-    def send(self, method: Method, request, timeout: float | None) -> Pending:
+    def send(self, method: Method, request, timeout: float | None, receiver=None) -> Pending:
+        """``receiver``: for a method framed by hand (reply None), takes the
+        reply off the socket itself (IpcClient.send)."""
         if method.id is None:
             raise ValueError(f"{method.path} is not a socket call (psserver/methods.py)")
         payload = request if isinstance(request, (bytes, bytearray, memoryview, wire.Scattered)) \
             else request.SerializeToString()
-        receive = self.client.send(method.id, payload, timeout)
+        receive = self.client.send(method.id, payload, timeout,
+                                   receiver if method.reply is None else None)
         if method.reply is None:
             return Pending(receive, receive.ready)
         parse = method.reply.FromString

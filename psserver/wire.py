@@ -336,7 +336,10 @@ def _decode_tensor(raw: bytes, buf: memoryview, spans: list[tuple[int, int]],
 
 
 def decode_read_reply(raw: bytes) -> list[tuple[str, int, np.ndarray]]:
-    """[(name, version, array view of raw)] from ReadReply bytes."""
+    """[(name, version, array view of raw)] from ReadReply bytes (a reply
+    receive_read_reply took already: as it is)."""
+    if isinstance(raw, ReadValues):
+        return raw
     buf = memoryview(raw)
     out = []
     for field, wt, a, b in _fields(buf, 0, len(raw)):
@@ -352,6 +355,184 @@ def decode_read_reply(raw: bytes) -> list[tuple[str, int, np.ndarray]]:
                 spans.append((c, d))
         out.append((name, version, _decode_tensor(raw, buf, spans, f"value of {name!r}")
                     if spans else None))
+    return out
+
+
+class ReadValues(list):
+    """[(name, version, array)] of a ReadReply already received and decoded
+    (``receive_read_reply``): ``decode_read_reply`` gives it back as it is."""
+
+
+#: A read reply's bytes are taken off the socket this many at a time until a
+#: value's data starts; its data then goes straight into its array.
+_STREAM_CHUNK = 4096
+#: A value whose data has not started after this many bytes is received whole.
+_STREAM_PREFIX_MAX = 64 << 10
+
+
+class _Short(Exception):
+    """More bytes are needed before the prefix can be read."""
+
+
+def _value_prefix(buf: memoryview, a: int, end: int, have: int):
+    """The VariableValue in buf[a:end], of which buf[:have] has arrived:
+    (name, version, dtype, shape, data start) when its Tensor's data is the
+    last thing in it (our servers write it so: its data can go straight to
+    its array), None when not (it is received and decoded whole). Raises
+    _Short while what has arrived cannot tell."""
+    def need(k: int) -> None:
+        if k > have:
+            raise _Short
+    name, version, p = "", 0, a
+    try:
+        while p < end:
+            need(p + 1)
+            field, wt, q = _read_key(buf, p, min(have, end))
+            if wt == _VARINT:
+                v, p = _read_varint(buf, q, min(have, end))
+                if field == 2:
+                    version = _int64(v)
+                continue
+            if wt != _LEN:
+                return None
+            n, c = _read_varint(buf, q, min(have, end))
+            if n > end - c:
+                return None   # truncated: the whole decode says so
+            if field == 1:
+                need(c + n)
+                name = _text(buf, c, c + n, "a variable name")
+            elif field == 3:
+                if c + n != end:
+                    return None
+                dtype, shape, t = "", [], c
+                while t < end:
+                    need(t + 1)
+                    f2, wt2, r = _read_key(buf, t, min(have, end))
+                    if wt2 == _VARINT:
+                        v, t = _read_varint(buf, r, min(have, end))
+                        if f2 == 2:
+                            shape.append(_int64(v))
+                        continue
+                    if wt2 != _LEN:
+                        return None
+                    m, d = _read_varint(buf, r, min(have, end))
+                    if m > end - d:
+                        return None
+                    if f2 == 3:
+                        return (name, version, dtype, shape, d) if d + m == end else None
+                    need(d + m)
+                    if f2 == 1:
+                        dtype = _text(buf, d, d + m, "a value's dtype")
+                    elif f2 == 2:
+                        k = d
+                        while k < d + m:
+                            v, k = _read_varint(buf, k, d + m)
+                            shape.append(_int64(v))
+                    t = d + m
+                return None
+            p = c + n
+        return None
+    except InvalidArgument:
+        if have < end:   # a varint cut off where the bytes so far end
+            raise _Short from None
+        return None
+
+
+def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
+                       want: Sequence[tuple[str, np.ndarray | None]]) -> ReadValues:
+    """A ReadReply of n bytes taken off a socket (``recv_into(view)`` fills
+    all of view) and decoded, each value's data received straight into its
+    array: ``want[i]`` = (name asked for, array or None) for the i-th value;
+    an array of that value's dtype and shape (C-contiguous, writable) is
+    filled in place and returned; any other value gets a new array. A value's
+    data goes from the socket to its array with no copy once it starts past
+    the first few KiB taken (our servers' values always do, after a short
+    header); a value written otherwise (another field after its data) is
+    received whole, decoded, then copied in. On an error the arrays' contents
+    are undefined (the connection must be dropped: where the next reply
+    starts is unknown)."""
+    out = ReadValues()
+    head = bytearray()
+    got = 0
+
+    def fits(i: int, name: str, dt, shape) -> np.ndarray | None:
+        arr = want[i][1] if i < len(want) and want[i][0] == name else None
+        if arr is None or arr.dtype != dt or arr.shape != tuple(shape) \
+                or not arr.flags.c_contiguous or not arr.flags.writeable:
+            return None
+        return arr
+
+    def decoded(raw: bytes) -> None:
+        for name, version, arr in decode_read_reply(raw):
+            dest = None if arr is None else fits(len(out), name, arr.dtype, arr.shape)
+            if dest is not None:
+                dest[...] = arr
+            out.append((name, version, arr if dest is None else dest))
+
+    def fetch(k: int = _STREAM_CHUNK) -> None:
+        nonlocal got
+        k = min(k, n - got)
+        if k <= 0:
+            raise InvalidArgument("truncated message (a read reply ends inside a value)")
+        chunk = bytearray(k)
+        recv_into(memoryview(chunk))
+        head.extend(chunk)
+        got += k
+
+    while got < n or head:
+        while True:   # the top-level field's key and length
+            try:
+                with memoryview(head) as buf:   # (released: head grows)
+                    field, wt, p = _read_key(buf, 0, len(head))
+                    if wt == _LEN:
+                        size, p = _read_varint(buf, p, len(head))
+                break
+            except InvalidArgument:
+                if got == n:
+                    raise
+                fetch()
+        if field != 1 or wt != _LEN:   # not ours: everything left decoded as it is
+            if got < n:
+                fetch(n - got)
+            decoded(bytes(head))
+            return out
+        end = p + size
+        if end > len(head) + (n - got):
+            raise InvalidArgument("truncated message (a field runs past its end)")
+        while True:
+            try:
+                with memoryview(head) as buf:
+                    pre = _value_prefix(buf, p, end, len(head)) if len(head) < end else None
+                break
+            except _Short:
+                if len(head) - p > _STREAM_PREFIX_MAX:
+                    pre = None
+                    break
+                fetch()
+        if pre is None:   # received whole, decoded as ever
+            if len(head) < end:
+                fetch(end - len(head))
+            decoded(bytes(head[:end]))
+            del head[:end]
+            continue
+        name, version, dtype, shape, start = pre
+        dt = check_dtype(dtype, WIRE_DTYPES, f"value of {name!r} dtype")
+        shape = check_shape(shape, f"value of {name!r} shape")
+        if nbytes_of(shape, dt) != end - start:
+            raise InvalidArgument(f"value of {name!r} data has {end - start} bytes but dtype "
+                                  f"{dtype} and shape {list(shape)} need "
+                                  f"{nbytes_of(shape, dt)}")
+        arr = fits(len(out), name, dt, shape)
+        if arr is None:
+            arr = np.empty(shape, dt)
+        target = memoryview(arr.reshape(-1).view(np.uint8))
+        k = min(len(head) - start, end - start)
+        target[:k] = head[start:start + k]
+        if k < len(target):
+            recv_into(target[k:])
+            got += len(target) - k
+        del head[:start + k]
+        out.append((name, version, arr))
     return out
 
 

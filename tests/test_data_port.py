@@ -561,3 +561,32 @@ def test_a_steps_read_and_gather_and_its_pushes_are_sent_at_once_over_the_data_p
         assert ref.get_meta("w").version == 2
         snaps, rows = c.read_and_gather_async(["w"], [("t", [2])]).result()   # still usable
         np.testing.assert_array_equal(rows[0][0], table[[2]])
+
+
+def test_a_read_over_the_data_port_lands_in_the_callers_arrays_with_no_copy(start_ps, monkeypatch):
+    """read_many(out=...) over the data port receives each value's bytes
+    straight into its out array (a slice of a larger array too): nothing is
+    copied after the kernel (client_util's np.copyto never runs); a value
+    whose array does not fit (dtype, shape) gets a new one, as before."""
+    ps = start_ps()
+    copies = []
+    real = np.copyto
+    from psserver import client_util, routing
+    monkeypatch.setattr(client_util.np, "copyto",
+                        lambda *a, **k: (copies.append(1), real(*a, **k)))
+    with remote(ps.address) as c:
+        c.create_variable("a", initial_value=np.arange(6000, dtype=np.float32).reshape(3000, 2))
+        c.create_variable("b", initial_value=np.full(5, 7, np.float32))
+        assert c._route().socket == routing.TCP   # over the data port, not gRPC
+        full = np.zeros((3001, 2), np.float32)
+        wrong = np.zeros(4, np.float32)   # b has 5 values: does not fit
+        snaps = c.read_many(["a", "b"], out=[full[1:], wrong])
+        assert snaps[0].value is not None and np.shares_memory(snaps[0].value, full)
+        np.testing.assert_array_equal(full[1:], np.arange(6000, dtype=np.float32).reshape(3000, 2))
+        assert not full[0].any()
+        np.testing.assert_array_equal(snaps[1].value, np.full(5, 7, np.float32))
+        assert not np.shares_memory(snaps[1].value, wrong) and not wrong.any()
+        assert copies == []
+        later = c.read_many_async(["a"], out=[np.empty((3000, 2), np.float32)]).result()
+        np.testing.assert_array_equal(later[0].value, full[1:])
+        assert copies == []

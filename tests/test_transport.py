@@ -102,7 +102,7 @@ class FakeTransport:
         self.kind, self.script, self.on_send = kind, list(script), on_send
         self.sent, self.closed = [], False
 
-    def send(self, method, request, timeout):
+    def send(self, method, request, timeout, receiver=None):
         self.sent.append(method)
         if self.on_send is not None:
             raise self.on_send

@@ -215,3 +215,121 @@ def test_inputs_protobuf_refuses_are_refused_by_the_bulk_push(ps, raw):
         with pytest.raises(grpc.RpcError) as info:
             push(raw, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- a read reply taken off a socket value by value (receive_read_reply) ---------------
+def _valid_reply(draw) -> bytes:
+    """Our encoder's replies, with what another writer might send mixed in:
+    fields before, between and after the tensor, data not last, merged
+    tensors, unknown top-level fields."""
+    values = []
+    for i in range(draw(st.integers(0, 3))):
+        n = draw(st.sampled_from([0, 1, 5, 1500, 3000]))
+        dt = draw(st.sampled_from([np.float32, np.float16, np.int64]))
+        values.append((draw(st.sampled_from([f"v{i}", "", "é"])), draw(st.integers(0, 3)),
+                       np.arange(n, dtype=dt).reshape(draw(st.sampled_from([(n,), (1, n)])))))
+    raw = wire.encode_read_reply(values)
+    if draw(st.booleans()):   # the generated code's bytes (no padding) for the same reply
+        raw = ps_pb2.ReadReply.FromString(raw).SerializeToString()
+    if draw(st.booleans()):   # a value whose tensor is followed by another field
+        vv = ps_pb2.VariableValue(name="t", value=ps_pb2.Tensor(
+            dtype="float32", shape=[700], data=bytes(2800))).SerializeToString()
+        raw += wire._len_field(1, len(vv) + 2) + vv + b"\x10\x05"
+    if draw(st.booleans()):   # data before the dtype and shape
+        t = wire._len_field(3, 4000) + bytes(4000) + wire._len_field(1, 7) + b"float32" \
+            + wire._len_field(2, 2) + b"\xe8\x07"
+        vv = wire._len_field(1, 1) + b"d" + wire._len_field(3, len(t)) + t
+        raw += wire._len_field(1, len(vv)) + vv
+    if draw(st.booleans()):   # an unknown top-level field
+        raw += draw(st.sampled_from([b"\x10\x01", b"\x1a\x02ab", b"\x0d\x00\x00\x00\x00"]))
+    return raw
+
+
+@st.composite
+def _mutated_reply(draw) -> bytes:
+    raw = bytearray(_valid_reply(draw))
+    for _ in range(draw(st.integers(0, 3))):
+        op = draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
+        pos = draw(st.integers(0, len(raw)))
+        if op == "flip" and raw:
+            raw[min(pos, len(raw) - 1)] = draw(st.integers(0, 255))
+        elif op == "insert":
+            raw[pos:pos] = draw(st.sampled_from(_KEYS))
+        elif op == "delete" and raw:
+            del raw[pos:pos + draw(st.integers(1, 3))]
+        elif op == "truncate":
+            del raw[pos:]
+    return bytes(raw)
+
+
+def _receive(raw: bytes, want):
+    """receive_read_reply over raw as a socket would give it; then whether
+    every byte was taken (no more, no fewer)."""
+    pos = 0
+
+    def recv_into(view):
+        nonlocal pos
+        if pos + len(view) > len(raw):
+            raise AssertionError("asked for bytes past the reply's end")
+        view[:] = raw[pos:pos + len(view)]
+        pos += len(view)
+    out = wire.receive_read_reply(recv_into, len(raw), want)
+    return out, pos == len(raw)
+
+
+def _seen(values):
+    return [(n, v, None if a is None else (a.dtype.str, a.shape, a.tobytes()))
+            for n, v, a in values]
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_mutated_reply(), st.binary(max_size=40)), st.data())
+def test_a_reply_received_value_by_value_reads_as_the_whole_reply_decoded(raw, data):
+    """Whatever the bytes, receive_read_reply refuses what decode_read_reply
+    refuses (InvalidArgument, nothing else) and otherwise gives the same
+    values, having taken exactly the reply's bytes; a value lands in the
+    array offered for it when that array fits (dtype, shape), else in a new one."""
+    try:
+        expected = _seen(wire.decode_read_reply(raw))
+    except InvalidArgument:
+        expected = None
+    try:
+        peek = wire.decode_read_reply(raw)
+    except InvalidArgument:
+        peek = []
+    want = []
+    for name, _, a in peek:
+        fits = a is not None and data.draw(st.booleans())
+        want.append((name, np.full(a.shape, 9, a.dtype) if fits else
+                     data.draw(st.sampled_from([None, np.zeros(3, np.float32)]))))
+    if expected is None:
+        with pytest.raises(InvalidArgument):
+            _receive(raw, want)
+        return
+    got, whole = _receive(raw, want)
+    assert whole and _seen(got) == expected
+    for (name, dest), (n2, _, a) in zip(want, got):
+        fit = dest is not None and a is not None and (dest.shape, dest.dtype) == (a.shape, a.dtype)
+        assert dest is None or (a is dest) == fit
+        assert fit or dest is None or not dest.any()   # an array that did not fit: untouched
+
+
+def test_a_large_value_is_received_straight_into_its_array():
+    """Our server's reply: each value past the first few KiB goes to its
+    array in one receive (recv_into asked for the rest of its data)."""
+    arrs = [np.arange(100_000, dtype=np.float32), np.arange(7, dtype=np.int64)]
+    raw = wire.encode_read_reply([("a", 3, arrs[0]), ("b", 4, arrs[1])])
+    dest = np.empty(100_000, np.float32)
+    asks = []
+    pos = 0
+
+    def recv_into(view):
+        nonlocal pos
+        asks.append(len(view))
+        view[:] = raw[pos:pos + len(view)]
+        pos += len(view)
+    got = wire.receive_read_reply(recv_into, len(raw), [("a", dest), ("b", None)])
+    assert got[0][2] is dest and got[0][:2] == ("a", 3)
+    np.testing.assert_array_equal(dest, arrs[0])
+    np.testing.assert_array_equal(got[1][2], arrs[1])
+    assert max(asks) > 390_000 and len(asks) <= 3
