@@ -18,6 +18,7 @@ skips fields it does not know, as protobuf does.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -28,7 +29,15 @@ from psserver.tensor import WIRE_DTYPES, check_dtype, check_shape, dtype_name, n
 _VARINT, _LEN = 0, 2
 
 
+#: The varints of 0-16383 (every key, name and shape length and most
+#: dimensions), made once: a message's header is mostly these.
+_SMALL_VARINTS = [bytes((n,)) for n in range(128)] + [
+    bytes((n & 0x7F | 0x80, n >> 7)) for n in range(128, 1 << 14)]
+
+
 def _varint(n: int) -> bytes:
+    if 0 <= n < 16384:
+        return _SMALL_VARINTS[n]
     if n < 0:   # int64 fields: two's complement in 10 bytes, as protobuf writes it
         n &= (1 << 64) - 1
     out = bytearray()
@@ -50,7 +59,9 @@ def _len_field(field: int, payload_len: int) -> bytes:
     return _key(field, _LEN) + _varint(payload_len)
 
 
-def _tensor_head(dtype: str, shape: Sequence[int], nbytes: int, pad: int | None = None) -> bytes:
+@functools.lru_cache(maxsize=4096)   # the same tensors go out step after step
+def _tensor_head(dtype: str, shape: tuple[int, ...], nbytes: int,
+                 pad: int | None = None) -> bytes:
     """Tensor's dtype and shape fields and the key + length of its data;
     ``pad``: the length of a padding field (number _PAD_FIELD) put before it."""
     dt = dtype.encode()
