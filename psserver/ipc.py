@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import _socket
 import select
 import socket
 import ssl
@@ -131,9 +132,13 @@ def data_available() -> bool:
 _WAITALL_BYTES = 256 << 10
 
 
+#: A socket's address family as a plain int (``sock.family`` makes an enum each time).
+_family = _socket.socket.family.__get__
+
+
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
-    if n >= _WAITALL_BYTES and sock.family in (socket.AF_INET, socket.AF_INET6) \
+    if n >= _WAITALL_BYTES and _family(sock) in (socket.AF_INET, socket.AF_INET6) \
             and not isinstance(sock, ssl.SSLSocket):
         got = _recv_waitall(sock, view)
     while got < n:

@@ -283,7 +283,8 @@ class IpcServer:
                 finally:
                     with self._lock:
                         self._running -= 1
-                        self._idle.notify_all()
+                        if self._stopped:   # only stop() waits for it
+                            self._idle.notify_all()
         except (ConnectionError, OSError):   # ssl.SSLError included: a failed handshake
             pass
         finally:

@@ -253,7 +253,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         limit = getattr(context, "max_message_bytes", self.max_message_bytes)
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
-        total = sum(self.store.meta(name).nbytes for name in request.names)
+        total = sum(self.store.nbytes(name) for name in request.names)
         if total > limit:
             raise ResourceExhausted(
                 f"reading {list(request.names)} returns {total} bytes, more than this "

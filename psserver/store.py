@@ -360,6 +360,12 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                            (s.path, s.nbytes, var.value.dtype.name, var.value.shape, s.tag))
         return out
 
+    def nbytes(self, name: str) -> int:
+        """Bytes of a variable's value (NotFound as meta), without building its meta."""
+        var = self._copy(name)
+        with var.lock:
+            return var.value.nbytes
+
     def meta(self, name: str) -> VariableMeta:
         """A variable's metadata, or a dynamic table shard's (its replication
         name: psserver.replication.TABLE_PREFIX + table name)."""
