@@ -409,15 +409,18 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
         ids = _as_ids(ids, "sparse push")
         rows = np.asarray(rows)
         streamed = ids.nbytes + rows.nbytes > self._tensor_limit(methods.PUSH_SPARSE)
+        if not streamed:   # framed by hand: the arrays' memory goes out as it is
+            raw = wire.encode_push_sparse_request(
+                name, ids, rows, update_id, None if sync is None else ps_pb2.SyncInfo(
+                    **dataclasses.asdict(sync)).SerializeToString(), into=wire.SCATTER)
+            return self._invoke(wait, methods.PUSH_SPARSE, raw, lambda r: r.versions[0])
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
         if sync is not None:
             _set_sync(req, sync)
-        T.fill(req.ids, ids, with_data=not streamed)
-        T.fill(req.values, rows, with_data=not streamed)
-        if streamed:
-            return self._run(wait, lambda: self._upload(
-                "push_sparse", req, [ids, rows]).updated.versions[0])
-        return self._invoke(wait, methods.PUSH_SPARSE, req, lambda r: r.versions[0])
+        T.fill(req.ids, ids, with_data=False)
+        T.fill(req.values, rows, with_data=False)
+        return self._run(wait, lambda: self._upload(
+            "push_sparse", req, [ids, rows]).updated.versions[0])
 
     def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
                           update_id: int = 0) -> Handle:

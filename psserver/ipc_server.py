@@ -309,7 +309,7 @@ class IpcServer:
                 raise Unimplemented(f"no method {method} on this socket")
             parse, handler = entry
             try:
-                request = payload if parse is None else parse(bytes(payload))
+                request = payload if parse is None else parse(payload)   # (any buffer: not copied)
             except Exception as exc:   # not the message this method takes
                 raise InvalidArgument(f"bad request: {exc}") from None
             mm = self._metrics_of(method)

@@ -97,9 +97,10 @@ def method_handlers(service, servicer, overrides: Mapping[str, Callable] = {}
         if fn is None:
             continue
         req = message_factory.GetMessageClass(m.input_type)
-        serialize = message_factory.GetMessageClass(m.output_type).SerializeToString
+        # a handler may frame its reply by hand (psserver/wire.py): bytes pass as they are
+        serialize = _bytes_or(message_factory.GetMessageClass(m.output_type).SerializeToString)
         if m.name in overrides:
-            h, serialize = fn, _bytes_or(serialize)
+            h = fn
         elif m.client_streaming:
             h = _stream_request(fn, req)
         else:

@@ -332,9 +332,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 f"gather of {ids.size} rows returns {rows.nbytes} bytes, over the "
                 f"{self.max_message_bytes}-byte message limit; gather fewer ids per "
                 "call (PSClient splits large gathers by itself)")
-        reply = ps_pb2.GatherReply(version=version)
-        T.fill(reply.rows, rows)
-        return reply
+        return wire.encode_gather_reply(version, rows)   # a GatherReply, framed by hand
 
     def PushSparse(self, request, context):
         return self._push_sparse(request, self._decoded(request), context)

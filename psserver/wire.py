@@ -203,6 +203,36 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
     return _join(parts, into)
 
 
+def _tensor_field(field: int, arr: np.ndarray) -> list:
+    """A Tensor field's parts: its header, then arr's memory (not copied)."""
+    data = _contiguous_bytes(arr)
+    head = _tensor_head(dtype_name(arr.dtype), arr.shape, len(data))
+    return [_len_field(field, len(head) + len(data)), head, data]
+
+
+def encode_gather_reply(version: int, rows: np.ndarray) -> bytes:
+    """GatherReply{version, rows} as bytes, the rows' data copied once (the
+    generated code copies it three times: into the message, and twice
+    serializing); any protobuf reader parses it."""
+    head = _key(1, _VARINT) + _varint(version) if version else b""
+    return b"".join([head, *_tensor_field(2, rows)])
+
+
+def encode_push_sparse_request(name: str, ids: np.ndarray, rows: np.ndarray,
+                               update_id: int = 0, sync: bytes | None = None,
+                               into=None) -> bytes | memoryview | Scattered:
+    """PushSparseRequest{name, ids, values, sync, update_id} (see _join for
+    ``into``; with SCATTER the arrays' memory goes to the socket as it is);
+    ``sync``: a serialized SyncInfo, None for none. The server parses it
+    with the generated code, as any other writer's."""
+    parts = [_string(1, name), *_tensor_field(2, ids), *_tensor_field(3, rows)]
+    if sync is not None:
+        parts += [_len_field(4, len(sync)), sync]
+    if update_id:
+        parts += [_key(5, _VARINT), _varint(update_id)]
+    return _join(parts, into)
+
+
 def encode_replicate_request(records) -> bytes:
     """ReplicateRequest{records: [ReplicaRecord]} (psserver.replication.Record
     each) as bytes: the tensor's data copied once (the receiver parses it
