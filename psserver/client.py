@@ -249,7 +249,9 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
         Values are read-only arrays (``.copy()`` one to change it), or the
         arrays of ``out`` (one per name, None: a new one) when given with the
         value's shape and dtype: the value is copied into it (on this host,
-        straight from shared memory: the only copy). With ``sync_step`` (sync
+        straight from shared memory: the only copy; from another host,
+        received straight into it). A read that fails may have written
+        some of them (their contents are then undefined). With ``sync_step`` (sync
         mode), the read waits while an earlier step is still being gathered
         on a variable (see psserver.sync).
 

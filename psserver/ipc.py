@@ -64,8 +64,8 @@ from typing import Callable
 import numpy as np
 
 from psserver import buffers
-from psserver.contract import (Code, DeadlineExceeded, PSError, Unauthenticated, Unavailable,
-                               error_for)
+from psserver.contract import (Code, DeadlineExceeded, InvalidArgument, PSError, Unauthenticated,
+                               Unavailable, error_for)
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,8 @@ class IpcClient:
             s.sendall(_REQUEST.pack(HELLO, len(self._token), 0.0) + self._token)
             code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
             if code:
-                raise error_for(code, _recv_exact(s, n).decode(errors="replace"), self.target)
+                raise error_for(code, bytes(_recv_exact(s, min(n, 4096))).decode(errors="replace"),
+                                self.target)
             if self._identity is not None:
                 s.sendall(_REQUEST.pack(IDENTITY, 0, 0.0))
                 code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
@@ -435,6 +436,9 @@ class IpcClient:
             code, n = _REPLY.unpack(_recv_exact(s, _REPLY.size))
             if receiver is not None and code == 0:
                 # the reply taken off the socket by its own receiver (wire.receive_read_reply)
+                if n > MAX_FRAME_BYTES:
+                    raise InvalidArgument(f"a reply of {n} bytes, over the {MAX_FRAME_BYTES}-byte "
+                                          "frame limit: not a server of ours")
                 got = receiver(lambda view: _recv_into(s, view), n)
             else:
                 body = _recv_exact(s, n)

@@ -361,8 +361,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         return out
 
     def nbytes(self, name: str) -> int:
-        """Bytes of a variable's value (NotFound as meta), without building its meta."""
-        var = self._copy(name)
+        """Bytes of a variable's value (NotFound as a read), without building its meta."""
+        var = self._get(name)
         with var.lock:
             return var.value.nbytes
 

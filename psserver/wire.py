@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from psserver.errors import InvalidArgument
+from psserver.errors import InvalidArgument, ResourceExhausted
 from psserver.tensor import WIRE_DTYPES, check_dtype, check_shape, dtype_name, nbytes_of
 
 _VARINT, _LEN = 0, 2
@@ -409,6 +409,9 @@ class ReadValues(list):
 _STREAM_CHUNK = 4096
 #: A value whose data has not started after this many bytes is received whole.
 _STREAM_PREFIX_MAX = 64 << 10
+#: Bytes received whole are taken at most this many at a time (memory grows
+#: with what arrives, not with what a header claims).
+_WHOLE_CHUNK = 1 << 20
 
 
 class _Short(Exception):
@@ -489,8 +492,9 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
     data goes from the socket to its array with no copy once it starts past
     the first few KiB taken (our servers' values always do, after a short
     header); a value written otherwise (another field after its data) is
-    received whole, decoded, then copied in. On an error the arrays' contents
-    are undefined (the connection must be dropped: where the next reply
+    received whole, decoded, then copied in. On an error (a reply refused
+    part-way) the arrays' contents are undefined: values before the bad one
+    may have landed (the connection must be dropped: where the next reply
     starts is unknown)."""
     out = ReadValues()
     head = bytearray()
@@ -515,10 +519,22 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
         k = min(k, n - got)
         if k <= 0:
             raise InvalidArgument("truncated message (a read reply ends inside a value)")
-        chunk = bytearray(k)
-        recv_into(memoryview(chunk))
-        head.extend(chunk)
-        got += k
+        while k > 0:
+            chunk = bytearray(min(k, _WHOLE_CHUNK))
+            recv_into(memoryview(chunk))
+            head.extend(chunk)
+            got += len(chunk)
+            k -= len(chunk)
+
+    def take(end: int) -> bytearray | bytes:
+        """head's first end bytes, taken out of it (all of head: not copied)."""
+        nonlocal head
+        if len(head) == end:
+            raw, head = head, bytearray()
+            return raw
+        raw = bytes(head[:end])
+        del head[:end]
+        return raw
 
     while got < n or head:
         while True:   # the top-level field's key and length
@@ -535,7 +551,7 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
         if field != 1 or wt != _LEN:   # not ours: everything left decoded as it is
             if got < n:
                 fetch(n - got)
-            decoded(bytes(head))
+            decoded(take(len(head)))
             return out
         end = p + size
         if end > len(head) + (n - got):
@@ -549,12 +565,11 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
                 if len(head) - p > _STREAM_PREFIX_MAX:
                     pre = None
                     break
-                fetch()
+                fetch(max(_STREAM_CHUNK, len(head) - p))   # doubling: parsed O(prefix) times
         if pre is None:   # received whole, decoded as ever
             if len(head) < end:
                 fetch(end - len(head))
-            decoded(bytes(head[:end]))
-            del head[:end]
+            decoded(take(end))
             continue
         name, version, dtype, shape, start = pre
         dt = check_dtype(dtype, WIRE_DTYPES, f"value of {name!r} dtype")
@@ -565,7 +580,11 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
                                   f"{nbytes_of(shape, dt)}")
         arr = fits(len(out), name, dt, shape)
         if arr is None:
-            arr = np.empty(shape, dt)
+            try:   # (pages are committed as bytes arrive)
+                arr = np.empty(shape, dt)
+            except MemoryError:
+                raise ResourceExhausted(f"no memory for value {name!r} ({end - start} "
+                                        "bytes) of a read reply") from None
         target = memoryview(arr.reshape(-1).view(np.uint8))
         k = min(len(head) - start, end - start)
         target[:k] = head[start:start + k]

@@ -3,6 +3,7 @@ framed by hand beside gRPC. Real psserver/psworker processes on 127.0.0.1;
 clients made to treat them as remote (shared_memory=False, or PSTRAIN_SHM=0)."""
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import ssl
@@ -22,7 +23,7 @@ from psserver import ipc, ipc_server, shm, wire
 from psserver import methods
 from psserver import client as client_module
 from psserver.client import PSClient
-from psserver.errors import PSError, Unauthenticated, Unavailable
+from psserver.errors import InvalidArgument, PSError, Unauthenticated, Unavailable
 from psserver.process import start_task
 from psserver.server import TOKEN_ENV
 from psserver.tls import TLSConfig, generate_self_signed
@@ -569,16 +570,21 @@ def test_a_read_over_the_data_port_lands_in_the_callers_arrays_with_no_copy(star
     copied after the kernel (client_util's np.copyto never runs); a value
     whose array does not fit (dtype, shape) gets a new one, as before."""
     ps = start_ps()
-    copies = []
-    real = np.copyto
+    copies, into_full = [], []
+    real, real_recv = np.copyto, ipc._recv_into
+    full = np.zeros((3001, 2), np.float32)
     from psserver import client_util, routing
     monkeypatch.setattr(client_util.np, "copyto",
                         lambda *a, **k: (copies.append(1), real(*a, **k)))
+
+    def spy(sock, view):   # what the socket's bytes are received into
+        into_full.append(np.shares_memory(np.frombuffer(view, np.uint8), full))
+        return real_recv(sock, view)
+    monkeypatch.setattr(ipc, "_recv_into", spy)
     with remote(ps.address) as c:
         c.create_variable("a", initial_value=np.arange(6000, dtype=np.float32).reshape(3000, 2))
         c.create_variable("b", initial_value=np.full(5, 7, np.float32))
         assert c._route().socket == routing.TCP   # over the data port, not gRPC
-        full = np.zeros((3001, 2), np.float32)
         wrong = np.zeros(4, np.float32)   # b has 5 values: does not fit
         snaps = c.read_many(["a", "b"], out=[full[1:], wrong])
         assert snaps[0].value is not None and np.shares_memory(snaps[0].value, full)
@@ -586,7 +592,61 @@ def test_a_read_over_the_data_port_lands_in_the_callers_arrays_with_no_copy(star
         assert not full[0].any()
         np.testing.assert_array_equal(snaps[1].value, np.full(5, 7, np.float32))
         assert not np.shares_memory(snaps[1].value, wrong) and not wrong.any()
-        assert copies == []
+        assert copies == [] and any(into_full)   # a's bytes went from the socket into full
         later = c.read_many_async(["a"], out=[np.empty((3000, 2), np.float32)]).result()
         np.testing.assert_array_equal(later[0].value, full[1:])
         assert copies == []
+
+
+def test_a_reply_the_receiver_refuses_drops_its_connection_and_the_next_call_works():
+    """A read reply refused part-way (malformed, or a value cut short) raises
+    InvalidArgument and its connection is closed, not given back to the
+    pool (where the next reply starts is unknown); the client's next call
+    opens a new one and gets its answer."""
+    good = wire.encode_read_reply([("a", 1, np.arange(3000, dtype=np.float32))])
+    replies = [good[:-40] + wire._len_field(1, 5) + b"\x0a\x03ab", good]
+    server = ipc_server.IpcServer({methods.BULK_READ.id: (None, lambda req, ctx: replies.pop(0))},
+                                  "t", tcp=("127.0.0.1", 0)).start()
+    try:
+        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
+        dest = np.zeros(3000, np.float32)
+
+        def read():
+            return client.send(methods.BULK_READ.id, b"", 30, receiver=lambda recv_into, n:
+                               wire.receive_read_reply(recv_into, n, [("a", dest)]))()
+        got = _raised(read)
+        assert isinstance(got, InvalidArgument), got
+        assert not client._free   # the connection was dropped
+        values = read()
+        assert values[0][2] is dest and values[0][:2] == ("a", 1)
+        np.testing.assert_array_equal(dest, np.arange(3000, dtype=np.float32))
+        client.close()
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_long_refusal_of_the_hello_is_a_clear_error():
+    """A peer refusing the hello with a message over 64 KiB: the client
+    raises that refusal (its first 4 KiB), not an AttributeError."""
+    import socket as S
+    lst = S.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+
+    def refuse():
+        conn, _ = lst.accept()
+        with conn, contextlib.suppress(OSError):   # (the client hangs up part-way)
+            _, n, _ = ipc._REQUEST.unpack(conn.recv(ipc._REQUEST.size, S.MSG_WAITALL))
+            conn.recv(n, S.MSG_WAITALL)
+            msg = b"bad token; " + b"x" * 100_000
+            conn.sendall(ipc._REPLY.pack(Code.UNAUTHENTICATED, len(msg)) + msg)
+            conn.recv(1)
+    t = threading.Thread(target=refuse, daemon=True)
+    t.start()
+    try:
+        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", port))
+        got = _raised(lambda: client.send(methods.BULK_READ.id, b"", 10))
+        assert isinstance(got, Unauthenticated) and "bad token" in str(got), got
+        client.close()
+    finally:
+        lst.close()
+        t.join(10)

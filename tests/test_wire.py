@@ -297,21 +297,32 @@ def test_a_reply_received_value_by_value_reads_as_the_whole_reply_decoded(raw, d
         peek = wire.decode_read_reply(raw)
     except InvalidArgument:
         peek = []
-    want = []
+    want, good = [], []
     for name, _, a in peek:
-        fits = a is not None and data.draw(st.booleans())
-        want.append((name, np.full(a.shape, 9, a.dtype) if fits else
-                     data.draw(st.sampled_from([None, np.zeros(3, np.float32)]))))
+        kind = data.draw(st.sampled_from(["fits", "strided", "read-only", "other name",
+                                          "other dtype", "none"])) if a is not None else "none"
+        dest = None
+        if kind in ("fits", "read-only", "other name"):
+            dest = np.full(a.shape, 9, a.dtype)
+            dest.flags.writeable = kind != "read-only"
+        elif kind == "strided":   # the right shape and dtype, not contiguous
+            dest = np.full(a.shape + (2,), 9, a.dtype)[..., 0]
+            if dest.size < 2:
+                kind = "fits"
+        elif kind == "other dtype":
+            dest = np.full(a.shape, 9, np.int8 if a.dtype != np.int8 else np.float32)
+        want.append((name + "x" if kind == "other name" else name, dest))
+        good.append(kind == "fits")
     if expected is None:
         with pytest.raises(InvalidArgument):
             _receive(raw, want)
         return
     got, whole = _receive(raw, want)
     assert whole and _seen(got) == expected
-    for (name, dest), (n2, _, a) in zip(want, got):
-        fit = dest is not None and a is not None and (dest.shape, dest.dtype) == (a.shape, a.dtype)
-        assert dest is None or (a is dest) == fit
-        assert fit or dest is None or not dest.any()   # an array that did not fit: untouched
+    for (_, dest), ok, (_, _, a) in zip(want, good, got):
+        if dest is not None:
+            assert (a is dest) == ok   # lands in the array offered only when it fits
+            assert ok or (dest == 9).all()   # any other offered array: untouched
 
 
 def test_a_large_value_is_received_straight_into_its_array():
@@ -325,14 +336,72 @@ def test_a_large_value_is_received_straight_into_its_array():
 
     def recv_into(view):
         nonlocal pos
-        asks.append(len(view))
+        asks.append((len(view), np.shares_memory(np.frombuffer(view, np.uint8), dest)))
         view[:] = raw[pos:pos + len(view)]
         pos += len(view)
     got = wire.receive_read_reply(recv_into, len(raw), [("a", dest), ("b", None)])
     assert got[0][2] is dest and got[0][:2] == ("a", 3)
     np.testing.assert_array_equal(dest, arrs[0])
     np.testing.assert_array_equal(got[1][2], arrs[1])
-    assert max(asks) > 390_000 and len(asks) <= 3
+    # all of a's data after the first 4 KiB asked for straight into its array, in one go
+    into = [k for k, into_dest in asks if into_dest]
+    assert len(into) == 1 and into[0] > 390_000 and len(asks) <= 3
+
+
+def test_a_value_with_a_long_header_is_received_whole_and_still_lands_in_its_array():
+    """A value whose data starts past 64 KiB (a 70,000-character name) is
+    received whole, decoded as decode_read_reply does, then copied in; the
+    header is taken in doubling pieces, not 4 KiB at a time (each piece
+    re-reads the header: that would cost its length squared)."""
+    name = "n" * 70_000
+    arr = np.arange(5000, dtype=np.float64)
+    raw = wire.encode_read_reply([(name, 1, arr)])
+    dest = np.zeros(5000)
+    asks = []
+
+    def recv_into(view):
+        start = sum(asks)
+        asks.append(len(view))
+        view[:] = raw[start:start + len(view)]
+    got = wire.receive_read_reply(recv_into, len(raw), [(name, dest)])
+    assert got[0][2] is dest and got[0][:2] == (name, 1)
+    np.testing.assert_array_equal(dest, arr)
+    assert sum(asks) == len(raw) and len(asks) <= 8
+
+
+def test_a_reply_claiming_a_gigabyte_holds_memory_only_for_what_arrived():
+    """A header may claim anything: memory is taken as bytes arrive (at most
+    1 MiB ahead), so a reply that stalls after 4 KiB of a claimed 1 GiB
+    costs about nothing (it used to commit the gigabyte at once)."""
+    import socket
+    import tracemalloc
+    claimed = 1 << 30
+    head = wire._len_field(2, claimed)   # an unknown field: received whole
+    sent = [0]
+
+    def recv_into(view):
+        if sent[0] >= 4096:
+            raise socket.timeout("timed out")
+        view[:] = b"\0" * len(view)
+        sent[0] += len(view)
+    feed = head + b"\0" * 8
+
+    def first(view):   # the key and length first, then zeros
+        k = min(len(view), len(feed))
+        view[:k] = feed[:k]
+        if k < len(view):
+            view[k:] = b"\0" * (len(view) - k)
+        sent[0] += len(view)
+    calls = iter([first])
+    tracemalloc.start()
+    try:
+        with pytest.raises(socket.timeout):
+            wire.receive_read_reply(lambda v: next(calls, recv_into)(v),
+                                    len(head) + claimed, [])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
