@@ -183,6 +183,9 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
         """Snapshots of (name, version, array), remembering each size."""
         out = []
         for name, version, arr in values:
+            if arr is None:   # (a value without its tensor: not a reply of ours)
+                raise InvalidArgument(f"the read reply's value of {name!r} has no tensor "
+                                      f"[{self.address}]")
             if remember:
                 self._remember(name, arr.nbytes, arr.shape)
             out.append(Snapshot(name, version, arr))

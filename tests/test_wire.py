@@ -434,3 +434,18 @@ def test_hand_framed_sparse_push_and_gather_reply_are_the_generated_codes_messag
     reply = ps_pb2.GatherReply(version=version)
     T.fill(reply.rows, rows)
     assert ps_pb2.GatherReply.FromString(wire.encode_gather_reply(version, rows)) == reply
+
+
+def test_a_read_reply_value_without_its_tensor_is_invalid_argument():
+    """A bulk read reply may decode to a value with no tensor (not what our
+    servers send): the client refuses it with InvalidArgument, whatever the
+    read asked for (float16 reads, which remember no size, included)."""
+    raw = wire._len_field(1, 3) + b"\x0a\x01a"   # VariableValue{name: "a"}, no value
+    assert wire.decode_read_reply(raw) == [("a", 0, None)]
+    c = PSClient("127.0.0.1:1")
+    try:
+        for remember in (True, False):
+            with pytest.raises(InvalidArgument, match="no tensor"):
+                c._snapshots(wire.decode_read_reply(raw), remember)
+    finally:
+        c.close()
