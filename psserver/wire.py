@@ -418,6 +418,33 @@ class _Short(Exception):
     """More bytes are needed before the prefix can be read."""
 
 
+class _Whole(Exception):
+    """The value is not laid out for streaming: receive and decode it whole."""
+
+
+def _partial_fields(buf: memoryview, p: int, end: int, have: int):
+    """(field, wire type, value or start, end) of each varint and
+    length-delimited field of buf[p:end] whose key and length are within
+    buf[:have] (a field's body may not have arrived yet); raises _Short
+    where the next key is not, _Whole at any other wire type or a length
+    past ``end``."""
+    while p < end:
+        if p >= have:
+            raise _Short
+        field, wt, q = _read_key(buf, p, min(have, end))
+        if wt == _VARINT:
+            v, p = _read_varint(buf, q, min(have, end))
+            yield field, wt, v, p
+        elif wt == _LEN:
+            n, c = _read_varint(buf, q, min(have, end))
+            if n > end - c:
+                raise _Whole   # truncated: the whole decode says so
+            p = c + n
+            yield field, wt, c, p
+        else:
+            raise _Whole
+
+
 def _value_prefix(buf: memoryview, a: int, end: int, have: int):
     """The VariableValue in buf[a:end], of which buf[:have] has arrived:
     (name, version, dtype, shape, data start) when its Tensor's data is the
@@ -427,54 +454,34 @@ def _value_prefix(buf: memoryview, a: int, end: int, have: int):
     def need(k: int) -> None:
         if k > have:
             raise _Short
-    name, version, p = "", 0, a
+    name, version = "", 0
     try:
-        while p < end:
-            need(p + 1)
-            field, wt, q = _read_key(buf, p, min(have, end))
-            if wt == _VARINT:
-                v, p = _read_varint(buf, q, min(have, end))
-                if field == 2:
-                    version = _int64(v)
-                continue
-            if wt != _LEN:
-                return None
-            n, c = _read_varint(buf, q, min(have, end))
-            if n > end - c:
-                return None   # truncated: the whole decode says so
-            if field == 1:
-                need(c + n)
-                name = _text(buf, c, c + n, "a variable name")
-            elif field == 3:
-                if c + n != end:
-                    return None
-                dtype, shape, t = "", [], c
-                while t < end:
-                    need(t + 1)
-                    f2, wt2, r = _read_key(buf, t, min(have, end))
+        for field, wt, c, d in _partial_fields(buf, a, end, have):
+            if field == 2 and wt == _VARINT:
+                version = _int64(c)
+            elif field == 1 and wt == _LEN:
+                need(d)
+                name = _text(buf, c, d, "a variable name")
+            elif field == 3 and wt == _LEN:   # (data ending at end: the tensor does too)
+                dtype, shape = "", []
+                for f2, wt2, s, e in _partial_fields(buf, c, end, have):
                     if wt2 == _VARINT:
-                        v, t = _read_varint(buf, r, min(have, end))
-                        if f2 == 2:
-                            shape.append(_int64(v))
-                        continue
-                    if wt2 != _LEN:
-                        return None
-                    m, d = _read_varint(buf, r, min(have, end))
-                    if m > end - d:
-                        return None
-                    if f2 == 3:
-                        return (name, version, dtype, shape, d) if d + m == end else None
-                    need(d + m)
-                    if f2 == 1:
-                        dtype = _text(buf, d, d + m, "a value's dtype")
-                    elif f2 == 2:
-                        k = d
-                        while k < d + m:
-                            v, k = _read_varint(buf, k, d + m)
-                            shape.append(_int64(v))
-                    t = d + m
+                        if f2 == 2:   # unpacked, as some writers send
+                            shape.append(_int64(s))
+                    elif f2 == 3:
+                        return (name, version, dtype, shape, s) if e == end else None
+                    else:
+                        need(e)
+                        if f2 == 1:
+                            dtype = _text(buf, s, e, "a value's dtype")
+                        elif f2 == 2:
+                            k = s
+                            while k < e:
+                                v, k = _read_varint(buf, k, e)
+                                shape.append(_int64(v))
                 return None
-            p = c + n
+        return None
+    except _Whole:
         return None
     except InvalidArgument:
         if have < end:   # a varint cut off where the bytes so far end

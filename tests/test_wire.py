@@ -171,11 +171,11 @@ _KEYS = [bytes([k]) for k in range(256)] + [
     b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"]
 
 
-@st.composite
-def _mutated_push(draw) -> bytes:
-    raw = bytearray(_valid_push(draw))
-    for _ in range(draw(st.integers(0, 4))):
-        op = draw(st.sampled_from(["flip", "insert", "delete", "truncate", "dup"]))
+def _mutated(draw, raw: bytes, most: int, ops: list[str]) -> bytes:
+    """raw with up to ``most`` of ``ops`` applied at drawn places."""
+    raw = bytearray(raw)
+    for _ in range(draw(st.integers(0, most))):
+        op = draw(st.sampled_from(ops))
         pos = draw(st.integers(0, len(raw)))
         if op == "flip" and raw:
             raw[min(pos, len(raw) - 1)] = draw(st.integers(0, 255))
@@ -188,6 +188,11 @@ def _mutated_push(draw) -> bytes:
         elif op == "dup":
             raw += raw[pos:pos + draw(st.integers(1, 12))]
     return bytes(raw)
+
+
+@st.composite
+def _mutated_push(draw) -> bytes:
+    return _mutated(draw, _valid_push(draw), 4, ["flip", "insert", "delete", "truncate", "dup"])
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -247,19 +252,7 @@ def _valid_reply(draw) -> bytes:
 
 @st.composite
 def _mutated_reply(draw) -> bytes:
-    raw = bytearray(_valid_reply(draw))
-    for _ in range(draw(st.integers(0, 3))):
-        op = draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
-        pos = draw(st.integers(0, len(raw)))
-        if op == "flip" and raw:
-            raw[min(pos, len(raw) - 1)] = draw(st.integers(0, 255))
-        elif op == "insert":
-            raw[pos:pos] = draw(st.sampled_from(_KEYS))
-        elif op == "delete" and raw:
-            del raw[pos:pos + draw(st.integers(1, 3))]
-        elif op == "truncate":
-            del raw[pos:]
-    return bytes(raw)
+    return _mutated(draw, _valid_reply(draw), 3, ["flip", "insert", "delete", "truncate"])
 
 
 def _receive(raw: bytes, want):
