@@ -42,7 +42,7 @@ from psserver.client_shm import SharedMemoryPath
 from psserver.client_tables import TableCalls
 from psserver.transport import Pending
 from psserver.client_util import (Handle, Snapshot, _as_ids, _fill, _halved, _meta_from_proto,
-                                   _set_sync, _set_sync_read)
+                                   _set_sync, _set_sync_read, _sync_info)
 
 #: Dense pushes of at least this many bytes go over a socket from their
 #: arrays (wire.SCATTER, one sendmsg) instead of being copied into a frame:
@@ -359,9 +359,7 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
             req = request(with_data=False)
             return self._run(wait, lambda: list(self._upload(kind, req, arrays).updated.versions))
         if kind == "push" and self.bulk:
-            sync_raw = b""
-            if sync is not None:
-                sync_raw = ps_pb2.SyncInfo(**dataclasses.asdict(sync)).SerializeToString()
+            sync_raw = b"" if sync is None else _sync_info(sync).SerializeToString()
             over_socket = self._socket(methods.BULK_PUSH) is not None
             # Over a socket: large gradients sent from their arrays (sendmsg, no
             # copy; sent before this returns), small ones framed in a pooled buffer.
@@ -416,8 +414,8 @@ class PSClient(SharedMemoryPath, TableCalls, ServerChannel):
         streamed = ids.nbytes + rows.nbytes > self._tensor_limit(methods.PUSH_SPARSE)
         if not streamed:   # framed by hand: the arrays' memory goes out as it is
             raw = wire.encode_push_sparse_request(
-                name, ids, rows, update_id, None if sync is None else ps_pb2.SyncInfo(
-                    **dataclasses.asdict(sync)).SerializeToString(), into=wire.SCATTER)
+                name, ids, rows, update_id,
+                None if sync is None else _sync_info(sync).SerializeToString(), into=wire.SCATTER)
             return self._invoke(wait, methods.PUSH_SPARSE, raw, lambda r: r.versions[0])
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
         if sync is not None:

@@ -34,9 +34,14 @@ def _set_sync_read(req, sync_step: int | None) -> None:
         req.sync.step = sync_step
 
 
+def _sync_info(sync: SyncSpec):
+    """The SyncInfo message of a SyncSpec."""
+    return ps_pb2.SyncInfo(**dataclasses.asdict(sync))
+
+
 def _set_sync(req, sync: SyncSpec | None) -> None:
     if sync is not None:
-        req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(sync)))
+        req.sync.CopyFrom(_sync_info(sync))
 
 
 class Handle:
