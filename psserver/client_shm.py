@@ -20,7 +20,7 @@ import numpy as np
 from protos.pstrain.v1 import ps_pb2
 from psserver import tensor as T
 from psserver import methods, shm, wire
-from psserver.contract import Code, PSError, SyncSpec
+from psserver.contract import Code, InvalidArgument, PSError, SyncSpec
 from psserver.transport import Pending
 
 from psserver.client_util import (Handle, Snapshot, _as_ids, _dest, _set_sync,
@@ -61,6 +61,9 @@ def _together(sent: Sequence[Handle], combine, target: str) -> Handle:
 
 class SharedMemoryPath:
     """PSClient's same-host calls (a mixin over ServerChannel's state)."""
+
+    #: Whether the server answers ReadRequest.gathers (False once one did not).
+    _read_lookups = True
 
     def _direct_read(self, names: list[str], out) -> list[Snapshot] | None:
         """Snapshots copied from the server's shared values (psserver.shm: a
@@ -338,6 +341,11 @@ class SharedMemoryPath:
                 return reshape(out)
             return Handle(Pending(lambda: reshape(out.result()), out.done), target=self.address)
 
+        if self.bulk and self._read_lookups and (names or shaped) and None not in known \
+                and sum(known) + sum(ids.size * self._row_bytes(name) for name, ids in flat) \
+                <= self._tensor_limit(methods.BULK_READ):
+            # one call (a socket's frame or a unary gRPC reply): values and rows
+            return self._read_and_gather_bulk(names, flat, wait, sync_step, reshape)
         if not wait and self.local:   # a socket: every call sent now, no thread
             read = [self._read_many(names, False, sync_step)] if names and not direct else []
             sent = read + [self._gather(name, ids, False, sync_step, use_shm=False)
@@ -351,11 +359,51 @@ class SharedMemoryPath:
                            for name, ids in shaped]
         return self._run(wait, separate)
 
+    def _read_and_gather_bulk(self, names: list[str], flat, wait: bool,
+                              sync_step: int | None, post):
+        """read_and_gather as one ParameterServerBulk.Read (ReadRequest.gathers):
+        post((snapshots, [(rows, version)])); the separate calls where the
+        server says it does not fit one reply (or cannot take lookups)."""
+        def separate():
+            return post((self._read_many(names, True, sync_step) if names else [],
+                         [self._gather(name, ids, True, sync_step, use_shm=False)
+                          for name, ids in flat]))
+
+        def done(raw):
+            got = wire.decode_read_reply(raw)
+            if len(got.gathered) != len(flat):   # a server from before ReadRequest.gathers
+                self._read_lookups = False
+                return separate()
+            rows = []
+            for (name, _), (version, r) in zip(flat, got.gathered):
+                if r is None:
+                    raise InvalidArgument(f"the read reply's rows of {name!r} have no tensor "
+                                          f"[{self.address}]")
+                rows.append((r, version))
+            return post((self._snapshots(got), rows))
+
+        def recover(exc: PSError):
+            if exc.code == Code.RESOURCE_EXHAUSTED:   # larger than one reply carries
+                return separate()
+            if exc.code == Code.UNIMPLEMENTED:   # an older server: no bulk service
+                self.bulk = False
+                return separate()
+            raise exc
+        req = ps_pb2.ReadRequest(names=names, max_bytes=max(1, self._tensor_limit(
+            methods.BULK_READ)))
+        for name, ids in flat:
+            T.fill(req.gathers.add(name=name).ids, ids)
+        _set_sync_read(req, sync_step)
+        want = [(name, None) for name in names]
+        return self._invoke(wait, methods.BULK_READ, req, done, recover,
+                            receiver=lambda recv_into, n: wire.receive_read_reply(
+                                recv_into, n, want))
+
     def push_dense_and_sparse(self, dense, sparse: Sequence[tuple], *,
                               sync: SyncSpec | None = None) -> list[int]:
         """Dense updates ([(name, grad[, update_id])]) and row-wise ones
-        ([(name, ids, rows, update_id)]) in one call (same host, async;
-        otherwise the separate calls). Returns the versions after the dense
+        ([(name, ids, rows, update_id)]) in one call (async, within one
+        frame or message; otherwise the separate calls). Returns the versions after the dense
         updates, then after the sparse ones. Validated in full first when
         one call; see push_many and push_sparse."""
         return self._push_dense_and_sparse(dense, sparse, True, sync)
@@ -379,6 +427,11 @@ class SharedMemoryPath:
             out = self._shm_push(items, arrays, uids, wait, None, separate, sparse)
             if out is not None:
                 return out
+        total = sum(np.asarray(item[1]).nbytes for item in items) + sum(
+            ids.nbytes + rows.nbytes for _, ids, rows, _ in sparse)
+        if self.bulk and sync is None and sparse and total <= self._tensor_limit(
+                methods.BULK_PUSH):
+            return self._push_bulk(items, sparse, wait, separate)
         if not wait and self.local:   # a socket: every call sent now, no thread
             sent = ([self._dense("push", items, False, sync, use_shm=False)] if items else []) \
                 + [self._push_sparse(name, ids, rows, False, sync, uid)
@@ -386,3 +439,26 @@ class SharedMemoryPath:
             return _together(sent, lambda got: (got[0] if items else []) + got[bool(items):],
                              self.address)
         return self._run(wait, separate)
+
+    def _push_bulk(self, items, sparse, wait: bool, separate):
+        """push_dense_and_sparse (async) as one ParameterServerBulk.Push
+        (PushRequest.sparse), its arrays' memory sent as it is over a socket."""
+        uids = [item[2] if len(item) > 2 else 0 for item in items]
+        raw = wire.encode_push_request(
+            [(item[0], np.asarray(item[1]), uid) for item, uid in zip(items, uids)], b"",
+            wire.SCATTER, sparse=sparse)
+
+        def done(reply):
+            versions = list(reply.versions)
+            if len(versions) == len(items) and sparse:   # a server from before
+                # PushRequest.sparse applied the dense ones only: send the rest apart
+                return versions + [self._push_sparse(name, ids, rows, True, None, uid)
+                                   for name, ids, rows, uid in sparse]
+            return versions
+
+        def recover(exc: PSError):
+            if exc.code == Code.UNIMPLEMENTED:   # an older server: no bulk service
+                self.bulk = False
+                return separate()
+            raise exc
+        return self._invoke(wait, methods.BULK_PUSH, raw, done, recover)

@@ -62,6 +62,13 @@ def _records(request: ps_pb2.ReplicateRequest, arrays) -> list[R.Record]:
     return out
 
 
+def _sparse_ids(ids: np.ndarray, name: str) -> np.ndarray:
+    if T.dtype_name(ids.dtype) not in T.ID_DTYPES:
+        raise InvalidArgument(f"sparse push ids of {name!r} must be int32 or int64, got "
+                              f"{ids.dtype.name}")
+    return ids
+
+
 def _sync_spec(request) -> SyncSpec | None:
     if not request.HasField("sync"):
         return None
@@ -83,7 +90,10 @@ def tensors_of(request) -> list[ps_pb2.Tensor]:
     if isinstance(request, ps_pb2.CreateVariableRequest):
         first = [request.initial_value] if request.HasField("initial_value") else []
         return first + [s.tensor for s in request.slots]
-    if isinstance(request, (ps_pb2.PushRequest, ps_pb2.AssignRequest)):
+    if isinstance(request, ps_pb2.PushRequest):
+        return [u.tensor for u in request.updates] + [
+            t for u in request.sparse for t in (u.ids, u.values)]
+    if isinstance(request, ps_pb2.AssignRequest):
         return [u.tensor for u in request.updates]
     if isinstance(request, ps_pb2.PushSparseRequest):
         return [request.ids, request.values]
@@ -183,12 +193,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                            for n, v, s in acks])
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
-        return self._push_updates(
-            req, [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays)], context)
+        k = len(req.updates)
+        updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays[:k])]
+        sparse = [(u.name, _sparse_ids(ids, u.name), rows, u.update_id)
+                  for u, ids, rows in zip(req.sparse, arrays[k::2], arrays[k + 1::2])]
+        return self._push_updates(req, updates, context, sparse)
 
-    def _push_updates(self, req, updates, context=None) -> ps_pb2.UpdateReply:
-        """updates: [(name, array, update_id)]; req supplies the sync info."""
+    def _push_updates(self, req, updates, context=None, sparse=()) -> ps_pb2.UpdateReply:
+        """updates: [(name, array, update_id)], sparse: [(name, ids, rows,
+        update_id)] (asynchronous only); req supplies the sync info."""
         spec = _sync_spec(req)
+        if sparse:
+            if spec is not None:
+                raise InvalidArgument(
+                    "a Push with sync set cannot carry row-wise gradients (sparse): sync "
+                    "ones go in PushSparse, one variable per call")
+            return ps_pb2.UpdateReply(versions=self.store.push_mixed(
+                updates, sparse, _deadline(context)))
         if spec is None:
             return ps_pb2.UpdateReply(versions=self.store.push(updates, _deadline(context)))
         out = self.store.push_sync([(n, a) for n, a, _ in updates], spec, _deadline(context))
@@ -200,8 +221,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _push_sparse(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         ids, values = arrays
-        if T.dtype_name(ids.dtype) not in T.ID_DTYPES:
-            raise InvalidArgument(f"sparse push ids must be int32 or int64, got {ids.dtype.name}")
+        _sparse_ids(ids, req.name)
         spec = _sync_spec(req)
         if spec is None:
             return ps_pb2.UpdateReply(versions=[self.store.push_sparse(
@@ -247,40 +267,63 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def ListVariables(self, request, context):
         return ps_pb2.ListReply(variables=[meta_to_proto(m) for m in self.store.list()])
 
-    def _read_limit(self, request, context=None) -> int:
+    def _read_limit(self, request, context=None, gathered=()) -> int:
         # a socket's context allows a frame's worth (psserver/ipc_server.py)
         T.read_as(request.value_dtype)   # refused before anything is read
         limit = getattr(context, "max_message_bytes", self.max_message_bytes)
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
         total = sum(self.store.nbytes(name) for name in request.names)
-        if total > limit:
+        rows = sum(r.nbytes for _, r in gathered)
+        if total + rows > limit:
+            also = f" and {rows} bytes of looked-up rows" if gathered else ""
             raise ResourceExhausted(
-                f"reading {list(request.names)} returns {total} bytes, more than this "
-                f"call allows ({limit}); use ReadStream (PSClient does so by itself)")
+                f"reading {list(request.names)} returns {total} bytes{also}, more than "
+                f"this call allows ({limit}); use ReadStream and Gather (PSClient does "
+                "so by itself)")
         return limit
+
+    def _lookups(self, request, step, deadline) -> list[tuple[int, np.ndarray]]:
+        """A Read's row lookups (ReadRequest.gathers): [(version, rows)], every
+        one's ids checked before any is looked up."""
+        ids = [(g.name, T.decode(g.ids, T.ID_DTYPES, f"gathers[{i}] ids ({g.name!r})"))
+               for i, g in enumerate(request.gathers)]
+        return [self.store.gather(name, i, step, deadline) for name, i in ids]
 
     def bulk_read(self, request, context):
         """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
-        self._read_limit(request, context)
-        with self.store.locked_values(list(request.names), _sync_step(request),
-                                      _deadline(context)) as values:
+        step, deadline = _sync_step(request), _deadline(context)
+        T.read_as(request.value_dtype)   # refused before anything is looked up
+        gathered = self._lookups(request, step, deadline)
+        self._read_limit(request, context, gathered)
+        with self.store.locked_values(list(request.names), step, deadline) as values:
             if T.read_as(request.value_dtype) is not None:   # converted under the locks
                 values = [(name, version, T.as_float16(arr)) for name, version, arr in values]
-            return wire.encode_read_reply(values, getattr(context, "reply_buffer", None))
+            return wire.encode_read_reply(values, getattr(context, "reply_buffer", None),
+                                          gathered)
 
     def bulk_push(self, raw: bytes, context):
-        """ParameterServerBulk.Push: the request read by hand, arrays are views of it."""
-        updates, sync_raw = wire.decode_push_request(raw)
+        """ParameterServerBulk.Push: the request read by hand, dense arrays are
+        views of it (row-wise ones, parsed by the generated code, of their
+        own bytes: the store may keep them)."""
+        updates, sync_raw, sparse_raw = wire.decode_push_request(raw)
         req = ps_pb2.PushRequest()
         if sync_raw is not None:   # present, maybe empty: as protobuf has it
             req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
-        return self._push_updates(req, updates, context)
+        sparse = []
+        for i, part in enumerate(sparse_raw):
+            u = rpc.parse(ps_pb2.SparseUpdate, part)
+            what = f"sparse[{i}] ({u.name!r})"
+            sparse.append((u.name, _sparse_ids(T.decode(u.ids, what=f"{what} ids"), u.name),
+                           T.decode(u.values, what=f"{what} values"), u.update_id))
+        return self._push_updates(req, updates, context, sparse)
 
     def _read(self, request, context=None):
-        limit = self._read_limit(request, context)
-        half = T.read_as(request.value_dtype) is not None
         step, deadline = _sync_step(request), _deadline(context)
+        T.read_as(request.value_dtype)   # refused before anything is looked up
+        gathered = self._lookups(request, step, deadline)
+        limit = self._read_limit(request, context, gathered)
+        half = T.read_as(request.value_dtype) is not None
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:
             dtype, shape, version, data = self.store.read_bytes(name, step, deadline)
@@ -296,12 +339,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             v.value.dtype = dtype
             v.value.shape.extend(shape)
             v.value.data = data
+        for version, rows in gathered:
+            T.fill(reply.gathered.add(version=version).rows, rows)
         return reply
 
     def Read(self, request, context):
         return self._read(request, context)
 
     def ReadStream(self, request, context):
+        if request.gathers:
+            raise InvalidArgument("ReadStream does not look up rows (gathers): use Read "
+                                  "or Gather for them")
         step = self.chunk_bytes
         half = T.read_as(request.value_dtype) is not None
         sync_step, deadline = _sync_step(request), _deadline(context)

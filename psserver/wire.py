@@ -13,6 +13,11 @@ client still understands them:
   received bytes (no copy).
 * ``encode_push_request`` / ``decode_push_request`` likewise for pushes.
 
+Both may carry a step's other calls to the same server: a read reply the
+rows of row lookups (``gathered``, GatherReply each), a push row-wise
+gradients (``sparse``, SparseUpdate each), so a step costs one round trip per
+server each way, as on the same host.
+
 Only the fields these messages have today are written or read; a decoder
 skips fields it does not know, as protobuf does.
 """
@@ -155,9 +160,10 @@ def _join(parts: list, into) -> bytes | memoryview | Scattered:
 
 
 def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]],
-                      into: Callable[[int], np.ndarray] | None = None) -> bytes | memoryview:
-    """ReadReply{values: [VariableValue{name, version, value: Tensor}]} as bytes
-    (see _join for ``into``).
+                      into: Callable[[int], np.ndarray] | None = None,
+                      gathered: Sequence[tuple[int, np.ndarray]] = ()) -> bytes | memoryview:
+    """ReadReply{values: [VariableValue{name, version, value: Tensor}],
+    gathered: [GatherReply{version, rows}]} as bytes (see _join for ``into``).
 
     Call with the arrays' locks held: the join is the one copy of their data.
     """
@@ -175,15 +181,22 @@ def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]],
         prefix = _aligned(pos, prefix_with)
         parts += [prefix, data]
         pos += len(prefix) + n
+    for version, rows in gathered:
+        body = _gather_reply_parts(version, rows)
+        parts += [_len_field(2, sum(len(b) for b in body)), *body]
     return _join(parts, into)
 
 
 def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
-                        sync: bytes = b"", into=None) -> bytes | memoryview | Scattered:
-    """PushRequest{updates: [DenseUpdate{name, tensor, update_id}], sync} as bytes
-    (see _join for ``into``).
+                        sync: bytes = b"", into=None,
+                        sparse: Sequence[tuple[str, np.ndarray, np.ndarray, int]] = ()
+                        ) -> bytes | memoryview | Scattered:
+    """PushRequest{updates: [DenseUpdate{name, tensor, update_id}], sync,
+    sparse: [SparseUpdate{name, ids, values, update_id}]} as bytes (see
+    _join for ``into``).
 
-    ``sync`` is a serialized SyncInfo (b"": none)."""
+    ``sync`` is a serialized SyncInfo (b"": none); ``sparse``: (name, ids,
+    rows, update_id) each (the server takes them only without ``sync``)."""
     parts: list = []
     pos = 0
     for name, arr, uid in updates:
@@ -198,6 +211,9 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
         prefix = _aligned(pos, prefix_with)
         parts += [prefix, data, tail]
         pos += len(prefix) + n + len(tail)
+    for name, ids, rows, uid in sparse:
+        body = _sparse_parts(name, ids, rows, uid)
+        parts += [_len_field(3, sum(len(b) for b in body)), *body]
     if sync:
         parts += [_len_field(2, len(sync)), sync]
     return _join(parts, into)
@@ -210,12 +226,28 @@ def _tensor_field(field: int, arr: np.ndarray) -> list:
     return [_len_field(field, len(head) + len(data)), head, data]
 
 
+def _gather_reply_parts(version: int, rows: np.ndarray) -> list:
+    """GatherReply{version, rows}'s parts (the rows' memory not copied)."""
+    return [_key(1, _VARINT) + _varint(version) if version else b"", *_tensor_field(2, rows)]
+
+
 def encode_gather_reply(version: int, rows: np.ndarray) -> bytes:
     """GatherReply{version, rows} as bytes, the rows' data copied once (the
     generated code copies it three times: into the message, and twice
     serializing); any protobuf reader parses it."""
-    head = _key(1, _VARINT) + _varint(version) if version else b""
-    return b"".join([head, *_tensor_field(2, rows)])
+    return b"".join(_gather_reply_parts(version, rows))
+
+
+def _sparse_parts(name: str, ids: np.ndarray, rows: np.ndarray, update_id: int,
+                  sync: bytes | None = None) -> list:
+    """PushSparseRequest's parts (a SparseUpdate's without ``sync``): the
+    arrays' memory not copied."""
+    parts = [_string(1, name), *_tensor_field(2, ids), *_tensor_field(3, rows)]
+    if sync is not None:
+        parts += [_len_field(4, len(sync)), sync]
+    if update_id:
+        parts += [_key(5, _VARINT), _varint(update_id)]
+    return parts
 
 
 def encode_push_sparse_request(name: str, ids: np.ndarray, rows: np.ndarray,
@@ -225,12 +257,7 @@ def encode_push_sparse_request(name: str, ids: np.ndarray, rows: np.ndarray,
     ``into``; with SCATTER the arrays' memory goes to the socket as it is);
     ``sync``: a serialized SyncInfo, None for none. The server parses it
     with the generated code, as any other writer's."""
-    parts = [_string(1, name), *_tensor_field(2, ids), *_tensor_field(3, rows)]
-    if sync is not None:
-        parts += [_len_field(4, len(sync)), sync]
-    if update_id:
-        parts += [_key(5, _VARINT), _varint(update_id)]
-    return _join(parts, into)
+    return _join(_sparse_parts(name, ids, rows, update_id, sync), into)
 
 
 def encode_replicate_request(records) -> bytes:
@@ -376,14 +403,26 @@ def _decode_tensor(raw: bytes, buf: memoryview, spans: list[tuple[int, int]],
     return np.frombuffer(raw, dtype=dt, count=n // dt.itemsize, offset=data[0]).reshape(shape)
 
 
-def decode_read_reply(raw: bytes) -> list[tuple[str, int, np.ndarray]]:
-    """[(name, version, array view of raw)] from ReadReply bytes (a reply
-    receive_read_reply took already: as it is)."""
+def decode_read_reply(raw: bytes) -> "ReadValues":
+    """[(name, version, array view of raw)] from ReadReply bytes, its
+    ``gathered`` [(version, rows array view of raw)] (None for rows where a
+    GatherReply has no tensor); a reply receive_read_reply took already: as
+    it is."""
     if isinstance(raw, ReadValues):
         return raw
     buf = memoryview(raw)
-    out = []
+    out = ReadValues()
     for field, wt, a, b in _fields(buf, 0, len(raw)):
+        if field == 2 and wt == _LEN:
+            version, spans = 0, []
+            for f2, wt2, c, d in _fields(buf, a, b):
+                if f2 == 1 and wt2 == _VARINT:
+                    version = _int64(c)
+                elif f2 == 2 and wt2 == _LEN:
+                    spans.append((c, d))
+            what = f"gathered rows {len(out.gathered)}"
+            out.gathered.append((version, _decode_tensor(raw, buf, spans, what)
+                                 if spans else None))
         if field != 1 or wt != _LEN:
             continue
         name, version, spans = "", 0, []
@@ -400,8 +439,13 @@ def decode_read_reply(raw: bytes) -> list[tuple[str, int, np.ndarray]]:
 
 
 class ReadValues(list):
-    """[(name, version, array)] of a ReadReply already received and decoded
-    (``receive_read_reply``): ``decode_read_reply`` gives it back as it is."""
+    """[(name, version, array)] of a ReadReply decoded, and ``gathered``
+    [(version, rows)]; one received and decoded already
+    (``receive_read_reply``) ``decode_read_reply`` gives back as it is."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gathered: list[tuple[int, np.ndarray | None]] = []
 
 
 #: A read reply's bytes are taken off the socket this many at a time until a
@@ -515,11 +559,13 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
         return arr
 
     def decoded(raw: bytes) -> None:
-        for name, version, arr in decode_read_reply(raw):
+        got = decode_read_reply(raw)
+        for name, version, arr in got:
             dest = None if arr is None else fits(len(out), name, arr.dtype, arr.shape)
             if dest is not None:
                 dest[...] = arr
             out.append((name, version, arr if dest is None else dest))
+        out.gathered += got.gathered
 
     def fetch(k: int = _STREAM_CHUNK) -> None:
         nonlocal got
@@ -607,10 +653,12 @@ def parse_push_request(raw: bytes):
     """The structure of PushRequest bytes, as protobuf reads it, with no
     check of what it means: ([(name, (dtype, shape, data span) or None,
     update_id)], SyncInfo bytes (every occurrence, joined: merged when
-    parsed; b"" when present but empty) or None). Raises InvalidArgument
-    where protobuf's parser fails."""
+    parsed; b"" when present but empty) or None, buf (raw's memoryview),
+    [buf's slice of each SparseUpdate, for the generated parser]). Raises
+    InvalidArgument where protobuf's parser fails (a SparseUpdate's inside:
+    where its parser does)."""
     buf = memoryview(raw)
-    updates, sync = [], []
+    updates, sync, sparse = [], [], []
     for field, wt, a, b in _fields(buf, 0, len(raw)):
         if field == 1 and wt == _LEN:
             name, spans, uid = "", [], 0
@@ -625,15 +673,19 @@ def parse_push_request(raw: bytes):
             updates.append((name, spans, tensor, uid))
         elif field == 2 and wt == _LEN:
             sync.append(bytes(buf[a:b]))
-    return updates, (b"".join(sync) if sync else None), buf
+        elif field == 3 and wt == _LEN:
+            sparse.append(buf[a:b])
+    return updates, (b"".join(sync) if sync else None), buf, sparse
 
 
-def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes | None]:
-    """([(name, array view of raw, update_id)], serialized SyncInfo or None)."""
-    updates, sync, buf = parse_push_request(raw)
+def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes | None,
+                                             list[memoryview]]:
+    """([(name, array view of raw, update_id)], serialized SyncInfo or None,
+    [each SparseUpdate's bytes: a view of raw])."""
+    updates, sync, buf, sparse = parse_push_request(raw)
     out = []
     for name, spans, _, uid in updates:
         if not spans:
             raise InvalidArgument(f"update of {name!r} carries no tensor")
         out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}"), uid))
-    return out, sync
+    return out, sync, sparse

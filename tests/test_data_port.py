@@ -529,9 +529,9 @@ def test_a_large_receive_waits_in_the_kernel_and_keeps_the_socket_timeout():
 
 
 def test_a_steps_read_and_gather_and_its_pushes_are_sent_at_once_over_the_data_port(start_ps):
-    """Over a socket, read_and_gather_async and push_dense_and_sparse_async send
-    each of their calls at once (no thread, no waiting for one reply before the
-    next call goes), and give what the separate blocking calls give."""
+    """Over a socket, read_and_gather_async and push_dense_and_sparse_async are
+    one call each (ReadRequest.gathers, PushRequest.sparse), sent at once (no
+    thread), and give what the separate blocking calls give."""
     ps = start_ps()
     with remote(ps.address) as c, grpc_only(ps.address) as ref:
         init = _make(c)
@@ -552,14 +552,14 @@ def test_a_steps_read_and_gather_and_its_pushes_are_sent_at_once_over_the_data_p
         assert p.result() == [1, 1]
         np.testing.assert_allclose(ref.read("w"), init - 0.5, atol=1e-6)
         np.testing.assert_array_equal(ref.read("t")[1], table[1] - 2)
-        # An error in one of the calls is raised once every reply is read; the
-        # other call of the pair still applied (they are separate calls).
+        # One call, validated in full before anything is applied: an error in
+        # its row-wise part leaves the dense part unapplied too.
         bad = c.push_dense_and_sparse_async([("w", np.ones(N, np.float32), 7)],
                                             [("nope", np.array([1]), np.ones((1, 4), np.float32), 8)])
         with pytest.raises(PSError) as e:
             bad.result()
         assert e.value.code == Code.NOT_FOUND
-        assert ref.get_meta("w").version == 2
+        assert ref.get_meta("w").version == 1
         snaps, rows = c.read_and_gather_async(["w"], [("t", [2])]).result()   # still usable
         np.testing.assert_array_equal(rows[0][0], table[[2]])
 

@@ -95,9 +95,14 @@ def test_fused_calls_check_their_input(cluster):
 
 
 # -- the PSClient calls, against one real server ------------------------------------
-@pytest.fixture
-def one(ps):
-    with PSClient(ps.address) as c:
+@pytest.fixture(params=["shm", "data", "grpc"])
+def one(ps, request):
+    """A client over shared memory, the data port (as from another host) or
+    gRPC alone: on each, a step's calls to one server are one call."""
+    kw = {"shm": {}, "data": {"shared_memory": False},
+          "grpc": {"shared_memory": False, "data_port": False}}[request.param]
+    with PSClient(ps.address, **kw) as c:
+        c.transport = request.param
         c.create_variable("a", initial_value=np.zeros(1000, np.float32),
                           optimizer_params={"learning_rate": 1.0})
         c.create_variable("t", initial_value=np.zeros((100, 8), np.float32),
@@ -105,31 +110,60 @@ def one(ps):
         yield ps, c
 
 
-def test_fused_push_is_all_or_nothing_and_idempotent(one):
+def test_fused_push_is_all_or_nothing_and_idempotent(one, monkeypatch):
     ps, c = one
     c.read_many(["a"])   # attaches a segment: the fused calls go through it
+    sent = []   # the calls made (but shared memory's), by method
+    real_invoke = type(c)._invoke
+    monkeypatch.setattr(c, "_invoke", lambda wait, method, *a, **k: (
+        sent.append(method.path), real_invoke(c, wait, method, *a, **k))[1])
+
+    def calls(fn):
+        """fn(), checking it made one call (ParameterServerBulk's) where not
+        through shared memory."""
+        sent.clear()
+        out = fn()
+        if c.transport != "shm" or not shm.available():
+            assert len(sent) == 1 and sent[0].startswith("/pstrain.v1.ParameterServerBulk/")
+        return out
     good_sparse = ("t", np.array([1, 1, 7]), np.ones((3, 8), np.float32), 11)
     bad_sparse = ("t", np.array([1, 100]), np.ones((2, 8), np.float32), 12)
     with pytest.raises(InvalidArgument, match="out of range"):
-        c.push_dense_and_sparse([("a", np.ones(1000, np.float32), 13)], [bad_sparse])
+        calls(lambda: c.push_dense_and_sparse([("a", np.ones(1000, np.float32), 13)],
+                                              [bad_sparse]))
     assert [m.version for m in c.list_variables()] == [0, 0]
     assert not c.read("a").any() and not c.read("t").any()
 
     for _ in range(2):   # resent with the same keys: applied once
-        assert c.push_dense_and_sparse([("a", np.ones(1000, np.float32), 14)],
-                                       [good_sparse]) == [1, 1]
-    assert c.local == shm.available()
+        assert calls(lambda: c.push_dense_and_sparse([("a", np.ones(1000, np.float32), 14)],
+                                                     [good_sparse])) == [1, 1]
+    assert c.local == {"shm": shm.available(), "data": True, "grpc": False}[c.transport]
     np.testing.assert_array_equal(c.read("a"), -np.ones(1000))
     t = c.read("t")
     np.testing.assert_array_equal(t[1], -2 * np.ones(8))   # duplicates summed
     np.testing.assert_array_equal(t[7], -np.ones(8))
     assert np.count_nonzero(t) == 16
 
-    snaps, gathered = c.read_and_gather(["a"], [("t", np.array([[7, 1], [0, 7]]))])
+    snaps, gathered = calls(lambda: c.read_and_gather(
+        ["a"], [("t", np.array([[7, 1], [0, 7]])), ("t", np.zeros(0, np.int64))]))
     assert snaps[0].version == 1
     rows, version = gathered[0]
     assert rows.shape == (2, 2, 8) and version == 1
     np.testing.assert_array_equal(rows, t[[[7, 1], [0, 7]]])
+    assert gathered[1][0].shape == (0, 8)
+    if c.transport == "shm":
+        return
+    # Values and rows over one reply's limit: the separate calls (the server
+    # refuses the one call where the client could not tell; nothing is read twice).
+    monkeypatch.setattr(c, "_tensor_limit", lambda method: 6000)
+    for row_bytes in (32, 0):   # known, or (as if) unknown: the server says
+        monkeypatch.setattr(c, "_row_bytes", lambda name, b=row_bytes: b)
+        sent.clear()
+        snaps, gathered = c.read_and_gather(["a"], [("t", np.arange(100))])
+        np.testing.assert_array_equal(gathered[0][0], t)
+        np.testing.assert_array_equal(snaps[0].value, -np.ones(1000))
+        assert [p.rsplit("/", 1)[1] for p in sent] == ["Read", "Read", "Gather"][
+            (row_bytes > 0):]
 
 
 @pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this system")
@@ -182,3 +216,94 @@ def test_malformed_fused_shared_memory_calls_change_nothing(one):
         seg.close()
     assert [m.version for m in c.list_variables()] == [0, 0]
     assert not c.read("a").any() and not c.read("t").any()
+
+
+def _tensor(a) -> ps_pb2.Tensor:
+    a = np.asarray(a)
+    return ps_pb2.Tensor(dtype=a.dtype.name, shape=a.shape, data=a.tobytes())
+
+
+def test_lookups_in_reads_and_row_gradients_in_pushes_on_every_grpc_path(ps):
+    """ReadRequest.gathers and PushRequest.sparse from any generated client:
+    ParameterServer's Read, Push and Upload and ParameterServerBulk's Read and
+    Push take them; bad ones are refused with nothing applied."""
+    with PSClient(ps.address) as c:
+        c.create_variable("a", initial_value=np.zeros(4, np.float32),
+                          optimizer_params={"learning_rate": 1.0})
+        c.create_variable("t", initial_value=np.arange(24, dtype=np.float32).reshape(6, 4),
+                          optimizer_params={"learning_rate": 1.0})
+    ids = _tensor(np.array([[5, 0], [5, 5]]))
+    good_sparse = ps_pb2.SparseUpdate(name="t", ids=_tensor(np.array([2, 2], np.int32)),
+                                      values=_tensor(np.ones((2, 4), np.float32)))
+    dense = ps_pb2.DenseUpdate(name="a", tensor=_tensor(np.ones(4, np.float32)))
+    with grpc.insecure_channel(ps.address) as ch:
+        stubs = [ps_pb2_grpc.ParameterServerStub(ch), ps_pb2_grpc.ParameterServerBulkStub(ch)]
+
+        def code(call, req):
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, timeout=10)
+            return info.value.code()
+
+        def state():
+            with PSClient(ps.address) as c:
+                return [(m.version, c.read(m.name).tobytes()) for m in c.list_variables()]
+        for stub in stubs:
+            reply = stub.Read(ps_pb2.ReadRequest(names=["a"], gathers=[
+                ps_pb2.RowLookup(name="t", ids=ids),
+                ps_pb2.RowLookup(name="t", ids=_tensor(np.zeros(0, np.int64)))]), timeout=10)
+            assert [v.name for v in reply.values] == ["a"] and len(reply.gathered) == 2
+            rows = reply.gathered[0].rows
+            assert list(rows.shape) == [2, 2, 4]
+            np.testing.assert_array_equal(np.frombuffer(rows.data, np.float32).reshape(2, 2, 4),
+                                          np.arange(24).reshape(6, 4)[[[5, 0], [5, 5]]])
+            assert list(reply.gathered[1].rows.shape) == [0, 4]   # no ids: no rows
+        before = state()
+        sync = ps_pb2.SyncInfo(step=0, replica=0, num_replicas=1, required=1)
+        for stub in stubs:
+            for req, want in [
+                (ps_pb2.PushRequest(updates=[dense], sparse=[good_sparse], sync=sync),
+                 grpc.StatusCode.INVALID_ARGUMENT),   # row-wise ones are async only
+                (ps_pb2.PushRequest(updates=[dense], sparse=[ps_pb2.SparseUpdate(
+                    name="t", ids=_tensor(np.array([1.0])),   # float ids
+                    values=_tensor(np.ones((1, 4), np.float32)))]),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (ps_pb2.PushRequest(updates=[dense], sparse=[ps_pb2.SparseUpdate(
+                    name="t", ids=_tensor(np.array([6])),   # out of range
+                    values=_tensor(np.ones((1, 4), np.float32)))]),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (ps_pb2.PushRequest(updates=[dense], sparse=[ps_pb2.SparseUpdate(
+                    name="t", ids=_tensor(np.array([1])),   # rows of the wrong width
+                    values=_tensor(np.ones((1, 3), np.float32)))]),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (ps_pb2.PushRequest(updates=[dense], sparse=[ps_pb2.SparseUpdate(
+                    name="nope", ids=_tensor(np.array([1])),
+                    values=_tensor(np.ones((1, 4), np.float32)))]), grpc.StatusCode.NOT_FOUND),
+            ]:
+                assert code(stub.Push, req) == want
+            for req, want in [
+                (ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t", ids=_tensor(
+                    np.array([0.5])))]), grpc.StatusCode.INVALID_ARGUMENT),
+                (ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t", ids=_tensor(
+                    np.array([9])))]), grpc.StatusCode.INVALID_ARGUMENT),
+                (ps_pb2.ReadRequest(names=["a"], gathers=[ps_pb2.RowLookup(name="nope", ids=ids)]),
+                 grpc.StatusCode.NOT_FOUND),
+                (ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t")]),   # no ids
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (ps_pb2.ReadRequest(names=["a"], max_bytes=64, gathers=[ps_pb2.RowLookup(
+                    name="t", ids=ids)]), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ]:
+                assert code(stub.Read, req) == want
+        assert code(lambda r, timeout: next(stubs[0].ReadStream(r, timeout=timeout)),
+                    ps_pb2.ReadRequest(names=["a"], gathers=[ps_pb2.RowLookup(
+                        name="t", ids=ids)])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert state() == before   # nothing refused changed anything
+        # Taken on each path: dense first, then row-wise (duplicates summed).
+        for i, stub in enumerate(stubs):
+            assert list(stub.Push(ps_pb2.PushRequest(updates=[dense], sparse=[good_sparse]),
+                                  timeout=10).versions) == [i + 1, i + 1]
+        up = stubs[0].Upload(iter([ps_pb2.UploadFrame(push=ps_pb2.PushRequest(
+            updates=[dense], sparse=[good_sparse]))]), timeout=10)
+        assert list(up.updated.versions) == [3, 3]
+    with PSClient(ps.address) as c:
+        np.testing.assert_array_equal(c.read("a"), -3 * np.ones(4))
+        np.testing.assert_array_equal(c.read("t")[2], np.arange(8, 12) - 6.0)

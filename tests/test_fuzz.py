@@ -56,6 +56,13 @@ def templates(tmp: str) -> dict[str, list]:
     """Valid requests of every method, by "Service/Method"."""
     w = np.ones((8, 4), np.float32)
     ids = np.array([1, 3], np.int64)
+    # a step's calls to one server as one: rows looked up in a read, row-wise
+    # gradients in a push (ReadRequest.gathers, PushRequest.sparse)
+    lookup = ps_pb2.ReadRequest(names=["w"], gathers=[ps_pb2.RowLookup(name="t", ids=_t(ids))])
+    mixed = ps_pb2.PushRequest(
+        updates=[ps_pb2.DenseUpdate(name="w", tensor=_t(w), update_id=6)],
+        sparse=[ps_pb2.SparseUpdate(name="t", ids=_t(ids), values=_t(np.ones((2, 4), np.float32)),
+                                    update_id=8)])
     return {
         "ParameterServer/GetServerInfo": [ps_pb2.ServerInfoRequest()],
         "ParameterServer/CreateVariable": [
@@ -67,10 +74,10 @@ def templates(tmp: str) -> dict[str, list]:
         "ParameterServer/DeleteVariable": [ps_pb2.VariableRef(name="fz")],
         "ParameterServer/GetMeta": [ps_pb2.VariableRef(name="w")],
         "ParameterServer/ListVariables": [ps_pb2.ListRequest()],
-        "ParameterServer/Read": [ps_pb2.ReadRequest(names=["w", "t"])],
+        "ParameterServer/Read": [ps_pb2.ReadRequest(names=["w", "t"]), lookup],
         "ParameterServer/Push": [ps_pb2.PushRequest(updates=[
             ps_pb2.DenseUpdate(name="w", tensor=_t(w), update_id=5)],
-            sync=ps_pb2.SyncInfo(step=0, replica=0, num_replicas=2, required=1))],
+            sync=ps_pb2.SyncInfo(step=0, replica=0, num_replicas=2, required=1)), mixed],
         "ParameterServer/Assign": [ps_pb2.AssignRequest(updates=[
             ps_pb2.DenseUpdate(name="w", tensor=_t(w))])],
         "ParameterServer/Gather": [ps_pb2.GatherRequest(name="t", ids=_t(ids))],
@@ -89,9 +96,9 @@ def templates(tmp: str) -> dict[str, list]:
         "ParameterServer/Reconfigure": [ps_pb2.ReconfigureRequest(changes=[
             ps_pb2.ReplicaChange(name="w", epoch=1, action=ps_pb2.ReplicaChange.DROP_BACKUP)],
             timeout=1.0)],
-        "ParameterServerBulk/Read": [ps_pb2.ReadRequest(names=["w"])],
+        "ParameterServerBulk/Read": [ps_pb2.ReadRequest(names=["w"]), lookup],
         "ParameterServerBulk/Push": [ps_pb2.PushRequest(updates=[
-            ps_pb2.DenseUpdate(name="w", tensor=_t(w), update_id=7)])],
+            ps_pb2.DenseUpdate(name="w", tensor=_t(w), update_id=7)]), mixed],
         "SharedMemory/Attach": [ps_pb2.ShmAttachRequest(name="pstrain-" + "0" * 32,
                                                         nbytes=4096, pid=1, fd=3)],
         "SharedMemory/Detach": [ps_pb2.ShmDetachRequest(segment=1)],

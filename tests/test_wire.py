@@ -34,7 +34,8 @@ def test_push_request_matches_the_generated_code_both_ways():
     parsed = ps_pb2.PushRequest.FromString(raw)
     assert [(u.name, u.update_id) for u in parsed.updates] == [("a", 99), ("b", 0)]
     assert parsed.sync.step == 4
-    updates, sync_back = wire.decode_push_request(parsed.SerializeToString())
+    updates, sync_back, sparse = wire.decode_push_request(parsed.SerializeToString())
+    assert sparse == []
     assert [(n, uid) for n, _, uid in updates] == [("a", 99), ("b", 0)]
     np.testing.assert_array_equal(updates[0][1], ARRAYS[0])
     assert ps_pb2.SyncInfo.FromString(sync_back).replica == 1
@@ -43,7 +44,7 @@ def test_push_request_matches_the_generated_code_both_ways():
 @pytest.mark.parametrize("raw", [b"\x0a\x05ab", b"\x0a\x80", b"\x0a\x04\x12\x02\x0a\x00"])
 def test_malformed_bytes_are_invalid_argument(raw):
     with pytest.raises(InvalidArgument):
-        updates, _ = wire.decode_push_request(raw)
+        updates, _, _ = wire.decode_push_request(raw)
         for _, arr, _ in updates:
             assert arr is not None
 
@@ -90,7 +91,7 @@ def test_tensor_data_starts_aligned_whatever_precedes_it():
                         rng.choice([0, 1, 2**63 - 1, 300])))
         raw = wire.encode_push_request(
             ups, ps_pb2.SyncInfo(step=rng.randint(0, 1 << 40)).SerializeToString())
-        got, _ = wire.decode_push_request(raw)
+        got, _, _ = wire.decode_push_request(raw)
         generated = ps_pb2.PushRequest.FromString(raw)   # the padding is skipped
         for (n, a, u), (n2, a2, u2), g in zip(ups, got, generated.updates):
             assert (n2, u2, g.name, g.update_id) == (n, u, n, u)
@@ -119,20 +120,24 @@ def _protobuf_view(raw: bytes):
     updates = [(u.name, (u.tensor.dtype, list(u.tensor.shape), bytes(u.tensor.data))
                 if u.HasField("tensor") else None, u.update_id) for u in m.updates]
     return updates, (m.sync.SerializeToString(deterministic=True)
-                     if m.HasField("sync") else None)
+                     if m.HasField("sync") else None), [
+        u.SerializeToString(deterministic=True) for u in m.sparse]
 
 
 def _hand_view(raw: bytes):
     """What psserver/wire.py reads (None: it refuses), the same way."""
     try:
-        updates, sync, buf = wire.parse_push_request(raw)
+        updates, sync, buf, sparse = wire.parse_push_request(raw)
         sync = None if sync is None else ps_pb2.SyncInfo.FromString(sync).SerializeToString(
             deterministic=True)
+        # the server parses each row-wise update with the generated code
+        sparse = [ps_pb2.SparseUpdate.FromString(part).SerializeToString(deterministic=True)
+                  for part in sparse]
     except (InvalidArgument, DecodeError):
         return None
     out = [(name, None if t is None else (t[0], t[1], bytes(buf[t[2][0]:t[2][1]])), uid)
            for name, _, t, uid in updates]
-    return out, sync
+    return out, sync, sparse
 
 
 def _valid_push(draw) -> bytes:
@@ -144,6 +149,14 @@ def _valid_push(draw) -> bytes:
             u.tensor.dtype = draw(st.sampled_from(["float32", "float16", "int64", "x", ""]))
             u.tensor.shape.extend(draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)))
             u.tensor.data = draw(st.binary(max_size=24))
+    for _ in range(draw(st.integers(0, 2))):   # row-wise updates (PushRequest.sparse)
+        u = m.sparse.add(name=draw(st.text(max_size=4)),
+                         update_id=draw(st.integers(0, 2**64 - 1)))
+        u.ids.dtype = draw(st.sampled_from(["int64", "int32", "x"]))
+        u.ids.shape.extend(draw(st.lists(st.integers(0, 3), max_size=2)))
+        u.ids.data = draw(st.binary(max_size=16))
+        u.values.dtype = "float32"
+        u.values.data = draw(st.binary(max_size=16))
     if draw(st.booleans()):
         m.sync.CopyFrom(ps_pb2.SyncInfo(step=draw(st.integers(-5, 2**40)),
                                         replica=draw(st.integers(-3, 3)),
@@ -159,8 +172,11 @@ def _valid_push(draw) -> bytes:
         raw += wire._len_field(1, len(update)) + update
     if draw(st.booleans()):   # our own encoder's output too (aligned, padding field 15)
         arr = np.arange(draw(st.integers(0, 6)), dtype=np.float32)
-        raw += wire.encode_push_request([(draw(st.text(max_size=4)), arr,
-                                          draw(st.integers(0, 9)))])
+        ids = np.arange(draw(st.integers(0, 3)), dtype=np.int64)
+        raw += wire.encode_push_request(
+            [(draw(st.text(max_size=4)), arr, draw(st.integers(0, 9)))],
+            sparse=[(draw(st.text(max_size=3)), ids, np.ones((ids.size, 2), np.float32),
+                     draw(st.integers(0, 2**64 - 1)))] if draw(st.booleans()) else ())
     return raw
 
 
@@ -247,6 +263,12 @@ def _valid_reply(draw) -> bytes:
         raw += wire._len_field(1, len(vv)) + vv
     if draw(st.booleans()):   # an unknown top-level field
         raw += draw(st.sampled_from([b"\x10\x01", b"\x1a\x02ab", b"\x0d\x00\x00\x00\x00"]))
+    if draw(st.booleans()):   # looked-up rows (ReadReply.gathered), ours or the generated code's
+        rows = np.arange(draw(st.sampled_from([0, 4, 1200])), dtype=np.float32).reshape(-1, 4)
+        version = draw(st.integers(0, 2**40))
+        raw += wire.encode_read_reply([], gathered=[(version, rows)]) if draw(st.booleans()) \
+            else ps_pb2.ReadReply(gathered=[ps_pb2.GatherReply(version=version, rows=ps_pb2.Tensor(
+                dtype="float32", shape=rows.shape, data=rows.tobytes()))]).SerializeToString()
     return raw
 
 
@@ -272,7 +294,9 @@ def _receive(raw: bytes, want):
 
 def _seen(values):
     return [(n, v, None if a is None else (a.dtype.str, a.shape, a.tobytes()))
-            for n, v, a in values]
+            for n, v, a in values] + [
+        ("gathered", v, None if a is None else (a.dtype.str, a.shape, a.tobytes()))
+        for v, a in values.gathered]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -195,16 +195,26 @@ class ListReply(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("names", "max_bytes", "sync", "value_dtype")
+    __slots__ = ("names", "max_bytes", "sync", "value_dtype", "gathers")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     VALUE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GATHERS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
     sync: SyncRead
     value_dtype: str
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ..., value_dtype: _Optional[str] = ...) -> None: ...
+    gathers: _containers.RepeatedCompositeFieldContainer[RowLookup]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ..., value_dtype: _Optional[str] = ..., gathers: _Optional[_Iterable[_Union[RowLookup, _Mapping]]] = ...) -> None: ...
+
+class RowLookup(_message.Message):
+    __slots__ = ("name", "ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: Tensor
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class VariableValue(_message.Message):
     __slots__ = ("name", "version", "value")
@@ -217,10 +227,12 @@ class VariableValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReadReply(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "gathered")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    GATHERED_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedCompositeFieldContainer[VariableValue]
-    def __init__(self, values: _Optional[_Iterable[_Union[VariableValue, _Mapping]]] = ...) -> None: ...
+    gathered: _containers.RepeatedCompositeFieldContainer[GatherReply]
+    def __init__(self, values: _Optional[_Iterable[_Union[VariableValue, _Mapping]]] = ..., gathered: _Optional[_Iterable[_Union[GatherReply, _Mapping]]] = ...) -> None: ...
 
 class ReadFrame(_message.Message):
     __slots__ = ("value", "chunk")
@@ -241,12 +253,26 @@ class DenseUpdate(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("updates", "sync")
+    __slots__ = ("updates", "sync", "sparse")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[DenseUpdate]
     sync: SyncInfo
-    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ...) -> None: ...
+    sparse: _containers.RepeatedCompositeFieldContainer[SparseUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., sparse: _Optional[_Iterable[_Union[SparseUpdate, _Mapping]]] = ...) -> None: ...
+
+class SparseUpdate(_message.Message):
+    __slots__ = ("name", "ids", "values", "update_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: Tensor
+    values: Tensor
+    update_id: int
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("updates",)
