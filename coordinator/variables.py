@@ -53,7 +53,7 @@ from coordinator.calls import (_Op, _dense_op, _routed, _settle, _sparse_op,
                                client_for, close_clients, configure,  # noqa: F401  (re-exported)
                                new_update_id)
 from coordinator.replica import current_sync, rows_sync
-from psserver.optimizers import sum_duplicates
+from psserver.optimizers import sum_duplicates, take_rows
 
 
 # -- the variable ----------------------------------------------------------------
@@ -167,7 +167,7 @@ class ShardedVariable:
             for (_, run, _), (rows, _) in zip(runs, _settle(starts)):
                 out[run] = rows
         _routed(plan)
-        return out[inverse].reshape(ids.shape + self.shape[1:])
+        return take_rows(out, inverse).reshape(ids.shape + self.shape[1:])
 
     def lookup(self, ids) -> "Lookup":
         """A request for ``gather(ids)``'s rows, to pass to read_variables with
@@ -409,7 +409,7 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
             rows = rows_out.get(i)
             if rows is None:   # no ids
                 rows = np.empty((n,) + v.variable.shape[1:], np.dtype(v.variable.dtype))
-            out.append(rows[inverse].reshape(shape + v.variable.shape[1:]))
+            out.append(take_rows(rows, inverse).reshape(shape + v.variable.shape[1:]))
         elif v.num_shards == 1:
             out.append(parts[(i, prim[i][0].name)].copy())
         else:

@@ -266,16 +266,16 @@ class Optimizer:
         # Gather (copies: C-contiguous, len(ids) rows each), update the copies
         # block by block, then scatter back: every allocation happens before
         # the first write to a live array.
-        x = value[ids]
+        x = take_rows(value, ids)
         g = _gradient(rows, x.shape, value.dtype)
-        gathered = {n: a[ids] for n, a in arrays.items()}
+        gathered = {n: take_rows(a, ids) for n, a in arrays.items()}
         with np.errstate(all="ignore"):
             consts = self._constants(value.dtype, step)
             self._run(x.reshape(-1), {n: a.reshape(-1) for n, a in gathered.items()},
                       g, consts)
-            value[ids] = x
+            put_rows(value, ids, x)
             for n, a in arrays.items():
-                a[ids] = gathered[n]
+                put_rows(a, ids, gathered[n])
             self._count(slots)
 
     def _run(self, x: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray,
@@ -570,15 +570,41 @@ def make_optimizer(name: str, params: Mapping[str, float] | None = None) -> Opti
     return cls(**dict(params or {}))
 
 
+def take_rows(a: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``a[ids]`` along axis 0 (ids of any shape, in range), a new array.
+
+    ``np.take`` copies whole rows; numpy's fancy indexing of a 2-D array
+    walks it element by element: 1,280 random rows of 64 float32 take 80 us
+    against 234 us (bench: the embedding gathers and sparse updates)."""
+    return np.take(a, ids, axis=0)
+
+
+def put_rows(a: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """``a[ids] = rows`` along axis 0 (1-D ids in range), each row written as
+    one block of bytes where ``a`` and ``rows`` are C-contiguous arrays of one
+    dtype with rows of a few bytes or more (fancy assignment writes element by
+    element: 1,280 rows of 64 float32 take 69 us against 159 us)."""
+    cols = a.size // a.shape[0] if a.ndim > 1 and a.shape[0] else 0
+    if cols * a.itemsize >= 8 and rows.dtype == a.dtype and a.flags.c_contiguous \
+            and rows.flags.c_contiguous and a.flags.writeable \
+            and rows.shape == (ids.size,) + a.shape[1:]:
+        void = np.dtype((np.void, cols * a.itemsize))
+        a.reshape(a.shape[0], cols).view(void)[ids.reshape(-1), 0] = \
+            rows.reshape(ids.size, cols).view(void)[:, 0]
+    else:
+        a[ids] = rows
+
+
 def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique int64 ids, rows summed per id), rows' dtype kept (the
     arrays given, not copies, when ids are sorted and distinct already).
 
-    The result is deterministic (a stable sort; the same input gives the same
-    bits), though numpy may sum one id's rows in another order than a plain
-    loop would (last-bit differences). Few duplicates: copy the first row of each id and
-    ``np.add.at`` the rest; many: ``np.add.reduceat`` over the sorted rows
-    (each is the faster one in its regime).
+    Deterministic: the same input gives the same bits, on every client and
+    server. An id seen once has its row copied; an id seen up to ``_FEW``
+    times has its rows added one after another in the order given (a stable
+    sort); an id seen more often is summed by ``np.add.reduceat`` (numpy's
+    order: the first row plus the pairwise sum of the rest), whose cost is
+    per id (~1.5 us), hence not used for every id.
     """
     ids = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)
     rows = np.asarray(rows)
@@ -589,17 +615,27 @@ def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     first = np.empty(sorted_ids.size, dtype=bool)
     first[0] = True
     np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    sorted_rows = rows[order]
     starts = np.flatnonzero(first)
-    n_unique = starts.size
-    if n_unique == sorted_ids.size:
-        return sorted_ids, sorted_rows
-    n_dup = sorted_ids.size - n_unique
-    if n_dup < n_unique:
-        out = sorted_rows[starts]
-        dup = np.flatnonzero(~first)
-        segment = np.cumsum(first) - 1
-        np.add.at(out, segment[dup], sorted_rows[dup])
-    else:
-        out = np.add.reduceat(sorted_rows, starts, axis=0)
+    out = take_rows(rows, order[starts])   # each id's first row
+    if starts.size == sorted_ids.size:
+        return sorted_ids, out
+    counts = np.diff(starts, append=sorted_ids.size)
+    # Ids seen a few times: their k-th rows added to the sums, k = 1, 2, ...
+    # (one vectorised add per k: ((r0 + r1) + r2) + ...); ids seen more
+    # often: np.add.reduceat over their rows.
+    few = np.flatnonzero((counts > 1) & (counts <= _FEW))
+    for k in range(1, int(counts[few].max()) + 1 if few.size else 1):
+        few = few[counts[few] > k]
+        out[few] += take_rows(rows, order[starts[few] + k])
+    many = np.flatnonzero(counts > _FEW)
+    if many.size:
+        n = counts[many]
+        begin = np.cumsum(n) - n   # the rows of those ids, id after id, in order
+        at = np.repeat(starts[many] - begin, n) + np.arange(int(n.sum()))
+        out[many] = np.add.reduceat(take_rows(rows, order[at]), begin, axis=0)
     return sorted_ids[starts], out
+
+
+#: sum_duplicates: ids seen up to this many times are summed k-th row by
+#: k-th row, the others by np.add.reduceat (~1.5 us per id: its cost).
+_FEW = 8

@@ -451,7 +451,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         with var.lock:
             if sync_step is not None:
                 self._barrier(var, sync_step, deadline, "gather")
-            return var.version, var.value[ids]
+            return var.version, optim.take_rows(var.value, ids)
 
     # -- updates -----------------------------------------------------------
     def _check_grad(self, var: Variable, grad: np.ndarray, shape, what: str) -> None:

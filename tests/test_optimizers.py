@@ -322,6 +322,12 @@ def test_sum_duplicates_matches_naive(n, vocab, row_shape, dtype):
     # Deterministic: the same input gives bit-identical output.
     again = sum_duplicates(ids, rows)
     assert again[1].tobytes() == summed.tobytes()
+    # An id seen up to 8 times: its rows added one after another, in order
+    # (the naive loop's bits); more often: numpy's reduceat (within tolerance).
+    uniq, counts = np.unique(ids, return_counts=True)
+    few = np.isin(nid, uniq[counts <= 8])
+    if dtype != np.float16:
+        assert summed[few].tobytes() == nsum[few].tobytes()
 
 
 def test_sum_duplicates_takes_sorted_distinct_ids_as_they_are():
@@ -729,3 +735,33 @@ def test_ftrl_sparse_equals_keras_and_tensorflows_lazy_kernel():
     _float32_close(var, tf_var.numpy())
     _float32_close(slots["accumulator"], accum.numpy())
     _float32_close(slots["linear"], linear.numpy())
+
+
+# -- take_rows / put_rows: whole-row copies, as fancy indexing gives ------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from psserver.optimizers import put_rows, take_rows  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([(), (0,), (1,), (3,), (2, 5), (64,)]),
+       st.sampled_from([np.float32, np.float64, np.float16, np.int64, np.int8]),
+       st.data())
+def test_take_rows_and_put_rows_are_fancy_indexing(n, row_shape, dtype, data):
+    rng = np.random.default_rng(n)
+    a = (rng.standard_normal((n,) + row_shape) * 10).astype(dtype)
+    ids = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=12, unique=True)),
+                   np.int64)
+    shaped = ids.reshape(data.draw(st.sampled_from([(-1,), (1, -1)])))
+    np.testing.assert_array_equal(take_rows(a, shaped), a[shaped])
+    assert take_rows(a, shaped).shape == shaped.shape + row_shape
+    rows = (rng.standard_normal((ids.size,) + row_shape) * 10).astype(dtype)
+    kind = data.draw(st.sampled_from(["same", "strided", "other dtype"]))
+    if kind == "strided":   # not contiguous: the element-wise path
+        rows = np.stack([rows, rows], axis=-1)[..., 0]
+    elif kind == "other dtype":
+        rows = rows.astype(np.float32 if dtype != np.float32 else np.float64)
+    want = a.copy()
+    want[ids] = rows
+    put_rows(a, ids, rows)
+    np.testing.assert_array_equal(a, want)
