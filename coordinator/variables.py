@@ -341,6 +341,7 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
     def pairs_of(items):
         return [(variables[i].variable if isinstance(variables[i], Lookup) else variables[i], k)
                 for i, k in items]
+    rows_out: dict[int, np.ndarray] = {}   # a Lookup's distinct ids' rows, by item
     if not any(isinstance(v, Lookup) for v in variables):
         # Each value lands in its final array (a slice of it per shard): on this
         # host that is the only copy, made straight from shared memory.
@@ -367,16 +368,21 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
             ids = np.asarray(v.ids)
             uniq, inverse = distinct(ids)   # each distinct id asked for once
             shaped[i] = (ids.shape, uniq.size, inverse)
+            # the distinct ids' rows, each server's run received straight into it
+            rows_out[i] = np.empty((uniq.size,) + v.variable.shape[1:],
+                                   np.dtype(v.variable.dtype))
             for k, run, local in v.variable._runs(uniq):
                 gather_groups[prim[i][k].address].append((i, run, prim[i][k], local))
         addrs = list(dict.fromkeys([*groups, *gather_groups]))
         starts = [_Op(addr,
                       lambda c, n=[s.name for _, s in groups[addr]],
-                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]]:
-                      c.read_and_gather(n, g, sync_step=step),
+                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]],
+                      o=[rows_out[i][run] for i, run, _, _ in gather_groups[addr]]:
+                      c.read_and_gather(n, g, sync_step=step, rows_out=o),
                       lambda c, n=[s.name for _, s in groups[addr]],
-                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]]:
-                      c.read_and_gather_async(n, g, sync_step=step),
+                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]],
+                      o=[rows_out[i][run] for i, run, _, _ in gather_groups[addr]]:
+                      c.read_and_gather_async(n, g, sync_step=step, rows_out=o),
                       pairs_of([(i, prim[i].index(s)) for i, s in groups[addr]]
                                + [(i, prim[i].index(s)) for i, _, s, _ in gather_groups[addr]]))
                   for addr in addrs]
@@ -386,15 +392,12 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
         gather_groups = {addr: gather_groups[addr] for addr in addrs}
     parts: dict[tuple[int, str], np.ndarray] = {}
     versions: dict[int, dict[str, int]] = defaultdict(dict)
-    rows_out: dict[int, np.ndarray] = {}
     for addr, (snaps, gathered) in zip(groups, results):
         for (i, s), snap in zip(groups[addr], snaps):
             parts[(i, s.name)], versions[i][s.name] = snap.value, snap.version
         for (i, pos, s, _), (rows, version) in zip(gather_groups[addr], gathered):
-            if i not in rows_out:
-                v = variables[i].variable
-                rows_out[i] = np.empty((shaped[i][1],) + v.shape[1:], np.dtype(v.dtype))
-            rows_out[i][pos] = rows
+            if not np.may_share_memory(rows, rows_out[i]):   # (else received in place)
+                rows_out[i][pos] = rows
             versions[i][s.name] = version
     out = []
     for i, v in enumerate(variables):

@@ -5,7 +5,9 @@ pushes through segments it attaches (psserver/shm.py): the Unix socket
 carries names, shapes and offsets, the tensor bytes never cross a socket.
 Asynchronous reads copy straight from the server's memory (``_direct_read``,
 a seqlock, no call). Reads, lookups, dense and sparse pushes of one step go
-in one call (``read_and_gather``, ``push_dense_and_sparse``). Anything the
+in one call (``read_and_gather``, ``push_dense_and_sparse``): here through
+the segment, from another host in one ParameterServerBulk call
+(``ReadRequest.gathers``, ``PushRequest.sparse``). Anything the
 server refuses for a reason that concerns the segment (unknown after a
 restart, too small) is made again without it.
 """
@@ -306,17 +308,24 @@ class SharedMemoryPath:
 
     # -- a step's calls to one server, as one -----------------------------------------
     def read_and_gather(self, names: Sequence[str], gathers: Sequence[tuple[str, object]], *,
-                        sync_step: int | None = None):
-        """Read variables and look up rows of others in one call (same host;
-        elsewhere, the separate calls): (snapshots, [(rows, version)]), rows
-        shaped ids.shape + row shape, as gather. See read_many and gather."""
-        return self._read_and_gather(names, gathers, True, sync_step)
+                        sync_step: int | None = None,
+                        rows_out: Sequence[np.ndarray | None] | None = None):
+        """Read variables and look up rows of others in one call (the separate
+        calls where one reply would not carry them all): (snapshots,
+        [(rows, version)]), rows shaped ids.shape + row shape, as gather. See
+        read_many and gather. ``rows_out``: an array per gather (or None) of
+        the rows' dtype and shape (C-contiguous, writable) that rows received
+        from another host land in (returned as its rows); elsewhere they are
+        new arrays."""
+        return self._read_and_gather(names, gathers, True, sync_step, rows_out)
 
     def read_and_gather_async(self, names: Sequence[str], gathers: Sequence[tuple[str, object]],
-                              *, sync_step: int | None = None) -> Handle:
-        return self._read_and_gather(names, gathers, False, sync_step)
+                              *, sync_step: int | None = None,
+                              rows_out: Sequence[np.ndarray | None] | None = None) -> Handle:
+        return self._read_and_gather(names, gathers, False, sync_step, rows_out)
 
-    def _read_and_gather(self, names, gathers, wait: bool, sync_step: int | None):
+    def _read_and_gather(self, names, gathers, wait: bool, sync_step: int | None,
+                         rows_out=None):
         names = list(names)
         shaped = [(name, _as_ids(ids, "gather")) for name, ids in gathers]
         flat = [(name, ids.reshape(-1)) for name, ids in shaped]
@@ -345,7 +354,7 @@ class SharedMemoryPath:
                 and sum(known) + sum(ids.size * self._row_bytes(name) for name, ids in flat) \
                 <= self._tensor_limit(methods.BULK_READ):
             # one call (a socket's frame or a unary gRPC reply): values and rows
-            return self._read_and_gather_bulk(names, flat, wait, sync_step, reshape)
+            return self._read_and_gather_bulk(names, flat, wait, sync_step, reshape, rows_out)
         if not wait and self.local:   # a socket: every call sent now, no thread
             read = [self._read_many(names, False, sync_step)] if names and not direct else []
             sent = read + [self._gather(name, ids, False, sync_step, use_shm=False)
@@ -360,10 +369,11 @@ class SharedMemoryPath:
         return self._run(wait, separate)
 
     def _read_and_gather_bulk(self, names: list[str], flat, wait: bool,
-                              sync_step: int | None, post):
+                              sync_step: int | None, post, rows_out=None):
         """read_and_gather as one ParameterServerBulk.Read (ReadRequest.gathers):
         post((snapshots, [(rows, version)])); the separate calls where the
-        server says it does not fit one reply (or cannot take lookups)."""
+        server says it does not fit one reply (or cannot take lookups). Over
+        a socket, rows are received straight into ``rows_out``'s arrays."""
         def separate():
             return post((self._read_many(names, True, sync_step) if names else [],
                          [self._gather(name, ids, True, sync_step, use_shm=False)
@@ -397,7 +407,7 @@ class SharedMemoryPath:
         want = [(name, None) for name in names]
         return self._invoke(wait, methods.BULK_READ, req, done, recover,
                             receiver=lambda recv_into, n: wire.receive_read_reply(
-                                recv_into, n, want))
+                                recv_into, n, want, rows_out or ()))
 
     def push_dense_and_sparse(self, dense, sparse: Sequence[tuple], *,
                               sync: SyncSpec | None = None) -> list[int]:

@@ -489,24 +489,31 @@ def _partial_fields(buf: memoryview, p: int, end: int, have: int):
             raise _Whole
 
 
-def _value_prefix(buf: memoryview, a: int, end: int, have: int):
-    """The VariableValue in buf[a:end], of which buf[:have] has arrived:
-    (name, version, dtype, shape, data start) when its Tensor's data is the
-    last thing in it (our servers write it so: its data can go straight to
-    its array), None when not (it is received and decoded whole). Raises
-    _Short while what has arrived cannot tell."""
+#: (name, version, tensor) field numbers of a ReadReply's entries: its
+#: values (VariableValue) and its looked-up rows (GatherReply, no name).
+_VALUE_FIELDS, _GATHERED_FIELDS = (1, 2, 3), (0, 1, 2)
+
+
+def _value_prefix(buf: memoryview, a: int, end: int, have: int, fields=_VALUE_FIELDS):
+    """The VariableValue (or with _GATHERED_FIELDS, GatherReply) in
+    buf[a:end], of which buf[:have] has arrived: (name, version, dtype,
+    shape, data start) when its Tensor's data is the last thing in it (our
+    servers write it so: its data can go straight to its array), None when
+    not (it is received and decoded whole). Raises _Short while what has
+    arrived cannot tell."""
     def need(k: int) -> None:
         if k > have:
             raise _Short
+    name_field, version_field, tensor_field = fields
     name, version = "", 0
     try:
         for field, wt, c, d in _partial_fields(buf, a, end, have):
-            if field == 2 and wt == _VARINT:
+            if field == version_field and wt == _VARINT:
                 version = _int64(c)
-            elif field == 1 and wt == _LEN:
+            elif field == name_field and wt == _LEN:
                 need(d)
                 name = _text(buf, c, d, "a variable name")
-            elif field == 3 and wt == _LEN:   # (data ending at end: the tensor does too)
+            elif field == tensor_field and wt == _LEN:   # (data ending at end: so does the tensor)
                 dtype, shape = "", []
                 for f2, wt2, s, e in _partial_fields(buf, c, end, have):
                     if wt2 == _VARINT:
@@ -534,11 +541,13 @@ def _value_prefix(buf: memoryview, a: int, end: int, have: int):
 
 
 def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
-                       want: Sequence[tuple[str, np.ndarray | None]]) -> ReadValues:
+                       want: Sequence[tuple[str, np.ndarray | None]],
+                       want_rows: Sequence[np.ndarray | None] = ()) -> ReadValues:
     """A ReadReply of n bytes taken off a socket (``recv_into(view)`` fills
     all of view) and decoded, each value's data received straight into its
-    array: ``want[i]`` = (name asked for, array or None) for the i-th value;
-    an array of that value's dtype and shape (C-contiguous, writable) is
+    array: ``want[i]`` = (name asked for, array or None) for the i-th value
+    (``want_rows[k]``: array or None for the k-th looked-up rows); an array
+    of that value's dtype and shape (C-contiguous, writable) is
     filled in place and returned; any other value gets a new array. A value's
     data goes from the socket to its array with no copy once it starts past
     the first few KiB taken (our servers' values always do, after a short
@@ -551,8 +560,12 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
     head = bytearray()
     got = 0
 
-    def fits(i: int, name: str, dt, shape) -> np.ndarray | None:
-        arr = want[i][1] if i < len(want) and want[i][0] == name else None
+    def fits(i: int, name: str | None, dt, shape) -> np.ndarray | None:
+        """The array offered for the i-th value (name None: i-th rows), if it fits."""
+        if name is None:
+            arr = want_rows[i] if i < len(want_rows) else None
+        else:
+            arr = want[i][1] if i < len(want) and want[i][0] == name else None
         if arr is None or arr.dtype != dt or arr.shape != tuple(shape) \
                 or not arr.flags.c_contiguous or not arr.flags.writeable:
             return None
@@ -560,12 +573,14 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
 
     def decoded(raw: bytes) -> None:
         got = decode_read_reply(raw)
-        for name, version, arr in got:
-            dest = None if arr is None else fits(len(out), name, arr.dtype, arr.shape)
-            if dest is not None:
-                dest[...] = arr
-            out.append((name, version, arr if dest is None else dest))
-        out.gathered += got.gathered
+        for entries, items, named in ((out, got, True), (out.gathered, got.gathered, False)):
+            for item in items:
+                arr = item[-1]
+                dest = None if arr is None else fits(
+                    len(entries), item[0] if named else None, arr.dtype, arr.shape)
+                if dest is not None:
+                    dest[...] = arr
+                entries.append((*item[:-1], arr if dest is None else dest))
 
     def fetch(k: int = _STREAM_CHUNK) -> None:
         nonlocal got
@@ -601,18 +616,21 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
                 if got == n:
                     raise
                 fetch()
-        if field != 1 or wt != _LEN:   # not ours: everything left decoded as it is
+        if field not in (1, 2) or wt != _LEN:   # not ours: everything left decoded as it is
             if got < n:
                 fetch(n - got)
             decoded(take(len(head)))
             return out
+        rows = field == 2   # a GatherReply (ReadReply.gathered), else a VariableValue
         end = p + size
         if end > len(head) + (n - got):
             raise InvalidArgument("truncated message (a field runs past its end)")
         while True:
             try:
                 with memoryview(head) as buf:
-                    pre = _value_prefix(buf, p, end, len(head)) if len(head) < end else None
+                    pre = _value_prefix(buf, p, end, len(head),
+                                        _GATHERED_FIELDS if rows else _VALUE_FIELDS) \
+                        if len(head) < end else None
                 break
             except _Short:
                 if len(head) - p > _STREAM_PREFIX_MAX:
@@ -625,18 +643,20 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
             decoded(take(end))
             continue
         name, version, dtype, shape, start = pre
-        dt = check_dtype(dtype, WIRE_DTYPES, f"value of {name!r} dtype")
-        shape = check_shape(shape, f"value of {name!r} shape")
+        what = f"gathered rows {len(out.gathered)}" if rows else f"value of {name!r}"
+        dt = check_dtype(dtype, WIRE_DTYPES, f"{what} dtype")
+        shape = check_shape(shape, f"{what} shape")
         if nbytes_of(shape, dt) != end - start:
-            raise InvalidArgument(f"value of {name!r} data has {end - start} bytes but dtype "
+            raise InvalidArgument(f"{what} data has {end - start} bytes but dtype "
                                   f"{dtype} and shape {list(shape)} need "
                                   f"{nbytes_of(shape, dt)}")
-        arr = fits(len(out), name, dt, shape)
+        arr = fits(len(out.gathered), None, dt, shape) if rows else \
+            fits(len(out), name, dt, shape)
         if arr is None:
             try:   # (pages are committed as bytes arrive)
                 arr = np.empty(shape, dt)
             except MemoryError:
-                raise ResourceExhausted(f"no memory for value {name!r} ({end - start} "
+                raise ResourceExhausted(f"no memory for {what} ({end - start} "
                                         "bytes) of a read reply") from None
         target = memoryview(arr.reshape(-1).view(np.uint8))
         k = min(len(head) - start, end - start)
@@ -645,7 +665,10 @@ def receive_read_reply(recv_into: Callable[[memoryview], None], n: int,
             recv_into(target[k:])
             got += len(target) - k
         del head[:start + k]
-        out.append((name, version, arr))
+        if rows:
+            out.gathered.append((version, arr))
+        else:
+            out.append((name, version, arr))
     return out
 
 

@@ -650,3 +650,32 @@ def test_a_long_refusal_of_the_hello_is_a_clear_error():
     finally:
         lst.close()
         t.join(10)
+
+
+def test_looked_up_rows_over_the_data_port_land_in_the_callers_arrays(start_ps, monkeypatch):
+    """read_and_gather(rows_out=...) over the data port: each lookup's rows are
+    received straight into the array offered for it (read_variables offers
+    its slice of the distinct ids' rows); an array that does not fit gets
+    new rows, as before."""
+    ps = start_ps()
+    real_recv = ipc._recv_into
+    dest = np.zeros((3000, 4), np.float32)
+    landed = []
+
+    def spy(sock, view):
+        landed.append(np.shares_memory(np.frombuffer(view, np.uint8), dest))
+        return real_recv(sock, view)
+    monkeypatch.setattr(ipc, "_recv_into", spy)
+    table = np.arange(40000, dtype=np.float32).reshape(10000, 4)
+    with remote(ps.address) as c:
+        c.create_variable("t", initial_value=table)
+        c.create_variable("a", initial_value=np.ones(3, np.float32))
+        ids = np.arange(0, 9000, 3)
+        wrong = np.zeros((5, 4), np.float32)
+        snaps, rows = c.read_and_gather(["a"], [("t", ids), ("t", [1, 2])],
+                                        rows_out=[dest, wrong])
+        assert np.shares_memory(rows[0][0], dest) and any(landed)
+        np.testing.assert_array_equal(dest, table[ids])
+        np.testing.assert_array_equal(rows[1][0], table[[1, 2]])
+        assert not wrong.any() and not np.shares_memory(rows[1][0], wrong)
+        np.testing.assert_array_equal(snaps[0].value, np.ones(3))

@@ -277,7 +277,7 @@ def _mutated_reply(draw) -> bytes:
     return _mutated(draw, _valid_reply(draw), 3, ["flip", "insert", "delete", "truncate"])
 
 
-def _receive(raw: bytes, want):
+def _receive(raw: bytes, want, want_rows=()):
     """receive_read_reply over raw as a socket would give it; then whether
     every byte was taken (no more, no fewer)."""
     pos = 0
@@ -288,7 +288,7 @@ def _receive(raw: bytes, want):
             raise AssertionError("asked for bytes past the reply's end")
         view[:] = raw[pos:pos + len(view)]
         pos += len(view)
-    out = wire.receive_read_reply(recv_into, len(raw), want)
+    out = wire.receive_read_reply(recv_into, len(raw), want, want_rows)
     return out, pos == len(raw)
 
 
@@ -313,11 +313,14 @@ def test_a_reply_received_value_by_value_reads_as_the_whole_reply_decoded(raw, d
     try:
         peek = wire.decode_read_reply(raw)
     except InvalidArgument:
-        peek = []
+        peek = wire.ReadValues()
     want, good = [], []
-    for name, _, a in peek:
+    # the arrays offered: for each value (by name), then each looked-up rows
+    for name, _, a in [*peek, *((None, v, a) for v, a in peek.gathered)]:
         kind = data.draw(st.sampled_from(["fits", "strided", "read-only", "other name",
                                           "other dtype", "none"])) if a is not None else "none"
+        if name is None and kind == "other name":
+            kind = "fits"   # rows are offered by position, not name
         dest = None
         if kind in ("fits", "read-only", "other name"):
             dest = np.full(a.shape, 9, a.dtype)
@@ -328,15 +331,18 @@ def test_a_reply_received_value_by_value_reads_as_the_whole_reply_decoded(raw, d
                 kind = "fits"
         elif kind == "other dtype":
             dest = np.full(a.shape, 9, np.int8 if a.dtype != np.int8 else np.float32)
-        want.append((name + "x" if kind == "other name" else name, dest))
+        want.append((None if name is None else name + "x" if kind == "other name" else name,
+                     dest))
         good.append(kind == "fits")
+    values = [w for w in want if w[0] is not None]
+    rows = [dest for name, dest in want if name is None]
     if expected is None:
         with pytest.raises(InvalidArgument):
-            _receive(raw, want)
+            _receive(raw, values, rows)
         return
-    got, whole = _receive(raw, want)
+    got, whole = _receive(raw, values, rows)
     assert whole and _seen(got) == expected
-    for (_, dest), ok, (_, _, a) in zip(want, good, got):
+    for (_, dest), ok, a in zip(want, good, [a for *_, a in [*got, *got.gathered]]):
         if dest is not None:
             assert (a is dest) == ok   # lands in the array offered only when it fits
             assert ok or (dest == 9).all()   # any other offered array: untouched
