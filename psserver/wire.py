@@ -350,12 +350,19 @@ def _fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int
     """(field, wire type, value or start, end) for each varint and
     length-delimited field in buf[pos:end]; the others are checked and skipped."""
     while pos < end:
-        field, wt, pos = _read_key(buf, pos, end)
+        b = buf[pos]
+        if 8 <= b < 0x80:   # a one-byte key (fields 1-15): most of them, read inline
+            field, wt, pos = b >> 3, b & 7, pos + 1
+        else:
+            field, wt, pos = _read_key(buf, pos, end)
         if wt == _VARINT:
             value, pos = _read_varint(buf, pos, end)
             yield field, wt, value, pos
         elif wt == _LEN:
-            n, start = _read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:   # a one-byte length
+                n, start = buf[pos], pos + 1
+            else:
+                n, start = _read_varint(buf, pos, end)
             if n > end - start:
                 raise InvalidArgument("truncated message (a field runs past its end)")
             pos = start + n
@@ -392,8 +399,10 @@ def _tensor_parts(buf: memoryview, spans: list[tuple[int, int]], what: str):
 
 
 def _decode_tensor(raw: bytes, buf: memoryview, spans: list[tuple[int, int]],
-                   what: str) -> np.ndarray:
-    dtype, shape, data = _tensor_parts(buf, spans, what)
+                   what: str, parts=None) -> np.ndarray:
+    """The array a Tensor (its encoding: spans of buf) holds, a view of raw;
+    ``parts``: its _tensor_parts, when read already."""
+    dtype, shape, data = _tensor_parts(buf, spans, what) if parts is None else parts
     dt = check_dtype(dtype, WIRE_DTYPES, f"{what} dtype")
     shape = check_shape(shape, f"{what} shape")
     n = nbytes_of(shape, dt)
@@ -707,8 +716,8 @@ def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], 
     [each SparseUpdate's bytes: a view of raw])."""
     updates, sync, buf, sparse = parse_push_request(raw)
     out = []
-    for name, spans, _, uid in updates:
+    for name, spans, parts, uid in updates:
         if not spans:
             raise InvalidArgument(f"update of {name!r} carries no tensor")
-        out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}"), uid))
+        out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}", parts), uid))
     return out, sync, sparse
