@@ -267,35 +267,37 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def ListVariables(self, request, context):
         return ps_pb2.ListReply(variables=[meta_to_proto(m) for m in self.store.list()])
 
-    def _read_limit(self, request, context=None, gathered=()) -> int:
+    def _read_limit(self, request, context=None, rows: int = 0) -> int:
+        """The bytes a Read may return; ResourceExhausted (before anything is
+        read) when its values and ``rows`` bytes of looked-up rows exceed it."""
         # a socket's context allows a frame's worth (psserver/ipc_server.py)
         T.read_as(request.value_dtype)   # refused before anything is read
         limit = getattr(context, "max_message_bytes", self.max_message_bytes)
         if request.max_bytes > 0:
             limit = min(limit, request.max_bytes)
         total = sum(self.store.nbytes(name) for name in request.names)
-        rows = sum(r.nbytes for _, r in gathered)
         if total + rows > limit:
-            also = f" and {rows} bytes of looked-up rows" if gathered else ""
+            also = f" and {rows} bytes of looked-up rows" if request.gathers else ""
             raise ResourceExhausted(
                 f"reading {list(request.names)} returns {total} bytes{also}, more than "
                 f"this call allows ({limit}); use ReadStream and Gather (PSClient does "
                 "so by itself)")
         return limit
 
-    def _lookups(self, request, step, deadline) -> list[tuple[int, np.ndarray]]:
-        """A Read's row lookups (ReadRequest.gathers): [(version, rows)], every
-        one's ids checked before any is looked up."""
+    def _lookups(self, request, context, step, deadline) -> tuple[list, int]:
+        """A Read's row lookups (ReadRequest.gathers) as [(version, rows)], and
+        its limit (_read_limit): every lookup's ids checked, and the reply's
+        size, before any row is copied."""
         ids = [(g.name, T.decode(g.ids, T.ID_DTYPES, f"gathers[{i}] ids ({g.name!r})"))
                for i, g in enumerate(request.gathers)]
-        return [self.store.gather(name, i, step, deadline) for name, i in ids]
+        limit = self._read_limit(request, context, sum(
+            self.store.rows_nbytes(name, i.size) for name, i in ids))
+        return [self.store.gather(name, i, step, deadline) for name, i in ids], limit
 
     def bulk_read(self, request, context):
         """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
         step, deadline = _sync_step(request), _deadline(context)
-        T.read_as(request.value_dtype)   # refused before anything is looked up
-        gathered = self._lookups(request, step, deadline)
-        self._read_limit(request, context, gathered)
+        gathered, _ = self._lookups(request, context, step, deadline)
         with self.store.locked_values(list(request.names), step, deadline) as values:
             if T.read_as(request.value_dtype) is not None:   # converted under the locks
                 values = [(name, version, T.as_float16(arr)) for name, version, arr in values]
@@ -320,9 +322,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _read(self, request, context=None):
         step, deadline = _sync_step(request), _deadline(context)
-        T.read_as(request.value_dtype)   # refused before anything is looked up
-        gathered = self._lookups(request, step, deadline)
-        limit = self._read_limit(request, context, gathered)
+        gathered, limit = self._lookups(request, context, step, deadline)
         half = T.read_as(request.value_dtype) is not None
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:
@@ -373,13 +373,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Gather(self, request, context):
         ids = T.decode(request.ids, T.ID_DTYPES, "gather ids")
-        version, rows = self.store.gather(request.name, ids, _sync_step(request),
-                                          _deadline(context))
-        if rows.nbytes > self.max_message_bytes:
+        nbytes = self.store.rows_nbytes(request.name, ids.size)   # before any row is copied
+        if nbytes > self.max_message_bytes:
             raise ResourceExhausted(
-                f"gather of {ids.size} rows returns {rows.nbytes} bytes, over the "
+                f"gather of {ids.size} rows returns {nbytes} bytes, over the "
                 f"{self.max_message_bytes}-byte message limit; gather fewer ids per "
                 "call (PSClient splits large gathers by itself)")
+        version, rows = self.store.gather(request.name, ids, _sync_step(request),
+                                          _deadline(context))
         return wire.encode_gather_reply(version, rows)   # a GatherReply, framed by hand
 
     def PushSparse(self, request, context):

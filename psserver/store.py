@@ -366,6 +366,14 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         with var.lock:
             return var.value.nbytes
 
+    def rows_nbytes(self, name: str, n: int) -> int:
+        """Bytes of n rows of a variable (what a gather of n ids returns;
+        0 for a scalar, which has no rows), without reading any."""
+        var = self._get(name)
+        with var.lock:
+            shape = var.value.shape
+            return var.value.nbytes // shape[0] * n if shape and shape[0] else 0
+
     def meta(self, name: str) -> VariableMeta:
         """A variable's metadata, or a dynamic table shard's (its replication
         name: psserver.replication.TABLE_PREFIX + table name)."""

@@ -307,3 +307,30 @@ def test_lookups_in_reads_and_row_gradients_in_pushes_on_every_grpc_path(ps):
     with PSClient(ps.address) as c:
         np.testing.assert_array_equal(c.read("a"), -3 * np.ones(4))
         np.testing.assert_array_equal(c.read("t")[2], np.arange(8, 12) - 6.0)
+
+
+def test_a_lookup_too_large_for_its_reply_is_refused_before_any_row_is_copied(monkeypatch):
+    """ReadRequest.gathers and Gather: the rows' size is known from the ids'
+    count, so a request for more than the reply may carry is refused before
+    a row is copied (2 M ids of 4 KB rows would be 8 GB)."""
+    from psserver.errors import ResourceExhausted
+    from psserver.servicer import ParameterServerServicer
+    from psserver.store import VariableStore
+    store = VariableStore()
+    store.create("t", "float32", (16, 1024))
+    servicer = ParameterServerServicer(store, max_message_bytes=1 << 20)
+    copied = []
+    real = store.gather
+    monkeypatch.setattr(store, "gather", lambda *a, **k: (copied.append(1), real(*a, **k))[1])
+    ids = _tensor(np.zeros(2_000_000, np.int64))
+    for call, req in [
+        (servicer.bulk_read, ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t", ids=ids)])),
+        (servicer.Read, ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t", ids=ids)])),
+        (servicer.Gather, ps_pb2.GatherRequest(name="t", ids=ids)),
+    ]:
+        with pytest.raises(ResourceExhausted, match="8192000000 bytes"):
+            call(req, None)
+    assert copied == []
+    # within the limit: looked up
+    small = ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t", ids=_tensor(np.arange(3)))])
+    assert len(servicer.Read(small, None).gathered) == 1 and copied == [1]
