@@ -43,6 +43,7 @@ step, which a table (no dense gradients) never is.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import defaultdict
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -196,7 +197,7 @@ class ShardedVariable:
         if rows.shape != (ids.size,) + self.shape[1:]:
             raise ValueError(f"sparse gradient rows for {self.name!r} have shape {rows.shape}, "
                              f"expected {(ids.size,) + self.shape[1:]}")
-        ids, rows = sum_duplicates(ids, rows)
+        ids, rows = sum_duplicates(ids, rows, _known_order(self, ids))
         runs = {k: (run, local) for k, run, local in self._runs(ids)}
         out = []
         for k in range(self.num_shards):
@@ -233,10 +234,37 @@ def _int64_ids(ids) -> np.ndarray:
     return flat.astype(np.int64, copy=False)
 
 
-def distinct(ids) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse])."""
-    uniq, inverse = np.unique(_int64_ids(ids), return_inverse=True)
-    return uniq, inverse.reshape(-1)
+def distinct(ids, remember_for: "ShardedVariable | None" = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse]),
+    as np.unique gives them. ``remember_for``: the table looked up; the ids'
+    stable sort order is kept (this thread's last look-up) for a row-wise
+    gradient of the same ids pushed next (_sparse_split: one sort a step)."""
+    flat = _int64_ids(ids)
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    first = np.empty(flat.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inverse = np.empty(flat.size, dtype=np.intp)
+    inverse[order] = np.cumsum(first) - 1
+    if remember_for is not None:
+        _last_sort.of = (remember_for, flat.copy(), order)   # a copy: the caller's may change
+    return ordered[first], inverse
+
+
+#: A thread's last look-up: (table, its ids, their stable sort order).
+_last_sort = threading.local()
+
+
+def _known_order(variable: "ShardedVariable", ids: np.ndarray) -> np.ndarray | None:
+    """The stable sort order of ``ids`` if this thread's last look-up of
+    ``variable`` was of exactly these ids (else None: sort them)."""
+    last = getattr(_last_sort, "of", None)
+    if last is not None and last[0] is variable and last[1].shape == ids.shape \
+            and np.array_equal(last[1], ids):
+        return last[2]
+    return None
 
 
 #: Hybrid mode: the kind of gradient ("dense" or "row-wise") each variable
@@ -366,7 +394,7 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
                     groups[s.address].append((i, s))
                 continue
             ids = np.asarray(v.ids)
-            uniq, inverse = distinct(ids)   # each distinct id asked for once
+            uniq, inverse = distinct(ids, v.variable)   # each distinct id asked for once
             shaped[i] = (ids.shape, uniq.size, inverse)
             # the distinct ids' rows, each server's run received straight into it
             rows_out[i] = np.empty((uniq.size,) + v.variable.shape[1:],

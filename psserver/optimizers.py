@@ -595,9 +595,11 @@ def put_rows(a: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         a[ids] = rows
 
 
-def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def sum_duplicates(ids: np.ndarray, rows: np.ndarray,
+                   order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique int64 ids, rows summed per id), rows' dtype kept (the
     arrays given, not copies, when ids are sorted and distinct already).
+    ``order``: ``np.argsort(ids, kind="stable")`` where the caller has it.
 
     Deterministic: the same input gives the same bits, on every client and
     server. An id seen once has its row copied; an id seen up to ``_FEW``
@@ -610,7 +612,8 @@ def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     rows = np.asarray(rows)
     if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
         return ids, rows   # sorted and distinct already (a client summed them): as they are
-    order = np.argsort(ids, kind="stable")
+    if order is None:
+        order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     first = np.empty(sorted_ids.size, dtype=bool)
     first[0] = True

@@ -334,3 +334,29 @@ def test_a_lookup_too_large_for_its_reply_is_refused_before_any_row_is_copied(mo
     # within the limit: looked up
     small = ps_pb2.ReadRequest(gathers=[ps_pb2.RowLookup(name="t", ids=_tensor(np.arange(3)))])
     assert len(servicer.Read(small, None).gathered) == 1 and copied == [1]
+
+
+def test_a_pushs_sort_reuses_the_lookups_only_for_the_same_ids(monkeypatch):
+    """distinct() is np.unique's (ids, inverse); the sort order it keeps for
+    the table it looked up serves a row-wise push of exactly those ids only
+    (a copy of them is kept: the caller changing its array in between, or
+    another table, makes the push sort afresh)."""
+    from psserver import optimizers
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, (8, 5))
+    uniq, inverse = V.distinct(ids)
+    want_u, want_i = np.unique(ids.reshape(-1), return_inverse=True)
+    np.testing.assert_array_equal(uniq, want_u)
+    np.testing.assert_array_equal(inverse, want_i.reshape(-1))
+    assert V.distinct(np.zeros(0, np.int64))[0].size == 0
+
+    class Table:   # stands for a ShardedVariable: only its identity matters here
+        pass
+    table, other = Table(), Table()
+    flat = ids.reshape(-1)
+    V.distinct(ids, table)
+    order = V._known_order(table, flat.copy())
+    np.testing.assert_array_equal(order, np.argsort(flat, kind="stable"))
+    assert V._known_order(other, flat) is None
+    ids[0, 0] += 1   # the caller's array changed after the look-up
+    assert V._known_order(table, ids.reshape(-1)) is None

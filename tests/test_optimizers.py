@@ -765,3 +765,13 @@ def test_take_rows_and_put_rows_are_fancy_indexing(n, row_shape, dtype, data):
     want[ids] = rows
     put_rows(a, ids, rows)
     np.testing.assert_array_equal(a, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=60))
+def test_sum_duplicates_with_the_callers_sort_order_is_the_same(ids):
+    ids = np.array(ids, np.int64)
+    rows = np.random.default_rng(len(ids)).standard_normal((ids.size, 3)).astype(np.float32)
+    a = sum_duplicates(ids, rows)
+    b = sum_duplicates(ids, rows, np.argsort(ids, kind="stable"))
+    assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
