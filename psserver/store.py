@@ -361,18 +361,17 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         return out
 
     def nbytes(self, name: str) -> int:
-        """Bytes of a variable's value (NotFound as a read), without building its meta."""
-        var = self._get(name)
-        with var.lock:
-            return var.value.nbytes
+        """Bytes of a variable's value (NotFound as a read), without building its
+        meta or waiting for its lock (a size check: an update in progress
+        does not change it)."""
+        return self._get(name).value.nbytes
 
     def rows_nbytes(self, name: str, n: int) -> int:
         """Bytes of n rows of a variable (what a gather of n ids returns;
         0 for a scalar, which has no rows), without reading any."""
-        var = self._get(name)
-        with var.lock:
-            shape = var.value.shape
-            return var.value.nbytes // shape[0] * n if shape and shape[0] else 0
+        value = self._get(name).value   # (no lock: a size check, not a read of the data)
+        shape = value.shape
+        return value.nbytes // shape[0] * n if shape and shape[0] else 0
 
     def meta(self, name: str) -> VariableMeta:
         """A variable's metadata, or a dynamic table shard's (its replication
