@@ -305,19 +305,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                           gathered)
 
     def bulk_push(self, raw: bytes, context):
-        """ParameterServerBulk.Push: the request read by hand, dense arrays are
-        views of it (row-wise ones, parsed by the generated code, of their
-        own bytes: the store may keep them)."""
-        updates, sync_raw, sparse_raw = wire.decode_push_request(raw)
+        """ParameterServerBulk.Push: the request read by hand, its arrays views
+        of it (a socket's frame is not used again while a view of it lives:
+        the store may keep a row-wise update's arrays)."""
+        updates, sync_raw, sparse = wire.decode_push_request(raw)
         req = ps_pb2.PushRequest()
         if sync_raw is not None:   # present, maybe empty: as protobuf has it
             req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
-        sparse = []
-        for i, part in enumerate(sparse_raw):
-            u = rpc.parse(ps_pb2.SparseUpdate, part)
-            what = f"sparse[{i}] ({u.name!r})"
-            sparse.append((u.name, _sparse_ids(T.decode(u.ids, what=f"{what} ids"), u.name),
-                           T.decode(u.values, what=f"{what} values"), u.update_id))
+        sparse = [(name, _sparse_ids(ids, name), rows, uid) for name, ids, rows, uid in sparse]
         return self._push_updates(req, updates, context, sparse)
 
     def _read(self, request, context=None):

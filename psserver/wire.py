@@ -686,9 +686,9 @@ def parse_push_request(raw: bytes):
     check of what it means: ([(name, (dtype, shape, data span) or None,
     update_id)], SyncInfo bytes (every occurrence, joined: merged when
     parsed; b"" when present but empty) or None, buf (raw's memoryview),
-    [buf's slice of each SparseUpdate, for the generated parser]). Raises
-    InvalidArgument where protobuf's parser fails (a SparseUpdate's inside:
-    where its parser does)."""
+    [(name, ids spans, ids (dtype, shape, data span) or None, values spans,
+    values (...) or None, update_id)] of each SparseUpdate). Raises
+    InvalidArgument where protobuf's parser fails."""
     buf = memoryview(raw)
     updates, sync, sparse = [], [], []
     for field, wt, a, b in _fields(buf, 0, len(raw)):
@@ -705,19 +705,39 @@ def parse_push_request(raw: bytes):
             updates.append((name, spans, tensor, uid))
         elif field == 2 and wt == _LEN:
             sync.append(bytes(buf[a:b]))
-        elif field == 3 and wt == _LEN:
-            sparse.append(buf[a:b])
+        elif field == 3 and wt == _LEN:   # a SparseUpdate
+            name, ids, values, uid = "", [], [], 0
+            for f2, wt2, c, d in _fields(buf, a, b):
+                if f2 == 1 and wt2 == _LEN:
+                    name = _text(buf, c, d, "a variable name")
+                elif f2 == 2 and wt2 == _LEN:
+                    ids.append((c, d))
+                elif f2 == 3 and wt2 == _LEN:
+                    values.append((c, d))
+                elif f2 == 5 and wt2 == _VARINT:
+                    uid = c
+            sparse.append((name, ids, _tensor_parts(buf, ids, f"ids of {name!r}") if ids else None,
+                           values, _tensor_parts(buf, values, f"row gradient of {name!r}")
+                           if values else None, uid))
     return updates, (b"".join(sync) if sync else None), buf, sparse
 
 
 def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes | None,
-                                             list[memoryview]]:
+                                             list[tuple[str, np.ndarray, np.ndarray, int]]]:
     """([(name, array view of raw, update_id)], serialized SyncInfo or None,
-    [each SparseUpdate's bytes: a view of raw])."""
+    [(name, ids, rows, update_id)] of the row-wise updates: views of raw)."""
     updates, sync, buf, sparse = parse_push_request(raw)
     out = []
     for name, spans, parts, uid in updates:
         if not spans:
             raise InvalidArgument(f"update of {name!r} carries no tensor")
         out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}", parts), uid))
-    return out, sync, sparse
+    rows = []
+    for name, id_spans, id_parts, value_spans, value_parts, uid in sparse:
+        if not id_spans or not value_spans:
+            raise InvalidArgument(f"row-wise update of {name!r} carries no "
+                                  f"{'ids' if not id_spans else 'values'}")
+        rows.append((name, _decode_tensor(raw, buf, id_spans, f"ids of {name!r}", id_parts),
+                     _decode_tensor(raw, buf, value_spans, f"row gradient of {name!r}",
+                                    value_parts), uid))
+    return out, sync, rows

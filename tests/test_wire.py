@@ -119,9 +119,12 @@ def _protobuf_view(raw: bytes):
         return None
     updates = [(u.name, (u.tensor.dtype, list(u.tensor.shape), bytes(u.tensor.data))
                 if u.HasField("tensor") else None, u.update_id) for u in m.updates]
+    def tensor(msg, field):
+        t = getattr(msg, field)
+        return (t.dtype, list(t.shape), bytes(t.data)) if msg.HasField(field) else None
     return updates, (m.sync.SerializeToString(deterministic=True)
                      if m.HasField("sync") else None), [
-        u.SerializeToString(deterministic=True) for u in m.sparse]
+        (u.name, tensor(u, "ids"), tensor(u, "values"), u.update_id) for u in m.sparse]
 
 
 def _hand_view(raw: bytes):
@@ -130,14 +133,13 @@ def _hand_view(raw: bytes):
         updates, sync, buf, sparse = wire.parse_push_request(raw)
         sync = None if sync is None else ps_pb2.SyncInfo.FromString(sync).SerializeToString(
             deterministic=True)
-        # the server parses each row-wise update with the generated code
-        sparse = [ps_pb2.SparseUpdate.FromString(part).SerializeToString(deterministic=True)
-                  for part in sparse]
     except (InvalidArgument, DecodeError):
         return None
-    out = [(name, None if t is None else (t[0], t[1], bytes(buf[t[2][0]:t[2][1]])), uid)
-           for name, _, t, uid in updates]
-    return out, sync, sparse
+
+    def tensor(t):
+        return None if t is None else (t[0], t[1], bytes(buf[t[2][0]:t[2][1]]))
+    out = [(name, tensor(t), uid) for name, _, t, uid in updates]
+    return out, sync, [(name, tensor(i), tensor(v), uid) for name, _, i, _, v, uid in sparse]
 
 
 def _valid_push(draw) -> bytes:
