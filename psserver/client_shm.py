@@ -385,10 +385,15 @@ class SharedMemoryPath:
                 self._read_lookups = False
                 return separate()
             rows = []
-            for (name, _), (version, r) in zip(flat, got.gathered):
-                if r is None:
-                    raise InvalidArgument(f"the read reply's rows of {name!r} have no tensor "
-                                          f"[{self.address}]")
+            for k, ((name, ids), (version, r)) in enumerate(zip(flat, got.gathered)):
+                dest = rows_out[k] if rows_out and k < len(rows_out) else None
+                if r is None or r.ndim < 1 or r.shape[0] != ids.size or (
+                        dest is not None and (r.dtype, r.shape) != (dest.dtype, dest.shape)):
+                    raise InvalidArgument(
+                        f"the read reply's rows of {name!r} are not {ids.size} rows"
+                        + ("" if dest is None else f" of {dest.dtype.name} {dest.shape[1:]}")
+                        + f" (got {None if r is None else (r.dtype.name, r.shape)}) "
+                        f"[{self.address}]")
                 rows.append((r, version))
             return post((self._snapshots(got), rows))
 
@@ -460,10 +465,14 @@ class SharedMemoryPath:
 
         def done(reply):
             versions = list(reply.versions)
-            if len(versions) == len(items) and sparse:   # a server from before
-                # PushRequest.sparse applied the dense ones only: send the rest apart
+            if len(versions) == len(items):   # a server from before PushRequest.sparse
+                # applied the dense ones only: the rest apart (their keys kept)
                 return versions + [self._push_sparse(name, ids, rows, True, None, uid)
                                    for name, ids, rows, uid in sparse]
+            if len(versions) != len(items) + len(sparse):
+                raise InvalidArgument(
+                    f"the push reply has {len(versions)} versions for {len(items)} dense and "
+                    f"{len(sparse)} row-wise updates [{self.address}]")
             return versions
 
         def recover(exc: PSError):

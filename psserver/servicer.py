@@ -194,6 +194,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         k = len(req.updates)
+        for u in req.sparse:
+            if u.HasField("sync"):
+                raise InvalidArgument(
+                    f"the row-wise update of {u.name!r} in a Push carries its own sync: "
+                    "row-wise gradients in a Push are asynchronous; send a sync one with "
+                    "PushSparse")
         updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays[:k])]
         sparse = [(u.name, _sparse_ids(ids, u.name), rows, u.update_id)
                   for u, ids, rows in zip(req.sparse, arrays[k::2], arrays[k + 1::2])]
@@ -286,8 +292,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _lookups(self, request, context, step, deadline) -> tuple[list, int]:
         """A Read's row lookups (ReadRequest.gathers) as [(version, rows)], and
-        its limit (_read_limit): every lookup's ids checked, and the reply's
-        size, before any row is copied."""
+        its limit (_read_limit): every lookup's ids decoded and the reply's
+        size checked before any row is copied (each lookup's ids are checked
+        against its variable as it is made; a refusal changes nothing)."""
         ids = [(g.name, T.decode(g.ids, T.ID_DTYPES, f"gathers[{i}] ids ({g.name!r})"))
                for i, g in enumerate(request.gathers)]
         limit = self._read_limit(request, context, sum(

@@ -687,8 +687,8 @@ def parse_push_request(raw: bytes):
     update_id)], SyncInfo bytes (every occurrence, joined: merged when
     parsed; b"" when present but empty) or None, buf (raw's memoryview),
     [(name, ids spans, ids (dtype, shape, data span) or None, values spans,
-    values (...) or None, update_id)] of each SparseUpdate). Raises
-    InvalidArgument where protobuf's parser fails."""
+    values (...) or None, update_id, SyncInfo bytes or None)] of each
+    SparseUpdate). Raises InvalidArgument where protobuf's parser fails."""
     buf = memoryview(raw)
     updates, sync, sparse = [], [], []
     for field, wt, a, b in _fields(buf, 0, len(raw)):
@@ -706,7 +706,7 @@ def parse_push_request(raw: bytes):
         elif field == 2 and wt == _LEN:
             sync.append(bytes(buf[a:b]))
         elif field == 3 and wt == _LEN:   # a SparseUpdate
-            name, ids, values, uid = "", [], [], 0
+            name, ids, values, uid, own_sync = "", [], [], 0, []
             for f2, wt2, c, d in _fields(buf, a, b):
                 if f2 == 1 and wt2 == _LEN:
                     name = _text(buf, c, d, "a variable name")
@@ -714,11 +714,14 @@ def parse_push_request(raw: bytes):
                     ids.append((c, d))
                 elif f2 == 3 and wt2 == _LEN:
                     values.append((c, d))
+                elif f2 == 4 and wt2 == _LEN:
+                    own_sync.append(bytes(buf[c:d]))
                 elif f2 == 5 and wt2 == _VARINT:
                     uid = c
             sparse.append((name, ids, _tensor_parts(buf, ids, f"ids of {name!r}") if ids else None,
                            values, _tensor_parts(buf, values, f"row gradient of {name!r}")
-                           if values else None, uid))
+                           if values else None, uid,
+                           b"".join(own_sync) if own_sync else None))
     return updates, (b"".join(sync) if sync else None), buf, sparse
 
 
@@ -733,7 +736,11 @@ def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], 
             raise InvalidArgument(f"update of {name!r} carries no tensor")
         out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}", parts), uid))
     rows = []
-    for name, id_spans, id_parts, value_spans, value_parts, uid in sparse:
+    for name, id_spans, id_parts, value_spans, value_parts, uid, own_sync in sparse:
+        if own_sync is not None:
+            raise InvalidArgument(
+                f"the row-wise update of {name!r} in a Push carries its own sync: row-wise "
+                "gradients in a Push are asynchronous; send a sync one with PushSparse")
         if not id_spans or not value_spans:
             raise InvalidArgument(f"row-wise update of {name!r} carries no "
                                   f"{'ids' if not id_spans else 'values'}")

@@ -14,7 +14,7 @@ from coordinator import (FixedShardsPartitioner, IndexedSlices, LocalCluster,
                          ParameterServerStrategy, push_gradients, read_variables)
 from coordinator import variables as V
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
-from psserver import ipc, shm
+from psserver import ipc, shm, wire
 from psserver.client import PSClient
 from psserver.errors import InvalidArgument
 
@@ -278,6 +278,10 @@ def test_lookups_in_reads_and_row_gradients_in_pushes_on_every_grpc_path(ps):
                 (ps_pb2.PushRequest(updates=[dense], sparse=[ps_pb2.SparseUpdate(
                     name="nope", ids=_tensor(np.array([1])),
                     values=_tensor(np.ones((1, 4), np.float32)))]), grpc.StatusCode.NOT_FOUND),
+                (ps_pb2.PushRequest(updates=[dense], sparse=[ps_pb2.SparseUpdate(
+                    name="t", ids=_tensor(np.array([1])),   # its own sync (as PushSparseRequest)
+                    values=_tensor(np.ones((1, 4), np.float32)), sync=sync)]),
+                 grpc.StatusCode.INVALID_ARGUMENT),
             ]:
                 assert code(stub.Push, req) == want
             for req, want in [
@@ -360,3 +364,77 @@ def test_a_pushs_sort_reuses_the_lookups_only_for_the_same_ids(monkeypatch):
     assert V._known_order(other, flat) is None
     ids[0, 0] += 1   # the caller's array changed after the look-up
     assert V._known_order(table, ids.reshape(-1)) is None
+
+
+def test_the_one_call_paths_fall_back_for_an_older_server_and_refuse_bad_replies(ps, monkeypatch):
+    """Over the data port: a read reply without ReadReply.gathered (a server
+    from before it) is read again as separate calls, once, and the client
+    stops asking; a push reply with the dense versions only has its row-wise
+    updates sent apart with the same keys (applied once); malformed replies
+    (rows of another count or dtype, a wrong number of versions) are
+    InvalidArgument, never another error."""
+    from psserver import client_shm
+    with PSClient(ps.address, shared_memory=False) as c:
+        c.create_variable("a", initial_value=np.zeros(4, np.float32),
+                          optimizer_params={"learning_rate": 1.0})
+        table = np.arange(40, dtype=np.float32).reshape(10, 4)
+        c.create_variable("t", initial_value=table, optimizer_params={"learning_rate": 1.0})
+        real = client_shm.wire.decode_read_reply
+
+        def older(raw):   # what an older server's reply decodes to: no gathered rows
+            got = real(raw)
+            got.gathered.clear()
+            return got
+        monkeypatch.setattr(client_shm.wire, "decode_read_reply", older)
+        snaps, rows = c.read_and_gather(["a"], [("t", [3, 1])])
+        np.testing.assert_array_equal(rows[0][0], table[[3, 1]])
+        assert not c._read_lookups   # not asked again
+        monkeypatch.setattr(client_shm.wire, "decode_read_reply", real)
+        c._read_lookups = True
+
+        # a push reply with the dense versions only: the sparse part sent apart,
+        # under its key (this server applied it already: once, not twice)
+        real_invoke = type(c)._invoke
+
+        def dense_only(wait, method, request, post=lambda r: r, *a, **k):
+            if method.name == "Push" and method.service.endswith("Bulk"):
+                reply = real_invoke(c, True, method, request)
+                del reply.versions[1:]
+                return post(reply)
+            return real_invoke(c, wait, method, request, post, *a, **k)
+        monkeypatch.setattr(c, "_invoke", dense_only)
+        assert c.push_dense_and_sparse([("a", np.ones(4, np.float32), 21)],
+                                       [("t", np.array([2]), np.ones((1, 4), np.float32), 22)]) \
+            == [1, 1]
+        np.testing.assert_array_equal(c.read("t")[2], table[2] - 1)   # applied once
+        monkeypatch.setattr(c, "_invoke", lambda wait, method, request, post=lambda r: r, *a, **k:
+                            post(ps_pb2.UpdateReply(versions=[5, 5, 5])))
+        with pytest.raises(InvalidArgument, match="3 versions for 1 dense and 1 row-wise"):
+            c.push_dense_and_sparse([("a", np.ones(4, np.float32), 23)],
+                                    [("t", np.array([2]), np.ones((1, 4), np.float32), 24)])
+        for bad in (np.zeros((1, 4), np.float32), np.zeros(2, np.float32),
+                    np.zeros((2, 4), np.int64)):
+            reply = wire.encode_read_reply([], gathered=[(1, bad)])
+            monkeypatch.setattr(c, "_invoke", lambda wait, method, request, post=lambda r: r,
+                                *a, reply=reply, **k: post(reply))
+            with pytest.raises(InvalidArgument, match="rows of 't'"):
+                c.read_and_gather([], [("t", [3, 1])], rows_out=[np.empty((2, 4), np.float32)])
+
+
+def test_a_row_wise_push_after_its_look_up_does_not_sort_the_ids_again(cluster, monkeypatch):
+    strategy = ParameterServerStrategy(cluster.spec,
+                                       variable_partitioner=FixedShardsPartitioner(2))
+    table = strategy.create_variable("t", initial_value=np.zeros((20, 4)),
+                                     optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+    orders = []
+    real = V.sum_duplicates
+    monkeypatch.setattr(V, "sum_duplicates", lambda ids, rows, order=None: (
+        orders.append(order), real(ids, rows, order))[1])
+    ids = np.array([[5, 1, 5], [19, 0, 1]])
+    read_variables([table.lookup(ids)])
+    push_gradients([(table, IndexedSlices(np.ones((6, 4)), ids.ravel()))])
+    push_gradients([(table, IndexedSlices(np.ones((2, 4)), np.array([5, 1])))])   # other ids
+    assert orders[0] is not None and orders[1] is None
+    np.testing.assert_array_equal(orders[0], np.argsort(ids.ravel(), kind="stable"))
+    np.testing.assert_array_equal(table.read()[[5, 1, 19, 0]],
+                                  -np.array([[3] * 4, [3] * 4, [1] * 4, [1] * 4]))

@@ -124,7 +124,9 @@ def _protobuf_view(raw: bytes):
         return (t.dtype, list(t.shape), bytes(t.data)) if msg.HasField(field) else None
     return updates, (m.sync.SerializeToString(deterministic=True)
                      if m.HasField("sync") else None), [
-        (u.name, tensor(u, "ids"), tensor(u, "values"), u.update_id) for u in m.sparse]
+        (u.name, tensor(u, "ids"), tensor(u, "values"), u.update_id,
+         u.sync.SerializeToString(deterministic=True) if u.HasField("sync") else None)
+        for u in m.sparse]
 
 
 def _hand_view(raw: bytes):
@@ -139,7 +141,13 @@ def _hand_view(raw: bytes):
     def tensor(t):
         return None if t is None else (t[0], t[1], bytes(buf[t[2][0]:t[2][1]]))
     out = [(name, tensor(t), uid) for name, _, t, uid in updates]
-    return out, sync, [(name, tensor(i), tensor(v), uid) for name, _, i, _, v, uid in sparse]
+    try:   # a row-wise update's own sync (refused by the server), parsed as protobuf does
+        sparse = [(name, tensor(i), tensor(v), uid, None if own is None else
+                   ps_pb2.SyncInfo.FromString(own).SerializeToString(deterministic=True))
+                  for name, _, i, _, v, uid, own in sparse]
+    except DecodeError:
+        return None
+    return out, sync, sparse
 
 
 def _valid_push(draw) -> bytes:
@@ -159,6 +167,8 @@ def _valid_push(draw) -> bytes:
         u.ids.data = draw(st.binary(max_size=16))
         u.values.dtype = "float32"
         u.values.data = draw(st.binary(max_size=16))
+        if draw(st.booleans()):
+            u.sync.step = draw(st.integers(0, 9))
     if draw(st.booleans()):
         m.sync.CopyFrom(ps_pb2.SyncInfo(step=draw(st.integers(-5, 2**40)),
                                         replica=draw(st.integers(-3, 3)),

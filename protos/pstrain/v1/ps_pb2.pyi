@@ -263,16 +263,18 @@ class PushRequest(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., sparse: _Optional[_Iterable[_Union[SparseUpdate, _Mapping]]] = ...) -> None: ...
 
 class SparseUpdate(_message.Message):
-    __slots__ = ("name", "ids", "values", "update_id")
+    __slots__ = ("name", "ids", "values", "sync", "update_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     ids: Tensor
     values: Tensor
+    sync: SyncInfo
     update_id: int
-    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("updates",)
