@@ -54,6 +54,7 @@ from coordinator.calls import (_Op, _dense_op, _routed, _settle, _sparse_op,
                                client_for, close_clients, configure,  # noqa: F401  (re-exported)
                                new_update_id)
 from coordinator.replica import current_sync, rows_sync
+from psserver.contract import InvalidArgument
 from psserver.optimizers import sum_duplicates, take_rows
 
 
@@ -425,7 +426,12 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
             parts[(i, s.name)], versions[i][s.name] = snap.value, snap.version
         for (i, pos, s, _), (rows, version) in zip(gather_groups[addr], gathered):
             if not np.may_share_memory(rows, rows_out[i]):   # (else received in place)
-                rows_out[i][pos] = rows
+                want = rows_out[i][pos]
+                if (rows.dtype, rows.shape) != (want.dtype, want.shape):
+                    raise InvalidArgument(
+                        f"parameter server {addr} sent rows of {s.name!r} as {rows.dtype.name} "
+                        f"{rows.shape}, not {want.dtype.name} {want.shape}")
+                want[...] = rows
             versions[i][s.name] = version
     out = []
     for i, v in enumerate(variables):

@@ -385,15 +385,11 @@ class SharedMemoryPath:
                 self._read_lookups = False
                 return separate()
             rows = []
-            for k, ((name, ids), (version, r)) in enumerate(zip(flat, got.gathered)):
-                dest = rows_out[k] if rows_out and k < len(rows_out) else None
-                if r is None or r.ndim < 1 or r.shape[0] != ids.size or (
-                        dest is not None and (r.dtype, r.shape) != (dest.dtype, dest.shape)):
+            for (name, ids), (version, r) in zip(flat, got.gathered):
+                if r is None or r.ndim < 1 or r.shape[0] != ids.size:
                     raise InvalidArgument(
-                        f"the read reply's rows of {name!r} are not {ids.size} rows"
-                        + ("" if dest is None else f" of {dest.dtype.name} {dest.shape[1:]}")
-                        + f" (got {None if r is None else (r.dtype.name, r.shape)}) "
-                        f"[{self.address}]")
+                        f"the read reply's rows of {name!r} are not {ids.size} rows (got "
+                        f"{None if r is None else r.shape}) [{self.address}]")
                 rows.append((r, version))
             return post((self._snapshots(got), rows))
 

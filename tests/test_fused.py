@@ -412,13 +412,34 @@ def test_the_one_call_paths_fall_back_for_an_older_server_and_refuse_bad_replies
         with pytest.raises(InvalidArgument, match="3 versions for 1 dense and 1 row-wise"):
             c.push_dense_and_sparse([("a", np.ones(4, np.float32), 23)],
                                     [("t", np.array([2]), np.ones((1, 4), np.float32), 24)])
-        for bad in (np.zeros((1, 4), np.float32), np.zeros(2, np.float32),
-                    np.zeros((2, 4), np.int64)):
+        for bad in (np.zeros((1, 4), np.float32), np.zeros((), np.float32)):
             reply = wire.encode_read_reply([], gathered=[(1, bad)])
             monkeypatch.setattr(c, "_invoke", lambda wait, method, request, post=lambda r: r,
                                 *a, reply=reply, **k: post(reply))
-            with pytest.raises(InvalidArgument, match="rows of 't'"):
+            with pytest.raises(InvalidArgument, match="rows of 't' are not 2 rows"):
                 c.read_and_gather([], [("t", [3, 1])], rows_out=[np.empty((2, 4), np.float32)])
+
+
+def test_rows_of_another_dtype_from_a_server_are_refused_not_cast(cluster, monkeypatch):
+    """read_variables with a Lookup: rows a server sends in another dtype or
+    row shape than the table's are InvalidArgument (they used to be cast)."""
+    from psserver import client_shm
+    strategy = ParameterServerStrategy(cluster.spec)
+    table = strategy.create_variable("t", initial_value=np.zeros((6, 4), np.float32))
+    real = client_shm.SharedMemoryPath._read_and_gather
+
+    def int_rows(self, *a, **k):
+        got = real(self, *a, **k)
+        cast = lambda r: (r[0].astype(np.int64), r[1])
+        if hasattr(got, "result"):
+            from psserver.client_util import Handle
+            from psserver.transport import Pending
+            return Handle(Pending(lambda: (got.result()[0], [cast(r) for r in got.result()[1]])),
+                          target=self.address)
+        return got[0], [cast(r) for r in got[1]]
+    monkeypatch.setattr(client_shm.SharedMemoryPath, "_read_and_gather", int_rows)
+    with pytest.raises(InvalidArgument, match="sent rows of 't.*as int64"):
+        read_variables([table.lookup(np.array([1, 2]))])
 
 
 def test_a_row_wise_push_after_its_look_up_does_not_sort_the_ids_again(cluster, monkeypatch):
