@@ -414,9 +414,9 @@ class SharedMemoryPath:
                               sync: SyncSpec | None = None) -> list[int]:
         """Dense updates ([(name, grad[, update_id])]) and row-wise ones
         ([(name, ids, rows, update_id)]) in one call (async, within one
-        frame or message; otherwise the separate calls). Returns the versions after the dense
-        updates, then after the sparse ones. Validated in full first when
-        one call; see push_many and push_sparse."""
+        frame or message; otherwise the separate calls). Returns the
+        versions after the dense updates, then after the sparse ones.
+        Validated in full first when one call; see push_many and push_sparse."""
         return self._push_dense_and_sparse(dense, sparse, True, sync)
 
     def push_dense_and_sparse_async(self, dense, sparse: Sequence[tuple], *,
