@@ -412,6 +412,29 @@ def _decode_tensor(raw: bytes, buf: memoryview, spans: list[tuple[int, int]],
     return np.frombuffer(raw, dtype=dt, count=n // dt.itemsize, offset=data[0]).reshape(shape)
 
 
+#: (name, version, tensor) field numbers of a ReadReply's entries: its
+#: values (VariableValue) and its looked-up rows (GatherReply, no name).
+_VALUE_FIELDS, _GATHERED_FIELDS = (1, 2, 3), (0, 1, 2)
+
+
+def _nested(buf: memoryview, a: int, b: int, name_field: int, varint_field: int,
+            span_fields: Sequence[int]) -> tuple[str, int, dict[int, list[tuple[int, int]]]]:
+    """A nested message of buf[a:b] with a name (a string field; 0: none), a
+    varint and length-delimited fields kept as spans (a tensor's, merged
+    later): (name, varint (unsigned), {field: [(start, end)]}), the last
+    occurrence of a scalar winning, as protobuf has it."""
+    name, value, spans = "", 0, {f: [] for f in span_fields}
+    for field, wt, c, d in _fields(buf, a, b):
+        if wt == _LEN:
+            if field == name_field:
+                name = _text(buf, c, d, "a variable name")
+            elif field in spans:
+                spans[field].append((c, d))
+        elif field == varint_field:
+            value = c
+    return name, value, spans
+
+
 def decode_read_reply(raw: bytes) -> "ReadValues":
     """[(name, version, array view of raw)] from ReadReply bytes, its
     ``gathered`` [(version, rows array view of raw)] (None for rows where a
@@ -422,28 +445,17 @@ def decode_read_reply(raw: bytes) -> "ReadValues":
     buf = memoryview(raw)
     out = ReadValues()
     for field, wt, a, b in _fields(buf, 0, len(raw)):
-        if field == 2 and wt == _LEN:
-            version, spans = 0, []
-            for f2, wt2, c, d in _fields(buf, a, b):
-                if f2 == 1 and wt2 == _VARINT:
-                    version = _int64(c)
-                elif f2 == 2 and wt2 == _LEN:
-                    spans.append((c, d))
-            what = f"gathered rows {len(out.gathered)}"
-            out.gathered.append((version, _decode_tensor(raw, buf, spans, what)
-                                 if spans else None))
-        if field != 1 or wt != _LEN:
+        if field not in (1, 2) or wt != _LEN:
             continue
-        name, version, spans = "", 0, []
-        for f2, wt2, c, d in _fields(buf, a, b):
-            if f2 == 1 and wt2 == _LEN:
-                name = _text(buf, c, d, "a variable name")
-            elif f2 == 2 and wt2 == _VARINT:
-                version = _int64(c)
-            elif f2 == 3 and wt2 == _LEN:
-                spans.append((c, d))
-        out.append((name, version, _decode_tensor(raw, buf, spans, f"value of {name!r}")
-                    if spans else None))
+        fields = _VALUE_FIELDS if field == 1 else _GATHERED_FIELDS
+        name, version, spans = _nested(buf, a, b, *fields[:2], fields[2:])
+        spans = spans[fields[2]]
+        what = f"value of {name!r}" if field == 1 else f"gathered rows {len(out.gathered)}"
+        arr = _decode_tensor(raw, buf, spans, what) if spans else None
+        if field == 1:
+            out.append((name, _int64(version), arr))
+        else:
+            out.gathered.append((_int64(version), arr))
     return out
 
 
@@ -496,11 +508,6 @@ def _partial_fields(buf: memoryview, p: int, end: int, have: int):
             yield field, wt, c, p
         else:
             raise _Whole
-
-
-#: (name, version, tensor) field numbers of a ReadReply's entries: its
-#: values (VariableValue) and its looked-up rows (GatherReply, no name).
-_VALUE_FIELDS, _GATHERED_FIELDS = (1, 2, 3), (0, 1, 2)
 
 
 def _value_prefix(buf: memoryview, a: int, end: int, have: int, fields=_VALUE_FIELDS):
@@ -692,36 +699,20 @@ def parse_push_request(raw: bytes):
     buf = memoryview(raw)
     updates, sync, sparse = [], [], []
     for field, wt, a, b in _fields(buf, 0, len(raw)):
-        if field == 1 and wt == _LEN:
-            name, spans, uid = "", [], 0
-            for f2, wt2, c, d in _fields(buf, a, b):
-                if f2 == 1 and wt2 == _LEN:
-                    name = _text(buf, c, d, "a variable name")
-                elif f2 == 2 and wt2 == _LEN:
-                    spans.append((c, d))
-                elif f2 == 3 and wt2 == _VARINT:
-                    uid = c
+        if field == 1 and wt == _LEN:   # a DenseUpdate{name, tensor, update_id}
+            name, uid, spans = _nested(buf, a, b, 1, 3, (2,))
+            spans = spans[2]
             tensor = _tensor_parts(buf, spans, f"gradient of {name!r}") if spans else None
             updates.append((name, spans, tensor, uid))
         elif field == 2 and wt == _LEN:
             sync.append(bytes(buf[a:b]))
-        elif field == 3 and wt == _LEN:   # a SparseUpdate
-            name, ids, values, uid, own_sync = "", [], [], 0, []
-            for f2, wt2, c, d in _fields(buf, a, b):
-                if f2 == 1 and wt2 == _LEN:
-                    name = _text(buf, c, d, "a variable name")
-                elif f2 == 2 and wt2 == _LEN:
-                    ids.append((c, d))
-                elif f2 == 3 and wt2 == _LEN:
-                    values.append((c, d))
-                elif f2 == 4 and wt2 == _LEN:
-                    own_sync.append(bytes(buf[c:d]))
-                elif f2 == 5 and wt2 == _VARINT:
-                    uid = c
+        elif field == 3 and wt == _LEN:   # a SparseUpdate{name, ids, values, sync, update_id}
+            name, uid, spans = _nested(buf, a, b, 1, 5, (2, 3, 4))
+            ids, values, own_sync = spans[2], spans[3], spans[4]
             sparse.append((name, ids, _tensor_parts(buf, ids, f"ids of {name!r}") if ids else None,
                            values, _tensor_parts(buf, values, f"row gradient of {name!r}")
                            if values else None, uid,
-                           b"".join(own_sync) if own_sync else None))
+                           b"".join(bytes(buf[c:d]) for c, d in own_sync) if own_sync else None))
     return updates, (b"".join(sync) if sync else None), buf, sparse
 
 
