@@ -396,7 +396,7 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
                 continue
             ids = np.asarray(v.ids)
             uniq, inverse = distinct(ids, v.variable)   # each distinct id asked for once
-            shaped[i] = (ids.shape, uniq.size, inverse)
+            shaped[i] = (ids.shape, inverse)
             # the distinct ids' rows, each server's run received straight into it
             rows_out[i] = np.empty((uniq.size,) + v.variable.shape[1:],
                                    np.dtype(v.variable.dtype))
@@ -442,11 +442,8 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
                     _shard_view(full[i], s, v)[...] = part
             out.append(full[i])
         elif isinstance(v, Lookup):
-            shape, n, inverse = shaped[i]
-            rows = rows_out.get(i)
-            if rows is None:   # no ids
-                rows = np.empty((n,) + v.variable.shape[1:], np.dtype(v.variable.dtype))
-            out.append(take_rows(rows, inverse).reshape(shape + v.variable.shape[1:]))
+            shape, inverse = shaped[i]
+            out.append(take_rows(rows_out[i], inverse).reshape(shape + v.variable.shape[1:]))
         elif v.num_shards == 1:
             out.append(parts[(i, prim[i][0].name)].copy())
         else:
