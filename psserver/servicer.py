@@ -69,6 +69,17 @@ def _sparse_ids(ids: np.ndarray, name: str) -> np.ndarray:
     return ids
 
 
+def _row_update(name: str, ids: np.ndarray, rows: np.ndarray, update_id: int,
+                own_sync: bool) -> tuple:
+    """A PushRequest.sparse entry as push_mixed takes it, checked: integer
+    ids, and no sync of its own (row-wise gradients in a Push are async)."""
+    if own_sync:
+        raise InvalidArgument(
+            f"the row-wise update of {name!r} in a Push carries its own sync: row-wise "
+            "gradients in a Push are asynchronous; send a sync one with PushSparse")
+    return name, _sparse_ids(ids, name), rows, update_id
+
+
 def _sync_spec(request) -> SyncSpec | None:
     if not request.HasField("sync"):
         return None
@@ -194,14 +205,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         k = len(req.updates)
-        for u in req.sparse:
-            if u.HasField("sync"):
-                raise InvalidArgument(
-                    f"the row-wise update of {u.name!r} in a Push carries its own sync: "
-                    "row-wise gradients in a Push are asynchronous; send a sync one with "
-                    "PushSparse")
         updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays[:k])]
-        sparse = [(u.name, _sparse_ids(ids, u.name), rows, u.update_id)
+        sparse = [_row_update(u.name, ids, rows, u.update_id, u.HasField("sync"))
                   for u, ids, rows in zip(req.sparse, arrays[k::2], arrays[k + 1::2])]
         return self._push_updates(req, updates, context, sparse)
 
@@ -319,8 +324,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         req = ps_pb2.PushRequest()
         if sync_raw is not None:   # present, maybe empty: as protobuf has it
             req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
-        sparse = [(name, _sparse_ids(ids, name), rows, uid) for name, ids, rows, uid in sparse]
-        return self._push_updates(req, updates, context, sparse)
+        return self._push_updates(req, updates, context, [_row_update(*u) for u in sparse])
 
     def _read(self, request, context=None):
         step, deadline = _sync_step(request), _deadline(context)

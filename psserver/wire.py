@@ -717,9 +717,11 @@ def parse_push_request(raw: bytes):
 
 
 def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], bytes | None,
-                                             list[tuple[str, np.ndarray, np.ndarray, int]]]:
+                                             list[tuple[str, np.ndarray, np.ndarray, int,
+                                                        bool]]]:
     """([(name, array view of raw, update_id)], serialized SyncInfo or None,
-    [(name, ids, rows, update_id)] of the row-wise updates: views of raw)."""
+    [(name, ids, rows, update_id, whether it carries a sync of its own)] of
+    the row-wise updates: views of raw)."""
     updates, sync, buf, sparse = parse_push_request(raw)
     out = []
     for name, spans, parts, uid in updates:
@@ -728,14 +730,10 @@ def decode_push_request(raw: bytes) -> tuple[list[tuple[str, np.ndarray, int]], 
         out.append((name, _decode_tensor(raw, buf, spans, f"gradient of {name!r}", parts), uid))
     rows = []
     for name, id_spans, id_parts, value_spans, value_parts, uid, own_sync in sparse:
-        if own_sync is not None:
-            raise InvalidArgument(
-                f"the row-wise update of {name!r} in a Push carries its own sync: row-wise "
-                "gradients in a Push are asynchronous; send a sync one with PushSparse")
         if not id_spans or not value_spans:
             raise InvalidArgument(f"row-wise update of {name!r} carries no "
                                   f"{'ids' if not id_spans else 'values'}")
         rows.append((name, _decode_tensor(raw, buf, id_spans, f"ids of {name!r}", id_parts),
                      _decode_tensor(raw, buf, value_spans, f"row gradient of {name!r}",
-                                    value_parts), uid))
+                                    value_parts), uid, own_sync is not None))
     return out, sync, rows
