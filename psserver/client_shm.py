@@ -340,6 +340,11 @@ class SharedMemoryPath:
             snaps, rows = result
             return direct or snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
                                      for (r, v), (_, ids) in zip(rows, shaped)]
+
+        def separate():   # the calls one by one, blocking
+            snaps = direct or (self._read_many(names, True, sync_step) if names else [])
+            return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
+                           for name, ids in shaped]
         for n in names:   # the segment's size needs them
             if n not in self._nbytes:
                 self._learn_size(n)
@@ -354,31 +359,23 @@ class SharedMemoryPath:
                 and sum(known) + sum(ids.size * self._row_bytes(name) for name, ids in flat) \
                 <= self._tensor_limit(methods.BULK_READ):
             # one call (a socket's frame or a unary gRPC reply): values and rows
-            return self._read_and_gather_bulk(names, flat, wait, sync_step, reshape, rows_out)
+            return self._read_and_gather_bulk(names, flat, wait, sync_step, reshape, separate,
+                                              rows_out)
         if not wait and self.local:   # a socket: every call sent now, no thread
             read = [self._read_many(names, False, sync_step)] if names and not direct else []
             sent = read + [self._gather(name, ids, False, sync_step, use_shm=False)
                            for name, ids in shaped]
             return _together(sent, lambda got: (direct or (got[0] if read else []),
                                                  got[len(read):]), self.address)
-
-        def separate():
-            snaps = direct or (self._read_many(names, True, sync_step) if names else [])
-            return snaps, [self._gather(name, ids, True, sync_step, use_shm=False)
-                           for name, ids in shaped]
         return self._run(wait, separate)
 
     def _read_and_gather_bulk(self, names: list[str], flat, wait: bool,
-                              sync_step: int | None, post, rows_out=None):
+                              sync_step: int | None, post, separate, rows_out=None):
         """read_and_gather as one ParameterServerBulk.Read (ReadRequest.gathers):
-        post((snapshots, [(rows, version)])); the separate calls where the
-        server says it does not fit one reply (or cannot take lookups). Over
-        a socket, rows are received straight into ``rows_out``'s arrays."""
-        def separate():
-            return post((self._read_many(names, True, sync_step) if names else [],
-                         [self._gather(name, ids, True, sync_step, use_shm=False)
-                          for name, ids in flat]))
-
+        post((snapshots, [(rows, version)])); ``separate()`` (the calls one by
+        one) where the server says it does not fit one reply (or cannot take
+        lookups). Over a socket, rows are received straight into
+        ``rows_out``'s arrays."""
         def done(raw):
             got = wire.decode_read_reply(raw)
             if len(got.gathered) != len(flat):   # a server from before ReadRequest.gathers
