@@ -74,6 +74,9 @@ log = logging.getLogger("coordinator")
 #: Largest pickled ShardedSource create_sharded_dataset sends (the workers'
 #: gRPC messages are at most 64 MiB; room left for the rest of the call).
 _MAX_SOURCE_BYTES = 48 << 20
+#: Most closures a worker runs at once (a psworker serves 4 gRPC calls at a
+#: time by default, --threads; staleness grows with each).
+_MAX_CLOSURES_PER_WORKER = 4
 
 
 # -- the facade ----------------------------------------------------------------------
@@ -102,6 +105,16 @@ class ClusterCoordinator:
         identity: one that restarted (or stopped answering) is recovered even
         while no step has failed on it yet (steps resend their calls
         meanwhile, see coordinator.variables).
+      closures_per_worker: closures each worker runs at once (async mode
+        only). 1, as TensorFlow's ClusterCoordinator: a worker runs one
+        closure, then gets the next. With 2, a worker computes one step while
+        another waits on the network (its reads and pushes), which keeps the
+        cores busy when the cluster's links are slow relative to its compute;
+        the price is staleness: a step may read weights up to ``workers x
+        closures_per_worker - 1`` updates old instead of ``workers - 1``. The
+        step function then runs in two threads of the worker at once: what it
+        reads and pushes (read_variables, push_gradients) and per-worker
+        dataset iterators are safe for that; state of its own must be too.
 
     Use as a context manager, or call ``shutdown()``, to stop its threads.
     """
@@ -110,7 +123,18 @@ class ClusterCoordinator:
                  closure_timeout: float | None = None, membership_interval: float = 1.0,
                  checkpoint_manager=None, ps_recovery_timeout: float = 300.0,
                  recreate_lost_shards: bool = False, ps_failover_after: float = 3.0,
-                 ps_check_interval: float = 1.0):
+                 ps_check_interval: float = 1.0, closures_per_worker: int = 1):
+        if isinstance(closures_per_worker, bool) or not isinstance(closures_per_worker, int) \
+                or not 1 <= closures_per_worker <= _MAX_CLOSURES_PER_WORKER:
+            raise ValueError(f"closures_per_worker must be an int from 1 to "
+                             f"{_MAX_CLOSURES_PER_WORKER}, got {closures_per_worker!r}")
+        if closures_per_worker > 1 and strategy.mode != "async":
+            raise ValueError(
+                f"closures_per_worker={closures_per_worker} needs the strategy's async mode "
+                f"(this one is {strategy.mode!r}): sync and hybrid steps are one replica per "
+                "worker, and bounded mode counts each worker's steps one at a time; "
+                "use closures_per_worker=1")
+        self.closures_per_worker = closures_per_worker
         self.strategy = strategy
         self.closure_timeout = closure_timeout
         self.checkpoint_manager = checkpoint_manager

@@ -6,7 +6,9 @@
   from what the worker announced (its Unix socket, its data port, or gRPC),
   and decides what a failure means: the worker gone (re-queue, or abandon a
   sync replica) or the step failed.
-* ``_Membership``    keeps one _WorkerThread per worker in the cluster spec.
+* ``_Membership``    keeps one _WorkerThread per worker in the cluster spec
+  (``closures_per_worker`` of them: slots, async mode only, sharing
+  ``_SharedWorker``: which datasets the worker process has).
 
 Every failure arrives as a typed error (psserver.contract), whichever way
 the call went.
@@ -46,16 +48,35 @@ _WORKER_FAILURE_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLE
 _CONTROL_TIMEOUT = 30.0
 
 
-# -- one thread per worker ---------------------------------------------------------------
-class _WorkerThread:
-    """Feeds closures to one worker task; reconnects when it fails."""
+# -- one thread per worker (per slot) ----------------------------------------------------
+class _SharedWorker:
+    """What the slots of one worker share: the datasets made on each of its
+    processes (by worker id), under one lock, so that two slots meeting a
+    fresh worker create each dataset once."""
 
-    def __init__(self, coord: "ClusterCoordinator", address: str, index: int):
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.created: dict[str, set[str]] = {}
+
+    def seen(self, worker_id: str, datasets) -> None:
+        """A process answered GetWorkerInfo with the datasets it has."""
+        with self.lock:
+            self.created.setdefault(worker_id, set()).update(datasets)
+
+
+class _WorkerThread:
+    """Feeds closures to one worker task, one at a time; reconnects when it
+    fails. A worker with several slots has one _WorkerThread per slot (slot
+    0 is the one counted: liveness, clocks, warnings)."""
+
+    def __init__(self, coord: "ClusterCoordinator", address: str, index: int,
+                 shared: _SharedWorker | None = None, slot: int = 0):
         self.coord, self.address, self.index = coord, address, index
+        self.slot = slot
+        self._shared = shared if shared is not None else _SharedWorker()
         self.alive = False            # answered its last call
         self.clock = 0                # closures completed (bounded mode's clock)
-        self.worker_id: str | None = None
-        self._created: set[str] = set()   # datasets made on the current worker process
+        self.worker_id: str | None = None   # the worker process this thread talks to
         # Since when (monotonic) the worker has not answered, and whether that
         # was said (_note_silence); None: it answered its last probe.
         self._silent_since: float | None = None
@@ -102,10 +123,11 @@ class _WorkerThread:
         if self._said_silent:
             log.warning("worker %d at %s answers now", self._spec_index(), self.address)
         self._silent_since, self._said_silent = None, False
+        self._shared.seen(info.worker_id, info.datasets)
         if info.worker_id != self.worker_id:
-            if self.worker_id is not None:
+            if self.worker_id is not None and self.slot == 0:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
-            self.worker_id, self._created = info.worker_id, set(info.datasets)
+            self.worker_id = info.worker_id
             self._use_socket(None, "")   # the old process's sockets are gone
         if self._ipc is None:
             self._use_socket(routing.offer_of(info.host),
@@ -125,7 +147,7 @@ class _WorkerThread:
         worker may start late, or restart)."""
         waited = time.monotonic() - self._silent_since
         limit = self.coord.strategy.connect_timeout
-        if self._said_silent or waited < limit:
+        if self._said_silent or waited < limit or self.slot:
             return
         self._said_silent = True
         what = f"worker {self._spec_index()}"
@@ -197,13 +219,21 @@ class _WorkerThread:
             raise
 
     def _ensure_datasets(self) -> None:
-        for ds_id, fn_ref in list(self.coord._datasets.items()):
-            if ds_id not in self._created:
-                n, i = self.coord._worker_count_and_index(self.address)
-                self._grpc.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
-                    dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
-                    worker_id=self.worker_id), _CONTROL_TIMEOUT)
-                self._created.add(ds_id)
+        shared = self._shared
+        created = shared.created.get(self.worker_id, ())
+        if all(ds_id in created for ds_id in list(self.coord._datasets)):
+            return   # the common case, without the lock
+        with shared.lock:   # another slot may be creating them: once each
+            created = shared.created.setdefault(self.worker_id, set())
+            for ds_id, fn_ref in list(self.coord._datasets.items()):
+                if ds_id not in created:
+                    n, i = self.coord._worker_count_and_index(self.address)
+                    # Fenced by worker_id: a process that is not this one
+                    # (restarted since) refuses (ABORTED: reconnect).
+                    self._grpc.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
+                        dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
+                        worker_id=self.worker_id), _CONTROL_TIMEOUT)
+                    created.add(ds_id)
 
     def _loop(self) -> None:
         queue = self.coord._queue
@@ -297,11 +327,13 @@ class _WorkerThread:
 
 
 class _Membership(Refreshing):
-    """Keeps one _WorkerThread per worker address in the cluster spec."""
+    """Keeps one _WorkerThread per worker address in the cluster spec (its
+    slot 0, in ``workers``), and one more per further slot (``extra``)."""
 
     def __init__(self, coord: "ClusterCoordinator", interval: float):
         self.coord = coord
         self.workers: dict[str, _WorkerThread] = {}
+        self.extra: dict[str, list[_WorkerThread]] = {}
         self._lock = threading.Lock()
         self._count = itertools.count()
         self.start(interval, "ClusterMembership")
@@ -316,18 +348,23 @@ class _Membership(Refreshing):
         with self._lock:
             for addr in wanted:
                 if addr not in self.workers:
-                    w = self.workers[addr] = _WorkerThread(self.coord, addr, next(self._count))
-                    w.start()
+                    shared = _SharedWorker()
+                    slots = [_WorkerThread(self.coord, addr, next(self._count), shared, k)
+                             for k in range(self.coord.closures_per_worker)]
+                    self.workers[addr], self.extra[addr] = slots[0], slots[1:]
+                    for w in slots:
+                        w.start()
             for addr in [a for a in self.workers if a not in wanted]:
                 log.warning("worker %s left the cluster spec", addr)
-                self.workers.pop(addr).stop()
+                for w in [self.workers.pop(addr), *self.extra.pop(addr, [])]:
+                    w.stop()
 
     def stop(self, abort: bool = False) -> None:
         """Stop every worker thread; ``abort``: cut their calls in flight
         instead of letting their closures finish."""
         super().stop()
         with self._lock:
-            workers = list(self.workers.values())
+            workers = [*self.workers.values(), *(w for ws in self.extra.values() for w in ws)]
         for w in workers:
             w.abort() if abort else w.stop()
         for w in workers:

@@ -196,6 +196,85 @@ def test_per_worker_dataset_gives_each_worker_its_shard(coord):
         assert len({v % 2 for v in vals}) == 1 and vals == sorted(vals)
 
 
+# -- several closures per worker ------------------------------------------------------------
+#: In each worker process (this module is imported there by name): two
+#: closures meet here only if they run at the same time.
+_PAIR = threading.Barrier(2)
+
+
+def meet_in_pairs():
+    _PAIR.wait(timeout=30)   # BrokenBarrierError: no second closure ran alongside
+    return os.getpid()
+
+
+def meet_then_crash_once(marker_path):
+    """Both closures of a worker in flight, then the first to get here kills
+    the worker (both are cut); their re-runs return the pid."""
+    _PAIR.wait(timeout=30)
+    try:
+        fd = os.open(marker_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return os.getpid()
+    os.close(fd)
+    os._exit(1)
+
+
+def test_two_closures_per_worker_run_at_once_on_it():
+    with LocalCluster(num_ps=1, num_workers=1) as cluster, \
+            ClusterCoordinator(ParameterServerStrategy(cluster.spec),
+                               closures_per_worker=2) as coord:
+        def dataset_fn():
+            return iter(range(1_000_000))
+
+        def take(it):
+            return next(it)
+
+        it = iter(coord.create_per_worker_dataset(dataset_fn))
+        rvs = [coord.schedule(meet_in_pairs) for _ in range(8)]
+        taken = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(40)])
+        assert set(coord.fetch(rvs)) == {cluster.workers[0].pid}
+        assert sorted(taken) == list(range(40))   # the iterator: each element once
+        assert coord.num_workers == 1 and coord.workers_alive() == 1
+
+
+def test_one_closure_per_worker_runs_them_one_at_a_time():
+    """The default, as TensorFlow: the pair never meets, the barrier breaks."""
+    with LocalCluster(num_ps=1, num_workers=1) as cluster, \
+            ClusterCoordinator(ParameterServerStrategy(cluster.spec)) as coord:
+        rvs = [coord.schedule(meet_in_pairs) for _ in range(2)]
+        with pytest.raises(StepFunctionError, match="BrokenBarrierError"):
+            coord.fetch(rvs)
+
+
+def test_both_closures_in_flight_on_a_dying_worker_are_run_again(cluster, tmp_path):
+    strategy = ParameterServerStrategy(cluster.spec)
+    with ClusterCoordinator(strategy, closures_per_worker=2) as coord:
+        rvs = [coord.schedule(meet_then_crash_once, args=(str(tmp_path / "crashed"),))
+               for _ in range(4)]
+        pids = [rv.fetch(timeout=90) for rv in rvs]
+        dead = [w for w in cluster.workers if not w.alive()]
+        assert len(dead) == 1, "exactly one worker should have crashed"
+        (alive,) = [w.pid for w in cluster.workers if w.alive()]
+        assert pids == [alive] * 4
+        coord.join()
+
+
+@pytest.mark.parametrize("bad", [0, 5, -1, 1.5, True, "2", None])
+def test_closures_per_worker_out_of_range_is_refused(strategy, bad):
+    with pytest.raises(ValueError, match="closures_per_worker must be an int from 1 to 4"):
+        ClusterCoordinator(strategy, closures_per_worker=bad)
+
+
+@pytest.mark.parametrize("mode", ["sync", "hybrid", "bounded"])
+def test_several_closures_per_worker_need_async_mode(cluster, mode):
+    strategy = ParameterServerStrategy(cluster.spec, mode=mode,
+                                       **({"staleness": 2} if mode == "bounded" else {}))
+    with pytest.raises(ValueError, match="needs the strategy's async mode"):
+        ClusterCoordinator(strategy, closures_per_worker=2)
+    with ClusterCoordinator(strategy, closures_per_worker=1) as coord:   # 1 is always fine
+        assert coord.closures_per_worker == 1
+
+
 # -- sharded variables ----------------------------------------------------------------------
 def test_sharded_gather_and_sparse_push_route_every_id(cluster):
     strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(3))
