@@ -178,6 +178,51 @@ def test_a_dynamic_table_trains_across_hosts_over_the_data_ports():
         assert sum(shares) == 200 and min(shares) > 60, shares
 
 
+def test_an_embedding_step_with_two_closures_per_worker_across_hosts():
+    """(b)'s step across hosts, with two closures at once on each worker: a
+    table sharded over both servers, looked up together with a dense
+    variable (one call per server, the data ports) and pushed row-wise with
+    the dense gradient (one call per server); every update lands exactly once."""
+    from coordinator import IndexedSlices, read_variables
+    from coordinator.calls import client_for
+    vocab, dim, n = 1000, 4, 120
+
+    def ids_of(seed):
+        return np.random.default_rng(seed).integers(0, vocab, (8, 8))   # duplicates too
+
+    with hosts.TestHosts(4) as h, _host_cluster(h) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec,
+                                           variable_partitioner=FixedShardsPartitioner(2))
+        sgd = dict(optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+        table = strategy.create_variable("t", initial_value=np.zeros((vocab, dim), np.float32),
+                                         **sgd)
+        head = strategy.create_variable("head", initial_value=np.zeros((dim,), np.float32), **sgd)
+        assert len({sh.address for sh in table.shards}) == 2
+
+        def step(seed):
+            ids = ids_of(seed)
+            rows, _ = read_variables([table.lookup(ids), head])
+            assert rows.shape == (8, 8, dim)
+            push_gradients([(table, IndexedSlices(-np.ones((ids.size, dim), np.float32),
+                                                  ids.ravel())),
+                            (head, -np.ones(dim, np.float32))])
+            return os.environ.get("PSTRAIN_TEST_HOST", "")
+
+        def routes():   # learnt by the first call (meanwhile, other threads: gRPC)
+            return sorted({client_for(sh.address).route.socket for sh in table.shards})
+
+        with ClusterCoordinator(strategy, closures_per_worker=2) as coord:
+            out = coord.fetch([coord.schedule(step, args=(i,)) for i in range(n)])
+            assert coord.fetch([coord.schedule(routes) for _ in range(4)]) == [["tcp"]] * 4
+        assert set(out) == {h.addresses[2], h.addresses[3]}   # both workers
+        want = np.zeros(vocab, np.float32)
+        for i in range(n):
+            np.add.at(want, ids_of(i).ravel(), 1)
+        got, got_head = read_variables([table, head])
+        np.testing.assert_array_equal(got, np.repeat(want[:, None], dim, axis=1))
+        np.testing.assert_array_equal(got_head, np.full(dim, n, np.float32))
+
+
 def test_a_parameter_server_cut_off_for_20s_loses_nothing_acknowledged():
     """Replication on: parameter server 0's host is cut off (both ways) for
     20 s mid-training, then healed. Every step completes, and the variable
