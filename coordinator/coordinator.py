@@ -6,10 +6,11 @@ The ladder follows TensorFlow's cluster_coordinator.py:
                      (coordinator/closures.py, with the futures).
 * ``_ClosureQueue``  queued and in-flight closures and the first error
                      (coordinator/closures.py).
-* ``_WorkerThread``  one named thread per worker task, feeding it closures
+* ``_WorkerThread``  one named thread per worker task (per slot:
+                     closures_per_worker), feeding it closures
                      (coordinator/worker_channel.py).
-* ``_Membership``    keeps one _WorkerThread per worker in the cluster spec
-                     (coordinator/worker_channel.py).
+* ``_Membership``    keeps the _WorkerThreads of every worker in the cluster
+                     spec (coordinator/worker_channel.py).
 * ``_PSWatch``, ``_PSRecovery``  parameter-server failures, decided then acted
                      on (coordinator/recovery.py).
 * ``ClusterCoordinator`` the small public facade (here).
@@ -51,6 +52,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import threading
 import uuid
 import weakref
@@ -74,9 +76,10 @@ log = logging.getLogger("coordinator")
 #: Largest pickled ShardedSource create_sharded_dataset sends (the workers'
 #: gRPC messages are at most 64 MiB; room left for the rest of the call).
 _MAX_SOURCE_BYTES = 48 << 20
-#: Most closures a worker runs at once (a psworker serves 4 gRPC calls at a
-#: time by default, --threads; staleness grows with each).
-_MAX_CLOSURES_PER_WORKER = 4
+#: Most closures a worker runs at once: a psworker serves 4 gRPC calls at a
+#: time by default (--threads), one left for its other calls; staleness grows
+#: with each.
+_MAX_CLOSURES_PER_WORKER = 3
 
 
 # -- the facade ----------------------------------------------------------------------
@@ -105,16 +108,21 @@ class ClusterCoordinator:
         identity: one that restarted (or stopped answering) is recovered even
         while no step has failed on it yet (steps resend their calls
         meanwhile, see coordinator.variables).
-      closures_per_worker: closures each worker runs at once (async mode
-        only). 1, as TensorFlow's ClusterCoordinator: a worker runs one
-        closure, then gets the next. With 2, a worker computes one step while
-        another waits on the network (its reads and pushes), which keeps the
-        cores busy when the cluster's links are slow relative to its compute;
-        the price is staleness: a step may read weights up to ``workers x
-        closures_per_worker - 1`` updates old instead of ``workers - 1``. The
-        step function then runs in two threads of the worker at once: what it
-        reads and pushes (read_variables, push_gradients) and per-worker
+      closures_per_worker: k, closures each worker runs at once, 1 to 3
+        (async mode only). 1, as TensorFlow's ClusterCoordinator: a worker
+        runs one closure, then gets the next. With 2, a worker computes one
+        step while another waits on the network (its reads and pushes),
+        which keeps the cores busy when the cluster's links are slow
+        relative to its compute. The price is staleness: about ``workers x
+        k`` steps run at once instead of ``workers``, so a step typically
+        misses that many more concurrent updates (async mode bounds nothing;
+        bounded mode, which does, takes k = 1). The step function runs in k
+        threads of the worker at once: what it reads and pushes
+        (read_variables, push_gradients, dynamic tables) and per-worker
         dataset iterators are safe for that; state of its own must be too.
+        A closure's time on the worker includes sharing it with the others
+        (``closure_timeout``). psworker serves 4 gRPC calls at once
+        (``--threads``): keep it above k where closures go over gRPC.
 
     Use as a context manager, or call ``shutdown()``, to stop its threads.
     """
@@ -124,10 +132,15 @@ class ClusterCoordinator:
                  checkpoint_manager=None, ps_recovery_timeout: float = 300.0,
                  recreate_lost_shards: bool = False, ps_failover_after: float = 3.0,
                  ps_check_interval: float = 1.0, closures_per_worker: int = 1):
-        if isinstance(closures_per_worker, bool) or not isinstance(closures_per_worker, int) \
-                or not 1 <= closures_per_worker <= _MAX_CLOSURES_PER_WORKER:
+        try:
+            k = None if isinstance(closures_per_worker, bool) else operator.index(
+                closures_per_worker)
+        except TypeError:
+            k = None
+        if k is None or not 1 <= k <= _MAX_CLOSURES_PER_WORKER:
             raise ValueError(f"closures_per_worker must be an int from 1 to "
                              f"{_MAX_CLOSURES_PER_WORKER}, got {closures_per_worker!r}")
+        closures_per_worker = k
         if closures_per_worker > 1 and strategy.mode != "async":
             raise ValueError(
                 f"closures_per_worker={closures_per_worker} needs the strategy's async mode "
@@ -270,7 +283,7 @@ class ClusterCoordinator:
         return len(self._membership.workers)
 
     def workers_alive(self) -> int:
-        return sum(w.alive for w in list(self._membership.workers.values()))
+        return sum(w.worker_alive for w in list(self._membership.workers.values()))
 
     def pending(self) -> tuple[int, int]:
         """(queued, in flight) closures."""
@@ -316,7 +329,7 @@ class ClusterCoordinator:
 
     # -- bounded staleness ----------------------------------------------------------
     def _live(self):
-        return [w for w in list(self._membership.workers.values()) if w.alive] \
+        return [w for w in list(self._membership.workers.values()) if w.worker_alive] \
             if hasattr(self, "_membership") else []
 
     def _min_clock(self, exclude=None) -> int:

@@ -1,4 +1,4 @@
-"""The worker channel: one thread per worker task, feeding it closures.
+"""The worker channel: a thread per worker task (per slot), feeding it closures.
 
 * ``_WorkerThread``  connects to its worker (GetWorkerInfo; a restarted worker
   is noticed by its id and gets its datasets again), sends closures on the
@@ -51,17 +51,33 @@ _CONTROL_TIMEOUT = 30.0
 # -- one thread per worker (per slot) ----------------------------------------------------
 class _SharedWorker:
     """What the slots of one worker share: the datasets made on each of its
-    processes (by worker id), under one lock, so that two slots meeting a
-    fresh worker create each dataset once."""
+    processes (by worker id; ``creating``: one slot at a time makes them, so
+    two slots meeting a fresh worker create each once), and its clock
+    (closures completed by all its slots)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()       # created and clock; held briefly
+        self.creating = threading.Lock()   # held across CreateDataset calls
         self.created: dict[str, set[str]] = {}
+        self.clock = 0
+        self.slots: list["_WorkerThread"] = []
 
     def seen(self, worker_id: str, datasets) -> None:
         """A process answered GetWorkerInfo with the datasets it has."""
         with self.lock:
             self.created.setdefault(worker_id, set()).update(datasets)
+
+    def has(self, worker_id: str | None, dataset_id: str) -> bool:
+        with self.lock:
+            return dataset_id in self.created.get(worker_id, ())
+
+    def add(self, worker_id: str, dataset_id: str) -> None:
+        with self.lock:
+            self.created.setdefault(worker_id, set()).add(dataset_id)
+
+    def tick(self) -> None:
+        with self.lock:
+            self.clock += 1
 
 
 class _WorkerThread:
@@ -74,8 +90,8 @@ class _WorkerThread:
         self.coord, self.address, self.index = coord, address, index
         self.slot = slot
         self._shared = shared if shared is not None else _SharedWorker()
+        self._shared.slots.append(self)
         self.alive = False            # answered its last call
-        self.clock = 0                # closures completed (bounded mode's clock)
         self.worker_id: str | None = None   # the worker process this thread talks to
         # Since when (monotonic) the worker has not answered, and whether that
         # was said (_note_silence); None: it answered its last probe.
@@ -90,6 +106,21 @@ class _WorkerThread:
         self._ipc: SocketTransport | None = None   # the worker's socket, if the route has one
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")
+
+    @property
+    def clock(self) -> int:
+        """Closures the worker completed, all its slots (bounded mode's clock)."""
+        return self._shared.clock
+
+    @clock.setter
+    def clock(self, value: int) -> None:
+        with self._shared.lock:
+            self._shared.clock = value
+
+    @property
+    def worker_alive(self) -> bool:
+        """Any slot of the worker answered its last call."""
+        return any(w.alive for w in self._shared.slots)
 
     def start(self) -> None:
         self._thread.start()
@@ -219,21 +250,19 @@ class _WorkerThread:
             raise
 
     def _ensure_datasets(self) -> None:
-        shared = self._shared
-        created = shared.created.get(self.worker_id, ())
-        if all(ds_id in created for ds_id in list(self.coord._datasets)):
-            return   # the common case, without the lock
-        with shared.lock:   # another slot may be creating them: once each
-            created = shared.created.setdefault(self.worker_id, set())
+        shared, wid = self._shared, self.worker_id
+        if all(shared.has(wid, ds_id) for ds_id in list(self.coord._datasets)):
+            return   # the common case
+        with shared.creating:   # another slot may be creating them: once each
             for ds_id, fn_ref in list(self.coord._datasets.items()):
-                if ds_id not in created:
+                if not shared.has(wid, ds_id):
                     n, i = self.coord._worker_count_and_index(self.address)
                     # Fenced by worker_id: a process that is not this one
                     # (restarted since) refuses (ABORTED: reconnect).
                     self._grpc.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
                         dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
-                        worker_id=self.worker_id), _CONTROL_TIMEOUT)
-                    created.add(ds_id)
+                        worker_id=wid), _CONTROL_TIMEOUT)
+                    shared.add(wid, ds_id)
 
     def _loop(self) -> None:
         queue = self.coord._queue
@@ -304,7 +333,7 @@ class _WorkerThread:
             queue.mark_failed(err)
             return
         closure.remote_value._set_value(value)
-        self.clock += 1
+        self._shared.tick()
         self.coord._clocks_changed()
         queue.mark_finished()
 
@@ -357,7 +386,9 @@ class _Membership(Refreshing):
             for addr in [a for a in self.workers if a not in wanted]:
                 log.warning("worker %s left the cluster spec", addr)
                 for w in [self.workers.pop(addr), *self.extra.pop(addr, [])]:
-                    w.stop()
+                    w.stop()   # its closure in flight finishes; then its connections close
+                    threading.Thread(target=w.join, daemon=True,
+                                     name=f"WorkerLeft-{w.index}").start()
 
     def stop(self, abort: bool = False) -> None:
         """Stop every worker thread; ``abort``: cut their calls in flight

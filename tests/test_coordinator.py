@@ -202,46 +202,66 @@ def test_per_worker_dataset_gives_each_worker_its_shard(coord):
 _PAIR = threading.Barrier(2)
 
 
-def meet_in_pairs():
-    _PAIR.wait(timeout=30)   # BrokenBarrierError: no second closure ran alongside
+def meet_in_pairs(timeout=30.0):
+    _PAIR.wait(timeout=timeout)   # BrokenBarrierError: no second closure ran alongside
     return os.getpid()
 
 
 def meet_then_crash_once(marker_path):
     """Both closures of a worker in flight, then the first to get here kills
-    the worker (both are cut); their re-runs return the pid."""
+    the worker (both are cut: the other one waits to be); re-runs on the
+    surviving worker return its pid."""
     _PAIR.wait(timeout=30)
+    mine = f"{marker_path}.{os.getpid()}.{threading.get_ident()}"
+    with open(mine, "w") as f:
+        f.write(str(os.getpid()))
     try:
-        fd = os.open(marker_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.link(mine, marker_path)   # atomic: the marker appears with its pid written
     except FileExistsError:
+        with open(marker_path) as f:
+            if int(f.read()) == os.getpid():   # the other slot here is crashing the process
+                threading.Event().wait(60)
         return os.getpid()
-    os.close(fd)
     os._exit(1)
 
 
-def test_two_closures_per_worker_run_at_once_on_it():
-    with LocalCluster(num_ps=1, num_workers=1) as cluster, \
-            ClusterCoordinator(ParameterServerStrategy(cluster.spec),
-                               closures_per_worker=2) as coord:
-        def dataset_fn():
-            return iter(range(1_000_000))
+def counted_dataset(marker_path):
+    """A generator dataset whose creation is written down, one line per process."""
+    def dataset_fn():
+        with open(marker_path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return (i for i in range(1_000_000))   # a generator: not safe unlocked
+    return dataset_fn
 
-        def take(it):
-            return next(it)
 
-        it = iter(coord.create_per_worker_dataset(dataset_fn))
-        rvs = [coord.schedule(meet_in_pairs) for _ in range(8)]
-        taken = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(40)])
-        assert set(coord.fetch(rvs)) == {cluster.workers[0].pid}
-        assert sorted(taken) == list(range(40))   # the iterator: each element once
-        assert coord.num_workers == 1 and coord.workers_alive() == 1
+def take(it):
+    return os.getpid(), next(it)
+
+
+def test_two_closures_per_worker_run_at_once_on_it(tmp_path):
+    marker = tmp_path / "created"
+    with LocalCluster(num_ps=1, num_workers=1) as cluster:
+        with ClusterCoordinator(ParameterServerStrategy(cluster.spec),
+                                closures_per_worker=2) as coord:
+            it = iter(coord.create_per_worker_dataset(counted_dataset(str(marker))))
+            rvs = [coord.schedule(meet_in_pairs) for _ in range(8)]
+            taken = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(40)])
+            assert set(coord.fetch(rvs)) == {cluster.workers[0].pid}
+            assert coord.num_workers == 1 and coord.workers_alive() == 1
+            threads = [w._thread for ws in coord._membership.extra.values() for w in ws] + \
+                [w._thread for w in coord._membership.workers.values()]
+            assert len(threads) == 2
+        assert not any(t.is_alive() for t in threads)   # both slots stopped at shutdown
+        pid = cluster.workers[0].pid
+    assert sorted(v for _, v in taken) == list(range(40))   # each element once
+    assert marker.read_text().split() == [str(pid)]         # the dataset made once
 
 
 def test_one_closure_per_worker_runs_them_one_at_a_time():
     """The default, as TensorFlow: the pair never meets, the barrier breaks."""
     with LocalCluster(num_ps=1, num_workers=1) as cluster, \
             ClusterCoordinator(ParameterServerStrategy(cluster.spec)) as coord:
-        rvs = [coord.schedule(meet_in_pairs) for _ in range(2)]
+        rvs = [coord.schedule(meet_in_pairs, args=(2.0,)) for _ in range(2)]
         with pytest.raises(StepFunctionError, match="BrokenBarrierError"):
             coord.fetch(rvs)
 
@@ -259,20 +279,36 @@ def test_both_closures_in_flight_on_a_dying_worker_are_run_again(cluster, tmp_pa
         coord.join()
 
 
-@pytest.mark.parametrize("bad", [0, 5, -1, 1.5, True, "2", None])
-def test_closures_per_worker_out_of_range_is_refused(strategy, bad):
-    with pytest.raises(ValueError, match="closures_per_worker must be an int from 1 to 4"):
-        ClusterCoordinator(strategy, closures_per_worker=bad)
+def test_a_restarted_worker_gets_its_datasets_once_with_two_slots(cluster, tmp_path):
+    marker = tmp_path / "created"
+    with ClusterCoordinator(ParameterServerStrategy(cluster.spec),
+                            closures_per_worker=2) as coord:
+        it = iter(coord.create_per_worker_dataset(counted_dataset(str(marker))))
+        coord.fetch([coord.schedule(take, args=(it,)) for _ in range(10)])
+        cluster.restart_worker(0)
+        new_pid = cluster.workers[0].pid
+        cluster.kill_worker(1)   # from now on only the restarted worker runs closures
+        got = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(6)])
+    assert {pid for pid, _ in got} == {new_pid}
+    assert sorted(v for _, v in got) == list(range(6))   # made afresh, once, not reset
+    assert marker.read_text().split().count(str(new_pid)) == 1
+
+
+class _Mode:
+    def __init__(self, mode):
+        self.mode = mode
+
+
+@pytest.mark.parametrize("bad", [0, 4, -1, 1.5, True, "2", None])
+def test_closures_per_worker_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="closures_per_worker must be an int from 1 to 3"):
+        ClusterCoordinator(_Mode("async"), closures_per_worker=bad)
 
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid", "bounded"])
-def test_several_closures_per_worker_need_async_mode(cluster, mode):
-    strategy = ParameterServerStrategy(cluster.spec, mode=mode,
-                                       **({"staleness": 2} if mode == "bounded" else {}))
+def test_several_closures_per_worker_need_async_mode(mode):
     with pytest.raises(ValueError, match="needs the strategy's async mode"):
-        ClusterCoordinator(strategy, closures_per_worker=2)
-    with ClusterCoordinator(strategy, closures_per_worker=1) as coord:   # 1 is always fine
-        assert coord.closures_per_worker == 1
+        ClusterCoordinator(_Mode(mode), closures_per_worker=np.int64(2))
 
 
 # -- sharded variables ----------------------------------------------------------------------

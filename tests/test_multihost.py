@@ -200,13 +200,14 @@ def test_an_embedding_step_with_two_closures_per_worker_across_hosts():
         assert len({sh.address for sh in table.shards}) == 2
 
         def step(seed):
+            began = time.monotonic()   # one clock for every host (no time namespaces)
             ids = ids_of(seed)
             rows, _ = read_variables([table.lookup(ids), head])
             assert rows.shape == (8, 8, dim)
             push_gradients([(table, IndexedSlices(-np.ones((ids.size, dim), np.float32),
                                                   ids.ravel())),
                             (head, -np.ones(dim, np.float32))])
-            return os.environ.get("PSTRAIN_TEST_HOST", "")
+            return os.environ.get("PSTRAIN_TEST_HOST", ""), began, time.monotonic()
 
         def routes():   # learnt by the first call (meanwhile, other threads: gRPC)
             return sorted({client_for(sh.address).route.socket for sh in table.shards})
@@ -214,7 +215,13 @@ def test_an_embedding_step_with_two_closures_per_worker_across_hosts():
         with ClusterCoordinator(strategy, closures_per_worker=2) as coord:
             out = coord.fetch([coord.schedule(step, args=(i,)) for i in range(n)])
             assert coord.fetch([coord.schedule(routes) for _ in range(4)]) == [["tcp"]] * 4
-        assert set(out) == {h.addresses[2], h.addresses[3]}   # both workers
+        assert {o[0] for o in out} == {h.addresses[2], h.addresses[3]}   # both workers
+        overlapped = set()   # hosts where two steps ran at once
+        for host in {o[0] for o in out}:
+            spans = sorted(o[1:] for o in out if o[0] == host)
+            if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+                overlapped.add(host)
+        assert overlapped, "no worker ran two steps at once"
         want = np.zeros(vocab, np.float32)
         for i in range(n):
             np.add.at(want, ids_of(i).ravel(), 1)
