@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable
 
-from psserver import buffers
+from psserver import buffers, profiling
 from psserver.methods import BY_ID
 from psserver.ipc import (_PEERCRED, _REPLY, _REQUEST, _EAGER_BYTES, HELLO, HELLO_SECONDS,
                           IDENTITY, MAX_ARRIVING_BYTES, MAX_CONNECTIONS, MAX_FRAME_BYTES,
@@ -278,7 +278,7 @@ class IpcServer:
                     if method == IDENTITY:
                         code, body = Code.OK, self._identity
                     else:
-                        code, body = self._call(method, payload, timeout)
+                        code, body = profiling.served(self._call, method, payload, timeout)
                     _send(conn, _REPLY.pack(code, len(body)), body)
                 finally:
                     with self._lock:

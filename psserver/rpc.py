@@ -26,6 +26,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
+from psserver import profiling
 from psserver.contract import Internal, InvalidArgument, as_error
 from psserver.errors import grpc_code
 
@@ -52,7 +53,7 @@ def guard(fn: Callable, server_streaming: bool = False) -> Callable:
 
     def unary(request, context):
         try:
-            return fn(request, context)
+            return profiling.served(fn, request, context)
         except Exception as exc:
             _abort(context, exc, fn)
     return unary

@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
-from psserver import ipc, ipc_server, methods, metrics, rpc, shm, tf_config
+from psserver import ipc, ipc_server, methods, metrics, profiling, rpc, shm, tf_config
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
@@ -329,6 +329,8 @@ def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = N
     stop.wait()
     log.info("signal received: stopping (grace %.1fs)", grace)
     handle.stop(grace)
+    if profiling.active is not None:   # PSTRAIN_PROFILE: the last calls' profiles too
+        profiling.active.write_all()
 
 
 def task_epilog(role: str) -> str:
@@ -346,6 +348,9 @@ def task_epilog(role: str) -> str:
         ("TF_CONFIG, TF_CONFIG_FILE", "the cluster in TensorFlow's JSON (or a file holding "
                                       "it): without --port, this task binds the port of its "
                                       f'"task" entry, which must be a "{job}" one'),
+        (profiling.ENV, "a directory: profile every call this task serves (cProfile) into "
+                        "<role>-*.prof files there; python -m psserver.profiling DIR prints "
+                        "them merged"),
     ]
     lines = ["environment:"]
     for name, text in entries:
@@ -509,9 +514,14 @@ def _cpu_list(cpus) -> str:
 
 def task_setup(args, role: str):
     """(TLS config, metrics endpoint) from a task's command line, shared by
-    psserver and psworker; binds the process to ``--cpus``. Raises
+    psserver and psworker; binds the process to ``--cpus``; profiles its
+    calls when $PSTRAIN_PROFILE says (psserver/profiling.py). Raises
     TaskSetupError with what to change."""
     bind_cpus(args.cpus)
+    try:
+        profiling.start_from_env(role)
+    except ValueError as exc:
+        raise TaskSetupError(str(exc)) from None
     try:
         tls = TLS.from_arguments(args)
     except ValueError as exc:
