@@ -272,11 +272,13 @@ def test_both_closures_in_flight_on_a_dying_worker_are_run_again(cluster, tmp_pa
         rvs = [coord.schedule(meet_then_crash_once, args=(str(tmp_path / "crashed"),))
                for _ in range(4)]
         pids = [rv.fetch(timeout=90) for rv in rvs]
-        dead = [w for w in cluster.workers if not w.alive()]
-        assert len(dead) == 1, "exactly one worker should have crashed"
-        (alive,) = [w.pid for w in cluster.workers if w.alive()]
-        assert pids == [alive] * 4
         coord.join()
+    # Every closure ended on one worker; the other crashed. Its sockets close
+    # while it exits, so the re-runs may finish before it is reaped: wait.
+    (survivor,) = set(pids)
+    (crashed,) = [w for w in cluster.workers if w.pid != survivor]
+    assert crashed.proc.wait(timeout=30) == 1
+    assert [w.alive() for w in cluster.workers if w.pid == survivor] == [True]
 
 
 def test_a_restarted_worker_gets_its_datasets_once_with_two_slots(cluster, tmp_path):
@@ -429,10 +431,12 @@ def crash_first_time(marker_path):
 def test_closure_requeued_when_its_worker_dies(cluster, coord, tmp_path):
     rv = coord.schedule(crash_first_time, args=(str(tmp_path / "attempted"),))
     pid = rv.fetch(timeout=60)
-    dead = [w for w in cluster.workers if not w.alive()]
-    assert len(dead) == 1, "exactly one worker should have crashed on the first attempt"
-    assert pid != dead[0].pid and pid in {w.pid for w in cluster.workers}
     coord.join()
+    assert pid in {w.pid for w in cluster.workers}
+    # The other worker crashed on the first attempt (its sockets close while
+    # it exits, so the re-run may finish before it is reaped: wait).
+    (crashed,) = [w for w in cluster.workers if w.pid != pid]
+    assert crashed.proc.wait(timeout=30) == 1
 
 
 def test_restarted_worker_rejoins_with_its_datasets(cluster, coord):
