@@ -117,6 +117,7 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
         train(w, b, 2, seed=3)
         with pytest.raises(PSError):
             ckpt.save(step=4)
+        cluster.ps[1].proc.wait(timeout=30)   # its socket closes while it exits
         assert not cluster.ps[1].alive()
         assert ckpt.checkpoints() == [good] and ckpt.latest() == good
         assert not [n for n in os.listdir(tmp_path) if n != os.path.basename(good)]

@@ -150,6 +150,8 @@ def test_a_crash_while_writing_a_delta_keeps_the_previous_chain_restorable(tmp_p
         with pytest.raises(PSError):
             train(model, rng)
             inc.save(2)                     # a delta: the servers die writing it
+        for p in cluster.ps:   # their sockets close while they exit
+            p.proc.wait(timeout=30)
         assert not any(p.alive() for p in cluster.ps)
         assert inc.checkpoints() == [base] and os.listdir(tmp_path) == ["ckpt-00000001"]
     with LocalCluster(num_ps=2, num_workers=0) as fresh:

@@ -95,7 +95,9 @@ def make_crashing_step(w_var, b_var, crash_step: int, marker: str):
         ctx = get_replica_context()
         if ctx.step == crash_step and ctx.replica_id_in_sync_group == 1:
             try:   # only the first attempt at this replica crashes its worker
-                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.write(fd, str(os.getpid()).encode())   # which worker crashes
+                os.close(fd)
             except FileExistsError:
                 return inner(x_global, y_global)
             (w, b) = read_variables([w_var, b_var])
@@ -121,6 +123,11 @@ def test_sigkilled_replica_does_not_stop_the_job(tmp_path, mode):
             coord.join()
             per_step = [[r.fetch() for r in rv.replicas] for rv in results]
         metas = w_var.meta() + b_var.meta()
+        # The crashed worker's sockets close while it exits: wait for it.
+        with open(tmp_path / "crashed") as f:
+            crashed = int(f.read())
+        (victim,) = [w for w in cluster.workers if w.pid == crashed]
+        assert victim.proc.wait(timeout=30) == -9
         assert sum(not w.alive() for w in cluster.workers) == 1
     from coordinator.coordinator import ABANDONED
     abandoned = [(t, i) for t, reps in enumerate(per_step) for i, r in enumerate(reps)
