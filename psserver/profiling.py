@@ -14,7 +14,11 @@ that is the step function (RunClosure) with its reads and pushes.
 
 merges the files (of one role, or all) and prints the functions that took
 the most time. Profiling slows Python code 1.5-3x: compare profiles with
-each other, not with unprofiled speed. The variable is read once, when the
+each other, not with unprofiled speed. Times are wall time on the serving
+thread: a function that released the GIL (numpy's larger copies and
+reductions, BLAS, socket calls) is also charged the wait to take it back
+from the task's other threads, so on a server with several connections a
+numpy call can look several times slower than it is alone. The variable is read once, when the
 task starts; nothing a client sends turns it on or off.
 """
 from __future__ import annotations
