@@ -7,7 +7,7 @@ profiler per serving thread, and writes ``DIR/<role>-<pid>-<tag>-<thread>.prof``
 every 500 calls of that thread and when the task stops gracefully (tag:
 random, as tasks on other hosts may share a pid and a directory). What is
 measured is the call as served: parsing the request, the work, framing the
-reply (gRPC: sending it too); not the wait for the next call. On a worker
+reply; not sending it, nor the wait for the next call. On a worker
 that is the step function (RunClosure) with its reads and pushes.
 
     python -m psserver.profiling DIR [--sort tottime] [--top 30] [--role psworker]
