@@ -253,6 +253,25 @@ def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
         assert c._data is not None and c._data is not old
 
 
+def _wait_stopped(pid: int, limit: float = 10.0) -> None:
+    """Until every thread of pid is stopped (state T), at most limit seconds."""
+    import os
+    import time
+    deadline = time.monotonic() + limit
+    while True:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.add(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:   # a thread that just ended
+                pass
+        if states <= {"T", "t"}:
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.01)
+
+
 def test_a_push_whose_connection_breaks_in_flight_fails_and_is_not_resent(start_ps):
     import os
     import signal
@@ -262,6 +281,7 @@ def test_a_push_whose_connection_breaks_in_flight_fails_and_is_not_resent(start_
         c.push("w", np.ones(N, np.float32))
         assert c._data is not None and c.local
         os.kill(ps.pid, signal.SIGSTOP)
+        _wait_stopped(ps.pid)   # SIGSTOP takes effect a little later, thread by thread
         h = c.push_many_async({"w": np.ones(N, np.float32)})   # sent; the server sleeps
         ps.kill()
         with pytest.raises(Unavailable, match="data port"):   # applied or not: unknown,
