@@ -86,11 +86,11 @@ class _WorkerThread:
     0 is the one counted: liveness, clocks, warnings)."""
 
     def __init__(self, coord: "ClusterCoordinator", address: str, index: int,
-                 shared: _SharedWorker | None = None, slot: int = 0):
+                 shared: _SharedWorker, slot: int):
         self.coord, self.address, self.index = coord, address, index
         self.slot = slot
-        self._shared = shared if shared is not None else _SharedWorker()
-        self._shared.slots.append(self)
+        self._shared = shared
+        shared.slots.append(self)
         self.alive = False            # answered its last call
         self.worker_id: str | None = None   # the worker process this thread talks to
         # Since when (monotonic) the worker has not answered, and whether that
