@@ -24,8 +24,8 @@ task its own process on 127.0.0.1):
 * (a) and (b) ours again with ``ClusterCoordinator(closures_per_worker=2)``
   (rows "2 closures/worker"): each worker runs two closures at once, on the
   same variables, strategy and cluster. TensorFlow's coordinator runs one
-  per worker, which the plain rows match; the staleness differs (up to 3
-  concurrent updates a step may miss, against 1).
+  per worker, which the plain rows match; the staleness differs (about 3
+  other steps run alongside each, against 1).
 * (c) ``raw``: read and push (SGD) of a 64 MiB float32 variable on one
   parameter server, in GB/s.
 * (e) ``ctr``: click-through rate (issue 17's workload, bench/bench_ctr.py):
@@ -468,11 +468,13 @@ class Ours:
             model = MLP(list(MLP_SIZES))
             model.create_variables(strategy, f"{mode}/mlp", optimizer="sgd",
                                    optimizer_params={"learning_rate": MLP_LR}, seed=SEED)
-            it = iter(self.coord[mode].create_per_worker_dataset(mlp_dataset))
-            self.mlp[mode] = (make_train_step(model), it, model)
-        step, _, model = self.mlp["async"]   # the same model, two closures per worker
-        self.mlp["async2"] = (step, iter(self.coord["async2"].create_per_worker_dataset(
-            mlp_dataset)), model)
+            coord = self.coord[mode]
+            it = iter(coord.create_per_worker_dataset(mlp_dataset))
+            self.mlp[mode] = (make_train_step(model), it, model, coord)
+        step, _, model, _ = self.mlp["async"]   # the same model, two closures per worker
+        coord = self.coord["async2"]
+        self.mlp["async2"] = (step, iter(coord.create_per_worker_dataset(mlp_dataset)), model,
+                              coord)
 
     def setup_emb(self) -> None:
         from examples.embedding_bag import make_train_step
@@ -504,7 +506,7 @@ class Ours:
                                    optimizer_params={"learning_rate": DIGITS_LR}, seed=SEED)
             step = make_train_step(model, compression=fp16, read_compression=fp16)
             self.mlp[f"digits_{key}"] = (step, iter(coord.create_per_worker_dataset(
-                digits_dataset)), model)
+                digits_dataset)), model, coord)
 
     def setup_ctr(self) -> None:
         from bench.bench_ctr import OursCTR
@@ -518,10 +520,8 @@ class Ours:
         return digits_accuracy(read_variables(self.mlp[f"digits_{key}"][2].variables))
 
     def run_mlp(self, mode: str, n: int) -> float:
-        step, it, _ = self.mlp[mode]
-        coord = self.coord["async2" if mode.endswith("_2") else
-                           "async" if mode.startswith("digits") else mode]
-        per = self.strategy[mode].num_replicas_in_sync if mode in self.strategy else 1
+        step, it, _, coord = self.mlp[mode]
+        per = coord.strategy.num_replicas_in_sync   # sync: a scheduled step is 2 closures
         holder = []
 
         def go():
