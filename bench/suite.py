@@ -56,6 +56,16 @@ References, measured in the same run:
 * (a) ceiling: the same forward+backward in this process with numpy and one
   BLAS thread, no communication, times the workers the cores can run at once
   (min(cores, workers) = 2 here).
+* (a) wire ceiling (``bench/wire_ceiling.py``): the same step with the same
+  bytes between the same places (our shards' layout; across hosts, our
+  servers' and workers' hosts), moved by bare sockets: two servers that
+  are a flat array each (SGD on arrival), two workers bound to the same
+  CPUs receiving straight into the parameters and sending from the
+  gradients, no framing, checks, versions, closures or coordinator. What
+  any parameter server could reach here; the no-communication ceiling
+  leaves out the kernel's TCP work, which on this machine shares the cores
+  with the steps. Same host, ours moves tensors through shared memory and
+  the wire ceiling through loopback TCP.
 
 Cores: worker i of ours and of TensorFlow is bound to CPU i (round robin over
 this process's CPUs: ``LocalCluster(pin_workers=True)``, ``psworker --cpus``);
@@ -109,7 +119,7 @@ import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Callable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -182,11 +192,12 @@ CTR_BATCHES = 60
 
 
 # -- data (numpy only: the TensorFlow chief imports these too) ----------------------
-def mlp_data(n: int, seed: int, worker: int) -> tuple[np.ndarray, np.ndarray]:
-    """(x (n, 784) float32, labels (n,) int64) from a fixed seed."""
+def mlp_data(n: int, seed: int, worker: int,
+             sizes: Sequence[int] = MLP_SIZES) -> tuple[np.ndarray, np.ndarray]:
+    """(x (n, sizes[0]) float32, labels (n,) int64 below sizes[-1]) from a fixed seed."""
     rng = np.random.default_rng([seed, worker])
-    x = rng.standard_normal((n, MLP_SIZES[0]), dtype=np.float32)
-    y = rng.integers(0, MLP_SIZES[-1], n, dtype=np.int64)
+    x = rng.standard_normal((n, sizes[0]), dtype=np.float32)
+    y = rng.integers(0, sizes[-1], n, dtype=np.int64)
     return x, y
 
 
@@ -673,6 +684,12 @@ def build_rows(res: dict) -> list[dict]:
         row("mlp_async_vs_ceiling", "(a) MLP async", sps(a, "ours_async"),
              "ceiling: numpy fwd+bwd x 2", a["ceiling"]["steps_per_s"] if "ceiling" in a else None,
              "steps/s"),
+        row("mlp_async_vs_wire", "(a) MLP async", sps(a, "ours_async"),
+             "wire ceiling: the step over bare TCP", sps(a, "wire_ceiling"), "steps/s",
+             "bench/wire_ceiling.py: the same bytes, no framing or checks"),
+        row("wire_vs_ceiling", "(a) wire ceiling (bare TCP)", sps(a, "wire_ceiling"),
+             "ceiling: numpy fwd+bwd x 2", a["ceiling"]["steps_per_s"] if "ceiling" in a else None,
+             "steps/s", "what any implementation could reach here"),
     ]
     for d in EMB_DISTS:
         for two in ("", "2"):
@@ -818,6 +835,9 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
                                     tf.meter))
         ceiling = Variant("ceiling_1proc", ceiling_run, plan.mlp_steps // 2)
         variants.append(ceiling)
+        wire = stack.enter_context(wire_ceiling(ours, hosts))
+        variants.append(Variant("wire_ceiling", wire.run, plan.mlp_steps,
+                                CPUMeter({"ps": wire.pids["ps"], "workers": wire.pids["workers"]})))
         run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(a) mlp")
         res["mlp"] = {v.key: v.result() for v in variants}
         c = res["mlp"]["ceiling_1proc"]
@@ -852,6 +872,22 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
         if hosts is not None:
             res["shaped"] = run_shaped(plan, hosts, ours, tf)
     return res
+
+
+def wire_ceiling(ours: "Ours", hosts=None):
+    """(a)'s step over bare TCP (bench/wire_ceiling.py): the same bytes
+    between the same places as our async MLP (its shards on the servers
+    that hold ours), workers bound to the same CPUs; a context manager."""
+    from bench.wire_ceiling import WireCeiling, layout_of
+    model = ours.mlp["async"][2]
+    shards = layout_of(model.variables, [t.address for t in ours.cluster.ps])
+    if hosts is None:
+        servers = workers = [("127.0.0.1", [])] * NUM_PS
+    else:   # ours: servers on hosts 0 and 1, workers on 2 and 3
+        servers = [(hosts.addresses[i], hosts.run(i)) for i in (0, 1)]
+        workers = [(hosts.addresses[i], hosts.run(i)) for i in (2, 3)]
+    cpus = sorted(os.sched_getaffinity(0)) if PIN_WORKERS else None
+    return WireCeiling(MLP_SIZES, shards, MLP_LR, servers, workers[:NUM_WORKERS], cpus)
 
 
 def run_ctr(plan: Plan, ours: "Ours", tf: "TF | None") -> dict:
