@@ -19,7 +19,9 @@ same places, with nothing else:
   acknowledgement.
 
 No framing, names, versions, checks, retries, update keys, closures or
-coordinator: the kernel's copies and the step's own numpy. It is not a
+coordinator, and reads are sent from the live array (no copy under a lock,
+so a read may see a push half applied): the kernel's copies and the step's
+own numpy. It is not a
 parameter server anyone should run; it is how fast one could go here.
 The chief times a block: every worker runs its share of the steps at once.
 
