@@ -835,7 +835,7 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
                                     tf.meter))
         ceiling = Variant("ceiling_1proc", ceiling_run, plan.mlp_steps // 2)
         variants.append(ceiling)
-        wire = stack.enter_context(wire_ceiling(ours, hosts))
+        wire = stack.enter_context(wire_ceiling(ours, ours_at))
         variants.append(Variant("wire_ceiling", wire.run, plan.mlp_steps,
                                 CPUMeter({"ps": wire.pids["ps"], "workers": wire.pids["workers"]})))
         run_interleaved(variants, plan.rounds, plan.warmup_blocks, "(a) mlp")
@@ -874,20 +874,19 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
     return res
 
 
-def wire_ceiling(ours: "Ours", hosts=None):
+def wire_ceiling(ours: "Ours", placement=None):
     """(a)'s step over bare TCP (bench/wire_ceiling.py): the same bytes
     between the same places as our async MLP (its shards on the servers
-    that hold ours), workers bound to the same CPUs; a context manager."""
+    that hold ours; ``placement``: where ours run, as LocalCluster takes
+    it, None: this machine), workers bound to the same CPUs; a context
+    manager."""
     from bench.wire_ceiling import WireCeiling, layout_of
     model = ours.mlp["async"][2]
     shards = layout_of(model.variables, [t.address for t in ours.cluster.ps])
-    if hosts is None:
-        servers = workers = [("127.0.0.1", [])] * NUM_PS
-    else:   # ours: servers on hosts 0 and 1, workers on 2 and 3
-        servers = [(hosts.addresses[i], hosts.run(i)) for i in (0, 1)]
-        workers = [(hosts.addresses[i], hosts.run(i)) for i in (2, 3)]
+    where = placement or (lambda role, i: ("127.0.0.1", []))
     cpus = sorted(os.sched_getaffinity(0)) if PIN_WORKERS else None
-    return WireCeiling(MLP_SIZES, shards, MLP_LR, servers, workers[:NUM_WORKERS], cpus)
+    return WireCeiling(MLP_SIZES, shards, MLP_LR, [where("ps", i) for i in range(NUM_PS)],
+                       [where("worker", i) for i in range(NUM_WORKERS)], cpus)
 
 
 def run_ctr(plan: Plan, ours: "Ours", tf: "TF | None") -> dict:
