@@ -880,13 +880,13 @@ def wire_ceiling(ours: "Ours", placement=None):
     that hold ours; ``placement``: where ours run, as LocalCluster takes
     it, None: this machine), workers bound to the same CPUs; a context
     manager."""
-    from bench.wire_ceiling import WireCeiling, layout_of
+    from bench.wire_ceiling import layout_of, running
     model = ours.mlp["async"][2]
     shards = layout_of(model.variables, [t.address for t in ours.cluster.ps])
     where = placement or (lambda role, i: ("127.0.0.1", []))
     cpus = sorted(os.sched_getaffinity(0)) if PIN_WORKERS else None
-    return WireCeiling(MLP_SIZES, shards, MLP_LR, [where("ps", i) for i in range(NUM_PS)],
-                       [where("worker", i) for i in range(NUM_WORKERS)], cpus)
+    return running(MLP_SIZES, shards, MLP_LR, [where("ps", i) for i in range(NUM_PS)],
+                   [where("worker", i) for i in range(NUM_WORKERS)], cpus)
 
 
 def run_ctr(plan: Plan, ours: "Ours", tf: "TF | None") -> dict:

@@ -41,11 +41,12 @@ import socket
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from bench.common import child_task
+from bench.common import _split_address, child_task
+from psserver.ipc import _send_parts   # buffers out with sendmsg, as ours
 
 #: One-byte requests.
 _READ, _PUSH, _ACK = b"r", b"p", b"k"
@@ -58,17 +59,6 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         n = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
         if n == 0:
             raise ConnectionError("peer closed")
-        while n:
-            if n >= views[0].nbytes:
-                n -= views.pop(0).nbytes
-            else:
-                views[0], n = views[0][n:], 0
-
-
-def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = sock.sendmsg(views[:1024])
         while n:
             if n >= views[0].nbytes:
                 n -= views.pop(0).nbytes
@@ -139,8 +129,7 @@ def work(host: str, servers: Sequence[str], layout: dict, index: int) -> None:
 
     socks = []
     for address in servers:
-        h, p = address.rsplit(":", 1)
-        s = socket.create_connection((h, int(p)))
+        s = socket.create_connection(_split_address(address))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         socks.append(s)
     param_views = [slices(params, i) for i in range(len(socks))]
@@ -160,7 +149,7 @@ def work(host: str, servers: Sequence[str], layout: dict, index: int) -> None:
             _recv_views(s, views)
         loss, grads = model.loss_and_grads(params, xb, yb)
         for i, s in enumerate(socks):
-            _send_views(s, [memoryview(_PUSH), *slices(grads, i)])
+            _send_parts(s, [_PUSH, *slices(grads, i)])
         for s in socks:
             _recv_views(s, [memoryview(ack)])
         return loss
@@ -188,50 +177,12 @@ def layout_of(variables, ps_addresses: Sequence[str]) -> list[list[list[int]]]:
 
 
 class WireCeiling:
-    """The bare servers and workers as child processes (a context manager);
-    ``run(n)``: n steps shared by the workers, all at once; wall seconds.
-    ``places``: (host, command prefix) per server and per worker
-    (bench/hosts.py; ("127.0.0.1", []) on this machine); ``cpus``: the CPU
-    each worker is bound to (None: not bound)."""
+    """Running bare workers (``running`` makes them): ``run(n)``: n steps
+    shared by the workers, all at once; ``pids``: the processes by role."""
 
-    def __init__(self, sizes: Sequence[int], shards: list[list[list[int]]], lr: float,
-                 servers_at: Sequence[tuple[str, list[str]]],
-                 workers_at: Sequence[tuple[str, list[str]]], cpus: Sequence[int] | None = None):
-        self._args = sizes, shards, lr, servers_at, workers_at, cpus
-        self._stack = contextlib.ExitStack()
-        self._ctl: list = []
+    def __init__(self, ctl: list, pids: dict[str, list[int]]):
+        self._ctl, self.pids = ctl, pids
         self.losses: list[float] = []
-        self.pids: dict[str, list[int]] = {"ps": [], "workers": []}
-
-    def __enter__(self) -> "WireCeiling":
-        sizes, shards, lr, servers_at, workers_at, cpus = self._args
-        layout = json.dumps({"sizes": list(sizes), "shards": shards})
-        try:
-            addresses = []
-            for i, (host, prefix) in enumerate(servers_at):
-                task = self._stack.enter_context(child_task(
-                    "bench.wire_ceiling", ["server", "--host", host, "--layout", layout,
-                                           "--index", str(i), "--lr", str(lr)], prefix=prefix))
-                addresses.append(task.address)
-                self.pids["ps"].append(task.task_pid)
-            for i, (host, prefix) in enumerate(workers_at):
-                pin = [] if cpus is None else ["taskset", "-c", str(cpus[i % len(cpus)])]
-                task = self._stack.enter_context(child_task(
-                    "bench.wire_ceiling", ["worker", "--host", host, "--servers",
-                                           ",".join(addresses), "--layout", layout,
-                                           "--index", str(i)], prefix=[*prefix, *pin]))
-                self.pids["workers"].append(task.task_pid)
-                h, p = task.address.rsplit(":", 1)
-                conn = socket.create_connection((h, int(p)))
-                self._stack.callback(conn.close)
-                self._ctl.append(conn.makefile("rw"))
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
 
     def run(self, n: int) -> float:
         """n steps, shared by the workers; the wall seconds (scaled to n
@@ -249,6 +200,39 @@ class WireCeiling:
                 raise RuntimeError("a bare worker of the wire ceiling exited")
             self.losses.append(float(line.split()[1]))
         return (time.perf_counter() - t0) * n / (share * len(self._ctl))
+
+
+@contextlib.contextmanager
+def running(sizes: Sequence[int], shards: list[list[list[int]]], lr: float,
+            servers_at: Sequence[tuple[str, list[str]]],
+            workers_at: Sequence[tuple[str, list[str]]],
+            cpus: Sequence[int] | None = None) -> Iterator[WireCeiling]:
+    """The bare servers and workers as child processes, stopped on exit (also
+    on errors): ``shards`` as layout_of gives them; ``servers_at`` /
+    ``workers_at``: (host, command prefix) of each (bench/hosts.py;
+    ("127.0.0.1", []) on this machine); ``cpus``: the CPU each worker is
+    bound to (None: not bound)."""
+    layout = json.dumps({"sizes": list(sizes), "shards": shards})
+    pids: dict[str, list[int]] = {"ps": [], "workers": []}
+    ctl = []
+    with contextlib.ExitStack() as stack:
+        addresses = []
+        for i, (host, prefix) in enumerate(servers_at):
+            task = stack.enter_context(child_task(
+                "bench.wire_ceiling", ["server", "--host", host, "--layout", layout,
+                                       "--index", str(i), "--lr", str(lr)], prefix=prefix))
+            addresses.append(task.address)
+            pids["ps"].append(task.task_pid)
+        for i, (host, prefix) in enumerate(workers_at):
+            pin = [] if cpus is None else ["taskset", "-c", str(cpus[i % len(cpus)])]
+            task = stack.enter_context(child_task(
+                "bench.wire_ceiling", ["worker", "--host", host, "--servers",
+                                       ",".join(addresses), "--layout", layout,
+                                       "--index", str(i)], prefix=[*prefix, *pin]))
+            pids["workers"].append(task.task_pid)
+            conn = stack.enter_context(socket.create_connection(_split_address(task.address)))
+            ctl.append(stack.enter_context(conn.makefile("rw")))
+        yield WireCeiling(ctl, pids)
 
 
 def _exit_with_parent() -> None:

@@ -5,7 +5,7 @@ and every step moves the bytes of the shards the layout names."""
 import numpy as np
 import pytest
 
-from bench.wire_ceiling import WireCeiling, layout_of
+from bench.wire_ceiling import layout_of, running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,7 +16,7 @@ LOCAL = ("127.0.0.1", [])
 def test_the_bare_step_learns_with_its_shards_split_over_two_servers():
     # kernel 0 split by rows over both servers, as a partitioner would
     shards = [[[0, 0, 400], [1, 0, 1]], [[0, 400, 384], [2, 0, 64], [3, 0, 1]]]
-    with WireCeiling(SIZES, shards, 0.1, [LOCAL, LOCAL], [LOCAL, LOCAL]) as wc:
+    with running(SIZES, shards, 0.1, [LOCAL, LOCAL], [LOCAL, LOCAL]) as wc:
         losses = []
         for _ in range(6):
             assert wc.run(40) > 0
@@ -28,7 +28,7 @@ def test_the_bare_step_learns_with_its_shards_split_over_two_servers():
 def test_a_server_that_holds_nothing_updates_nothing():
     # one server holds every parameter; the other is asked for no bytes
     shards = [[[0, 0, 784], [1, 0, 1], [2, 0, 64], [3, 0, 1]], []]
-    with WireCeiling(SIZES, shards, 0.1, [LOCAL, LOCAL], [LOCAL]) as wc:
+    with running(SIZES, shards, 0.1, [LOCAL, LOCAL], [LOCAL]) as wc:
         first = wc.run(30) and wc.losses[0]
         for _ in range(4):
             wc.run(30)
