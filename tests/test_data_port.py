@@ -253,7 +253,7 @@ def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
         assert c._data is not None and c._data is not old
 
 
-def _wait_stopped(pid: int, limit: float = 10.0) -> None:
+def wait_stopped(pid: int, limit: float = 10.0) -> None:
     """Until every thread of pid is stopped (state T), at most limit seconds."""
     import os
     import time
@@ -281,7 +281,7 @@ def test_a_push_whose_connection_breaks_in_flight_fails_and_is_not_resent(start_
         c.push("w", np.ones(N, np.float32))
         assert c._data is not None and c.local
         os.kill(ps.pid, signal.SIGSTOP)
-        _wait_stopped(ps.pid)   # SIGSTOP takes effect a little later, thread by thread
+        wait_stopped(ps.pid)   # SIGSTOP takes effect a little later, thread by thread
         h = c.push_many_async({"w": np.ones(N, np.float32)})   # sent; the server sleeps
         ps.kill()
         with pytest.raises(Unavailable, match="data port"):   # applied or not: unknown,

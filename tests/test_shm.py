@@ -28,6 +28,7 @@ from psserver.contract import Code
 from psserver import methods, shm
 from psserver.client import PSClient
 from psserver.errors import FailedPrecondition, PSError
+from test_data_port import wait_stopped
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not shm.available(), reason="no sealed memfds on this system")]
@@ -552,8 +553,7 @@ def test_segment_of_a_timed_out_push_is_never_lent_again(start_ps):
         for seg in [c._shm_take(1 << 20), c._shm_take(3 << 20)]:
             c._arena.give(seg)
         os.kill(ps.pid, signal.SIGSTOP)   # a server too slow for the deadline
-        while open(f"/proc/{ps.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-            time.sleep(0.01)   # until it is stopped
+        wait_stopped(ps.pid)   # every thread of it (SIGSTOP lands thread by thread)
         try:
             with pytest.raises(PSError):
                 c.push_many([("a", np.ones(n, np.float32)), ("b", np.ones(n, np.float32))])
