@@ -46,7 +46,7 @@ import grpc
 import numpy as np
 
 from psserver.process import TaskProcess, start_task
-from psserver.server import grpc_options
+from psserver.link.grpc_common import grpc_options
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                DEFAULT_STREAM_THRESHOLD_BYTES)
 
@@ -422,7 +422,7 @@ def _grpc_server_main(args: argparse.Namespace) -> None:
 class GrpcReference:
     """Client of a bare gRPC bytes server in a child process (context manager).
 
-    Server and channel use ``psserver.server.grpc_options(max_message_bytes)``,
+    Server and channel use ``psserver.link.grpc_common.grpc_options(max_message_bytes)``,
     the parameter server's own options.
     """
 

@@ -555,7 +555,7 @@ class Ours:
         return secs
 
     def memory(self) -> list[dict]:
-        from coordinator.variables import client_for
+        from coordinator.ps_pool import client_for
         out = []
         for t in self.cluster.ps:
             metas = client_for(t.address).list_variables()

@@ -46,7 +46,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from bench.common import _split_address, child_task
-from psserver.ipc import _send_parts   # buffers out with sendmsg, as ours
+from psserver.link.frames import send_parts as _send_parts   # buffers out with sendmsg, as ours
 
 #: One-byte requests.
 _READ, _PUSH, _ACK = b"r", b"p", b"k"

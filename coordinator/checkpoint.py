@@ -78,7 +78,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from coordinator import metrics as _metrics
-from coordinator import routes
+from coordinator import ps_pool
 from coordinator import variables as V
 from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # noqa: F401
                                           chain_of, check_restorable, find_checkpoints,
@@ -100,6 +100,11 @@ def _kind(kind: int) -> str:
                               "version of pstrain does not know; upgrade the coordinator")
     return _KIND_NAMES[kind]
 
+
+
+def _primaries(v) -> list:
+    """Each shard's copy that is primary now (coordinator/routes.py)."""
+    return ps_pool.servers().routes.primaries(v)
 
 class CheckpointManager:
     """Save and restore the strategy's variables under ``directory``.
@@ -134,7 +139,7 @@ class CheckpointManager:
         self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
         self.incremental, self.full_every = incremental, full_every
         self.weights_only = weights_only
-        self._client_for = client_for or V.client_for
+        self._client_for = client_for or ps_pool.client_for
         # Whose saves these are, for the servers (psserver/tracking.py): each
         # directory's points are committed apart from any other's.
         self.stream = ("export:" if weights_only else "ckpt:") + hashlib.sha256(
@@ -206,7 +211,7 @@ class CheckpointManager:
 
         def write(incremental):   # with replication: from the copies that are primary now
             return write_checkpoint(self.directory, step, self.strategy.variables,
-                                    self._client_for, copies=routes.primaries,
+                                    self._client_for, copies=_primaries,
                                     ps_index=ps_index, extra=extra,
                                     tables=self.strategy.tables, incremental=incremental)
         try:
@@ -281,10 +286,10 @@ class CheckpointManager:
         if path is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         chosen = [v for v in self.strategy.variables
-                  if address is None or any(s.address == address for s in routes.primaries(v))]
+                  if address is None or any(s.address == address for s in _primaries(v))]
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/replication.py).
-        out = restore_checkpoint(path, chosen, self._client_for, copies=routes.primaries,
+        out = restore_checkpoint(path, chosen, self._client_for, copies=_primaries,
                                  address=address, tables=self.strategy.tables)
         if address is None:   # the servers hold that checkpoint now: the next save is a base
             self._force_full = True

@@ -117,9 +117,9 @@ def _checkpoint_path(directory: str, path: str | None) -> str:
 
 def _tables(target) -> list:
     """The dynamic tables on the servers; a replicated one's primaries asked for."""
-    from coordinator import routes
+    from coordinator import ps_pool
     tables = L.tables_from_listing(_table_listing(target), target.ps)
-    routes.refresh([(t, k) for t in tables for k in range(len(t.backups))])
+    ps_pool.servers().refresh([(t, k) for t in tables for k in range(len(t.backups))])
     return tables
 
 

@@ -25,11 +25,12 @@ from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, Cluster
 from protos.pstrain.v1 import worker_pb2
 from psserver import methods
 from psserver.client import PSClient
-from psserver.contract import Code, call_metadata
-from psserver.errors import PSError, from_rpc_error
+from psserver.contract import Code
+from psserver.errors import PSError
+from psserver.link.channel import TaskChannel
+from psserver.link.transport import from_rpc_error
 from psserver.server import TOKEN_ENV, TOKEN_METADATA_KEY
 from psserver.tls import CA_ENV, CERT_ENV, KEY_ENV, TLSConfig, make_channel
-from psserver.transport import GrpcTransport
 
 #: Exit statuses of every `coordinator` command.
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG, EXIT_NOT_READY = 0, 1, 2, 3
@@ -137,9 +138,9 @@ class Target:
 
     def worker_info(self, address: str) -> worker_pb2.WorkerInfo:
         """The worker's GetWorkerInfo, with this command's token (raises PSError)."""
-        with make_channel(address, [], self.tls) as channel:
-            return GrpcTransport(channel, address, call_metadata(self.token)).call(
-                methods.WORKER_INFO, worker_pb2.WorkerInfoRequest(), self.timeout)
+        with TaskChannel(address, role="worker", token=self.token, tls=self.tls,
+                         timeout=self.timeout) as channel:
+            return channel.call(methods.WORKER_INFO, worker_pb2.WorkerInfoRequest())
 
     def health_environ(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -31,13 +31,17 @@ bounded and hybrid modes look-ups never wait and updates apply on arrival.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from typing import Callable
 
 import numpy as np
 
-from coordinator import calls, routes
-from coordinator.calls import client_for
+from coordinator import calls
+from coordinator.ps_pool import Op, servers
 from coordinator.replica import rows_sync
+from coordinator.routes import key as routes_key
 from psserver.dynamic_table import check_keys, shard_of
+from psserver.link.pending import Pending
 from psserver.replication import TABLE_PREFIX
 from psserver.tables import BACKUP_PREFIX   # a shard's backup copy's table name: the prefix
 
@@ -68,35 +72,23 @@ def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(out.T)
 
 
-def _unique_of(keys: np.ndarray, known) -> tuple[np.ndarray, np.ndarray]:
-    """(unique keys, inverse) of 1-D ``keys`` (sorted, unless ``keys`` had
-    no duplicates: then keys themselves): from ``known`` (a look-up's
-    Pending.unique) when it describes these keys, else computed."""
-    if known is not None:
-        uniq, same, inverse = known
-        if same is not None and same.shape == keys.shape and np.array_equal(same, keys):
-            return keys, np.arange(keys.size)   # no duplicates (uniq is keys)
-        if inverse is not None and inverse.shape == keys.shape and \
-                np.array_equal(uniq[inverse], keys):
-            return uniq, inverse
+#: A thread's last look-up of a table: (table, its keys as sent, unique
+#: keys, inverse or None when the keys were distinct already), so the step's
+#: gradient push of the same keys sorts nothing again.
+_last_lookup = threading.local()
+
+
+def _unique_of(table, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(unique keys, inverse or None: ``keys`` are distinct) of 1-D ``keys``:
+    from this thread's last look-up of ``table`` when it was of these keys,
+    else computed."""
+    last = getattr(_last_lookup, "of", None)
+    if last is not None and last[0] is table and last[1].shape == keys.shape \
+            and np.array_equal(last[1], keys):
+        return last[2], last[3]
     uniq, inverse = np.unique(keys, return_inverse=True)
-    return uniq, inverse.reshape(-1)
-
-
-class Pending:
-    """A table call sent (``lookup_async``, ``push_gradient_async``):
-    ``result()`` waits for it (once; later calls return the same value).
-    A look-up's ``unique`` describes its distinct keys (for the push)."""
-
-    unique = None
-
-    def __init__(self, finish):
-        self._finish, self._done, self._value = finish, False, None
-
-    def result(self):
-        if not self._done:
-            self._value, self._done, self._finish = self._finish(), True, None
-        return self._value
+    return (keys, None) if uniq.size == keys.size and np.array_equal(uniq, keys) \
+        else (uniq, inverse.reshape(-1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,24 +147,26 @@ class DynamicEmbedding:
         failover moved it: coordinator.routes)."""
         if not self.replicated:
             return list(self.shards)
-        return [routes.primary(self, i) for i in range(self.num_shards)]
+        return servers().routes.primaries(self)
 
-    def _calls(self, parts, blocking, non_blocking, targets=None) -> list:
-        """One call per (shard, positions) to the copy that is primary now
-        (or to each of ``targets(i)``: a sync update's), resent where it is
-        after a failover (coordinator.calls). One result per call."""
-        def plan():
+    def _ops(self, parts, send, sync: bool = False) -> Callable[[], list[Op]]:
+        """A plan for settle: one call per (shard, positions) to the copy
+        that is primary now (with ``sync``, to both copies), resent where it
+        is after a failover, with the same update key (coordinator/ps_pool.py)."""
+        def plan() -> list[Op]:
+            routes = servers().routes
             ops = []
             for i, pos in parts:
-                for target in (targets(i) if targets else (routes.primary(self, i),)):
-                    ops.append(calls._Op(target.address,
-                                         lambda c, t=target.table, i=i, p=pos:
-                                             blocking(c, t, i, p),
-                                         lambda c, t=target.table, i=i, p=pos:
-                                             non_blocking(c, t, i, p),
-                                         pairs=[(self, i)]))
-            return calls._settle(ops)
-        return calls._routed(plan)
+                if not self.replicated:
+                    ops.append(Op(self.addresses[i], lambda c, i=i, p=pos: send(c, self.name, i, p)))
+                    continue
+                r = routes.route(self, i)
+                seen, pairs = ((routes_key(self.shards[i]), r),), ((self, i),)
+                for t in routes.targets_of(self, i, r, sync):
+                    ops.append(Op(t.address, lambda c, t=t.table, i=i, p=pos: send(c, t, i, p),
+                                  seen, pairs))
+            return ops
+        return plan
 
     def _split(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(server index, positions of its keys) for each server with keys."""
@@ -206,34 +200,19 @@ class DynamicEmbedding:
             counts = None
         rows_u = np.empty((uniq.size, self.dim), np.dtype(self.dtype))
         parts = self._split(uniq)
+        _last_lookup.of = (self, flat.copy(), uniq, inverse)   # (the push sorts nothing again)
 
         def n(p):
             return None if counts is None else counts[p]
-        if not self.replicated:   # one call per server, all at once
-            handles = [client_for(self.addresses[i]).lookup_async(
-                self.name, uniq[pos], admit=admit, counts=n(pos), sync_step=step)
-                for i, pos in parts]
+        sent = servers().start(self._ops(parts, lambda c, t, i, p: c.lookup_async(
+            t, uniq[p], admit=admit, counts=n(p), sync_step=step)))
 
-            def replies():
-                return [h.result() for h in handles]
-        else:
-            def replies():
-                return self._calls(
-                    parts, lambda c, t, i, p: c.lookup(t, uniq[p], admit=admit, counts=n(p),
-                                                       sync_step=step),
-                    lambda c, t, i, p: c.lookup_async(t, uniq[p], admit=admit, counts=n(p),
-                                                      sync_step=step))
-
-        def rows():
-            for (_, pos), r in zip(parts, replies()):
+        def rows(replies):
+            for (_, pos), r in zip(parts, replies):
                 rows_u[pos] = r
-            out = rows_u if inverse is None else rows_u[inverse.reshape(-1)]
+            out = rows_u if inverse is None else rows_u[inverse]
             return out.reshape(keys.shape + (self.dim,))
-        pending = Pending(rows)
-        # (the step's push_gradient_async(..., unique=pending.unique) sorts nothing again)
-        pending.unique = (uniq, flat if inverse is None else None,
-                          None if inverse is None else inverse.reshape(-1))
-        return pending
+        return sent.then(rows)
 
     def push_gradient(self, keys, grads) -> tuple[int, int]:
         """Apply row gradients ``grads[i]`` of ``keys[i]`` (duplicates summed
@@ -245,55 +224,45 @@ class DynamicEmbedding:
 
     def push_gradient_async(self, keys, grads, *, unique=None) -> "Pending":
         """push_gradient, sent now; ``result()`` waits for the servers (a step
-        pushes its dense gradients meanwhile). With replication the calls
-        run in result(). ``unique``: the ``unique`` of this step's
-        lookup_async of the same keys (checked), to skip sorting them again."""
+        pushes its dense gradients meanwhile), resending a call that met a
+        lost or failed-over server. Keys this thread last looked up in this
+        table are not sorted again (``unique``: ignored, from older callers)."""
         keys = check_keys(keys).reshape(-1)
         grads = np.asarray(grads)
         if grads.shape != (keys.size, self.dim):
             raise ValueError(f"gradient for table {self.name!r} has shape {grads.shape}, "
                              f"expected {(keys.size, self.dim)}")
-        uniq, inverse = _unique_of(keys, unique)
-        if uniq.size < keys.size:
+        uniq, inverse = _unique_of(self, keys)
+        if inverse is not None:
             keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
         parts = self._split(keys)
         sync = rows_sync()
         if sync is not None:   # every shard counts this replica (an empty update too)
             have = dict(parts)
             parts = [(i, have.get(i, np.zeros(0, np.int64))) for i in range(self.num_shards)]
-        # An update key per shard: a resend after a failover applies once, and a
-        # re-run of an exactly-once batch (coordinator/sharded.py) sends the same.
-        # Sync updates are known by step and replica instead (and go to both copies).
+        # An update key per shard: a resend after a failover or a lost
+        # connection applies once, and a re-run of an exactly-once batch
+        # (coordinator/sharded.py) sends the same. Sync updates are known by
+        # step and replica instead (and go to both copies).
         uids = {i: calls.new_update_id(f"{TABLE_PREFIX}{self.name}#{i}") if sync is None else 0
                 for i, _ in parts}
-        if not self.replicated:
-            handles = [client_for(self.addresses[i]).update_table_async(
-                self.name, keys[pos], grads[pos], update_id=uids[i], sync=sync)
-                for i, pos in parts]
-
-            def replies():
-                return [h.result() for h in handles]
-        else:
-            def replies():
-                return self._calls(
-                    parts,
-                    lambda c, t, i, p: c.update_table(t, keys[p], grads[p], update_id=uids[i],
-                                                      sync=sync),
-                    lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
-                                                            update_id=uids[i], sync=sync),
-                    targets=None if sync is None else lambda i: routes.sync_targets(self, i))
-
-        def counts():
-            done = replies()
-            return sum(u for u, _ in done), sum(d for _, d in done)
-        return Pending(counts)
+        sent = servers().start(self._ops(
+            parts, lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
+                                                           update_id=uids[i], sync=sync),
+            sync is not None))
+        return sent.then(_summed_counts)
 
     def stats(self) -> TableStats:
         """Counters summed over the shards (rows, admissions, evictions, hits...),
         of the copies that are primary now."""
-        infos = [client_for(c.address).table_info(c.table) for c in self.primaries()]
+        pool = servers()
+        infos = [pool.client(c.address).table_info(c.table) for c in self.primaries()]
         return TableStats(**{f.name: sum(getattr(i, f.name) for i in infos)
                              for f in dataclasses.fields(TableStats)})
 
     def __len__(self) -> int:
         return self.stats().rows
+
+
+def _summed_counts(replies) -> tuple[int, int]:
+    return sum(u for u, _ in replies), sum(d for _, d in replies)

@@ -36,7 +36,7 @@ import time
 from typing import Sequence
 
 from coordinator import metrics as _metrics
-from coordinator import routes
+from coordinator import ps_pool
 from coordinator.errors import ParameterServerLost, WorkerCallError
 from psserver import replication as R
 from psserver.errors import PSError
@@ -143,14 +143,7 @@ def plan_failback(pairs: Sequence[Copies]) -> list[tuple[Change, Change]]:
 def read_copies(strategy, address: str | None = None) -> list[Copies]:
     """What both servers say of each replicated shard (that has a copy on
     ``address``, if given)."""
-    from coordinator.calls import client_for
-
-    def ask(shard):
-        try:
-            return client_for(shard.address, fail_fast=True).get_meta(
-                shard.name, timeout=routes.ASK_SECONDS)
-        except PSError:
-            return None
+    ask = ps_pool.servers().meta_or_none
     out = []
     for v in strategy.variables + strategy.tables:   # dynamic tables' shards too
         for k, (c, o) in enumerate(zip(v.shards, v.backups)):
@@ -161,8 +154,7 @@ def read_copies(strategy, address: str | None = None) -> list[Copies]:
 
 def apply_changes(changes: Sequence[Change]) -> None:
     """Send changes, one Reconfigure per server (in the order given within it)."""
-    from coordinator.calls import client_for
-
+    client_for = ps_pool.client_for
     by_addr: dict[str, list[Change]] = {}
     for c in changes:
         by_addr.setdefault(c.address, []).append(c)
@@ -177,7 +169,7 @@ def _sync_routes(strategy) -> None:
     """This process's routes after changes it made (workers learn them by asking)."""
     pairs = [(v, k) for v in strategy.variables + strategy.tables
              for k in range(len(v.backups))]
-    routes.refresh(pairs)
+    ps_pool.servers().refresh(pairs)
 
 
 # -- the watcher and the recovery ------------------------------------------------------------
@@ -446,23 +438,13 @@ class _PSWatch:
     def __init__(self, coord, interval: float):
         self.coord, self.interval = coord, interval
         self._stop = threading.Event()
-        self._clients: dict = {}
-        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="PSWatch")
         self._thread.start()
 
     def probe(self, address: str):
-        """The server's ServerInfo over a short-deadline connection of its own
-        (not the shared one). Raises PSError."""
-        from psserver.client import PSClient
-
-        with self._lock:
-            c = self._clients.get(address)
-            if c is None:
-                strategy = self.coord.strategy
-                c = self._clients[address] = PSClient(address, token=strategy.token,
-                                                      tls=strategy.tls, timeout=2.0)
-        return c.server_info()
+        """The server's ServerInfo, asked with a short deadline over the
+        process's connection (coordinator/ps_pool.py). Raises PSError."""
+        return ps_pool.servers().probe(address)
 
     def _loop(self) -> None:
         strategy = self.coord.strategy
@@ -482,6 +464,3 @@ class _PSWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        with self._lock:
-            for c in self._clients.values():
-                c.close()

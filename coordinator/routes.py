@@ -1,35 +1,34 @@
-"""Which copy of a replicated shard takes this process's calls.
+"""Which copy of a replicated shard takes a process's calls: ``Routes``.
 
 With ``replication=True`` each shard has two copies: ``v.shards[k]`` (its
 primary when created) and ``v.backups[k]``. The coordinator moves the
 primary role between them (a failover promotes the backup, a fail-back
 hands the role back; see coordinator.recovery), fenced by epochs on the
-servers (psserver.replication). A ``ShardedVariable`` is a picklable
-description that workers keep, so it does not change; instead every
-process keeps this small table of shards whose primary is the backup copy
-now, and of shards whose other copy is gone, and learns it by asking:
+servers (psserver.replication). A ShardedVariable (or DynamicEmbedding) is a
+picklable description that workers keep, so it does not change; instead
+every process keeps this table (in its ParameterServers,
+coordinator/ps_pool.py) of shards whose primary is the backup copy now, and
+of shards whose other copy is gone, and learns it by asking:
 
 * a call that a copy refuses (NotPrimary), or that cannot reach its server,
-  makes the caller read both copies' role and epoch (``refresh``) and,
-  if the primary moved, send the call again where it is now (the update keys
+  makes the caller read both copies' role and epoch (``refresh``) and, if
+  the primary moved, send the call again where it is now (the update keys
   stay the same, so nothing is applied twice);
 * ``decide`` is the rule, a pure function of the two copies' metadata.
 
-Sync-mode pushes go to both copies (a backup gathers a step's gradients too,
-so a promoted backup can finish that step), except where the primary says it
-has no backup.
+``route(v, k)`` is the one place a call asks which copy leads: a step asks
+it once per shard (``primary``/``targets`` take the route it gave).
+Sync-mode pushes go to both copies (a backup gathers a step's gradients
+too, so a promoted backup can finish that step), except where the primary
+says it has no backup.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
-from psserver.errors import PSError
-from psserver.replication import ROLE_PRIMARY
-
-#: Seconds to wait for each copy's metadata when deciding where calls go.
-ASK_SECONDS = 2.0
+from psserver.contract import ROLE_PRIMARY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,51 +39,14 @@ class Route:
     alone: bool = False
 
 
-# by the created copy's (address, name): a variable's shard names are unique,
-# a dynamic table's shards share one name on different servers
-_routes: dict[tuple[str, str], Route] = {}
-_lock = threading.Lock()
+DEFAULT = Route()
 
 
-def route(v, k: int) -> Route:
-    return _routes.get(_key(v.shards[k]), _DEFAULT) if v.backups else _DEFAULT
-
-
-def _key(shard) -> tuple[str, str]:
+def key(shard) -> tuple[str, str]:
+    """A shard's key in the table: the created copy's (address, name) (a
+    variable's shard names are unique; a dynamic table's shards share one
+    name on different servers)."""
     return shard.address, shard.name
-
-
-_DEFAULT = Route()
-
-
-def primary(v, k: int):
-    """The Shard (copy) that takes shard k's calls now."""
-    return v.backups[k] if v.backups and route(v, k).flipped else v.shards[k]
-
-
-def primaries(v) -> list:
-    """primary(v, k) for every shard k."""
-    if not v.backups:
-        return list(v.shards)
-    return [primary(v, k) for k in range(v.num_shards)]
-
-
-def sync_targets(v, k: int) -> tuple:
-    """The copies a sync-mode push of shard k goes to: both, unless one is gone."""
-    if not v.backups:
-        return (v.shards[k],)
-    r = route(v, k)
-    first, other = (v.backups[k], v.shards[k]) if r.flipped else (v.shards[k], v.backups[k])
-    return (first,) if r.alone else (first, other)
-
-
-def set_route(shard, r: Route) -> None:
-    """Record where the calls of the shard created as ``shard`` go."""
-    with _lock:
-        if r == _DEFAULT:
-            _routes.pop(_key(shard), None)
-        else:
-            _routes[_key(shard)] = r
 
 
 def decide(created, other) -> Route | None:
@@ -100,34 +62,76 @@ def decide(created, other) -> Route | None:
     return Route(flipped=flipped, alone=meta.backup is None)
 
 
-def refresh(pairs: Sequence[tuple]) -> bool:
-    """Ask both copies of each (variable, k) who is primary; update the
-    table. Returns whether any shard's route changed (its primary moved, or
-    its backup left or came back)."""
-    from coordinator.calls import client_for
+class Routes:
+    """The table (see the module); thread-safe."""
 
-    def ask(shard):
-        try:
-            return client_for(shard.address, fail_fast=True).get_meta(shard.name,
-                                                                      timeout=ASK_SECONDS)
-        except PSError:
-            return None
-    moved = False
-    seen = set()
-    for v, k in pairs:
-        if not v.backups or _key(v.shards[k]) in seen:
-            continue
-        seen.add(_key(v.shards[k]))
-        new = decide(ask(v.shards[k]), ask(v.backups[k]))
-        if new is None:
-            continue
-        if new != route(v, k):
-            moved = True
-            set_route(v.shards[k], new)
-    return moved
+    def __init__(self):
+        self._table: dict[tuple[str, str], Route] = {}
+        self._lock = threading.Lock()
 
+    def get(self, shard_key: tuple[str, str]) -> Route:
+        return self._table.get(shard_key, DEFAULT)
 
-def reset() -> None:
-    """Forget every route (tests; a new cluster)."""
-    with _lock:
-        _routes.clear()
+    def route(self, v, k: int) -> Route:
+        """Shard k of v's route now (DEFAULT for an unreplicated shard)."""
+        return self._table.get(key(v.shards[k]), DEFAULT) if v.backups else DEFAULT
+
+    @staticmethod
+    def primary_of(v, k: int, r: Route):
+        """The copy that takes shard k's calls under route r."""
+        return v.backups[k] if r.flipped and v.backups else v.shards[k]
+
+    @staticmethod
+    def targets_of(v, k: int, r: Route, sync: bool) -> tuple:
+        """The copies an update of shard k goes to under route r: its
+        primary; in sync mode both copies, unless one is gone."""
+        if not v.backups:
+            return (v.shards[k],)
+        first, other = (v.backups[k], v.shards[k]) if r.flipped else (v.shards[k], v.backups[k])
+        return (first,) if r.alone or not sync else (first, other)
+
+    def primary(self, v, k: int):
+        """The Shard (copy) that takes shard k's calls now."""
+        return self.primary_of(v, k, self.route(v, k))
+
+    def primaries(self, v) -> list:
+        """primary(v, k) for every shard k."""
+        if not v.backups:
+            return list(v.shards)
+        return [self.primary(v, k) for k in range(v.num_shards)]
+
+    def sync_targets(self, v, k: int) -> tuple:
+        """The copies a sync-mode push of shard k goes to: both, unless one is gone."""
+        return self.targets_of(v, k, self.route(v, k), True)
+
+    def set(self, shard, r: Route) -> None:
+        """Record where the calls of the shard created as ``shard`` go."""
+        with self._lock:
+            if r == DEFAULT:
+                self._table.pop(key(shard), None)
+            else:
+                self._table[key(shard)] = r
+
+    def refresh(self, pairs: Sequence[tuple], ask: Callable) -> bool:
+        """Ask both copies of each (variable or table, k) who is primary
+        (``ask(shard) -> VariableMeta or None``); update the table. Returns
+        whether any shard's route changed (its primary moved, or its backup
+        left or came back)."""
+        moved = False
+        seen = set()
+        for v, k in pairs:
+            if not v.backups or key(v.shards[k]) in seen:
+                continue
+            seen.add(key(v.shards[k]))
+            new = decide(ask(v.shards[k]), ask(v.backups[k]))
+            if new is None:
+                continue
+            if new != self.route(v, k):
+                moved = True
+                self.set(v.shards[k], new)
+        return moved
+
+    def reset(self) -> None:
+        """Forget every route (tests; a new cluster)."""
+        with self._lock:
+            self._table.clear()

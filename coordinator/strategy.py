@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinator import routes
+from coordinator import ps_pool
 from coordinator import variables as V
 from coordinator.calls import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
@@ -209,7 +209,7 @@ class ParameterServerStrategy:
         self.variable_partitioner = variable_partitioner
         self.token = token or spec.token or os.environ.get(TOKEN_ENV) or None
         self.tls = tls or getattr(spec, "tls", None) or TLSConfig.from_env()
-        V.configure(self.token, self.tls)
+        ps_pool.configure(self.token, self.tls)
         self.connect_timeout = float(CONNECT_SECONDS if connect_timeout is None
                                      else connect_timeout)
         if not self.connect_timeout > 0:
@@ -298,7 +298,7 @@ class ParameterServerStrategy:
         shards are failed over to copies that were told)."""
         for addr in self._ps:
             try:
-                V.client_for(addr).abandon_step(step, replica)
+                ps_pool.client_for(addr).abandon_step(step, replica)
             except (Unavailable, DeadlineExceeded):
                 if not self.replication:
                     raise
@@ -393,7 +393,7 @@ class ParameterServerStrategy:
                     self._note_server(baddr)
                 shard = V.Shard(addr, sname, lo, hi - lo)
                 try:
-                    V.client_for(addr).create_variable(
+                    ps_pool.client_for(addr).create_variable(
                         **create, exist_ok=self.reuse_existing,
                         backup=None if backup is None else Peer(backup.address, backup.name))
                 except AlreadyExists:
@@ -409,13 +409,13 @@ class ParameterServerStrategy:
         except BaseException:
             for s in shards + backups:   # all-or-nothing
                 try:
-                    V.client_for(s.address).delete_variable(s.name)
+                    ps_pool.client_for(s.address).delete_variable(s.name)
                 except PSError:
                     pass
             raise
         var = V.ShardedVariable(name, shape, dtype, tuple(shards), optimizer, tuple(backups))
         if backups and self.reuse_existing:   # adopted: a failover may have moved primaries
-            routes.refresh([(var, k) for k in range(len(backups))])
+            ps_pool.servers().refresh([(var, k) for k in range(len(backups))])
         self._variables[name] = var
         return var
 
@@ -473,23 +473,23 @@ class ParameterServerStrategy:
         try:   # all or nothing: shards this call made go again if one fails
             for i, (addr, kw) in enumerate(creations):
                 try:
-                    V.client_for(addr).create_table(name, dim, **kw)
+                    ps_pool.client_for(addr).create_table(name, dim, **kw)
                     made.append(i)
                 except AlreadyExists:   # adopted (same spec), or an error saying it differs
-                    V.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
+                    ps_pool.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
                 self._note_server(addr)   # watched: a restart or a loss is noticed
             if self.replication:   # each primary copies itself to its backup on the next server
                 for c, b in zip(table.shards, table.backups):
-                    meta = V.client_for(c.address).get_meta(c.name)
+                    meta = ps_pool.client_for(c.address).get_meta(c.name)
                     if meta.role == ROLE_PRIMARY and meta.epoch == 0 and meta.backup is None:
-                        V.client_for(c.address).reconfigure(
+                        ps_pool.client_for(c.address).reconfigure(
                             [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
-                routes.refresh([(table, k) for k in range(n)])   # adopted: may have failed over
+                ps_pool.servers().refresh([(table, k) for k in range(n)])   # adopted: may have failed over
         except BaseException:   # each made shard, and its backup if one was copied yet
             for i in made:
                 for copy in (table.shards[i], *table.backups[i:i + 1]):
                     try:
-                        V.client_for(copy.address).delete_table(copy.table)
+                        ps_pool.client_for(copy.address).delete_table(copy.table)
                     except PSError:
                         pass
             raise
@@ -508,7 +508,7 @@ class ParameterServerStrategy:
         def silent(i_addr: tuple[int, str]) -> str | None:
             i, addr = i_addr
             try:
-                V.client_for(addr).server_info(timeout=self.connect_timeout)
+                ps_pool.client_for(addr).server_info(timeout=self.connect_timeout)
             except (DeadlineExceeded, Unavailable):   # the client waits for a server that is down
                 return not_answering(f"ps {i}", addr, self.connect_timeout, self.tls)
             return None
@@ -523,7 +523,7 @@ class ParameterServerStrategy:
 
     def _note_server(self, addr: str) -> None:
         if addr not in self.server_ids:
-            self.server_ids[addr] = V.client_for(addr).server_info().server_id
+            self.server_ids[addr] = ps_pool.client_for(addr).server_info().server_id
 
     def shards_on(self, addr: str) -> list[tuple[V.ShardedVariable, V.Shard]]:
         """(variable, shard) for every shard and backup shard on addr."""
@@ -534,7 +534,7 @@ class ParameterServerStrategy:
         """Create again, as first created, the shards that lived on ``addr``
         (their training is lost: used when no checkpoint holds them)."""
         for _, s in self.shards_on(addr):
-            V.client_for(addr).create_variable(**self._creation[s.name], exist_ok=True)
+            ps_pool.client_for(addr).create_variable(**self._creation[s.name], exist_ok=True)
 
     def tables_on(self, addr: str) -> list[str]:
         """The dynamic tables with a shard on ``addr``."""
@@ -548,9 +548,9 @@ class ParameterServerStrategy:
             dim, creations = self._table_creation[name]
             for a, kw in creations:
                 if a == addr:
-                    V.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
+                    ps_pool.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
         for s in var.shards + var.backups:
-            V.client_for(s.address).delete_variable(s.name)
+            ps_pool.client_for(s.address).delete_variable(s.name)
         self._variables.pop(var.name, None)

@@ -43,18 +43,19 @@ step, which a table (no dense gradients) never is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import defaultdict
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from coordinator import routes
-from coordinator.calls import (_Op, _dense_op, _routed, _settle, _sparse_op,
-                               client_for, close_clients, configure,  # noqa: F401  (re-exported)
-                               new_update_id)
+from coordinator.calls import new_update_id
+from coordinator.ps_pool import Op, servers
+from coordinator.routes import key as routes_key
 from coordinator.replica import current_sync, rows_sync
 from psserver.contract import InvalidArgument
+from psserver.link.transport import background
 from psserver.optimizers import sum_duplicates, take_rows
 
 
@@ -103,7 +104,8 @@ class ShardedVariable:
 
     def meta(self) -> list:
         """Each shard's VariableMeta (version, sync_steps, dropped_gradients...)."""
-        return [client_for(s.address).get_meta(s.name) for s in routes.primaries(self)]
+        pool = servers()
+        return [pool.client(s.address).get_meta(s.name) for s in pool.routes.primaries(self)]
 
     def versions(self) -> list[int]:
         """Each shard's version (the number of updates it has applied)."""
@@ -118,9 +120,17 @@ class ShardedVariable:
         (each primary forwards it to its backup)."""
         value = self._check_dense(value, "assigned value")
         parts = self._split(value)
-        _routed(lambda: _settle([
-            _Op(t.address, lambda c, t=t, p=p: c.assign_many([(t.name, p)]), None, [(self, k)])
-            for k, (t, p) in enumerate(zip(routes.primaries(self), parts))]))
+        pool = servers()
+
+        def plan():
+            ops = []
+            for k, p in enumerate(parts):
+                r = pool.routes.route(self, k)
+                t = pool.routes.primary_of(self, k, r)
+                ops.append(Op(t.address, lambda c, t=t, p=p: background(c.assign_many, [(t.name, p)]),
+                              *self._seen(k, r)))
+            return ops
+        pool.settle(plan)
 
     def _check_dense(self, arr, what: str) -> np.ndarray:
         arr = np.asarray(arr, dtype=self.dtype)
@@ -156,20 +166,26 @@ class ShardedVariable:
         out = np.empty((uniq.size,) + self.shape[1:], np.dtype(self.dtype))
         sync = current_sync()
         step = sync.step if sync is not None else None
+        pool = servers()
 
         def plan():
-            prim = routes.primaries(self)
-            starts = [_Op(prim[k].address,
-                          lambda c, s=prim[k], ids=local: c.gather(s.name, ids, with_version=True,
-                                                                   sync_step=step),
-                          lambda c, s=prim[k], ids=local: c.gather_async(s.name, ids,
-                                                                         sync_step=step),
-                          [(self, k)])
-                      for k, _, local in runs]
-            for (_, run, _), (rows, _) in zip(runs, _settle(starts)):
-                out[run] = rows
-        _routed(plan)
+            ops = []
+            for k, _, local in runs:
+                r = pool.routes.route(self, k)
+                s = pool.routes.primary_of(self, k, r)
+                ops.append(Op(s.address, lambda c, s=s, ids=local: c.gather_async(
+                    s.name, ids, sync_step=step), *self._seen(k, r)))
+            return ops
+        for (_, run, _), (rows, _) in zip(runs, pool.settle(plan)):
+            out[run] = rows
         return take_rows(out, inverse).reshape(ids.shape + self.shape[1:])
+
+    def _seen(self, k: int, r) -> tuple[tuple, tuple]:
+        """An Op's (routes, pairs) for shard k planned on route r: what
+        makes settle plan it again when r changes (replicated shards only)."""
+        if not self.backups:
+            return (), ()
+        return ((routes_key(self.shards[k]), r),), ((self, k),)
 
     def lookup(self, ids) -> "Lookup":
         """A request for ``gather(ids)``'s rows, to pass to read_variables with
@@ -185,7 +201,7 @@ class ShardedVariable:
         _check_hybrid_kinds([(self, "row-wise")])
         sync = rows_sync()
         parts = self._sparse_split(ids, rows, sync)
-        _routed(lambda: _settle(self._sparse_ops(parts, sync)))
+        servers().settle(lambda: self._sparse_ops(parts, sync))
 
     def _sparse_split(self, ids, rows, sync=None) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
         """(shard index, local ids, rows, update_id) per shard with ids (every
@@ -213,18 +229,17 @@ class ShardedVariable:
         logical shard, whichever copy takes it."""
         return f"{self.name}#{k}"
 
-    def _targets(self, k: int, sync) -> tuple["Shard", ...]:
-        """Where an update of shard k goes now: its primary copy; in sync mode
-        both copies (see coordinator.routes)."""
-        return routes.sync_targets(self, k) if sync is not None else (routes.primary(self, k),)
-
-    def _sparse_parts(self, parts, sync) -> list[tuple["Shard", np.ndarray, np.ndarray, int, int]]:
-        """(target copy, local ids, rows, update_id, shard index) of _sparse_split's parts."""
-        return [(t, i, r, uid, k) for k, i, r, uid in parts for t in self._targets(k, sync)]
-
-    def _sparse_ops(self, parts, sync) -> list[Callable]:
-        return [_sparse_op(t, i, r, sync, uid, [(self, k)])
-                for t, i, r, uid, k in self._sparse_parts(parts, sync)]
+    def _sparse_ops(self, parts, sync) -> list[Op]:
+        """One call per target copy of each of _sparse_split's parts (a
+        primary; in sync mode both copies: coordinator.routes)."""
+        routes = servers().routes
+        ops = []
+        for k, i, rows, uid in parts:
+            r = routes.route(self, k)
+            for t in routes.targets_of(self, k, r, sync is not None):
+                ops.append(Op(t.address, lambda c, t=t, i=i, rows=rows, uid=uid: c.push_sparse_async(
+                    t.name, i, rows, sync=sync, update_id=uid), *self._seen(k, r)))
+        return ops
 
 
 def _int64_ids(ids) -> np.ndarray:
@@ -295,13 +310,6 @@ def _check_hybrid_kinds(pairs: Iterable[tuple["ShardedVariable", str]]) -> None:
     _hybrid_kinds.update(seen)
 
 
-def _by_server(shards: Iterable[tuple[object, Shard]]) -> dict[str, list]:
-    groups: dict[str, list] = defaultdict(list)
-    for key, s in shards:
-        groups[s.address].append((key, s))
-    return groups
-
-
 @dataclasses.dataclass(frozen=True)
 class Lookup:
     """Rows of ``variable`` by id, to read with other variables in one call per
@@ -348,7 +356,7 @@ def read_variables(variables: Sequence["ShardedVariable | Lookup"], *,
     if value_dtype and any(isinstance(v, Lookup) for v in variables):
         raise ValueError("read compression applies to dense variables; read the lookups "
                          "in a read_variables call without compression")
-    return _routed(lambda: _read_variables(variables, with_versions, value_dtype))
+    return _read_variables(variables, with_versions, value_dtype)
 
 
 def read_value_dtype(compression) -> str:
@@ -361,76 +369,82 @@ def read_value_dtype(compression) -> str:
     raise ValueError(f'read compression must be None or "fp16", got {compression!r}')
 
 
+def _prepare_lookup(v: Lookup):
+    """A Lookup's distinct ids (each asked for once), their positions, and
+    the array their rows land in (each server's run received straight into
+    it): (shape of ids, inverse, runs, rows)."""
+    ids = np.asarray(v.ids)
+    uniq, inverse = distinct(ids, v.variable)
+    rows = np.empty((uniq.size,) + v.variable.shape[1:], np.dtype(v.variable.dtype))
+    return ids.shape, inverse, v.variable._runs(uniq), rows
+
+
 def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
     sync = current_sync()
     step = sync.step if sync is not None else None
-    # The copy each shard is read from now (the primary; coordinator.routes).
-    prim = [routes.primaries(v.variable if isinstance(v, Lookup) else v) for v in variables]
+    pool = servers()
+    routes = pool.routes
+    targets = [v.variable if isinstance(v, Lookup) else v for v in variables]
+    lookups = {i: _prepare_lookup(v) for i, v in enumerate(variables) if isinstance(v, Lookup)}
+    # Without lookups each value lands in its final array (a slice of it per
+    # shard): on this host that is the only copy, made straight from shared memory.
+    full = None if lookups else [np.empty(v.shape, np.dtype(v.dtype)) for v in variables]
+    planned = {}
 
-    def pairs_of(items):
-        return [(variables[i].variable if isinstance(variables[i], Lookup) else variables[i], k)
-                for i, k in items]
-    rows_out: dict[int, np.ndarray] = {}   # a Lookup's distinct ids' rows, by item
-    if not any(isinstance(v, Lookup) for v in variables):
-        # Each value lands in its final array (a slice of it per shard): on this
-        # host that is the only copy, made straight from shared memory.
-        full = [np.empty(v.shape, np.dtype(v.dtype)) for v in variables]
-        groups = _by_server(((i, s) for i, v in enumerate(variables) for s in prim[i]))
-        starts = [_Op(addr, lambda c, names=[s.name for _, s in items],
-                      out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
-                      c.read_many(names, sync_step=step, out=out, value_dtype=value_dtype),
-                      lambda c, names=[s.name for _, s in items],
-                      out=[_shard_view(full[i], s, variables[i]) for i, s in items]:
-                      c.read_many_async(names, sync_step=step, out=out,
-                                        value_dtype=value_dtype),
-                      pairs_of((i, prim[i].index(s)) for i, s in items))
-                  for addr, items in groups.items()]
-        results = [(snaps, []) for snaps in _settle(starts)]
-        gather_groups: dict[str, list] = {addr: [] for addr in groups}
-    else:
-        groups, gather_groups, shaped = defaultdict(list), defaultdict(list), {}
-        for i, v in enumerate(variables):
-            if not isinstance(v, Lookup):
-                for s in prim[i]:
-                    groups[s.address].append((i, s))
+    def plan() -> list[Op]:
+        """One call per server on the current routes (a route asked once per shard)."""
+        prim, by_addr = [], {}
+        for i, v in enumerate(targets):
+            if not v.backups:
+                prim.append(v.shards)
                 continue
-            ids = np.asarray(v.ids)
-            uniq, inverse = distinct(ids, v.variable)   # each distinct id asked for once
-            shaped[i] = (ids.shape, inverse)
-            # the distinct ids' rows, each server's run received straight into it
-            rows_out[i] = np.empty((uniq.size,) + v.variable.shape[1:],
-                                   np.dtype(v.variable.dtype))
-            for k, run, local in v.variable._runs(uniq):
-                gather_groups[prim[i][k].address].append((i, run, prim[i][k], local))
-        addrs = list(dict.fromkeys([*groups, *gather_groups]))
-        starts = [_Op(addr,
-                      lambda c, n=[s.name for _, s in groups[addr]],
-                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]],
-                      o=[rows_out[i][run] for i, run, _, _ in gather_groups[addr]]:
-                      c.read_and_gather(n, g, sync_step=step, rows_out=o),
-                      lambda c, n=[s.name for _, s in groups[addr]],
-                      g=[(s.name, ids) for _, _, s, ids in gather_groups[addr]],
-                      o=[rows_out[i][run] for i, run, _, _ in gather_groups[addr]]:
-                      c.read_and_gather_async(n, g, sync_step=step, rows_out=o),
-                      pairs_of([(i, prim[i].index(s)) for i, s in groups[addr]]
-                               + [(i, prim[i].index(s)) for i, _, s, _ in gather_groups[addr]]))
-                  for addr in addrs]
-        results = _settle(starts)
-        full = None
-        groups = {addr: groups[addr] for addr in addrs}
-        gather_groups = {addr: gather_groups[addr] for addr in addrs}
+            rs = [routes.route(v, k) for k in range(v.num_shards)]
+            prim.append([routes.primary_of(v, k, r) for k, r in enumerate(rs)])
+            for k, r in enumerate(rs):   # every shard a call of this read reaches
+                entry = by_addr.setdefault(prim[i][k].address, [[], [], [], []])
+                entry[2].append((routes_key(v.shards[k]), r))
+                entry[3].append((v, k))
+        for i, v in enumerate(targets):
+            if i in lookups:
+                for k, run, local in lookups[i][2]:
+                    s = prim[i][k]
+                    by_addr.setdefault(s.address, [[], [], [], []])[1].append((i, run, s, local))
+            else:
+                for s in prim[i]:
+                    by_addr.setdefault(s.address, [[], [], [], []])[0].append((i, s))
+        ops = []
+        for addr, (dense, gathers, seen, pairs) in by_addr.items():
+            if not (dense or gathers):
+                continue
+            names = [s.name for _, s in dense]
+            if lookups:
+                g = [(s.name, ids) for _, _, s, ids in gathers]
+                o = [lookups[i][3][run] for i, run, _, _ in gathers]
+                send = (lambda c, n=names, g=g, o=o: c.read_and_gather_async(
+                    n, g, sync_step=step, rows_out=o))
+            else:
+                out = [_shard_view(full[i], s, variables[i]) for i, s in dense]
+                send = (lambda c, n=names, o=out: c.read_many_async(
+                    n, sync_step=step, out=o, value_dtype=value_dtype))
+            ops.append(Op(addr, send, tuple(seen), tuple(pairs)))
+        planned["plan"] = (prim, [by_addr[op.address] for op in ops])
+        return ops
+    results = pool.settle(plan)
+    prim, entries = planned["plan"]
     parts: dict[tuple[int, str], np.ndarray] = {}
     versions: dict[int, dict[str, int]] = defaultdict(dict)
-    for addr, (snaps, gathered) in zip(groups, results):
-        for (i, s), snap in zip(groups[addr], snaps):
+    for (dense, gathers, _, _), result in zip(entries, results):
+        snaps, gathered = result if lookups else (result, ())
+        for (i, s), snap in zip(dense, snaps):
             parts[(i, s.name)], versions[i][s.name] = snap.value, snap.version
-        for (i, pos, s, _), (rows, version) in zip(gather_groups[addr], gathered):
-            if not np.may_share_memory(rows, rows_out[i]):   # (else received in place)
-                want = rows_out[i][pos]
+        for (i, pos, s, _), (rows, version) in zip(gathers, gathered):
+            rows_out = lookups[i][3]
+            if not np.may_share_memory(rows, rows_out):   # (else received in place)
+                want = rows_out[pos]
                 if (rows.dtype, rows.shape) != (want.dtype, want.shape):
                     raise InvalidArgument(
-                        f"parameter server {addr} sent rows of {s.name!r} as {rows.dtype.name} "
-                        f"{rows.shape}, not {want.dtype.name} {want.shape}")
+                        f"parameter server {s.address} sent rows of {s.name!r} as "
+                        f"{rows.dtype.name} {rows.shape}, not {want.dtype.name} {want.shape}")
                 want[...] = rows
             versions[i][s.name] = version
     out = []
@@ -441,9 +455,9 @@ def _read_variables(variables, with_versions: bool, value_dtype: str = ""):
                 if not np.may_share_memory(part, full[i]):
                     _shard_view(full[i], s, v)[...] = part
             out.append(full[i])
-        elif isinstance(v, Lookup):
-            shape, inverse = shaped[i]
-            out.append(take_rows(rows_out[i], inverse).reshape(shape + v.variable.shape[1:]))
+        elif i in lookups:
+            shape, inverse, _, rows_out = lookups[i]
+            out.append(take_rows(rows_out, inverse).reshape(shape + v.variable.shape[1:]))
         elif v.num_shards == 1:
             out.append(parts[(i, prim[i][0].name)].copy())
         else:
@@ -486,50 +500,66 @@ def push_gradients(pairs: Iterable[tuple[ShardedVariable, object]], *,
         _push_compressed(pairs, compression, sync)
         return
     pairs = list(pairs)
-    _check_hybrid_kinds((v, "row-wise" if isinstance(g, IndexedSlices) else "dense")
-                        for v, g in pairs)
+    if sync is not None and sync.hybrid:
+        _check_hybrid_kinds([(v, "row-wise" if isinstance(g, IndexedSlices) else "dense")
+                             for v, g in pairs])
     # Split and keyed once: a push sent again after a route changed keeps its keys.
     dense, sparse = [], []   # (variable, shard index, part, key) / (variable, split parts)
     for v, g in pairs:
         if isinstance(g, IndexedSlices):
             sparse.append((v, v._sparse_split(g.indices, g.values, rows)))
             continue
-        g = v._check_dense(g, "gradient")
-        dense += [(v, k, part, 0 if sync is not None else new_update_id(v._key_label(k)))
-                  for k, part in enumerate(v._split(g))]
-    _routed(lambda: _push_plan(dense, sparse, sync, rows))
+        g = np.asarray(g, dtype=v.dtype)
+        if g.shape != v.shape:
+            raise ValueError(f"gradient for {v.name!r} has shape {g.shape}, expected {v.shape}")
+        if len(v.shards) == 1:
+            dense.append((v, 0, g, 0 if sync is not None else new_update_id(f"{v.name}#0")))
+            continue
+        for k, s in enumerate(v.shards):
+            dense.append((v, k, g[s.offset:s.offset + s.rows],
+                          0 if sync is not None else new_update_id(f"{v.name}#{k}")))
+    pool = servers()
+    pool.settle(functools.partial(_push_ops, pool.routes, dense, sparse, sync, rows))
 
 
-def _push_plan(dense: list, sparse: list, sync, row_sync) -> None:
+def _push_ops(routes, dense: list, sparse: list, sync, row_sync) -> list[Op]:
     """push_gradients' calls on the current routes: one per server (dense and
     row-wise together), but sync-mode row-wise pushes one per shard (every
     shard must count the replica), and in hybrid mode (``sync`` for the dense
-    ones, ``row_sync`` None) the row-wise ones apart, asynchronous."""
-    items, by_addr, sparse_ops = [], defaultdict(list), []
+    ones, ``row_sync`` None) the row-wise ones apart, asynchronous. A route
+    is asked once per shard (``routes``: the process's, coordinator/routes.py)."""
+    by_addr: dict[str, list] = {}   # address -> [dense, sparse, seen routes, pairs]
     for v, k, part, uid in dense:
-        for target in v._targets(k, sync):
-            items.append((((target.name, part, uid), (v, k)), target))
+        if not v.backups:
+            t = v.shards[k]
+            by_addr.setdefault(t.address, [[], [], [], []])[0].append((t.name, part, uid))
+            continue
+        r = routes.route(v, k)
+        for t in routes.targets_of(v, k, r, sync is not None):
+            entry = by_addr.setdefault(t.address, [[], [], [], []])
+            entry[0].append((t.name, part, uid))
+            entry[2].append((routes_key(v.shards[k]), r))
+            entry[3].append((v, k))
+    ops = []
     for v, parts in sparse:
         if sync is not None:
-            sparse_ops += v._sparse_ops(parts, row_sync)
+            ops += v._sparse_ops(parts, row_sync)
             continue
-        for target, ids, rows, uid, k in v._sparse_parts(parts, sync):
-            by_addr[target.address].append(((target.name, ids, rows, uid), (v, k)))
-    groups = _by_server(items)
-    starts = []
-    for addr in dict.fromkeys([*groups, *by_addr]):
-        dense_here = [upd for (upd, _), _ in groups.get(addr, ())]
-        pairs = [pair for (_, pair), _ in groups.get(addr, ())] + \
-            [pair for _, pair in by_addr.get(addr, ())]
-        if addr in by_addr:
-            sp = [upd for upd, _ in by_addr[addr]]
-            starts.append(_Op(addr,
-                              lambda c, d=dense_here, sp=sp: c.push_dense_and_sparse(d, sp),
-                              lambda c, d=dense_here, sp=sp: c.push_dense_and_sparse_async(d, sp),
-                              pairs))
+        for k, ids, rows, uid in parts:
+            r = routes.route(v, k)
+            t = routes.primary_of(v, k, r)
+            entry = by_addr.setdefault(t.address, [[], [], [], []])
+            entry[1].append((t.name, ids, rows, uid))
+            if v.backups:
+                entry[2].append((routes_key(v.shards[k]), r))
+                entry[3].append((v, k))
+    for addr, (d, sp, seen, pairs) in by_addr.items():
+        if sp:
+            send = (lambda c, d=d, sp=sp: c.push_dense_and_sparse_async(d, sp))
         else:
-            starts.append(_dense_op(addr, dense_here, sync, pairs))
-    _settle(starts + sparse_ops)
+            send = (lambda c, d=d: c.push_many_async(d, sync=sync))
+        ops.append(Op(addr, send, tuple(seen), tuple(pairs)))
+    return ops
 
 
 def _push_compressed(pairs, compression, sync) -> None:
@@ -566,13 +596,6 @@ def _push_compressed(pairs, compression, sync) -> None:
         dense += [(v, k, part, new_update_id(v._key_label(k)))
                   for k, part in enumerate(v._split(g))]
 
-    def plan():
-        items = [(((routes.primary(v, k).name, part, uid), (v, k)), routes.primary(v, k))
-                 for v, k, part, uid in dense]
-        starts = [_dense_op(addr, [upd for (upd, _), _ in its], None,
-                            [pair for (_, pair), _ in its])
-                  for addr, its in _by_server(items).items()]
-        starts += [_sparse_op(routes.primary(v, k), ids, rows, None, uid, [(v, k)])
-                   for v, k, ids, rows, uid in sparse]
-        _settle(starts)
-    _routed(plan)
+    pool = servers()
+    pool.settle(functools.partial(_push_ops, pool.routes, dense, [
+        (v, [(k, ids, rows, uid)]) for v, k, ids, rows, uid in sparse], None, None))

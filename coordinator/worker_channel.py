@@ -1,9 +1,9 @@
 """The worker channel: a thread per worker task (per slot), feeding it closures.
 
 * ``_WorkerThread``  connects to its worker (GetWorkerInfo; a restarted worker
-  is noticed by its id and gets its datasets again), sends closures on the
-  transport (psserver/transport.py) of the route psserver/routing.py plans
-  from what the worker announced (its Unix socket, its data port, or gRPC),
+  is noticed by its id and gets its datasets again), sends closures on its
+  TaskChannel (psserver/link/channel.py: the route psserver/routing.py plans
+  from what the worker announced: its Unix socket, its data port, or gRPC),
   and decides what a failure means: the worker gone (re-queue, or abandon a
   sync replica) or the step failed.
 * ``_Membership``    keeps one _WorkerThread per worker in the cluster spec
@@ -27,13 +27,9 @@ from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallEr
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
 from protos.pstrain.v1 import worker_pb2
-from psserver import ipc, methods, routing
-from psserver.contract import Code
-from psserver.errors import PSError
-from psserver.tls import make_channel
-from psserver.transport import GrpcTransport, SocketTransport
-from psserver.server import grpc_options
-from psserver.contract import DEFAULT_MAX_MESSAGE_BYTES
+from psserver import methods
+from psserver.contract import Code, PSError
+from psserver.link.channel import TaskChannel
 
 if TYPE_CHECKING:
     from coordinator.coordinator import ClusterCoordinator
@@ -98,12 +94,11 @@ class _WorkerThread:
         self._silent_since: float | None = None
         self._said_silent = False
         self._stop = threading.Event()
-        self._channel = make_channel(address, grpc_options(DEFAULT_MAX_MESSAGE_BYTES),
-                                     coord.strategy.tls)
-        metadata = coord._metadata
-        self._grpc = GrpcTransport(self._channel, address, metadata)
-        self._probe = GrpcTransport(self._channel, address, metadata, wait_for_ready=True)
-        self._ipc: SocketTransport | None = None   # the worker's socket, if the route has one
+        # One connection (a slot runs one closure at a time); no deadline of
+        # its own: a closure's is closure_timeout, control calls' their own.
+        self._channel = TaskChannel(address, role="worker", token=coord.strategy.token,
+                                    tls=coord.strategy.tls, timeout=None, max_free=1,
+                                    abortable=True)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")
 
@@ -129,25 +124,21 @@ class _WorkerThread:
         self._stop.set()
 
     def abort(self) -> None:
-        """Stop, cutting the call in flight (its closure is given up)."""
+        """Stop, cutting the call in flight (its closure is given up: gRPC
+        calls end CANCELLED, socket calls UNAVAILABLE)."""
         self._stop.set()
-        self._grpc.close()   # gRPC calls in flight end CANCELLED (Unavailable)
-        sock = self._ipc
-        if sock is not None:
-            sock.abort()
+        self._channel.abort()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
-        self._grpc.close()
-        if self._ipc is not None:
-            self._ipc.close()
+        self._channel.close()
 
     def _connect(self) -> bool:
         """Check the worker is up; after a (re)start, create its datasets."""
         if self._silent_since is None:
             self._silent_since = time.monotonic()
-        try:
-            info = self._probe.call(methods.WORKER_INFO, worker_pb2.WorkerInfoRequest(), 1.0)
+        try:   # (a restarted worker's sockets are planned anew: TaskChannel.ask)
+            info = self._channel.ask(1.0, wait_for_ready=True)
         except PSError as exc:
             self._note_silence(exc)
             return False
@@ -159,10 +150,6 @@ class _WorkerThread:
             if self.worker_id is not None and self.slot == 0:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id = info.worker_id
-            self._use_socket(None, "")   # the old process's sockets are gone
-        if self._ipc is None:
-            self._use_socket(routing.offer_of(info.host),
-                             f"{info.protocol_version}:{info.worker_id}")
         # A worker that (re)joins starts at the slowest live clock, not behind it.
         self.clock = max(self.clock, self.coord._min_clock(exclude=self))
         self.alive = True
@@ -192,62 +179,10 @@ class _WorkerThread:
             why = f"{what} at {self.address} refuses to connect: {exc.code.name}: {exc}"
         log.warning("%s; still waiting for it", why)
 
-    def _use_socket(self, offer: routing.Offer | None, identity: str) -> None:
-        """Send closures over the socket psserver/routing.py picks from what
-        the worker announced (its local socket on this host and network
-        namespace, else its data port; PSTRAIN_DATA=0: not), else over gRPC."""
-        if self._ipc is not None:
-            self._ipc.close()
-            self._ipc = None
-        if offer is None:
-            return
-        strategy = self.coord.strategy
-        p = routing.plan(routing.this_host(), offer, same_host_ok=ipc.available(),
-                         data_ok=ipc.data_available())
-        if p.socket == routing.UNIX:
-            self._ipc = self._open(p.socket, lambda: ipc.IpcClient(
-                offer.ipc_socket, strategy.token, self.address, max_free=1, identity=identity))
-            if self._ipc is not None:
-                return
-            # refused: the data port, if the worker has one (as PSClient does)
-            p = routing.plan(routing.Host(), offer, data_ok=ipc.data_available())
-        if p.socket == routing.TCP:
-            host = self.address.rsplit(":", 1)[0]
-            self._ipc = self._open(p.socket, lambda: ipc.IpcClient(
-                "", strategy.token, self.address, max_free=1, tcp=(host, offer.data_port),
-                ssl_context=strategy.tls.ssl_client_context() if strategy.tls else None,
-                identity=identity))
-
-    def _open(self, kind: str, make) -> SocketTransport | None:
-        client = None
-        try:
-            client = make()
-            client.connect()
-            return SocketTransport(client, kind)
-        except (OSError, ValueError, PSError) as exc:   # a firewall, a NetworkPolicy
-            log.warning("worker %s: cannot use its %s (%s); sending closures over gRPC",
-                        self.address, "local socket" if kind == routing.UNIX else "data port",
-                        exc)
-            if client is not None:
-                client.close()
-            return None
-
     def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
-        """One closure over the worker's socket, or gRPC; a failure raises its
-        typed error (psserver.contract), whichever way it went."""
-        timeout = self.coord.closure_timeout
-        sock = self._ipc
-        if sock is None:
-            return self._grpc.call(methods.RUN_CLOSURE, request, timeout)
-        try:
-            return sock.call(methods.RUN_CLOSURE, request, timeout)
-        except PSError as exc:
-            if getattr(exc, "not_sent", False) or exc.code in _WORKER_FAILURE_CODES:
-                sock.close()
-                self._ipc = None
-            if getattr(exc, "not_sent", False):   # never reached the worker: gRPC is safe
-                return self._grpc.call(methods.RUN_CLOSURE, request, timeout)
-            raise
+        """One closure on the worker's route; a failure raises its typed error
+        (psserver.contract), whichever way it went."""
+        return self._channel.call(methods.RUN_CLOSURE, request, self.coord.closure_timeout)
 
     def _ensure_datasets(self) -> None:
         shared, wid = self._shared, self.worker_id
@@ -259,7 +194,7 @@ class _WorkerThread:
                     n, i = self.coord._worker_count_and_index(self.address)
                     # Fenced by worker_id: a process that is not this one
                     # (restarted since) refuses (ABORTED: reconnect).
-                    self._grpc.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
+                    self._channel.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
                         dataset_id=ds_id, fn=fn_ref, worker_index=i, num_workers=n,
                         worker_id=wid), _CONTROL_TIMEOUT)
                     shared.add(wid, ds_id)

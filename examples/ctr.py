@@ -57,7 +57,7 @@ from coordinator import (CheckpointCallback, CheckpointManager, ClusterCoordinat
                          Initializer, LocalCluster, ParameterServerStrategy,
                          TFConfigClusterResolver, push_gradients, read_variables)
 from coordinator import ctr_data as D
-from coordinator.calls import client_for
+from coordinator.ps_pool import client_for
 from coordinator.fit import fit
 from coordinator.local import run_main
 from coordinator.replica import get_replica_context
@@ -84,8 +84,8 @@ def make_train_step(table, variables: dict, batch_of=None):
         params = dict(zip(names, read_variables([variables[n] for n in names])))
         rows = looking_up.result()                                   # (n, 26, DIM)
         loss, grads, row_grads = M.loss_and_grads(params, b.dense, rows, b.labels)
-        pushing = table.push_gradient_async(b.sparse.reshape(-1), row_grads.reshape(-1, M.DIM),
-                                            unique=looking_up.unique)   # (no second sort)
+        pushing = table.push_gradient_async(b.sparse.reshape(-1),   # (its keys: not sorted
+                                            row_grads.reshape(-1, M.DIM))   # again)
         push_gradients([(variables[n], grads[n]) for n in names])
         pushing.result()
         return loss

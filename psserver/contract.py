@@ -125,6 +125,19 @@ class Unavailable(PSError, ConnectionError):
     code = Code.UNAVAILABLE
 
 
+class NotSent(Unavailable):
+    """The request never reached the task (a refused or lost connection before
+    it went out): nothing ran there, so any call may be made again, another
+    way (psserver/link/channel.py sends it over gRPC)."""
+
+
+class WorkerRestarted(PSError):
+    """A worker call fenced to an earlier run of that worker (its process
+    restarted, and its datasets with it): reconnect and create them again."""
+
+    code = Code.ABORTED
+
+
 class DeadlineExceeded(PSError, TimeoutError):
     """The call did not finish before its deadline."""
 
@@ -145,17 +158,24 @@ _BY_CODE: dict[Code, type[PSError]] = {
 }
 # Codes a transport itself produces that mean the same to a caller.
 _BY_CODE[Code.CANCELLED] = Unavailable
+#: Where a service gives a code a meaning of its own (by service name:
+#: psserver/methods.py's WORKER): a worker's ABORTED is its fence, not a
+#: replica's.
+_BY_SERVICE: dict[str, dict[Code, type[PSError]]] = {
+    "pstrain.v1.Worker": {Code.ABORTED: WorkerRestarted}}
 
 
-def error_for(code: int | Code, message: str, target: str = "") -> PSError:
+def error_for(code: int | Code, message: str, target: str = "", service: str = "") -> PSError:
     """The typed error for a call that ended with ``code`` (a Code or its
-    number), as every transport makes it: one class per code, the message
-    as the server wrote it, ``[target]`` appended."""
+    number), as every transport makes it: one class per code (per
+    ``service`` where it has its own), the message as the server wrote it,
+    ``[target]`` appended."""
     try:
         code = Code(int(code))
     except ValueError:
         code = Code.UNKNOWN
-    cls = _BY_CODE.get(code, PSError)
+    cls = _BY_SERVICE[service].get(code) if service in _BY_SERVICE else None
+    cls = cls or _BY_CODE.get(code, PSError)
     err = cls(f"{message} [{target}]" if target else message)
     err.code = code
     err.address = target

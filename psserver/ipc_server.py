@@ -1,9 +1,28 @@
-"""The server side of psserver/ipc.py: a task's hot calls on its sockets.
+"""The server side of a task's sockets: its hot calls beside gRPC.
 
 ``IpcServer`` serves the calls of psserver/methods.py on an abstract Unix
 socket (same host) or a TCP data port, with the servicer's own handlers and
 a stand-in context; every error becomes its status code here, once. The
-frame format, the limits and the client are in psserver/ipc.py.
+frame format and the limits are psserver/link/frames.py; the client is
+psserver/link/transport.py's SocketTransport.
+
+* Same host: the server listens on an abstract Unix socket (Linux; no file
+  to clean up, gone with the process) named ``@pstrain-ipc-<hex>`` and
+  announces it in ServerInfo / WorkerInfo.host (psserver/routing.py);
+  tensor bytes go through shared memory (psserver/shm.py). The name is no
+  secret (any local user sees it in /proc/net/unix) and abstract sockets
+  have no permissions, so a connection from another user is closed at once
+  (SO_PEERCRED).
+* Other hosts: the data port (``--data-port``, announced in HostInfo) with
+  the task's TLS (a CA given: client certificates required) and the same
+  keepalive as gRPC's.
+* Either way a connection must finish its TLS handshake and say hello with
+  the cluster token (any, when the task has none) within HELLO_SECONDS in
+  all; at most MAX_PENDING connections may be waiting to, and
+  MAX_CONNECTIONS be open. Request frames are at most MAX_FRAME_BYTES; one
+  claiming more than EAGER_BYTES reserves nothing until its first MiB came.
+* The handlers are the gRPC servicer's own, with a stand-in context: same
+  validation, same errors, same metrics (``grpc_type`` "unix" or "tcp").
 """
 from __future__ import annotations
 
@@ -20,11 +39,12 @@ import time
 from typing import Callable
 
 from psserver import buffers, profiling
-from psserver.methods import BY_ID
-from psserver.ipc import (_PEERCRED, _REPLY, _REQUEST, _EAGER_BYTES, HELLO, HELLO_SECONDS,
-                          IDENTITY, MAX_ARRIVING_BYTES, MAX_CONNECTIONS, MAX_FRAME_BYTES,
-                          MAX_PENDING, MAX_PENDING_PER_PEER, REPLY_SECONDS, _address,
-                          _give_back_memory, _recv_exact, _send, _shut, _tune_tcp)
+from psserver.link.frames import (EAGER_BYTES, HELLO_SECONDS, MAX_ARRIVING_BYTES,
+                                  MAX_CONNECTIONS, MAX_FRAME_BYTES, MAX_PENDING,
+                                  MAX_PENDING_PER_PEER, PEERCRED, REPLY, REPLY_SECONDS, REQUEST,
+                                  give_back_memory, recv_exact, send_frame, shut, tune_tcp,
+                                  unix_address)
+from psserver.methods import BY_ID, HELLO, IDENTITY
 from psserver.contract import Code, Internal, InvalidArgument, Unimplemented, as_error
 
 
@@ -89,7 +109,7 @@ class IpcServer:
             self.kind, self.port = "unix", 0
             self.name = "@pstrain-ipc-" + secrets.token_hex(16)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.bind(_address(self.name))
+            self._sock.bind(unix_address(self.name))
         else:
             host, port = tcp
             self.kind, self.name = "tcp", ""
@@ -151,12 +171,12 @@ class IpcServer:
             pid, uid = 0, os.geteuid()
             if self.kind == "unix":
                 try:
-                    pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(
-                        socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                    pid, uid, _ = PEERCRED.unpack(conn.getsockopt(
+                        socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
                 except OSError:
                     pid, uid = 0, -1
             else:
-                _tune_tcp(conn)
+                tune_tcp(conn)
             with self._lock:
                 if self._stopped:
                     conn.close()
@@ -190,15 +210,15 @@ class IpcServer:
                     s.close()
 
     def _hello(self, conn: socket.socket) -> bool:
-        method, n, _ = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
-        token = bytes(_recv_exact(conn, n)) if n <= 4096 else None
+        method, n, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+        token = bytes(recv_exact(conn, n)) if n <= 4096 else None
         # As the gRPC port: a server without a token takes any (or none).
         if method != HELLO or token is None or (
                 self._token and not hmac.compare_digest(token, self._token)):
             msg = b"refused: wrong token"
-            conn.sendall(_REPLY.pack(Code.UNAUTHENTICATED, len(msg)) + msg)
+            conn.sendall(REPLY.pack(Code.UNAUTHENTICATED, len(msg)) + msg)
             return False
-        conn.sendall(_REPLY.pack(0, 0))
+        conn.sendall(REPLY.pack(0, 0))
         return True
 
     def _greet(self, raw: socket.socket) -> tuple[socket.socket, bool]:
@@ -207,7 +227,7 @@ class IpcServer:
         wrapped; whether to serve it)."""
         conn = raw
         current = [raw]   # what the timer cuts off: the wrapped socket once there is one
-        timer = threading.Timer(HELLO_SECONDS, lambda: _shut(current[0]))
+        timer = threading.Timer(HELLO_SECONDS, lambda: shut(current[0]))
         timer.daemon = True
         timer.start()
         try:
@@ -237,7 +257,7 @@ class IpcServer:
         return conn, True
 
     def _hold(self, held: list[int]) -> Callable[[int], None]:
-        """A hold(k) for _recv_exact that counts a connection's arriving bytes
+        """A hold(k) for recv_exact that counts a connection's arriving bytes
         (in held[0]) against MAX_ARRIVING_BYTES; past it the connection goes."""
         def hold(k: int) -> None:
             with self._lock:
@@ -262,12 +282,12 @@ class IpcServer:
             follow_cpu(peer_pid)
             hold = self._hold(held)
             while True:
-                method, n, timeout = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
+                method, n, timeout = REQUEST.unpack(recv_exact(conn, REQUEST.size))
                 if n > MAX_FRAME_BYTES:
                     return   # not a client of ours: drop it
                 largest = max(largest, n)
                 try:
-                    payload = _recv_exact(conn, n, hold)
+                    payload = recv_exact(conn, n, hold)
                 finally:
                     self._release(held)
                 with self._lock:
@@ -279,7 +299,7 @@ class IpcServer:
                         code, body = Code.OK, self._identity
                     else:
                         code, body = profiling.served(self._call, method, payload, timeout)
-                    _send(conn, _REPLY.pack(code, len(body)), body)
+                    send_frame(conn, REPLY.pack(code, len(body)), body)
                 finally:
                     with self._lock:
                         self._running -= 1
@@ -295,8 +315,8 @@ class IpcServer:
                 self._waiting.pop(raw, None)
             conn.close()
             raw.close()
-            if largest > _EAGER_BYTES:   # its pieces are free: give the pages back
-                _give_back_memory()
+            if largest > EAGER_BYTES:   # its pieces are free: give the pages back
+                give_back_memory()
 
     def _call(self, method: int, payload: bytearray, timeout: float) -> tuple[Code, bytes]:
         """Run one call; the status and the reply's bytes (or the error's

@@ -10,10 +10,12 @@ attribute that handles it, and whether it needs shared memory (then only the
 Unix socket serves it).
 
 Adding a call: one ``Method`` here, its handler on the servicer (and the rpc
-in protos/). The transports (psserver/transport.py: any Method over gRPC,
-those with an id over a socket), the socket servers (``socket_handlers``),
-the route planner (``shm``) and the metrics take what they need from here.
-(Streams, ReadStream and Upload, are not unary calls: psserver/channel.py.)
+in protos/). The transports (psserver/link/transport.py: any Method over
+gRPC, those with an id over a socket), the task channel's route table
+(psserver/link/channel.py), the gRPC retry policy (``IDEMPOTENT``:
+psserver/link/grpc_common.py) and the socket servers (``socket_handlers``,
+and the metrics of their calls) take what they need from here. (Streams,
+ReadStream and Upload, are not unary calls: GrpcTransport's methods.)
 """
 from __future__ import annotations
 
@@ -28,10 +30,16 @@ WORKER = "pstrain.v1.Worker"
 TABLES = "pstrain.v1.DynamicTables"
 
 
-@dataclasses.dataclass(frozen=True)
-class Method:
-    id: int | None     # on the wire (psserver/ipc.py frame header; 0 and 8 are the
-    #                    protocol's); None: a gRPC-only call
+#: The socket frame protocol's own calls (psserver/link/frames.py): the
+#: hello a connection opens with (its token), and IDENTITY (the task's id
+#: and protocol version). No Method takes these ids.
+HELLO, IDENTITY = 0, 8
+
+
+@dataclasses.dataclass(frozen=True, eq=False)   # each is one object: hashed by identity,
+class Method:                                    # as fast as a dict lookup gets
+    id: int | None     # on the wire (psserver/link/frames.py frame header); None:
+    #                    a gRPC-only call
     service: str
     name: str
     request: type | None   # None: the handler takes the request's bytes as they came
@@ -63,6 +71,7 @@ TABLE_UPDATE = Method(11, TABLES, "Update", tables_pb2.TableUpdateRequest,
 SOCKET = (SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH, REPLICATE,
           TABLE_LOOKUP, TABLE_UPDATE)
 BY_ID: dict[int, Method] = {m.id: m for m in SOCKET}
+assert len(BY_ID) == len(SOCKET) and not {HELLO, IDENTITY} & set(BY_ID), "socket ids collide"
 
 
 def _grpc_only(service: str, name: str, request: type, reply: type) -> Method:
@@ -101,7 +110,9 @@ TABLE_IMPORT = _grpc_only(TABLES, "Import", tables_pb2.ImportTableRequest,
 ALL = SOCKET + (SERVER_INFO, CREATE, DELETE, META, LIST, READ, PUSH, ASSIGN, ABANDON, SAVE,
                 COMMIT_SAVE, RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET,
                 TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE, TABLE_SAVE, TABLE_IMPORT)
-#: Calls that change nothing: made again, over gRPC, after a socket broke under them.
+#: Calls that change nothing: made again, over gRPC, after a socket broke
+#: under them, and retried by gRPC itself on UNAVAILABLE (the channel's
+#: service config is built from this set: psserver/link/grpc_common.py).
 #: (A table look-up counts and admits: not one of them.)
 IDEMPOTENT = frozenset({SERVER_INFO, META, LIST, READ, BULK_READ, GATHER, SHM_READ, SHM_SHARE,
                         ABANDON, WORKER_INFO, TABLE_INFO, TABLE_LIST})

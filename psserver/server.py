@@ -33,12 +33,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
-from psserver import ipc, ipc_server, methods, metrics, profiling, rpc, shm, tf_config
+from psserver import ipc_server, methods, metrics, profiling, routing, rpc, shm, tf_config
+from psserver.link.grpc_common import grpc_options
 from psserver.contract import (  # noqa: F401  (re-exported)
     PROTOCOL_METADATA_KEY, TOKEN_ENV, TOKEN_METADATA_KEY, call_metadata)
 from psserver import tls as TLS
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-                               MESSAGE_OVERHEAD, PROTOCOL_VERSION)
+                               PROTOCOL_VERSION)
 from psserver.servicer import ParameterServerServicer
 from psserver.store import VariableStore
 
@@ -47,29 +48,6 @@ log = logging.getLogger("psserver")
 SERVICE_NAME = "pstrain.v1.ParameterServer"
 # Calls that stay open without a token, so probes need no secret.
 _PUBLIC_PREFIXES = ("/grpc.health.v1.Health/",)
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel/server options shared by both sides of the wire."""
-    limit = max_message_bytes + MESSAGE_OVERHEAD
-    return [("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            # Detect a dead or cut-off peer within KEEPALIVE (10 s) + 5 s even
-            # when no call is in flight, and keep idle connections through NATs.
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            # Servers accept those pings (the default minimum is 5 minutes).
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            # A second server on a port in use must fail, not share the port.
-            ("grpc.so_reuseport", 0),
-            # Reconnect to a restarted peer within 0.1 s, not gRPC's default 1 s
-            # (measured: recovery of a killed parameter server 1.0 s -> 0.35 s).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
 def refusing_handler(handler, code: grpc.StatusCode, message: str):
@@ -261,7 +239,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     services = {methods.PS: servicer, methods.BULK: servicer,
                 methods.SHM: servicer.shared_memory, methods.TABLES: servicer.tables}
     identity = f"{PROTOCOL_VERSION}:{servicer.server_id}"
-    if shm.available() and ipc.available():
+    if shm.available() and routing.same_host_available():
         shared = servicer.shared_memory
         handle.ipc = ipc_server.IpcServer(methods.socket_handlers(services, shm=True), token,
                                    rpc_metrics, identity=identity)

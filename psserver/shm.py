@@ -319,9 +319,11 @@ class Arena:
 
     def take(self, nbytes: int) -> Segment:
         with self._lock:
-            fits = [s for s in self._free if s.nbytes >= nbytes]
-            if fits:
-                seg = min(fits, key=lambda s: s.nbytes)
+            seg = None
+            for s in self._free:   # the smallest that fits (few: max_free)
+                if s.nbytes >= nbytes and (seg is None or s.nbytes < seg.nbytes):
+                    seg = s
+            if seg is not None:
                 self._free.remove(seg)
                 seg.lent = True
                 return seg
@@ -350,9 +352,13 @@ class Arena:
                 drop.append(seg)
             else:
                 self._free.append(seg)
-                self._free.sort(key=lambda s: -s.nbytes)
-                while len(self._free) > self._max_free:   # keep the largest
-                    drop.append(self._free.pop())
+                if len(self._free) > self._max_free:   # keep the largest
+                    smallest = self._free[0]
+                    for s in self._free:
+                        if s.nbytes < smallest.nbytes:
+                            smallest = s
+                    self._free.remove(smallest)
+                    drop.append(smallest)
         for s in drop:
             if not broken:
                 with contextlib.suppress(Exception):
@@ -407,7 +413,7 @@ class SharedValue:
     """
 
     def __init__(self, value: np.ndarray, version: int):
-        self.fd = os.memfd_create(f"pstrain-var", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("pstrain-var", os.MFD_CLOEXEC)
         try:
             size = HEADER_BYTES + max(value.nbytes, 1)
             os.ftruncate(self.fd, size)

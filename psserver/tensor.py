@@ -21,6 +21,9 @@ VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<")
 #: dtypes ids may have.
 ID_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ("int32", "int64")}
 WIRE_DTYPES = {**VALUE_DTYPES, **ID_DTYPES}
+#: The name of each wire dtype, by dtype: an array whose dtype is here goes on
+#: the wire as its bytes are (little-endian; hot paths look it up inline).
+WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items()}
 
 MAX_RANK = 8
 

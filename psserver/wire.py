@@ -28,8 +28,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from psserver.errors import InvalidArgument, ResourceExhausted
-from psserver.tensor import WIRE_DTYPES, check_dtype, check_shape, dtype_name, nbytes_of
+from psserver.contract import InvalidArgument, ResourceExhausted
+from psserver.tensor import (WIRE_DTYPES, WIRE_NAMES, check_dtype, check_shape, dtype_name,
+                             nbytes_of)
 
 _VARINT, _LEN = 0, 2
 
@@ -112,7 +113,7 @@ def _string(field: int, text: str) -> bytes:
     return _len_field(field, len(raw)) + raw
 
 
-def _contiguous_bytes(arr: np.ndarray) -> memoryview:
+def contiguous_bytes(arr: np.ndarray) -> memoryview:
     if dtype_name(arr.dtype) not in WIRE_DTYPES:
         raise InvalidArgument(
             f"cannot send dtype {arr.dtype.name!r}; use one of {sorted(WIRE_DTYPES)}")
@@ -148,10 +149,13 @@ def _join(parts: list, into) -> bytes | memoryview | Scattered:
     memoryview of the buffer it gives (a socket's frame: used again), or
     with SCATTER not joined (a Scattered)."""
     if into is SCATTER:
-        return Scattered(p for p in parts if len(p))
+        return Scattered(filter(len, parts))
     if into is None:
         return b"".join(parts)
-    out = memoryview(into(sum(len(p) for p in parts)))
+    total = 0
+    for p in parts:
+        total += len(p)
+    out = memoryview(into(total))
     pos = 0
     for p in parts:
         out[pos:pos + len(p)] = p
@@ -170,7 +174,7 @@ def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]],
     parts: list = []
     pos = 0
     for name, version, arr in values:
-        data = _contiguous_bytes(arr)
+        data = contiguous_bytes(arr)
         n, dt = len(data), dtype_name(arr.dtype)
         fixed = _string(1, name) + (_key(2, _VARINT) + _varint(version) if version else b"")
 
@@ -187,6 +191,12 @@ def encode_read_reply(values: Sequence[tuple[str, int, np.ndarray]],
     return _join(parts, into)
 
 
+#: Push headers made (encode_push_request), by what they depend on; at most
+#: this many are kept (a job pushes the same few shards over and over).
+_PUSH_PREFIXES: dict[tuple, bytes] = {}
+_PREFIXES_KEPT = 4096
+
+
 def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
                         sync: bytes = b"", into=None,
                         sparse: Sequence[tuple[str, np.ndarray, np.ndarray, int]] = ()
@@ -200,16 +210,27 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
     parts: list = []
     pos = 0
     for name, arr, uid in updates:
-        data = _contiguous_bytes(arr)
-        n, dt = len(data), dtype_name(arr.dtype)
-        tail = _key(3, _VARINT) + _varint(uid) if uid else b""
-
-        def prefix_with(pad, n=n, dt=dt, shape=arr.shape, name=name, tail=tail):
-            tensor_head = _tensor_head(dt, shape, n, pad)
-            head = _string(1, name) + _len_field(2, len(tensor_head) + n) + tensor_head
-            return _len_field(1, len(head) + n + len(tail)) + head
-        prefix = _aligned(pos, prefix_with)
-        parts += [prefix, data, tail]
+        dt = WIRE_NAMES.get(arr.dtype)
+        if dt is not None and arr.flags.c_contiguous:   # (the common case, inline)
+            data = arr.reshape(-1).view(np.uint8)
+        else:
+            data, dt = contiguous_bytes(arr), dtype_name(arr.dtype)
+        n = len(data)
+        tail = b"\x18" + _varint(uid) if uid else b""   # field 3, varint
+        # The header before the data depends only on these: made once (the
+        # same updates go out step after step).
+        key = (name, dt, arr.shape, pos % ALIGN, len(tail))
+        prefix = _PUSH_PREFIXES.get(key)
+        if prefix is None:
+            def prefix_with(pad, n=n, dt=dt, shape=arr.shape, name=name, tail=tail):
+                tensor_head = _tensor_head(dt, shape, n, pad)
+                head = _string(1, name) + _len_field(2, len(tensor_head) + n) + tensor_head
+                return _len_field(1, len(head) + n + len(tail)) + head
+            prefix = _aligned(pos, prefix_with)
+            if len(_PUSH_PREFIXES) >= _PREFIXES_KEPT:
+                _PUSH_PREFIXES.clear()
+            _PUSH_PREFIXES[key] = prefix
+        parts += (prefix, data, tail)
         pos += len(prefix) + n + len(tail)
     for name, ids, rows, uid in sparse:
         body = _sparse_parts(name, ids, rows, uid)
@@ -221,7 +242,7 @@ def encode_push_request(updates: Sequence[tuple[str, np.ndarray, int]],
 
 def _tensor_field(field: int, arr: np.ndarray) -> list:
     """A Tensor field's parts: its header, then arr's memory (not copied)."""
-    data = _contiguous_bytes(arr)
+    data = contiguous_bytes(arr)
     head = _tensor_head(dtype_name(arr.dtype), arr.shape, len(data))
     return [_len_field(field, len(head) + len(data)), head, data]
 
@@ -266,14 +287,14 @@ def encode_replicate_request(records) -> bytes:
     with protobuf, which copies it anyway: no alignment padding)."""
     parts: list = []
     for r in records:
-        data = _contiguous_bytes(r.tensor)
+        data = contiguous_bytes(r.tensor)
         head = _string(1, r.name) + b"".join(
             _key(f, _VARINT) + _varint(v) for f, v in (
                 (2, r.epoch), (3, r.version), (4, r.update_id), (5, r.sync_steps), (6, r.kind))
             if v)
         for field, a in ((8, r.ids), (9, getattr(r, "evicted", None))):
             if a is not None:
-                raw = _contiguous_bytes(a)
+                raw = contiguous_bytes(a)
                 a_head = _tensor_head(dtype_name(a.dtype), a.shape, len(raw))
                 head += _len_field(field, len(a_head) + len(raw)) + a_head + bytes(raw)
         tensor_head = _tensor_head(dtype_name(r.tensor.dtype), r.tensor.shape, len(data))

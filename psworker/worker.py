@@ -31,11 +31,11 @@ from coordinator.replica import replica_scope
 from psserver.contract import SyncSpec
 from coordinator.cluster_spec import ClusterConfigError
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc, ipc_server, methods, routing, rpc, tf_config
+from psserver import ipc_server, methods, routing, rpc, tf_config
 from psserver import metrics as M
 from psserver import tls as TLS
-from psserver.contract import (Code, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                               NotFound, PermissionDenied, PSError, Unavailable)
+from psserver.contract import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                               PermissionDenied, Unavailable, WorkerRestarted)
 from psserver.server import (INSECURE_FLAG, TOKEN_ENV, TaskSetupError, add_auth_argument,
                              add_cpus_argument, add_data_port_argument,
                              add_log_level_argument, check_auth, data_port_of, help_formatter,
@@ -45,12 +45,6 @@ from psserver.contract import PROTOCOL_VERSION
 log = logging.getLogger("psworker")
 
 SERVICE_NAME = "pstrain.v1.Worker"
-
-
-class WorkerRestarted(PSError):
-    """A call fenced to an earlier run of this worker (its datasets are gone)."""
-
-    code = Code.ABORTED
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -64,7 +58,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.trusted = trusted
         self.metrics = metrics
         self.worker_id = uuid.uuid4().hex
-        self.ipc_socket = ""   # set by main when it serves psserver/ipc.py
+        self.ipc_socket = ""   # set by main when it serves its Unix socket (psserver/ipc_server.py)
         self.data_port = 0     # likewise, its data port
         self.address = "(this one)"   # and where it listens, for error messages
         self._count = 0
@@ -236,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     handle.servicer.address = join_host_port(_named_host(args.host), handle.port)
     closures = methods.socket_handlers({methods.WORKER: handle.servicer}, shm=False)
     identity = f"{PROTOCOL_VERSION}:{handle.servicer.worker_id}"
-    if ipc.available():   # a coordinator on this host sends closures here (psserver/ipc.py)
+    if routing.same_host_available():   # a coordinator on this host sends closures here
         handle.ipc = ipc_server.IpcServer(closures, token, rpc_metrics, identity=identity)
         handle.servicer.ipc_socket = handle.ipc.name
     data_port = data_port_of(args)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from coordinator import ps_pool
 from coordinator import (FixedShardsPartitioner, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy)
 from coordinator.checkpoint import CheckpointError, CheckpointManager
@@ -106,11 +107,10 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
         port = victim.address.rsplit(":", 1)[1]
         cluster.ps[1] = start_task("psserver", ["--port", port, "--checkpoint-dir", str(tmp_path)],
                                    env={**cluster._env, "PSTRAIN_FAULT_CRASH_IN_SAVE": "1"})
-        from coordinator import variables as V
         for v in (w, b):
             for s in v.shards:
                 if s.address == victim.address:
-                    V.client_for(s.address).create_variable(
+                    ps_pool.client_for(s.address).create_variable(
                         s.name, None, v.dtype, initial_value=np.zeros((s.rows,) + v.shape[1:], v.dtype),
                         optimizer=v.optimizer)
         ckpt.restore(good)

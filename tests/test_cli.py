@@ -20,11 +20,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from coordinator import ps_pool
 from coordinator import FixedShardsPartitioner, LocalCluster, ParameterServerStrategy, cli
 from coordinator.checkpoint import CheckpointError, CheckpointManager
 from coordinator.checkpoint_layout import (LayoutMismatch, layout_from_listing, restore_plan,
                                            split_shard_name)
-from coordinator import variables as V
 from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.process import child_env, start_task
@@ -495,7 +495,7 @@ def test_checkpoint_restore_keeps_the_idempotency_keys(live, env, capsys, tmp_pa
     restore` (a retry that crossed the restore) is acknowledged, not applied
     twice: the CLI restores through CheckpointManager's code, keys included."""
     shard = live.bias.shards[0]
-    c = V.client_for(shard.address)
+    c = ps_pool.client_for(shard.address)
     key = 0x5EED_0001
     c.push_many([(shard.name, np.ones(3, np.float32), key)])
     assert run(capsys, "checkpoint", "save", str(tmp_path), "--step", "5")[0] == 0
@@ -583,4 +583,4 @@ def test_checkpoint_save_and_restore_carry_dynamic_tables(live, env, capsys, tmp
         np.testing.assert_array_equal(t2.lookup(keys, admit=False), saved)
     finally:
         for address in live.cluster.spec.ps:
-            V.client_for(address).delete_table("cli_emb")
+            ps_pool.client_for(address).delete_table("cli_emb")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coordinator import ps_pool
 from coordinator import compression as C
 from coordinator.compression import TopK
 from psserver.errors import InvalidArgument
@@ -153,7 +154,7 @@ def test_push_gradients_topk_with_replication(cluster):
 
 
 def V_read_backup(var):
-    from coordinator.variables import client_for
+    from coordinator.ps_pool import client_for
     (bk,) = var.backups
     return client_for(bk.address).read(bk.name)
 
@@ -186,8 +187,8 @@ def test_fp16_sends_half_the_bytes_on_the_wire(start_ps, monkeypatch, transport)
     monkeypatch.setenv("PSTRAIN_SHM", "0")   # as between hosts: no shared memory
     monkeypatch.setenv("PSTRAIN_DATA", "1" if transport == "data" else "0")
     monkeypatch.delenv("PSTRAIN_AUTH_TOKEN", raising=False)
-    V.configure(None, None)
-    V.close_clients()
+    ps_pool.configure(None, None)
+    ps_pool.close_clients()
     ps = start_ps("--metrics-port", "0")
     m = metrics_address(ps)
     try:
@@ -205,7 +206,7 @@ def test_fp16_sends_half_the_bytes_on_the_wire(start_ps, monkeypatch, transport)
         V.push_gradients([(w, g)], compression="fp16")
         fp16 = received() - start - plain
     finally:
-        V.close_clients()
+        ps_pool.close_clients()
     assert plain >= g.nbytes and 0.45 * plain < fp16 < 0.55 * plain, (plain, fp16)
     np.testing.assert_allclose(w.read(), np.full((1000, 16), -0.01, np.float32))   # both applied
 

@@ -337,7 +337,7 @@ def test_each_distinct_id_crosses_the_wire_once_and_sums_as_the_server_would(clu
     push_sparse / push_gradients(IndexedSlices) send each distinct id once,
     its rows summed here as the server sums duplicates (the same bits)."""
     from coordinator import IndexedSlices, push_gradients, read_variables
-    from coordinator.calls import client_for
+    from coordinator.ps_pool import client_for
     from psserver.client import PSClient
     strategy = ParameterServerStrategy(cluster.spec, variable_partitioner=FixedShardsPartitioner(2))
     rng = np.random.default_rng(0)
@@ -345,10 +345,12 @@ def test_each_distinct_id_crosses_the_wire_once_and_sums_as_the_server_would(clu
     kw = dict(initial_value=table0, optimizer="adagrad", optimizer_params={"learning_rate": 0.3})
     ours, ref = strategy.create_variable("ours", **kw), strategy.create_variable("ref", **kw)
     sent = []   # (call, ids) of every gather and sparse push, whichever call carries it
-    ids_of = {"gather": lambda a: [a[1]], "push_sparse": lambda a: [a[1]],
-              "read_and_gather": lambda a: [ids for _, ids in a[1]],
-              "push_dense_and_sparse": lambda a: [u[1] for u in a[1]]}
-    for name, which in [*ids_of.items(), *((n + "_async", w) for n, w in ids_of.items())]:
+    # (every data call of PSClient is one of these: a gather is a read that
+    # looks rows up, and each blocking form is its async form's result)
+    ids_of = {"push_sparse_async": lambda a: [a[1]],
+              "read_and_gather_async": lambda a: [ids for _, ids in a[1]],
+              "push_dense_and_sparse_async": lambda a: [u[1] for u in a[1]]}
+    for name, which in ids_of.items():
         def spy(self, *a, _real=getattr(PSClient, name), _m=name, _which=which, **k):
             sent.extend((_m, np.asarray(i).reshape(-1).copy()) for i in _which(a))
             return _real(self, *a, **k)
@@ -534,7 +536,8 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
     gRPC and over the worker's data port with an empty-token hello. A
     tokenless worker refuses both (and functions by value, and datasets);
     nothing runs."""
-    from psserver import ipc, methods
+    from psserver import methods, routing
+    from psserver.link.transport import SocketTransport
 
     marker = tmp_path / "pwned"
     w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": ""})
@@ -556,10 +559,10 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
             assert "PSTRAIN_AUTH_TOKEN" in info.value.details()
             assert "--insecure-no-auth" in info.value.details()
         info = stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=10)
-        data = ipc.IpcClient("", None, w.address, tcp=("127.0.0.1", info.data_port))
+        data = SocketTransport(routing.TCP, w.address, None, tcp=("127.0.0.1", info.data_port))
         try:
             with pytest.raises(PSError) as caught:
-                data.call(methods.RUN_CLOSURE.id, attack.SerializeToString(), 10)
+                data.call(methods.RUN_CLOSURE, attack.SerializeToString(), 10)
             assert caught.value.code == Code.PERMISSION_DENIED
         finally:
             data.close()

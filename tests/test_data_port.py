@@ -1,4 +1,4 @@
-"""The data port (psserver/ipc.py over TCP): the hot calls between hosts,
+"""The data port (TCP, psserver/link/frames.py): the hot calls between hosts,
 framed by hand beside gRPC. Real psserver/psworker processes on 127.0.0.1;
 clients made to treat them as remote (shared_memory=False, or PSTRAIN_SHM=0)."""
 from __future__ import annotations
@@ -15,13 +15,15 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator import ps_pool
 from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
 from coordinator import push_gradients
-from coordinator import variables as V
 from psserver.contract import Code
-from psserver import ipc, ipc_server, shm, wire
+from psserver import ipc_server, routing, shm, wire
+from psserver.link import frames
+from psserver.link.transport import SocketTransport
 from psserver import methods
-from psserver import client as client_module
+from psserver.client import data as client_module
 from psserver.client import PSClient
 from psserver.errors import InvalidArgument, PSError, Unauthenticated, Unavailable
 from psserver.process import start_task
@@ -75,17 +77,17 @@ def test_data_port_gives_what_grpc_gives(start_ps):
                                       slow.gather("t", [[1, 7], [0, 1]]))
         np.testing.assert_array_equal(slow.read("t")[1], table[1] - 6)
         h = fast.push_many_async({"w": grads[0]})   # sent at once, collected later
-        assert fast.local and h.result() == [4]
-        assert fast._data is not None and slow._data is None and not slow.local
+        assert fast.channel.socket is not None and h.result() == [4]
+        assert fast.channel.socket is not None and slow.channel.socket is None
     # Counted as the gRPC calls are, with grpc_type "tcp".
     with urllib.request.urlopen(f"http://{_metrics(ps)}/metrics", timeout=10) as r:
         text = r.read().decode()
     started = {tuple(sorted(s.labels.items())): s.value
                for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "grpc_server_started_total"}
+    # (a gather is a read that looks rows up: ParameterServerBulk.Read)
     for service, method, n in (("pstrain.v1.ParameterServerBulk", "Push", 4),
-                               ("pstrain.v1.ParameterServerBulk", "Read", 2),
-                               ("pstrain.v1.ParameterServer", "Gather", 1),
+                               ("pstrain.v1.ParameterServerBulk", "Read", 3),
                                ("pstrain.v1.ParameterServer", "PushSparse", 3)):
         key = tuple(sorted({"grpc_service": service, "grpc_method": method,
                             "grpc_type": "tcp"}.items()))
@@ -105,7 +107,7 @@ def test_data_port_checks_the_token_and_refuses_bad_calls_changing_nothing(start
     port = data_port_of(ps)
     for token in (None, "wrong", "righ"):
         with pytest.raises(Unauthenticated):
-            ipc.IpcClient("", token, ps.address, tcp=("127.0.0.1", port)).connect()
+            SocketTransport(routing.TCP, ps.address, token, tcp=("127.0.0.1", port)).connect()
     for junk in (b"\x00" * 3,                                        # a short hello
                  struct.pack("<BId", 9, 0, 0.0),                      # not a hello
                  struct.pack("<BId", 0, 1 << 31, 0.0)):               # a huge hello
@@ -117,7 +119,7 @@ def test_data_port_checks_the_token_and_refuses_bad_calls_changing_nothing(start
     with remote(ps.address, token="right") as c:
         init = _make(c)
         c.create_variable("b", (3,), "float32", initializer="zeros")
-        raw = ipc.IpcClient("", "right", ps.address, tcp=("127.0.0.1", port))
+        raw = SocketTransport(routing.TCP, ps.address, "right", tcp=("127.0.0.1", port))
         bad = [b"\xff\xff\xff",                                           # not protobuf
                wire.encode_push_request([("w", np.ones(N + 1, np.float32), 0)], b""),
                wire.encode_push_request([("b", np.ones(3, np.float32), 0),     # one good,
@@ -125,18 +127,18 @@ def test_data_port_checks_the_token_and_refuses_bad_calls_changing_nothing(start
                wire.encode_push_request([("nope", np.ones(3, np.float32), 0)], b"")]
         for request in bad:
             with pytest.raises(PSError) as info:
-                raw.call(methods.BULK_PUSH.id, request, 5)
+                raw.call(methods.BULK_PUSH, request, 5)
             assert info.value.code in (Code.INVALID_ARGUMENT,
                                        Code.NOT_FOUND)
         with pytest.raises(PSError) as info:   # no such method on a parameter server
-            raw.call(methods.RUN_CLOSURE.id, b"", 5)
+            raw.call(methods.RUN_CLOSURE, b"", 5)
         assert info.value.code == Code.UNIMPLEMENTED
         raw.close()
         # Nothing was applied, and the port still serves.
         value, version = c.read("w", with_version=True)
         np.testing.assert_array_equal(value, init)
         assert version == 0 and c.read("b", with_version=True)[1] == 0
-        assert c.push("w", np.ones(N, np.float32)) == 1 and c._data is not None
+        assert c.push("w", np.ones(N, np.float32)) == 1 and c.channel.socket is not None
 
 
 def test_data_port_speaks_mutual_tls_only(start_ps, tmp_path):
@@ -145,18 +147,18 @@ def test_data_port_speaks_mutual_tls_only(start_ps, tmp_path):
     port = data_port_of(ps)
     with remote(ps.address, tls=tls, token="t") as c:   # certificate and key: served
         init = _make(c)
-        assert c.push("w", np.ones(N, np.float32)) == 1 and c._data is not None
+        assert c.push("w", np.ones(N, np.float32)) == 1 and c.channel.socket is not None
         np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
     with pytest.raises(OSError):   # plaintext on a TLS port: no answer but the close
-        ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port)).connect()
+        SocketTransport(routing.TCP, ps.address, "t", tcp=("127.0.0.1", port)).connect()
     anonymous = TLSConfig(ca=tls.ca).ssl_client_context()   # trusts the server, no cert
     with pytest.raises((OSError, PSError)):
-        ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port),
-                      ssl_context=anonymous).connect()
+        SocketTransport(routing.TCP, ps.address, "t", tcp=("127.0.0.1", port),
+                        ssl_context=anonymous).connect()
     stranger = generate_self_signed(str(tmp_path / "other"))   # another CA's certificate
     with pytest.raises(OSError):
-        ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port),
-                      ssl_context=stranger.ssl_client_context()).connect()
+        SocketTransport(routing.TCP, ps.address, "t", tcp=("127.0.0.1", port),
+                        ssl_context=stranger.ssl_client_context()).connect()
     with remote(ps.address, tls=tls, token="t") as c:   # still serving
         assert c.push("w", np.ones(N, np.float32)) == 2
         # a push large enough to go from its array in parts (wire.Scattered), over TLS
@@ -164,12 +166,12 @@ def test_data_port_speaks_mutual_tls_only(start_ps, tmp_path):
         c.create_variable("big", initial_value=np.zeros(big.size, np.float32),
                           optimizer="sgd", optimizer_params={"learning_rate": 1.0})
         assert big.nbytes >= client_module.SCATTER_BYTES
-        assert c.push("big", big) == 1 and c._data is not None
+        assert c.push("big", big) == 1 and c.channel.socket is not None
         np.testing.assert_array_equal(c.read("big"), -big)
 
 
 def test_a_frame_in_parts_arrives_whole_however_the_kernel_splits_it():
-    """ipc._send_parts (wire.Scattered frames): buffers of any sizes and
+    """frames.send_parts (wire.Scattered frames): buffers of any sizes and
     formats, through a send buffer far smaller than them (sendmsg sends
     part of a buffer, or of several), arrive byte for byte, in order."""
     import threading
@@ -189,7 +191,7 @@ def test_a_frame_in_parts_arrives_whole_however_the_kernel_splits_it():
                 got.extend(b.recv(1 << 16))
         t = threading.Thread(target=read)
         t.start()
-        ipc._send_parts(a, parts)
+        frames.send_parts(a, parts)
         t.join(timeout=20)
         assert bytes(got) == want
     finally:
@@ -203,7 +205,7 @@ def test_data_port_off_fixed_or_taken(start_ps):
         assert c.server_info().data_port == 0
         _make(c)
         assert c.push("w", np.ones(N, np.float32)) == 1
-        assert c._data is None and not c.local
+        assert c.channel.socket is None and not c.channel.socket is not None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
@@ -218,7 +220,7 @@ def test_client_follows_a_restarted_server_to_its_new_data_port(start_ps):
     with remote(ps.address, wait_for_ready=True) as c:
         _make(c)
         assert c.push("w", np.ones(N, np.float32)) == 1
-        old = c._data
+        old = c.channel.socket
         assert old is not None
         port = ps.address.rsplit(":", 1)[1]
         ps.kill()
@@ -228,8 +230,8 @@ def test_client_follows_a_restarted_server_to_its_new_data_port(start_ps):
         # it goes over gRPC, then the client learns the new data port.
         assert c.push("w", np.ones(N, np.float32)) == 1
         np.testing.assert_allclose(c.read("w"), init - 0.5, rtol=1e-6)
-        assert c._data is not None and c._data is not old
-        assert c._data.client._tcp[1] == data_port_of(ps2)
+        assert c.channel.socket is not None and c.channel.socket is not old
+        assert c.channel.socket._tcp[1] == data_port_of(ps2)
 
 
 def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
@@ -242,7 +244,7 @@ def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
     with remote(ps.address, wait_for_ready=True) as c:
         _make(c)
         assert c.push("w", np.ones(N, np.float32)) == 1
-        old = c._data
+        old = c.channel.socket
         port = ps.address.rsplit(":", 1)[1]
         ps.kill()
         start_ps("--port", port, "--data-port", str(data))
@@ -250,7 +252,7 @@ def test_a_server_restarted_on_the_same_fixed_ports_is_found_again(start_ps):
         assert c.push("w", np.ones(N, np.float32)) == 1
         assert c.push("w", np.ones(N, np.float32)) == 2
         np.testing.assert_allclose(c.read("w"), init - 1.0, rtol=1e-6)
-        assert c._data is not None and c._data is not old
+        assert c.channel.socket is not None and c.channel.socket is not old
 
 
 def wait_stopped(pid: int, limit: float = 10.0) -> None:
@@ -279,7 +281,7 @@ def test_a_push_whose_connection_breaks_in_flight_fails_and_is_not_resent(start_
     with remote(ps.address) as c:
         _make(c)
         c.push("w", np.ones(N, np.float32))
-        assert c._data is not None and c.local
+        assert c.channel.socket is not None and c.channel.socket is not None
         os.kill(ps.pid, signal.SIGSTOP)
         wait_stopped(ps.pid)   # SIGSTOP takes effect a little later, thread by thread
         h = c.push_many_async({"w": np.ones(N, np.float32)})   # sent; the server sleeps
@@ -295,7 +297,7 @@ def push_one(w):
 
 @pytest.mark.skipif(not shm.available(), reason="compares against the same-host path")
 def test_coordinator_sends_closures_to_workers_over_their_data_port(monkeypatch):
-    V.close_clients()
+    ps_pool.close_clients()
     monkeypatch.setenv(shm.ENV, "0")   # as if every task were on its own host
     try:
         with LocalCluster(num_ps=1, num_workers=2) as cluster:   # mutual TLS
@@ -308,11 +310,12 @@ def test_coordinator_sends_closures_to_workers_over_their_data_port(monkeypatch)
                 coord.join()
                 assert [r.fetch() for r in results] == [1] * 6
                 threads = list(coord._membership.workers.values())
-                assert all(t._ipc is not None and t._ipc.client._tcp is not None and
-                           isinstance(t._ipc.client._ssl, ssl.SSLContext) for t in threads)
+                assert all(t._channel.socket is not None and t._channel.socket._tcp is not None
+                           and isinstance(t._channel.socket._ssl, ssl.SSLContext)
+                           for t in threads)
             np.testing.assert_array_equal(w.read(), -6 * np.ones(3))
     finally:
-        V.close_clients()
+        ps_pool.close_clients()
 
 
 def test_peers_that_never_say_hello_cannot_crowd_out_clients(start_ps):
@@ -322,15 +325,15 @@ def test_peers_that_never_say_hello_cannot_crowd_out_clients(start_ps):
     ps = start_ps(env={TOKEN_ENV: "t"})
     port = data_port_of(ps)
     silent = [socket.create_connection(("127.0.0.1", port), timeout=10)
-              for _ in range(ipc.MAX_PENDING + 6)]
+              for _ in range(frames.MAX_PENDING + 6)]
     try:
-        c = ipc.IpcClient("", "t", ps.address, tcp=("127.0.0.1", port))
+        c = SocketTransport(routing.TCP, ps.address, "t", tcp=("127.0.0.1", port))
         try:
             c.connect()   # not crowded out
         finally:
             c.close()
         for s in silent:
-            s.settimeout(ipc.HELLO_SECONDS + 30)
+            s.settimeout(frames.HELLO_SECONDS + 30)
             assert s.recv(1) == b""   # cut off
     finally:
         for s in silent:
@@ -378,16 +381,16 @@ def test_a_data_port_that_answers_as_another_server_is_not_used(start_ps):
             _make(cb)
             assert c.push("w", np.ones(N, np.float32)) == 1
             assert c.push("w", np.ones(N, np.float32)) == 2
-            assert c._data is None and c.route.socket == ""   # checked, refused: gRPC
+            assert c.channel.socket is None and c.route.socket == ""   # checked, refused: gRPC
             assert cb.read("w", with_version=True)[1] == 0   # B got nothing
-            assert cb._data is not None
+            assert cb.channel.socket is not None
     finally:
         fwd.close()
 
 
 @pytest.mark.skipif(not shm.available(), reason="compares against the same-host path")
 def test_closures_reach_a_worker_restarted_on_the_same_fixed_ports(monkeypatch):
-    V.close_clients()
+    ps_pool.close_clients()
     monkeypatch.setenv(shm.ENV, "0")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -403,16 +406,16 @@ def test_closures_reach_a_worker_restarted_on_the_same_fixed_ports(monkeypatch):
                 assert [r.fetch() for r in [coord.schedule(push_one, args=(w,))
                                             for _ in range(3)]] == [1] * 3
                 (thread,) = coord._membership.workers.values()
-                old = thread._ipc
-                assert old is not None and old.client._tcp[1] == data
+                old = thread._channel.socket
+                assert old is not None and old._tcp[1] == data
                 cluster.restart_worker(0)   # same gRPC port, same data port, another id
                 results = [coord.schedule(push_one, args=(w,)) for _ in range(5)]
                 coord.join()
                 assert [r.fetch() for r in results] == [1] * 5
-                assert thread._ipc is not None and thread._ipc is not old
+                assert thread._channel.socket is not None and thread._channel.socket is not old
             np.testing.assert_array_equal(w.read(), -8 * np.ones(3))
     finally:
-        V.close_clients()
+        ps_pool.close_clients()
 
 
 def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
@@ -424,8 +427,8 @@ def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
     server = ipc_server.IpcServer({methods.GATHER.id: (None, lambda request, context: big)}, "t",
                            tcp=("127.0.0.1", 0)).start()
     try:
-        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
-        pending = client.send(methods.GATHER.id, b"", 30)   # sent; the reply is never read
+        client = SocketTransport(routing.TCP, "test", "t", tcp=("127.0.0.1", server.port), abortable=True)
+        pending = client.send(methods.GATHER, b"", 30)   # sent; the reply is never read
         deadline = time.monotonic() + 10
         while not server._running and time.monotonic() < deadline:   # the call started
             time.sleep(0.01)
@@ -435,15 +438,15 @@ def test_a_client_that_never_takes_its_reply_is_dropped(monkeypatch):
             time.sleep(0.05)
         assert not server._running, "the server still sends to a client that does not read"
         server.stop(grace=600)   # returns at once: nothing runs (else the test times out)
-        pending._sock.close()
-        client.close()
+        client.abort()   # (the reply's connection: never collected)
+        del pending
     finally:
         server.stop(grace=0)
 
 
 @pytest.mark.timeout(60)
 def test_abort_cuts_a_call_waiting_for_its_reply():
-    """IpcClient.abort (a coordinator shutting down a failed job): a call
+    """SocketTransport.abort (a coordinator shutting down a failed job): a call
     whose reply is awaited fails at once with Unavailable, not after its
     deadline (here an hour)."""
     import threading
@@ -456,10 +459,10 @@ def test_abort_cuts_a_call_waiting_for_its_reply():
     server = ipc_server.IpcServer({methods.GATHER.id: (None, stuck)}, "t",
                                   tcp=("127.0.0.1", 0)).start()
     try:
-        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
+        client = SocketTransport(routing.TCP, "test", "t", tcp=("127.0.0.1", server.port), abortable=True)
         got = []
         caller = threading.Thread(target=lambda: got.append(_raised(
-            lambda: client.call(methods.GATHER.id, b"", 3600))))
+            lambda: client.call(methods.GATHER, b"", 3600))))
         caller.start()
         assert entered.wait(30)
         client.abort()
@@ -515,7 +518,6 @@ def test_a_large_receive_waits_in_the_kernel_and_keeps_the_socket_timeout():
     import struct
     import threading
 
-    from psserver import ipc
     srv = socket.create_server(("127.0.0.1", 0))
     c = socket.create_connection(srv.getsockname())
     s, _ = srv.accept()
@@ -530,19 +532,19 @@ def test_a_large_receive_waits_in_the_kernel_and_keeps_the_socket_timeout():
             t = threading.Thread(target=send_in_pieces)
             t.start()
             got = bytearray(len(data))
-            ipc._recv_into(s, memoryview(got))
+            frames.recv_into(s, memoryview(got))
             t.join()
             assert got == data and s.gettimeout() == timeout
         s.settimeout(0.3)
         c.sendall(data[:1000])   # far less than asked: the timeout must fire
         with pytest.raises(socket.timeout):
-            ipc._recv_into(s, memoryview(bytearray(1 << 20)))
+            frames.recv_into(s, memoryview(bytearray(1 << 20)))
         assert s.gettimeout() == 0.3
         assert struct.unpack("ll", s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (0, 0)
         c.close()
         s.settimeout(5.0)
         with pytest.raises(ConnectionError):
-            ipc._recv_into(s, memoryview(bytearray(1 << 20)))
+            frames.recv_into(s, memoryview(bytearray(1 << 20)))
     finally:
         for x in (c, s, srv):
             x.close()
@@ -559,7 +561,7 @@ def test_a_steps_read_and_gather_and_its_pushes_are_sent_at_once_over_the_data_p
         c.create_variable("t", initial_value=table, optimizer="sgd",
                           optimizer_params={"learning_rate": 1.0})
         c.read("w")   # the route is planned
-        assert c.local
+        assert c.channel.socket is not None
         before = {t.ident for t in threading.enumerate()}
         h = c.read_and_gather_async(["w"], [("t", [[1, 7], [1, 0]]), ("t", [9])])
         p = c.push_dense_and_sparse_async([("w", np.ones(N, np.float32), 5)],
@@ -591,20 +593,20 @@ def test_a_read_over_the_data_port_lands_in_the_callers_arrays_with_no_copy(star
     whose array does not fit (dtype, shape) gets a new one, as before."""
     ps = start_ps()
     copies, into_full = [], []
-    real, real_recv = np.copyto, ipc._recv_into
+    real, real_recv = np.copyto, frames.recv_into
     full = np.zeros((3001, 2), np.float32)
-    from psserver import client_util, routing
+    from psserver.client import results as client_util
     monkeypatch.setattr(client_util.np, "copyto",
                         lambda *a, **k: (copies.append(1), real(*a, **k)))
 
     def spy(sock, view):   # what the socket's bytes are received into
         into_full.append(np.shares_memory(np.frombuffer(view, np.uint8), full))
         return real_recv(sock, view)
-    monkeypatch.setattr(ipc, "_recv_into", spy)
+    monkeypatch.setattr(frames, "recv_into", spy)
     with remote(ps.address) as c:
         c.create_variable("a", initial_value=np.arange(6000, dtype=np.float32).reshape(3000, 2))
         c.create_variable("b", initial_value=np.full(5, 7, np.float32))
-        assert c._route().socket == routing.TCP   # over the data port, not gRPC
+        assert c.route.socket == routing.TCP   # over the data port, not gRPC
         wrong = np.zeros(4, np.float32)   # b has 5 values: does not fit
         snaps = c.read_many(["a", "b"], out=[full[1:], wrong])
         assert snaps[0].value is not None and np.shares_memory(snaps[0].value, full)
@@ -628,12 +630,12 @@ def test_a_reply_the_receiver_refuses_drops_its_connection_and_the_next_call_wor
     server = ipc_server.IpcServer({methods.BULK_READ.id: (None, lambda req, ctx: replies.pop(0))},
                                   "t", tcp=("127.0.0.1", 0)).start()
     try:
-        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", server.port))
+        client = SocketTransport(routing.TCP, "test", "t", tcp=("127.0.0.1", server.port), abortable=True)
         dest = np.zeros(3000, np.float32)
 
         def read():
-            return client.send(methods.BULK_READ.id, b"", 30, receiver=lambda recv_into, n:
-                               wire.receive_read_reply(recv_into, n, [("a", dest)]))()
+            return client.send(methods.BULK_READ, b"", 30, receiver=lambda recv_into, n:
+                               wire.receive_read_reply(recv_into, n, [("a", dest)])).result()
         got = _raised(read)
         assert isinstance(got, InvalidArgument), got
         assert not client._free   # the connection was dropped
@@ -655,16 +657,16 @@ def test_a_long_refusal_of_the_hello_is_a_clear_error():
     def refuse():
         conn, _ = lst.accept()
         with conn, contextlib.suppress(OSError):   # (the client hangs up part-way)
-            _, n, _ = ipc._REQUEST.unpack(conn.recv(ipc._REQUEST.size, S.MSG_WAITALL))
+            _, n, _ = frames.REQUEST.unpack(conn.recv(frames.REQUEST.size, S.MSG_WAITALL))
             conn.recv(n, S.MSG_WAITALL)
             msg = b"bad token; " + b"x" * 100_000
-            conn.sendall(ipc._REPLY.pack(Code.UNAUTHENTICATED, len(msg)) + msg)
+            conn.sendall(frames.REPLY.pack(Code.UNAUTHENTICATED, len(msg)) + msg)
             conn.recv(1)
     t = threading.Thread(target=refuse, daemon=True)
     t.start()
     try:
-        client = ipc.IpcClient("", "t", "test", tcp=("127.0.0.1", port))
-        got = _raised(lambda: client.send(methods.BULK_READ.id, b"", 10))
+        client = SocketTransport(routing.TCP, "test", "t", tcp=("127.0.0.1", port))
+        got = _raised(lambda: client.send(methods.BULK_READ, b"", 10))
         assert isinstance(got, Unauthenticated) and "bad token" in str(got), got
         client.close()
     finally:
@@ -678,14 +680,14 @@ def test_looked_up_rows_over_the_data_port_land_in_the_callers_arrays(start_ps, 
     its slice of the distinct ids' rows); an array that does not fit gets
     new rows, as before."""
     ps = start_ps()
-    real_recv = ipc._recv_into
+    real_recv = frames.recv_into
     dest = np.zeros((3000, 4), np.float32)
     landed = []
 
     def spy(sock, view):
         landed.append(np.shares_memory(np.frombuffer(view, np.uint8), dest))
         return real_recv(sock, view)
-    monkeypatch.setattr(ipc, "_recv_into", spy)
+    monkeypatch.setattr(frames, "recv_into", spy)
     table = np.arange(40000, dtype=np.float32).reshape(10000, 4)
     with remote(ps.address) as c:
         c.create_variable("t", initial_value=table)

@@ -229,19 +229,23 @@ def test_sum_rows_sums_each_keys_gradient_rows():
         sum_rows(inverse, rows.astype(np.int32), 7)
 
 
-def test_a_push_reuses_its_look_ups_distinct_keys_only_when_they_are_its_own(cluster):
-    """push_gradient_async(keys, grads, unique=lookup.unique) skips sorting
-    the keys again, but only where that look-up had these very keys: given
-    another batch's, it sorts its own, and every key gets its own gradient."""
+def test_a_push_reuses_its_look_ups_distinct_keys_only_when_they_are_its_own(cluster,
+                                                                             monkeypatch):
+    """A gradient push of the keys this thread last looked up in the table
+    skips sorting them again; of other keys, it sorts its own, and every
+    key gets its own gradient."""
     strategy = ParameterServerStrategy(cluster.spec)
     t = strategy.create_embedding_table("reuse", 2, optimizer="sgd",
                                         optimizer_params={"learning_rate": 1.0})
     a, b = np.array([5, 3, 5, 9], np.int64), np.array([3, 3, 7, 7], np.int64)
-    looked_a = t.lookup_async(a)
-    looked_a.result()
-    t.lookup(b)
+    t.lookup_async(a).result()
+    t.lookup(b)   # this thread's last look-up of t
+    from coordinator import embedding
+    sorts = []
+    real = embedding.np.unique
+    monkeypatch.setattr(embedding.np, "unique", lambda *x, **k: (sorts.append(1), real(*x, **k))[1])
     minus_one = -np.ones((4, 2), np.float32)
-    assert t.push_gradient_async(b, minus_one, unique=looked_a.unique).result() == (2, 0)
-    assert t.push_gradient_async(a, minus_one, unique=looked_a.unique).result() == (3, 0)
+    assert t.push_gradient_async(b, minus_one).result() == (2, 0) and sorts == []
+    assert t.push_gradient_async(a, minus_one).result() == (3, 0) and sorts == [1]
     rows = t.lookup(np.array([3, 5, 7, 9], np.int64), admit=False)
     np.testing.assert_array_equal(rows[:, 0], [3, 2, 2, 1])

@@ -10,11 +10,12 @@ import grpc
 import numpy as np
 import pytest
 
+from coordinator import ps_pool
 from coordinator import (FixedShardsPartitioner, IndexedSlices, LocalCluster,
                          ParameterServerStrategy, push_gradients, read_variables)
 from coordinator import variables as V
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
-from psserver import ipc, shm, wire
+from psserver import routing, shm, wire
 from psserver.client import PSClient
 from psserver.errors import InvalidArgument
 
@@ -25,13 +26,13 @@ pytestmark = pytest.mark.timeout(120)
 def transport(request, monkeypatch):
     if request.param == "shm" and not shm.available():
         pytest.skip("no sealed memfds on this system")
-    V.close_clients()   # clients read the switches when made
+    ps_pool.close_clients()   # clients read the switches when made
     if request.param != "shm":
         monkeypatch.setenv(shm.ENV, "0")   # this process and the tasks it starts
     if request.param == "grpc":
-        monkeypatch.setenv(ipc.DATA_ENV, "0")
+        monkeypatch.setenv(routing.DATA_ENV, "0")
     yield request.param
-    V.close_clients()
+    ps_pool.close_clients()
 
 
 @pytest.fixture
@@ -78,9 +79,10 @@ def test_lookup_and_indexed_slices_match_gather_and_push_sparse(cluster, transpo
     assert [m.version for m in fused.meta()] == [3, 3, 3]
     # the transport under test is the one used
     for a in cluster.spec.ps:
-        c = V.client_for(a)
-        assert (c._ipc is not None, c._data is not None) == \
-            {"shm": (True, False), "data": (False, True), "grpc": (False, False)}[transport]
+        c = ps_pool.client_for(a)
+        sock = c.channel.socket
+        assert (sock.kind if sock is not None else "grpc") == \
+            {"shm": "unix", "data": "tcp", "grpc": "grpc"}[transport]
 
 
 def test_fused_calls_check_their_input(cluster):
@@ -114,9 +116,9 @@ def test_fused_push_is_all_or_nothing_and_idempotent(one, monkeypatch):
     ps, c = one
     c.read_many(["a"])   # attaches a segment: the fused calls go through it
     sent = []   # the calls made (but shared memory's), by method
-    real_invoke = type(c)._invoke
-    monkeypatch.setattr(c, "_invoke", lambda wait, method, *a, **k: (
-        sent.append(method.path), real_invoke(c, wait, method, *a, **k))[1])
+    real_send = c.channel.send
+    monkeypatch.setattr(c.channel, "send", lambda method, *a, **k: (
+        sent.append(method.path), real_send(method, *a, **k))[1])
 
     def calls(fn):
         """fn(), checking it made one call (ParameterServerBulk's) where not
@@ -125,6 +127,8 @@ def test_fused_push_is_all_or_nothing_and_idempotent(one, monkeypatch):
         out = fn()
         if c.transport != "shm" or not shm.available():
             assert len(sent) == 1 and sent[0].startswith("/pstrain.v1.ParameterServerBulk/")
+        else:
+            assert len(sent) == 1 and sent[0].startswith("/pstrain.v1.SharedMemory/")
         return out
     good_sparse = ("t", np.array([1, 1, 7]), np.ones((3, 8), np.float32), 11)
     bad_sparse = ("t", np.array([1, 100]), np.ones((2, 8), np.float32), 12)
@@ -137,7 +141,9 @@ def test_fused_push_is_all_or_nothing_and_idempotent(one, monkeypatch):
     for _ in range(2):   # resent with the same keys: applied once
         assert calls(lambda: c.push_dense_and_sparse([("a", np.ones(1000, np.float32), 14)],
                                                      [good_sparse])) == [1, 1]
-    assert c.local == {"shm": shm.available(), "data": True, "grpc": False}[c.transport]
+    sock = c.channel.socket
+    assert (sock.kind if sock is not None else "grpc") == \
+        {"shm": "unix" if shm.available() else "tcp", "data": "tcp", "grpc": "grpc"}[c.transport]
     np.testing.assert_array_equal(c.read("a"), -np.ones(1000))
     t = c.read("t")
     np.testing.assert_array_equal(t[1], -2 * np.ones(8))   # duplicates summed
@@ -155,7 +161,7 @@ def test_fused_push_is_all_or_nothing_and_idempotent(one, monkeypatch):
         return
     # Values and rows over one reply's limit: the separate calls (the server
     # refuses the one call where the client could not tell; nothing is read twice).
-    monkeypatch.setattr(c, "_tensor_limit", lambda method: 6000)
+    monkeypatch.setattr(c, "limits", routing.Limits(6000, 6000, 6000))
     for row_bytes in (32, 0):   # known, or (as if) unknown: the server says
         monkeypatch.setattr(c, "_row_bytes", lambda name, b=row_bytes: b)
         sent.clear()
@@ -366,78 +372,56 @@ def test_a_pushs_sort_reuses_the_lookups_only_for_the_same_ids(monkeypatch):
     assert V._known_order(table, ids.reshape(-1)) is None
 
 
-def test_the_one_call_paths_fall_back_for_an_older_server_and_refuse_bad_replies(ps, monkeypatch):
-    """Over the data port: a read reply without ReadReply.gathered (a server
-    from before it) is read again as separate calls, once, and the client
-    stops asking; a push reply with the dense versions only has its row-wise
-    updates sent apart with the same keys (applied once); malformed replies
-    (rows of another count or dtype, a wrong number of versions) are
-    InvalidArgument, never another error."""
-    from psserver import client_shm
+def _answering(monkeypatch, c: PSClient, reply) -> None:
+    """c's calls answered with ``reply`` (a message, or bytes framed by hand
+    taken by the call's receiver), as a server that sends it would."""
+    from psserver.link.transport import FakeTransport
+    fake = FakeTransport(lambda method, request: reply)
+    monkeypatch.setattr(c.channel, "send", lambda method, request, timeout=None, **kw:
+                        fake.send(method, request, timeout, **kw))
+
+
+def test_one_call_replies_that_do_not_fit_the_request_are_refused(ps, monkeypatch):
+    """Over the data port: a read reply without the looked-up rows asked for
+    (what a server from before ReadRequest.gathers would send), a push reply
+    with another number of versions than updates, and rows of another count
+    are InvalidArgument, never another error, and never a silent second
+    call (a server of this protocol version answers them all)."""
     with PSClient(ps.address, shared_memory=False) as c:
         c.create_variable("a", initial_value=np.zeros(4, np.float32),
                           optimizer_params={"learning_rate": 1.0})
         table = np.arange(40, dtype=np.float32).reshape(10, 4)
         c.create_variable("t", initial_value=table, optimizer_params={"learning_rate": 1.0})
-        real = client_shm.wire.decode_read_reply
-
-        def older(raw):   # what an older server's reply decodes to: no gathered rows
-            got = real(raw)
-            got.gathered.clear()
-            return got
-        monkeypatch.setattr(client_shm.wire, "decode_read_reply", older)
-        snaps, rows = c.read_and_gather(["a"], [("t", [3, 1])])
+        snaps, rows = c.read_and_gather(["a"], [("t", [3, 1])])   # (the real server's answer)
         np.testing.assert_array_equal(rows[0][0], table[[3, 1]])
-        assert not c._read_lookups   # not asked again
-        monkeypatch.setattr(client_shm.wire, "decode_read_reply", real)
-        c._read_lookups = True
-
-        # a push reply with the dense versions only: the sparse part sent apart,
-        # under its key (this server applied it already: once, not twice)
-        real_invoke = type(c)._invoke
-
-        def dense_only(wait, method, request, post=lambda r: r, *a, **k):
-            if method.name == "Push" and method.service.endswith("Bulk"):
-                reply = real_invoke(c, True, method, request)
-                del reply.versions[1:]
-                return post(reply)
-            return real_invoke(c, wait, method, request, post, *a, **k)
-        monkeypatch.setattr(c, "_invoke", dense_only)
-        assert c.push_dense_and_sparse([("a", np.ones(4, np.float32), 21)],
-                                       [("t", np.array([2]), np.ones((1, 4), np.float32), 22)]) \
-            == [1, 1]
-        np.testing.assert_array_equal(c.read("t")[2], table[2] - 1)   # applied once
-        monkeypatch.setattr(c, "_invoke", lambda wait, method, request, post=lambda r: r, *a, **k:
-                            post(ps_pb2.UpdateReply(versions=[5, 5, 5])))
-        with pytest.raises(InvalidArgument, match="3 versions for 1 dense and 1 row-wise"):
-            c.push_dense_and_sparse([("a", np.ones(4, np.float32), 23)],
-                                    [("t", np.array([2]), np.ones((1, 4), np.float32), 24)])
+        _answering(monkeypatch, c, wire.encode_read_reply([("a", 1, np.zeros(4, np.float32))]))
+        with pytest.raises(InvalidArgument, match="0 looked-up rows for 1"):
+            c.read_and_gather(["a"], [("t", [3, 1])])
+        for versions in ([5], [5, 5, 5]):
+            _answering(monkeypatch, c, ps_pb2.UpdateReply(versions=versions))
+            with pytest.raises(InvalidArgument,
+                               match=f"{len(versions)} versions for 1 dense and 1 row-wise"):
+                c.push_dense_and_sparse([("a", np.ones(4, np.float32), 23)],
+                                        [("t", np.array([2]), np.ones((1, 4), np.float32), 24)])
         for bad in (np.zeros((1, 4), np.float32), np.zeros((), np.float32)):
-            reply = wire.encode_read_reply([], gathered=[(1, bad)])
-            monkeypatch.setattr(c, "_invoke", lambda wait, method, request, post=lambda r: r,
-                                *a, reply=reply, **k: post(reply))
+            _answering(monkeypatch, c, wire.encode_read_reply([], gathered=[(1, bad)]))
             with pytest.raises(InvalidArgument, match="rows of 't' are not 2 rows"):
                 c.read_and_gather([], [("t", [3, 1])], rows_out=[np.empty((2, 4), np.float32)])
+    with PSClient(ps.address, shared_memory=False) as c:   # nothing was applied meanwhile
+        np.testing.assert_array_equal(c.read("t"), table)
 
 
 def test_rows_of_another_dtype_from_a_server_are_refused_not_cast(cluster, monkeypatch):
     """read_variables with a Lookup: rows a server sends in another dtype or
     row shape than the table's are InvalidArgument (they used to be cast)."""
-    from psserver import client_shm
     strategy = ParameterServerStrategy(cluster.spec)
     table = strategy.create_variable("t", initial_value=np.zeros((6, 4), np.float32))
-    real = client_shm.SharedMemoryPath._read_and_gather
+    real = PSClient.read_and_gather_async
 
     def int_rows(self, *a, **k):
-        got = real(self, *a, **k)
-        cast = lambda r: (r[0].astype(np.int64), r[1])
-        if hasattr(got, "result"):
-            from psserver.client_util import Handle
-            from psserver.transport import Pending
-            return Handle(Pending(lambda: (got.result()[0], [cast(r) for r in got.result()[1]])),
-                          target=self.address)
-        return got[0], [cast(r) for r in got[1]]
-    monkeypatch.setattr(client_shm.SharedMemoryPath, "_read_and_gather", int_rows)
+        return real(self, *a, **k).then(
+            lambda got: (got[0], [(r.astype(np.int64), v) for r, v in got[1]]))
+    monkeypatch.setattr(PSClient, "read_and_gather_async", int_rows)
     with pytest.raises(InvalidArgument, match="sent rows of 't.*as int64"):
         read_variables([table.lookup(np.array([1, 2]))])
 

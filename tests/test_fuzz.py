@@ -8,7 +8,7 @@ Each request is a valid one of its method (serialized), mutated (bytes
 flipped, inserted, deleted, cut short, fields spliced in) or replaced by
 random bytes, sent over gRPC (every method of ParameterServer,
 ParameterServerBulk and SharedMemory), over the data port (every method id
-of psserver/ipc.py, and some that do not exist) and over the same-host
+of psserver/methods.py, and some that do not exist) and over the same-host
 socket. After each call: the answer is never INTERNAL (or UNKNOWN); a refused
 call changed nothing (every variable's name, version and value as before);
 the server still serves. At the end its memory has not grown without bound.
@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
-from psserver import ipc
+from psserver import routing
+from psserver.link.transport import SocketTransport
 from psserver import methods
 from psserver import tensor as T
 from psserver.client import PSClient
@@ -321,18 +322,20 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
              methods.TABLE_LOOKUP.id: templ["DynamicTables/Lookup"],
              methods.TABLE_UPDATE.id: templ["DynamicTables/Update"],
              methods.RUN_CLOSURE.id: [ps_pb2.ListRequest()], 99: [ps_pb2.ListRequest()]}
+    unknown = methods.Method(99, methods.PS, "Nothing", None, None, "nothing")
     if path == "data":
         port = target.good.server_info().data_port
-        make = lambda: ipc.IpcClient("", TOKEN, target.ps.address,   # noqa: E731
-                                     tcp=("127.0.0.1", port))
+        make = lambda: SocketTransport(routing.TCP, target.ps.address, TOKEN,   # noqa: E731
+                                       tcp=("127.0.0.1", port))
     else:
         with PSClient(target.ps.address, token=TOKEN) as c:   # learns the socket's name
             c.read("w")
             c.push("w", np.zeros((8, 4), np.float32))
-            name = c._ipc.client.name if c._ipc is not None else None
+            name = c.channel.socket.name if c.channel.socket is not None else None
         if name is None:
             pytest.skip("no same-host socket here")
-        make = lambda: ipc.IpcClient(name, TOKEN, target.ps.address)   # noqa: E731
+        make = lambda: SocketTransport(routing.UNIX, target.ps.address, TOKEN,   # noqa: E731
+                                       name=name)
     client = make()
     state, n, warm = target.state(), 0, None
     end = time.monotonic() + SECONDS
@@ -342,7 +345,7 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
             template = rng.choice(by_id[method])
             raw = mutate(rng, template.SerializeToString(), type(template))
             try:
-                client.call(method, raw, 10)
+                client.call(methods.BY_ID.get(method, unknown), raw, 10)
                 code = grpc.StatusCode.OK
             except PSError as exc:
                 code = grpc_code(exc.code)   # as the gRPC path reports it

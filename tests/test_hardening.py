@@ -137,7 +137,7 @@ def test_socket_frames_take_memory_as_bytes_arrive_and_give_it_back(start_ps):
     import socket
     import struct
 
-    from psserver import ipc, methods
+    from psserver import methods
 
     ps = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN})
     with PSClient(ps.address, token=TOKEN) as c:
@@ -148,7 +148,7 @@ def test_socket_frames_take_memory_as_bytes_arrive_and_give_it_back(start_ps):
         for _ in range(8):
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
             conns.append(s)
-            s.sendall(struct.pack("<BId", ipc.HELLO, len(TOKEN), 0.0) + TOKEN.encode())
+            s.sendall(struct.pack("<BId", methods.HELLO, len(TOKEN), 0.0) + TOKEN.encode())
             assert s.recv(5) == struct.pack("<BI", 0, 0)   # greeted
             s.sendall(struct.pack("<BId", methods.BULK_PUSH.id, 64 << 20, 0.0) + bytes((1 << 20) + 1))
         # The server has read them (a call on another connection is served after).

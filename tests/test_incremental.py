@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from coordinator import ps_pool
 from coordinator import (FixedShardsPartitioner, LocalCluster, ParameterServerStrategy,
                          push_gradients, read_variables)
 from coordinator.checkpoint import CheckpointError, CheckpointManager
@@ -142,9 +143,9 @@ def test_a_crash_while_writing_a_delta_keeps_the_previous_chain_restorable(tmp_p
         strategy = ParameterServerStrategy(cluster.spec,
                                            variable_partitioner=FixedShardsPartitioner(2))
         model = make_model(strategy)
-        from coordinator.calls import client_for   # (calls to a dead server fail at once)
+        from coordinator.ps_pool import client_for   # (calls to a dead server fail at once)
         inc = CheckpointManager(strategy, str(tmp_path), incremental=True,
-                                client_for=lambda a: client_for(a, fail_fast=True))
+                                client_for=client_for)
         train(model, rng, 2)
         base = inc.save(1)                  # a base: written whole, no crash
         with pytest.raises(PSError):
@@ -254,12 +255,11 @@ def test_retention_keeps_chains_whole_and_the_cli_lists_restores_and_exports(
         assert [os.path.basename(p) for p in inc.checkpoints()] == \
             ["ckpt-00000005", "ckpt-00000007"]
 
-        from coordinator import variables as V
         refused = []
 
         class Forgetful:   # a server that no longer knows the parent's save
             def __init__(self, address):
-                self.client = V.client_for(address)
+                self.client = ps_pool.client_for(address)
 
             def __getattr__(self, name):
                 return getattr(self.client, name)
@@ -381,7 +381,7 @@ def test_a_failed_over_shard_is_saved_whole_and_the_chain_stays_exact(tmp_path):
     next incremental save writes the promoted copies whole (their changes
     since the base are not known there) and the others as deltas; the
     chain composes to what the servers hold."""
-    from coordinator import ClusterCoordinator, routes
+    from coordinator import ClusterCoordinator
     with LocalCluster(num_ps=2, num_workers=1, restart=()) as cluster:
         strategy = ParameterServerStrategy(cluster.spec, replication=True,
                                            variable_partitioner=FixedShardsPartitioner(2))
@@ -402,7 +402,8 @@ def test_a_failed_over_shard_is_saved_whole_and_the_chain_stays_exact(tmp_path):
             run(15, 10)   # fails over, and goes on
             dead = cluster.spec.ps[1]
             deadline = time.monotonic() + 60   # the recovery's own routes moved off it
-            while any(c.address == dead for c in routes.primaries(w) + table.primaries()):
+            while any(c.address == dead for c in ps_pool.servers().routes.primaries(w)
+                      + table.primaries()):
                 assert time.monotonic() < deadline, "the failover did not complete"
                 time.sleep(0.05)
             assert coord._recovery.lost == {dead}

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 PS = "pstrain.v1.ParameterServer"
 BULK = "pstrain.v1.ParameterServerBulk"   # PSClient's reads and pushes (psserver/wire.py)
-SHM = "pstrain.v1.SharedMemory"            # ... on the same host (psserver/shm.py, ipc.py)
+SHM = "pstrain.v1.SharedMemory"            # ... on the same host (psserver/shm.py, ipc_server.py)
 WORKER = "pstrain.v1.Worker"
 
 
@@ -304,7 +304,7 @@ def test_worker_coordinator_and_checkpoint_metrics(tmp_path):
 
         pss = scrape(ps_m)
         assert pss.value("pstrain_ps_gradients_total", kind="dense", mode="async") == 5
-        # the worker shares the host: its pushes went over the local socket (psserver/ipc.py)
+        # the worker shares the host: its pushes went over the local socket (psserver/ipc_server.py)
         pushes = rpc(SHM, "Push", "OK", kind="unix") if shm.available() else rpc(BULK, "Push", "OK")
         assert pss.value("grpc_server_handled_total", **pushes) == 5
         assert pss.value("grpc_server_received_bytes_total", **{

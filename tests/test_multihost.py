@@ -144,7 +144,6 @@ def test_a_dynamic_table_trains_across_hosts_over_the_data_ports():
     over both servers, the workers' look-ups and updates take the data ports,
     the rows learn their targets."""
     from psserver.client import PSClient
-    from psserver.methods import TABLE_LOOKUP
     keys = np.random.default_rng(5).integers(-2**63, 2**63 - 1, 200, dtype=np.int64)
 
     def target(k):
@@ -156,7 +155,7 @@ def test_a_dynamic_table_trains_across_hosts_over_the_data_ports():
                                                 optimizer_params={"learning_rate": 0.5})
 
         def step(seed):
-            from coordinator.calls import client_for
+            from coordinator.ps_pool import client_for
             batch = keys[np.random.default_rng(seed).integers(0, keys.size, 64)]
             rows = table.lookup(batch)
             table.push_gradient(batch, rows - target(batch))
@@ -174,7 +173,8 @@ def test_a_dynamic_table_trains_across_hosts_over_the_data_ports():
         for address in cluster.spec.ps:
             with PSClient(address, token=cluster.spec.token, tls=strategy.tls) as c:
                 shares.append(c.table_info("emb").rows)
-                assert c._socket(TABLE_LOOKUP) is not None   # the coordinator's too
+                c.list_tables()
+                assert c.channel.plan.socket == "tcp"   # the coordinator's too
         assert sum(shares) == 200 and min(shares) > 60, shares
 
 
@@ -184,7 +184,7 @@ def test_an_embedding_step_with_two_closures_per_worker_across_hosts():
     variable (one call per server, the data ports) and pushed row-wise with
     the dense gradient (one call per server); every update lands exactly once."""
     from coordinator import IndexedSlices, read_variables
-    from coordinator.calls import client_for
+    from coordinator.ps_pool import client_for
     vocab, dim, n = 1000, 4, 120
 
     def ids_of(seed):

@@ -759,7 +759,7 @@ def test_large_tensors_are_streamed_exactly(start_ps, dtype, shared_memory):
         for s in c.read_many(list(parts)):
             np.testing.assert_array_equal(s.value, parts[s.name] - 1)
             assert s.version == 1
-        assert (c._arena is not None) == shared_memory   # the path under test was taken
+        assert (c._segments._arena is not None) == shared_memory   # the path under test was taken
 
     # a fresh client does not know the sizes: it falls back to the stream
     with small_client(ps.address) as fresh:
@@ -917,7 +917,7 @@ def test_token_auth(start_ps):
                 lambda: bad.create_variable("y", initial_value=big),  # Upload stream
                 lambda: bad.delete_variable("w"),
             ]
-            bad._nbytes["big"] = big.nbytes        # so read("big") takes ReadStream
+            bad._sizes.remember("big", big.nbytes, big.shape)        # so read("big") takes ReadStream
             calls.append(lambda: bad.read("big"))
             for call in calls:
                 with pytest.raises(Unauthenticated, match="token"):

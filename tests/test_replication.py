@@ -239,7 +239,7 @@ def test_partitioned_primary_is_fenced_and_nothing_acknowledged_is_lost():
     ps1; its own copy, still alive, is fenced (its records refused), so no
     update is acknowledged by it alone. When the link returns, ps0 gets its
     copies back and its primaries are handed back: the layout is as created."""
-    from coordinator import routes
+    from coordinator import ps_pool
     from proxy import CuttableProxy, spec_through
     from psserver import replication as R
 
@@ -271,7 +271,7 @@ def test_partitioned_primary_is_fenced_and_nothing_acknowledged_is_lost():
                     PSClient(spec.ps[1], token=cluster.token, tls=cluster.tls) as c1:
                 created = [c0.get_meta(c.shards[0].name), c1.get_meta(c.shards[1].name)]
             roles = [(m.role, m.version, m.backup.name) for m in created]
-            flipped = [routes.route(c, k).flipped for k in range(2)]
+            flipped = [ps_pool.servers().routes.route(c, k).flipped for k in range(2)]
             copies = _copies_equal(cluster, c)
         finally:
             proxy.close()

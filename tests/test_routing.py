@@ -74,9 +74,9 @@ def test_the_calls_are_one_table():
     aside); socket ids unique and clear of the frame protocol's own (hello,
     identity); the shared-memory calls are SharedMemory's; each Method
     stands for its gRPC method with the same messages."""
-    from psserver import ipc, methods
+    from psserver import methods
     ids = [m.id for m in methods.SOCKET]
-    assert len(set(ids)) == len(ids) and not {ipc.HELLO, ipc.IDENTITY} & set(ids)
+    assert len(set(ids)) == len(ids) and not {methods.HELLO, methods.IDENTITY} & set(ids)
     assert all(0 < i < 256 for i in ids)
     assert [m for m in methods.ALL if m.id is not None] == list(methods.SOCKET)
     assert {m.name for m in methods.ALL if m.shm} == {"Read", "Push"}

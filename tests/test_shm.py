@@ -69,7 +69,7 @@ def test_shared_memory_matches_grpc_and_leaves_nothing(ps):
             np.testing.assert_array_equal(v_fast, v_slow)
         np.testing.assert_allclose(v_fast, init - 0.5 * grads.sum(0), rtol=1e-5, atol=1e-5)
         assert not v_fast.flags.writeable   # as the gRPC path's snapshots
-        assert fast.route.shm and fast._arena is not None
+        assert fast.route.shm and fast._segments._arena is not None
         held = _server_segments(ps.pid)
         assert held and all(t.endswith("(deleted)") for t in held), held
     # close() detaches: the server lets go of the memory
@@ -134,8 +134,9 @@ def test_a_client_of_a_server_that_is_gone_closes_at_once(start_ps, monkeypatch)
     """Its segments are dropped without a Detach call each (one would wait for
     the dead server until its deadline); a live server's are detached."""
     detached = []
-    real = PSClient._shm_detach
-    monkeypatch.setattr(PSClient, "_shm_detach",
+    from psserver.client.segments import SegmentPath
+    real = SegmentPath._detach
+    monkeypatch.setattr(SegmentPath, "_detach",
                         lambda self, seg_id: detached.append(seg_id) or real(self, seg_id))
     for kill in (False, True):
         ps = start_ps()
@@ -162,7 +163,7 @@ def test_sigkilled_client_leaves_nothing_behind(ps):
         c = PSClient({ps.address!r})
         c.create_variable("k", initial_value=np.zeros({N}, np.float32))
         c.read("k"); c.read("k"); c.push("k", np.ones({N}, np.float32))
-        assert c._arena is not None
+        assert c._segments._arena is not None
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     r = subprocess.run([sys.executable, "-c", code], timeout=30)
@@ -374,31 +375,30 @@ def test_read_into_given_arrays(ps, mode):
         np.testing.assert_array_equal(s3.value, dest)
         h = c.read_many_async(["w"], out=[dest])
         assert h.result()[0].value is dest
-        assert (c._ipc is not None, c._data is not None) == \
-            {"shm": (shm.available(), False), "data": (False, True), "grpc": (False, False)}[mode]
+        sock = c.channel.socket
+        assert (sock.kind if sock is not None else "grpc") == \
+            {"shm": "unix" if shm.available() else "tcp", "data": "tcp", "grpc": "grpc"}[mode]
 
 
-# -- the local call socket (psserver/ipc.py) --------------------------------------------
+# -- the local call socket (psserver/ipc_server.py) --------------------------------------------
 def _ipc_name(address: str, token: str | None = None) -> str:
+    """The server's Unix socket, as it announces it (ServerInfo.host)."""
     with PSClient(address, token=token) as c:
-        seg = shm.Segment(1 << 20)
-        try:
-            reply = c._call(methods.SHM_ATTACH, _attach_request(seg))
-        finally:
-            seg.close()
-        assert reply.ipc_socket.startswith("@pstrain-ipc-")
-        return reply.ipc_socket
+        name = c.server_info().host.ipc_socket
+    assert name.startswith("@pstrain-ipc-")
+    return name
 
 
 def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
-    from psserver import ipc, methods
+    from psserver import routing
     from psserver.errors import Unauthenticated
+    from psserver.link.transport import SocketTransport
     from psserver.server import TOKEN_ENV
     ps = start_ps(env={TOKEN_ENV: "right"})
     name = _ipc_name(ps.address, "right")
     for token in (None, "wrong", "righ"):
         with pytest.raises(Unauthenticated):
-            ipc.IpcClient(name, token, ps.address).connect()
+            SocketTransport(routing.UNIX, ps.address, token, name=name).connect()
     import socket
     import struct
     for junk in (b"\x00" * 3,                                        # a short hello
@@ -411,24 +411,24 @@ def test_local_socket_checks_the_token_and_survives_garbage(start_ps):
         s.shutdown(socket.SHUT_WR)
         s.recv(1024)   # refused or closed, never served
         s.close()
-    client = ipc.IpcClient(name, "right", ps.address)
+    client = SocketTransport(routing.UNIX, ps.address, "right", name=name)
     gather = ps_pb2.GatherRequest(name="nope", ids=ps_pb2.Tensor(
         dtype="int64", shape=[1], data=np.zeros(1, np.int64).tobytes()))
     with pytest.raises(PSError) as info:   # a well-formed call: the servicer's answer
-        client.call(methods.GATHER.id, gather.SerializeToString(), 5)
+        client.call(methods.GATHER, gather.SerializeToString(), 5)
     assert info.value.code == Code.NOT_FOUND
     with pytest.raises(PSError) as info:   # an unparsable request
-        client.call(methods.PUSH_SPARSE.id, b"\xff\xff\xff", 5)
+        client.call(methods.PUSH_SPARSE, b"\xff\xff\xff", 5)
     assert info.value.code == Code.INVALID_ARGUMENT
     with pytest.raises(PSError) as info:   # no such method
-        client.call(77, b"", 5)
+        client.call(methods.Method(77, methods.PS, "Nothing", None, None, "nothing"), b"", 5)
     assert info.value.code == Code.UNIMPLEMENTED
     client.close()
     with PSClient(ps.address, token="right") as c:   # and it still serves
         _make(c)
         c.read("w")
         c.push("w", np.ones(N, np.float32))
-        assert c.local and c.read("w", with_version=True)[1] == 1
+        assert c.channel.socket is not None and c.read("w", with_version=True)[1] == 1
 
 
 # -- reads straight from the server's memory (psserver.shm.SharedValue) -------------------
@@ -446,7 +446,7 @@ def test_direct_reads_are_consistent_under_concurrent_pushes(ps):
                           optimizer_params={"learning_rate": 1.0})
         c.read("w")
         c.read("w")
-        assert isinstance(c._direct.get("w"), shm.MappedValue)   # the path under test
+        assert isinstance(c._segments._mapped.get("w"), shm.MappedValue)   # the path under test
         code = textwrap.dedent(f"""
             import numpy as np
             from psserver.client import PSClient
@@ -477,11 +477,11 @@ def test_direct_reads_follow_delete_recreate_and_restart(start_ps):
         c.create_variable("w", initial_value=np.full(1000, 1.0, np.float32))
         c.read("w")
         np.testing.assert_array_equal(c.read("w"), 1.0)
-        mapped = c._direct["w"]
+        mapped = c._segments._mapped["w"]
         c.delete_variable("w")
         c.create_variable("w", initial_value=np.full(1000, 2.0, np.float32))
         np.testing.assert_array_equal(c.read("w"), 2.0)   # not the dead one
-        assert c._direct.get("w") is not mapped
+        assert c._segments._mapped.get("w") is not mapped
         np.testing.assert_array_equal(c.read("w"), 2.0)
         port = ps.address.rsplit(":", 1)[1]
         ps.kill()
@@ -493,14 +493,42 @@ def test_direct_reads_follow_delete_recreate_and_restart(start_ps):
         np.testing.assert_array_equal(c.read("w"), 3.0)
 
 
+@direct
+def test_no_value_of_a_dead_server_is_read_after_it_restarts_and_a_push_goes_first(start_ps):
+    """A client that read a variable straight from its server's memory, whose
+    server was killed and restarted on the same port, and whose first call
+    after that is a push: its next read is the new process's value, not the
+    dead process's memory (issue 33 item 1: what it knew of the server is
+    kept per incarnation, TaskChannel.incarnation)."""
+    ps = start_ps()
+    port = ps.address.rsplit(":", 1)[1]
+    with PSClient(ps.address, wait_for_ready=True) as c:
+        c.create_variable("w", initial_value=np.zeros(1000, np.float32),
+                          optimizer_params={"learning_rate": 1.0})
+        c.read("w")
+        assert c.read("w", with_version=True)[1] == 0
+        assert isinstance(c._segments._mapped.get("w"), shm.MappedValue)   # mapped
+        ps.kill()
+        ps = start_ps("--port", port)
+        with PSClient(ps.address) as other:
+            other.create_variable("w", initial_value=np.full(1000, 9.0, np.float32),
+                                  optimizer_params={"learning_rate": 1.0})
+            assert other.push("w", np.ones(1000, np.float32)) == 1   # 8.0 at version 1
+            assert c.push("w", np.ones(1000, np.float32)) == 2       # 7.0 at version 2
+            value, version = c.read("w", with_version=True)
+            assert version == 2 and (value == 7.0).all(), (version, value[:3])
+            np.testing.assert_array_equal(other.read("w"), value)
+
+
 def _read_fast(c: PSClient):
     """A read with a short deadline (the server is down)."""
-    old, c.timeout = c.timeout, 2.0
-    old_wait, c._wait_for_ready = c._wait_for_ready, False
+    ch = c.channel
+    old, ch.timeout = ch.timeout, 2.0
+    old_wait, ch.grpc.wait_for_ready = ch.grpc.wait_for_ready, False
     try:
         return c.read_many(["w"])
     finally:
-        c.timeout, c._wait_for_ready = old, old_wait
+        ch.timeout, ch.grpc.wait_for_ready = old, old_wait
 
 
 @direct
@@ -546,12 +574,12 @@ def test_segment_of_a_timed_out_push_is_never_lent_again(start_ps):
             setup.create_variable(name, (size,), optimizer_params={"learning_rate": 1.0})
         c.read("a")
         c.read("a")   # attached: a free segment, a local connection
-        assert c.local
-        c._ipc.client.connect()   # a second one, so the next call needs no server to connect
+        assert c.channel.socket is not None
+        c.channel.socket.connect()   # a second one, so the next call needs no server to connect
         # Two free segments: 1 MiB, which the first push takes, and 4 MiB, which
         # the second takes only if the first one is (rightly) not lent again.
-        for seg in [c._shm_take(1 << 20), c._shm_take(3 << 20)]:
-            c._arena.give(seg)
+        for seg in [c._segments._take(1 << 20), c._segments._take(3 << 20)]:
+            c._segments._arena.give(seg)
         os.kill(ps.pid, signal.SIGSTOP)   # a server too slow for the deadline
         wait_stopped(ps.pid)   # every thread of it (SIGSTOP lands thread by thread)
         try:

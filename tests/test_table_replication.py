@@ -134,7 +134,7 @@ def test_table_replication_calls_validate_what_they_receive_and_change_nothing(s
     from psserver import methods
     from psserver import replication as R
     from psserver import tensor as T
-    from psserver.client_tables import table_spec
+    from psserver.client import table_spec
     from psserver.errors import FailedPrecondition, InvalidArgument, NotPrimary
 
     token = "table-replication-secret"

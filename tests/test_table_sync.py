@@ -23,7 +23,7 @@ from psserver import methods
 from psserver import replication as R
 from psserver import tensor as T
 from psserver.client import PSClient
-from psserver.client_tables import table_spec
+from psserver.client import table_spec
 from psserver.contract import Code, SyncSpec
 from psserver.dynamic_table import DynamicTable
 from psserver.errors import DeadlineExceeded, InvalidArgument

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from protos.pstrain.v1 import tables_pb2
-from psserver import methods
 from psserver.client import PSClient
 from psserver.contract import Code, Initializer
 from psserver.errors import PSError, Unauthenticated
@@ -50,9 +49,9 @@ def test_look_up_admit_and_update_over_each_transport(start_ps, route):
                 got["updated"], got["dropped"], got["lookups"], got["hits"]) == \
             (1, 1, 1, 2, 1, 1, 4, 0)   # 7 was made by that look-up: not a hit
         if route != "grpc":   # the hot calls took the socket
-            assert c._socket(methods.TABLE_LOOKUP) is not None
+            assert c.channel.socket is not None
         else:
-            assert c._socket(methods.TABLE_LOOKUP) is None
+            assert c.channel.socket is None
         assert [t.name for t in c.list_tables()] == ["emb"]
         assert c.delete_table("emb") and not c.delete_table("emb")
 
@@ -131,7 +130,7 @@ def test_malformed_requests_get_invalid_argument_not_internal(ps):
             ("Lookup", tables_pb2.LookupRequest(   # a shape of 2**62 keys
                 name="t", keys={"dtype": "int64", "shape": [1 << 31, 1 << 31], "data": b""})),
         ]:
-            raw = c.grpc.channel.unary_unary(f"/pstrain.v1.DynamicTables/{method}",
+            raw = c.channel.grpc.channel.unary_unary(f"/pstrain.v1.DynamicTables/{method}",
                                              request_serializer=None,
                                              response_deserializer=None)
             if not isinstance(payload, bytes):

@@ -1,81 +1,148 @@
-"""The transports (psserver/transport.py): one call, the same answer and the
-same typed errors over gRPC, the Unix socket and the data port (a real
-parameter server); and what a client does when a socket fails under a call
-(psserver/channel.py ``_over``), against fake transports."""
+"""The transports (psserver/link/transport.py), one contract for every kind:
+the same call gives the same reply and the same typed errors over the fake
+(an in-process servicer: psserver logic, no network), gRPC, the Unix
+socket and the data port (a real parameter server); plus what only real
+sockets can show (a wrong token is refused before anything runs, a call
+that times out drops its connection)."""
 from __future__ import annotations
+
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import ipc, methods, routing, wire
+from psserver import methods, routing, wire
 from psserver import tensor as T
-from psserver.channel import ServerChannel
 from psserver.client import PSClient
-from psserver.contract import (TOKEN_ENV, InvalidArgument, NotFound, Unauthenticated, Unavailable,
-                               call_metadata)
+from psserver.contract import (TOKEN_ENV, DeadlineExceeded, InvalidArgument, NotFound, NotSent,
+                               Unauthenticated, Unavailable, call_metadata)
+from psserver.link import frames
+from psserver.link.transport import FakeTransport, GrpcTransport, SocketTransport
+from psserver.servicer import ParameterServerServicer
+from psserver.store import VariableStore
 from psserver.tls import make_channel
-from psserver.transport import GrpcTransport, Pending, SocketTransport
 from tests.test_data_port import data_port_of
 
 pytestmark = pytest.mark.timeout(60)
+TABLE = np.arange(12, dtype=np.float32).reshape(6, 2)
+KINDS = ["fake", "grpc", "unix", "tcp"]
 
 
-def _transports(ps, token=None):
-    """gRPC, Unix socket and data port transports to one server."""
-    info = ps_pb2.ServerInfo()
+def in_process(store: VariableStore | None = None) -> FakeTransport:
+    """A fake transport answering with a real servicer's handlers, in process
+    (the methods' request/reply messages, or bytes framed by hand)."""
+    servicer = ParameterServerServicer(store or VariableStore())
+    services = {methods.PS: servicer, methods.BULK: servicer}
+
+    def handle(method, request):
+        handler = getattr(services[method.service], method.handler)
+        if method.request is not None and isinstance(request, (bytes, bytearray)):
+            request = method.request.FromString(request)
+        reply = handler(request, None)
+        if isinstance(reply, (bytes, bytearray, memoryview)) and method.reply is not None:
+            return method.reply.FromString(bytes(reply))
+        return bytes(reply) if isinstance(reply, memoryview) else reply
+    return FakeTransport(handle)
+
+
+@pytest.fixture(params=KINDS)
+def transport(request, start_ps):
+    """A transport of each kind to a server holding variable "t" (TABLE, SGD
+    at learning rate 1)."""
+    kw = dict(initial_value=TABLE, optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+    if request.param == "fake":
+        store = VariableStore()
+        store.create("t", "float32", TABLE.shape, initial_value=TABLE, optimizer="sgd",
+                     optimizer_params={"learning_rate": 1.0})
+        t = in_process(store)
+        yield t
+        return
+    ps = start_ps()
     with PSClient(ps.address) as c:
-        info.CopyFrom(c.server_info())
+        c.create_variable("t", **kw)
+        info = c.server_info()
+    identity = f"{info.protocol_version}:{info.server_id}"
+    if request.param == "grpc":
+        t = GrpcTransport(make_channel(ps.address, [], None), ps.address, call_metadata(None))
+    elif request.param == "unix":
+        t = SocketTransport(routing.UNIX, ps.address, None, name=info.host.ipc_socket,
+                            identity=identity)
+    else:
+        t = SocketTransport(routing.TCP, ps.address, None, identity=identity,
+                            tcp=(ps.address.rsplit(":", 1)[0], data_port_of(ps)))
+    yield t
+    t.close()
+
+
+def _transports(ps, token=None) -> list:
+    """gRPC, Unix socket and data port transports to one real server."""
+    with PSClient(ps.address, token=token) as c:
+        info = c.server_info()
     identity = f"{info.protocol_version}:{info.server_id}"
     host = ps.address.rsplit(":", 1)[0]
-    grpc_t = GrpcTransport(make_channel(ps.address, [], None), ps.address, call_metadata(token))
-    unix = ipc.IpcClient(info.host.ipc_socket, token, ps.address, identity=identity)
-    tcp = ipc.IpcClient("", token, ps.address, tcp=(host, data_port_of(ps)), identity=identity)
-    return [grpc_t, SocketTransport(unix, routing.UNIX), SocketTransport(tcp, routing.TCP)]
+    return [GrpcTransport(make_channel(ps.address, [], None), ps.address, call_metadata(token)),
+            SocketTransport(routing.UNIX, ps.address, token, name=info.host.ipc_socket,
+                            identity=identity),
+            SocketTransport(routing.TCP, ps.address, token, identity=identity,
+                            tcp=(host, data_port_of(ps)))]
 
 
-def test_each_transport_gives_the_same_replies_and_the_same_typed_errors(start_ps):
+def _gather(ids, name="t") -> ps_pb2.GatherRequest:
+    req = ps_pb2.GatherRequest(name=name)
+    T.fill(req.ids, np.asarray(ids, np.int64))
+    return req
+
+
+def test_the_same_replies_and_typed_errors_on_every_transport(transport):
+    reply = transport.call(methods.GATHER, _gather([4, 1]), 10.0)
+    np.testing.assert_array_equal(T.decode(reply.rows), TABLE[[4, 1]])
+    sent = transport.send(methods.GATHER, _gather([5]), 10.0)   # sent now, read on result()
+    np.testing.assert_array_equal(T.decode(sent.result().rows), TABLE[[5]])
+    with pytest.raises(InvalidArgument, match="99"):
+        transport.call(methods.GATHER, _gather([99]), 10.0)
+    with pytest.raises(NotFound):
+        transport.call(methods.GATHER, _gather([0], "nope"), 10.0)
+    # bytes framed by hand go as they are (the bulk push), and post makes the value
+    raw = wire.encode_push_request([("t", np.ones((6, 2), np.float32), 7)])
+    assert transport.send(methods.BULK_PUSH, raw, 10.0,
+                          post=lambda r: list(r.versions)).result() == [1]
+    # recover answers an error instead of raising it
+    got = transport.send(methods.GATHER, _gather([99]), 10.0,
+                         recover=lambda exc: type(exc).__name__).result()
+    assert got == "InvalidArgument"
+    # a hand-framed reply is taken by a receiver, into the arrays offered
+    into = np.zeros((6, 2), np.float32)
+    values = transport.call(
+        methods.BULK_READ, ps_pb2.ReadRequest(names=["t"]), 10.0,
+        receiver=lambda recv_into, n: wire.receive_read_reply(recv_into, n, [("t", into)]))
+    assert values[0][1] == 1 and values[0][2] is into
+    np.testing.assert_array_equal(into, TABLE - 1)
+
+
+def test_a_socket_refuses_a_call_it_does_not_carry_before_sending(transport):
+    if not isinstance(transport, SocketTransport):
+        pytest.skip("socket transports only")
+    with pytest.raises(ValueError, match="not a socket call"):
+        transport.send(methods.META, ps_pb2.VariableRef(name="t"), 10.0)
+
+
+def test_calls_after_close_fail_unavailable(start_ps):
     ps = start_ps()
-    table = np.arange(12, dtype=np.float32).reshape(6, 2)
-    with PSClient(ps.address) as c:
-        c.create_variable("t", initial_value=table, optimizer="sgd",
-                          optimizer_params={"learning_rate": 1.0})
-    transports = _transports(ps)
-    try:
-        gather = ps_pb2.GatherRequest(name="t")
-        T.fill(gather.ids, np.array([4, 1], np.int64))
-        bad = ps_pb2.GatherRequest(name="t")
-        T.fill(bad.ids, np.array([99], np.int64))
-        unknown = ps_pb2.GatherRequest(name="nope")
-        T.fill(unknown.ids, np.array([0], np.int64))
-        for pushed, t in enumerate(transports):
-            reply = t.call(methods.GATHER, gather, 10.0)
-            np.testing.assert_array_equal(T.decode(reply.rows), table[[4, 1]] - pushed)
-            pending = t.send(methods.GATHER, gather, 10.0)   # the async twin
-            np.testing.assert_array_equal(T.decode(pending.result().rows),
-                                          table[[4, 1]] - pushed)
-            with pytest.raises(InvalidArgument, match="99"):
-                t.call(methods.GATHER, bad, 10.0)
-            with pytest.raises(NotFound):
-                t.call(methods.GATHER, unknown, 10.0)
-            # bytes framed by hand go as they are (the bulk push), on every transport
-            raw = wire.encode_push_request([("t", np.ones((6, 2), np.float32), 0)])
-            t.call(methods.BULK_PUSH, raw, 10.0)
-        # three pushes of ones at learning rate 1, whichever way they went
-        reply = transports[0].call(methods.GATHER, gather, 10.0)
-        np.testing.assert_array_equal(T.decode(reply.rows), table[[4, 1]] - 3)
-        # a gRPC-only call is refused by a socket before anything is sent
-        with pytest.raises(ValueError, match="not a socket call"):
-            transports[1].call(methods.META, ps_pb2.VariableRef(name="t"), 10.0)
-        assert transports[0].call(methods.META, ps_pb2.VariableRef(name="t"), 10.0).version == 3
-    finally:
-        for t in transports:
-            t.close()
-    with pytest.raises(Unavailable, match="closed"):   # a call cut by close() is UNAVAILABLE
-        transports[0].call(methods.META, ps_pb2.VariableRef(name="t"), 10.0)
+    grpc_t = GrpcTransport(make_channel(ps.address, [], None), ps.address)
+    grpc_t.call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest(), 10.0)
+    grpc_t.close()
+    with pytest.raises(Unavailable, match="closed"):
+        grpc_t.call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest(), 10.0)
+    fake = in_process()
+    fake.close()
+    with pytest.raises(NotSent):   # (an Unavailable: nothing ran)
+        fake.send(methods.GATHER, _gather([0]), 1.0)
 
 
-def test_a_wrong_token_is_unauthenticated_on_every_transport(start_ps):
+def test_a_wrong_token_is_refused_before_anything_runs(start_ps):
     ps = start_ps(env={TOKEN_ENV: "right"})
     host = ps.address.rsplit(":", 1)[0]
     grpc_t = GrpcTransport(make_channel(ps.address, [], None), ps.address,
@@ -83,92 +150,77 @@ def test_a_wrong_token_is_unauthenticated_on_every_transport(start_ps):
     try:
         with pytest.raises(Unauthenticated):
             grpc_t.call(methods.META, ps_pb2.VariableRef(name="t"), 10.0)
-        sock = SocketTransport(ipc.IpcClient("", "wrong", ps.address,
-                                             tcp=(host, data_port_of(ps))), routing.TCP)
-        with pytest.raises(Unauthenticated) as e:   # refused at its hello: nothing ran
-            sock.send(methods.GATHER, ps_pb2.GatherRequest(name="t"), 10.0)
-        assert e.value.not_sent
     finally:
         grpc_t.close()
+    sock = SocketTransport(routing.TCP, ps.address, "wrong", tcp=(host, data_port_of(ps)))
+    with pytest.raises(Unauthenticated):   # raised by send: refused at its hello, nothing ran
+        sock.send(methods.GATHER, ps_pb2.GatherRequest(name="t"), 10.0)
+    sock.close()
 
 
-# -- acting on a socket that fails under a call (fake transports) ------------------------
-class FakeTransport:
-    """Answers each call with the next outcome of ``script`` (an exception
-    is raised, anything else returned), then "from grpc" or "from socket";
-    ``on_send``: raised by send()."""
+class _HalfReplyServer:
+    """Speaks the frame protocol's hello, then answers the first call with a
+    reply header and half its body, and stalls: a server stuck mid-reply."""
 
-    def __init__(self, kind, *script, on_send=None):
-        self.kind, self.script, self.on_send = kind, list(script), on_send
-        self.sent, self.closed = [], False
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.closed_by_client = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
 
-    def send(self, method, request, timeout, receiver=None):
-        self.sent.append(method)
-        if self.on_send is not None:
-            raise self.on_send
-        outcome = self.script.pop(0) if self.script else \
-            "from grpc" if self.kind == routing.GRPC else "from socket"
-
-        def result():
-            if isinstance(outcome, Exception):
-                raise outcome
-            return outcome
-        return Pending(result)
-
-    def call(self, method, request, timeout):
-        return self.send(method, request, timeout).result()
+    def _serve(self):
+        conn, _ = self.sock.accept()
+        with conn:
+            _, n, _ = frames.REQUEST.unpack(frames.recv_exact(conn, frames.REQUEST.size))
+            frames.recv_exact(conn, n)
+            conn.sendall(frames.REPLY.pack(0, 0))                       # hello: welcome
+            _, n, _ = frames.REQUEST.unpack(frames.recv_exact(conn, frames.REQUEST.size))
+            frames.recv_exact(conn, n)
+            conn.sendall(frames.REPLY.pack(0, 100) + b"x" * 50)         # half a reply
+            conn.settimeout(30)
+            try:
+                if conn.recv(1) == b"":   # the client closed the connection
+                    self.closed_by_client.set()
+            except OSError:
+                self.closed_by_client.set()
 
     def close(self):
-        self.closed = True
+        self.sock.close()
 
 
-def _channel_over(sock: FakeTransport) -> tuple[ServerChannel, FakeTransport]:
-    ch = ServerChannel("127.0.0.1:9", shared_memory=False)   # no server is asked
-    ch.grpc.close()
-    ch.grpc = FakeTransport(routing.GRPC)
-    ch._data = sock
-    ch._plan = routing.Plan(socket=routing.TCP, why="test")
-    return ch, ch.grpc
+def test_a_call_that_times_out_drops_its_connection():
+    """A reply cut off by the call's deadline leaves half of it on the
+    socket: the connection is closed, never used for the next call."""
+    server = _HalfReplyServer()
+    t = SocketTransport(routing.TCP, "stuck", None, tcp=("127.0.0.1", server.port))
+    try:
+        sent = t.send(methods.GATHER, _gather([0]), 0.3)
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            sent.result()
+        assert time.monotonic() - start < 5
+        assert server.closed_by_client.wait(10), "the half-read connection was kept"
+        assert t._free == []   # nothing kept to be used again
+    finally:
+        t.close()
+        server.close()
 
 
-def test_calls_take_the_socket_the_route_names_and_grpc_only_calls_take_grpc():
-    ch, grpc_t = _channel_over(FakeTransport(routing.TCP))
-    assert ch._invoke(True, methods.GATHER, b"") == "from socket"
-    assert ch._invoke(False, methods.PUSH_SPARSE, b"").result() == "from socket"
-    assert ch._invoke(True, methods.META, b"") == "from grpc"
-    assert grpc_t.sent == [methods.META]
-
-
-def test_a_call_never_sent_goes_over_grpc_and_the_route_is_learnt_again():
-    err = Unavailable("connection refused")
-    err.not_sent = True
-    sock = FakeTransport(routing.TCP, on_send=err)
-    ch, grpc_t = _channel_over(sock)
-    assert ch._invoke(True, methods.PUSH_SPARSE, b"") == "from grpc"   # safe: nothing ran
-    assert sock.closed and ch._data is None and ch._plan is None
-    assert grpc_t.sent == [methods.PUSH_SPARSE]
-
-
-def test_a_read_lost_in_flight_is_read_again_over_grpc():
-    sock = FakeTransport(routing.TCP, Unavailable("connection reset"))
-    ch, grpc_t = _channel_over(sock)
-    assert ch._invoke(True, methods.GATHER, b"") == "from grpc"
-    assert sock.closed and ch._data is None and grpc_t.sent == [methods.GATHER]
-
-
-def test_an_update_lost_in_flight_is_not_resent_and_fails_unavailable():
-    sock = FakeTransport(routing.TCP, Unavailable("connection reset"))
-    ch, grpc_t = _channel_over(sock)
-    h = ch._invoke(False, methods.PUSH_SPARSE, b"")
-    with pytest.raises(Unavailable):   # applied or not: the caller resends with its key
-        h.result()
-    assert sock.closed and ch._data is None and grpc_t.sent == []
-
-
-def test_an_error_of_the_call_itself_keeps_the_socket():
-    sock = FakeTransport(routing.TCP, InvalidArgument("bad ids"))
-    ch, grpc_t = _channel_over(sock)
-    with pytest.raises(InvalidArgument):
-        ch._invoke(True, methods.GATHER, b"")
-    assert ch._data is sock and not sock.closed
-    assert ch._invoke(True, methods.GATHER, b"") == "from socket" and grpc_t.sent == []
+def test_result_timeout_is_honoured_and_the_call_stays_pending(start_ps):
+    """result(timeout) raises DeadlineExceeded when the reply has not come,
+    and a later result() still gets it (a sync read waiting for an earlier
+    step: the server answers once that step completes)."""
+    from psserver.contract import SyncSpec
+    ps = start_ps()
+    with PSClient(ps.address) as c, PSClient(ps.address) as other:
+        c.create_variable("v", initial_value=np.zeros(4, np.float32))
+        # step 0 needs two replicas; one pushed: a read for step 1 waits
+        c.push_many([("v", np.ones(4, np.float32))], sync=SyncSpec(0, 0, 2, 2))
+        waiting = c.read_many_async(["v"], sync_step=1)
+        with pytest.raises(DeadlineExceeded):
+            waiting.result(timeout=0.3)
+        assert not waiting.done()
+        other.push_many([("v", np.ones(4, np.float32))], sync=SyncSpec(0, 1, 2, 2))
+        (snap,) = waiting.result(timeout=30)
+        assert snap.version == 1

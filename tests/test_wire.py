@@ -51,16 +51,20 @@ def test_malformed_bytes_are_invalid_argument(raw):
 
 @pytest.mark.timeout(60)
 def test_bulk_service_serves_generated_clients_and_matches_the_plain_path(ps):
-    with PSClient(ps.address) as bulk, PSClient(ps.address, bulk=False) as plain:
+    g = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with PSClient(ps.address) as bulk, grpc.insecure_channel(ps.address) as ch:
+        plain = ps_pb2_grpc.ParameterServerStub(ch)   # the generated messages, parsed by protobuf
         bulk.create_variable("w", initial_value=np.zeros((4, 3), np.float32),
                              optimizer="sgd", optimizer_params={"learning_rate": 1.0})
-        g = np.arange(12, dtype=np.float32).reshape(4, 3)
         assert bulk.push("w", g) == 1
-        assert plain.push("w", g) == 2
-        (a, va), (b, vb) = bulk.read("w", with_version=True), plain.read("w", with_version=True)
+        assert list(plain.Push(ps_pb2.PushRequest(updates=[ps_pb2.DenseUpdate(
+            name="w", tensor=ps_pb2.Tensor(dtype="float32", shape=[4, 3], data=g.tobytes()))]),
+            timeout=10).versions) == [2]
+        a, va = bulk.read("w", with_version=True)
+        got = plain.Read(ps_pb2.ReadRequest(names=["w"]), timeout=10).values[0]
         np.testing.assert_array_equal(a, -2 * g)
-        np.testing.assert_array_equal(a, b)
-        assert va == vb == 2
+        np.testing.assert_array_equal(a, np.frombuffer(got.value.data, np.float32).reshape(4, 3))
+        assert va == got.version == 2
     with grpc.insecure_channel(ps.address) as ch:   # any generated client may use it
         stub = ps_pb2_grpc.ParameterServerBulkStub(ch)
         reply = stub.Read(ps_pb2.ReadRequest(names=["w"]), timeout=10)

@@ -1,0 +1,240 @@
+"""This process's parameter servers: ``ParameterServers``.
+
+One object per process holds what every call to a parameter server needs:
+
+* the connections, one PSClient per server address, with the token and TLS
+  this process was configured with (``client``);
+* the routes table: which copy of each replicated shard takes calls now
+  (``routes``, coordinator/routes.py);
+* the one way a step's calls are sent, settled and resent (``settle``).
+
+The strategy configures it (``configure``: the cluster's token and TLS) on
+the coordinator; a worker process finds it through ``servers()``, made on
+first use from the environment the worker was started with
+($PSTRAIN_AUTH_TOKEN, $PSTRAIN_TLS_*). ShardedVariable and DynamicEmbedding
+are small picklable descriptions that travel to the workers: every call
+they make goes through this object, variables' and tables' alike.
+
+``settle`` guarantees, for a step's calls (``Op``, one per server, each with
+its update keys fixed before the first send):
+
+* all are sent at once (a socket call is sent on this thread and its reply
+  read after the others went; a gRPC call runs on a kept thread), then
+  each reply is read, in order;
+* one that fails with UNAVAILABLE, NOT_FOUND (a restarted server before it
+  was restored) or DEADLINE_EXCEEDED is resent, the same request (so the
+  same update keys: a server that applied it drops the second), with
+  backoff, for up to ``RETRY_SECONDS`` (``PSTRAIN_RETRY_SECONDS``, 120);
+* one that reaches replicated shards and fails that way, or meets a copy
+  that is not primary (NotPrimary), makes the routes be asked again
+  (``Routes.refresh``); if any route it was planned on is no longer the
+  current one (whoever found out), every call is planned again on the new
+  routes and resent (``plan`` is called again; its update keys stay);
+* every reply is read before an error goes up (each holds a connection or
+  a shared-memory segment until it is).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+import time
+from typing import Callable, Sequence
+
+from coordinator.routes import Routes
+from psserver.client import PSClient
+from psserver.contract import (TOKEN_ENV, DeadlineExceeded, NotFound, NotPrimary, PSError,
+                               Unavailable)
+from psserver.link.pending import Pending
+from psserver.tls import TLSConfig
+
+#: How long calls are resent while a parameter server is away (seconds).
+RETRY_SECONDS = float(os.environ.get("PSTRAIN_RETRY_SECONDS", "120"))
+_RETRYABLE = (Unavailable, NotFound, DeadlineExceeded, NotPrimary)
+#: Seconds to wait for each copy's metadata when asking who is primary.
+ASK_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One call to one parameter server for ``settle``: ``send(client)``
+    sends it and returns its Pending. ``routes``: the (shard key, Route) of
+    the replicated shards it reaches, as planned (``Routes.key``); the call
+    is planned again if one of them changes."""
+    address: str
+    send: Callable[[PSClient], Pending]
+    routes: tuple = ()
+    pairs: tuple = ()   # the (variable or table, shard index) it reaches, for refresh
+
+
+class _Rerouted(Exception):
+    """A route a call was planned on changed: plan the calls again."""
+
+
+class ParameterServers:
+    """See the module. ``token``/``tls``: the cluster's (None: plaintext, no token)."""
+
+    def __init__(self, token: str | None = None, tls: TLSConfig | None = None):
+        self.token, self.tls = token, tls
+        self._clients: dict[str, PSClient] = {}
+        self._lock = threading.Lock()
+        self.routes = Routes()
+
+    # -- connections -----------------------------------------------------------------
+    def client(self, address: str) -> PSClient:
+        """The PSClient for a server address (made on first use). Its calls
+        fail at once when the server is down (UNAVAILABLE): settle resends
+        data calls, and control calls say so."""
+        c = self._clients.get(address)
+        if c is None:
+            with self._lock:
+                c = self._clients.get(address)
+                if c is None:
+                    c = self._clients[address] = PSClient(address, token=self.token, tls=self.tls)
+        return c
+
+    def probe(self, address: str, timeout: float = 2.0):
+        """The server's ServerInfo, asked with a short deadline (the watch,
+        coordinator/recovery.py). Raises PSError."""
+        return self.client(address).server_info(timeout=timeout)
+
+    def meta_or_none(self, shard):
+        """A copy's VariableMeta, or None when unreachable or missing."""
+        try:
+            return self.client(shard.address).get_meta(shard.name, timeout=ASK_SECONDS)
+        except PSError:
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+    # -- a step's calls -----------------------------------------------------------------
+    def settle(self, plan: Callable[[], Sequence[Op]]) -> list:
+        """Send the calls ``plan()`` makes (on the current routes), all at
+        once, and return their results in order, resending as the module
+        says. Raises the first call's error that is not resent."""
+        return self._finish(plan, None, None, time.monotonic() + RETRY_SECONDS)
+
+    def start(self, plan: Callable[[], Sequence[Op]]) -> Pending:
+        """settle, its calls sent now: ``result()`` collects (and resends)."""
+        ops = plan()
+        pending = [self._send(op) for op in ops]
+        return Pending(functools.partial(self._finish, plan, ops, pending,
+                                         time.monotonic() + RETRY_SECONDS))
+
+    def _finish(self, plan, ops, pending, deadline: float) -> list:
+        while True:
+            if ops is None:
+                ops = plan()
+                pending = [self._send(op) for op in ops]
+            try:
+                return self._collect(ops, pending, deadline)
+            except _Rerouted:
+                if time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"the primaries of replicated shards kept moving for {RETRY_SECONDS:.0f}s "
+                        "(PSTRAIN_RETRY_SECONDS)") from None
+                ops = None
+
+    def _send(self, op: Op) -> Pending:
+        try:
+            return op.send(self._clients.get(op.address) or self.client(op.address))
+        except _RETRYABLE as exc:   # failed while sending: reported by its result
+            return Pending.failed(exc)
+
+    def _collect(self, ops: Sequence[Op], pending: list, deadline: float) -> list:
+        out = []
+        for k, (op, p) in enumerate(zip(ops, pending)):
+            backoff = 0.05
+            while True:
+                try:
+                    out.append(p.result())
+                    break
+                except _RETRYABLE as exc:
+                    if op.routes and self._moved(op):
+                        _drain(pending[k + 1:])
+                        raise _Rerouted() from None
+                    if time.monotonic() > deadline or (isinstance(exc, NotPrimary)
+                                                       and not op.routes):
+                        _drain(pending[k + 1:])
+                        raise
+                    time.sleep(backoff)   # the server is restarting: wait before resending
+                    backoff = min(backoff * 2, 1.0)
+                    p = self._send(op)
+                except BaseException:
+                    _drain(pending[k + 1:])
+                    raise
+        return out
+
+    def _moved(self, op: Op) -> bool:
+        """Ask the copies of op's shards who leads; whether a route op was
+        planned on is not the current one (moved since, found out by anyone)."""
+        self.refresh(op.pairs)
+        return any(self.routes.get(key) != seen for key, seen in op.routes)
+
+    def refresh(self, pairs) -> bool:
+        """Ask both copies of each (variable or table, shard index) who leads
+        (coordinator/routes.py); whether a route changed."""
+        return self.routes.refresh(pairs, self.meta_or_none)
+
+
+def _drain(pending: list) -> None:
+    """Collect the other calls' replies before an error goes up (each holds a
+    connection and a shared-memory segment until its reply is read)."""
+    for p in pending:
+        try:
+            p.result()
+        except BaseException:
+            pass
+
+
+# -- the process's ----------------------------------------------------------------------
+_servers: ParameterServers | None = None
+_servers_lock = threading.Lock()
+
+
+def servers() -> ParameterServers:
+    """This process's ParameterServers (made from the environment on first use)."""
+    s = _servers
+    if s is None:
+        with _servers_lock:
+            if _servers is None:
+                _set(ParameterServers(os.environ.get(TOKEN_ENV) or None, TLSConfig.from_env()))
+            s = _servers
+    return s
+
+
+def _set(s: ParameterServers) -> None:
+    global _servers
+    _servers = s
+
+
+def configure(token: str | None, tls: TLSConfig | None = None) -> ParameterServers:
+    """Use ``token`` and ``tls`` for this process's connections (closing the
+    old ones when they change); the process's ParameterServers."""
+    with _servers_lock:
+        old = _servers
+        if old is not None and (old.token, old.tls) == (token, tls):
+            return old
+        new = ParameterServers(token, tls)
+        if old is not None:
+            new.routes = old.routes   # what is known of who leads stays true
+            old.close()
+        _set(new)
+        return new
+
+
+def client_for(address: str) -> PSClient:
+    """The process's PSClient for a parameter-server address."""
+    return servers().client(address)
+
+
+def close_clients() -> None:
+    """Close this process's connections (they are made again on use)."""
+    s = _servers
+    if s is not None:
+        s.close()
