@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator import serialization
-from coordinator.calls import not_answering
+from coordinator.diagnose import not_answering
 from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
