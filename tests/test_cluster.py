@@ -126,6 +126,22 @@ def gate_spy(c: Cluster) -> threading.Event:
     return said_no
 
 
+def gated_taker(strategy: FakeStrategy):
+    """A bounded cluster (staleness 0) whose fast worker (clock 1, the slow
+    one's 0) waits for the closure queued, its gate shut: (cluster, fast,
+    slow, the Taker)."""
+    c = make(strategy)
+    fast, slow = workers(c)
+    fast.clock = 1
+    said_no = gate_spy(c)
+    c.queue.put(closure())
+    taker = Taker(c, fast)
+    taker.start()
+    assert said_no.wait(WAIT)
+    assert c.queue.counts() == (1, 0)   # still queued: the gate said no
+    return c, fast, slow, taker
+
+
 def add(a, b):
     return a + b
 
@@ -168,15 +184,7 @@ def test_min_clock_is_over_live_workers_and_leaves_out_the_one_asking():
 
 
 def test_a_worker_ahead_waits_for_the_slowest_then_takes_the_closure():
-    c = make(FakeStrategy(mode="bounded", staleness=0))
-    fast, slow = workers(c)
-    fast.clock = 1
-    said_no = gate_spy(c)
-    c.queue.put(closure())
-    taker = Taker(c, fast)
-    taker.start()
-    assert said_no.wait(WAIT)
-    assert c.queue.counts() == (1, 0)   # still queued: the gate said no
+    c, _, slow, taker = gated_taker(FakeStrategy(mode="bounded", staleness=0))
     slow.clock = 1
     c.clocks_changed()                  # what a worker does when its clock moves
     taker.join(WAIT)
@@ -308,14 +316,7 @@ def test_a_worker_added_to_the_spec_is_picked_up_and_one_removed_is_stopped():
 
 def test_a_slow_worker_leaving_the_spec_lets_the_others_go_on():
     strategy = FakeStrategy(mode="bounded", staleness=0)
-    c = make(strategy)
-    fast, slow = workers(c)
-    fast.clock = 1
-    said_no = gate_spy(c)
-    c.queue.put(closure())
-    taker = Taker(c, fast)
-    taker.start()
-    assert said_no.wait(WAIT)
+    c, _, _, taker = gated_taker(strategy)
     checked, seen = threading.Event(), []
 
     def min_clock_is_one():
