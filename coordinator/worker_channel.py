@@ -260,11 +260,10 @@ class _WorkerThread:
 
     def _ensure_datasets(self) -> None:
         shared, wid = self._shared, self.worker_id
-        datasets = self.cluster.datasets()
-        if all(shared.has(wid, ds_id) for ds_id in datasets):
+        if all(shared.has(wid, ds_id) for ds_id in self.cluster.datasets()):
             return   # the common case
         with shared.creating:   # another slot may be creating them: once each
-            for ds_id, fn_ref in datasets.items():
+            for ds_id, fn_ref in self.cluster.datasets().items():
                 if not shared.has(wid, ds_id):
                     n, i = self.cluster.worker_count_and_index(self.address)
                     # Fenced by worker_id: a process that is not this one
