@@ -37,7 +37,7 @@ Two parts, both on real ``LocalCluster`` processes (mutual TLS, as by default):
    to: the coordinator pausing (recovery began: a step or the
    coordinator's own check noticed the server), the new server listening (``cluster.restarts`` went up), the
    restore's start and its duration (``CheckpointManager.restore`` timed by
-   a subclass), the recovery done (``coord._recovery.recoveries`` went up),
+   a subclass), the recovery done (``coord.cluster.recovery.recoveries`` went up),
    the first step completing after that (a re-run of a step the kill
    interrupted), and the first step *scheduled after the kill* completing.
    Step completions are the worker's ``time.time()`` at the end of the step
@@ -382,7 +382,7 @@ def _one_kill(cluster: LocalCluster, coord: ClusterCoordinator, ckpt: "TimedChec
               w, b, timeout: float) -> dict:
     """Train, kill ps 1, time the milestones. A record with "timed_out" True if
     training did not resume within ``timeout`` seconds (the cluster is then unusable)."""
-    restarts0, recoveries0 = cluster.restarts, coord._recovery.recoveries
+    restarts0, recoveries0 = cluster.restarts, coord.cluster.recovery.recoveries
     n_restores0 = len(ckpt.restores)
     driver = _Driver(coord, w, b)
     driver.start()
@@ -395,11 +395,11 @@ def _one_kill(cluster: LocalCluster, coord: ClusterCoordinator, ckpt: "TimedChec
     deadline = t_kill + timeout
     while time.monotonic() < deadline and None in seen.values() and driver.error is None:
         now = time.monotonic()
-        if seen["paused"] is None and coord._paused.is_set():
+        if seen["paused"] is None and coord.cluster.paused:
             seen["paused"] = now
         if seen["restarted"] is None and cluster.restarts > restarts0:
             seen["restarted"] = now
-        if seen["recovered"] is None and coord._recovery.recoveries > recoveries0:
+        if seen["recovered"] is None and coord.cluster.recovery.recoveries > recoveries0:
             seen["recovered"] = now
         done = driver.snapshot()
         if seen["first_new_step"] is None and any(s > t_kill for s, _ in done):

@@ -18,8 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator import checkpoint as C
 from coordinator import checkpoint_layout as L
-from coordinator.calls import reachability as _reachability
-from coordinator.calls import tls_words as _tls_words
+from coordinator.diagnose import advice, reachability
 from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
                                       NoClusterDescription, TFConfigClusterResolver)
 from protos.pstrain.v1 import worker_pb2
@@ -201,22 +200,14 @@ def explain(target: Target, what: str, address: str, code: Code | None,
                 "not this cluster's token; use the one the tasks were started with (Kubernetes: "
                 f"Secret pstrain-auth, key token; compose: {TOKEN_ENV} in .env)")
     if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, None):
-        kind, why = _reachability(address, min(5.0, target.timeout))
-        if kind == "dns":
-            return (f"{where}: {why}. Check the address in {target.source}: is the host name "
-                    "right and resolvable from here?")
-        if kind == "closed":
-            return (f"nothing answers at {address} ({what}, from {target.source}): {why}. Check "
-                    f"that the address in {target.source} is right and that the task is running "
-                    "there")
-        if code == Code.DEADLINE_EXCEEDED:
+        kind, why = reachability(address, min(5.0, target.timeout))
+        if kind == "open" and code == Code.DEADLINE_EXCEEDED:
             return (f"{where} accepts connections but did not answer within {target.timeout:g}s: "
                     "it may be overloaded or not a pstrain task; try a longer --timeout")
-        return (f"{where} accepts connections but the gRPC handshake fails ({details}): most "
-                f"likely a TLS mismatch. This command speaks {_tls_words(target.tls)}; set "
-                f"${CA_ENV} to the CA that signed the tasks' certificate (and ${CERT_ENV} / "
-                f"${KEY_ENV} when they demand client certificates), or unset all three if the "
-                "tasks run plaintext; the tasks' certificate must name the address used")
+        head = {"dns": f"{where}: {why}",
+                "closed": f"nothing answers at {address} ({what}, from {target.source}): {why}",
+                "open": f"{where} accepts connections but the gRPC handshake fails ({details})"}
+        return f"{head[kind]}: {advice(kind, what, target.source, target.tls, 'this command')}"
     return f"{where}: {code.name}: {details}"
 
 

@@ -3,7 +3,9 @@
 * ``RemoteValue`` / ``StepRemoteValue``  what ``schedule`` returns (a sync step's
   combines its replicas' results).
 * ``Closure``        one scheduled call: function, arguments, its RemoteValue.
-* ``_ClosureQueue``  queued and in-flight closures and the first error.
+* ``_ClosureQueue``  queued and in-flight closures and the first error; its
+  ``finish``, ``fail`` and ``cancel`` end a closure taken from it (they set
+  its RemoteValue and take it off the closures in flight, together).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from coordinator import metrics as _metrics
 from coordinator.errors import ClosureCancelled
@@ -39,29 +41,37 @@ class RemoteValueStatus(enum.Enum):
 
 
 class RemoteValue:
-    """The future result of a scheduled function."""
+    """The future result of a scheduled function.
 
-    def __init__(self):
+    Users read it (``status``, ``done``, ``fetch``). ``set_value`` and
+    ``set_error`` are the producer's side, as ``set_result`` is for a
+    concurrent.futures.Future: the closure queue calls them, once.
+    ``on_done`` is called with whether a result came back, before fetch()
+    sees the end (a closure's sharded-dataset batches are acknowledged or
+    given back).
+    """
+
+    def __init__(self, on_done: Callable[[bool], None] | None = None):
         self._done = threading.Event()   # set once, on leaving PENDING
         self._status = RemoteValueStatus.PENDING
         self._value: Any = None
         self._error: BaseException | None = None
-        # Called with whether a result came back, before fetch() sees the end
-        # (a closure's sharded-dataset batches are acknowledged or given back).
-        self._on_done = None
+        self._on_done = on_done
 
     @property
     def status(self) -> RemoteValueStatus:
         return self._status
 
-    def _set_value(self, value) -> None:
+    def set_value(self, value) -> None:
+        """PENDING -> READY with value (``ABANDONED``: a sync replica given up)."""
         if self._on_done is not None:
             self._on_done(value is not ABANDONED)
         self._value, self._status = value, RemoteValueStatus.READY
         self._done.set()
         _metrics.closure_result(abandoned=value is ABANDONED)
 
-    def _set_error(self, error: BaseException, cancelled: bool = False) -> None:
+    def set_error(self, error: BaseException, cancelled: bool = False) -> None:
+        """PENDING -> FAILED (or CANCELLED) with error, which fetch() raises."""
         if self._on_done is not None:
             self._on_done(False)
         self._error = error
@@ -151,12 +161,10 @@ class Closure:
         self.closure_id = f"{next(self._ids)}"
         self.fn_ref, self.args_payload, self.name = fn_ref, args_payload, name
         self.sync = sync
-        self.remote_value = RemoteValue()
+        self.remote_value = RemoteValue(self._settled if datasets else None)
         self.attempts = 0
         self.datasets = datasets
         self.batches: dict = {}   # dataset_id -> its Batch, once bound
-        if datasets:
-            self.remote_value._on_done = self._settled
 
     def bind(self, worker: str) -> None:
         """Taken by ``worker``'s thread: bind a batch of each sharded dataset
@@ -185,15 +193,32 @@ class Closure:
 
 
 # -- the queue -------------------------------------------------------------------------
+def _always() -> bool:
+    return True
+
+
+def _never() -> bool:
+    return False
+
+
 class _ClosureQueue:
-    def __init__(self, max_size: int = _CLOSURE_QUEUE_MAX_SIZE):
+    """Queued closures, the count of those in flight, and the first error.
+
+    ``wake_all``: whether takers differ in what they may take (bounded
+    staleness: a worker ahead may not take while a slower one may), so that a
+    closure queued wakes every waiting taker rather than one.
+    """
+
+    def __init__(self, max_size: int = _CLOSURE_QUEUE_MAX_SIZE, wake_all: bool = False):
         self._lock = threading.Lock()
         self._queue: collections.deque[Closure] = collections.deque()
         self._inflight = 0
         self._error: BaseException | None = None
         self.failed = False   # a closure failed at some time (sticky, unlike _error)
         self._max_size = max_size
-        # Signalled when a closure is queued (workers wait on it).
+        self._wake_all = wake_all
+        # Signalled when a closure is queued, or what a taker waits for may
+        # have changed (wake): workers wait on it.
         self._closures_queued = threading.Condition(self._lock)
         # Signalled when the queue has room again (schedule waits on it).
         self._free_slot = threading.Condition(self._lock)
@@ -204,38 +229,80 @@ class _ClosureQueue:
         with self._lock:
             self._free_slot.wait_for(lambda: len(self._queue) < self._max_size)
             self._queue.append(closure)
-            self._closures_queued.notify()
+            self._queued_locked()
         _metrics.CLOSURES_SCHEDULED.inc()
 
-    def get(self, timeout: float) -> Closure | None:
+    def _queued_locked(self) -> None:
+        if self._wake_all:
+            self._closures_queued.notify_all()
+        else:
+            self._closures_queued.notify()
+
+    def get(self, may_take: Callable[[], bool] = _always,
+            give_up: Callable[[], bool] = _never) -> Closure | None:
+        """Take the first queued closure (in flight from now on) once one is
+        queued and ``may_take()`` holds; None as soon as ``give_up()`` holds.
+
+        Blocks without polling: whoever changes what ``may_take`` or
+        ``give_up`` reads calls ``wake``. Both are called with the queue's
+        lock held, so they must not take locks of their own.
+        """
         with self._lock:
-            if not self._closures_queued.wait_for(lambda: self._queue, timeout):
-                return None
-            closure = self._queue.popleft()
-            self._inflight += 1
-            self._free_slot.notify()
-            return closure
+            while not give_up():
+                if self._queue and may_take():
+                    closure = self._queue.popleft()
+                    self._inflight += 1
+                    self._free_slot.notify()
+                    return closure
+                self._closures_queued.wait()
+            if self._queue:   # a put may have woken this taker, which leaves: pass it on
+                self._queued_locked()
+            return None
+
+    def wake(self) -> None:
+        """Make every waiting taker check its ``may_take``/``give_up`` again."""
+        with self._lock:
+            self._closures_queued.notify_all()
 
     def put_back(self, closure: Closure) -> None:
         """Re-queue an in-flight closure whose worker failed (at the front)."""
         with self._lock:
             self._inflight -= 1
             if self._error is not None:
-                closure.remote_value._set_error(ClosureCancelled(
+                closure.remote_value.set_error(ClosureCancelled(
                     f"closure {closure.name} cancelled: an earlier closure failed"), True)
                 self._stop_waiting.notify_all()
             else:
                 self._queue.appendleft(closure)
-                self._closures_queued.notify()
+                self._queued_locked()
                 _metrics.CLOSURES_RETRIED.inc()
 
-    def mark_finished(self) -> None:
+    def finish(self, closure: Closure, value) -> None:
+        """An in-flight closure's result came back (``ABANDONED``: a sync
+        replica given up): its RemoteValue gets it, and it is done."""
+        closure.remote_value.set_value(value)
+        self._mark_finished()
+
+    def fail(self, closure: Closure, error: BaseException) -> None:
+        """An in-flight closure failed with ``error``: its RemoteValue raises
+        it, and the queue takes the error state (``_mark_failed``)."""
+        closure.remote_value.set_error(error)
+        self._mark_failed(error)
+
+    def cancel(self, closure: Closure, error: BaseException) -> None:
+        """An in-flight closure is given up without a result (the
+        coordinator shut down after a failure): CANCELLED with ``error``,
+        and done; the queue takes no error state."""
+        closure.remote_value.set_error(error, cancelled=True)
+        self._mark_finished()
+
+    def _mark_finished(self) -> None:
         with self._lock:
             self._inflight -= 1
             if not self._queue and self._inflight == 0:   # what wait() waits for: a
                 self._stop_waiting.notify_all()           # join wakes once, not per closure
 
-    def mark_failed(self, error: BaseException) -> None:
+    def _mark_failed(self, error: BaseException) -> None:
         """A closure failed: keep the first error, cancel everything queued."""
         with self._lock:
             self._inflight -= 1
@@ -244,7 +311,7 @@ class _ClosureQueue:
                 self._error = error
             while self._queue:
                 c = self._queue.popleft()
-                c.remote_value._set_error(ClosureCancelled(
+                c.remote_value.set_error(ClosureCancelled(
                     f"closure {c.name} cancelled: an earlier closure failed with "
                     f"{type(error).__name__}"), True)
             self._free_slot.notify_all()
@@ -254,7 +321,7 @@ class _ClosureQueue:
         """An error outside any closure (a server that never came back)."""
         with self._lock:
             self._inflight += 1
-        self.mark_failed(error)
+        self._mark_failed(error)
 
     def _raise_error_locked(self) -> None:
         if self._error is not None:

@@ -117,20 +117,21 @@ EVALUATION_STEP = Gauge(
 
 
 class _CoordinatorCollector(Collector):
-    """Gauges read at scrape time from the live coordinators."""
+    """Gauges read at scrape time from the live coordinators (their Clusters,
+    coordinator/cluster.py)."""
 
     def __init__(self):
-        self.coordinators: "weakref.WeakSet" = weakref.WeakSet()
+        self.clusters: "weakref.WeakSet" = weakref.WeakSet()
 
     def collect(self):
-        coords = [c for c in list(self.coordinators) if not getattr(c, "_closed", True)]
+        coords = [c for c in list(self.clusters) if not c.closed]
         queued = running = alive = known = 0
         max_gap = 0
         away: dict[str, float] = {}
         for c in coords:
-            for addr, since in c._recovery.unreachable().items():
+            for addr, since in c.recovery.unreachable().items():
                 away[addr] = min(since, away.get(addr, since))
-            q, r = c.pending()
+            q, r = c.queue.counts()
             queued, running = queued + q, running + r
             alive += c.workers_alive()
             known += c.num_workers
@@ -195,12 +196,13 @@ def address() -> str | None:
     return _server.address if _server is not None else None
 
 
-def track(coord) -> None:
-    """Count ``coord`` in the gauges; start the endpoint if $PSTRAIN_METRICS_PORT asks.
+def track(cluster) -> None:
+    """Count a ClusterCoordinator's ``cluster`` in the gauges; start the
+    endpoint if $PSTRAIN_METRICS_PORT asks.
 
     A port from the environment that cannot be bound only warns.
     """
-    _collector.coordinators.add(coord)
+    _collector.clusters.add(cluster)
     if _server is not None:
         return
     try:
@@ -217,7 +219,7 @@ def track(coord) -> None:
                     port, PORT_ENV, exc)
 
 
-# -- hooks (called by coordinator.coordinator and coordinator.checkpoint) ---------------------
+# -- hooks (called by coordinator.closures and coordinator.checkpoint) -----------------------
 def closure_result(abandoned: bool) -> None:
     (CLOSURES_ABANDONED if abandoned else CLOSURES_SUCCEEDED).inc()
 

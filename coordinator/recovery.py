@@ -25,7 +25,9 @@
 
 The planners (``plan_failover``, ``plan_rebuild``, ``plan_failback``) are
 pure functions of what the servers report (``Copies``), tested as tables;
-``apply_changes`` sends their ``Change``s.
+``apply_changes`` sends their ``Change``s. ``_PSWatch`` and ``_PSRecovery``
+get the Cluster (coordinator/cluster.py) and use its public methods and
+attributes only: its settings, its queue, its pause.
 """
 from __future__ import annotations
 
@@ -178,8 +180,8 @@ class _PSRecovery:
     watch reported (see the module docstring). ``recoveries`` counts servers
     brought back after a restart (a metric, and what tests wait for)."""
 
-    def __init__(self, coord):
-        self.coord = coord
+    def __init__(self, cluster):
+        self.cluster = cluster
         self._lock = threading.Lock()
         self._active: dict[str, threading.Thread] = {}
         # Closures waiting for the verdict on a server: (closure, code, error).
@@ -228,13 +230,13 @@ class _PSRecovery:
                 self._pending.setdefault(address, []).append((closure, code, error))
             if address in self._active:
                 return
-            replicated = self.coord.strategy.replication
+            replicated = self.cluster.strategy.replication
             t = threading.Thread(
                 target=self._recover_replicated if replicated else self._recover,
                 args=(address,), daemon=True, name=f"PSRecovery-{address}")
             self._active[address] = t
             if not replicated:   # without replicas nothing can go on meanwhile
-                self.coord._paused.set()
+                self.cluster.pause()
             t.start()
 
     def _decide(self, address: str, restarted: bool | None, error: BaseException | None) -> None:
@@ -245,23 +247,21 @@ class _PSRecovery:
         *and* the recovery is deregistered, under one lock, so a closure
         reported meanwhile is never left waiting.
         """
-        queue = self.coord._queue
+        queue = self.cluster.queue
         while True:
             with self._lock:
                 pending = self._pending.pop(address, [])
                 if not pending:
                     del self._active[address]
-                    if not self._active or self.coord.strategy.replication:
-                        self.coord._paused.clear()
+                    if not self._active or self.cluster.strategy.replication:
+                        self.cluster.resume()
                     self._ended.notify_all()
                     return
             for closure, code, closure_error in pending:
                 if restarted is None:
-                    closure.remote_value._set_error(error)
-                    queue.mark_failed(error)
+                    queue.fail(closure, error)
                 elif code == "NOT_FOUND" and not restarted:
-                    closure.remote_value._set_error(closure_error)
-                    queue.mark_failed(closure_error)
+                    queue.fail(closure, closure_error)
                 else:
                     queue.put_back(closure)
 
@@ -278,13 +278,13 @@ class _PSRecovery:
                     waiting_for)
 
     def _probe(self, address: str):
-        return self.coord._ps_watch.probe(address)
+        return self.cluster.ps_watch.probe(address)
 
     def _recover(self, address: str) -> None:
         """Without replication: wait for the server, then restore what it lost."""
-        coord, strategy = self.coord, self.coord.strategy
+        cluster, strategy = self.cluster, self.cluster.strategy
         start = time.monotonic()
-        deadline = start + coord.ps_recovery_timeout
+        deadline = start + cluster.ps_recovery_timeout
         restarted, error, last = None, None, [0.0]
         try:
             while True:   # until recovered; a server that fails again mid-restore is retried
@@ -292,11 +292,11 @@ class _PSRecovery:
                     info = self._probe(address)
                 except PSError:
                     self.away_since.setdefault(address, time.time())
-                    if time.monotonic() > deadline or coord._closed:
+                    if time.monotonic() > deadline or cluster.closed:
                         raise
                     self._away(address, start, (
                         f"training is paused until it answers (up to ps_recovery_timeout="
-                        f"{coord.ps_recovery_timeout:.0f}s); ParameterServerStrategy("
+                        f"{cluster.ps_recovery_timeout:.0f}s); ParameterServerStrategy("
                         "replication=True) would fail over to the backups instead"), last)
                     time.sleep(0.2)   # backoff between probes of a server that is down
                     continue
@@ -320,23 +320,23 @@ class _PSRecovery:
             else:
                 error = WorkerCallError(
                     f"parameter server {address} could not be recovered (waited up to "
-                    f"{coord.ps_recovery_timeout}s): {exc}")
+                    f"{cluster.ps_recovery_timeout}s): {exc}")
             log.error("%s", error)
             self.given_up.add(address)
             with self._lock:
                 nothing_pending = not self._pending.get(address)
             if nothing_pending:
-                coord._queue.mark_failed_external(error)
+                cluster.queue.mark_failed_external(error)
         finally:
             self.away_since.pop(address, None)
             self._decide(address, restarted, error)
-            coord._clocks_changed()
+            cluster.clocks_changed()
 
     def _refill(self, address: str) -> str:
         """A restarted server's shards, from the latest checkpoint or (when the
         user asked) as first created. Raises ParameterServerLost otherwise."""
-        coord, strategy = self.coord, self.coord.strategy
-        ckpt = coord.checkpoint_manager
+        cluster, strategy = self.cluster, self.cluster.strategy
+        ckpt = cluster.checkpoint_manager
         if ckpt is not None and ckpt.latest():
             log.warning("parameter server %s restarted; restoring its shards from %s",
                         address, ckpt.latest())
@@ -345,7 +345,7 @@ class _PSRecovery:
             return "restored"
         names = [s.name for _, s in strategy.shards_on(address)] + [
             f"dynamic table {t!r}" for t in strategy.tables_on(address)]
-        if coord.recreate_lost_shards:
+        if cluster.recreate_lost_shards:
             log.warning("parameter server %s restarted and no checkpoint holds its shards; "
                         "creating %s again as first created (recreate_lost_shards=True): "
                         "their training so far is lost", address, names)
@@ -364,24 +364,24 @@ class _PSRecovery:
         """With replication: fail over at once if the server restarted, or once
         it has been away ps_failover_after seconds; rebuild and hand back
         when it answers again. Training never pauses."""
-        coord, strategy = self.coord, self.coord.strategy
+        cluster, strategy = self.cluster, self.cluster.strategy
         start, last = time.monotonic(), [0.0]
         failed_over = address in self.lost
         restarted = False
         try:
-            while not coord._closed:
+            while not cluster.closed:
                 try:
                     info = self._probe(address)
                 except PSError:
                     self.away_since.setdefault(address, time.time())
                     if failed_over:
                         return   # the watch reports it again when it answers
-                    if time.monotonic() - start >= coord.ps_failover_after:
+                    if time.monotonic() - start >= cluster.ps_failover_after:
                         self._fail_over(address)
                         failed_over = True
                         return
                     self._away(address, start, f"failing over to the backups after "
-                               f"{coord.ps_failover_after:.1f}s", last)
+                               f"{cluster.ps_failover_after:.1f}s", last)
                     time.sleep(0.1)
                     continue
                 self.away_since.pop(address, None)
@@ -401,10 +401,10 @@ class _PSRecovery:
                         "the next check", address, type(exc).__name__, exc)
         finally:
             self._decide(address, True, None)   # closures that failed meanwhile run again
-            coord._clocks_changed()
+            cluster.clocks_changed()
 
     def _fail_over(self, address: str) -> None:
-        strategy = self.coord.strategy
+        strategy = self.cluster.strategy
         changes = plan_failover(read_copies(strategy, address), address)
         log.warning("parameter server %s is gone; failing over %d shard(s) to their other "
                     "copies: training goes on without waiting for it", address, len(changes))
@@ -414,7 +414,7 @@ class _PSRecovery:
         _metrics.PS_RECOVERIES.labels("failover").inc()
 
     def _rebuild(self, address: str) -> None:
-        strategy = self.coord.strategy
+        strategy = self.cluster.strategy
         changes = plan_rebuild(read_copies(strategy, address), address)
         log.warning("parameter server %s answers again; copying %d shard(s) back to it",
                     address, len(changes))
@@ -432,13 +432,16 @@ class _PSRecovery:
 
 class _PSWatch:
     """Looks at every parameter server's server_id every ``interval`` seconds
-    and hands one that restarted or stopped answering to _PSRecovery (with
-    replication: also one that was failed over and answers again)."""
+    (from ``start``) and hands one that restarted or stopped answering to the
+    Cluster's _PSRecovery (with replication: also one that was failed over
+    and answers again)."""
 
-    def __init__(self, coord, interval: float):
-        self.coord, self.interval = coord, interval
+    def __init__(self, cluster, interval: float):
+        self.cluster, self.interval = cluster, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="PSWatch")
+
+    def start(self) -> None:
         self._thread.start()
 
     def probe(self, address: str):
@@ -447,8 +450,8 @@ class _PSWatch:
         return ps_pool.servers().probe(address)
 
     def _loop(self) -> None:
-        strategy = self.coord.strategy
-        recovery = self.coord._recovery
+        strategy = self.cluster.strategy
+        recovery = self.cluster.recovery
         while not self._stop.wait(self.interval):
             for address, known in list(strategy.server_ids.items()):
                 if address in recovery.given_up:
@@ -463,4 +466,5 @@ class _PSWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:   # started
+            self._thread.join()

@@ -18,7 +18,7 @@ import numpy as np
 
 from coordinator import ps_pool
 from coordinator import variables as V
-from coordinator.calls import CONNECT_SECONDS, not_answering
+from coordinator.diagnose import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
 from coordinator.embedding import BACKUP_PREFIX as TABLE_BACKUP_PREFIX, DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets

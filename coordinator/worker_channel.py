@@ -1,7 +1,8 @@
 """The worker channel: a thread per worker task (per slot), feeding it closures.
 
 * ``_WorkerThread``  connects to its worker (GetWorkerInfo; a restarted worker
-  is noticed by its id and gets its datasets again), sends closures on its
+  is noticed by its id and gets its datasets again), takes closures from the
+  Cluster (coordinator/cluster.py: when it may start one), sends them on its
   TaskChannel (psserver/link/channel.py: the route psserver/routing.py plans
   from what the worker announced: its Unix socket, its data port, or gRPC),
   and decides what a failure means: the worker gone (re-queue, or abandon a
@@ -9,6 +10,8 @@
 * ``_Membership``    keeps one _WorkerThread per worker in the cluster spec
   (``closures_per_worker`` of them: slots, async mode only, sharing
   ``_SharedWorker``: which datasets the worker process has).
+
+Both get the Cluster and use its public methods and attributes only.
 
 Every failure arrives as a typed error (psserver.contract), whichever way
 the call went.
@@ -22,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator import serialization
-from coordinator.calls import not_answering
+from coordinator.diagnose import not_answering
 from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
@@ -32,7 +35,7 @@ from psserver.contract import Code, PSError
 from psserver.link.channel import TaskChannel
 
 if TYPE_CHECKING:
-    from coordinator.coordinator import ClusterCoordinator
+    from coordinator.cluster import Cluster
 
 log = logging.getLogger("coordinator")
 
@@ -81,9 +84,9 @@ class _WorkerThread:
     fails. A worker with several slots has one _WorkerThread per slot (slot
     0 is the one counted: liveness, clocks, warnings)."""
 
-    def __init__(self, coord: "ClusterCoordinator", address: str, index: int,
+    def __init__(self, cluster: "Cluster", address: str, index: int,
                  shared: _SharedWorker, slot: int):
-        self.coord, self.address, self.index = coord, address, index
+        self.cluster, self.address, self.index = cluster, address, index
         self.slot = slot
         self._shared = shared
         shared.slots.append(self)
@@ -96,8 +99,8 @@ class _WorkerThread:
         self._stop = threading.Event()
         # One connection (a slot runs one closure at a time); no deadline of
         # its own: a closure's is closure_timeout, control calls' their own.
-        self._channel = TaskChannel(address, role="worker", token=coord.strategy.token,
-                                    tls=coord.strategy.tls, timeout=None, max_free=1,
+        self._channel = TaskChannel(address, role="worker", token=cluster.strategy.token,
+                                    tls=cluster.strategy.tls, timeout=None, max_free=1,
                                     abortable=True)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")
@@ -117,16 +120,22 @@ class _WorkerThread:
         """Any slot of the worker answered its last call."""
         return any(w.alive for w in self._shared.slots)
 
+    @property
+    def stopping(self) -> bool:
+        """stop() or abort() was called: the thread takes no more closures."""
+        return self._stop.is_set()
+
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.cluster.queue.wake()   # out of a wait for a closure
 
     def abort(self) -> None:
         """Stop, cutting the call in flight (its closure is given up: gRPC
         calls end CANCELLED, socket calls UNAVAILABLE)."""
-        self._stop.set()
+        self.stop()
         self._channel.abort()
 
     def join(self, timeout: float | None = None) -> None:
@@ -151,26 +160,26 @@ class _WorkerThread:
                 log.warning("worker %s restarted; re-creating its datasets", self.address)
             self.worker_id = info.worker_id
         # A worker that (re)joins starts at the slowest live clock, not behind it.
-        self.clock = max(self.clock, self.coord._min_clock(exclude=self))
+        self.clock = max(self.clock, self.cluster.min_clock(exclude=self))
         self.alive = True
-        self.coord._clocks_changed()
+        self.cluster.clocks_changed()
         return True
 
     def _spec_index(self) -> int:
-        return self.coord._worker_count_and_index(self.address)[1]
+        return self.cluster.worker_count_and_index(self.address)[1]
 
     def _note_silence(self, exc: PSError) -> None:
         """Once per outage, after the strategy's connect_timeout: a warning
         naming the worker and what to check. The thread keeps trying (a
         worker may start late, or restart)."""
         waited = time.monotonic() - self._silent_since
-        limit = self.coord.strategy.connect_timeout
+        limit = self.cluster.strategy.connect_timeout
         if self._said_silent or waited < limit or self.slot:
             return
         self._said_silent = True
         what = f"worker {self._spec_index()}"
         if exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-            why = not_answering(what, self.address, limit, self.coord.strategy.tls)
+            why = not_answering(what, self.address, limit, self.cluster.strategy.tls)
         elif exc.code == Code.UNAUTHENTICATED:
             why = (f"{what} at {self.address} refuses the coordinator's auth token "
                    f"(UNAUTHENTICATED): give the strategy the token the tasks were started "
@@ -182,16 +191,16 @@ class _WorkerThread:
     def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
         """One closure on the worker's route; a failure raises its typed error
         (psserver.contract), whichever way it went."""
-        return self._channel.call(methods.RUN_CLOSURE, request, self.coord.closure_timeout)
+        return self._channel.call(methods.RUN_CLOSURE, request, self.cluster.closure_timeout)
 
     def _ensure_datasets(self) -> None:
         shared, wid = self._shared, self.worker_id
-        if all(shared.has(wid, ds_id) for ds_id in list(self.coord._datasets)):
+        if all(shared.has(wid, ds_id) for ds_id in self.cluster.datasets()):
             return   # the common case
         with shared.creating:   # another slot may be creating them: once each
-            for ds_id, fn_ref in list(self.coord._datasets.items()):
+            for ds_id, fn_ref in self.cluster.datasets().items():
                 if not shared.has(wid, ds_id):
-                    n, i = self.coord._worker_count_and_index(self.address)
+                    n, i = self.cluster.worker_count_and_index(self.address)
                     # Fenced by worker_id: a process that is not this one
                     # (restarted since) refuses (ABORTED: reconnect).
                     self._channel.call(methods.CREATE_DATASET, worker_pb2.CreateDatasetRequest(
@@ -200,7 +209,6 @@ class _WorkerThread:
                     shared.add(wid, ds_id)
 
     def _loop(self) -> None:
-        queue = self.coord._queue
         backoff = 0.05
         while not self._stop.is_set():
             if not self.alive:
@@ -209,16 +217,12 @@ class _WorkerThread:
                     backoff = min(backoff * 2, 1.0)
                     continue
                 backoff = 0.05
-            if not self.coord._may_start(self):
-                continue
-            closure = queue.get(timeout=0.2)
-            if closure is None:
-                continue
-            self.coord._record_start(self)
-            self._run(closure)
+            closure = self.cluster.next_closure(self)   # waits: the gate, then a closure
+            if closure is not None:
+                self._run(closure)
 
     def _run(self, closure: Closure) -> None:
-        queue = self.coord._queue
+        queue = self.cluster.queue
         closure.attempts += 1
         closure.bind(self.address)   # sharded datasets: the batch is chosen now
         try:
@@ -227,11 +231,11 @@ class _WorkerThread:
         except PSError as exc:
             if exc.code in _WORKER_FAILURE_CODES:
                 self.alive = False
+                self.cluster.clocks_changed()   # the live workers changed
                 if self._stop.is_set():   # cut by shutdown after a failure: given up
-                    closure.remote_value._set_error(ClosureCancelled(
+                    queue.cancel(closure, ClosureCancelled(
                         f"closure {closure.name} cancelled: the coordinator shut down after "
-                        "a failure"), True)
-                    queue.mark_finished()
+                        "a failure"))
                 elif closure.sync is not None:
                     self._abandon(closure, exc.code.name)
                 else:
@@ -239,38 +243,33 @@ class _WorkerThread:
                                 self.address, closure.name, exc.code.name)
                     queue.put_back(closure)
                 return
-            err = WorkerCallError(f"worker {self.address} refused closure {closure.name}: "
-                                  f"{exc.code.name}: {exc}")
-            closure.remote_value._set_error(err)
-            queue.mark_failed(err)
+            queue.fail(closure, WorkerCallError(
+                f"worker {self.address} refused closure {closure.name}: "
+                f"{exc.code.name}: {exc}"))
             return
         if reply.WhichOneof("outcome") == "error":
             e = reply.error
             if e.ps_address and closure.sync is None:
                 # Said once per server: the recovery reports on the server itself.
-                log.log(logging.DEBUG if self.coord._recovery.active(e.ps_address)
+                log.log(logging.DEBUG if self.cluster.recovery.active(e.ps_address)
                         else logging.WARNING,
                         "closure %s failed on parameter server %s (%s); checking that "
                         "server before deciding", closure.name, e.ps_address, e.ps_code)
                 err = StepFunctionError(e.type, e.message, e.traceback, self.address)
-                self.coord._recovery.report(e.ps_address, closure, e.ps_code, err)
+                self.cluster.recovery.report(e.ps_address, closure, e.ps_code, err)
                 return
-            err = StepFunctionError(e.type, e.message, e.traceback, self.address)
-            closure.remote_value._set_error(err)
-            queue.mark_failed(err)
+            queue.fail(closure, StepFunctionError(e.type, e.message, e.traceback, self.address))
             return
         try:
             value = serialization.loads(reply.result, trusted=True)
         except Exception as exc:   # e.g. a result type the coordinator cannot import
-            err = WorkerCallError(f"cannot unpickle the result of closure {closure.name}: "
-                                  f"{type(exc).__name__}: {exc}")
-            closure.remote_value._set_error(err)
-            queue.mark_failed(err)
+            queue.fail(closure, WorkerCallError(
+                f"cannot unpickle the result of closure {closure.name}: "
+                f"{type(exc).__name__}: {exc}"))
             return
-        closure.remote_value._set_value(value)
-        self._shared.tick()
-        self.coord._clocks_changed()
-        queue.mark_finished()
+        self._shared.tick()   # before the closure is done: a join() sees the clock
+        queue.finish(closure, value)
+        self.cluster.clocks_changed()   # after: a wait_for sees the result
 
     def _abandon(self, closure: Closure, why: str) -> None:
         """A sync replica's worker failed: the step goes on without it."""
@@ -279,32 +278,32 @@ class _WorkerThread:
                     "the replica so the step completes with the others",
                     self.address, sync.replica, sync.step, why)
         try:
-            self.coord.strategy.abandon(sync.step, sync.replica)
+            self.cluster.strategy.abandon(sync.step, sync.replica)
         except PSError as exc:
-            err = WorkerCallError(f"could not abandon replica {sync.replica} of step "
-                                  f"{sync.step} on the parameter servers: {exc}")
-            closure.remote_value._set_error(err)
-            self.coord._queue.mark_failed(err)
+            self.cluster.queue.fail(closure, WorkerCallError(
+                f"could not abandon replica {sync.replica} of step "
+                f"{sync.step} on the parameter servers: {exc}"))
             return
-        closure.remote_value._set_value(ABANDONED)
-        self.coord._queue.mark_finished()
+        self.cluster.queue.finish(closure, ABANDONED)
 
 
 class _Membership(Refreshing):
     """Keeps one _WorkerThread per worker address in the cluster spec (its
-    slot 0, in ``workers``), and one more per further slot (``extra``)."""
+    slot 0, in ``workers``), and one more per further slot (``extra``).
+    ``make_worker``: how a slot's thread is made (_WorkerThread's arguments).
+    Starts nothing until ``start`` (Refreshing)."""
 
-    def __init__(self, coord: "ClusterCoordinator", interval: float):
-        self.coord = coord
+    def __init__(self, cluster: "Cluster", make_worker=_WorkerThread):
+        self.cluster = cluster
+        self.make_worker = make_worker
         self.workers: dict[str, _WorkerThread] = {}
         self.extra: dict[str, list[_WorkerThread]] = {}
         self._lock = threading.Lock()
         self._count = itertools.count()
-        self.start(interval, "ClusterMembership")
 
     def refresh(self) -> None:
         try:
-            spec = self.coord.strategy.cluster_resolver.cluster_spec()
+            spec = self.cluster.strategy.cluster_resolver.cluster_spec()
         except Exception as exc:   # a rewritten config file may be briefly invalid
             log.warning("cannot read the cluster spec: %s", exc)
             return
@@ -313,17 +312,20 @@ class _Membership(Refreshing):
             for addr in wanted:
                 if addr not in self.workers:
                     shared = _SharedWorker()
-                    slots = [_WorkerThread(self.coord, addr, next(self._count), shared, k)
-                             for k in range(self.coord.closures_per_worker)]
+                    slots = [self.make_worker(self.cluster, addr, next(self._count), shared, k)
+                             for k in range(self.cluster.closures_per_worker)]
                     self.workers[addr], self.extra[addr] = slots[0], slots[1:]
                     for w in slots:
                         w.start()
-            for addr in [a for a in self.workers if a not in wanted]:
+            left = [a for a in self.workers if a not in wanted]
+            for addr in left:
                 log.warning("worker %s left the cluster spec", addr)
                 for w in [self.workers.pop(addr), *self.extra.pop(addr, [])]:
                     w.stop()   # its closure in flight finishes; then its connections close
                     threading.Thread(target=w.join, daemon=True,
                                      name=f"WorkerLeft-{w.index}").start()
+        if left:
+            self.cluster.clocks_changed()   # the slowest live worker may have left
 
     def stop(self, abort: bool = False) -> None:
         """Stop every worker thread; ``abort``: cut their calls in flight

@@ -338,7 +338,7 @@ def test_a_wrong_address_says_which_and_to_check_tf_config(live, env, capsys, mo
     code, out, err = run(capsys, "ps", "list")
     assert code == 1
     assert f"nothing answers at {dead} (ps 1, from TF_CONFIG)" in err
-    assert "Check that the address in TF_CONFIG is right" in err
+    assert "that the host and port in TF_CONFIG are right" in err
     assert f"ps 0 at {env.ps[0]}" in out          # the reachable one is still listed
     code, out, err = run(capsys, "ps", "health")
     assert code == 1 and "2 of 3 task(s) healthy" in out

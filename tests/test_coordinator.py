@@ -120,17 +120,16 @@ def test_queued_closures_are_cancelled_after_an_error(tmp_path):
                 later[0].fetch()
 
 
-def test_unimportable_step_function_names_the_module(coord):
+def test_unimportable_step_function_names_the_module(coord, monkeypatch):
     ref = worker_pb2.FunctionRef(qualified_name="no_such_module_xyz:step")
-    coord._fn_refs[add] = ref   # pretend `add` lives in a module the workers lack
-    try:
-        rv = coord.schedule(add, args=(1, 2))
-        with pytest.raises(WorkerCallError, match="no_such_module_xyz"):
-            coord.join()
-        with pytest.raises(WorkerCallError, match="'no_such_module_xyz' is not importable"):
-            rv.fetch()
-    finally:
-        del coord._fn_refs[add]
+    encode = serialization.encode_function   # pretend `add` lives in a module the workers lack
+    monkeypatch.setattr(serialization, "encode_function",
+                        lambda fn, *a, **kw: ref if fn is add else encode(fn, *a, **kw))
+    rv = coord.schedule(add, args=(1, 2))
+    with pytest.raises(WorkerCallError, match="no_such_module_xyz"):
+        coord.join()
+    with pytest.raises(WorkerCallError, match="'no_such_module_xyz' is not importable"):
+        rv.fetch()
 
 
 _ONLY_HERE = """
@@ -248,8 +247,8 @@ def test_two_closures_per_worker_run_at_once_on_it(tmp_path):
             taken = coord.fetch([coord.schedule(take, args=(it,)) for _ in range(40)])
             assert set(coord.fetch(rvs)) == {cluster.workers[0].pid}
             assert coord.num_workers == 1 and coord.workers_alive() == 1
-            threads = [w._thread for ws in coord._membership.extra.values() for w in ws] + \
-                [w._thread for w in coord._membership.workers.values()]
+            threads = [w._thread for ws in coord.cluster.membership.extra.values() for w in ws] + \
+                [w._thread for w in coord.cluster.membership.workers.values()]
             assert len(threads) == 2
         assert not any(t.is_alive() for t in threads)   # both slots stopped at shutdown
         pid = cluster.workers[0].pid

@@ -309,7 +309,7 @@ def test_coordinator_sends_closures_to_workers_over_their_data_port(monkeypatch)
                 results = [coord.schedule(push_one, args=(w,)) for _ in range(6)]
                 coord.join()
                 assert [r.fetch() for r in results] == [1] * 6
-                threads = list(coord._membership.workers.values())
+                threads = list(coord.cluster.membership.workers.values())
                 assert all(t._channel.socket is not None and t._channel.socket._tcp is not None
                            and isinstance(t._channel.socket._ssl, ssl.SSLContext)
                            for t in threads)
@@ -405,7 +405,7 @@ def test_closures_reach_a_worker_restarted_on_the_same_fixed_ports(monkeypatch):
             with ClusterCoordinator(strategy) as coord:
                 assert [r.fetch() for r in [coord.schedule(push_one, args=(w,))
                                             for _ in range(3)]] == [1] * 3
-                (thread,) = coord._membership.workers.values()
+                (thread,) = coord.cluster.membership.workers.values()
                 old = thread._channel.socket
                 assert old is not None and old._tcp[1] == data
                 cluster.restart_worker(0)   # same gRPC port, same data port, another id

@@ -70,7 +70,7 @@ def test_a_parameter_server_killed_in_its_container_loses_nothing(docker_cluster
         results = coord.fetch([coord.schedule(step) for _ in range(20)])
         cluster.kill_ps(1)
         results += coord.fetch([coord.schedule(step) for _ in range(40)])
-        assert coord._recovery.wait_for_recoveries(1, timeout=120)
+        assert coord.cluster.recovery.wait_for_recoveries(1, timeout=120)
         results += coord.fetch([coord.schedule(step) for _ in range(10)])
         coord.join()
         value = w.read()

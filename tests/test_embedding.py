@@ -186,7 +186,7 @@ def test_a_restarted_server_gets_its_table_shard_back_from_the_latest_checkpoint
             coord.join()
             ckpt.save(step=10)
             cluster.kill_ps(0)   # restarted, empty
-            assert coord._recovery.wait_for_recoveries(1, timeout=60)
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
             restored = t.lookup(keys, admit=False)
             coord.fetch([coord.schedule(step) for _ in range(5)])
             coord.join()

@@ -93,7 +93,7 @@ def test_killed_parameter_server_is_restored_and_training_goes_on(tmp_path, with
                 ckpt.save(step=10)
             coord.fetch([coord.schedule(step, args=(i == 5,)) for i in range(20)])
             coord.join()
-            assert coord._recovery.recoveries == 1
+            assert coord.cluster.recovery.recoveries == 1
             value = w.read()
         assert cluster.restarts == 1
     top, bottom = value[:ROWS // 2], value[ROWS // 2:]   # ps 0 holds the top rows
@@ -147,7 +147,7 @@ def test_worker_cut_off_from_a_parameter_server_recovers_when_the_link_returns(t
                 proxy.restore()
                 coord.fetch(pending)
                 coord.join()
-                assert coord._recovery.recoveries == 0   # same server: nothing to restore
+                assert coord.cluster.recovery.recoveries == 0   # same server: nothing to restore
                 assert _metrics.REGISTRY.get_sample_value("pstrain_coordinator_ps_unreachable") == 0
                 value = w.read()
         finally:
@@ -279,7 +279,7 @@ def test_replication_loses_no_acknowledged_update_when_servers_die():
                 cluster.kill_ps(rng.randrange(2))          # mid-traffic
                 scheduled += [coord.schedule(step) for _ in range(20)]
                 # One server at a time: the next kill waits for this one's refill.
-                assert coord._recovery.wait_for_recoveries(kill + 1, timeout=60)
+                assert coord.cluster.recovery.wait_for_recoveries(kill + 1, timeout=60)
             coord.fetch(scheduled)
             coord.join()
             value = w.read()

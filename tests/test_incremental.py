@@ -406,7 +406,7 @@ def test_a_failed_over_shard_is_saved_whole_and_the_chain_stays_exact(tmp_path):
                       + table.primaries()):
                 assert time.monotonic() < deadline, "the failover did not complete"
                 time.sleep(0.05)
-            assert coord._recovery.lost == {dead}
+            assert coord.cluster.recovery.lost == {dead}
             third = inc.save(3)
             keys = np.arange(100, dtype=np.int64)
             want_w, want_rows = w.read(), table.lookup(keys, admit=False)

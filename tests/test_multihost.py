@@ -256,7 +256,7 @@ def test_a_parameter_server_cut_off_for_20s_loses_nothing_acknowledged():
             coord.join()
             value = w.read()
             # its shards failed over to their backups, and were rebuilt once it answered
-            assert coord._recovery.wait_for_recoveries(1, timeout=60)
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
             rows = table.lookup(keys, admit=False)
     np.testing.assert_array_equal(value, np.full((ROWS, 4), len(results), np.float32))
     np.testing.assert_array_equal(rows, np.full((keys.size, 2), len(results), np.float32))
@@ -306,7 +306,7 @@ def test_a_one_way_cut_of_a_parameter_server_is_survived():
             results += coord.fetch([coord.schedule(step) for _ in range(10)])
             coord.join()
             value = w.read()
-            assert coord._recovery.wait_for_recoveries(1, timeout=60)   # failed over, rebuilt
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)   # failed over, rebuilt
     np.testing.assert_array_equal(value, np.full((ROWS, 4), len(results), np.float32))
 
 

@@ -127,7 +127,7 @@ def test_restore_rebuilds_every_replica(tmp_path):
         with ClusterCoordinator(strategy, ps_check_interval=0.2) as coord:
             coord.fetch([coord.schedule(add_one(c)) for _ in range(10)])
             cluster.kill_ps(0)   # its primary and its backup copy are gone
-            assert coord._recovery.wait_for_recoveries(1, timeout=60)
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
             value = c.read()
     np.testing.assert_array_equal(value, np.full((4, 2), 60, np.float32))
 
@@ -150,7 +150,7 @@ def test_lost_server_fails_over_without_waiting_and_loses_nothing(tmp_path):
             coord.join()
             value = c.read()
             metas = c.meta()
-            assert coord._recovery.lost == {cluster.spec.ps[1]}
+            assert coord.cluster.recovery.lost == {cluster.spec.ps[1]}
     np.testing.assert_array_equal(value, np.full((4, 2), 60, np.float32))
     assert [m.version for m in metas] == [60, 60]
     assert all(m.backup is None for m in metas)   # going on alone until it returns
@@ -258,11 +258,11 @@ def test_partitioned_primary_is_fenced_and_nothing_acknowledged_is_lost():
                 proxy.cut()
                 # (Workers on this host still reach ps0 over its local socket: only
                 # the coordinator and gRPC are cut off, so ps0's copy lives on.)
-                assert coord._recovery.wait_failed_over(proxy.address, timeout=60)
+                assert coord.cluster.recovery.wait_failed_over(proxy.address, timeout=60)
                 done += [coord.schedule(step) for _ in range(30)]
                 coord.fetch(done)   # ps0's copy is fenced: its updates move to ps1
                 proxy.restore()
-                assert coord._recovery.wait_for_recoveries(1, timeout=60)
+                assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
                 done += [coord.schedule(step) for _ in range(10)]
                 coord.fetch(done)
                 coord.join()

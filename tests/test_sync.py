@@ -276,9 +276,8 @@ def test_large_staleness_behaves_as_async(tmp_path):
         held = cluster.workers[0].pid
         with ClusterCoordinator(strategy) as coord:
             rvs = [coord.schedule(held_on, args=(held, fifo)) for _ in range(steps)]
-            with coord._clock_cond:   # notified as each step completes
-                assert coord._clock_cond.wait_for(
-                    lambda: sum(r.done() for r in rvs) >= steps - 1, 120)
+            assert coord.cluster.wait_for(   # checked as each step completes
+                lambda: sum(r.done() for r in rvs) >= steps - 1, 120)
             open(fifo + ".released", "w").close()
             with open(fifo, "w") as f:
                 f.write("go")

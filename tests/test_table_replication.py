@@ -121,7 +121,7 @@ def test_a_lost_server_fails_over_its_table_shards_and_loses_no_acknowledged_upd
             coord.join()
             values = t.lookup(keys, admit=False)
             primaries = t.primaries()
-            assert coord._recovery.lost == {cluster.spec.ps[1]}
+            assert coord.cluster.recovery.lost == {cluster.spec.ps[1]}
     np.testing.assert_array_equal(values, np.full((32, 2), 50, np.float32))
     assert {p.address for p in primaries} == {cluster.spec.ps[0]}   # both shards there now
 
@@ -245,7 +245,7 @@ def test_a_restarted_server_gets_its_table_copies_back_and_its_primaries_handed_
             cluster.kill_ps(0)   # restarted, empty
             done += [coord.schedule(step) for _ in range(20)]
             coord.fetch(done)
-            assert coord._recovery.wait_for_recoveries(1, timeout=120)
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=120)
             coord.fetch([coord.schedule(step) for _ in range(10)])
             coord.join()
             values = t.lookup(keys, admit=False)
