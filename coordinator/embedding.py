@@ -37,9 +37,9 @@ import numpy as np
 from coordinator import calls, routes
 from coordinator.calls import client_for
 from coordinator.replica import rows_sync
-from psserver.dynamic_table import check_keys, shard_of
-from psserver.replication import TABLE_PREFIX
-from psserver.tables import BACKUP_PREFIX   # a shard's backup copy's table name: the prefix
+from psserver.keys import check_keys, shard_of
+from psserver.contract import TABLE_PREFIX
+from psserver.contract import BACKUP_PREFIX   # a shard's backup copy's table name: the prefix
 
 
 

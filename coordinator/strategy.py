@@ -25,6 +25,7 @@ from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offse
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import ROLE_PRIMARY, SET_BACKUP, Peer
 from psserver.server import TOKEN_ENV
+from psserver.contract import BACKUP_PREFIX   # backup shards: "_backup/<shard name>"
 from psserver.contract import Initializer
 from psserver.contract import SyncSpec
 from psserver.tls import TLSConfig
@@ -32,8 +33,6 @@ from psserver.tls import TLSConfig
 MODES = ("async", "sync", "hybrid", "bounded")
 #: The modes whose scheduled steps run as num_replicas closures of one step.
 SYNC_MODES = ("sync", "hybrid")
-#: Name prefix of backup shards (replication=True): "_backup/<shard name>".
-BACKUP_PREFIX = "_backup/"
 
 #: Initializers computed from the full (unsharded) shape, then sent to each
 #: shard as a server-side kind. Others ("zeros", "random_normal", ...) are

@@ -55,7 +55,7 @@ from coordinator.calls import (_Op, _dense_op, _routed, _settle, _sparse_op,
                                new_update_id)
 from coordinator.replica import current_sync, rows_sync
 from psserver.contract import InvalidArgument
-from psserver.optimizers import sum_duplicates, take_rows
+from psserver.rows import sum_duplicates, take_rows
 
 
 # -- the variable ----------------------------------------------------------------

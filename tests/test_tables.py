@@ -241,7 +241,7 @@ def test_table_counters_are_on_the_metrics_page(start_ps):
 def test_a_read_of_a_table_shards_replication_name_is_not_found(ps):
     """A table shard's replication name ("~table~t") is no variable: a read
     of it is NotFound over every path, never an internal error."""
-    from psserver.replication import TABLE_PREFIX
+    from psserver.contract import TABLE_PREFIX
     with PSClient(ps.address) as c, PSClient(ps.address, shared_memory=False) as remote, \
             PSClient(ps.address, shared_memory=False, data_port=False) as plain:
         c.create_table("t", 4)
