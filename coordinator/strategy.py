@@ -20,7 +20,7 @@ from coordinator import routes
 from coordinator import variables as V
 from coordinator.calls import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
-from coordinator.embedding import BACKUP_PREFIX as TABLE_BACKUP_PREFIX, DynamicEmbedding
+from coordinator.embedding import DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import ROLE_PRIMARY, SET_BACKUP, Peer
@@ -451,8 +451,8 @@ class ParameterServerStrategy:
         variables' shards are."""
         if name in self._tables:
             raise ValueError(f"embedding table {name!r} was created already by this strategy")
-        if name.startswith(TABLE_BACKUP_PREFIX):
-            raise ValueError(f"table names starting {TABLE_BACKUP_PREFIX!r} are the backup "
+        if name.startswith(BACKUP_PREFIX):
+            raise ValueError(f"table names starting {BACKUP_PREFIX!r} are the backup "
                              "copies replication makes; choose another name")
         self._check_servers()
         n = len(self._ps)

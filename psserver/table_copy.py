@@ -2,7 +2,8 @@
 (``TableShardCopy``, a psserver.shards.CopyState as a variable is): its
 table (psserver/dynamic_table.py), role, epoch, version, update keys and
 sync state, and what replication and sync steps do to it, all under its
-lock. The calls that reach it are psserver/table_store.py's.
+lock. The calls that reach it are psserver/table_store.py's: the copy and
+the calls are apart as psserver/variable.py and psserver/store.py are.
 
 A call that may change rows runs in ``changing``: with a backup, the
 primary journals what the call changed, and ``changed`` makes it one

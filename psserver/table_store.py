@@ -7,7 +7,9 @@ variable calls (Read, Push, Assign, Save...) reach them, and these calls
 reach nothing else; only replication's GetMeta, Reconfigure and Replicate
 reach a table shard, by the name ``~table~<table>`` (psserver.contract.
 TABLE_PREFIX), which no variable can have. Both kinds are held in one
-psserver.shards.ShardRegistry and bounded by one MemoryBudget.
+psserver.shards.ShardRegistry and bounded by one MemoryBudget. One shard
+here is a psserver.table_copy.TableShardCopy (its table, role and sync
+state), as one variable is a psserver.variable.Variable.
 
 Guarantees:
 
