@@ -56,12 +56,9 @@ def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer)
     element beyond 2 stddev is drawn again from the next counter."""
     keys = np.asarray(keys, np.int64).reshape(-1)
     shape = (keys.size, dim)
-    if init.kind == "zeros":
-        return np.zeros(shape, dtype)
-    if init.kind == "ones":
-        return np.ones(shape, dtype)
-    if init.kind == "constant":
-        return np.full(shape, init.value, dtype)
+    fixed = {"zeros": 0.0, "ones": 1.0, "constant": init.value}.get(init.kind)
+    if fixed is not None:   # the same row for every key
+        return np.full(shape, fixed, dtype)
     with np.errstate(over="ignore"):
         base = mix64(keys.view(np.uint64) ^ mix64(np.uint64(init.seed) + _GOLDEN))
 
