@@ -388,7 +388,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Save(self, request, context):
         saved = self.store.saver.save_point(request.directory, list(request.names),
-                                      **save_fields(request))
+                                            **save_fields(request))
         return ps_pb2.SaveReply(
             files=[ps_pb2.SavedFile(name=s.name, file=s.file, version=s.version, bytes=s.bytes,
                                     kind=s.kind, rows=s.rows) for s in saved],
@@ -396,7 +396,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def CommitSave(self, request, context):
         nvars, ntables = self.store.saver.commit_save(request.save_id, request.stream,
-                                                request.incarnation)
+                                                      request.incarnation)
         return ps_pb2.CommitSaveReply(variables=nvars, tables=ntables)
 
     def AbandonStep(self, request, context):
@@ -501,7 +501,7 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
                                       T.ID_DTYPES).copy(),
                        _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"
                                       ).copy(),
-                       u.update_id, False)
+                       u.update_id, False)   # (no sync field of its own)
                       for i, u in enumerate(request.sparse)]
             try:
                 # Applied before the segment is unmapped; the store keeps no
