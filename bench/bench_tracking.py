@@ -59,8 +59,9 @@ def in_process(reps: int) -> dict:
         s = VariableStore()
         s.create("emb", "float32", (ROWS, DIM), optimizer="adagrad")
         if variant != "off":
-            s.save(tmp, (), s.begin_save(1, 0, "", "bench"))   # a tracker: a bool per row
-            var = s._get("emb")
+            # a tracker: a bool per row
+            s.saver.save(tmp, (), s.saver.begin_save(1, 0, "", "bench"))
+            var = s.registry.variable("emb")
             if variant == "set":
                 var.tracker = _SetTracker()
             elif variant == "list":
@@ -69,7 +70,7 @@ def in_process(reps: int) -> dict:
     counter = iter(range(1 << 30))
 
     def push(store):
-        return lambda: store.push_sparse("emb", ids[next(counter) % 16], grads)
+        return lambda: store.push(sparse=[("emb", ids[next(counter) % 16], grads, 0)])[0]
     push_stats = time_interleaved({k: push(s) for k, s in stores.items()}, reps)
 
     tables = {}
@@ -166,12 +167,14 @@ grads = rng.normal(size=(IDS, DIM)).astype(np.float32)
 ids = [np.sort(rng.choice(ROWS, IDS, replace=False)).astype(np.int64) for _ in range(16)]
 s = VariableStore()
 s.create("emb", "float32", (ROWS, DIM), optimizer="adagrad")
+# a tree before the store's one push entry has push_sparse
+push_sparse = getattr(s, "push_sparse", None) or (lambda *a: s.push(sparse=[(*a, 0)]))
 for i in range(20):
-    s.push_sparse("emb", ids[i % 16], grads)
+    push_sparse("emb", ids[i % 16], grads)
 samples = []
 for i in range(reps):
     t0 = time.perf_counter()
-    s.push_sparse("emb", ids[i % 16], grads)
+    push_sparse("emb", ids[i % 16], grads)
     samples.append(time.perf_counter() - t0)
 print(json.dumps(float(np.median(samples))))
 """

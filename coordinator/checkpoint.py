@@ -519,7 +519,7 @@ def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
                  address: str | None = None) -> list[futures.Future]:
     """Each current shard of ``t`` emptied and given the saved rows its keys
     send it now (psserver.dynamic_table.shard_of: any number of servers)."""
-    from psserver.dynamic_table import shard_of
+    from psserver.keys import shard_of
     keys = state.get("keys", np.zeros(0, np.int64))
     which = shard_of(keys, len(t.addresses))
     handles = []

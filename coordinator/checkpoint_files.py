@@ -406,7 +406,7 @@ def check_restorable(path: str, variables: Sequence, loaded: Sequence[dict],
     of them is written."""
     from psserver import optimizers as optim
     from psserver.contract import InvalidArgument
-    from psserver.dynamic_table import check_rows, slot_layout
+    from psserver.table_format import check_rows, slot_layout
     from psserver.variable import all_finite
 
     for v, state in zip(variables, loaded):
@@ -527,7 +527,7 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     want = {"keys": keys, "values": values}
     if not weights_only:
         from psserver import optimizers as optim
-        from psserver.dynamic_table import slot_layout
+        from psserver.table_format import slot_layout
         init, per_row = slot_layout(optim.make_optimizer(t.optimizer, {}), t.dim,
                                     np.dtype(t.dtype))
         want.update({"age_steps": ((rows,), np.int64), "age_seconds": ((rows,), np.float64),

@@ -158,7 +158,8 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
     same dim, dtype and optimizer (else CheckpointError: a server restarted
     empty, or tables of another job). A table with backup copies is
     replicated (ask coordinator.routes where its primaries are before use)."""
-    from coordinator.embedding import BACKUP_PREFIX, DynamicEmbedding
+    from coordinator.embedding import DynamicEmbedding
+    from psserver.contract import BACKUP_PREFIX
     every = {t.name for infos in listing.values() for t in infos}
     # "_backup/<name>": the backup copies of a replicated table's shards
     names = sorted(n for n in every if not n.startswith(BACKUP_PREFIX))

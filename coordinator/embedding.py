@@ -40,10 +40,9 @@ from coordinator import calls
 from coordinator.ps_pool import Op, servers
 from coordinator.replica import rows_sync
 from coordinator.routes import key as routes_key
-from psserver.dynamic_table import check_keys, shard_of
+from psserver.contract import BACKUP_PREFIX, TABLE_PREFIX
+from psserver.keys import check_keys, shard_of
 from psserver.link.pending import Pending
-from psserver.replication import TABLE_PREFIX
-from psserver.tables import BACKUP_PREFIX   # a shard's backup copy's table name: the prefix
 
 
 

@@ -223,7 +223,7 @@ class Snapshot:
         the parameter servers answer for keys not admitted); of a variable (a
         fixed table), row ``keys[i]`` (IndexError out of range). KeyError for
         an unknown name; ValueError for keys that are not integers."""
-        from psserver.dynamic_table import check_keys, shard_of
+        from psserver.keys import check_keys, shard_of
         state = self._state
         try:
             keys = check_keys(keys)

@@ -20,11 +20,12 @@ from coordinator import ps_pool
 from coordinator import variables as V
 from coordinator.diagnose import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
-from coordinator.embedding import BACKUP_PREFIX as TABLE_BACKUP_PREFIX, DynamicEmbedding
+from coordinator.embedding import DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.replication import ROLE_PRIMARY, SET_BACKUP, Peer
 from psserver.server import TOKEN_ENV
+from psserver.contract import BACKUP_PREFIX   # backup shards: "_backup/<shard name>"
 from psserver.contract import Initializer
 from psserver.contract import SyncSpec
 from psserver.tls import TLSConfig
@@ -32,8 +33,6 @@ from psserver.tls import TLSConfig
 MODES = ("async", "sync", "hybrid", "bounded")
 #: The modes whose scheduled steps run as num_replicas closures of one step.
 SYNC_MODES = ("sync", "hybrid")
-#: Name prefix of backup shards (replication=True): "_backup/<shard name>".
-BACKUP_PREFIX = "_backup/"
 
 #: Initializers computed from the full (unsharded) shape, then sent to each
 #: shard as a server-side kind. Others ("zeros", "random_normal", ...) are
@@ -452,8 +451,8 @@ class ParameterServerStrategy:
         variables' shards are."""
         if name in self._tables:
             raise ValueError(f"embedding table {name!r} was created already by this strategy")
-        if name.startswith(TABLE_BACKUP_PREFIX):
-            raise ValueError(f"table names starting {TABLE_BACKUP_PREFIX!r} are the backup "
+        if name.startswith(BACKUP_PREFIX):
+            raise ValueError(f"table names starting {BACKUP_PREFIX!r} are the backup "
                              "copies replication makes; choose another name")
         self._check_servers()
         n = len(self._ps)

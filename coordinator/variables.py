@@ -56,7 +56,7 @@ from coordinator.routes import key as routes_key
 from coordinator.replica import current_sync, rows_sync
 from psserver.contract import InvalidArgument
 from psserver.link.transport import background
-from psserver.optimizers import sum_duplicates, take_rows
+from psserver.rows import sum_duplicates, take_rows
 
 
 # -- the variable ----------------------------------------------------------------

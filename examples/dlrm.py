@@ -126,7 +126,7 @@ def sum_rows(ids: np.ndarray, row_grads) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique int64 ids, their row gradients summed) from ids (n, 26)
     and row gradients as ``loss_and_grads`` returns them (array or list):
     one row per id, ready for a sparse push (psserver.optimizers.sum_duplicates)."""
-    from psserver.optimizers import sum_duplicates
+    from psserver.rows import sum_duplicates
     return sum_duplicates(np.asarray(ids).reshape(-1), _rows(row_grads).reshape(-1, DIM))
 
 

@@ -313,3 +313,15 @@ def as_error(exc: BaseException) -> PSError:
             "before anything changes, but an update of several variables may have been "
             "applied to some of them: resend it with the same update keys")
     return Internal(f"internal error: {type(exc).__name__}: {exc}")
+
+
+# -- names ---------------------------------------------------------------------------
+
+#: Replication names of dynamic table shards: "~table~<table name>" ("~" starts
+#: no variable name), so GetMeta, Reconfigure and replication records reach
+#: a table shard as they reach a variable.
+TABLE_PREFIX = "~table~"
+#: Names of the backup copies of replicated table shards and variable shards
+#: ("_backup/<name>" on the next server: coordinator.strategy and
+#: coordinator.embedding make them); a table of such a name is refused at Create.
+BACKUP_PREFIX = "_backup/"

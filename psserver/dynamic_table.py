@@ -2,15 +2,15 @@
 first sight (subject to admission), evicted by capacity or age.
 
 A parameter server shard holds one ``DynamicTable`` per table (the keys it
-owns by hash: ``shard_of``). It is the data structure only; the server's
+owns by hash: psserver.keys.shard_of). It is the data structure only; the server's
 store wraps calls to it in its locks, and the optimizer updates its rows
 through the same ``apply_sparse`` as a fixed table's.
 
 Layout (all numpy, no Python object per key):
 
-* a hash index (``KeyIndex``): buckets of 4 slots, each a key (int64) and
-  the row it names (int64), linear probing over buckets; at most half the
-  slots are used (rebuilt past that);
+* a hash index (psserver.key_index.KeyIndex): buckets of 4 slots, each a
+  key (int64) and the row it names (int64), linear probing over buckets; at
+  most half the slots are used (rebuilt past that);
 * the rows, the optimizer's slots and per-row bookkeeping in arrays that
   grow by a quarter when full (pages never written stay unresident), with
   freed rows (evicted) reused first;
@@ -34,9 +34,10 @@ gradient batch) or ``max_age_seconds``. An evicted key forgets everything:
 seen again, it starts over (admission included) from its initializer.
 
 New rows are initialized from (the initializer's seed, key) alone
-(``initial_rows``), so a key's first value does not depend on the order
+(psserver.keys.initial_rows), so a key's first value does not depend on the order
 keys arrive in, or on the shard: a table resharded or re-created gives the
 same rows. (``TableConfig.seed`` seeds probability admission's draws.)
+The file format of a shard's rows (export/import) is psserver/table_format.py.
 """
 from __future__ import annotations
 
@@ -49,176 +50,22 @@ from typing import Callable
 import numpy as np
 
 from psserver.contract import Initializer, InvalidArgument
+from psserver.key_index import KeyCounter, KeyIndex
+from psserver.keys import check_keys, initial_rows
+from psserver.rows import sum_duplicates
+from psserver.table_format import check_rows, slot_layout
 from psserver.tracking import TableTracker
 from psserver.variable import check_initializer
 
-EMPTY, DELETED = -1, -2   # a slot's row when it holds no key
-_BUCKET = 4
-_TAIL = 8                # buckets a look-up past its home bucket takes at once
-_MIN_SLOTS = 64
 #: Look-ups whose rows a shard remembers for the updates that follow them
 #: (DynamicTable._rows_of): a step's update comes after its own look-up and
 #: those of the few other workers' steps in flight.
 _RECENT_LOOKUPS = 4
 _GROW = 1.25             # rows arrays grow by this factor when full
 EVICTION_POLICIES = ("lru", "lfu")
-_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer over uint64 (a new array): a key's hash."""
-    z = np.asarray(x).astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= _C1
-        z ^= z >> np.uint64(27)
-        z *= _C2
-        z ^= z >> np.uint64(31)
-    return z
-
-
-def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
-    """Which of ``num_shards`` shards owns each key (by hash, not by value:
-    keys that are small integers or share low bits still spread)."""
-    h = mix64(np.asarray(keys, np.int64).view(np.uint64) ^ _GOLDEN)
-    return (h % np.uint64(num_shards)).astype(np.int64)
-
-
-def _any4(b: np.ndarray) -> np.ndarray:
-    """``b.any(axis=1)`` for a C-contiguous (n, 4) bool array, as one uint32
-    per row (numpy's reduction over a short axis is ~5x slower)."""
-    return np.ascontiguousarray(b).view(np.uint32)[:, 0] != 0
-
-
-class KeyIndex:
-    """int64 key -> int64 row: a hash table of buckets of 4 slots (a bucket's
-    keys are 32 bytes: one cache line), linear probing over buckets,
-    vectorized over arrays of keys.
-
-    Per slot a key and a row; the row is EMPTY (-1) or DELETED (-2) when the
-    slot holds no key. At most half the slots are used (empty slots are
-    made anew past that), so nearly every key is in its home bucket and a
-    look-up of many keys is one gather of their buckets. ``insert`` expects
-    keys that are unique and absent (``find`` first)."""
-
-    def __init__(self, slots: int = _MIN_SLOTS):
-        self._alloc(max(_MIN_SLOTS, 1 << max(0, int(slots) - 1).bit_length()) // _BUCKET)
-        self.size = 0      # slots holding a key
-        self.used = 0      # ... and deleted ones (what look-ups walk past)
-
-    def _alloc(self, buckets: int) -> None:
-        self.keys = np.zeros((buckets, _BUCKET), np.int64)
-        self.rows = np.full((buckets, _BUCKET), EMPTY, np.int64)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.rows.nbytes
-
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        return (mix64(keys.view(np.uint64))
-                & np.uint64(self.keys.shape[0] - 1)).astype(np.int64)
-
-    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(bucket, slot, row) of each key; bucket and row -1 where it is
-        absent. The home buckets of all keys are gathered at once (np.take:
-        several times faster than fancy indexing here); the few keys whose
-        home bucket is full and lacks them (~4% at half load) then look at
-        the next _TAIL buckets at once, and so on."""
-        keys = np.ascontiguousarray(keys, np.int64)
-        n = keys.size
-        bucket, slot, row = (np.full(n, -1, np.int64), np.zeros(n, np.int64),
-                             np.full(n, -1, np.int64))
-        if not n or not self.size:
-            return bucket, slot, row
-        mask = self.keys.shape[0] - 1
-        home = self._home(keys)
-        kb = np.take(self.keys, home, axis=0)
-        rb = np.take(self.rows, home, axis=0)
-        hit = kb == keys[:, None]
-        hit &= rb >= 0
-        found = _any4(hit)
-        at = hit.argmax(axis=1)
-        bucket[found] = home[found]
-        slot[found] = at[found]
-        row[found] = np.take_along_axis(rb, at[:, None], axis=1)[found, 0]
-        active = np.flatnonzero(~found & ~_any4(rb == EMPTY))   # full, and not there
-        step = np.arange(1, _TAIL + 1)
-        start = home[active]
-        for _ in range(self.keys.shape[0] // _TAIL + 1):   # bounded: every bucket once
-            if not active.size:
-                break
-            b = (start[:, None] + step) & mask                       # (m, _TAIL)
-            kb = np.take(self.keys, b.reshape(-1), axis=0).reshape(active.size, -1)
-            rb = np.take(self.rows, b.reshape(-1), axis=0).reshape(active.size, -1)
-            hit = (kb == keys[active, None]) & (rb >= 0)
-            found = hit.any(axis=1)
-            at = hit.argmax(axis=1)
-            idx = active[found]
-            bucket[idx] = b[found, at[found] // _BUCKET]
-            slot[idx] = at[found] % _BUCKET
-            row[idx] = rb[found, at[found]]
-            go_on = ~found & ~(rb == EMPTY).any(axis=1)
-            active, start = active[go_on], start[go_on] + _TAIL
-        return bucket, slot, row
-
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """The row of each key, or -1 where the key is absent."""
-        return self._locate(keys)[2]
-
-    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Add unique, absent ``keys`` naming ``rows``: each in the first
-        free slot (empty or deleted) from its home bucket on."""
-        keys = np.ascontiguousarray(keys, np.int64)
-        rows = np.ascontiguousarray(rows, np.int64)
-        if not keys.size:
-            return
-        if 2 * (self.used + keys.size) > self.keys.size:
-            self._rebuild(self.size + keys.size)
-        mask = self.keys.shape[0] - 1
-        pos = self._home(keys)
-        pending = np.arange(keys.size)
-        while pending.size:
-            order = np.argsort(pos[pending], kind="stable")
-            pending = pending[order]
-            b = pos[pending]
-            starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-            rank = np.arange(b.size) - np.repeat(starts, np.diff(np.r_[starts, b.size]))
-            free = self.rows[b] < 0
-            fits = rank < free.sum(axis=1)
-            # the rank-th free slot of the bucket
-            nth = (np.cumsum(free, axis=1) == (rank + 1)[:, None]) & free
-            slot = nth.argmax(axis=1)
-            win, wb, ws = pending[fits], b[fits], slot[fits]
-            self.used += int((self.rows[wb, ws] == EMPTY).sum())
-            self.keys[wb, ws] = keys[win]
-            self.rows[wb, ws] = rows[win]
-            pending = pending[~fits]
-            pos[pending] = (pos[pending] + 1) & mask
-        self.size += keys.size
-
-    def delete(self, keys: np.ndarray) -> np.ndarray:
-        """Remove the keys that are present; their rows (the others: ignored)."""
-        bucket, slot, _ = self._locate(keys)
-        found = bucket >= 0
-        bucket, slot = bucket[found], slot[found]
-        rows = self.rows[bucket, slot].copy()
-        self.rows[bucket, slot] = DELETED
-        self.size -= rows.size
-        return rows
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        full = self.rows >= 0
-        return self.keys[full], self.rows[full]
-
-    def _rebuild(self, need: int) -> None:
-        keys, rows = self.items()
-        n = _MIN_SLOTS
-        while n < 2 * max(need, 1):
-            n *= 2
-        self._alloc(n // _BUCKET)
-        self.size = self.used = 0
-        self.insert(keys, rows)
+#: Bytes a row costs beyond its values and per-row slots: the upper figure of
+#: the per-key overhead above (index slots and bookkeeping).
+ROW_OVERHEAD = 104
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,52 +117,12 @@ class TableConfig:
         return self
 
 
-def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer) -> np.ndarray:
-    """Rows for new ``keys``, each a function of (``init.seed``, key) alone,
-    whichever shard holds the key. Counter-based: element (key, j) hashes
-    (splitmix64) the key, the seed and j; uniforms take 53 bits of it;
-    normals take two 26-bit halves of one hash for Box-Muller, whose cosine
-    and sine give elements j and j + ceil(dim / 2); a truncated normal's
-    element beyond 2 stddev is drawn again from the next counter."""
-    keys = np.asarray(keys, np.int64).reshape(-1)
-    shape = (keys.size, dim)
-    if init.kind == "zeros":
-        return np.zeros(shape, dtype)
-    if init.kind == "ones":
-        return np.ones(shape, dtype)
-    if init.kind == "constant":
-        return np.full(shape, init.value, dtype)
-    with np.errstate(over="ignore"):
-        base = mix64(keys.view(np.uint64) ^ mix64(np.uint64(init.seed) + _GOLDEN))
 
-    def hashed(rows, cols, salt: int) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            return mix64(base[rows] + cols * _GOLDEN + np.uint64(salt) * _C2)
-
-    if init.kind == "random_uniform":
-        u = hashed(np.arange(keys.size)[:, None], np.arange(dim, dtype=np.uint64), 1)
-        u = ((u >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
-        return (init.minval + (init.maxval - init.minval) * u).astype(dtype)
-    work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-
-    def box_muller(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        u1 = ((h >> np.uint64(38)).astype(work) + work(0.5)) * work(2.0 ** -26)
-        u2 = ((h & np.uint64((1 << 26) - 1)).astype(work) + work(0.5)) * work(2.0 ** -26)
-        r = np.sqrt(work(-2.0) * np.log(u1))
-        return r * np.cos(work(2 * np.pi) * u2), r * np.sin(work(2 * np.pi) * u2)
-
-    half = (dim + 1) // 2
-    c, s_ = box_muller(hashed(np.arange(keys.size)[:, None], np.arange(half, dtype=np.uint64), 2))
-    z = np.concatenate([c, s_], axis=1)[:, :dim]
-    if init.kind == "truncated_normal":   # redraw beyond 2 stddev, as TensorFlow does
-        salt = 3
-        bad_i, bad_j = np.nonzero(np.abs(z) > 2)
-        while bad_i.size:
-            z[bad_i, bad_j] = box_muller(hashed(bad_i, bad_j.astype(np.uint64), salt))[0]
-            salt += 1
-            keep = np.abs(z[bad_i, bad_j]) > 2
-            bad_i, bad_j = bad_i[keep], bad_j[keep]
-    return (init.mean + init.stddev * z).astype(dtype)
+def row_bytes(dim: int, dtype, row_slots: int) -> int:
+    """Bytes a row of ``dim`` ``dtype`` values costs with ``row_slots``
+    per-row optimizer slots and its bookkeeping (ROW_OVERHEAD): what
+    admitting or importing one row may add to a shard."""
+    return dim * np.dtype(dtype).itemsize * (1 + row_slots) + ROW_OVERHEAD
 
 
 @dataclasses.dataclass
@@ -361,6 +168,8 @@ class DynamicTable:
         # The optimizer's slots: a row per table row for its per-element
         # slots, and as they are for the others (Adam's step count).
         self._slot_init, self._row_slots = slot_layout(optimizer, config.dim, self.dtype)
+        #: What one more row may cost this shard (the server's memory check).
+        self.row_bytes = row_bytes(config.dim, self.dtype, len(self._row_slots))
         self.slots = dict(self._slot_init)
         for n in self._row_slots:
             self.slots[n] = np.empty((cap, config.dim), self.dtype)
@@ -371,14 +180,10 @@ class DynamicTable:
         self.freq = np.zeros(cap, np.int64)
         self._tick = 0                # look-up batches (LRU's clock)
         # Admission: keys seen but not admitted, and how often.
-        self.pending = KeyIndex()
-        self._pcount = np.zeros(64, np.int64)
-        self._pseen = np.zeros(64, np.int64)
-        self._pkey = np.zeros(64, np.int64)
-        self._pn = 0
-        self._pfree: list[np.ndarray] = []
+        self.pending = KeyCounter(config.admission_capacity or (
+            4 * config.capacity if config.capacity else 1 << 20))
         self._rng = np.random.default_rng(config.seed)
-        # Replication (psserver/tables.py): while not None, the keys whose rows
+        # Replication (psserver/table_copy.py): while not None, the keys whose rows
         # were evicted and created, in order, and the last update's effect.
         self._journal: tuple[list, list] | None = None
         self._last_update: tuple[np.ndarray, np.ndarray] | None = None
@@ -399,9 +204,8 @@ class DynamicTable:
     def nbytes(self) -> int:
         """Bytes of every array this shard holds (resident or not), its
         change tracking's included."""
-        arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key, self.updated_step,
-                  self.updated_time, self.used_step, self.freq, self._pcount, self._pseen,
-                  self._pkey]
+        arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key,
+                  self.updated_step, self.updated_time, self.used_step, self.freq]
         tracking = 0 if self.tracker is None else self.tracker.nbytes
         return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes + tracking
 
@@ -467,9 +271,7 @@ class DynamicTable:
         c = self.config
         seen = times.astype(np.int64)
         if c.min_count > 1:
-            slot = self.pending.find(keys)
-            known = slot >= 0
-            seen[known] += self._pcount[slot[known]]
+            seen += self.pending.counts(keys)
         ok = seen >= c.min_count
         if c.probability < 1.0:
             ok &= self._rng.random(keys.size) < c.probability
@@ -479,49 +281,8 @@ class DynamicTable:
         made = rows >= 0
         self.stats.not_admitted += int(times[~made].sum())
         if c.min_count > 1:
-            self._count_pending(keys, seen, made)
+            self.pending.note(keys, seen, made, self._tick)
         return rows
-
-    def _count_pending(self, keys: np.ndarray, seen: np.ndarray, admitted: np.ndarray) -> None:
-        slot = self.pending.find(keys)
-        gone = admitted & (slot >= 0)
-        if gone.any():
-            self._pfree.append(self.pending.delete(keys[gone]))
-        stay = ~admitted & (slot >= 0)
-        self._pcount[slot[stay]] = seen[stay]
-        self._pseen[slot[stay]] = self._tick
-        new = ~admitted & (slot < 0)
-        if new.any():
-            limit = self.config.admission_capacity or (
-                4 * self.config.capacity if self.config.capacity else 1 << 20)
-            over = self.pending.size + int(new.sum()) - limit
-            if over > 0:   # forget the keys seen longest ago
-                pk, pr = self.pending.items()
-                old = np.argsort(self._pseen[pr], kind="stable")[:over]
-                self._pfree.append(self.pending.delete(pk[old]))
-            nk = keys[new]
-            pr = self._take_pending(nk.size)
-            self.pending.insert(nk, pr)
-            self._pcount[pr] = seen[new]
-            self._pseen[pr] = self._tick
-            self._pkey[pr] = nk
-
-    def _take_pending(self, n: int) -> np.ndarray:
-        free = np.concatenate(self._pfree) if self._pfree else np.zeros(0, np.int64)
-        got, rest = free[:n], free[n:]
-        self._pfree = [rest] if rest.size else []
-        more = n - got.size
-        if more:
-            if self._pn + more > self._pcount.size:
-                size = max(int(self._pcount.size * 2), self._pn + more)
-                for name in ("_pcount", "_pseen", "_pkey"):
-                    old = getattr(self, name)
-                    new = np.zeros(size, old.dtype)
-                    new[:old.size] = old
-                    setattr(self, name, new)
-            got = np.concatenate([got, np.arange(self._pn, self._pn + more)])
-            self._pn += more
-        return got
 
     def _create(self, keys: np.ndarray, exact: bool = False) -> np.ndarray:
         """Rows for new unique ``keys``, initialized (-1 for keys beyond a
@@ -640,7 +401,6 @@ class DynamicTable:
         """Apply row gradients (duplicate keys summed) with the optimizer, to
         the keys that have rows; the rest are dropped and counted. One table
         step. Returns how many rows changed."""
-        from psserver.optimizers import sum_duplicates
         keys, grads = self.check_gradients(keys, grads)
         ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
         rows = self._rows_of(ukeys)
@@ -667,7 +427,7 @@ class DynamicTable:
                                                                   self.dtype))
         return int(have.sum())
 
-    # -- replication: a primary's effects, followed by its backup (psserver/tables.py) -------
+    # -- replication: a primary's effects, followed by its backup (psserver/table_copy.py) ---
     # A backup makes no decisions of its own (admission, eviction, ages): it
     # does what its primary did, so both hold the same keys, values and slots.
     # Admission counters and look-up statistics are the primary's alone.
@@ -772,8 +532,7 @@ class DynamicTable:
         if reset:
             _, live = self.index.items()
             self._evict_rows(live)
-            self.pending = KeyIndex()
-            self._pfree, self._pn = [], 0
+            self.pending.clear()
         self.step = step if reset else max(self.step, step)
         for name in self.slots:
             if name not in self._row_slots:   # scalar (Adam's count): the largest
@@ -794,58 +553,6 @@ class DynamicTable:
         return self.index.size
 
 
-def slot_layout(optimizer, dim: int, dtype) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
-    """(a table's optimizer slots for one row, the names of its per-row
-    ones): what a shard of ``dim`` ``dtype`` rows keeps with ``optimizer``."""
-    init = optimizer.create_slots(np.zeros((1, dim), dtype))
-    return init, tuple(optimizer._array_slots(init))
-
-
-def check_rows(state: dict, step: int, dim: int, dtype, slot_init: dict,
-               row_slots: tuple) -> tuple:
-    """export()'s arrays as import_rows takes them (a shard of ``dim``
-    ``dtype`` rows whose optimizer keeps ``slot_init``, ``row_slots`` a row
-    each), checked whole: (keys, values, age_steps, age_seconds, freq,
-    {slot: array}) converted, or InvalidArgument saying what is wrong. A
-    checkpoint's rows are checked with it before any server is written."""
-    keys = check_keys(state.get("keys", np.zeros(0, np.int64))).reshape(-1)
-    n = keys.size
-
-    def need(name, shape, kinds, dtype):
-        if name not in state and (n or name.startswith("slot/") and not shape):
-            raise InvalidArgument(f"dynamic table import: {name} is missing")
-        a = np.asarray(state.get(name, np.zeros(shape, dtype)))
-        if a.shape != shape or a.dtype.kind not in kinds:
-            raise InvalidArgument(f"dynamic table import: {name} must be {kinds!r}-kind "
-                                  f"of shape {shape}, got {a.dtype} {a.shape}")
-        return a.astype(dtype, copy=False)
-    values = need("values", (n, dim), "f", dtype)
-    age_steps = need("age_steps", (n,), "iu", np.int64)
-    age_seconds = need("age_seconds", (n,), "f", np.float64)
-    freq = need("freq", (n,), "iu", np.int64)
-    slots = {}
-    for name, init in slot_init.items():
-        shape = (n, dim) if name in row_slots else np.shape(init)
-        kinds = "f" if name in row_slots else "iuf"
-        slots[name] = need(f"slot/{name}", shape, kinds, init.dtype)
-    extra = sorted(set(state) - {"keys", "values", "age_steps", "age_seconds", "freq"}
-                   - {f"slot/{m}" for m in slot_init})
-    if extra:
-        raise InvalidArgument(f"dynamic table import: unknown arrays {extra}")
-    if np.unique(keys).size != n:
-        raise InvalidArgument("dynamic table import: keys must be unique")
-    if not (np.isfinite(values).all() and all(np.isfinite(a).all() for a in slots.values())
-            and np.isfinite(age_seconds).all()):
-        raise InvalidArgument("dynamic table import: NaN or Inf in the rows; nothing imported")
-    if n and (age_steps.min() < 0 or freq.min() < 0 or age_seconds.min() < 0):
-        raise InvalidArgument("dynamic table import: negative ages or counts")
-    if not isinstance(step, int) or not 0 <= step < 1 << 62 or \
-            (n and step < age_steps.max()):
-        raise InvalidArgument(f"dynamic table import: step {step!r} must be in "
-                              "[0, 2**62) and at least every row's age_steps")
-    return keys, values, age_steps, age_seconds, freq, slots
-
-
 #: The most occurrences one look-up may say a key had.
 MAX_COUNT = 1 << 31
 
@@ -858,14 +565,4 @@ def check_counts(keys: np.ndarray, counts) -> np.ndarray:
             (a.size and (a.min() < 1 or a.max() > MAX_COUNT)):
         raise InvalidArgument(f"look-up counts must be integers in [1, 2**31] of the keys' "
                               f"shape {list(keys.shape)}, got {a.dtype} {list(a.shape)}")
-    return a.astype(np.int64, copy=False)
-
-
-def check_keys(keys) -> np.ndarray:
-    """``keys`` as int64; InvalidArgument (a ValueError) for any other kind."""
-    a = np.asarray(keys)
-    if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
-        raise InvalidArgument(
-            f"dynamic table keys must be int64 (or a narrower integer type), got {a.dtype}; "
-            "hash string features to int64 first")
     return a.astype(np.int64, copy=False)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import threading
 
-import numpy as np
-
 from psserver import replication as R
+from psserver.contract import TABLE_PREFIX
 from psserver.errors import NotPrimary, PSError
+from psserver.tables import spec_message
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,13 @@ class Forwarder(R.Forwarding):
         self._lock = threading.Lock()
         self._stopped = False
 
-    def waker(self, store, var, peer: R.Peer):
+    def waker(self, replicator, var, peer: R.Peer):
         sender = self._sender(peer.address)
-        return lambda: sender.wake(store, var)
+        return lambda: sender.wake(replicator, var)
 
-    def flusher(self, store, var, peer: R.Peer):
+    def flusher(self, replicator, var, peer: R.Peer):
         sender = self._sender(peer.address)
-        return lambda: sender.flush(store, var)
+        return lambda: sender.flush(replicator, var)
 
     def _sender(self, address: str) -> "_PeerSender":
         with self._lock:
@@ -83,7 +83,7 @@ class _PeerSender:
         self.address = address
         self._make_client = make_client
         self._client = None
-        self._dirty: dict[int, tuple] = {}   # id(var) -> (store, var)
+        self._dirty: dict[int, tuple] = {}   # id(var) -> (replicator, var)
         # Held for a round of sends: one at a time per peer keeps each
         # variable's records in order (the thread's rounds and flush()'s).
         self._round_lock = threading.Lock()
@@ -105,9 +105,9 @@ class _PeerSender:
         if self._client is not None:
             self._client.close()
 
-    def wake(self, store, var) -> None:
+    def wake(self, replicator, var) -> None:
         with self._work:
-            self._dirty[id(var)] = (store, var)
+            self._dirty[id(var)] = (replicator, var)
             self._work.notify()
 
     def _loop(self) -> None:
@@ -135,7 +135,7 @@ class _PeerSender:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
-    def flush(self, store, var) -> None:
+    def flush(self, replicator, var) -> None:
         """Send var's pending records (or its state) now, on the calling
         thread: an update's handler waits for them anyway, so this saves the
         hand-over to the sender's thread and back. Other variables' records
@@ -146,7 +146,7 @@ class _PeerSender:
         with self._round_lock:
             with self._work:
                 work, self._dirty = self._dirty, {}
-            work[id(var)] = (store, var)
+            work[id(var)] = (replicator, var)
             try:
                 if self._client is None:
                     self._client = self._make_client(self.address)
@@ -159,32 +159,38 @@ class _PeerSender:
 
     def _round(self, work: list[tuple]) -> None:
         copies, batch = [], []
-        for store, var in work:
+        for replicator, var in work:
             link = var.link
             if link is None or link.fenced or link.peer.address != self.address:
                 continue
             if link.needs_state:
                 with var.lock:   # a consistent copy (the link may have changed meanwhile)
                     if var.link is link and link.needs_state:
-                        take = getattr(var, "take_state", None)   # a table's own
-                        copies.append((store, var, link, link.generation,
-                                       take(link) if take else _take_state(var, link)))
+                        copies.append((replicator, var, link, link.generation,
+                                       var.take_state(link)))
                 continue
             # Records are taken without the variable's lock: the next may be
             # being applied here meanwhile (it went ahead), overlapping its send.
             generation, recs = link.generation, link.records()
             if recs:
-                batch.append((store, var, link, generation, recs))
-        for store, var, link, generation, state in copies:
-            self._copy(store, var, link, generation, state)
+                batch.append((replicator, var, link, generation, recs))
+        for replicator, var, link, generation, state in copies:
+            self._copy(replicator, var, link, generation, state)
         for group in _batches(batch):
             self._send(group)
 
-    def _copy(self, store, var, link: R.Link, generation: int, state: dict) -> None:
-        """Copy a whole state to the peer (it creates or replaces its copy)."""
+    def _copy(self, replicator, var, link: R.Link, generation: int, state: dict) -> None:
+        """Copy a whole state (the copy's take_state) to the peer, which
+        creates or replaces its copy."""
         try:
-            if hasattr(var, "send_state"):   # a dynamic table shard (psserver/tables.py)
-                var.send_state(self._client, link.peer.name, state, COPY_SECONDS_PER_MIB)
+            if link.peer.name.startswith(TABLE_PREFIX):   # a table shard: psserver/table_copy.py
+                mib = sum(a.nbytes for a in state["rows"].values()) / 2**20
+                self._client.import_table(
+                    link.peer.name[len(TABLE_PREFIX):], state["rows"], state["step"],
+                    replica=dict(spec=spec_message(state["spec"]), epoch=state["epoch"],
+                                 version=state["version"], applied_ids=state["applied_ids"],
+                                 sync_steps=state["sync_steps"]),
+                    timeout=60.0 + mib * COPY_SECONDS_PER_MIB)
             else:
                 mib = (state["initial_value"].nbytes
                        + sum(a.nbytes for a in state["slots"].values())) / 2**20
@@ -199,31 +205,16 @@ class _PeerSender:
                     link.needs_state = True
             raise
         with var.lock:
-            store.acknowledged(var, link, generation, state["version"], status)
+            replicator.acknowledged(var, link, generation, state["version"], status)
 
     def _send(self, group: list[tuple]) -> None:
         records = [r for *_, recs in group for r in recs]
         acks = self._client.replicate(records, timeout=CALL_SECONDS)
         by_name = {name: (version, status) for name, version, status in acks}
-        for store, var, link, generation, recs in group:
+        for replicator, var, link, generation, recs in group:
             version, status = by_name.get(link.peer.name, (-1, R.NEEDS_STATE))
             with var.lock:
-                store.acknowledged(var, link, generation, version, status)
-
-
-def _take_state(var, link: R.Link) -> dict:
-    """The variable's whole state, copied under its lock, as create_variable
-    takes it (role backup, the primary's epoch); records up to its version are
-    dropped from the link (they are in it)."""
-    link.state_taken(var.version)
-    return dict(
-        dtype=var.value.dtype.name, shape=var.value.shape,
-        initial_value=var.value.copy(),
-        slots={k: v.copy() for k, v in var.slots.items()},
-        optimizer=var.optimizer.name, optimizer_params=var.optimizer.config(),
-        allow_nonfinite=var.allow_nonfinite, version=var.version,
-        applied_ids=np.fromiter(var.applied, np.uint64, len(var.applied)),
-        sync_steps=var.sync_steps, role=R.ROLE_BACKUP, epoch=var.epoch, overwrite=True)
+                replicator.acknowledged(var, link, generation, version, status)
 
 
 def _batches(batch: list[tuple]):

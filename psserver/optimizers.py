@@ -104,8 +104,13 @@ C-contiguous is cast/gathered a block at a time through a buffered
 ``np.nditer`` (one more block-sized buffer), never copied whole. A sparse
 apply gathers the touched rows of the variable and slots (copies,
 ``len(ids) * row`` elements each), updates them with the same blocked kernels,
-and scatters them back. Blocking does not change the arithmetic: every element
-goes through the same operations in the same order as an unblocked update.
+and scatters them back (psserver/rows.py: ``take_rows``, ``put_rows``).
+Blocking does not change the arithmetic: every element goes through the same
+operations in the same order as an unblocked update.
+
+This module is the optimizers alone; the row gathers, scatters and duplicate
+sums they share with the stores, the tables and the client are
+psserver/rows.py.
 """
 from __future__ import annotations
 
@@ -114,6 +119,8 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import numpy as np
+
+from psserver.rows import put_rows, take_rows
 
 __all__ = [
     "BLOCK_BYTES",
@@ -125,7 +132,6 @@ __all__ = [
     "Ftrl",
     "OPTIMIZERS",
     "make_optimizer",
-    "sum_duplicates",
 ]
 
 
@@ -229,7 +235,10 @@ class Optimizer:
         """New slot arrays for ``value`` (its shape and dtype)."""
         return {n: np.zeros_like(value) for n in self.slot_names}
 
-    def _array_slots(self, slots: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def array_slots(self, slots: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The slots of ``slots`` shaped as the value (a row per row of it;
+        not Adam's step count): what a row-wise update gathers and a
+        dynamic table keeps per row."""
         return {n: slots[n] for n in self.slot_names}
 
     def _step(self, slots: Mapping[str, np.ndarray]) -> int:
@@ -246,7 +255,7 @@ class Optimizer:
         ``grad`` must have ``value``'s shape (it is never written to).
         """
         x = _flat(value, "value")
-        arrays = {n: _flat(a, f"slot {n!r}") for n, a in self._array_slots(slots).items()}
+        arrays = {n: _flat(a, f"slot {n!r}") for n, a in self.array_slots(slots).items()}
         g = _gradient(grad, value.shape, value.dtype)
         step = self._step(slots)
         with np.errstate(all="ignore"):  # e.g. a float16 cast of lr may overflow
@@ -261,7 +270,7 @@ class Optimizer:
         ``ids`` are unique, in range, 1-D int64; ``rows`` has shape
         ``(len(ids),) + value.shape[1:]``.
         """
-        arrays = self._array_slots(slots)
+        arrays = self.array_slots(slots)
         step = self._step(slots)
         # Gather (copies: C-contiguous, len(ids) rows each), update the copies
         # block by block, then scatter back: every allocation happens before
@@ -455,7 +464,7 @@ class Adam(Optimizer):
         return {"m": np.zeros_like(value), "v": np.zeros_like(value),
                 "iterations": np.zeros((), dtype=np.int64)}
 
-    def _array_slots(self, slots):
+    def array_slots(self, slots):
         return {"m": slots["m"], "v": slots["v"]}
 
     def _step(self, slots):
@@ -568,77 +577,3 @@ def make_optimizer(name: str, params: Mapping[str, float] | None = None) -> Opti
             f"unknown optimizer {name!r}; known ones are: {', '.join(OPTIMIZERS)}"
         )
     return cls(**dict(params or {}))
-
-
-def take_rows(a: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """``a[ids]`` along axis 0 (ids of any shape, in range), a new array.
-
-    ``np.take`` copies whole rows; numpy's fancy indexing of a 2-D array
-    walks it element by element: 1,280 random rows of 64 float32 take 80 us
-    against 234 us (bench: the embedding gathers and sparse updates)."""
-    return np.take(a, ids, axis=0)
-
-
-def put_rows(a: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
-    """``a[ids] = rows`` along axis 0 (1-D ids in range), each row written as
-    one block of bytes where ``a`` and ``rows`` are C-contiguous arrays of one
-    dtype with rows of a few bytes or more (fancy assignment writes element by
-    element: 1,280 rows of 64 float32 take 69 us against 159 us)."""
-    cols = a.size // a.shape[0] if a.ndim > 1 and a.shape[0] else 0
-    if cols * a.itemsize >= 8 and rows.dtype == a.dtype and a.flags.c_contiguous \
-            and rows.flags.c_contiguous and a.flags.writeable \
-            and rows.shape == (ids.size,) + a.shape[1:]:
-        void = np.dtype((np.void, cols * a.itemsize))
-        a.reshape(a.shape[0], cols).view(void)[ids.reshape(-1), 0] = \
-            rows.reshape(ids.size, cols).view(void)[:, 0]
-    else:
-        a[ids] = rows
-
-
-def sum_duplicates(ids: np.ndarray, rows: np.ndarray,
-                   order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted unique int64 ids, rows summed per id), rows' dtype kept (the
-    arrays given, not copies, when ids are sorted and distinct already).
-    ``order``: ``np.argsort(ids, kind="stable")`` where the caller has it.
-
-    Deterministic: the same input gives the same bits, on every client and
-    server. An id seen once has its row copied; an id seen up to ``_FEW``
-    times has its rows added one after another in the order given (a stable
-    sort); an id seen more often is summed by ``np.add.reduceat`` (numpy's
-    order: the first row plus the pairwise sum of the rest), whose cost is
-    per id (~1.5 us), hence not used for every id.
-    """
-    ids = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)
-    rows = np.asarray(rows)
-    if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
-        return ids, rows   # sorted and distinct already (a client summed them): as they are
-    if order is None:
-        order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    first = np.empty(sorted_ids.size, dtype=bool)
-    first[0] = True
-    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    out = take_rows(rows, order[starts])   # each id's first row
-    if starts.size == sorted_ids.size:
-        return sorted_ids, out
-    counts = np.diff(starts, append=sorted_ids.size)
-    # Ids seen a few times: their k-th rows added to the sums, k = 1, 2, ...
-    # (one vectorised add per k: ((r0 + r1) + r2) + ...); ids seen more
-    # often: np.add.reduceat over their rows.
-    few = np.flatnonzero((counts > 1) & (counts <= _FEW))
-    for k in range(1, int(counts[few].max()) + 1 if few.size else 1):
-        few = few[counts[few] > k]
-        out[few] += take_rows(rows, order[starts[few] + k])
-    many = np.flatnonzero(counts > _FEW)
-    if many.size:
-        n = counts[many]
-        begin = np.cumsum(n) - n   # the rows of those ids, id after id, in order
-        at = np.repeat(starts[many] - begin, n) + np.arange(int(n.sum()))
-        out[many] = np.add.reduceat(take_rows(rows, order[at]), begin, axis=0)
-    return sorted_ids[starts], out
-
-
-#: sum_duplicates: ids seen up to this many times are summed k-th row by
-#: k-th row, the others by np.add.reduceat (~1.5 us per id: its cost).
-_FEW = 8

@@ -24,15 +24,20 @@ Guarantees:
   records) answers NEEDS_STATE; the primary then copies its whole state
   (value, slots, version, update keys, sync steps) and goes on from there.
 
-A dynamic table shard (psserver/tables.py) is a copy too (``CopyState``),
-named ``TABLE_PREFIX + table``: its records say what a call changed (rows
-evicted and made: TABLE_ROWS; rows updated: TABLE_UPDATE), which its
+A dynamic table shard (psserver/table_copy.py) is a copy too (a
+psserver.shards.CopyState, as a variable is), named ``TABLE_PREFIX + table``:
+its records say what a call changed (rows evicted and made: TABLE_ROWS;
+rows updated: TABLE_UPDATE), which its
 backup follows without deciding anything itself, and its state copies come
 in pieces, swapped in whole by the last (a copy that never completed
 cannot be promoted).
 
 The network side (sending records, copying state) is ``psserver.forwarder``;
-this module holds the state each copy keeps, under the copy's lock.
+this module holds a primary's ``Link`` to its backup and the ``Replicator``,
+which runs the replication calls on the copies of a psserver.shards.
+ShardRegistry, under each copy's lock. What a record does to a copy is the
+copy's own (``check_record``, ``fits``, ``follow``), so a variable and a
+table shard are replicated by the same code.
 """
 from __future__ import annotations
 
@@ -44,16 +49,14 @@ from typing import Callable
 
 import numpy as np
 
-from psserver.contract import (ROLE_BACKUP, ROLE_PRIMARY, DeadlineExceeded,  # noqa: F401
-                               FailedPrecondition, InvalidArgument, NotFound, NotPrimary, Peer)
+from psserver.contract import (ROLE_BACKUP, ROLE_PRIMARY, TABLE_PREFIX,  # noqa: F401
+                               DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                               NotPrimary, Peer)
+from psserver.shards import check_name
 
-ROLE_NAMES = {ROLE_PRIMARY: "primary", ROLE_BACKUP: "backup"}
-#: ReplicaRecord.Kind in ps.proto (TABLE_*: a dynamic table shard's, psserver/tables.py).
+#: ReplicaRecord.Kind in ps.proto (TABLE_*: a dynamic table shard's, psserver/table_store.py).
 DENSE, SPARSE, ASSIGN, TABLE_ROWS, TABLE_UPDATE = 0, 1, 2, 3, 4
 TABLE_KINDS = (TABLE_ROWS, TABLE_UPDATE)
-#: Replication names of dynamic table shards: "~table~<table name>" ("~" starts
-#: no variable name), so GetMeta, Reconfigure and records reach tables too.
-TABLE_PREFIX = "~table~"
 #: ReplicaAck.Status in ps.proto.
 OK, NEEDS_STATE, FENCED = 0, 1, 2
 #: ReplicaChange.Action in ps.proto.
@@ -85,52 +88,6 @@ class Record:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.tensor, self.ids, self.evicted) if a is not None)
-
-
-class CopyState:
-    """What every copy of a replicated shard keeps (a Variable, a dynamic
-    table shard: psserver/tables.py), guarded by its ``lock``: ``role``,
-    ``epoch`` (its fencing token), ``link`` (a primary's to its backup),
-    ``draining`` (a planned hand-over), ``version`` and the update keys
-    applied (``applied``: key -> the version it made, oldest first)."""
-
-    name: str
-    version: int
-    role: int
-    epoch: int
-    draining: bool
-    applied: collections.OrderedDict
-
-    #: How many update keys a copy remembers: a resent update older than
-    #: this many later updates would be applied again. Retries come within
-    #: seconds, when far fewer updates have happened.
-    APPLIED_IDS_KEPT = 8192
-
-    def applied_at(self, update_id: int) -> int | None:
-        """The version update_id made, if it was applied already (lock held)."""
-        return self.applied.get(update_id) if update_id else None
-
-    def remember(self, update_id: int) -> None:
-        """Record that update_id made the current version (lock held)."""
-        if update_id:
-            self.applied[update_id] = self.version
-            if len(self.applied) > self.APPLIED_IDS_KEPT:
-                self.applied.popitem(last=False)
-
-    def forget_changes(self) -> None:
-        """Drop what an incremental save would ask about (psserver.tracking;
-        lock held): the state was replaced, or the copy changed role."""
-        raise NotImplementedError
-
-    def check_primary(self) -> None:
-        """Raise NotPrimary unless this copy takes client updates now (lock held
-        or not: a role read is atomic)."""
-        if self.role != ROLE_PRIMARY or self.draining:
-            what = "handing over to its other copy" if self.draining else "a backup copy"
-            raise NotPrimary(
-                f"{self.name!r} on this server is {what} (epoch {self.epoch}) and takes no "
-                "client updates; nothing was applied. Send it to the primary copy (ask "
-                "both copies' GetMeta for role and epoch; coordinator.routes does)")
 
 
 class Link:
@@ -196,15 +153,16 @@ class Link:
 
 
 class Forwarding:
-    """What a store needs from the network side (psserver.forwarder.Forwarder
-    implements it): a wake function per peer address for new links, and
-    stopping. A store without one cannot be a replicated primary."""
+    """What a Replicator needs from the network side (psserver.forwarder.
+    Forwarder implements it): a wake function per peer address for new
+    links, and stopping. Without one no copy can be a replicated primary.
+    The sender reports each answer with ``replicator.acknowledged``."""
 
-    def waker(self, store, var, peer: Peer) -> Callable[[], None]:   # pragma: no cover
+    def waker(self, replicator, var, peer: Peer) -> Callable[[], None]:   # pragma: no cover
         """A function that tells the sender to ``peer.address`` that var has work."""
         raise NotImplementedError
 
-    def flusher(self, store, var, peer: Peer) -> Callable[[], None] | None:
+    def flusher(self, replicator, var, peer: Peer) -> Callable[[], None] | None:
         """A function that sends var's pending work now, on the calling thread
         (None: only the sender's own thread sends)."""
         return None
@@ -213,34 +171,33 @@ class Forwarding:
         pass
 
 
-class ReplicaMethods:
-    """The VariableStore's replication methods (mixed into it, so they run on
-    its variables and locks). ``forwarding`` is set by the server that can
-    reach other servers (psserver.forwarder); without it a store cannot make
-    a replicated primary (FailedPrecondition)."""
+def check_peer(peer: Peer) -> Peer:
+    """``peer`` if it names a backup copy: a server address (printable, at
+    most 1024 characters) and a variable's name or a table shard's
+    replication name (TABLE_PREFIX + table name); else InvalidArgument."""
+    if not peer.address or len(peer.address) > 1024 or not peer.address.isprintable():
+        raise InvalidArgument(f"a backup needs a server address (host:port), got "
+                              f"{peer.address!r}")
+    table = peer.name.startswith(TABLE_PREFIX)
+    check_name(peer.name[len(TABLE_PREFIX):] if table else peer.name)
+    return peer
 
-    forwarding: Forwarding | None = None
-    #: Finds a dynamic table shard's copy by its table name (set by
-    #: psserver.tables.TableServicer; None: no tables here).
-    table_copy: Callable[[str], CopyState | None] | None = None
-    #: Every dynamic table shard's copy here (set with table_copy).
-    table_copies: Callable[[], list] | None = None
 
-    def _copy(self, name: str):
-        """The copy ``name`` names: a variable, or (TABLE_PREFIX) a table shard."""
-        found = self._find_copy(name)
-        if found is None:
-            if name.startswith(TABLE_PREFIX):
-                raise NotFound(f"no dynamic table {name[len(TABLE_PREFIX):]!r} on this "
-                               "parameter server")
-            return self._get(name)   # its NotFound
-        return found
+class Replicator:
+    """The replication calls on the copies of ``registry`` (variables and
+    table shards alike): a primary's links to its backup and the
+    coordinator's role changes, a backup's records and the wait for a
+    backup's acknowledgement. ``steps`` (psserver.sync.StepGatherer)
+    completes a sync step a promoted copy gathered.
 
-    def _find_copy(self, name: str):
-        if name.startswith(TABLE_PREFIX):
-            find = self.table_copy
-            return None if find is None else find(name[len(TABLE_PREFIX):])
-        return self._vars.get(name)
+    ``forwarding`` is set by the server that can reach other servers
+    (psserver.forwarder); without it no copy can become a replicated
+    primary (FailedPrecondition). Each call takes one copy's lock at a time."""
+
+    def __init__(self, registry, steps):
+        self._registry = registry
+        self._steps = steps
+        self.forwarding: Forwarding | None = None
 
     # -- the primary's side ------------------------------------------------------------
     def set_backup(self, name: str, peer: Peer, epoch: int,
@@ -253,7 +210,7 @@ class ReplicaMethods:
             raise FailedPrecondition(
                 "this parameter server cannot replicate (its store has no forwarding); "
                 "run a psserver process, which can")
-        var = self._copy(name)
+        var = self._registry.copy(name)
         with var.lock:
             _fence(var, epoch, allow_same=True)
             var.check_primary()
@@ -264,11 +221,11 @@ class ReplicaMethods:
                 var.link.flush = self.forwarding.flusher(self, var, peer)
                 var.link.wake()
             version = var.version
-        self._wait_acked([(var, version)], deadline)
+        self.wait_acked([(var, version)], deadline)
 
     def drop_backup(self, name: str, epoch: int) -> None:
         """The backup is gone: acknowledge updates without it from now on."""
-        var = self._copy(name)
+        var = self._registry.copy(name)
         with var.lock:
             _fence(var, epoch, allow_same=True)
             var.check_primary()
@@ -280,7 +237,7 @@ class ReplicaMethods:
         """Backup -> primary (its primary is gone); then, with ``peer``, copy
         the state to a new backup there (as set_backup). A sync step whose
         gradients this copy gathered completes here if it can."""
-        var = self._copy(name)
+        var = self._registry.copy(name)
         with var.lock:
             if var.version < 0:   # a table copy whose state copy never completed
                 raise FailedPrecondition(
@@ -292,9 +249,7 @@ class ReplicaMethods:
                 var.forget_changes()   # promoted: its next incremental save is whole
                 if var.link is not None and var.link.fenced:
                     var.link = None
-                if var.acc is not None:
-                    from psserver import sync
-                    sync.maybe_complete(var, self._abandoned_for(var.acc.step))
+                self._steps.complete(var)
                 var.cond.notify_all()
         if peer is not None:
             self.set_backup(name, peer, epoch, deadline)
@@ -303,7 +258,7 @@ class ReplicaMethods:
         """Primary -> backup, a planned hand-over: refuse client updates, wait
         until the backup acknowledged every version, then take records only.
         Raises DeadlineExceeded (then it stays primary and takes updates again)."""
-        var = self._copy(name)
+        var = self._registry.copy(name)
         deadline = _deadline_or_default(deadline)
         with var.lock:
             if var.role == ROLE_BACKUP and var.epoch == epoch:
@@ -331,7 +286,7 @@ class ReplicaMethods:
         changed. Returns each copy's VariableMeta after the changes."""
         plan: dict[str, tuple[int, int]] = {}   # name -> (role, epoch) once its changes ran
         for name, action, epoch, peer in changes:
-            var = self._copy(name)
+            var = self._registry.copy(name)
             if action not in ACTION_NAMES:
                 raise InvalidArgument(f"unknown replica change {action}; use one of "
                                       f"{sorted(ACTION_NAMES.values())}")
@@ -340,7 +295,7 @@ class ReplicaMethods:
             if action == SET_BACKUP and peer is None:
                 raise InvalidArgument("SET_BACKUP needs the backup's address and name")
             if peer is not None:
-                self._check_peer(peer)
+                check_peer(peer)
                 if peer.name.startswith(TABLE_PREFIX) != name.startswith(TABLE_PREFIX):
                     raise InvalidArgument(f"{name!r} and its backup {peer.name!r} must both "
                                           "be variables or both table shards ("
@@ -375,11 +330,11 @@ class ReplicaMethods:
         else:
             raise InvalidArgument(f"unknown replica change {action}; use one of "
                                   f"{sorted(ACTION_NAMES.values())}")
-        copy = self._copy(name)
+        copy = self._registry.copy(name)
         with copy.lock:
             return copy.meta()
 
-    def _wait_acked(self, pairs, deadline: float | None) -> None:
+    def wait_acked(self, pairs, deadline: float | None) -> None:
         """Block until each (variable, version)'s backup acknowledged it (or the
         variable has no backup). Raises NotPrimary if the copy was superseded
         before its backup had it, DeadlineExceeded if time runs out first:
@@ -439,13 +394,13 @@ class ReplicaMethods:
         checked = set()
         for i, rec in enumerate(records):
             groups.setdefault(rec.name, []).append(rec)
-            var = self._find_copy(rec.name)
+            var = self._registry.find(rec.name)
             if var is not None:
                 self._check_record(var, rec, f"record {i}")
                 checked.add(rec.name)
         out = []
         for name, recs in groups.items():
-            var = self._find_copy(name)
+            var = self._registry.find(name)
             if var is None or name not in checked:   # (made meanwhile: its records unchecked)
                 out.append((name, -1, NEEDS_STATE))
                 continue
@@ -456,74 +411,27 @@ class ReplicaMethods:
                         status = FENCED
                         break
                     if rec.epoch > var.epoch or rec.version > var.version + 1 or \
-                            not _fits(var, rec):
+                            not var.fits(rec):   # (it may have been replaced since its check)
                         status = NEEDS_STATE
                         break
-                    if rec.version == var.version + 1 and not _apply_record(var, rec):
+                    if rec.version == var.version + 1 and not var.follow(rec):
                         status = NEEDS_STATE
                         break
                 out.append((name, var.version, status))
         return out
 
     def _check_record(self, var, rec: Record, what: str) -> None:
-        if (rec.kind in TABLE_KINDS) != hasattr(var, "follow"):
+        """InvalidArgument unless ``rec`` fits its copy (its kind, the copy's
+        own check_record) and its counters are in range."""
+        if (rec.kind in TABLE_KINDS) != var.is_table:
             raise InvalidArgument(f"{what}: a record of kind {rec.kind} for {var.name!r}, "
-                                  "which is " + ("a dynamic table" if hasattr(var, "follow")
+                                  "which is " + ("a dynamic table" if var.is_table
                                                  else "a variable"))
-        if rec.kind in TABLE_KINDS:
-            var.check_record(rec, what)
-        elif rec.kind == SPARSE:
-            if rec.ids is None or rec.ids.ndim != 1 or rec.ids.dtype != np.int64:
-                raise InvalidArgument(f"{what}: sparse record ids must be 1-D int64")
-            self._check_ids(var, rec.ids, what)
-            self._check_grad(var, rec.tensor, (rec.ids.size,) + var.value.shape[1:],
-                             f"{what} rows")
-        elif rec.kind in (DENSE, ASSIGN):
-            self._check_grad(var, rec.tensor, var.value.shape, what)
-            if rec.kind == ASSIGN and rec.tensor.dtype != var.value.dtype:
-                raise InvalidArgument(f"{what}: an assigned value must be "
-                                      f"{var.value.dtype.name}")
-        else:
-            raise InvalidArgument(f"{what}: unknown record kind {rec.kind}")
+        var.check_record(rec, what)
         if not (1 <= rec.version < MAX_EPOCH and 0 <= rec.epoch < MAX_EPOCH
                 and 0 <= rec.sync_steps < MAX_EPOCH):
             raise InvalidArgument(f"{what}: version must be in [1, 2**62), epoch and "
                                   "sync_steps in [0, 2**62)")
-
-
-def _fits(var, rec: Record) -> bool:
-    """Whether a checked record still fits var (it may have been replaced since)."""
-    if rec.kind in TABLE_KINDS:
-        return hasattr(var, "follow")   # the table says when it applies (_apply_record)
-    rows = (rec.ids.size,) if rec.kind == SPARSE else ()
-    want = rows + var.value.shape[len(rows):] if rows else var.value.shape
-    return rec.tensor.shape == want
-
-
-def _apply_record(var, rec: Record) -> bool:
-    """The primary's update, applied the same way (lock held); False (nothing
-    changed) where a table's record does not fit its state (copy it whole)."""
-    if rec.kind in TABLE_KINDS:
-        return var.follow(rec)
-    with var.writing():
-        if rec.kind == DENSE:
-            var.optimizer.apply_dense(var.value, var.slots, rec.tensor)
-        elif rec.kind == SPARSE:
-            var.optimizer.apply_sparse(var.value, var.slots, rec.ids, rec.tensor)
-        else:
-            np.copyto(var.value, rec.tensor)
-        var.version = rec.version
-    if var.tracker is not None:   # (a backup tracks only if something saved from it)
-        if rec.kind == SPARSE:
-            var.tracker.mark_rows(rec.ids)
-        else:
-            var.tracker.mark_all()
-    var.sync_steps = max(var.sync_steps, rec.sync_steps)
-    if var.acc is not None and var.acc.step < var.sync_steps:
-        var.acc = None   # the step this copy was gathering was applied by its primary
-    var.remember(rec.update_id)
-    var.cond.notify_all()
-    return True
 
 
 def _fence(var, epoch: int, allow_same: bool) -> None:

@@ -1,8 +1,10 @@
 """A parameter server's checkpoint files: each variable's value, slots and
 idempotency keys in a safetensors file, written under a directory the
 operator allowed (``psserver --checkpoint-dir``) and nowhere else.
-``SaveMethods`` is a mixin of psserver.store.VariableStore (it uses the
-store's _get, _lock, _vars and checkpoint_dirs). Free of grpc and protobuf.
+``Saver`` writes the variables of a psserver.shards.ShardRegistry, keeps the
+save points this server took, and commits them on every shard copy (table
+shards too: psserver/table_store.py writes their files with the same
+checks and ``write_tensors``). Free of grpc and protobuf.
 
 Incremental saves (coordinator/checkpoint.py, psserver/tracking.py): a save
 with a ``save_id`` is a save point of every shard it writes; with ``since``
@@ -64,19 +66,12 @@ class SavedShard:
 
 @dataclasses.dataclass(frozen=True)
 class SaveSpec:
-    """An incremental save's parameters, checked (``SaveMethods.begin_save``):
+    """An incremental save's parameters, checked (``Saver.begin_save``):
     ``since`` is 0 where the base is not this server's (write whole)."""
     save_id: int = 0
     since: int = 0
     stream: str = ""
     weights_only: bool = False
-
-
-def save_fields(request) -> dict:
-    """An incremental save's fields of a SaveRequest or SaveTableRequest (a
-    message, read by attribute: begin_save checks them)."""
-    return dict(save_id=request.save_id, since=request.since, incarnation=request.incarnation,
-                stream=request.stream, weights_only=request.weights_only)
 
 
 def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
@@ -151,10 +146,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class SaveMethods:
-    """Checkpoint files of the store's variables (see the module)."""
+class Saver:
+    """Checkpoint files of ``registry``'s variables, and the save points this
+    server took (see the module). ``checkpoint_dirs``: where saves may write,
+    inside one of these (None: anywhere, for in-process use; a psserver task
+    sets what --checkpoint-dir says). Each variable is copied under its own
+    lock; the save points have a lock of their own."""
 
-    def _init_saving(self) -> None:
+    def __init__(self, registry, checkpoint_dirs: Sequence[str] | None = None):
+        self._registry = registry
+        self.checkpoint_dirs = None if checkpoint_dirs is None else tuple(
+            os.path.realpath(d) for d in checkpoint_dirs)
         #: This server process; a save point is known only to the incarnation
         #: that took it (a restarted server writes its next save whole).
         self.incarnation = uuid.uuid4().hex
@@ -244,19 +246,13 @@ class SaveMethods:
             if self._saves[save_id] != stream:
                 raise InvalidArgument(f"save {save_id} belongs to stream "
                                       f"{self._saves[save_id]!r}, not {stream!r}")
-        with self._lock:
-            chosen = list(self._vars.values())
-        nvars = ntables = 0
-        for var in chosen:
-            with var.lock:
-                if var.tracker is not None and var.tracker.log.commit(save_id, stream):
-                    nvars += 1
-        for entry in self.table_entries():
-            with entry.lock:
-                tracker = entry.table.tracker
+        counts = {False: 0, True: 0}   # is_table -> shards that had the point
+        for copy in self._registry.copies():
+            with copy.lock:
+                tracker = copy.tracker
                 if tracker is not None and tracker.log.commit(save_id, stream):
-                    ntables += 1
-        return nvars, ntables
+                    counts[copy.is_table] += 1
+        return counts[False], counts[True]
 
     def save(self, directory: str, names: Sequence[str] = (),
              spec: SaveSpec = SaveSpec()) -> list[SavedShard]:
@@ -296,8 +292,8 @@ class SaveMethods:
 
     def _save_target(self, directory: str, names: Sequence[str]) -> tuple[str, list]:
         directory = self.save_directory(directory)
-        with self._lock:
-            chosen = [self._get(n) for n in names] if names else list(self._vars.values())
+        chosen = [self._registry.variable(n) for n in names] if names \
+            else self._registry.variables()
         return directory, chosen
 
     def _write_shards(self, directory: str, chosen: list, spec: SaveSpec) -> list[SavedShard]:

@@ -143,7 +143,8 @@ class ServerHandle:
             if side is not None:
                 side.stop(grace)
         stopped.wait()
-        forwarding = getattr(getattr(self.servicer, "store", None), "forwarding", None)
+        store = getattr(self.servicer, "store", None)   # (a psworker serves none)
+        forwarding = store.replicator.forwarding if store is not None else None
         if forwarding is not None:   # replication senders (psserver/forwarder.py)
             forwarding.stop()
         shared = getattr(self.servicer, "shared_memory", None)
@@ -187,9 +188,6 @@ def make_server(address: str, servicer, add_to_server, service_name: str, *,
     return ServerHandle(server, port, servicer, health_servicer, (service_name,))
 
 
-BULK_SERVICE_NAME = "pstrain.v1.ParameterServerBulk"
-
-
 def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
     """The ParameterServer and SharedMemory services (requests parsed by
     their handlers: psserver/rpc.py), and ParameterServerBulk with hand-framed
@@ -227,8 +225,9 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     servicer = ParameterServerServicer(store if store is not None else VariableStore(),
                                        max_message_bytes=max_message_bytes,
                                        chunk_bytes=chunk_bytes)
-    if servicer.store.forwarding is None:   # replicated primaries reach their backups
-        servicer.store.forwarding = Forwarder(token, tls)
+    replicator = servicer.store.replicator
+    if replicator.forwarding is None:   # replicated primaries reach their backups
+        replicator.forwarding = Forwarder(token, tls)
     handle = make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
                          tls=tls, max_message_bytes=max_message_bytes,
                          max_workers=max_workers, thread_name_prefix="psserver-rpc",
@@ -529,12 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     except TaskSetupError as exc:
         print(f"psserver: {exc}", file=sys.stderr)
         return 2
-    store, rpc_metrics = VariableStore(args.max_memory_bytes,
-                                       checkpoint_dirs=args.checkpoint_dir), None
+    observer, rpc_metrics = None, None
     if served is not None:
-        registry = served[0]
-        store.observer = metrics.StoreMetrics(registry).watch(store)
-        rpc_metrics = metrics.RpcMetrics(registry)
+        observer = metrics.StoreMetrics(served[0])
+        rpc_metrics = metrics.RpcMetrics(served[0])
+    store = VariableStore(args.max_memory_bytes, observer, checkpoint_dirs=args.checkpoint_dir)
+    if observer is not None:
+        observer.watch(store)
     try:
         handle = create_server(address, store=store, token=token, tls=tls,
                                max_message_bytes=args.max_message_bytes,

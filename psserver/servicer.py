@@ -1,13 +1,18 @@
-"""The gRPC servicer: wire messages in, VariableStore calls, wire messages out.
+"""The ParameterServer, ParameterServerBulk and SharedMemory services: wire
+messages in, psserver.store.VariableStore calls, wire messages out.
 
-Thin on purpose: validation and state live in ``store``; this module only
-converts messages and maps ``PSError`` types to gRPC status codes.
+Thin on purpose: validation and state live in the store and its parts
+(``store.steps``, ``store.replicator``, ``store.saver``); handlers convert
+messages, raise the store's typed errors (each transport maps them once:
+psserver/rpc.py, psserver/ipc_server.py), reassemble uploaded streams
+(``_assemble``) and lay replies out in shared-memory segments. The
+DynamicTables service beside them is psserver/tables.py.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
@@ -17,11 +22,12 @@ from psserver import replication as R
 from psserver import tensor as T
 from psserver import rpc, shm, wire
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
-                               InvalidArgument, OutOfRange, ResourceExhausted)
-from psserver.saving import save_fields
-from psserver.store import Initializer, VariableMeta, VariableStore
-from psserver.sync import SyncSpec
-from psserver.tables import TableServicer
+                               Initializer, InvalidArgument, OutOfRange, ResourceExhausted,
+                               SyncSpec, VariableMeta)
+from psserver.handling import deadline_of, save_fields, sync_spec_of
+from psserver.store import VariableStore
+from psserver.table_store import TableStore
+from psserver.tables import TableServicer, spec_json
 
 log = logging.getLogger(__name__)
 
@@ -69,31 +75,34 @@ def _sparse_ids(ids: np.ndarray, name: str) -> np.ndarray:
     return ids
 
 
-def _row_update(name: str, ids: np.ndarray, rows: np.ndarray, update_id: int,
-                own_sync: bool) -> tuple:
-    """A PushRequest.sparse entry as push_mixed takes it, checked: integer
-    ids, and no sync of its own (row-wise gradients in a Push are async)."""
-    if own_sync:
-        raise InvalidArgument(
-            f"the row-wise update of {name!r} in a Push carries its own sync: row-wise "
-            "gradients in a Push are asynchronous; send a sync one with PushSparse")
-    return name, _sparse_ids(ids, name), rows, update_id
-
-
-def _sync_spec(request) -> SyncSpec | None:
-    if not request.HasField("sync"):
-        return None
-    return SyncSpec.of(request.sync)
+def _push_updates(store: VariableStore, dense: list, rows: list, sync: SyncSpec | None,
+                  deadline: float | None) -> ps_pb2.UpdateReply:
+    """A push applied (Push, Upload, the bulk push and the shared-memory push
+    all come here): ``dense`` [(name, gradient, update_id)] and row-wise
+    ``rows`` [(name, ids, rows, update_id, own_sync)] (``own_sync``: the
+    entry carries sync info of its own). Row-wise updates in a push are
+    asynchronous, the one place this rule is kept: a push with ``sync`` set,
+    or an entry with its own, that carries them is refused whole
+    (InvalidArgument, nothing applied); sync row-wise gradients go in
+    PushSparse, one variable per call."""
+    if rows:
+        sparse = []
+        for name, ids, values, update_id, own_sync in rows:
+            if sync is not None or own_sync:
+                raise InvalidArgument(
+                    f"the row-wise update of {name!r} comes with sync info, but row-wise "
+                    "gradients in a push are asynchronous; nothing was applied. Send sync "
+                    "ones with PushSparse, one variable per call")
+            sparse.append((name, _sparse_ids(ids, name), values, update_id))
+        return ps_pb2.UpdateReply(versions=store.push(dense, sparse, deadline))
+    if sync is None:
+        return ps_pb2.UpdateReply(versions=store.push(dense, (), deadline))
+    out = store.steps.push([(n, a) for n, a, _ in dense], sync, deadline)
+    return ps_pb2.UpdateReply(versions=[v for v, _ in out], dropped=[d for _, d in out])
 
 
 def _sync_step(request) -> int | None:
     return request.sync.step if request.HasField("sync") else None
-
-
-def _deadline(context) -> float | None:
-    """The call's deadline on time.monotonic()'s clock (None: no deadline)."""
-    remaining = context.time_remaining() if context is not None else None
-    return None if remaining is None else time.monotonic() + remaining
 
 
 def tensors_of(request) -> list[ps_pb2.Tensor]:
@@ -163,9 +172,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         # A frame must fit in one message, whatever the two options say.
         self.chunk_bytes = max(1, min(chunk_bytes, max_message_bytes))
         self.max_upload_bytes = max_upload_bytes
-        self.server_id = store.incarnation   # random per process start
-        self.shared_memory = SharedMemoryServicer(self)
-        self.tables = TableServicer(max_message_bytes, store)   # dynamic embedding tables
+        self.server_id = store.saver.incarnation   # random per process start
+        self.shared_memory = SharedMemoryServicer(store)
+        # dynamic embedding tables: beside the variables, in the same registry and budget
+        self.tables = TableServicer(TableStore.beside(store, describe_spec=spec_json),
+                                    max_message_bytes)
         self.data_port = 0   # set by create_server when it serves one (psserver/ipc.py)
 
     # -- plumbing (handlers raise typed errors; each transport maps them once:
@@ -194,51 +205,35 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             allow_nonfinite=req.allow_nonfinite, exist_ok=req.exist_ok,
             slots=slots, version=req.version, overwrite=req.overwrite,
             applied_ids=list(req.applied_ids), sync_steps=req.sync_steps, role=int(req.role),
-            epoch=req.epoch, backup=_peer(req), deadline=_deadline(context))
+            epoch=req.epoch, backup=_peer(req), deadline=deadline_of(context))
         return meta_to_proto(meta)
 
     def _replicate(self, req: ps_pb2.ReplicateRequest, arrays,
                    context=None) -> ps_pb2.ReplicateReply:
-        acks = self.store.replicate(_records(req, arrays))
+        acks = self.store.replicator.replicate(_records(req, arrays))
         return ps_pb2.ReplicateReply(acks=[ps_pb2.ReplicaAck(name=n, version=v, status=s)
                                            for n, v, s in acks])
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         k = len(req.updates)
         updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays[:k])]
-        sparse = [_row_update(u.name, ids, rows, u.update_id, u.HasField("sync"))
-                  for u, ids, rows in zip(req.sparse, arrays[k::2], arrays[k + 1::2])]
-        return self._push_updates(req, updates, context, sparse)
-
-    def _push_updates(self, req, updates, context=None, sparse=()) -> ps_pb2.UpdateReply:
-        """updates: [(name, array, update_id)], sparse: [(name, ids, rows,
-        update_id)] (asynchronous only); req supplies the sync info."""
-        spec = _sync_spec(req)
-        if sparse:
-            if spec is not None:
-                raise InvalidArgument(
-                    "a Push with sync set cannot carry row-wise gradients (sparse): sync "
-                    "ones go in PushSparse, one variable per call")
-            return ps_pb2.UpdateReply(versions=self.store.push_mixed(
-                updates, sparse, _deadline(context)))
-        if spec is None:
-            return ps_pb2.UpdateReply(versions=self.store.push(updates, _deadline(context)))
-        out = self.store.push_sync([(n, a) for n, a, _ in updates], spec, _deadline(context))
-        return ps_pb2.UpdateReply(versions=[v for v, _ in out], dropped=[d for _, d in out])
+        rows = [(u.name, ids, values, u.update_id, u.HasField("sync"))
+                for u, ids, values in zip(req.sparse, arrays[k::2], arrays[k + 1::2])]
+        return _push_updates(self.store, updates, rows, sync_spec_of(req), deadline_of(context))
 
     def _assign(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         return ps_pb2.UpdateReply(versions=self.store.assign(
-            zip([u.name for u in req.updates], arrays), _deadline(context)))
+            zip([u.name for u in req.updates], arrays), deadline_of(context)))
 
     def _push_sparse(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
         ids, values = arrays
         _sparse_ids(ids, req.name)
-        spec = _sync_spec(req)
+        spec = sync_spec_of(req)
         if spec is None:
-            return ps_pb2.UpdateReply(versions=[self.store.push_sparse(
-                req.name, ids, values, req.update_id, _deadline(context))])
-        version, dropped = self.store.push_sparse_sync(req.name, ids, values, spec,
-                                                       _deadline(context))
+            return ps_pb2.UpdateReply(versions=self.store.push(
+                (), [(req.name, ids, values, req.update_id)], deadline_of(context)))
+        version, dropped = self.store.steps.push_rows(req.name, ids, values, spec,
+                                                      deadline_of(context))
         return ps_pb2.UpdateReply(versions=[version], dropped=[dropped])
 
     # -- RPCs ----------------------------------------------------------------
@@ -260,11 +255,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Reconfigure(self, request, context):
         if not request.timeout >= 0:
             raise InvalidArgument(f"timeout must be >= 0, got {request.timeout}")
-        deadline = _deadline(context)
+        deadline = deadline_of(context)
         if request.timeout > 0:
             own = time.monotonic() + request.timeout
             deadline = own if deadline is None else min(deadline, own)
-        metas = self.store.reconfigure_all(
+        metas = self.store.replicator.reconfigure_all(
             [(c.name, int(c.action), c.epoch, _peer(c)) for c in request.changes], deadline)
         return ps_pb2.ReconfigureReply(variables=[meta_to_proto(m) for m in metas])
 
@@ -308,7 +303,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def bulk_read(self, request, context):
         """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
-        step, deadline = _sync_step(request), _deadline(context)
+        step, deadline = _sync_step(request), deadline_of(context)
         gathered, _ = self._lookups(request, context, step, deadline)
         with self.store.locked_values(list(request.names), step, deadline) as values:
             if T.read_as(request.value_dtype) is not None:   # converted under the locks
@@ -320,14 +315,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """ParameterServerBulk.Push: the request read by hand, its arrays views
         of it (a socket's frame is not used again while a view of it lives:
         the store may keep a row-wise update's arrays)."""
-        updates, sync_raw, sparse = wire.decode_push_request(raw)
-        req = ps_pb2.PushRequest()
-        if sync_raw is not None:   # present, maybe empty: as protobuf has it
-            req.sync.CopyFrom(rpc.parse(ps_pb2.SyncInfo, sync_raw))
-        return self._push_updates(req, updates, context, [_row_update(*u) for u in sparse])
+        updates, sync_raw, rows = wire.decode_push_request(raw)
+        sync = None if sync_raw is None else \
+            SyncSpec.of(rpc.parse(ps_pb2.SyncInfo, sync_raw))   # present, maybe empty
+        return _push_updates(self.store, updates, rows, sync, deadline_of(context))
 
     def _read(self, request, context=None):
-        step, deadline = _sync_step(request), _deadline(context)
+        step, deadline = _sync_step(request), deadline_of(context)
         gathered, limit = self._lookups(request, context, step, deadline)
         half = T.read_as(request.value_dtype) is not None
         reply, total = ps_pb2.ReadReply(), 0
@@ -358,7 +352,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                   "or Gather for them")
         step = self.chunk_bytes
         half = T.read_as(request.value_dtype) is not None
-        sync_step, deadline = _sync_step(request), _deadline(context)
+        sync_step, deadline = _sync_step(request), deadline_of(context)
         for name in request.names:
             version, arr = self.store.snapshot(name, sync_step, deadline)
             if half:
@@ -386,27 +380,27 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 f"{self.max_message_bytes}-byte message limit; gather fewer ids per "
                 "call (PSClient splits large gathers by itself)")
         version, rows = self.store.gather(request.name, ids, _sync_step(request),
-                                          _deadline(context))
+                                          deadline_of(context))
         return wire.encode_gather_reply(version, rows)   # a GatherReply, framed by hand
 
     def PushSparse(self, request, context):
         return self._push_sparse(request, self._decoded(request), context)
 
     def Save(self, request, context):
-        saved = self.store.save_point(request.directory, list(request.names),
-                                      **save_fields(request))
+        saved = self.store.saver.save_point(request.directory, list(request.names),
+                                            **save_fields(request))
         return ps_pb2.SaveReply(
             files=[ps_pb2.SavedFile(name=s.name, file=s.file, version=s.version, bytes=s.bytes,
                                     kind=s.kind, rows=s.rows) for s in saved],
-            incarnation=self.store.incarnation)
+            incarnation=self.store.saver.incarnation)
 
     def CommitSave(self, request, context):
-        nvars, ntables = self.store.commit_save(request.save_id, request.stream,
-                                                request.incarnation)
+        nvars, ntables = self.store.saver.commit_save(request.save_id, request.stream,
+                                                      request.incarnation)
         return ps_pb2.CommitSaveReply(variables=nvars, tables=ntables)
 
     def AbandonStep(self, request, context):
-        self.store.abandon(request.step, request.replica)
+        self.store.steps.abandon(request.step, request.replica)
         return ps_pb2.AbandonReply()
 
     def Upload(self, request_iterator, context):
@@ -428,8 +422,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
     """Same-host reads and pushes through client segments (psserver/shm.py)."""
 
-    def __init__(self, ps: ParameterServerServicer, segments: shm.Segments | None = None):
-        self.ps = ps
+    def __init__(self, store: VariableStore, segments: shm.Segments | None = None):
+        self.store = store
         self.segments = segments if segments is not None else shm.Segments()
         self.ipc_socket = ""   # set by create_server when it serves psserver/ipc.py
 
@@ -442,10 +436,10 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
         reply = ps_pb2.ShmShareReply()
         if not shm.direct_reads_available():
             for name in request.names:
-                self.ps.store.meta(name)   # NotFound as on any platform
+                self.store.meta(name)   # NotFound as on any platform
                 reply.variables.add(name=name)
             return reply
-        for name, shared in zip(request.names, self.ps.store.share(list(request.names))):
+        for name, shared in zip(request.names, self.store.share(list(request.names))):
             v = reply.variables.add(name=name)
             if shared is not None:
                 v.path, v.nbytes, v.dtype = shared[:3]
@@ -462,7 +456,7 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
 
     def _read_into(self, request: ps_pb2.ShmReadRequest, buf: memoryview,
                    context) -> ps_pb2.ShmReadReply:
-        names, step, deadline = list(request.names), _sync_step(request), _deadline(context)
+        names, step, deadline = list(request.names), _sync_step(request), deadline_of(context)
         # The ids are copied out first: the client's memory may change under us.
         gathers = [(g.name, _segment_array(g.ids, buf, f"gather {i} ids ({g.name!r})",
                                            T.ID_DTYPES).copy())
@@ -486,12 +480,12 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
             return off
         try:
             if names:
-                with self.ps.store.locked_values(names, step, deadline) as values:
+                with self.store.locked_values(names, step, deadline) as values:
                     for name, version, arr in values:
                         reply.values.add(name=name, dtype=T.dtype_name(arr.dtype), shape=arr.shape,
                                          offset=place(arr, repr(name)), version=version)
             for name, ids in gathers:
-                version, rows = self.ps.store.gather(name, ids, step, deadline)
+                version, rows = self.store.gather(name, ids, step, deadline)
                 reply.gathered.add(name=name, dtype=T.dtype_name(rows.dtype), shape=rows.shape,
                                    offset=place(rows, f"the rows of {name!r}"),
                                    version=version)
@@ -507,21 +501,15 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
                                       T.ID_DTYPES).copy(),
                        _segment_array(u.rows, buf, f"sparse update {i} rows ({u.name!r})"
                                       ).copy(),
-                       u.update_id)
+                       u.update_id, False)   # (no sync field of its own)
                       for i, u in enumerate(request.sparse)]
             try:
                 # Applied before the segment is unmapped; the store keeps no
                 # reference to a dense gradient (sync mode adds it into its
                 # own sum); a sparse one is copied out above (its arrays may
                 # be kept as they are: the replication record).
-                if sparse:
-                    if request.HasField("sync"):
-                        raise InvalidArgument("sparse updates in a shared-memory push "
-                                              "are asynchronous only; send sync ones "
-                                              "with PushSparse")
-                    return ps_pb2.UpdateReply(versions=self.ps.store.push_mixed(
-                        updates, sparse, _deadline(context)))
-                return self.ps._push_updates(request, updates, context)
+                return _push_updates(self.store, updates, sparse, sync_spec_of(request),
+                                     deadline_of(context))
             finally:
                 updates.clear()
                 sparse.clear()

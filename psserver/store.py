@@ -13,93 +13,86 @@ Guarantees (each method's docstring repeats the ones that concern it):
   update. Updates of one variable are applied one at a time, in the order
   they take its lock (asynchronous SGD: no update is lost, none is merged).
 
-One variable is a psserver.variable.Variable; the store's sync-mode calls
-are psserver.sync.SyncMethods, its replication calls
-psserver.replication.ReplicaMethods, its checkpoint files
-psserver.saving.SaveMethods (mixins over the store's state).
+One variable is a psserver.variable.Variable. The store is built from
+parts it holds as public attributes, each a class of its own over the same
+psserver.shards.ShardRegistry (``registry``: every shard copy on the server,
+dynamic table shards too, psserver/table_store.py):
+
+* ``budget``, the psserver.shards.MemoryBudget (``--max-memory-bytes``);
+* ``steps``, the sync-mode calls (psserver.sync.StepGatherer);
+* ``replicator``, the replication calls (psserver.replication.Replicator);
+* ``saver``, the checkpoint files and save points (psserver.saving.Saver).
+
+Callers use those parts directly (``store.steps.push``,
+``store.replicator.reconfigure_all``, ``store.saver.save_point``...); the
+store itself creates, deletes, reads and updates variables asynchronously.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import threading
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from psserver import optimizers as optim
 from psserver import replication as R
-from psserver import sync as S
 from psserver import tensor as T
 from psserver.contract import Initializer, VariableMeta  # noqa: F401
-from psserver.contract import (AlreadyExists, InvalidArgument, NotFound, NotPrimary,
+from psserver.contract import (MAX_COUNT, ROLE_BACKUP, ROLE_PRIMARY, TABLE_PREFIX,
+                               AlreadyExists, InvalidArgument, NotFound, Peer,
                                ResourceExhausted)
+from psserver.rows import sum_duplicates, take_rows
+from psserver.saving import Saver
+from psserver.shards import ROLE_NAMES, MemoryBudget, ShardRegistry, check_name
+from psserver.sync import StepGatherer
 from psserver.tensor import VALUE_DTYPES, check_dtype, check_shape, nbytes_of
-from psserver.saving import SaveMethods
-from psserver.variable import (StoreObserver, Variable, all_finite, check_name,  # noqa: F401
-                               make_initial_value)
+from psserver.variable import StoreObserver, Variable, all_finite, make_initial_value
 
-class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
+
+class VariableStore:
     """All variables of one parameter-server task.
 
     Args:
       max_bytes: refuse creates that would make what the server holds
-        (held_bytes: values, slots, change tracking, dynamic tables) exceed
-        this many bytes (RESOURCE_EXHAUSTED). None: no limit but the machine's.
+        (``budget.held()``: values, slots, change tracking, dynamic tables)
+        exceed this many bytes (RESOURCE_EXHAUSTED). None: no limit but the
+        machine's. Ignored when ``budget`` is given.
+      observer: told of the updates as they happen (psserver.metrics).
+      checkpoint_dirs: where saves may write (psserver.saving.Saver).
+      registry, budget: the server's shard copies and memory budget, to
+        share with its table store (new ones when not given).
     """
 
     def __init__(self, max_bytes: int | None = None, observer: StoreObserver | None = None,
-                 checkpoint_dirs: Sequence[str] | None = None):
-        self.max_bytes = max_bytes
-        # Where save() may write: inside one of these (None: anywhere, for
-        # in-process use; a psserver task sets what --checkpoint-dir says).
-        self.checkpoint_dirs = None if checkpoint_dirs is None else tuple(
-            os.path.realpath(d) for d in checkpoint_dirs)
+                 checkpoint_dirs: Sequence[str] | None = None, *,
+                 registry: ShardRegistry | None = None, budget: MemoryBudget | None = None):
+        self.registry = registry if registry is not None else ShardRegistry()
+        self.budget = budget if budget is not None else MemoryBudget(max_bytes, self.registry)
+        # Given once: the parts that tell it of their work hold it too.
         self.observer = observer or StoreObserver()
-        # Bytes the server's dynamic tables hold (psserver/tables.py sets it):
-        # max_bytes bounds variables and tables together.
-        self.table_bytes: Callable[[], int] = lambda: 0
-        # The server's dynamic table shards (psserver/tables.py sets it):
-        # commit_save reaches their trackers too.
-        self.table_entries: Callable[[], list] = lambda: []
-        self._init_saving()
-        self._vars: dict[str, Variable] = {}
-        self._lock = threading.Lock()   # guards _vars and _abandoned (not the variables)
-        # Sync mode: step -> replicas that will not push for it (their worker died).
-        self._abandoned: dict[int, set[int]] = {}
+        self.steps = StepGatherer(self.registry, self.observer)
+        self.replicator = R.Replicator(self.registry, self.steps)
+        self.saver = Saver(self.registry, checkpoint_dirs)
+        # A variable by name, NotFound if none (the registry's: bound once,
+        # as it is called per variable per push).
+        self._get = self.registry.variable
 
-    # -- lookup ------------------------------------------------------------
-    def _get(self, name: str) -> Variable:
-        try:
-            return self._vars[name]
-        except KeyError:
-            raise NotFound(
-                f"no variable {name!r} on this parameter server; create it first "
-                "(or check the name and which server holds it)") from None
+    @property
+    def max_bytes(self) -> int | None:
+        """The --max-memory-bytes limit (budget.limit)."""
+        return self.budget.limit
 
     def total_bytes(self) -> int:
-        with self._lock:
-            vs = list(self._vars.values())
-        return sum(v.value.nbytes + v.slot_nbytes for v in vs)
-
-    def held_bytes(self) -> int:
-        """What --max-memory-bytes bounds: variables' values and slots, their
-        change tracking (psserver/tracking.py: at most 1 + MAX_POINTS bytes a
-        row) and every dynamic table shard (its tracking included). An
-        estimate while things change: taken without the variables' locks."""
-        with self._lock:
-            vs = list(self._vars.values())
-        tracking = sum(t.nbytes for t in (v.tracker for v in vs) if t is not None)
-        return self.total_bytes() + tracking + self.table_bytes()
+        """Bytes of the variables' values and slots (ServerInfo.total_bytes)."""
+        return sum(v.value.nbytes + v.slot_nbytes for v in self.registry.variables())
 
     def __len__(self) -> int:
-        return len(self._vars)
+        return self.registry.variable_count()
 
     def variables_snapshot(self) -> list[Variable]:
         """The variables held now (for metrics: read sizes only, no values)."""
-        with self._lock:
-            return list(self._vars.values())
+        return self.registry.variables()
 
     # -- create / delete / meta ---------------------------------------------
     def create(self, name: str, dtype: str, shape: Sequence[int], *,
@@ -114,9 +107,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                overwrite: bool = False,
                applied_ids: Sequence[int] = (),
                sync_steps: int = 0,
-               role: int = R.ROLE_PRIMARY,
+               role: int = ROLE_PRIMARY,
                epoch: int = 0,
-               backup: R.Peer | None = None,
+               backup: Peer | None = None,
                deadline: float | None = None) -> VariableMeta:
         """Create a variable. Raises InvalidArgument, AlreadyExists, ResourceExhausted.
 
@@ -155,25 +148,24 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 raise InvalidArgument(
                     f"initial value of {name!r} contains NaN or Inf; pass "
                     "allow_nonfinite=True to keep such values")
-        if not (0 <= version < S.MAX_COUNT and 0 <= sync_steps < S.MAX_COUNT
+        if not (0 <= version < MAX_COUNT and 0 <= sync_steps < MAX_COUNT
                 and 0 <= epoch < R.MAX_EPOCH):
             raise InvalidArgument(f"version, sync_steps and epoch must be in [0, 2**62), got "
                                   f"{version}, {sync_steps}, {epoch}")
-        if role not in R.ROLE_NAMES:
+        if role not in ROLE_NAMES:
             raise InvalidArgument(f"unknown replica role {role}; use 0 (primary) or 1 (backup)")
-        if role == R.ROLE_BACKUP and (backup is not None or initial_value is None):
+        if role == ROLE_BACKUP and (backup is not None or initial_value is None):
             raise InvalidArgument("a backup copy is made from its primary's state: give "
                                   "initial_value (and slots), and no backup of its own")
         if backup is not None:
-            backup = self._check_peer(backup)
-            if backup.name.startswith(R.TABLE_PREFIX):
+            backup = R.check_peer(backup)
+            if backup.name.startswith(TABLE_PREFIX):
                 raise InvalidArgument(f"a variable's backup must be a variable, not the table "
                                       f"shard {backup.name!r}")
         if slots is not None:
             slots = self._check_slots(name, opt, dt, shape, slots)
-        with self._lock:
-            existing = self._vars.get(name)
-        if role == R.ROLE_BACKUP:
+        existing = self.registry.find(name)
+        if role == ROLE_BACKUP:
             return self._replace_copy(existing, name, dt, shape, opt, initial_value, slots,
                                       version, applied_ids, sync_steps, epoch,
                                       allow_nonfinite)
@@ -181,15 +173,15 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
             meta = self._overwrite(existing, dt, shape, opt, initial_value, slots, version,
                                    applied_ids, sync_steps)
             if existing.link is not None:
-                self._wait_acked([(existing, meta.version)], deadline)
+                self.replicator.wait_acked([(existing, meta.version)], deadline)
             return existing.meta()
         if existing is not None:
             if exist_ok:
                 m = existing.meta()
                 if (m.dtype, m.shape, m.optimizer, dict(m.optimizer_params)) == (
                         dt.name, shape, opt.name, opt.config()):
-                    if backup is not None and m.role == R.ROLE_PRIMARY and m.backup is None:
-                        self.set_backup(name, backup, m.epoch, deadline)
+                    if backup is not None and m.role == ROLE_PRIMARY and m.backup is None:
+                        self.replicator.set_backup(name, backup, m.epoch, deadline)
                         return existing.meta()
                     return m
                 raise AlreadyExists(
@@ -200,13 +192,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 f"variable {name!r} exists already; delete it first, use another "
                 "name, or pass exist_ok=True to reuse it")
         need = nbytes_of(shape, dt) * (1 + len([s for s in opt.slot_names if s != "iterations"]))
-        held = self.held_bytes()
-        if self.max_bytes is not None and held + need > self.max_bytes:
-            raise ResourceExhausted(
-                f"creating {name!r} needs {need} bytes with its slots, but this "
-                f"server holds {held} of its {self.max_bytes}-byte "
-                "limit; shard the variable over more parameter servers or raise "
-                "--max-memory-bytes")
+        self.budget.check(need, f"creating {name!r} with its slots",
+                          "shard the variable over more parameter servers or raise "
+                          "--max-memory-bytes")
         if initial_value is not None:
             try:
                 value = np.array(initial_value, dtype=dt, copy=True)
@@ -223,37 +211,18 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 np.copyto(var.slots[k], v)
         var.version, var.sync_steps, var.epoch = version, sync_steps, epoch
         var.applied = collections.OrderedDict.fromkeys((int(i) for i in applied_ids), 0)
-        with self._lock:
-            if name in self._vars:   # lost a race with another create
-                raise AlreadyExists(f"variable {name!r} exists already")
-            self._vars[name] = var
+        if self.registry.add(var) is not var:   # lost a race with another create
+            raise AlreadyExists(f"variable {name!r} exists already")
         if backup is not None:
-            self.set_backup(name, backup, epoch, deadline)
+            self.replicator.set_backup(name, backup, epoch, deadline)
         return var.meta()
-
-    @staticmethod
-    def _check_peer(peer: R.Peer) -> R.Peer:
-        if not peer.address or len(peer.address) > 1024 or not peer.address.isprintable():
-            raise InvalidArgument(f"a backup needs a server address (host:port), got "
-                                  f"{peer.address!r}")
-        # a variable's name, or a table shard's replication name (TABLE_PREFIX + table name)
-        table = peer.name.startswith(R.TABLE_PREFIX)
-        check_name(peer.name[len(R.TABLE_PREFIX):] if table else peer.name)
-        return peer
 
     def _replace_copy(self, existing: Variable | None, name, dt, shape, opt, value, slots,
                       version, applied_ids, sync_steps, epoch, allow_nonfinite) -> VariableMeta:
         """A primary's state copied here as its backup (see create)."""
         if existing is not None:
             with existing.lock:
-                stale = existing.epoch > epoch or (
-                    existing.epoch == epoch and existing.role == R.ROLE_PRIMARY
-                    and not (existing.link is not None and existing.link.fenced))
-                if stale:
-                    raise NotPrimary(
-                        f"{name!r} here is at epoch {existing.epoch} "
-                        f"({R.ROLE_NAMES[existing.role]}); a state copy of epoch {epoch} "
-                        "comes from a superseded primary and was refused")
+                existing.accept_state_copy(epoch)
                 same = (existing.value.dtype, existing.value.shape, existing.optimizer.name,
                         existing.optimizer.config()) == (dt, shape, opt.name, opt.config())
                 if same:
@@ -266,7 +235,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                     existing.sync_steps, existing.acc = sync_steps, None
                     existing.applied = collections.OrderedDict.fromkeys(
                         (int(i) for i in applied_ids), 0)
-                    existing.role, existing.epoch, existing.link = R.ROLE_BACKUP, epoch, None
+                    existing.role, existing.epoch, existing.link = ROLE_BACKUP, epoch, None
                     existing.draining = False
                     existing.forget_changes()
                     existing.allow_nonfinite = allow_nonfinite
@@ -279,7 +248,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                     sync_steps=sync_steps, epoch=epoch)
         var = self._get(name)
         with var.lock:
-            var.role = R.ROLE_BACKUP
+            var.role = ROLE_BACKUP
             return var.meta()
 
     def _check_slots(self, name, opt, dt, shape, slots) -> dict[str, np.ndarray]:
@@ -320,9 +289,9 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
 
     def delete(self, name: str) -> None:
         """Delete a variable. Raises NotFound."""
-        with self._lock:
-            var = self._get(name)
-            del self._vars[name]
+        var = self._get(name)
+        if not self.registry.remove(var):   # another delete was first
+            raise NotFound(f"no variable {name!r} on this parameter server")
         with var.lock:
             if var.shared is not None:   # readers that map it see it dead
                 var.value = var.value.copy()
@@ -342,12 +311,10 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         out = []
         for var in [self._get(n) for n in names]:
             with var.lock:
-                with self._lock:
-                    if self._vars.get(var.name) is not var:   # deleted meanwhile
-                        raise NotFound(f"no variable {var.name!r}")
+                if self.registry.find(var.name) is not var:   # deleted meanwhile
+                    raise NotFound(f"no variable {var.name!r}")
                 if var.shared is None:
-                    with self._lock:
-                        count = sum(v.shared is not None for v in self._vars.values())
+                    count = sum(v.shared is not None for v in self.registry.variables())
                     if count < self.MAX_SHARED:
                         try:
                             shared = shm.SharedValue(var.value, var.version)
@@ -375,14 +342,13 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
 
     def meta(self, name: str) -> VariableMeta:
         """A variable's metadata, or a dynamic table shard's (its replication
-        name: psserver.replication.TABLE_PREFIX + table name)."""
-        var = self._copy(name)
+        name: psserver.contract.TABLE_PREFIX + table name)."""
+        var = self.registry.copy(name)
         with var.lock:
             return var.meta()
 
     def list(self) -> list[VariableMeta]:
-        with self._lock:
-            vs = sorted(self._vars.values(), key=lambda v: v.name)
+        vs = sorted(self.registry.variables(), key=lambda v: v.name)
         out = []
         for v in vs:
             with v.lock:
@@ -400,7 +366,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         var = self._get(name)
         with var.lock:
             if sync_step is not None:
-                self._barrier(var, sync_step, deadline, "read")
+                self.steps.barrier(var, sync_step, deadline, "read")
             return var.version, var.value.copy()
 
     @contextlib.contextmanager
@@ -418,7 +384,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         if sync_step is not None:
             for var in vars_:
                 with var.lock:
-                    self._barrier(var, sync_step, deadline, "read")
+                    self.steps.barrier(var, sync_step, deadline, "read")
         unique = sorted({id(v): v for v in vars_}.values(), key=lambda v: v.name)
         with contextlib.ExitStack() as stack:
             for var in unique:
@@ -431,21 +397,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         var = self._get(name)
         with var.lock:
             if sync_step is not None:
-                self._barrier(var, sync_step, deadline, "read")
+                self.steps.barrier(var, sync_step, deadline, "read")
             return var.value.dtype.name, var.value.shape, var.version, var.value.tobytes()
-
-    def _check_ids(self, var: Variable, ids: np.ndarray, what: str) -> np.ndarray:
-        if ids.dtype.kind != "i":
-            raise InvalidArgument(f"{what} ids must be int32 or int64, got {ids.dtype.name}")
-        if var.value.ndim == 0:
-            raise InvalidArgument(f"variable {var.name!r} is a scalar; it has no rows to {what}")
-        rows = var.value.shape[0]
-        if ids.size and (ids.min() < 0 or ids.max() >= rows):
-            bad = ids[(ids < 0) | (ids >= rows)].ravel()[:5].tolist()
-            raise InvalidArgument(
-                f"{what} ids out of range for {var.name!r} with {rows} rows "
-                f"(valid: 0..{rows - 1}); first bad ids: {bad}")
-        return ids
 
     def gather(self, name: str, ids: np.ndarray, sync_step: int | None = None,
                deadline: float | None = None) -> tuple[int, np.ndarray]:
@@ -454,46 +407,49 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         Raises NotFound, InvalidArgument (ids not integer or out of range).
         """
         var = self._get(name)
-        ids = self._check_ids(var, ids, "gather")
+        ids = var.check_ids(ids, "gather")
         with var.lock:
             if sync_step is not None:
-                self._barrier(var, sync_step, deadline, "gather")
-            return var.version, optim.take_rows(var.value, ids)
+                self.steps.barrier(var, sync_step, deadline, "gather")
+            return var.version, take_rows(var.value, ids)
 
     # -- updates -----------------------------------------------------------
-    def _check_grad(self, var: Variable, grad: np.ndarray, shape, what: str) -> None:
-        # A float16 gradient is accepted for a float32/float64 variable (wire
-        # compression: coordinator.compression) and applied in the variable's
-        # dtype; every other mismatch is rejected.
-        if grad.dtype != var.value.dtype and not (
-                grad.dtype == np.float16 and var.value.dtype in (np.float32, np.float64)):
-            raise InvalidArgument(
-                f"{what} for {var.name!r} is {grad.dtype.name} but the variable is "
-                f"{var.value.dtype.name}; cast it before sending")
-        if tuple(grad.shape) != tuple(shape):
-            raise InvalidArgument(
-                f"{what} for {var.name!r} has shape {list(grad.shape)} but must have "
-                f"shape {list(shape)}")
-        if not var.allow_nonfinite and not all_finite(grad):
-            raise InvalidArgument(
-                f"{what} for {var.name!r} contains NaN or Inf and was rejected; "
-                "nothing was applied. Lower the learning rate or clip gradients, "
-                "or create the variable with allow_nonfinite=True")
+    def push(self, dense: Iterable[tuple] = (), sparse: Iterable[tuple] = (),
+             deadline: float | None = None) -> list[int]:
+        """Apply gradients asynchronously, each with its variable's optimizer:
+        ``dense`` (name, grad) or (name, grad, update_id), and row-wise ones
+        ``sparse`` (name, ids, rows, update_id): rows[i] is the gradient of
+        row ids[i], duplicate ids summed first, and only the rows named (and
+        their slots) change (lazy). Returns the versions after the call, the
+        dense updates' then the sparse ones'.
 
-    def push(self, updates: Iterable[tuple], deadline: float | None = None) -> list[int]:
-        """Apply dense gradients with each variable's optimizer.
-
-        ``updates``: (name, grad) or (name, grad, update_id). All updates are
-        validated before any is applied: on an error nothing changed. Each is
+        All updates are validated before any is applied: on an error
+        (InvalidArgument, NotFound, NotPrimary) nothing changed. Each is
         then applied atomically on its own variable, unless its update_id
         (non-zero) was applied before: then it is acknowledged and skipped
-        (idempotent retries). Returns each variable's version after the call.
+        (idempotent retries).
 
         Replication: a backup copy refuses (NotPrimary); a primary returns once
-        its backup acknowledged each update (see ReplicaMethods._wait_acked
-        for DeadlineExceeded and NotPrimary after ``deadline``).
+        its backup acknowledged each update (see Replicator.wait_acked for
+        DeadlineExceeded and NotPrimary after ``deadline``).
         """
-        return self.push_mixed(updates, (), deadline)
+        checked = []
+        for name, grad, *uid in dense:
+            var = self._get(name)
+            var.check_primary()
+            if grad.dtype == np.float16 and var.value.dtype in (np.float32, np.float64):
+                # compressed on the wire: applied (and replicated) in the variable's dtype
+                grad = T.widen_float16(grad, var.value.dtype).reshape(grad.shape)
+            var.check_grad(grad, var.value.shape, "gradient")
+            checked.append((var, grad, uid[0] if uid else 0))
+        sparse_checked = [(*self._check_sparse(name, ids, rows), uid)
+                          for name, ids, rows, uid in sparse]
+        for var, *_ in sparse_checked:
+            var.check_primary()
+        applied = [(var, self._apply_dense(var, grad, uid)) for var, grad, uid in checked]
+        applied += [(item[0], self._apply_sparse(*item)) for item in sparse_checked]
+        self.replicator.wait_acked([(var, done) for var, (_, done) in applied], deadline)
+        return [version for _, (version, _) in applied]
 
     def _apply_dense(self, var: Variable, grad: np.ndarray,
                      update_id: int) -> tuple[int, int]:
@@ -520,7 +476,7 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         for name, value in updates:
             var = self._get(name)
             var.check_primary()
-            self._check_grad(var, value, var.value.shape, "assigned value")
+            var.check_grad(value, var.value.shape, "assigned value")
             checked.append((var, value))
         done = []
         for var, value in checked:
@@ -533,23 +489,13 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 if var.tracker is not None:
                     var.tracker.mark_all()
                 done.append((var, var.version))
-        self._wait_acked(done, deadline)
+        self.replicator.wait_acked(done, deadline)
         return [v for _, v in done]
-
-    def push_sparse(self, name: str, ids: np.ndarray, rows: np.ndarray,
-                    update_id: int = 0, deadline: float | None = None) -> int:
-        """Apply a row-wise gradient: rows[i] is the gradient of row ids[i].
-
-        Duplicate ids are summed first. Lazy: only the rows named, and their
-        slots, change. An update_id seen before is acknowledged and skipped,
-        as in push. Returns the version after the update.
-        """
-        return self.push_mixed((), [(name, ids, rows, update_id)], deadline)[0]
 
     def _check_sparse(self, name: str, ids: np.ndarray,
                       rows: np.ndarray) -> tuple[Variable, np.ndarray, np.ndarray]:
         """(variable, unique ids, summed rows): the request's own arrays when
-        its ids are sorted and distinct already (optim.sum_duplicates), else
+        its ids are sorted and distinct already (psserver.rows.sum_duplicates), else
         new ones. Kept as they are (by the replication record) either way:
         nothing changes a request's arrays afterwards (decoded from a
         message's immutable bytes or a frame of its own, which the buffer
@@ -557,11 +503,8 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
         copies them out of the client's segment first, servicer.py; a caller
         in process must not change them after the call)."""
         var = self._get(name)
-        if ids.ndim != 1:
-            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
-        ids = self._check_ids(var, ids, "sparse push")
-        self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
-        uniq, summed = optim.sum_duplicates(ids.astype(np.int64, copy=False), rows)
+        ids = var.check_rows(ids, rows)
+        uniq, summed = sum_duplicates(ids.astype(np.int64, copy=False), rows)
         return var, uniq, summed
 
     def _apply_sparse(self, var: Variable, uniq: np.ndarray, summed: np.ndarray,
@@ -581,26 +524,3 @@ class VariableStore(R.ReplicaMethods, S.SyncMethods, SaveMethods):
                 self.observer.gradients("sparse", "async")
                 done = var.version
             return var.version, done
-
-    def push_mixed(self, dense: Iterable[tuple], sparse: Iterable[tuple],
-                   deadline: float | None = None) -> list[int]:
-        """Dense updates (as push) and row-wise ones ((name, ids, rows, update_id),
-        as push_sparse) in one call: all validated before any is applied.
-        Returns the versions after the dense updates, then the sparse ones."""
-        checked = []
-        for name, grad, *uid in dense:
-            var = self._get(name)
-            var.check_primary()
-            if grad.dtype == np.float16 and var.value.dtype in (np.float32, np.float64):
-                # compressed on the wire: applied (and replicated) in the variable's dtype
-                grad = T.widen_float16(grad, var.value.dtype).reshape(grad.shape)
-            self._check_grad(var, grad, var.value.shape, "gradient")
-            checked.append((var, grad, uid[0] if uid else 0))
-        sparse_checked = [(*self._check_sparse(name, ids, rows), uid)
-                          for name, ids, rows, uid in sparse]
-        for var, *_ in sparse_checked:
-            var.check_primary()
-        applied = [(var, self._apply_dense(var, grad, uid)) for var, grad, uid in checked]
-        applied += [(item[0], self._apply_sparse(*item)) for item in sparse_checked]
-        self._wait_acked([(var, done) for var, (_, done) in applied], deadline)
-        return [version for _, (version, _) in applied]

@@ -1,7 +1,9 @@
-"""Synchronous training on one variable: gather a step's gradients, apply once.
+"""Synchronous training on one shard copy: gather a step's gradients, apply once.
 
-Used by ``VariableStore`` (all functions here run with the variable's lock
-held, through its condition ``var.cond``). The rules, per variable:
+The step protocol of a shard copy (a variable, a dynamic table shard: each
+a psserver.shards.CopyState; the functions here run with the copy's lock
+held, waiting on its condition ``cond``), and ``StepGatherer``, the
+variable store's sync-mode calls. The rules, per copy:
 
 * A sync push belongs to ``(step, replica)``. The variable gathers the
   gradients of one step at a time in an ``Accumulation``. When ``required``
@@ -20,19 +22,15 @@ held, through its condition ``var.cond``). The rules, per variable:
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import numpy as np
 
-from psserver import optimizers as optim
-from psserver.contract import (MAX_COUNT, DeadlineExceeded, InvalidArgument,  # noqa: F401
-                               SyncSpec)
-from psserver.replication import DENSE, ROLE_PRIMARY, SPARSE
-
-if TYPE_CHECKING:
-    from psserver.variable import Variable
-
+from psserver.contract import (MAX_COUNT, ROLE_PRIMARY, DeadlineExceeded,  # noqa: F401
+                               InvalidArgument, SyncSpec)
+from psserver.rows import sum_duplicates
 
 
 class Accumulation:
@@ -58,6 +56,12 @@ class Accumulation:
         else:
             np.add(self.total, grad, out=self.total)
         self.replicas.add(replica)
+
+    def scale(self) -> float | None:
+        """What the sum of the step's gradients is multiplied by: 1/n for the
+        mean over the n replicas that pushed (None: the sum, or one replica)."""
+        n = max(1, len(self.replicas))
+        return None if self.spec.sum or n == 1 else 1.0 / n
 
 
 def _timeout_at(var) -> float | None:
@@ -85,26 +89,15 @@ def wait_for_earlier_steps(var, step: int, deadline: float | None) -> None:
 
 
 def apply(var, forced: bool = False) -> None:
-    """Apply the pending step's combined gradient (lock held). A dynamic
-    table shard (psserver/tables.py) applies it with its own ``apply_step``.
-    An apply that fails half-way (a bug) leaves which rows changed unknown:
-    the next incremental save writes the shard whole, and a backup gets the
-    whole state (Variable.applying; _Entry.apply_step does the same)."""
+    """Apply the pending step once (lock held): the copy's own ``apply_step``
+    (Variable.apply_step, TableShardCopy.apply_step). An apply that fails
+    half-way (a bug) leaves which rows changed unknown: the next incremental
+    save writes the copy whole, and a backup gets the whole state (each
+    apply_step sees to it)."""
     try:
-        if hasattr(var, "apply_step"):
-            var.apply_step()
-        else:
-            with var.applying():
-                _apply(var)
+        var.apply_step()
     finally:   # (the step is gone either way: waiting calls look again)
         var.cond.notify_all()
-
-
-def _scale(acc: Accumulation) -> float | None:
-    """What the sum of a step's gradients is multiplied by: 1/n for the mean
-    over the n replicas that pushed (None: the sum, or one replica)."""
-    n = max(1, len(acc.replicas))
-    return None if acc.spec.sum or n == 1 else 1.0 / n
 
 
 def combined_rows(acc: Accumulation, row_shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -116,37 +109,12 @@ def combined_rows(acc: Accumulation, row_shape: tuple, dtype) -> tuple[np.ndarra
     else:
         ids = np.empty(0, np.int64)
         rows = np.empty((0,) + tuple(row_shape), dtype)
-    scale = _scale(acc)
+    scale = acc.scale()
     with np.errstate(all="ignore"):
-        uniq, summed = optim.sum_duplicates(ids, rows)
+        uniq, summed = sum_duplicates(ids, rows)
         if scale is not None:
             summed *= summed.dtype.type(scale)
     return uniq, summed
-
-
-def _apply(var) -> None:
-    acc, var.acc = var.acc, None
-    scale = _scale(acc)
-    with np.errstate(all="ignore"):
-        if acc.sparse:
-            uniq, summed = combined_rows(acc, var.value.shape[1:], var.value.dtype)
-            var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
-        else:
-            if scale is not None:
-                acc.total *= acc.total.dtype.type(scale)
-            var.optimizer.apply_dense(var.value, var.slots, acc.total)
-            var.sync_buffer = acc.total   # reused by the next step
-    var.version += 1
-    var.sync_steps = acc.step + 1
-    if var.tracker is not None:
-        if acc.sparse:
-            var.tracker.mark_rows(uniq)
-        else:
-            var.tracker.mark_all()
-    if acc.sparse:   # the backup applies exactly this: new arrays, kept by the record
-        var.record(SPARSE, summed, uniq)
-    else:   # acc.total is reused by the next step: the record keeps a copy
-        var.record(DENSE, acc.total, copy=True)
 
 
 def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
@@ -189,88 +157,104 @@ def check_rows_spec(spec: SyncSpec) -> SyncSpec:
     return spec
 
 
-class SyncMethods:
-    """The VariableStore's sync-mode calls (a mixin of psserver.store.VariableStore:
-    it uses the store's _get, _check_grad, _check_ids, _lock, _vars,
-    _abandoned and observer)."""
+class StepGatherer:
+    """The variable store's sync-mode calls, and the replicas each step gave
+    up on (AbandonStep) for every copy here: variables and table shards
+    (``registry``: psserver.shards.ShardRegistry). ``observer`` (a
+    psserver.variable.StoreObserver) hears of the variables' sync waits,
+    staleness, gradients and drops.
 
-    def _barrier(self, var: "Variable", step: int, deadline: float | None, op: str) -> None:
-        """sync.wait_for_earlier_steps (lock held), timed for the observer."""
+    Locking: each call takes one variable's lock at a time; the abandoned
+    replicas have a lock of their own, never held while a copy's is taken."""
+
+    #: How many steps of abandoned replicas to remember.
+    ABANDONED_KEPT = 1024
+
+    def __init__(self, registry, observer):
+        self._registry = registry
+        self._observer = observer
+        # step -> replicas that will not push for it (their worker died).
+        self._abandoned: dict[int, set[int]] = {}
+        self._lock = threading.Lock()   # guards _abandoned
+
+    def barrier(self, var, step: int, deadline: float | None, op: str) -> None:
+        """wait_for_earlier_steps (var's lock held), timed for the observer
+        (``op``: read, gather, push)."""
         start = time.monotonic()
         try:
             wait_for_earlier_steps(var, step, deadline)
         finally:
-            self.observer.sync_wait(op, time.monotonic() - start)
+            self._observer.sync_wait(op, time.monotonic() - start)
 
-    def _abandoned_for(self, step: int) -> set[int]:
+    def abandoned_for(self, step: int) -> set[int]:
+        """The replicas given up on for ``step`` (a copy)."""
         with self._lock:
             return set(self._abandoned.get(step, ()))
 
-    def push_sync(self, updates: Iterable[tuple[str, np.ndarray]], spec: SyncSpec,
-                  deadline: float | None = None) -> list[tuple[int, bool]]:
+    def complete(self, copy) -> None:
+        """Apply ``copy``'s pending step if every replica it needs pushed or
+        was given up on (lock held; a backup promoted to primary)."""
+        if copy.acc is not None:
+            maybe_complete(copy, self.abandoned_for(copy.acc.step))
+
+    def push(self, updates: Iterable[tuple[str, np.ndarray]], spec: SyncSpec,
+             deadline: float | None = None) -> list[tuple[int, bool]]:
         """Add one replica's dense gradients to their sync step.
 
-        Validated in full first, like push. Returns (version, dropped) per
-        update: the version after the call (one more than before when this
-        gradient completed the step), and whether it came too late and was
-        dropped. Raises DeadlineExceeded if an earlier step does not complete
-        before ``deadline`` (time.monotonic()).
-        """
+        Validated in full first, like VariableStore.push. Returns (version,
+        dropped) per update: the version after the call (one more than
+        before when this gradient completed the step), and whether it came
+        too late and was dropped. Raises DeadlineExceeded if an earlier step
+        does not complete before ``deadline`` (time.monotonic())."""
         spec.validate()
         checked = []
         for name, grad in updates:
-            var = self._get(name)
+            var = self._registry.variable(name)
             if var.draining:
                 var.check_primary()
-            self._check_grad(var, grad, var.value.shape, "gradient")
+            var.check_grad(grad, var.value.shape, "gradient")
             checked.append((var, grad))
-        abandoned = self._abandoned_for(spec.step)
+        abandoned = self.abandoned_for(spec.step)
         out = []
         for var, grad in checked:
             with var.lock:
-                dropped = self._sync_push(var, spec, grad, False, abandoned, deadline)
+                dropped = self._gather(var, spec, grad, False, abandoned, deadline)
                 out.append((var.version, dropped))
         return out
 
-    def push_sparse_sync(self, name: str, ids: np.ndarray, rows: np.ndarray,
-                         spec: SyncSpec, deadline: float | None = None) -> tuple[int, bool]:
+    def push_rows(self, name: str, ids: np.ndarray, rows: np.ndarray,
+                  spec: SyncSpec, deadline: float | None = None) -> tuple[int, bool]:
         """Add one replica's row gradient to its sync step (an empty one counts).
         InvalidArgument for a hybrid-mode spec: row-wise gradients are applied
         on arrival there (pushed without a SyncSpec)."""
         check_rows_spec(spec)
-        var = self._get(name)
+        var = self._registry.variable(name)
         if var.draining:
             var.check_primary()
-        if ids.ndim != 1:
-            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
-        ids = self._check_ids(var, ids, "sparse push")
-        self._check_grad(var, rows, (ids.shape[0],) + var.value.shape[1:], "sparse gradient rows")
-        abandoned = self._abandoned_for(spec.step)
+        ids = var.check_rows(ids, rows)
+        abandoned = self.abandoned_for(spec.step)
         with var.lock:
-            dropped = self._sync_push(var, spec, (ids, rows), True, abandoned, deadline)
+            dropped = self._gather(var, spec, (ids, rows), True, abandoned, deadline)
             return var.version, dropped
 
-    def _sync_push(self, var: "Variable", spec: SyncSpec, grad, sparse: bool,
-                   abandoned: set[int], deadline: float | None) -> bool:
-        """sync.push (lock held), with its barrier wait timed and its outcome counted.
+    def _gather(self, var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
+                deadline: float | None) -> bool:
+        """push (lock held), with its barrier wait timed and its outcome counted.
 
-        Waits here first, so that sync.push's own wait finds nothing to wait for.
+        Waits here first, so that push's own wait finds nothing to wait for.
         """
-        self._barrier(var, spec.step, deadline, "push")
+        self.barrier(var, spec.step, deadline, "push")
         # Steps the variable moved past this gradient's step (applied, or begun
-        # gathering): 0 on time; more: late (sync.push drops it).
+        # gathering): 0 on time; more: late (push drops it).
         ahead = max(var.sync_steps, var.acc.step if var.acc is not None else 0)
-        self.observer.sync_staleness(max(0, ahead - spec.step))
+        self._observer.sync_staleness(max(0, ahead - spec.step))
         dropped = push(var, spec, grad, sparse, abandoned, deadline)
         kind = "sparse" if sparse else "dense"
         if dropped:
-            self.observer.dropped(kind)
+            self._observer.dropped(kind)
         else:
-            self.observer.gradients(kind, "sync")
+            self._observer.gradients(kind, "sync")
         return dropped
-
-    #: How many steps of abandoned replicas to remember.
-    _ABANDONED_KEPT = 1024
 
     def abandon(self, step: int, replica: int) -> None:
         """Replica ``replica`` will not push for ``step``: stop waiting for it
@@ -279,12 +263,10 @@ class SyncMethods:
             raise InvalidArgument(f"bad step {step} or replica {replica}")
         with self._lock:
             self._abandoned.setdefault(step, set()).add(replica)
-            while len(self._abandoned) > self._ABANDONED_KEPT:
+            while len(self._abandoned) > self.ABANDONED_KEPT:
                 del self._abandoned[min(self._abandoned)]
             abandoned = set(self._abandoned[step])
-            vs = list(self._vars.values())
-        vs += self.table_copies() if self.table_copies is not None else []
-        for var in vs:
-            with var.lock:
-                if var.acc is not None and var.acc.step == step:
-                    maybe_complete(var, abandoned)
+        for copy in self._registry.copies():
+            with copy.lock:
+                if copy.acc is not None and copy.acc.step == step:
+                    maybe_complete(copy, abandoned)

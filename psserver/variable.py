@@ -1,15 +1,15 @@
 """One variable (or one shard of a sharded variable) on a parameter server:
 its value, optimizer slots, version, idempotency keys, sync state and
-replication role (``Variable``); how names, initial values and finiteness
-are checked; what a store tells its observer (``StoreObserver``). Free of
-grpc and protobuf, as psserver.store.
+replication role (``Variable``, a psserver.shards.CopyState), the checks of
+what a call sends it (gradients, row ids, a primary's records); how initial
+values and finiteness are checked; what a store tells its observer
+(``StoreObserver``). Free of grpc and protobuf, as psserver.store.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import math
-import re
 import threading
 
 import numpy as np
@@ -17,11 +17,9 @@ import numpy as np
 from psserver import optimizers as optim
 from psserver import replication as R
 from psserver import sync as S
-from psserver.contract import Initializer, InvalidArgument, VariableMeta
-from psserver.contract import ResourceExhausted
-
-# Names are path-like so sharded variables can be called "dense/kernel/part_0".
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/:]{1,256}$")
+from psserver.contract import (ROLE_BACKUP, ROLE_PRIMARY, Initializer, InvalidArgument,
+                               ResourceExhausted, VariableMeta)
+from psserver.shards import CopyState
 
 INITIALIZERS = ("zeros", "ones", "constant", "random_normal", "truncated_normal",
                 "random_uniform")
@@ -45,7 +43,7 @@ class StoreObserver:
         """A sync gradient arrived when its variable had applied this many steps past it."""
 
 
-class Variable(R.CopyState):
+class Variable(CopyState):
     """One variable (or one shard of a sharded variable) and its slots."""
 
     def __init__(self, name, value: np.ndarray, optimizer: optim.Optimizer,
@@ -72,7 +70,7 @@ class Variable(R.CopyState):
         # Replication (psserver.replication): this copy's role, its fencing
         # epoch, its link to its backup (a primary with one), and whether a
         # planned hand-over (DEMOTE) is draining it.
-        self.role = R.ROLE_PRIMARY
+        self.role = ROLE_PRIMARY
         self.epoch = 0
         self.link: R.Link | None = None
         self.draining = False
@@ -121,6 +119,150 @@ class Variable(R.CopyState):
     def slot_nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """Value, slots and change tracking (at most 1 + MAX_POINTS bytes a
+        row: psserver/tracking.py)."""
+        tracker = self.tracker
+        return self.value.nbytes + self.slot_nbytes + (0 if tracker is None else tracker.nbytes)
+
+    # -- checks of what a call sends (no lock: shape and dtype do not change) -----------------
+    def check_grad(self, grad: np.ndarray, shape, what: str) -> None:
+        """InvalidArgument unless ``grad`` may update this variable: its dtype
+        (float16 is accepted for float32/float64: wire compression,
+        coordinator.compression, applied in the variable's dtype), ``shape``,
+        and finite unless the variable allows otherwise."""
+        if grad.dtype != self.value.dtype and not (
+                grad.dtype == np.float16 and self.value.dtype in (np.float32, np.float64)):
+            raise InvalidArgument(
+                f"{what} for {self.name!r} is {grad.dtype.name} but the variable is "
+                f"{self.value.dtype.name}; cast it before sending")
+        if tuple(grad.shape) != tuple(shape):
+            raise InvalidArgument(
+                f"{what} for {self.name!r} has shape {list(grad.shape)} but must have "
+                f"shape {list(shape)}")
+        if not self.allow_nonfinite and not all_finite(grad):
+            raise InvalidArgument(
+                f"{what} for {self.name!r} contains NaN or Inf and was rejected; "
+                "nothing was applied. Lower the learning rate or clip gradients, "
+                "or create the variable with allow_nonfinite=True")
+
+    def check_ids(self, ids: np.ndarray, what: str) -> np.ndarray:
+        """``ids`` if they are integer row numbers of this variable, else InvalidArgument."""
+        if ids.dtype.kind != "i":
+            raise InvalidArgument(f"{what} ids must be int32 or int64, got {ids.dtype.name}")
+        if self.value.ndim == 0:
+            raise InvalidArgument(f"variable {self.name!r} is a scalar; it has no rows to {what}")
+        rows = self.value.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            bad = ids[(ids < 0) | (ids >= rows)].ravel()[:5].tolist()
+            raise InvalidArgument(
+                f"{what} ids out of range for {self.name!r} with {rows} rows "
+                f"(valid: 0..{rows - 1}); first bad ids: {bad}")
+        return ids
+
+    def check_rows(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """A row-wise gradient (rows[i] for row ids[i]) checked: its 1-D ids
+        (returned), in range, and rows of the ids' count."""
+        if ids.ndim != 1:
+            raise InvalidArgument(f"sparse push ids must be 1-D, got shape {list(ids.shape)}")
+        ids = self.check_ids(ids, "sparse push")
+        self.check_grad(rows, (ids.shape[0],) + self.value.shape[1:], "sparse gradient rows")
+        return ids
+
+    # -- sync mode (psserver/sync.py) ------------------------------------------------------------
+    def apply_step(self) -> None:
+        """Apply the sync step gathered in ``acc`` once (lock held;
+        psserver.sync.apply calls it): the optimizer on the replicas'
+        gradients summed (scaled for their mean), one version, the record
+        for the backup (Variable.applying: a failure half-way copies the
+        whole state to the backup and the next save)."""
+        with self.applying():
+            acc, self.acc = self.acc, None
+            scale = acc.scale()
+            with np.errstate(all="ignore"):
+                if acc.sparse:
+                    uniq, summed = S.combined_rows(acc, self.value.shape[1:], self.value.dtype)
+                    self.optimizer.apply_sparse(self.value, self.slots, uniq, summed)
+                else:
+                    if scale is not None:
+                        acc.total *= acc.total.dtype.type(scale)
+                    self.optimizer.apply_dense(self.value, self.slots, acc.total)
+                    self.sync_buffer = acc.total   # reused by the next step
+            self.version += 1
+            self.sync_steps = acc.step + 1
+            if self.tracker is not None:
+                if acc.sparse:
+                    self.tracker.mark_rows(uniq)
+                else:
+                    self.tracker.mark_all()
+            if acc.sparse:   # the backup applies exactly this: new arrays, kept by the record
+                self.record(R.SPARSE, summed, uniq)
+            else:   # acc.total is reused by the next step: the record keeps a copy
+                self.record(R.DENSE, acc.total, copy=True)
+
+    # -- replication: the backup's side (psserver/replication.py) -----------------------------
+    def check_record(self, rec: R.Record, what: str) -> None:
+        """InvalidArgument unless a primary's record fits this variable."""
+        if rec.kind == R.SPARSE:
+            if rec.ids is None or rec.ids.ndim != 1 or rec.ids.dtype != np.int64:
+                raise InvalidArgument(f"{what}: sparse record ids must be 1-D int64")
+            self.check_ids(rec.ids, what)
+            self.check_grad(rec.tensor, (rec.ids.size,) + self.value.shape[1:], f"{what} rows")
+        elif rec.kind in (R.DENSE, R.ASSIGN):
+            self.check_grad(rec.tensor, self.value.shape, what)
+            if rec.kind == R.ASSIGN and rec.tensor.dtype != self.value.dtype:
+                raise InvalidArgument(f"{what}: an assigned value must be "
+                                      f"{self.value.dtype.name}")
+        else:
+            raise InvalidArgument(f"{what}: unknown record kind {rec.kind}")
+
+    def fits(self, rec: R.Record) -> bool:
+        """Whether a checked record still fits (the variable may have been
+        replaced since it was checked)."""
+        if rec.kind in R.TABLE_KINDS:
+            return False
+        rows = (rec.ids.size,) if rec.kind == R.SPARSE else ()
+        want = rows + self.value.shape[len(rows):] if rows else self.value.shape
+        return rec.tensor.shape == want
+
+    def follow(self, rec: R.Record) -> bool:
+        """The primary's update, applied the same way (lock held): the copies
+        stay bit-identical. True (a variable's record always applies)."""
+        with self.writing():
+            if rec.kind == R.DENSE:
+                self.optimizer.apply_dense(self.value, self.slots, rec.tensor)
+            elif rec.kind == R.SPARSE:
+                self.optimizer.apply_sparse(self.value, self.slots, rec.ids, rec.tensor)
+            else:
+                np.copyto(self.value, rec.tensor)
+            self.version = rec.version
+        if self.tracker is not None:   # (a backup tracks only if something saved from it)
+            if rec.kind == R.SPARSE:
+                self.tracker.mark_rows(rec.ids)
+            else:
+                self.tracker.mark_all()
+        self.sync_steps = max(self.sync_steps, rec.sync_steps)
+        if self.acc is not None and self.acc.step < self.sync_steps:
+            self.acc = None   # the step this copy was gathering was applied by its primary
+        self.remember(rec.update_id)
+        self.cond.notify_all()
+        return True
+
+    def take_state(self, link: R.Link) -> dict:
+        """The whole state, copied (lock held), as VariableStore.create takes
+        it to make or replace the backup (role backup, this epoch); records
+        up to its version are dropped from ``link`` (they are in it)."""
+        link.state_taken(self.version)
+        return dict(
+            dtype=self.value.dtype.name, shape=self.value.shape,
+            initial_value=self.value.copy(),
+            slots={k: v.copy() for k, v in self.slots.items()},
+            optimizer=self.optimizer.name, optimizer_params=self.optimizer.config(),
+            allow_nonfinite=self.allow_nonfinite, version=self.version,
+            applied_ids=np.fromiter(self.applied, np.uint64, len(self.applied)),
+            sync_steps=self.sync_steps, role=ROLE_BACKUP, epoch=self.epoch, overwrite=True)
+
     def meta(self) -> VariableMeta:
         return VariableMeta(self.name, self.value.dtype.name, self.value.shape,
                             self.version, self.optimizer.name,
@@ -144,14 +286,6 @@ def all_finite(a: np.ndarray) -> bool:
         if np.isfinite(fast):
             return True
     return bool(np.isfinite(a).all())
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise InvalidArgument(
-            f"invalid variable name {name!r}: use 1 to 256 characters from "
-            "letters, digits and _ . - / :")
-    return name
 
 
 #: The Initializer fields each kind reads.

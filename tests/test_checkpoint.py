@@ -304,18 +304,19 @@ def test_every_optimizer_slot_survives_save_and_restore(tmp_path, optimizer, par
     rng = np.random.default_rng(0)
     for i in range(3):
         a.push([("w", rng.normal(size=(5, 3)).astype(np.float32), i + 1)])
-        a.push_sparse("w", np.array([1, 4]), rng.normal(size=(2, 3)).astype(np.float32))
-    (saved,) = a.save(str(tmp_path))
+        a.push(sparse=[("w", np.array([1, 4]), rng.normal(size=(2, 3)).astype(np.float32), 0)])
+    (saved,) = a.saver.save(str(tmp_path))
     name, file, version = saved.name, saved.file, saved.version
     entry = {"name": name, "file": file, "offset": 0, "rows": 5, "version": version}
     tensors, meta = load_checked_shard(str(tmp_path), entry, "float32", (5, 3), optimizer)
     slots = {k[5:]: v for k, v in tensors.items() if k.startswith("slot/")}
-    assert set(slots) == set(a._get("w").slots)
+    assert set(slots) == set(a.registry.variable("w").slots)
     b.create("w", "float32", (5, 3), initial_value=tensors["value"], optimizer=optimizer,
              optimizer_params=json.loads(meta["optimizer_params"]), slots=slots,
              version=version)
-    for k, v in a._get("w").slots.items():
-        assert np.asarray(v).tobytes() == np.asarray(b._get("w").slots[k]).tobytes(), k
+    for k, v in a.registry.variable("w").slots.items():
+        restored = b.registry.variable("w").slots[k]
+        assert np.asarray(v).tobytes() == np.asarray(restored).tobytes(), k
     g = rng.normal(size=(5, 3)).astype(np.float32)
     for s in (a, b):
         s.push([("w", g, 99)])
@@ -377,7 +378,7 @@ def test_a_shard_files_name_is_on_disk_before_the_save_returns(tmp_path, monkeyp
     store = VariableStore()
     store.create("w", "float32", (4, 2))
     disk = _DiskOps(monkeypatch)
-    (saved,) = store.save(str(tmp_path))
+    (saved,) = store.saver.save(str(tmp_path))
     final = str(tmp_path / saved.file)
     at, tmp = disk.renamed(final)
     assert ("fsync", tmp) in disk.events[:at]

@@ -24,6 +24,14 @@ _BLOCK = textwrap.dedent("""
 """)
 
 
+#: The parameter server's logic and the pure modules clients share: none may
+#: import grpc or protobuf (servicers, transports and clients do).
+CORE_MODULES = [f"psserver.{m}" for m in (
+    "contract", "store", "variable", "optimizers", "rows", "sync", "replication", "saving",
+    "tracking", "shards", "dynamic_table", "key_index", "keys", "table_format", "table_copy",
+    "table_store", "handling", "shm", "tensor")]
+
+
 @pytest.mark.timeout(60)
 def test_store_runs_without_grpc_or_protobuf():
     code = _BLOCK + textwrap.dedent("""
@@ -42,16 +50,25 @@ def test_store_runs_without_grpc_or_protobuf():
         assert t.lookup(np.array([5, 6])).shape == (2, 2) and len(t) == 2
         import tempfile   # incremental saves: tracking, deltas, commits
         d = tempfile.mkdtemp()
-        s.save(d, (), s.begin_save(1, 0, "", "s"))
-        s.commit_save(1, "s", s.incarnation)
-        s.push_sparse("w", np.array([2]), np.ones(1, np.float32))
-        (saved,) = s.save(d, (), s.begin_save(2, 1, s.incarnation, "s"))
+        s.saver.save(d, (), s.saver.begin_save(1, 0, "", "s"))
+        s.saver.commit_save(1, "s", s.saver.incarnation)
+        s.push(sparse=[("w", np.array([2]), np.ones(1, np.float32), 0)])
+        (saved,) = s.saver.save(d, (), s.saver.begin_save(2, 1, s.saver.incarnation, "s"))
         assert (saved.kind, saved.rows) == (1, 1), saved
         assert t.take_changes(1, "s", 0) is None and t.tracker is not None
+        from psserver.table_store import TableSpec, TableStore   # a table beside the variables
+        from psserver.dynamic_table import TableConfig
+        tables = TableStore.beside(s)
+        tables.create("e", TableSpec(TableConfig(dim=3)))
+        assert tables.lookup("e", np.array([1, 2])).shape == (2, 3)
+        assert {c.name for c in s.registry.copies()} == {"w", "~table~e"}
+        import importlib   # every core module, and the pure ones clients share
+        for core in CORE_MODULES:
+            importlib.import_module(core)
         for mod in ("grpc", "google.protobuf", "protos"):
             assert mod not in sys.modules, mod
         print("ok", version)
-    """)
+    """).replace("CORE_MODULES", repr(CORE_MODULES))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=50)
     assert out.returncode == 0, out.stderr
@@ -99,3 +116,15 @@ def test_handler_errors_as_the_caller_sees_them():
     assert C.as_error(MemoryError()).code == C.Code.RESOURCE_EXHAUSTED
     err = C.as_error(ZeroDivisionError("boom"))
     assert err.code == C.Code.INTERNAL and "ZeroDivisionError: boom" in str(err)
+
+
+def test_the_server_modules_stay_under_600_lines():
+    """A module past 600 lines is split by responsibility (review 4.1):
+    the core and the servicers of psserver/ (wire.py's hand codec, and the
+    client side, are not held to it yet)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent / "psserver"
+    for name in [m.split(".")[1] for m in CORE_MODULES] + [
+            "servicer", "tables", "server", "forwarder"]:
+        lines = (root / f"{name}.py").read_text().count("\n")
+        assert lines < 600, f"psserver/{name}.py has {lines} lines"

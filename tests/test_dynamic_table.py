@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from psserver.contract import Initializer, InvalidArgument
-from psserver.dynamic_table import (DynamicTable, KeyIndex, TableConfig, initial_rows, mix64,
-                                    shard_of)
-from psserver.optimizers import make_optimizer, sum_duplicates
+from psserver.dynamic_table import DynamicTable, TableConfig
+from psserver.key_index import KeyIndex
+from psserver.keys import initial_rows, mix64, shard_of
+from psserver.optimizers import make_optimizer
+from psserver.rows import sum_duplicates
 
 I64 = np.iinfo(np.int64)
 
@@ -396,7 +398,7 @@ def _same_rows(a: DynamicTable, b: DynamicTable) -> None:
      dict(max_age_steps=3, min_count=3)),
 ], ids=["adagrad-lru-count", "adam-lfu-probability", "ftrl-age"])
 def test_a_backup_following_its_primarys_journal_holds_the_same_rows(optimizer, params, config):
-    """Replication (psserver/tables.py): the backup applies what each of the
+    """Replication (psserver/table_copy.py): the backup applies what each of the
     primary's calls changed (rows evicted, rows made, rows updated), never
     deciding itself, and holds the same keys, values, slots and ages to the
     bit after every call, whatever admission and eviction did."""

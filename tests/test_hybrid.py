@@ -20,7 +20,7 @@ from coordinator import (ClusterCoordinator, FixedShardsPartitioner, IndexedSlic
 from coordinator.replica import get_replica_context, replica_scope
 from coordinator.variables import push_gradients, read_variables
 from psserver.client import PSClient
-from psserver.dynamic_table import shard_of
+from psserver.keys import shard_of
 from psserver.errors import DeadlineExceeded
 from psserver.store import VariableStore
 from psserver.sync import SyncSpec
@@ -206,10 +206,10 @@ def test_dense_reads_wait_for_the_step_and_table_reads_do_not():
     store = VariableStore()
     store.create("w", "float32", (2,))
     store.create("emb", "float32", (4, DIM), optimizer="adagrad", optimizer_params=ADAGRAD)
-    store.push_sync([("w", np.ones(2, np.float32))], SyncSpec(0, 0, 2, 2, hybrid=True))
+    store.steps.push([("w", np.ones(2, np.float32))], SyncSpec(0, 0, 2, 2, hybrid=True))
     with pytest.raises(DeadlineExceeded, match="step 0"):
         store.read_bytes("w", sync_step=1, deadline=time.monotonic() + 0.1)
-    store.push_sparse("emb", np.array([1]), np.ones((1, DIM), np.float32), update_id=7)
+    store.push(sparse=[("emb", np.array([1]), np.ones((1, DIM), np.float32), 7)])
     version, rows = store.gather("emb", np.array([1, 2]), sync_step=1,
                                  deadline=time.monotonic() + 0.1)
     assert version == 1 and rows[0, 0] != 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psserver.optimizers import OPTIMIZERS, make_optimizer, sum_duplicates
+from psserver.optimizers import OPTIMIZERS, make_optimizer
+from psserver.rows import sum_duplicates
 from reference_optimizers import ReferenceOptimizer
 
 STEPS = 5
@@ -739,7 +740,7 @@ def test_ftrl_sparse_equals_keras_and_tensorflows_lazy_kernel():
 # -- take_rows / put_rows: whole-row copies, as fancy indexing gives ------------------
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from psserver.optimizers import put_rows, take_rows  # noqa: E402
+from psserver.rows import put_rows, take_rows  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)

@@ -24,13 +24,13 @@ class LoopbackForwarding(R.Forwarding):
     def __init__(self, stores: dict[str, VariableStore]):
         self.stores, self.hold = stores, False
 
-    def waker(self, store, var, peer):
+    def waker(self, replicator, var, peer):
         def wake():
             if not self.hold:
-                self.flush(store, var)
+                self.flush(replicator, var)
         return wake
 
-    def flush(self, store, var):
+    def flush(self, replicator, var):
         link = var.link
         if link is None or link.fenced:
             return
@@ -44,12 +44,12 @@ class LoopbackForwarding(R.Forwarding):
                             slots={k: v.copy() for k, v in var.slots.items()},
                             version=var.version, sync_steps=var.sync_steps,
                             role=R.ROLE_BACKUP, epoch=var.epoch, overwrite=True)
-                store.acknowledged(var, link, link.generation, var.version, R.OK)
+                replicator.acknowledged(var, link, link.generation, var.version, R.OK)
             except NotPrimary:
-                store.acknowledged(var, link, link.generation, var.version, R.FENCED)
+                replicator.acknowledged(var, link, link.generation, var.version, R.FENCED)
             return
-        for name, version, status in peer.replicate(link.records()):
-            store.acknowledged(var, link, link.generation, version, status)
+        for name, version, status in peer.replicator.replicate(link.records()):
+            replicator.acknowledged(var, link, link.generation, version, status)
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def pair():
     stores = {"a": VariableStore(), "b": VariableStore()}
     fwd = LoopbackForwarding(stores)
     for s in stores.values():
-        s.forwarding = fwd
+        s.replicator.forwarding = fwd
     stores["a"].create("w", "float32", (4, 2), optimizer="adam",
                        backup=R.Peer("b", "_w"))
     return stores["a"], stores["b"], fwd
@@ -71,7 +71,7 @@ def grad(seed):
 def test_backup_follows_every_update_exactly(pair):
     a, b, _ = pair
     a.push([("w", grad(1), 11)])
-    a.push_sparse("w", np.array([3, 0, 3]), grad(2)[:3], 12)
+    a.push(sparse=[("w", np.array([3, 0, 3]), grad(2)[:3], 12)])
     a.assign([("w", grad(3))])
     a.push([("w", grad(4), 11)])   # a resend: acknowledged, not applied again
     assert a.meta("w").version == b.meta("_w").version == 3
@@ -83,7 +83,7 @@ def test_backup_refuses_client_updates_and_changes_nothing(pair):
     a, b, _ = pair
     before = b.snapshot("_w")
     for call in (lambda: b.push([("_w", grad(1), 5)]),
-                 lambda: b.push_sparse("_w", np.array([0]), grad(1)[:1], 6),
+                 lambda: b.push(sparse=[("_w", np.array([0]), grad(1)[:1], 6)])[0],
                  lambda: b.assign([("_w", grad(1))])):
         with pytest.raises(NotPrimary, match="backup copy"):
             call()
@@ -94,7 +94,7 @@ def test_backup_refuses_client_updates_and_changes_nothing(pair):
 def test_records_apply_in_order_skip_duplicates_and_ask_for_state_on_a_gap(pair):
     a, b, fwd = pair
     fwd.hold = True
-    var = a._get("w")
+    var = a.registry.variable("w")
     with var.lock:   # apply two updates on the primary without waiting for acks
         for i in (1, 2):
             with var.writing():
@@ -102,11 +102,12 @@ def test_records_apply_in_order_skip_duplicates_and_ask_for_state_on_a_gap(pair)
                 var.version += 1
             var.record(R.DENSE, grad(i))
     first, second = list(var.link.pending)
-    assert b.replicate([second]) == [("_w", 0, R.NEEDS_STATE)]   # gap: nothing applied
+    assert b.replicator.replicate([second]) == [("_w", 0, R.NEEDS_STATE)]   # gap: nothing applied
     assert b.meta("_w").version == 0
-    assert b.replicate([first, first, second]) == [("_w", 2, R.OK)]   # the duplicate skipped
-    assert b.replicate([first]) == [("_w", 2, R.OK)]
-    assert b.replicate([dataclasses.replace(first, name="missing")]) == \
+    # the duplicate skipped
+    assert b.replicator.replicate([first, first, second]) == [("_w", 2, R.OK)]
+    assert b.replicator.replicate([first]) == [("_w", 2, R.OK)]
+    assert b.replicator.replicate([dataclasses.replace(first, name="missing")]) == \
         [("missing", -1, R.NEEDS_STATE)]
 
 
@@ -122,14 +123,14 @@ def test_malformed_records_are_refused_and_change_nothing(pair):
            dataclasses.replace(rec, kind=R.SPARSE, ids=np.array([[0]]), tensor=grad(1)[:1])]
     for r in bad:
         with pytest.raises(InvalidArgument):
-            b.replicate([rec, r])   # the good one before it is not applied either
+            b.replicator.replicate([rec, r])   # the good one before it is not applied either
     assert b.meta("_w").version == 0
 
 
 def test_promoted_backup_fences_its_old_primary(pair):
     a, b, fwd = pair
     a.push([("w", grad(1), 1)])
-    b.promote("_w", epoch=1)
+    b.replicator.promote("_w", epoch=1)
     assert b.meta("_w").role == R.ROLE_PRIMARY
     b.push([("_w", grad(2), 2)])   # the new primary takes updates (alone: no backup yet)
     with pytest.raises(NotPrimary, match="superseded"):
@@ -138,9 +139,9 @@ def test_promoted_backup_fences_its_old_primary(pair):
     with pytest.raises(NotPrimary):
         a.push([("w", grad(4), 4)])
     with pytest.raises(NotPrimary, match="stale"):
-        b.promote("_w", epoch=0)   # an older epoch changes nothing
+        b.replicator.promote("_w", epoch=0)   # an older epoch changes nothing
     # Rebuild: the new primary copies its state over the stale copy, then forwards.
-    b.set_backup("_w", R.Peer("a", "w"), epoch=2)
+    b.replicator.set_backup("_w", R.Peer("a", "w"), epoch=2)
     b.push([("_w", grad(5), 5)])
     assert a.meta("w").version == b.meta("_w").version == 3
     assert a.snapshot("w")[1].tobytes() == b.snapshot("_w")[1].tobytes()
@@ -151,19 +152,19 @@ def test_promoted_backup_fences_its_old_primary(pair):
 def test_planned_hand_over_waits_for_the_backup(pair):
     a, b, fwd = pair
     fwd.hold = True
-    var = a._get("w")
+    var = a.registry.variable("w")
     with var.lock:
         with var.writing():
             var.version += 1
         var.record(R.DENSE, grad(1))
     with pytest.raises(DeadlineExceeded):
-        a.demote("w", 1, deadline=_soon())   # its backup has not acknowledged version 1
+        a.replicator.demote("w", 1, deadline=_soon())   # its backup has not acknowledged version 1
     assert a.meta("w").role == R.ROLE_PRIMARY   # still primary, takes updates again
     fwd.hold = False
     with var.lock:   # as the forwarder: acknowledgements are taken under the lock
-        fwd.flush(a, var)
-    a.demote("w", 1, deadline=_soon())
-    b.promote("_w", 1, R.Peer("a", "w"))
+        fwd.flush(a.replicator, var)
+    a.replicator.demote("w", 1, deadline=_soon())
+    b.replicator.promote("_w", 1, R.Peer("a", "w"))
     assert (a.meta("w").role, b.meta("_w").role) == (R.ROLE_BACKUP, R.ROLE_PRIMARY)
     assert a.meta("w").version == b.meta("_w").version == 1
 
@@ -173,7 +174,7 @@ def test_dropped_backup_acknowledges_waiting_updates(pair):
     fwd.hold = True
     with pytest.raises(DeadlineExceeded, match="Resend"):
         a.push([("w", grad(1), 1)], deadline=_soon())
-    a.drop_backup("w", 1)
+    a.replicator.drop_backup("w", 1)
     assert a.push([("w", grad(1), 1)], deadline=_soon()) == [1]   # applied once, now acked
 
 
@@ -186,11 +187,11 @@ def test_store_without_forwarding_cannot_be_a_replicated_primary():
 def test_sync_backup_gathers_but_applies_only_its_primarys_step(pair):
     a, b, _ = pair
     spec = [SyncSpec(0, r, 2, 2) for r in range(2)]
-    b.push_sync([("_w", grad(1))], spec[0])   # the client's copy of each push
-    b.push_sync([("_w", grad(2))], spec[1])
+    b.steps.push([("_w", grad(1))], spec[0])   # the client's copy of each push
+    b.steps.push([("_w", grad(2))], spec[1])
     assert b.meta("_w").version == 0          # complete, but a backup does not apply it
-    a.push_sync([("w", grad(2))], spec[1])    # the primary, in another order
-    a.push_sync([("w", grad(1))], spec[0])
+    a.steps.push([("w", grad(2))], spec[1])    # the primary, in another order
+    a.steps.push([("w", grad(1))], spec[0])
     assert a.meta("w").version == b.meta("_w").version == 1
     assert a.meta("w").sync_steps == b.meta("_w").sync_steps == 1
     assert a.snapshot("w")[1].tobytes() == b.snapshot("_w")[1].tobytes()
@@ -199,11 +200,11 @@ def test_sync_backup_gathers_but_applies_only_its_primarys_step(pair):
 def test_promoted_backup_completes_the_step_it_gathered(pair):
     a, b, _ = pair
     spec = [SyncSpec(0, r, 2, 2) for r in range(2)]
-    a.push_sync([("w", grad(1))], spec[0])
+    a.steps.push([("w", grad(1))], spec[0])
     for r in range(2):
-        b.push_sync([("_w", grad(r + 1))], spec[r])
+        b.steps.push([("_w", grad(r + 1))], spec[r])
     # The primary dies before replica 1's push reaches it: the backup has the whole step.
-    b.promote("_w", epoch=1)
+    b.replicator.promote("_w", epoch=1)
     assert b.meta("_w").version == 1 and b.meta("_w").sync_steps == 1
 
 
@@ -280,8 +281,8 @@ def test_a_reconfigure_with_one_bad_change_changes_nothing(pair):
     for bad in [("nope", R.DROP_BACKUP, 5, None), ("w", 9, 5, None),
                 ("w", R.SET_BACKUP, 5, None), ("w", R.DROP_BACKUP, 2**62, None)]:
         with pytest.raises((NotFound, InvalidArgument)):
-            a.reconfigure_all([("w", R.DROP_BACKUP, 5, None), bad])
+            a.replicator.reconfigure_all([("w", R.DROP_BACKUP, 5, None), bad])
         assert a.meta("w") == before
     with pytest.raises(NotPrimary):   # a stale epoch, second
-        b.reconfigure_all([("_w", R.PROMOTE, 3, None), ("_w", R.DEMOTE, 0, None)])
+        b.replicator.reconfigure_all([("_w", R.PROMOTE, 3, None), ("_w", R.DEMOTE, 0, None)])
     assert b.meta("_w").role == R.ROLE_BACKUP and b.meta("_w").epoch == 0

@@ -182,13 +182,13 @@ def test_step_timeout_completes_a_step_whose_replica_hangs():
     store = VariableStore()
     store.create("v", "float32", (2,), optimizer="sgd", optimizer_params={"learning_rate": 1.0})
     spec0 = SyncSpec(step=0, replica=0, num_replicas=2, required=2, step_timeout=0.2)
-    store.push_sync([("v", np.ones(2, np.float32))], spec0)
+    store.steps.push([("v", np.ones(2, np.float32))], spec0)
     # Replica 1 never pushes. A read for step 1 waits, then applies step 0 with replica 0 alone.
     version, value = store.snapshot("v", sync_step=1, deadline=time.monotonic() + 30)
     assert version == 1
     np.testing.assert_array_equal(value, [-1.0, -1.0])
     # Replica 1's gradient arriving now is late and dropped.
-    assert store.push_sync([("v", np.ones(2, np.float32))],
+    assert store.steps.push([("v", np.ones(2, np.float32))],
                            SyncSpec(0, 1, 2, 2, step_timeout=0.2)) == [(1, True)]
     assert store.meta("v").dropped_gradients == 1
 
@@ -196,7 +196,7 @@ def test_step_timeout_completes_a_step_whose_replica_hangs():
 def test_sync_read_respects_the_call_deadline():
     store = VariableStore()
     store.create("v", "float32", (2,))
-    store.push_sync([("v", np.ones(2, np.float32))], SyncSpec(0, 0, 2, 2))
+    store.steps.push([("v", np.ones(2, np.float32))], SyncSpec(0, 0, 2, 2))
     with pytest.raises(DeadlineExceeded, match="step 0"):
         store.read_bytes("v", sync_step=1, deadline=time.monotonic() + 0.1)
     assert store.meta("v").version == 0   # nothing applied by the failed wait
@@ -206,7 +206,7 @@ def test_sum_aggregation_and_linear_scaling():
     store = VariableStore()
     store.create("v", "float64", (1,), optimizer="sgd", optimizer_params={"learning_rate": 1.0})
     for r, g in enumerate((1.0, 3.0)):
-        store.push_sync([("v", np.array([g]))], SyncSpec(0, r, 2, 2, sum=True))
+        store.steps.push([("v", np.array([g]))], SyncSpec(0, r, 2, 2, sum=True))
     np.testing.assert_array_equal(store.snapshot("v")[1], [-4.0])
     with LocalCluster(num_ps=1, num_workers=0) as cluster:
         s = ParameterServerStrategy(cluster.spec, mode="sync", num_replicas=4)
@@ -299,8 +299,8 @@ def test_sparse_gradients_of_several_replicas_are_averaged():
     _sgd(store)
     a = np.array([[1.0, 2.0], [3.0, 4.0]])
     b = np.array([[5.0, 6.0], [7.0, 8.0]])
-    store.push_sparse_sync("v", np.array([0, 2]), a, SyncSpec(0, 0, 2, 2))
-    store.push_sparse_sync("v", np.array([2, 3]), b, SyncSpec(0, 1, 2, 2))
+    store.steps.push_rows("v", np.array([0, 2]), a, SyncSpec(0, 0, 2, 2))
+    store.steps.push_rows("v", np.array([2, 3]), b, SyncSpec(0, 1, 2, 2))
     want = np.zeros((4, 2))
     want[0] -= a[0] / 2
     want[2] -= (a[1] + b[0]) / 2
@@ -319,12 +319,12 @@ def test_the_mean_is_over_the_replicas_that_pushed_not_the_configured_count(spar
         ids, g = np.array([0, 1, 2, 3]), np.ones((4, 2))
         spec = [SyncSpec(0, r, 3, 3 if abandon else 2) for r in range(3)]
         if abandon:
-            store.abandon(0, 2)
+            store.steps.abandon(0, 2)
         for r, scale in ((0, 1.0), (1, 3.0)):
             if sparse:
-                store.push_sparse_sync("v", ids, g * scale, spec[r])
+                store.steps.push_rows("v", ids, g * scale, spec[r])
             else:
-                store.push_sync([("v", g * scale)], spec[r])
+                store.steps.push([("v", g * scale)], spec[r])
         version, value = store.snapshot("v")
         assert version == 1
         np.testing.assert_array_equal(value, -2.0 * np.ones((4, 2)))   # mean of 1 and 3

@@ -3,7 +3,7 @@ replication=True) with create_embedding_table) on real clusters.
 
 Each table shard's primary hands what every call changed (rows evicted,
 rows made, rows updated) to its backup on the next server
-(psserver/tables.py, psserver/replication.py): copies hold the same keys,
+(psserver/table_store.py, psserver/replication.py): copies hold the same keys,
 values and slots at every acknowledged version; a lost server's shards fail
 over without losing an acknowledged update; restores rebuild the backups.
 """

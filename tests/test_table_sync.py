@@ -1,4 +1,4 @@
-"""Sync mode for dynamic embedding tables (psserver/tables.py over
+"""Sync mode for dynamic embedding tables (psserver/table_store.py over
 psserver/sync.py), on real parameter-server processes and clusters.
 
 A shard gathers a step's updates, one per replica, and applies their mean
@@ -27,8 +27,8 @@ from psserver.client import table_spec
 from psserver.contract import Code, SyncSpec
 from psserver.dynamic_table import DynamicTable
 from psserver.errors import DeadlineExceeded, InvalidArgument
-from psserver.optimizers import sum_duplicates
-from psserver.tables import _optimizer, config_from_spec
+from psserver.rows import sum_duplicates
+from psserver.tables import spec_of
 from reference_optimizers import ReferenceOptimizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,8 +41,8 @@ SPEC = dict(initializer=Initializer(kind="random_uniform", minval=-1, maxval=1, 
 
 def reference_table() -> DynamicTable:
     """One in-process shard holding every key, as the servers' shards are made."""
-    spec = table_spec(DIM, **SPEC)
-    return DynamicTable(config_from_spec(spec), _optimizer(spec))
+    spec = spec_of(table_spec(DIM, **SPEC))
+    return DynamicTable(spec.config(), spec.make_optimizer())
 
 
 def apply_step(ref: DynamicTable, parts, mean: bool = True) -> None:

@@ -240,7 +240,7 @@ def test_table_counters_are_on_the_metrics_page(start_ps):
 def test_a_read_of_a_table_shards_replication_name_is_not_found(ps):
     """A table shard's replication name ("~table~t") is no variable: a read
     of it is NotFound over every path, never an internal error."""
-    from psserver.replication import TABLE_PREFIX
+    from psserver.contract import TABLE_PREFIX
     with PSClient(ps.address) as c, PSClient(ps.address, shared_memory=False) as remote, \
             PSClient(ps.address, shared_memory=False, data_port=False) as plain:
         c.create_table("t", 4)
@@ -248,3 +248,25 @@ def test_a_read_of_a_table_shards_replication_name_is_not_found(ps):
             with pytest.raises(PSError) as e:
                 client.read(TABLE_PREFIX + "t")
             assert e.value.code == Code.NOT_FOUND, e.value
+
+
+@pytest.mark.parametrize("spec", [
+    dict(),
+    dict(dtype="float64", initializer=Initializer("random_normal", mean=0.5, stddev=0.1, seed=7),
+         optimizer="adam", optimizer_params={"beta_1": 0.8, "learning_rate": 0.01},
+         min_count=3, probability=0.25, capacity=100, policy="lfu", max_age_steps=9,
+         max_age_seconds=1.5, admission_capacity=400, seed=11),
+])
+def test_a_spec_reads_back_as_it_was_sent(spec):
+    """The servicer turns a TableSpec into the store's plain spec and back
+    field for field: TableInfo, the backup's copy and the checkpoint
+    metadata (protobuf JSON of TableSpec, as files written before hold)
+    carry the spec as the client sent it (in process)."""
+    from google.protobuf import json_format
+
+    from psserver.client import table_spec
+    from psserver.tables import spec_json, spec_message, spec_of
+    sent = table_spec(4, **spec)
+    assert spec_message(spec_of(sent)) == sent
+    assert spec_json(spec_of(sent)) == json_format.MessageToJson(sent, indent=None)
+    assert spec_of(sent) == spec_of(tables_pb2.TableSpec.FromString(sent.SerializeToString()))

@@ -89,16 +89,17 @@ class _Saves:
         self.n += 1
         d = os.path.join(self.root, f"s{self.n}")
         os.makedirs(d)
-        spec = self.store.begin_save(self.n, self.committed, self.store.incarnation, self.stream)
-        saved = {s.name: s for s in self.store.save(d, (), spec)}
+        saver = self.store.saver
+        spec = saver.begin_save(self.n, self.committed, saver.incarnation, self.stream)
+        saved = {s.name: s for s in self.store.saver.save(d, (), spec)}
         if not fail:
-            self.store.commit_save(self.n, self.stream, self.store.incarnation)
+            self.store.saver.commit_save(self.n, self.stream, self.store.saver.incarnation)
             self.committed = self.n
             self.chain.append((d, saved))
         return spec, saved
 
     def compose(self, name):
-        var = self.store._get(name)
+        var = self.store.registry.variable(name)
         v = types.SimpleNamespace(name=name, dtype=var.value.dtype.name, shape=var.value.shape,
                                   optimizer=var.optimizer.name)
         full = max(i for i, (_, s) in enumerate(self.chain) if s[name].kind == FULL)
@@ -114,7 +115,7 @@ class _Saves:
 
 
 def _state(store, name):
-    var = store._get(name)
+    var = store.registry.variable(name)
     return {"value": var.value, **{f"slot/{k}": a for k, a in var.slots.items()},
             "applied_ids": np.fromiter(var.applied, np.uint64, len(var.applied))}
 
@@ -143,8 +144,8 @@ def test_random_updates_saves_and_failures_compose_to_the_state_bit_for_bit(tmp_
         op = rng.integers(0, 10)
         if op < 6:
             ids = rng.choice(50, rng.integers(0, 4), replace=False)
-            store.push_sparse("emb", ids, rng.normal(size=(ids.size, 3)).astype(np.float32),
-                              update_id=uid)
+            rows = rng.normal(size=(ids.size, 3)).astype(np.float32)
+            store.push(sparse=[("emb", ids, rows, uid)])
         elif op < 8:
             store.push([("dense", rng.normal(size=4).astype(np.float32), uid)])
         else:
@@ -165,37 +166,38 @@ def test_a_base_this_incarnation_never_took_is_refused_and_another_incarnations_
         tmp_path):
     store = VariableStore()
     store.create("w", "float32", (4, 2))
-    store.begin_save(1, 0, "", "s")
-    store.save(str(tmp_path))
-    store.commit_save(1, "s", store.incarnation)
+    store.saver.begin_save(1, 0, "", "s")
+    store.saver.save(str(tmp_path))
+    store.saver.commit_save(1, "s", store.saver.incarnation)
     with pytest.raises(FailedPrecondition, match="unknown"):
-        store.begin_save(2, 77, store.incarnation, "s")
-    assert 2 not in store._saves   # refused: nothing noted
-    spec = store.begin_save(3, 1, "another-incarnation", "s")
+        store.saver.begin_save(2, 77, store.saver.incarnation, "s")
+    assert 2 not in store.saver._saves   # refused: nothing noted
+    spec = store.saver.begin_save(3, 1, "another-incarnation", "s")
     assert spec.since == 0          # a restarted server's base: written whole
-    store.push_sparse("w", np.array([1]), np.ones((1, 2), np.float32))
-    assert [s.kind for s in store.save(str(tmp_path), (), spec)] == [FULL]
+    store.push(sparse=[("w", np.array([1]), np.ones((1, 2), np.float32), 0)])
+    assert [s.kind for s in store.saver.save(str(tmp_path), (), spec)] == [FULL]
     for bad in (dict(save_id=0, since=1), dict(save_id=5, since=5),
                 dict(save_id=-1), dict(save_id=1 << 64), dict(save_id=4, stream="x" * 200),
                 dict(save_id=4, stream="tab\t"), dict(save_id=4, incarnation="i" * 65)):
         with pytest.raises(InvalidArgument):
-            store.begin_save(**bad)
+            store.saver.begin_save(**bad)
 
 
 def test_a_commit_of_an_unknown_save_or_incarnation_changes_nothing(tmp_path):
     store = VariableStore()
     store.create("w", "float32", (4, 2))
-    store.save(str(tmp_path), (), store.begin_save(1, 0, "", "s"))
-    points = [p[0] for p in store._get("w").tracker.log.points]
-    for save_id, stream, inc, err in ((2, "s", store.incarnation, FailedPrecondition),
+    store.saver.save(str(tmp_path), (), store.saver.begin_save(1, 0, "", "s"))
+    points = [p[0] for p in store.registry.variable("w").tracker.log.points]
+    here = store.saver.incarnation
+    for save_id, stream, inc, err in ((2, "s", here, FailedPrecondition),
                                       (1, "s", "other", FailedPrecondition),
-                                      (1, "other-stream", store.incarnation, InvalidArgument),
-                                      (0, "s", store.incarnation, InvalidArgument)):
+                                      (1, "other-stream", here, InvalidArgument),
+                                      (0, "s", here, InvalidArgument)):
         with pytest.raises(err):
-            store.commit_save(save_id, stream, inc)
-    assert [p[0] for p in store._get("w").tracker.log.points] == points
-    assert store._get("w").tracker.log.anchors == {}
-    assert store.commit_save(1, "s", store.incarnation) == (1, 0)
+            store.saver.commit_save(save_id, stream, inc)
+    assert [p[0] for p in store.registry.variable("w").tracker.log.points] == points
+    assert store.registry.variable("w").tracker.log.anchors == {}
+    assert store.saver.commit_save(1, "s", store.saver.incarnation) == (1, 0)
 
 
 def test_a_restored_promoted_or_replaced_copy_is_saved_whole_next(tmp_path):
@@ -205,17 +207,17 @@ def test_a_restored_promoted_or_replaced_copy_is_saved_whole_next(tmp_path):
     saves.save()
 
     def next_kind():
-        store.push_sparse("w", np.array([0]), np.ones((1, 2), np.float32))
+        store.push(sparse=[("w", np.array([0]), np.ones((1, 2), np.float32), 0)])
         return saves.save()[1]["w"].kind
     assert next_kind() == DELTA
     store.create("w", "float32", (4, 2), initial_value=np.ones((4, 2), np.float32),
                  overwrite=True)                                # a restore
     assert next_kind() == FULL
     assert next_kind() == DELTA
-    var = store._get("w")
+    var = store.registry.variable("w")
     with var.lock:
         var.role = R.ROLE_BACKUP
-    store.promote("w", epoch=1)                                 # a failover
+    store.replicator.promote("w", epoch=1)                                 # a failover
     assert next_kind() == FULL
 
 
@@ -224,11 +226,12 @@ def _table_servicer(tmp_path, **spec):
     save(save_id, since) -> (reply, its directory): saved and committed on
     stream "s")."""
     from protos.pstrain.v1 import tables_pb2
+    from psserver.table_store import TableStore
     from psserver.tables import TableServicer
     from psserver.tensor import fill
 
     store = VariableStore()
-    tables = TableServicer(1 << 26, store)
+    tables = TableServicer(TableStore.beside(store), 1 << 26)
     tables.Create(tables_pb2.CreateTableRequest(name="t", spec=tables_pb2.TableSpec(
         dim=2, **spec)), None)
 
@@ -242,8 +245,8 @@ def _table_servicer(tmp_path, **spec):
         d.mkdir()
         reply = tables.Save(tables_pb2.SaveTableRequest(
             name="t", directory=str(d), save_id=n, since=since, stream="s",
-            incarnation=store.incarnation), None)
-        store.commit_save(n, "s", store.incarnation)
+            incarnation=store.saver.incarnation), None)
+        store.saver.commit_save(n, "s", store.saver.incarnation)
         return reply, str(d)
     return tables, lookup, save
 
@@ -280,7 +283,7 @@ def test_table_shards_track_made_updated_looked_up_and_evicted_keys(tmp_path):
         shard = advance_table_shard(shard, d, _entry_of(reply), t, False)
         if reply.kind == DELTA:
             deltas.append((reply.rows, reply.evicted))
-        entry_now = tables._entry("t")
+        entry_now = tables.store.registry.table("t")
         want = entry_now.table.export(now=shard[2])
         for k, a in want.items():
             if k == "age_seconds":
@@ -295,14 +298,14 @@ def test_one_streams_many_saves_never_make_a_server_forget_anothers(tmp_path, mo
     monkeypatch.setattr(saving, "SAVES_KEPT", 4)
     store = VariableStore()
     store.create("w", "float32", (4, 2))
-    store.save(str(tmp_path), (), store.begin_save(1, 0, "", "ckpt"))
+    store.saver.save(str(tmp_path), (), store.saver.begin_save(1, 0, "", "ckpt"))
     for i in range(2, 30):   # an export's many saves
-        store.begin_save(i, 0, "", "export")
-    assert store.begin_save(100, 1, store.incarnation, "ckpt").since == 1
+        store.saver.begin_save(i, 0, "", "export")
+    assert store.saver.begin_save(100, 1, store.saver.incarnation, "ckpt").since == 1
     for i in range(101, 106):   # the checkpoint stream's own: its oldest goes
-        store.begin_save(i, 0, "", "ckpt")
+        store.saver.begin_save(i, 0, "", "ckpt")
     with pytest.raises(FailedPrecondition, match="unknown"):
-        store.begin_save(200, 1, store.incarnation, "ckpt")
+        store.saver.begin_save(200, 1, store.saver.incarnation, "ckpt")
 
 
 def test_a_churning_table_keeps_a_bounded_count_of_evicted_keys_and_counts_them(tmp_path):
@@ -313,7 +316,7 @@ def test_a_churning_table_keeps_a_bounded_count_of_evicted_keys_and_counts_them(
     from psserver.tracking import MIN_EVICTED_KEPT
 
     tables, lookup, save = _table_servicer(tmp_path, capacity=1000)
-    table = tables._entry("t").table
+    table = tables.store.registry.table("t").table
     spec = types.SimpleNamespace(name="t", dim=2, dtype="float32", optimizer="sgd")
 
     def saved(n, since):
@@ -349,11 +352,12 @@ def test_a_variables_tracking_is_bounded_per_row_and_counted_in_what_the_server_
     store = VariableStore()
     store.create("w", "float32", (1000, 1))
     for n in range(1, 3 * MAX_POINTS):   # never committed: every point kept, up to the bound
-        store.push_sparse("w", np.array([n]), np.ones((1, 1), np.float32))
-        store.save(str(tmp_path), (), store.begin_save(n, n - 1, store.incarnation, "s"))
-    tracker = store._get("w").tracker
+        store.push(sparse=[("w", np.array([n]), np.ones((1, 1), np.float32), 0)])
+        spec = store.saver.begin_save(n, n - 1, store.saver.incarnation, "s")
+        store.saver.save(str(tmp_path), (), spec)
+    tracker = store.registry.variable("w").tracker
     assert 1000 * MAX_POINTS <= tracker.nbytes <= 1000 * (1 + MAX_POINTS)
-    assert store.held_bytes() == store.total_bytes() + tracker.nbytes
+    assert store.budget.held() == store.total_bytes() + tracker.nbytes
 
 
 def _half_way(optimizer, method):
@@ -376,14 +380,14 @@ def test_a_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path, sparse):
     store.create("w", "float32", (4, 2))
     saves = _Saves(store, str(tmp_path))
     saves.save()
-    var = store._get("w")
+    var = store.registry.variable("w")
     _half_way(var.optimizer, "apply_sparse" if sparse else "apply_dense")
     with pytest.raises(RuntimeError, match="half-way"):
         if sparse:
-            store.push_sparse_sync("w", np.array([1]), np.ones((1, 2), np.float32),
+            store.steps.push_rows("w", np.array([1]), np.ones((1, 2), np.float32),
                                    SyncSpec(0, 0, 1, 1))
         else:
-            store.push_sync([("w", np.ones((4, 2), np.float32))], SyncSpec(0, 0, 1, 1))
+            store.steps.push([("w", np.ones((4, 2), np.float32))], SyncSpec(0, 0, 1, 1))
     _, saved = saves.save()
     assert saved["w"].kind == FULL
     _assert_same(saves.compose("w"), _state(store, "w"))
@@ -396,7 +400,7 @@ def test_a_tables_sync_step_that_fails_half_way_is_saved_whole_next(tmp_path):
     tables, lookup, save = _table_servicer(tmp_path)
     lookup(np.arange(4))
     assert save(1, 0)[0].kind == FULL
-    _half_way(tables._entry("t").table.optimizer, "apply_sparse")
+    _half_way(tables.store.registry.table("t").table.optimizer, "apply_sparse")
     upd = tables_pb2.TableUpdateRequest(name="t", sync=ps_pb2.SyncInfo(
         step=0, replica=0, num_replicas=1, required=1))
     fill(upd.keys, np.array([1]))
