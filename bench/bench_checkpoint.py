@@ -217,7 +217,7 @@ def _table_bytes(path: str) -> dict[str, int]:
 
 def measure_incremental(plan: Plan, workdir: str) -> dict:
     """Delta against full checkpoints when 1% of each table's rows changed."""
-    from coordinator.variables import IndexedSlices
+    from coordinator.step_calls import IndexedSlices
     n, dim = plan.inc_rows, plan.inc_dim
     changed = max(1, n // 100)
     rng = np.random.default_rng(0)

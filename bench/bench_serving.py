@@ -45,7 +45,7 @@ while True:
 def run_period(period: float, seconds: float, workdir: str, poll: float) -> dict:
     from coordinator import LocalCluster, ParameterServerStrategy, push_gradients
     from coordinator.serving import Exporter
-    from coordinator.variables import IndexedSlices
+    from coordinator.step_calls import IndexedSlices
 
     export_dir = os.path.join(workdir, f"export-{period}")
     rng = np.random.default_rng(0)

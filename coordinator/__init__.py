@@ -14,8 +14,8 @@ from coordinator.embedding import DynamicEmbedding, TableStats
 from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
                                       MinSizePartitioner)
 from coordinator.strategy import ParameterServerStrategy
-from coordinator.variables import (IndexedSlices, Lookup, ShardedVariable, push_gradients,
-                                   read_variables)
+from coordinator.step_calls import IndexedSlices, Lookup, push_gradients, read_variables
+from coordinator.variables import ShardedVariable
 from coordinator.checkpoint import CheckpointManager
 from coordinator.fit import FitState, fit
 from coordinator.callbacks import (Callback, CheckpointCallback, EarlyStopping, History,

@@ -2,8 +2,8 @@
 
 A table keyed by any int64 (hashes of feature strings), its keys spread
 over every parameter server by a hash of the key
-(psserver.dynamic_table.shard_of), each server holding its shard
-(psserver/tables.py: admission, eviction, the optimizer's slots).
+(psserver.keys.shard_of), each server holding its shard
+(psserver/table_store.py: admission, eviction, the optimizer's slots).
 ``ParameterServerStrategy.create_embedding_table`` makes one.
 
 Like a ShardedVariable, a ``DynamicEmbedding`` is a small picklable
@@ -11,15 +11,20 @@ description that travels inside step closures to the workers and works the
 same there: ``lookup(keys)`` returns dense rows (zeros for keys without a
 row: not admitted yet, or evicted), and ``push_gradient(keys, grads)``
 applies row gradients (duplicates summed) with the table's optimizer, both
-one call per server, all at once.
+one call per server, all at once. A step reads and pushes a table with its
+variables in the same call to each server: ``read_variables([Lookup(table,
+keys), w])`` and ``push_gradients([(table, IndexedSlices(rows, keys)),
+(w, g)])`` (coordinator/step_calls.py).
 
-With ``replication=True`` each shard has a backup on the next parameter
-server (table name ``_backup/<name>`` there), which follows every change
-its primary makes (psserver/tables.py); calls go to whichever copy is
-primary now (coordinator.routes) and are resent there after a failover,
-updates with their update key, so each applies once. Admission counters
-of keys not admitted yet, and look-up statistics, are the primary's alone
-(after a failover such a key counts again from zero).
+Every call is resent after a lost connection or a failover, as a
+variable's (coordinator/ps_pool.py): an update with its update key, so it
+applies once; a look-up is made again (it may count its keys twice for
+admission). With ``replication=True`` each shard has a backup on the next
+parameter server (table name ``_backup/<name>`` there), which follows
+every change its primary makes; calls go to whichever copy is primary now
+(coordinator.routes). Admission counters of keys not admitted yet, and
+look-up statistics, are the primary's alone (after a failover such a key
+counts again from zero).
 
 Modes (coordinator.replica): in a sync step, look-ups wait for the
 previous step on each shard, and every shard gets this replica's update
@@ -31,19 +36,14 @@ bounded and hybrid modes look-ups never wait and updates apply on arrival.
 from __future__ import annotations
 
 import dataclasses
-import threading
-from typing import Callable
 
 import numpy as np
 
-from coordinator import calls
-from coordinator.ps_pool import Op, servers
-from coordinator.replica import rows_sync
-from coordinator.routes import key as routes_key
+from coordinator.ps_pool import servers
+from coordinator.step_calls import IndexedSlices, Lookup, _Push, _Read
 from psserver.contract import BACKUP_PREFIX, TABLE_PREFIX
-from psserver.keys import check_keys, shard_of
+from psserver.keys import shard_of
 from psserver.link.pending import Pending
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,37 +57,6 @@ class TableShard:
     @property
     def table(self) -> str:
         return self.name[len(TABLE_PREFIX):]
-
-
-def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
-    """out[j] = the sum of rows[i] with inverse[i] == j (n rows; summed in
-    float64 in order of i, one np.bincount per column: faster than a sort
-    and np.add.reduceat, or np.add.at), in rows' dtype."""
-    if rows.dtype.kind != "f":
-        raise ValueError(f"gradient rows must be floating, got {rows.dtype}")
-    out = np.empty((rows.shape[1], n), rows.dtype)
-    for j, col in enumerate(np.ascontiguousarray(rows.T)):
-        out[j] = np.bincount(inverse, weights=col, minlength=n)
-    return np.ascontiguousarray(out.T)
-
-
-#: A thread's last look-up of a table: (table, its keys as sent, unique
-#: keys, inverse or None when the keys were distinct already), so the step's
-#: gradient push of the same keys sorts nothing again.
-_last_lookup = threading.local()
-
-
-def _unique_of(table, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(unique keys, inverse or None: ``keys`` are distinct) of 1-D ``keys``:
-    from this thread's last look-up of ``table`` when it was of these keys,
-    else computed."""
-    last = getattr(_last_lookup, "of", None)
-    if last is not None and last[0] is table and last[1].shape == keys.shape \
-            and np.array_equal(last[1], keys):
-        return last[2], last[3]
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    return (keys, None) if uniq.size == keys.size and np.array_equal(uniq, keys) \
-        else (uniq, inverse.reshape(-1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,34 +117,16 @@ class DynamicEmbedding:
             return list(self.shards)
         return servers().routes.primaries(self)
 
-    def _ops(self, parts, send, sync: bool = False) -> Callable[[], list[Op]]:
-        """A plan for settle: one call per (shard, positions) to the copy
-        that is primary now (with ``sync``, to both copies), resent where it
-        is after a failover, with the same update key (coordinator/ps_pool.py)."""
-        def plan() -> list[Op]:
-            routes = servers().routes
-            ops = []
-            for i, pos in parts:
-                if not self.replicated:
-                    ops.append(Op(self.addresses[i], lambda c, i=i, p=pos: send(c, self.name, i, p)))
-                    continue
-                r = routes.route(self, i)
-                seen, pairs = ((routes_key(self.shards[i]), r),), ((self, i),)
-                for t in routes.targets_of(self, i, r, sync):
-                    ops.append(Op(t.address, lambda c, t=t.table, i=i, p=pos: send(c, t, i, p),
-                                  seen, pairs))
-            return ops
-        return plan
+    #: read_variables and push_gradients tell a table from a variable by this.
+    is_table = True
 
-    def _split(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """(server index, positions of its keys) for each server with keys."""
-        if len(self.addresses) == 1:
-            return [(0, np.arange(keys.size))] if keys.size else []
-        which = shard_of(keys, len(self.addresses))
-        order = np.argsort(which, kind="stable")
-        bounds = np.searchsorted(which[order], np.arange(len(self.addresses) + 1))
-        return [(i, order[bounds[i]:bounds[i + 1]]) for i in range(len(self.addresses))
-                if bounds[i + 1] > bounds[i]]
+    def shard_of(self, keys: np.ndarray) -> np.ndarray:
+        """The shard of each int64 key."""
+        return shard_of(keys, len(self.addresses))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * np.dtype(self.dtype).itemsize
 
     def lookup(self, keys, *, admit: bool = True) -> np.ndarray:
         """Rows of ``keys`` (int64, any shape): shape keys.shape + (dim,).
@@ -184,34 +135,12 @@ class DynamicEmbedding:
         and the statistics count every occurrence)."""
         return self.lookup_async(keys, admit=admit).result()
 
-    def lookup_async(self, keys, *, admit: bool = True) -> "Pending":
+    def lookup_async(self, keys, *, admit: bool = True) -> Pending:
         """lookup, sent now; ``result()`` waits for the rows (a step reads
-        its dense variables meanwhile). With replication the calls run in
-        result() (they may be resent to another copy)."""
-        keys = check_keys(keys)
-        sync = rows_sync()
-        step = sync.step if sync is not None else None
-        flat = keys.reshape(-1)
-        uniq, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
-        if uniq.size == flat.size:
-            uniq, inverse, counts = flat, None, None
-        if not admit:
-            counts = None
-        rows_u = np.empty((uniq.size, self.dim), np.dtype(self.dtype))
-        parts = self._split(uniq)
-        _last_lookup.of = (self, flat.copy(), uniq, inverse)   # (the push sorts nothing again)
-
-        def n(p):
-            return None if counts is None else counts[p]
-        sent = servers().start(self._ops(parts, lambda c, t, i, p: c.lookup_async(
-            t, uniq[p], admit=admit, counts=n(p), sync_step=step)))
-
-        def rows(replies):
-            for (_, pos), r in zip(parts, replies):
-                rows_u[pos] = r
-            out = rows_u if inverse is None else rows_u[inverse]
-            return out.reshape(keys.shape + (self.dim,))
-        return sent.then(rows)
+        its dense variables meanwhile), resending a call that met a lost or
+        failed-over server."""
+        read = _Read([Lookup(self, keys, admit)])
+        return servers().start(read.plan).then(lambda got: read.finish(got)[0])
 
     def push_gradient(self, keys, grads) -> tuple[int, int]:
         """Apply row gradients ``grads[i]`` of ``keys[i]`` (duplicates summed
@@ -221,35 +150,14 @@ class DynamicEmbedding:
         the steps this update completed on some shard (else 0)."""
         return self.push_gradient_async(keys, grads).result()
 
-    def push_gradient_async(self, keys, grads, *, unique=None) -> "Pending":
+    def push_gradient_async(self, keys, grads, *, unique=None) -> Pending:
         """push_gradient, sent now; ``result()`` waits for the servers (a step
         pushes its dense gradients meanwhile), resending a call that met a
         lost or failed-over server. Keys this thread last looked up in this
         table are not sorted again (``unique``: ignored, from older callers)."""
-        keys = check_keys(keys).reshape(-1)
-        grads = np.asarray(grads)
-        if grads.shape != (keys.size, self.dim):
-            raise ValueError(f"gradient for table {self.name!r} has shape {grads.shape}, "
-                             f"expected {(keys.size, self.dim)}")
-        uniq, inverse = _unique_of(self, keys)
-        if inverse is not None:
-            keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
-        parts = self._split(keys)
-        sync = rows_sync()
-        if sync is not None:   # every shard counts this replica (an empty update too)
-            have = dict(parts)
-            parts = [(i, have.get(i, np.zeros(0, np.int64))) for i in range(self.num_shards)]
-        # An update key per shard: a resend after a failover or a lost
-        # connection applies once, and a re-run of an exactly-once batch
-        # (coordinator/sharded.py) sends the same. Sync updates are known by
-        # step and replica instead (and go to both copies).
-        uids = {i: calls.new_update_id(f"{TABLE_PREFIX}{self.name}#{i}") if sync is None else 0
-                for i, _ in parts}
-        sent = servers().start(self._ops(
-            parts, lambda c, t, i, p: c.update_table_async(t, keys[p], grads[p],
-                                                           update_id=uids[i], sync=sync),
-            sync is not None))
-        return sent.then(_summed_counts)
+        push = _Push([(self, IndexedSlices(np.asarray(grads), keys))])
+        pool = servers()
+        return pool.start(lambda: push.plan(pool.routes)).then(_Push.table_counts)
 
     def stats(self) -> TableStats:
         """Counters summed over the shards (rows, admissions, evictions, hits...),
@@ -261,7 +169,3 @@ class DynamicEmbedding:
 
     def __len__(self) -> int:
         return self.stats().rows
-
-
-def _summed_counts(replies) -> tuple[int, int]:
-    return sum(u for u, _ in replies), sum(d for _, d in replies)

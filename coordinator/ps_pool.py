@@ -94,6 +94,14 @@ class ParameterServers:
                     c = self._clients[address] = PSClient(address, token=self.token, tls=self.tls)
         return c
 
+    def use(self, address: str, client: PSClient) -> None:
+        """Make ``client`` this process's client of ``address`` (one with
+        transports of its own: psserver/link/channel.py); the old one is closed."""
+        with self._lock:
+            old, self._clients[address] = self._clients.get(address), client
+        if old is not None and old is not client:
+            old.close()
+
     def probe(self, address: str, timeout: float = 2.0):
         """The server's ServerInfo, asked with a short deadline (the watch,
         coordinator/recovery.py). Raises PSError."""

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinator import ps_pool
+from coordinator import ps_pool, step_calls
 from coordinator import variables as V
 from coordinator.diagnose import CONNECT_SECONDS, not_answering
 from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
@@ -264,7 +264,7 @@ class ParameterServerStrategy:
         if self.gradient_compression_spec is not None and mode in SYNC_MODES:
             raise ValueError('gradient_compression applies to mode="async" or "bounded", '
                              f'not "{mode}"')
-        V.read_value_dtype(read_compression)   # ValueError now, not on a worker
+        step_calls.read_value_dtype(read_compression)   # ValueError now, not on a worker
         #: What step functions pass to read_variables(..., compression=...).
         self.read_compression_spec = "fp16" if read_compression is not None else None
 

@@ -100,7 +100,8 @@ except ImportError as exc:   # pragma: no cover - exercised only without torch
                       f"({exc})") from exc
 
 from coordinator.replica import current_sync
-from coordinator.variables import ShardedVariable, push_gradients, read_variables
+from coordinator.step_calls import push_gradients, read_variables
+from coordinator.variables import ShardedVariable
 
 __all__ = ["TorchModelBridge", "EMBEDDING_TYPES"]
 

@@ -54,8 +54,9 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 import numpy as np
 
 from coordinator import (CheckpointCallback, CheckpointManager, ClusterCoordinator,
-                         Initializer, LocalCluster, ParameterServerStrategy,
-                         TFConfigClusterResolver, push_gradients, read_variables)
+                         IndexedSlices, Initializer, LocalCluster, Lookup,
+                         ParameterServerStrategy, TFConfigClusterResolver, push_gradients,
+                         read_variables)
 from coordinator import ctr_data as D
 from coordinator.ps_pool import client_for
 from coordinator.fit import fit
@@ -80,14 +81,15 @@ def make_train_step(table, variables: dict, batch_of=None):
             b = next(iterator)
         else:
             b = batch_of(ctx.step * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group)
-        looking_up = table.lookup_async(b.sparse)                    # sent; meanwhile:
-        params = dict(zip(names, read_variables([variables[n] for n in names])))
-        rows = looking_up.result()                                   # (n, 26, DIM)
-        loss, grads, row_grads = M.loss_and_grads(params, b.dense, rows, b.labels)
-        pushing = table.push_gradient_async(b.sparse.reshape(-1),   # (its keys: not sorted
-                                            row_grads.reshape(-1, M.DIM))   # again)
-        push_gradients([(variables[n], grads[n]) for n in names])
-        pushing.result()
+        # The table's rows and the dense layers: one call per server.
+        rows, *values = read_variables([Lookup(table, b.sparse),
+                                        *(variables[n] for n in names)])   # rows (n, 26, DIM)
+        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense, rows,
+                                                  b.labels)
+        # Their gradients: one call per server (the keys, looked up just now, not sorted again).
+        push_gradients([(table, IndexedSlices(row_grads.reshape(-1, M.DIM),
+                                              b.sparse.reshape(-1))),
+                        *((variables[n], grads[n]) for n in names)])
         return loss
     return train_step
 

@@ -185,8 +185,12 @@ def error_for(code: int | Code, message: str, target: str = "", service: str = "
 # -- the protocol --------------------------------------------------------------------
 
 #: 2: replication is chain replication (Replicate, Reconfigure; backups refuse
-#: client updates), so a version-1 peer would break it.
-PROTOCOL_VERSION = 2
+#: client updates), so a version-1 peer would break it. 3: dynamic-table
+#: look-ups and updates ride the bulk Read and Push (ReadRequest.table_lookups,
+#: PushRequest.table_updates); ServerInfo.data_port, WorkerInfo.ipc_socket and
+#: data_port, ShmAttachReply.ipc_socket are gone (HostInfo says them). Peers
+#: of different versions refuse each other, saying which is older.
+PROTOCOL_VERSION = 3
 
 #: Largest message either side accepts, and so the most tensor bytes one unary
 #: call carries. Larger tensors go over ReadStream / Upload in frames of

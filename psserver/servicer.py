@@ -20,13 +20,13 @@ from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import routing
 from psserver import replication as R
 from psserver import tensor as T
-from psserver import rpc, shm, wire
+from psserver import rpc, shm, wire, wire_decode
 from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
                                Initializer, InvalidArgument, OutOfRange, ResourceExhausted,
                                SyncSpec, VariableMeta)
 from psserver.handling import deadline_of, save_fields, sync_spec_of
 from psserver.store import VariableStore
-from psserver.table_store import TableStore
+from psserver.table_store import TableRead, TableStore, TableWrite
 from psserver.tables import TableServicer, spec_json
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,25 @@ def _push_updates(store: VariableStore, dense: list, rows: list, sync: SyncSpec 
 
 def _sync_step(request) -> int | None:
     return request.sync.step if request.HasField("sync") else None
+
+
+def _table_read(i: int, t: ps_pb2.TableLookup) -> TableRead:
+    """ReadRequest.table_lookups[i] as the table store takes it (decoded, not checked)."""
+    what = f"table_lookups[{i}] ({t.name!r})"
+
+    def opt(field: str, dtypes):
+        return T.decode(getattr(t, field), dtypes, f"{what} {field}") if t.HasField(field) \
+            else None
+    return TableRead(t.name, T.decode(t.keys, T.ID_DTYPES, f"{what} keys"),
+                     opt("counts", T.ID_DTYPES), not t.no_admit, opt("offsets", T.ID_DTYPES),
+                     opt("weights", T.VALUE_DTYPES), _sync_step(t))
+
+
+def _table_write(name: str, keys, grads, update_id: int, sync_raw: bytes | None, offsets,
+                 weights) -> TableWrite:
+    """A PushRequest.table_updates entry (wire_decode) as the table store takes it."""
+    sync = None if sync_raw is None else SyncSpec.of(rpc.parse(ps_pb2.SyncInfo, sync_raw))
+    return TableWrite(name, keys, grads, int(update_id), sync, offsets, weights)
 
 
 def tensors_of(request) -> list[ps_pb2.Tensor]:
@@ -215,6 +234,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                            for n, v, s in acks])
 
     def _push(self, req, arrays, context=None) -> ps_pb2.UpdateReply:
+        if req.table_updates:   # (refused before anything is applied)
+            raise InvalidArgument("Push and Upload do not update dynamic tables "
+                                  "(table_updates): use ParameterServerBulk.Push")
         k = len(req.updates)
         updates = [(u.name, a, u.update_id) for u, a in zip(req.updates, arrays[:k])]
         rows = [(u.name, ids, values, u.update_id, u.HasField("sync"))
@@ -242,7 +264,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             protocol_version=PROTOCOL_VERSION, server_id=self.server_id,
             max_message_bytes=self.max_message_bytes,
             num_variables=len(self.store), total_bytes=self.store.total_bytes(),
-            data_port=self.data_port, host=routing.announce(
+            host=routing.announce(
                 ps_pb2.HostInfo(), ipc_socket=self.shared_memory.ipc_socket,
                 shared_memory=bool(self.shared_memory.ipc_socket), data_port=self.data_port))
 
@@ -273,9 +295,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def ListVariables(self, request, context):
         return ps_pb2.ListReply(variables=[meta_to_proto(m) for m in self.store.list()])
 
-    def _read_limit(self, request, context=None, rows: int = 0) -> int:
-        """The bytes a Read may return; ResourceExhausted (before anything is
-        read) when its values and ``rows`` bytes of looked-up rows exceed it."""
+    def _read_limit(self, request, context=None, rows: int = 0) -> tuple[int, int]:
+        """(the bytes a Read may return, its values' bytes); ResourceExhausted
+        (before anything is read) when its values and ``rows`` bytes of
+        looked-up rows exceed it."""
         # a socket's context allows a frame's worth (psserver/ipc_server.py)
         T.read_as(request.value_dtype)   # refused before anything is read
         limit = getattr(context, "max_message_bytes", self.max_message_bytes)
@@ -288,41 +311,66 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 f"reading {list(request.names)} returns {total} bytes{also}, more than "
                 f"this call allows ({limit}); use ReadStream and Gather (PSClient does "
                 "so by itself)")
-        return limit
+        return limit, total
 
-    def _lookups(self, request, context, step, deadline) -> tuple[list, int]:
-        """A Read's row lookups (ReadRequest.gathers) as [(version, rows)], and
-        its limit (_read_limit): every lookup's ids decoded and the reply's
-        size checked before any row is copied (each lookup's ids are checked
-        against its variable as it is made; a refusal changes nothing)."""
+    def _lookups(self, request, context, step, deadline) -> tuple[list, int, int]:
+        """A Read's row lookups (ReadRequest.gathers) as [(version, rows)], its
+        limit (_read_limit) and the bytes its values and rows take of it:
+        every lookup's ids decoded and the reply's size checked before any
+        row is copied (each lookup's ids are checked against its variable as
+        it is made; a refusal changes nothing)."""
         ids = [(g.name, T.decode(g.ids, T.ID_DTYPES, f"gathers[{i}] ids ({g.name!r})"))
                for i, g in enumerate(request.gathers)]
-        limit = self._read_limit(request, context, sum(
-            self.store.rows_nbytes(name, i.size) for name, i in ids))
-        return [self.store.gather(name, i, step, deadline) for name, i in ids], limit
+        rows = sum(self.store.rows_nbytes(name, i.size) for name, i in ids)
+        limit, values = self._read_limit(request, context, rows)
+        return [self.store.gather(name, i, step, deadline) for name, i in ids], limit, \
+            values + rows
 
     def bulk_read(self, request, context):
-        """ParameterServerBulk.Read: the reply framed by hand, one copy of the data."""
+        """ParameterServerBulk.Read: the reply framed by hand, one copy of the
+        data. Everything is checked before anything is read: the values, the
+        rows looked up (gathers: read first, they change nothing) and the
+        dynamic-table look-ups (made next: they count and admit; all
+        checked before any is made), then the values are read."""
         step, deadline = _sync_step(request), deadline_of(context)
-        gathered, _ = self._lookups(request, context, step, deadline)
+        reads = [_table_read(i, t) for i, t in enumerate(request.table_lookups)]
+        gathered, limit, used = self._lookups(request, context, step, deadline)
+        tables = self.tables.store
+        rows = tables.make_reads(tables.check_reads(reads, limit - used), deadline) \
+            if reads else ()
         with self.store.locked_values(list(request.names), step, deadline) as values:
             if T.read_as(request.value_dtype) is not None:   # converted under the locks
                 values = [(name, version, T.as_float16(arr)) for name, version, arr in values]
             return wire.encode_read_reply(values, getattr(context, "reply_buffer", None),
-                                          gathered)
+                                          gathered, rows)
 
     def bulk_push(self, raw: bytes, context):
         """ParameterServerBulk.Push: the request read by hand, its arrays views
         of it (a socket's frame is not used again while a view of it lives:
-        the store may keep a row-wise update's arrays)."""
-        updates, sync_raw, rows = wire.decode_push_request(raw)
+        the store may keep a row-wise update's arrays). Its dynamic-table
+        updates are checked with the rest before anything is applied, and
+        applied after the variables' (each once per update key)."""
+        updates, sync_raw, rows, table_updates = wire_decode.decode_push_request(raw)
         sync = None if sync_raw is None else \
             SyncSpec.of(rpc.parse(ps_pb2.SyncInfo, sync_raw))   # present, maybe empty
-        return _push_updates(self.store, updates, rows, sync, deadline_of(context))
+        deadline = deadline_of(context)
+        if not table_updates:
+            return _push_updates(self.store, updates, rows, sync, deadline)
+        tables = self.tables.store
+        checked = tables.check_writes([_table_write(*u) for u in table_updates])
+        reply = _push_updates(self.store, updates, rows, sync, deadline) \
+            if updates or rows else ps_pb2.UpdateReply()
+        for done in tables.apply_writes(checked, deadline):
+            reply.tables.add(updated=done.updated, dropped=done.dropped, step=done.step,
+                             late=done.late)
+        return reply
 
     def _read(self, request, context=None):
         step, deadline = _sync_step(request), deadline_of(context)
-        gathered, limit = self._lookups(request, context, step, deadline)
+        if request.table_lookups:
+            raise InvalidArgument("Read does not look up dynamic tables (table_lookups): use "
+                                  "ParameterServerBulk.Read")
+        gathered, limit, _ = self._lookups(request, context, step, deadline)
         half = T.read_as(request.value_dtype) is not None
         reply, total = ps_pb2.ReadReply(), 0
         for name in request.names:
@@ -347,9 +395,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._read(request, context)
 
     def ReadStream(self, request, context):
-        if request.gathers:
-            raise InvalidArgument("ReadStream does not look up rows (gathers): use Read "
-                                  "or Gather for them")
+        if request.gathers or request.table_lookups:
+            raise InvalidArgument("ReadStream does not look up rows (gathers, table_lookups): "
+                                  "use ParameterServerBulk.Read, or Gather, for them")
         step = self.chunk_bytes
         half = T.read_as(request.value_dtype) is not None
         sync_step, deadline = _sync_step(request), deadline_of(context)
@@ -425,12 +473,11 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
     def __init__(self, store: VariableStore, segments: shm.Segments | None = None):
         self.store = store
         self.segments = segments if segments is not None else shm.Segments()
-        self.ipc_socket = ""   # set by create_server when it serves psserver/ipc.py
+        self.ipc_socket = ""   # set by create_server when it serves its Unix socket
 
     def Attach(self, request, context):
         return ps_pb2.ShmAttachReply(
-            segment=self.segments.attach(request.name, request.nbytes, request.pid, request.fd),
-            ipc_socket=self.ipc_socket)
+            segment=self.segments.attach(request.name, request.nbytes, request.pid, request.fd))
 
     def Share(self, request, context):
         reply = ps_pb2.ShmShareReply()

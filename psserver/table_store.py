@@ -44,6 +44,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from psserver import replication as R
+from psserver.bags import check_bags
 from psserver import sync as S
 from psserver.contract import (BACKUP_PREFIX, MAX_COUNT, ROLE_BACKUP, TABLE_PREFIX,
                                AlreadyExists, InvalidArgument, ResourceExhausted,
@@ -125,6 +126,35 @@ class TableUpdate:
     dropped: int
     step: int
     late: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRead:
+    """One look-up of a read (ReadRequest.table_lookups): ``keys`` (with
+    ``counts``, their occurrences in the batch; or bags: ``offsets`` and
+    ``weights``, psserver/bags.py), ``admit`` (False: nothing counted,
+    created or evicted), ``sync_step`` (wait for earlier steps first)."""
+    name: str
+    keys: np.ndarray
+    counts: np.ndarray | None = None
+    admit: bool = True
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    sync_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TableWrite:
+    """One update of a push (PushRequest.table_updates): gradient rows of
+    ``keys`` (or of bags: ``offsets``, ``weights``), applied once per
+    non-zero ``update_id``; ``sync``: this replica's share of a step."""
+    name: str
+    keys: np.ndarray
+    grads: np.ndarray
+    update_id: int = 0
+    sync: SyncSpec | None = None
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,38 +259,87 @@ class TableStore:
         ResourceExhausted, before anything changes, for rows over
         ``max_reply_bytes`` or past the memory budget. Returns once a backup
         has the rows made (a gradient for them after a failover finds them)."""
-        copy = self.registry.table(name)
-        keys = check_keys(keys)
-        if keys.size > MAX_KEYS:
-            raise InvalidArgument(f"{keys.size} keys in one look-up; send at most {MAX_KEYS}")
-        counts = check_counts(keys, counts) if counts is not None else None
-        t = copy.table
-        nbytes = keys.size * t.config.dim * t.dtype.itemsize
+        return self.read_all([TableRead(name, keys, counts, admit, sync_step=sync_step)],
+                             deadline, max_reply_bytes)[0]
+
+    def read_all(self, reads: Sequence["TableRead"], deadline: float | None = None,
+                 max_reply_bytes: int | None = None) -> list[np.ndarray]:
+        """The rows of each look-up (a read's ReadRequest.table_lookups, any
+        number of tables): every one checked (its table here and primary,
+        keys, counts, bags, the reply's size against ``max_reply_bytes``)
+        before any is made, each then made as ``lookup`` says (pooled bags:
+        one row per bag, psserver/bags.py)."""
+        return self.make_reads(self.check_reads(reads, max_reply_bytes), deadline)
+
+    def check_reads(self, reads: Sequence["TableRead"],
+                    max_reply_bytes: int | None = None) -> list[tuple]:
+        """read_all's checks, all of them, nothing changed: what make_reads takes."""
+        planned = [self._plan_read(r) for r in reads]
+        nbytes = sum(p[4] for p in planned)
         if max_reply_bytes is not None and nbytes > max_reply_bytes:
             raise ResourceExhausted(
-                f"a look-up of {keys.size} keys returns {nbytes} bytes, over the "
-                f"{max_reply_bytes}-byte message limit; look up fewer keys per call")
-        if sync_step is not None and not 0 <= sync_step < MAX_COUNT:
-            raise InvalidArgument(f"a sync look-up needs a step in [0, 2**62), got {sync_step}")
+                f"the look-ups return {nbytes} bytes, over the {max_reply_bytes}-byte "
+                "message limit; look up fewer keys per call")
+        for p in planned:   # (a role read is atomic: checked again under each lock)
+            p[0].check_primary()
+        return planned
+
+    def make_reads(self, checked: list[tuple], deadline: float | None = None
+                   ) -> list[np.ndarray]:
+        """The look-ups check_reads checked, made one after another."""
+        return [self._read(p, deadline) for p in checked]
+
+    def _plan_read(self, r: "TableRead") -> tuple:
+        """(copy, keys to look up, counts, bags and their inverse, reply bytes,
+        read): checked, nothing changed."""
+        copy = self.registry.table(r.name)
+        keys = check_keys(r.keys)
+        if keys.size > MAX_KEYS:
+            raise InvalidArgument(f"{keys.size} keys in one look-up; send at most {MAX_KEYS}")
+        if r.sync_step is not None and not 0 <= r.sync_step < MAX_COUNT:
+            raise InvalidArgument(f"a sync look-up needs a step in [0, 2**62), got "
+                                  f"{r.sync_step}")
+        t = copy.table
+        bags = None
+        if r.offsets is not None:
+            if r.counts is not None:
+                raise InvalidArgument(f"a look-up of bags of table {r.name!r} counts every "
+                                      "occurrence of its keys itself: send no counts")
+            found = check_bags(keys, r.offsets, r.weights, t.dtype, f"table {r.name!r}")
+            uniq, inverse = np.unique(keys, return_inverse=True)
+            counts = np.bincount(inverse.reshape(-1), minlength=uniq.size) if r.admit else None
+            bags, keys, rows_out = (found, inverse.reshape(-1)), uniq, found.n
+        else:
+            if r.weights is not None:
+                raise InvalidArgument(f"weights of a look-up of table {r.name!r} need offsets")
+            counts = check_counts(keys, r.counts) if r.counts is not None else None
+            rows_out = keys.size
+        return copy, keys, counts, bags, rows_out * t.config.dim * t.dtype.itemsize, r
+
+    def _read(self, planned: tuple, deadline: float | None) -> np.ndarray:
+        copy, keys, counts, bags, _, r = planned
         with copy.lock:
             # A look-up changes the shard (ages, admission): a backup only follows.
             # Checked before a sync look-up waits (a backup would wait for
             # its primary's steps, until the deadline, only to refuse), and
             # again after (the wait releases the lock: the copy may be demoted).
             copy.check_primary()
-            if sync_step is not None:   # the rows after step sync_step - 1 (psserver/sync.py)
-                S.wait_for_earlier_steps(copy, sync_step, deadline)
+            if r.sync_step is not None:   # the rows after step sync_step - 1 (psserver/sync.py)
+                S.wait_for_earlier_steps(copy, r.sync_step, deadline)
                 copy.check_primary()
             t = copy.table
-            if admit:   # at most every key new: room for that first
-                self._check_room(name, keys.size, t.row_bytes)
+            if r.admit:   # at most every key new: room for that first
+                self._check_room(r.name, keys.size, t.row_bytes)
             with copy.changing() as journaled:   # (checked first: a failure is a bug)
-                rows = t.lookup(keys, admit=admit, counts=counts)
+                rows = t.lookup(keys, admit=r.admit, counts=counts)
             version = copy.changed(journaled)
             if version is None and copy.link is not None:
                 version = copy.version   # rows another look-up made may not be there yet
         if version is not None:
             self._replicator.wait_acked([(copy, version)], deadline)
+        if bags is not None:
+            found, inverse = bags
+            return found.pool(rows[inverse])
         return rows
 
     def update(self, name: str, keys: np.ndarray, grads: np.ndarray, *, update_id: int = 0,
@@ -270,30 +349,80 @@ class TableStore:
         with the step only). ``sync``: this replica's part of a step (see the
         module; a hybrid-mode spec is InvalidArgument: row-wise gradients are
         applied on arrival there). Returns once a backup has it."""
-        copy = self.registry.table(name)
-        keys = check_keys(keys)
+        return self.update_all([TableWrite(name, keys, grads, update_id, sync)], deadline)[0]
+
+    def update_all(self, writes: Sequence["TableWrite"],
+                   deadline: float | None = None) -> list[TableUpdate]:
+        """Each update (a push's PushRequest.table_updates, any number of
+        tables): every one checked (its table here and primary, keys,
+        gradients, bags, sync info) before any is applied, each then applied
+        as ``update`` says (gradients of bags spread over their keys,
+        psserver/bags.py); returns once the backups have them all."""
+        return self.apply_writes(self.check_writes(writes), deadline)
+
+    def check_writes(self, writes: Sequence["TableWrite"]) -> list[tuple]:
+        """update_all's checks, all of them, nothing changed: what apply_writes takes."""
+        planned = [self._plan_write(w) for w in writes]
+        for copy, _, _, w in planned:
+            if w.sync is None or copy.draining:
+                copy.check_primary()
+        return planned
+
+    def apply_writes(self, checked: list[tuple], deadline: float | None = None
+                     ) -> list[TableUpdate]:
+        """The updates check_writes checked, applied one after another."""
+        done, acked = [], []
+        for copy, keys, grads, w in checked:
+            if w.sync is not None:
+                done.append(self._update_sync(copy, keys, grads, w.sync, deadline))
+                continue
+            result, version = self._apply(copy, keys, grads, w.update_id)
+            done.append(result)
+            acked.append((copy, version))
+        self._replicator.wait_acked(acked, deadline)   # once the backups have them
+        return done
+
+    def _plan_write(self, w: "TableWrite") -> tuple:
+        """(copy, keys, gradient rows, write): checked, nothing changed."""
+        copy = self.registry.table(w.name)
+        keys = check_keys(w.keys)
         if keys.ndim != 1:
             raise InvalidArgument(f"update keys must be 1-D, got shape {list(keys.shape)}")
         if keys.size > MAX_KEYS:
             raise InvalidArgument(f"{keys.size} keys in one update; send at most {MAX_KEYS}")
-        if sync is not None:
-            return self._update_sync(copy, keys, grads, S.check_rows_spec(sync), deadline)
+        t = copy.table
+        grads = w.grads
+        if w.offsets is not None:
+            bags = check_bags(keys, w.offsets, w.weights, t.dtype, f"table {w.name!r}")
+            grads = np.asarray(grads)
+            if grads.shape != (bags.n, t.config.dim) or grads.dtype.kind != "f":
+                raise InvalidArgument(
+                    f"the gradient of {bags.n} bags of table {w.name!r} must be floating of "
+                    f"shape {[bags.n, t.config.dim]}, got {grads.dtype} {list(grads.shape)}")
+            keys, grads = bags.spread(grads, keys)
+        elif w.weights is not None:
+            raise InvalidArgument(f"weights of an update of table {w.name!r} need offsets")
+        keys, grads = t.check_gradients(keys, grads)
+        if w.sync is not None:
+            S.check_rows_spec(w.sync)
+        return copy, keys, grads, w
+
+    def _apply(self, copy: TableShardCopy, keys: np.ndarray, grads: np.ndarray,
+               update_id: int) -> tuple[TableUpdate, int]:
+        """An asynchronous update (checked) under the shard's lock: its
+        result and the version its backup must acknowledge."""
         with copy.lock:
             copy.check_primary()
             t = copy.table
             version = copy.applied_at(update_id)
             if version is not None:   # a resend: applied once already
-                done = TableUpdate(0, 0, t.step)
-            else:
-                dropped = t.stats.dropped
-                # it checks the gradient whole first: a refusal changes nothing
-                with copy.changing(refused=InvalidArgument) as journaled:
-                    updated = t.apply_gradients(keys, grads)
-                copy.changed(journaled, update_id, update=True)
-                version = copy.version
-                done = TableUpdate(updated, t.stats.dropped - dropped, t.step)
-        self._replicator.wait_acked([(copy, version)], deadline)   # once its backup has it
-        return done
+                return TableUpdate(0, 0, t.step), version
+            dropped = t.stats.dropped
+            # it checks the gradient whole first: a refusal changes nothing
+            with copy.changing(refused=InvalidArgument) as journaled:
+                updated = t.apply_gradients(keys, grads)
+            copy.changed(journaled, update_id, update=True)
+            return TableUpdate(updated, t.stats.dropped - dropped, t.step), copy.version
 
     def _update_sync(self, copy: TableShardCopy, keys: np.ndarray, grads: np.ndarray,
                      spec: SyncSpec, deadline: float | None) -> TableUpdate:

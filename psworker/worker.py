@@ -99,7 +99,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerInfo(
             protocol_version=PROTOCOL_VERSION, worker_id=self.worker_id,
             datasets=datasets.dataset_ids(), closures_run=self._count,
-            ipc_socket=self.ipc_socket, data_port=self.data_port,
             host=routing.announce(ps_pb2.HostInfo(), ipc_socket=self.ipc_socket,
                                   data_port=self.data_port))
 

@@ -12,7 +12,7 @@ from coordinator import ps_pool
 from coordinator import (FixedShardsPartitioner, LocalCluster, MinSizePartitioner,
                          ParameterServerStrategy)
 from coordinator.checkpoint import CheckpointError, CheckpointManager
-from coordinator.variables import push_gradients, read_variables
+from coordinator.step_calls import push_gradients, read_variables
 from psserver.errors import PSError
 
 pytestmark = pytest.mark.timeout(120)

@@ -25,7 +25,7 @@ from coordinator import FixedShardsPartitioner, LocalCluster, ParameterServerStr
 from coordinator.checkpoint import CheckpointError, CheckpointManager
 from coordinator.checkpoint_layout import (LayoutMismatch, layout_from_listing, restore_plan,
                                            split_shard_name)
-from coordinator.variables import push_gradients, read_variables
+from coordinator.step_calls import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.process import child_env, start_task
 from psserver.contract import PROTOCOL_VERSION

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coordinator import step_calls
 from coordinator import ps_pool
 from coordinator import compression as C
 from coordinator.compression import TopK
@@ -181,7 +182,6 @@ def test_fp16_sends_half_the_bytes_on_the_wire(start_ps, monkeypatch, transport)
     """What the server received, counted by its metrics: an fp16 push carries
     about half the bytes of the same float32 push (the wire, not a formula)."""
     from coordinator import ClusterSpec, ParameterServerStrategy
-    from coordinator import variables as V
     from test_metrics import metrics_address, scrape
 
     monkeypatch.setenv("PSTRAIN_SHM", "0")   # as between hosts: no shared memory
@@ -201,9 +201,9 @@ def test_fp16_sends_half_the_bytes_on_the_wire(start_ps, monkeypatch, transport)
                                    grpc_service="pstrain.v1.ParameterServerBulk",
                                    grpc_method="Push")
         start = received()
-        V.push_gradients([(w, g)])
+        step_calls.push_gradients([(w, g)])
         plain = received() - start
-        V.push_gradients([(w, g)], compression="fp16")
+        step_calls.push_gradients([(w, g)], compression="fp16")
         fp16 = received() - start - plain
     finally:
         ps_pool.close_clients()

@@ -347,7 +347,7 @@ def test_each_distinct_id_crosses_the_wire_once_and_sums_as_the_server_would(clu
     # (every data call of PSClient is one of these: a gather is a read that
     # looks rows up, and each blocking form is its async form's result)
     ids_of = {"push_sparse_async": lambda a: [a[1]],
-              "read_and_gather_async": lambda a: [ids for _, ids in a[1]],
+              "read_all_async": lambda a: [ids for _, ids in a[1]],
               "push_dense_and_sparse_async": lambda a: [u[1] for u in a[1]]}
     for name, which in ids_of.items():
         def spy(self, *a, _real=getattr(PSClient, name), _m=name, _which=which, **k):
@@ -558,7 +558,7 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
             assert "PSTRAIN_AUTH_TOKEN" in info.value.details()
             assert "--insecure-no-auth" in info.value.details()
         info = stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=10)
-        data = SocketTransport(routing.TCP, w.address, None, tcp=("127.0.0.1", info.data_port))
+        data = SocketTransport(routing.TCP, w.address, None, tcp=("127.0.0.1", info.host.data_port))
         try:
             with pytest.raises(PSError) as caught:
                 data.call(methods.RUN_CLOSURE, attack.SerializeToString(), 10)

@@ -251,3 +251,51 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
                for e in exports), exports
     served = serve_ctr.main(["--export", export, "--eval-batches", "5", "--batch-size", "256"])
     assert served["auc"] == out["auc"] and served["path"].endswith(exports[-1])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("route", ["same host", "data port"])
+def test_a_ctr_step_is_one_round_trip_per_server_each_way(route, monkeypatch):
+    """examples/ctr.py's step (a dynamic table looked up with the dense
+    layers, its row gradients pushed with theirs): per step, one
+    ParameterServerBulk.Read and one ParameterServerBulk.Push on each
+    parameter server, and no other data call (no DynamicTables.Lookup or
+    Update, no Gather, no SharedMemory call: the dense values come
+    straight from the servers' memory on this host), counted by the
+    servers themselves."""
+    from coordinator import LocalCluster, ParameterServerStrategy, ps_pool
+    from examples import ctr
+    from psserver import routing
+    from tests.test_metrics import metrics_address, scrape
+    ps_pool.close_clients()   # clients read the switches when made
+    if route == "data port":
+        monkeypatch.setenv(routing.SHM_ENV, "0")
+    try:
+        with LocalCluster(num_ps=2, num_workers=0, tls=False,
+                          ps_args=("--metrics-port", "0")) as cluster:
+            strategy = ParameterServerStrategy(cluster.spec)
+            variables, table = ctr.build(strategy, seed=0, lr=0.1)
+            step = ctr.make_train_step(table, variables)
+            batches = D.shard(0, 0, 1, 256)
+            for _ in range(2):   # warm: routes planned, values mapped
+                step(batches)
+
+            def calls() -> dict:
+                out = {}
+                for ps in cluster.ps:
+                    for (name, labels), v in scrape(metrics_address(ps)).items():
+                        labels = dict(labels)
+                        if name == "grpc_server_handled_total" and v:
+                            key = (ps.address, labels["grpc_service"], labels["grpc_method"])
+                            out[key] = out.get(key, 0) + v
+                return out
+            before = calls()
+            losses = [step(batches) for _ in range(5)]
+            after = calls()
+        made = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        assert all(np.isfinite(losses))
+        want = {(ps.address, "pstrain.v1.ParameterServerBulk", m): 5
+                for ps in cluster.ps for m in ("Read", "Push")}
+        assert made == want, made
+    finally:
+        ps_pool.close_clients()

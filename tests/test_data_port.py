@@ -20,6 +20,7 @@ from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrateg
 from coordinator import push_gradients
 from psserver.contract import Code
 from psserver import ipc_server, routing, shm, wire
+from psserver import wire_decode
 from psserver.link import frames
 from psserver.link.transport import SocketTransport
 from psserver import methods
@@ -62,7 +63,7 @@ def _make(c: PSClient, name: str = "w") -> np.ndarray:
 def test_data_port_gives_what_grpc_gives(start_ps):
     ps = start_ps("--metrics-port", "0")
     with remote(ps.address) as fast, grpc_only(ps.address) as slow:
-        assert fast.server_info().data_port == data_port_of(ps) > 0
+        assert fast.server_info().host.data_port == data_port_of(ps) > 0
         init = _make(fast)
         table = np.arange(40, dtype=np.float64).reshape(10, 4)
         fast.create_variable("t", initial_value=table, optimizer="sgd",
@@ -202,7 +203,7 @@ def test_a_frame_in_parts_arrives_whole_however_the_kernel_splits_it():
 def test_data_port_off_fixed_or_taken(start_ps):
     off = start_ps("--data-port", "-1")
     with remote(off.address) as c:
-        assert c.server_info().data_port == 0
+        assert c.server_info().host.data_port == 0
         _make(c)
         assert c.push("w", np.ones(N, np.float32)) == 1
         assert c.channel.socket is None and not c.channel.socket is not None
@@ -635,7 +636,7 @@ def test_a_reply_the_receiver_refuses_drops_its_connection_and_the_next_call_wor
 
         def read():
             return client.send(methods.BULK_READ, b"", 30, receiver=lambda recv_into, n:
-                               wire.receive_read_reply(recv_into, n, [("a", dest)])).result()
+                               wire_decode.receive_read_reply(recv_into, n, [("a", dest)])).result()
         got = _raised(read)
         assert isinstance(got, InvalidArgument), got
         assert not client._free   # the connection was dropped

@@ -216,7 +216,7 @@ def test_a_table_that_cannot_be_made_everywhere_is_made_nowhere(cluster):
 
 def test_sum_rows_sums_each_keys_gradient_rows():
     """The worker sums a batch's duplicate keys' gradient rows before sending."""
-    from coordinator.embedding import sum_rows
+    from coordinator.step_calls import sum_rows
     rng = np.random.default_rng(2)
     inverse = rng.integers(0, 7, 50)
     rows = rng.normal(size=(50, 3)).astype(np.float32)
@@ -249,3 +249,68 @@ def test_a_push_reuses_its_look_ups_distinct_keys_only_when_they_are_its_own(clu
     assert t.push_gradient_async(a, minus_one).result() == (3, 0) and sorts == [1]
     rows = t.lookup(np.array([3, 5, 7, 9], np.int64), admit=False)
     np.testing.assert_array_equal(rows[:, 0], [3, 2, 2, 1])
+
+
+class _LosesReplies:
+    """A transport that passes every call on to a real one, but loses the
+    reply of the first ``n`` calls of ``method`` (after the task ran them):
+    they fail with Unavailable, as a connection cut under a call does.
+    ``sent``: the requests of ``method``, as bytes."""
+
+    def __init__(self, inner, method, n: int = 1):
+        self.inner, self.kind, self.method, self.n = inner, inner.kind, method, n
+        self.sent: list[bytes] = []
+
+    def send(self, method, request, timeout, **kw):
+        from psserver import wire
+        from psserver.contract import Unavailable
+        from psserver.link.pending import Pending
+        if method is not self.method:
+            return self.inner.send(method, request, timeout, **kw)
+        self.sent.append(bytes(wire.joined(request)))
+        post, recover = kw.pop("post", None), kw.pop("recover", None)
+        sent = self.inner.send(method, request, timeout, **kw)
+        lose = len(self.sent) <= self.n
+
+        def fetch():
+            reply = sent.result()   # the task ran it
+            if lose:
+                raise Unavailable("the reply was lost on the way [test]")
+            return reply
+        return Pending(fetch, None, post, recover)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_table_update_whose_reply_is_lost_is_resent_with_its_key_and_applied_once(start_ps):
+    """A table update the server applied but whose reply never came back (a
+    connection cut under it) is resent by the caller, the same request with
+    the same update key (coordinator/ps_pool.py, as a variable's push), and
+    the server applies it once: the row moves by one gradient, not two."""
+    from coordinator import ClusterSpec, ps_pool
+    from psserver import methods, routing
+    from psserver.client import PSClient
+    from psserver.link.channel import TaskChannel
+    from psserver.link.transport import SocketTransport
+    ps = start_ps()
+    strategy = ParameterServerStrategy(ClusterSpec(ps=[ps.address], worker=[]))
+    t = strategy.create_embedding_table("once", 2, optimizer="sgd",
+                                        optimizer_params={"learning_rate": 1.0})
+    keys = np.array([3, 9, 3], np.int64)
+    t.lookup(keys)   # made (admitted on the first look-up)
+    with PSClient(ps.address) as c:
+        info = c.server_info()
+    real = SocketTransport(routing.UNIX, ps.address, None, name=info.host.ipc_socket,
+                           identity=f"{info.protocol_version}:{info.server_id}")
+    lossy = _LosesReplies(real, methods.BULK_PUSH)
+    pool = ps_pool.servers()
+    pool.use(ps.address, PSClient(ps.address, channel=TaskChannel(
+        ps.address, transports={"unix": lossy})))
+    try:
+        t.push_gradient(keys, -np.ones((3, 2), np.float32))   # key 3 twice: +2, key 9: +1
+        assert len(lossy.sent) == 2 and lossy.sent[0] == lossy.sent[1]   # resent as it was
+        rows = t.lookup(np.array([3, 9], np.int64), admit=False)
+        np.testing.assert_array_equal(rows, [[2, 2], [1, 1]])   # applied once
+    finally:
+        ps_pool.close_clients()

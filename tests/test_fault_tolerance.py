@@ -14,7 +14,7 @@ from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluste
                          ParameterServerLost, ParameterServerStrategy, batches, read_variables)
 from coordinator import metrics as _metrics
 from coordinator.checkpoint import CheckpointManager
-from coordinator.variables import push_gradients
+from coordinator.step_calls import push_gradients
 from proxy import CuttableProxy, spec_through
 
 pytestmark = pytest.mark.timeout(180)
@@ -217,7 +217,7 @@ import os, sys
 import numpy as np
 from coordinator import ClusterCoordinator, ParameterServerStrategy, TFConfigClusterResolver
 from coordinator.checkpoint import CheckpointManager
-from coordinator.variables import push_gradients
+from coordinator.step_calls import push_gradients
 
 strategy = ParameterServerStrategy(TFConfigClusterResolver(), reuse_existing=True)
 w = strategy.create_variable("w", initial_value=np.zeros(4, np.float32), optimizer="sgd",

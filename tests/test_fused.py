@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from coordinator import step_calls
 from coordinator import ps_pool
 from coordinator import (FixedShardsPartitioner, IndexedSlices, LocalCluster,
                          ParameterServerStrategy, push_gradients, read_variables)
@@ -354,22 +355,22 @@ def test_a_pushs_sort_reuses_the_lookups_only_for_the_same_ids(monkeypatch):
     from psserver import optimizers
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 50, (8, 5))
-    uniq, inverse = V.distinct(ids)
+    uniq, inverse = step_calls.distinct(ids)
     want_u, want_i = np.unique(ids.reshape(-1), return_inverse=True)
     np.testing.assert_array_equal(uniq, want_u)
     np.testing.assert_array_equal(inverse, want_i.reshape(-1))
-    assert V.distinct(np.zeros(0, np.int64))[0].size == 0
+    assert step_calls.distinct(np.zeros(0, np.int64))[0].size == 0
 
     class Table:   # stands for a ShardedVariable: only its identity matters here
         pass
     table, other = Table(), Table()
     flat = ids.reshape(-1)
-    V.distinct(ids, table)
-    order = V._known_order(table, flat.copy())
+    step_calls.distinct(ids, table)
+    order = step_calls.known_order(table, flat.copy())
     np.testing.assert_array_equal(order, np.argsort(flat, kind="stable"))
-    assert V._known_order(other, flat) is None
+    assert step_calls.known_order(other, flat) is None
     ids[0, 0] += 1   # the caller's array changed after the look-up
-    assert V._known_order(table, ids.reshape(-1)) is None
+    assert step_calls.known_order(table, ids.reshape(-1)) is None
 
 
 def _answering(monkeypatch, c: PSClient, reply) -> None:
@@ -416,12 +417,12 @@ def test_rows_of_another_dtype_from_a_server_are_refused_not_cast(cluster, monke
     row shape than the table's are InvalidArgument (they used to be cast)."""
     strategy = ParameterServerStrategy(cluster.spec)
     table = strategy.create_variable("t", initial_value=np.zeros((6, 4), np.float32))
-    real = PSClient.read_and_gather_async
+    real = PSClient.read_all_async
 
     def int_rows(self, *a, **k):
-        return real(self, *a, **k).then(
-            lambda got: (got[0], [(r.astype(np.int64), v) for r, v in got[1]]))
-    monkeypatch.setattr(PSClient, "read_and_gather_async", int_rows)
+        return real(self, *a, **k).then(lambda got: type(got)(
+            got.values, [(r.astype(np.int64), v) for r, v in got.rows], got.tables))
+    monkeypatch.setattr(PSClient, "read_all_async", int_rows)
     with pytest.raises(InvalidArgument, match="sent rows of 't.*as int64"):
         read_variables([table.lookup(np.array([1, 2]))])
 

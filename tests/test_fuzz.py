@@ -324,7 +324,7 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
              methods.RUN_CLOSURE.id: [ps_pb2.ListRequest()], 99: [ps_pb2.ListRequest()]}
     unknown = methods.Method(99, methods.PS, "Nothing", None, None, "nothing")
     if path == "data":
-        port = target.good.server_info().data_port
+        port = target.good.server_info().host.data_port
         make = lambda: SocketTransport(routing.TCP, target.ps.address, TOKEN,   # noqa: E731
                                        tcp=("127.0.0.1", port))
     else:

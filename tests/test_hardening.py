@@ -141,7 +141,7 @@ def test_socket_frames_take_memory_as_bytes_arrive_and_give_it_back(start_ps):
 
     ps = start_ps(env={"PSTRAIN_AUTH_TOKEN": TOKEN})
     with PSClient(ps.address, token=TOKEN) as c:
-        port = c.server_info().data_port
+        port = c.server_info().host.data_port
     before = rss_mib(ps.pid)
     conns = []
     try:

@@ -18,7 +18,7 @@ import pytest
 from coordinator import (ClusterCoordinator, FixedShardsPartitioner, IndexedSlices, LocalCluster,
                          ParameterServerStrategy)
 from coordinator.replica import get_replica_context, replica_scope
-from coordinator.variables import push_gradients, read_variables
+from coordinator.step_calls import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.keys import shard_of
 from psserver.errors import DeadlineExceeded

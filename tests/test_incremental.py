@@ -16,7 +16,7 @@ from coordinator import (FixedShardsPartitioner, LocalCluster, ParameterServerSt
                          push_gradients, read_variables)
 from coordinator.checkpoint import CheckpointError, CheckpointManager
 from coordinator.checkpoint_files import chain_of, load_table, load_variable
-from coordinator.variables import IndexedSlices
+from coordinator.step_calls import IndexedSlices
 from psserver.errors import FailedPrecondition, PSError
 
 pytestmark = pytest.mark.timeout(240)

@@ -20,7 +20,7 @@ import pytest
 from bench import hosts
 from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluster,
                          ParameterServerStrategy)
-from coordinator.variables import push_gradients
+from coordinator.step_calls import push_gradients
 from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV, Unavailable
 from psserver.process import child_env, start_task

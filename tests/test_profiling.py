@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
-from coordinator.variables import push_gradients, read_variables
+from coordinator.step_calls import push_gradients, read_variables
 from psserver import profiling
 from psserver.process import start_task
 

@@ -9,7 +9,7 @@ import pytest
 
 from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
 from coordinator.replica import get_replica_context
-from coordinator.variables import push_gradients, read_variables
+from coordinator.step_calls import push_gradients, read_variables
 from psserver.errors import DeadlineExceeded
 from psserver.store import VariableStore
 from psserver.sync import SyncSpec

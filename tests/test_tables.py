@@ -270,3 +270,107 @@ def test_a_spec_reads_back_as_it_was_sent(spec):
     assert spec_message(spec_of(sent)) == sent
     assert spec_json(spec_of(sent)) == json_format.MessageToJson(sent, indent=None)
     assert spec_of(sent) == spec_of(tables_pb2.TableSpec.FromString(sent.SerializeToString()))
+
+
+# -- look-ups and updates riding the bulk calls (ReadRequest.table_lookups, ...) -----------
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_many_tables_and_pooled_bags_in_one_read_and_one_push(start_ps, route):
+    """A read with a variable, two tables' look-ups (one of them as bags,
+    weighted) and a push with a dense gradient and both tables' gradients
+    (bags spread over their keys): one call each way, the same numbers as
+    the per-table calls give, on every transport."""
+    from psserver.client.results import TableGradient, TableLookup
+    ps = start_ps()
+    with PSClient(ps.address, **ROUTES[route]) as c:
+        c.create_variable("w", initial_value=np.zeros(3, np.float32))
+        for name in ("a", "b"):
+            c.create_table(name, 2, initializer=Initializer("constant", value=1.0),
+                           optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+        c.lookup("a", [1, 2, 3])   # made (min_count 1)
+        c.lookup("b", [5, 6])
+        keys = np.array([5, 6, 5, 6, 6], np.int64)   # bags {5, 6}, {}, {5, 6, 6}
+        offsets = np.array([0, 2, 2, 5], np.int64)
+        weights = np.array([1, 2, 0.5, 1, 1], np.float32)
+        c.update_table("a", [2], np.full((1, 2), -1.0, np.float32))   # a[2] = 2
+        got = c.read_all_async(["w"], (), [
+            TableLookup("a", np.array([[2, 9], [1, 2]], np.int64)),
+            TableLookup("b", keys, offsets=offsets, weights=weights)]).result()
+        np.testing.assert_array_equal(got.values[0].value, np.zeros(3))
+        np.testing.assert_array_equal(got.tables[0][..., 0], [[2, 1], [1, 2]])   # 9: made now
+        np.testing.assert_array_equal(got.tables[1], [[3, 3], [0, 0], [2.5, 2.5]])
+        versions, tables = c.push_all_async(
+            [("w", np.ones(3, np.float32), 1)], (),
+            [TableGradient("a", np.array([1, 9], np.int64), np.ones((2, 2), np.float32), 2),
+             TableGradient("b", keys, np.array([[1, 1], [9, 9], [2, 2]], np.float32), 3,
+                           offsets=offsets, weights=weights)]).result()
+        assert versions == [1] and [t[:2] for t in tables] == [(2, 0), (2, 0)]
+        np.testing.assert_array_equal(c.lookup("a", [1], admit=False), [[0, 0]])
+        # b[5] -= 1*1 + 0.5*2 = 2; b[6] -= 2*1 + 1*2 + 1*2 = 6
+        np.testing.assert_array_equal(c.lookup("b", [5, 6], admit=False), [[-1, -1], [-5, -5]])
+
+
+def test_table_parts_of_the_bulk_calls_are_checked_whole_and_change_nothing(start_ps):
+    """Bad dynamic-table look-ups or updates in a read or push (an unknown
+    table, keys or gradients of the wrong kind, bags that do not add up,
+    counts and bags together) are refused with nothing done: not the other
+    look-ups of the read (which count and admit), not the push's dense
+    update, not the table. The plain services refuse table parts they do
+    not serve."""
+    from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+    from psserver.client.results import TableGradient, TableLookup
+    from psserver.contract import InvalidArgument, NotFound
+    ps = start_ps()
+    keys = np.array([1, 2, 3], np.int64)
+    ok = TableLookup("t", keys)
+    with PSClient(ps.address, shared_memory=False) as c:
+        c.create_variable("w", initial_value=np.zeros(2, np.float32))
+        c.create_table("t", 2, optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+        before = _info(c, "t")
+        bad_reads = {
+            NotFound: [ok, TableLookup("nope", keys)],
+            InvalidArgument: [
+                [ok, TableLookup("t", np.array([1.5]))],
+                [ok, TableLookup("t", keys, counts=np.array([1, 0, 1]))],
+                [ok, TableLookup("t", keys, offsets=np.array([0, 5]))],
+                [ok, TableLookup("t", keys, offsets=np.array([0, 2, 1, 3]))],
+                [ok, TableLookup("t", keys, weights=np.ones(3, np.float32))],
+                [ok, TableLookup("t", keys, counts=np.ones(3, np.int64),
+                                 offsets=np.array([0, 3]))],
+                [ok, TableLookup("t", keys, offsets=np.array([0, 3]),
+                                 weights=np.array([1, np.nan, 1], np.float32))]],
+        }
+        for error, cases in bad_reads.items():
+            for tables in ([cases] if error is NotFound else cases):
+                with pytest.raises(error):
+                    c.read_all_async(["w"], (), tables).result()
+                assert _info(c, "t") == before, tables
+        dense = [("w", np.ones(2, np.float32), 7)]
+        good = TableGradient("t", keys, np.ones((3, 2), np.float32), 8)
+        for bad in (TableGradient("nope", keys, np.ones((3, 2), np.float32), 9),
+                    TableGradient("t", keys, np.ones((3, 3), np.float32), 9),
+                    TableGradient("t", keys, np.full((3, 2), np.inf, np.float32), 9),
+                    TableGradient("t", keys.reshape(3, 1), np.ones((3, 2), np.float32), 9),
+                    TableGradient("t", keys, np.ones((1, 2), np.float32), 9,
+                                  offsets=np.array([0, 2])),
+                    TableGradient("t", keys, np.ones((2, 2), np.float32), 9,
+                                  offsets=np.array([0, 2, 3])),   # 3 keys, 2 bags: grads fit
+                    TableGradient("t", keys, np.ones((3, 2), np.float32), 9,
+                                  weights=np.ones(3, np.float32))):
+            if bad.offsets is not None and bad.grads.shape[0] == 2:   # (a good one: skip)
+                continue
+            with pytest.raises((InvalidArgument, NotFound)):
+                c.push_all_async(dense, (), [good, bad]).result()
+            assert c.get_meta("w").version == 0 and _info(c, "t") == before, bad
+    with grpc.insecure_channel(ps.address) as ch:   # the plain services do not serve them
+        plain = ps_pb2_grpc.ParameterServerStub(ch)
+        req = ps_pb2.ReadRequest(names=["w"], table_lookups=[ps_pb2.TableLookup(name="t")])
+        for call in (plain.Read, lambda r, timeout: list(plain.ReadStream(r, timeout=timeout))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            plain.Push(ps_pb2.PushRequest(table_updates=[ps_pb2.TableGradient(name="t")]),
+                       timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with PSClient(ps.address) as c:
+        assert _info(c, "t") == before and c.get_meta("w").version == 0

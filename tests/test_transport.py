@@ -15,6 +15,7 @@ import pytest
 
 from protos.pstrain.v1 import ps_pb2
 from psserver import methods, routing, wire
+from psserver import wire_decode
 from psserver import tensor as T
 from psserver.client import PSClient
 from psserver.contract import (TOKEN_ENV, DeadlineExceeded, InvalidArgument, NotFound, NotSent,
@@ -117,7 +118,7 @@ def test_the_same_replies_and_typed_errors_on_every_transport(transport):
     into = np.zeros((6, 2), np.float32)
     values = transport.call(
         methods.BULK_READ, ps_pb2.ReadRequest(names=["t"]), 10.0,
-        receiver=lambda recv_into, n: wire.receive_read_reply(recv_into, n, [("t", into)]))
+        receiver=lambda recv_into, n: wire_decode.receive_read_reply(recv_into, n, [("t", into)]))
     assert values[0][1] == 1 and values[0][2] is into
     np.testing.assert_array_equal(into, TABLE - 1)
 

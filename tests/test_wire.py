@@ -7,6 +7,7 @@ import pytest
 
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
 from psserver import wire
+from psserver import wire_decode
 from psserver.client import PSClient
 from psserver.errors import InvalidArgument
 
@@ -22,7 +23,7 @@ def test_read_reply_matches_the_generated_code_both_ways():
         assert (v.name, v.version, v.value.dtype, tuple(v.value.shape)) == (
             name, version, a.dtype.name, a.shape)
         assert v.value.data == a.tobytes()
-    for (name, version, a), (n2, v2, b) in zip(values, wire.decode_read_reply(
+    for (name, version, a), (n2, v2, b) in zip(values, wire_decode.decode_read_reply(
             parsed.SerializeToString())):
         assert (name, version) == (n2, v2)
         np.testing.assert_array_equal(a, b)
@@ -34,7 +35,7 @@ def test_push_request_matches_the_generated_code_both_ways():
     parsed = ps_pb2.PushRequest.FromString(raw)
     assert [(u.name, u.update_id) for u in parsed.updates] == [("a", 99), ("b", 0)]
     assert parsed.sync.step == 4
-    updates, sync_back, sparse = wire.decode_push_request(parsed.SerializeToString())
+    updates, sync_back, sparse = wire_decode.decode_push_request(parsed.SerializeToString())[:3]
     assert sparse == []
     assert [(n, uid) for n, _, uid in updates] == [("a", 99), ("b", 0)]
     np.testing.assert_array_equal(updates[0][1], ARRAYS[0])
@@ -44,7 +45,7 @@ def test_push_request_matches_the_generated_code_both_ways():
 @pytest.mark.parametrize("raw", [b"\x0a\x05ab", b"\x0a\x80", b"\x0a\x04\x12\x02\x0a\x00"])
 def test_malformed_bytes_are_invalid_argument(raw):
     with pytest.raises(InvalidArgument):
-        updates, _, _ = wire.decode_push_request(raw)
+        updates, _, _, _ = wire_decode.decode_push_request(raw)
         for _, arr, _ in updates:
             assert arr is not None
 
@@ -95,7 +96,7 @@ def test_tensor_data_starts_aligned_whatever_precedes_it():
                         rng.choice([0, 1, 2**63 - 1, 300])))
         raw = wire.encode_push_request(
             ups, ps_pb2.SyncInfo(step=rng.randint(0, 1 << 40)).SerializeToString())
-        got, _, _ = wire.decode_push_request(raw)
+        got, _, _, _ = wire_decode.decode_push_request(raw)
         generated = ps_pb2.PushRequest.FromString(raw)   # the padding is skipped
         for (n, a, u), (n2, a2, u2), g in zip(ups, got, generated.updates):
             assert (n2, u2, g.name, g.update_id) == (n, u, n, u)
@@ -104,7 +105,7 @@ def test_tensor_data_starts_aligned_whatever_precedes_it():
             assert a2.flags.aligned
             assert a.size == 0 or (a2.ctypes.data - base) % wire.ALIGN == 0
         raw = wire.encode_read_reply([(n, u, a) for n, a, u in ups])
-        for (n, a, u), (n2, u2, a2) in zip(ups, wire.decode_read_reply(raw)):
+        for (n, a, u), (n2, u2, a2) in zip(ups, wire_decode.decode_read_reply(raw)):
             assert (n2, u2) == (n, u) and a2.flags.aligned
             np.testing.assert_array_equal(a2, a)
 
@@ -130,13 +131,17 @@ def _protobuf_view(raw: bytes):
                      if m.HasField("sync") else None), [
         (u.name, tensor(u, "ids"), tensor(u, "values"), u.update_id,
          u.sync.SerializeToString(deterministic=True) if u.HasField("sync") else None)
-        for u in m.sparse]
+        for u in m.sparse], [
+        (u.name, tensor(u, "keys"), tensor(u, "grads"), tensor(u, "offsets"),
+         tensor(u, "weights"), u.update_id,
+         u.sync.SerializeToString(deterministic=True) if u.HasField("sync") else None)
+        for u in m.table_updates]
 
 
 def _hand_view(raw: bytes):
     """What psserver/wire.py reads (None: it refuses), the same way."""
     try:
-        updates, sync, buf, sparse = wire.parse_push_request(raw)
+        updates, sync, buf, sparse, tables = wire_decode.parse_push_request(raw)
         sync = None if sync is None else ps_pb2.SyncInfo.FromString(sync).SerializeToString(
             deterministic=True)
     except (InvalidArgument, DecodeError):
@@ -149,9 +154,12 @@ def _hand_view(raw: bytes):
         sparse = [(name, tensor(i), tensor(v), uid, None if own is None else
                    ps_pb2.SyncInfo.FromString(own).SerializeToString(deterministic=True))
                   for name, _, i, _, v, uid, own in sparse]
+        tables = [(name, *(tensor(t[f][1]) for f in (2, 3, 6, 7)), uid, None if own is None
+                   else ps_pb2.SyncInfo.FromString(own).SerializeToString(deterministic=True))
+                  for name, t, uid, own in tables]
     except DecodeError:
         return None
-    return out, sync, sparse
+    return out, sync, sparse, tables
 
 
 def _valid_push(draw) -> bytes:
@@ -173,6 +181,17 @@ def _valid_push(draw) -> bytes:
         u.values.data = draw(st.binary(max_size=16))
         if draw(st.booleans()):
             u.sync.step = draw(st.integers(0, 9))
+    for _ in range(draw(st.integers(0, 2))):   # dynamic-table updates (table_updates)
+        u = m.table_updates.add(name=draw(st.text(max_size=4)),
+                                update_id=draw(st.integers(0, 2**64 - 1)))
+        for field in ("keys", "grads", "offsets", "weights"):
+            if draw(st.booleans()):
+                t = getattr(u, field)
+                t.dtype = draw(st.sampled_from(["int64", "float32", "x"]))
+                t.shape.extend(draw(st.lists(st.integers(0, 3), max_size=2)))
+                t.data = draw(st.binary(max_size=16))
+        if draw(st.booleans()):
+            u.sync.step = draw(st.integers(0, 9))
     if draw(st.booleans()):
         m.sync.CopyFrom(ps_pb2.SyncInfo(step=draw(st.integers(-5, 2**40)),
                                         replica=draw(st.integers(-3, 3)),
@@ -192,7 +211,12 @@ def _valid_push(draw) -> bytes:
         raw += wire.encode_push_request(
             [(draw(st.text(max_size=4)), arr, draw(st.integers(0, 9)))],
             sparse=[(draw(st.text(max_size=3)), ids, np.ones((ids.size, 2), np.float32),
-                     draw(st.integers(0, 2**64 - 1)))] if draw(st.booleans()) else ())
+                     draw(st.integers(0, 2**64 - 1)))] if draw(st.booleans()) else (),
+            tables=[(draw(st.text(max_size=3)), ids, np.ones((ids.size, 2), np.float32),
+                     draw(st.integers(0, 2**64 - 1)),
+                     ps_pb2.SyncInfo(step=3).SerializeToString() if draw(st.booleans())
+                     else None, np.array([0, ids.size], np.int64) if draw(st.booleans())
+                     else None, None)] if draw(st.booleans()) else ())
     return raw
 
 
@@ -285,6 +309,11 @@ def _valid_reply(draw) -> bytes:
         raw += wire.encode_read_reply([], gathered=[(version, rows)]) if draw(st.booleans()) \
             else ps_pb2.ReadReply(gathered=[ps_pb2.GatherReply(version=version, rows=ps_pb2.Tensor(
                 dtype="float32", shape=rows.shape, data=rows.tobytes()))]).SerializeToString()
+    for _ in range(draw(st.integers(0, 2))):   # dynamic-table rows (ReadReply.table_rows)
+        rows = np.arange(draw(st.sampled_from([0, 4, 1200])), dtype=np.float32).reshape(-1, 4)
+        raw += wire.encode_read_reply([], table_rows=[rows]) if draw(st.booleans()) \
+            else ps_pb2.ReadReply(table_rows=[ps_pb2.TableRows(rows=ps_pb2.Tensor(
+                dtype="float32", shape=rows.shape, data=rows.tobytes()))]).SerializeToString()
     return raw
 
 
@@ -293,7 +322,7 @@ def _mutated_reply(draw) -> bytes:
     return _mutated(draw, _valid_reply(draw), 3, ["flip", "insert", "delete", "truncate"])
 
 
-def _receive(raw: bytes, want, want_rows=()):
+def _receive(raw: bytes, want, want_rows=(), want_tables=()):
     """receive_read_reply over raw as a socket would give it; then whether
     every byte was taken (no more, no fewer)."""
     pos = 0
@@ -304,7 +333,7 @@ def _receive(raw: bytes, want, want_rows=()):
             raise AssertionError("asked for bytes past the reply's end")
         view[:] = raw[pos:pos + len(view)]
         pos += len(view)
-    out = wire.receive_read_reply(recv_into, len(raw), want, want_rows)
+    out = wire_decode.receive_read_reply(recv_into, len(raw), want, want_rows, want_tables)
     return out, pos == len(raw)
 
 
@@ -312,7 +341,9 @@ def _seen(values):
     return [(n, v, None if a is None else (a.dtype.str, a.shape, a.tobytes()))
             for n, v, a in values] + [
         ("gathered", v, None if a is None else (a.dtype.str, a.shape, a.tobytes()))
-        for v, a in values.gathered]
+        for v, a in values.gathered] + [
+        ("table", 0, None if a is None else (a.dtype.str, a.shape, a.tobytes()))
+        for a in values.tables]
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -323,19 +354,20 @@ def test_a_reply_received_value_by_value_reads_as_the_whole_reply_decoded(raw, d
     values, having taken exactly the reply's bytes; a value lands in the
     array offered for it when that array fits (dtype, shape), else in a new one."""
     try:
-        expected = _seen(wire.decode_read_reply(raw))
+        expected = _seen(wire_decode.decode_read_reply(raw))
     except InvalidArgument:
         expected = None
     try:
-        peek = wire.decode_read_reply(raw)
+        peek = wire_decode.decode_read_reply(raw)
     except InvalidArgument:
-        peek = wire.ReadValues()
+        peek = wire_decode.ReadValues()
     want, good = [], []
-    # the arrays offered: for each value (by name), then each looked-up rows
-    for name, _, a in [*peek, *((None, v, a) for v, a in peek.gathered)]:
+    # the arrays offered: for each value (by name), then each looked-up rows, each table's
+    for name, _, a in [*peek, *((None, v, a) for v, a in peek.gathered),
+                       *(("~table", 0, a) for a in peek.tables)]:
         kind = data.draw(st.sampled_from(["fits", "strided", "read-only", "other name",
                                           "other dtype", "none"])) if a is not None else "none"
-        if name is None and kind == "other name":
+        if (name is None or name == "~table") and kind == "other name":
             kind = "fits"   # rows are offered by position, not name
         dest = None
         if kind in ("fits", "read-only", "other name"):
@@ -350,15 +382,17 @@ def test_a_reply_received_value_by_value_reads_as_the_whole_reply_decoded(raw, d
         want.append((None if name is None else name + "x" if kind == "other name" else name,
                      dest))
         good.append(kind == "fits")
-    values = [w for w in want if w[0] is not None]
+    values = [w for w in want if w[0] not in (None, "~table")]
     rows = [dest for name, dest in want if name is None]
+    tables = [dest for name, dest in want if name == "~table"]
     if expected is None:
         with pytest.raises(InvalidArgument):
-            _receive(raw, values, rows)
+            _receive(raw, values, rows, tables)
         return
-    got, whole = _receive(raw, values, rows)
+    got, whole = _receive(raw, values, rows, tables)
     assert whole and _seen(got) == expected
-    for (_, dest), ok, a in zip(want, good, [a for *_, a in [*got, *got.gathered]]):
+    for (_, dest), ok, a in zip(want, good, [a for *_, a in [*got, *got.gathered]]
+                                + list(got.tables)):
         if dest is not None:
             assert (a is dest) == ok   # lands in the array offered only when it fits
             assert ok or (dest == 9).all()   # any other offered array: untouched
@@ -378,7 +412,7 @@ def test_a_large_value_is_received_straight_into_its_array():
         asks.append((len(view), np.shares_memory(np.frombuffer(view, np.uint8), dest)))
         view[:] = raw[pos:pos + len(view)]
         pos += len(view)
-    got = wire.receive_read_reply(recv_into, len(raw), [("a", dest), ("b", None)])
+    got = wire_decode.receive_read_reply(recv_into, len(raw), [("a", dest), ("b", None)])
     assert got[0][2] is dest and got[0][:2] == ("a", 3)
     np.testing.assert_array_equal(dest, arrs[0])
     np.testing.assert_array_equal(got[1][2], arrs[1])
@@ -402,7 +436,7 @@ def test_a_value_with_a_long_header_is_received_whole_and_still_lands_in_its_arr
         start = sum(asks)
         asks.append(len(view))
         view[:] = raw[start:start + len(view)]
-    got = wire.receive_read_reply(recv_into, len(raw), [(name, dest)])
+    got = wire_decode.receive_read_reply(recv_into, len(raw), [(name, dest)])
     assert got[0][2] is dest and got[0][:2] == (name, 1)
     np.testing.assert_array_equal(dest, arr)
     assert sum(asks) == len(raw) and len(asks) <= 8
@@ -435,7 +469,7 @@ def test_a_reply_claiming_a_gigabyte_holds_memory_only_for_what_arrived():
     tracemalloc.start()
     try:
         with pytest.raises(socket.timeout):
-            wire.receive_read_reply(lambda v: next(calls, recv_into)(v),
+            wire_decode.receive_read_reply(lambda v: next(calls, recv_into)(v),
                                     len(head) + claimed, [])
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -480,11 +514,11 @@ def test_a_read_reply_value_without_its_tensor_is_invalid_argument():
     servers send): the client refuses it with InvalidArgument, whatever the
     read asked for (float16 reads, which remember no size, included)."""
     raw = wire._len_field(1, 3) + b"\x0a\x01a"   # VariableValue{name: "a"}, no value
-    assert wire.decode_read_reply(raw) == [("a", 0, None)]
+    assert wire_decode.decode_read_reply(raw) == [("a", 0, None)]
     c = PSClient("127.0.0.1:1")
     try:
         for remember in (True, False):
             with pytest.raises(InvalidArgument, match="no tensor"):
-                c._snapshots(wire.decode_read_reply(raw), remember)
+                c._snapshots(wire_decode.decode_read_reply(raw), remember)
     finally:
         c.close()

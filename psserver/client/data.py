@@ -28,12 +28,13 @@ from typing import Sequence
 
 import numpy as np
 
-from protos.pstrain.v1 import ps_pb2, tables_pb2
-from psserver import buffers, methods, routing, wire
+from protos.pstrain.v1 import ps_pb2
+from psserver import buffers, methods, routing, wire, wire_decode
 from psserver import tensor as T
+from psserver.client import large
 from psserver.client.admin import PSAdmin
-from psserver.client.results import (Snapshot, as_ids, filled, halved, set_sync, set_sync_read,
-                                     sync_info)
+from psserver.client.results import (Snapshot, StepRead, TableGradient, TableLookup, as_ids,
+                                     filled, halved, set_sync, set_sync_read, sync_info)
 from psserver.client.segments import SegmentPath
 from psserver.contract import Code, InvalidArgument, PSError, SyncSpec
 from psserver.link.pending import Pending, gathered
@@ -132,7 +133,7 @@ class PSClient(PSAdmin):
             f = routing.form(routing.READ, known, self.channel.plan, self.limits,
                              segments=False)
         if f == STREAM:
-            return background(self._read_stream, names, sync_step, value_dtype, out)
+            return background(large.read_stream, self, names, sync_step, value_dtype, out)
         return self._read_bulk(names, sync_step, out, value_dtype, f == FRAME)
 
     def _read_bulk(self, names: list[str], sync_step, out, value_dtype: str,
@@ -146,7 +147,7 @@ class PSClient(PSAdmin):
         want = list(zip(names, out if out is not None else [None] * len(names)))
 
         def receive(recv_into, n):
-            return wire.receive_read_reply(recv_into, n, want)
+            return wire_decode.receive_read_reply(recv_into, n, want)
 
         def post(values):   # values read as float16 are not the variables' sizes
             snaps = self._snapshots(values, not half)
@@ -154,36 +155,10 @@ class PSClient(PSAdmin):
 
         def recover(exc: PSError):   # larger than one call carries: stream it
             if exc.code == Code.RESOURCE_EXHAUSTED:
-                return self._read_stream(names, sync_step, value_dtype, out)
+                return large.read_stream(self, names, sync_step, value_dtype, out)
             raise exc
         return self.channel.send(methods.BULK_READ, req, post=post, recover=recover,
                                  receiver=receive)
-
-    def _read_stream(self, names: Sequence[str], sync_step: int | None, value_dtype: str,
-                     out=None) -> list[Snapshot]:
-        req = ps_pb2.ReadRequest(names=names, value_dtype=value_dtype)
-        set_sync_read(req, sync_step)
-        total = self._sizes.known(names) or 0
-        got: list[Snapshot] = []
-        buf = fill = cur = None
-        for f in self.channel.read_stream(req, _stream_timeout(self.timeout, total)):
-            if f.HasField("value"):
-                v = f.value
-                dt, shape, n = T.spec(v.value)
-                buf = np.empty(n, np.uint8)
-                fill = len(v.value.data)
-                buf[:fill] = np.frombuffer(v.value.data, np.uint8)
-                cur = (v.name, v.version, dt, shape)
-            else:
-                k = len(f.chunk)
-                buf[fill:fill + k] = np.frombuffer(f.chunk, np.uint8)
-                fill += k
-            if fill == buf.size:
-                name, version, dt, shape = cur
-                got.append(Snapshot(name, version, buf.view(dt).reshape(shape)))
-                if not value_dtype:   # float16 values are not the variable's size
-                    self._sizes.remember(name, buf.size, shape)
-        return filled(got, out) if out is not None else got
 
     def read_many(self, names: Sequence[str], *, sync_step: int | None = None,
                   out: Sequence[np.ndarray | None] | None = None,
@@ -220,7 +195,27 @@ class PSClient(PSAdmin):
         ``rows_out``: an array per gather (or None) of the rows' dtype and
         shape (C-contiguous, writable) that rows received from another host
         land in (returned as its rows); elsewhere they are new arrays."""
-        names = list(names)
+        return self.read_all_async(names, gathers, sync_step=sync_step,
+                                   rows_out=rows_out).then(_values_and_rows)
+
+    def read_and_gather(self, names, gathers, *, sync_step: int | None = None,
+                        rows_out=None):
+        return self.read_and_gather_async(names, gathers, sync_step=sync_step,
+                                          rows_out=rows_out).result()
+
+    def read_all_async(self, names: Sequence[str] = (),
+                       gathers: Sequence[tuple[str, object]] = (),
+                       tables: Sequence[TableLookup] = (), *, sync_step: int | None = None,
+                       rows_out: Sequence[np.ndarray | None] | None = None,
+                       tables_out: Sequence[np.ndarray | None] | None = None) -> Pending:
+        """A step's reads from this server in one call: variables' values,
+        rows of others by id (as read_and_gather) and dynamic-table look-ups
+        (TableLookup each: rows keys.shape + (dim,), or a bag's pooled row
+        each); a StepRead. ``tables_out``: an array per look-up (or None)
+        its rows land in, as ``rows_out``. On this host the values come
+        straight from the server's memory where they can (the rest in one
+        call); where one reply would not carry it all, separate calls."""
+        names, tables = list(names), list(tables)
         shaped = [(name, as_ids(ids, "gather")) for name, ids in gathers]
         flat = [(name, ids.reshape(-1)) for name, ids in shaped]
         plan, sync = self.channel.plan, sync_step is not None
@@ -230,27 +225,31 @@ class PSClient(PSAdmin):
             direct = self._segments.direct(names, None)
             if direct is not None:
                 direct, names = self._snapshots(direct), []
-        if not flat and direct is not None:
-            return Pending.of((direct, []))
+        if not flat and not tables and direct is not None:
+            return Pending.of(StepRead(direct, [], []))
         known = self._known(names, learn=True)
         rows = [self._row_bytes(name) for name, _ in flat]
-        nbytes = known + sum(ids.size * r for (_, ids), r in zip(flat, rows))
-        f = routing.form(routing.GATHER, nbytes, plan, self.limits)
+        nbytes = known + sum(ids.size * r for (_, ids), r in zip(flat, rows)) + sum(
+            t.nbytes for t in tables)
+        # (dynamic tables take no segment: with them, one socket frame)
+        f = routing.form(routing.TABLE if tables else routing.GATHER, nbytes, plan, self.limits)
 
         def shaped_rows(result):
-            snaps, got = result
-            return direct or snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
-                                     for (r, v), (_, ids) in zip(got, shaped)]
+            snaps, got, table_rows = result
+            return StepRead(direct or snaps, [(r.reshape(ids.shape + r.shape[1:]), v)
+                                              for (r, v), (_, ids) in zip(got, shaped)],
+                            table_rows)
 
         def separate(exc=None):   # the calls one by one, blocking
             snaps = self.read_many(names, sync_step=sync_step) if names else []
-            return snaps, [self._gather_split(name, ids, sync_step) for name, ids in flat]
+            return (snaps, [large.gather_split(self, name, ids, sync_step) for name, ids in flat],
+                    [large.lookup_split(self, t) for t in tables])
         if f == SEGMENT:
             sent = self._segments.read(names, [self._sizes.nbytes[n] for n in names], sync_step,
                                        [(n, ids, r) for (n, ids), r in zip(flat, rows)], None,
                                        separate, self._snapshots)
             if sent is not None:
-                return sent.then(shaped_rows)
+                return sent.then(_with_no_tables).then(shaped_rows)
             f = routing.form(routing.GATHER, nbytes, self.channel.plan, self.limits,
                              segments=False)
         if f == STREAM:
@@ -260,34 +259,37 @@ class PSClient(PSAdmin):
                                                              self.limits.message_bytes))
         for name, ids in flat:
             T.fill(req.gathers.add(name=name).ids, ids)
+        for t in tables:
+            t.fill(req.table_lookups.add())
         set_sync_read(req, sync_step)
         want = [(name, None) for name in names]
 
         def receive(recv_into, n):
-            return wire.receive_read_reply(recv_into, n, want, rows_out or ())
+            return wire_decode.receive_read_reply(recv_into, n, want, rows_out or (),
+                                                  tables_out or ())
 
         def post(got):
-            if len(got.gathered) != len(flat):
-                raise InvalidArgument(f"the read reply has {len(got.gathered)} looked-up rows "
-                                      f"for {len(flat)} look-ups [{self.address}]")
+            if len(got.gathered) != len(flat) or len(got.tables) != len(tables):
+                raise InvalidArgument(
+                    f"the read reply has {len(got.gathered)} looked-up rows for {len(flat)} "
+                    f"look-ups and {len(got.tables)} table rows for {len(tables)} "
+                    f"[{self.address}]")
             for (name, ids), (_, r) in zip(flat, got.gathered):
                 if r is None or r.ndim < 1 or r.shape[0] != ids.size:
                     raise InvalidArgument(
                         f"the read reply's rows of {name!r} are not {ids.size} rows (got "
                         f"{None if r is None else r.shape}) [{self.address}]")
-            return shaped_rows((self._snapshots(got), [(r, v) for v, r in got.gathered]))
+            for t, r in zip(tables, got.tables):
+                _check_table_rows(t, r, self.address)
+            return shaped_rows((self._snapshots(got), [(r, v) for v, r in got.gathered],
+                                got.tables))
 
-        def recover(exc: PSError):   # larger than one reply carries
-            if exc.code == Code.RESOURCE_EXHAUSTED:
+        def recover(exc: PSError):   # larger than one reply carries: split (where it can)
+            if exc.code == Code.RESOURCE_EXHAUSTED and all(t.row_bytes > 0 for t in tables):
                 return shaped_rows(separate())
-            raise exc
+            raise exc   # (or the server's memory is full: a table's new rows)
         return self.channel.send(methods.BULK_READ, req, post=post, recover=recover,
                                  receiver=receive)
-
-    def read_and_gather(self, names, gathers, *, sync_step: int | None = None,
-                        rows_out=None):
-        return self.read_and_gather_async(names, gathers, sync_step=sync_step,
-                                          rows_out=rows_out).result()
 
     def _row_bytes(self, name: str) -> int:
         """Bytes of one row of ``name`` (asks the server the first time)."""
@@ -296,23 +298,6 @@ class PSClient(PSAdmin):
             self.get_meta(name)
             b = self._sizes.row_bytes(name) or 0
         return b
-
-    def _gather_split(self, name: str, ids: np.ndarray, sync_step: int | None):
-        """A gather as calls of one message each (each one consistent):
-        (rows, the oldest piece's version)."""
-        meta = self.get_meta(name)
-        row_bytes = max(1, meta.nbytes // meta.shape[0]) if meta.shape and meta.shape[0] else 1
-        per_call = max(1, self.limits.message_bytes // row_bytes)
-        sent = []
-        for i in range(0, ids.size, per_call):
-            req = ps_pb2.GatherRequest(name=name)
-            T.fill(req.ids, ids[i:i + per_call])
-            set_sync_read(req, sync_step)
-            sent.append(self.channel.send(methods.GATHER, req, post=_gathered_rows))
-        parts = [p.result() for p in sent]
-        rows = np.concatenate([p[0] for p in parts]) if parts else np.empty(
-            (0,) + meta.shape[1:], meta.dtype)
-        return rows, min((p[1] for p in parts), default=meta.version)
 
     # -- updates -------------------------------------------------------------
     def push_many_async(self, grads, *, sync: SyncSpec | None = None) -> Pending:
@@ -347,7 +332,18 @@ class PSClient(PSAdmin):
                               sync: SyncSpec | None = None) -> list[int]:
         return self._push(dense, sparse, sync).result()
 
-    def _push(self, grads, sparse, sync: SyncSpec | None) -> Pending:
+    def push_all_async(self, dense=(), sparse: Sequence[tuple] = (),
+                       tables: Sequence[TableGradient] = (), *,
+                       sync: SyncSpec | None = None) -> Pending:
+        """A step's pushes to this server in one call: dense gradients and
+        row-wise ones (as push_dense_and_sparse) and dynamic-table gradients
+        (TableGradient each); ``result()`` is (versions of the dense, then the
+        row-wise updates, [(rows updated, gradient rows dropped, the shard's
+        step, late)] of the table updates). Validated in full before
+        anything is applied; each update applies once per update key."""
+        return self._push(dense, sparse, sync, list(tables))
+
+    def _push(self, grads, sparse, sync: SyncSpec | None, tables=None) -> Pending:
         dense, nbytes = [], 0
         for item in (grads.items() if isinstance(grads, dict) else grads):
             a = item[1]
@@ -359,63 +355,59 @@ class PSClient(PSAdmin):
             sparse = [(name, as_ids(ids, "sparse push").reshape(-1), np.asarray(rows), uid)
                       for name, ids, rows, uid in sparse]
             if sync is not None:   # a sync row-wise gradient goes on its own
-                return gathered([self._push(dense, (), sync)] + [
+                return gathered([self._push(dense, (), sync, tables)] + [
                     self.push_sparse_async(name, ids, rows, sync=sync, update_id=uid)
-                    for name, ids, rows, uid in sparse], _joined)
+                    for name, ids, rows, uid in sparse],
+                    _joined if tables is None else _joined_with_tables)
             for _, ids, rows, _ in sparse:
                 nbytes += ids.nbytes + rows.nbytes
         ch = self.channel
-        f = routing.form(routing.PUSH, nbytes, ch.current or ch.plan, self.limits)
+        if tables:   # (dynamic tables take no segment: with them, one socket frame)
+            nbytes += sum(t.nbytes for t in tables)
+            f = routing.form(routing.TABLE, nbytes, ch.current or ch.plan, self.limits)
+        else:
+            f = routing.form(routing.PUSH, nbytes, ch.current or ch.plan, self.limits)
         if f == SEGMENT:
             sent = self._segments.push(dense, sync, sparse, lambda exc: self._push_bulk(
-                dense, sparse, sync, self._unsegmented(nbytes), nbytes).result())
+                dense, sparse, sync, self._unsegmented(nbytes), nbytes, tables).result())
             if sent is not None:
-                return sent
+                return sent if tables is None else sent.then(_with_no_table_counts)
             f = self._unsegmented(nbytes)
-        return self._push_bulk(dense, sparse, sync, f, nbytes)
+        return self._push_bulk(dense, sparse, sync, f, nbytes, tables)
 
     def _unsegmented(self, nbytes: int) -> str:
         """A push's form without shared memory (made again without its segment)."""
         return routing.form(routing.PUSH, nbytes, self.channel.plan, self.limits,
                             segments=False)
 
-    def _push_bulk(self, dense, sparse, sync: SyncSpec | None, f: str, nbytes: int) -> Pending:
+    def _push_bulk(self, dense, sparse, sync: SyncSpec | None, f: str, nbytes: int,
+                   tables=None) -> Pending:
         """ParameterServerBulk.Push (framed by hand: over a socket, large
         gradients sent from their arrays, small ones framed in a pooled
-        buffer), or its streamed form."""
+        buffer), or its streamed form. ``tables`` (None: none asked for):
+        the result is (versions, table results)."""
         if f == STREAM:
-            return background(self._push_streamed, dense, sparse, sync)
-        into = (wire.SCATTER if nbytes >= SCATTER_BYTES or sparse else buffers.take) \
+            return background(large.push_streamed, self, dense, sparse, sync, tables)
+        into = (wire.SCATTER if nbytes >= SCATTER_BYTES or sparse or tables else buffers.take) \
             if f == FRAME else None
         raw = wire.encode_push_request(
             dense, b"" if sync is None else sync_info(sync).SerializeToString(), into,
-            sparse=sparse)
-        if not sparse:
+            sparse=sparse, tables=[t.framed() for t in tables] if tables else ())
+        if not sparse and tables is None:
             return self.channel.send(methods.BULK_PUSH, raw, post=_versions)
-        want = len(dense) + len(sparse)
+        want, n_tables = len(dense) + len(sparse), len(tables or ())
 
         def versions(reply):
-            if len(reply.versions) != want:
+            if len(reply.versions) != want or len(reply.tables) != n_tables:
                 raise InvalidArgument(
                     f"the push reply has {len(reply.versions)} versions for {len(dense)} dense "
-                    f"and {len(sparse)} row-wise updates [{self.address}]")
-            return list(reply.versions)
+                    f"and {len(sparse)} row-wise updates, and {len(reply.tables)} table "
+                    f"results for {n_tables} [{self.address}]")
+            if tables is None:
+                return list(reply.versions)
+            return list(reply.versions), [(t.updated, t.dropped, t.step, t.late)
+                                          for t in reply.tables]
         return self.channel.send(methods.BULK_PUSH, raw, post=versions)
-
-    def _push_streamed(self, dense, sparse, sync: SyncSpec | None) -> list[int]:
-        """Gradients too large for one call: the dense ones in Upload's frames,
-        then each row-wise one."""
-        out = []
-        if dense:
-            req = ps_pb2.PushRequest()
-            set_sync(req, sync)
-            for name, a, uid in dense:
-                T.fill(req.updates.add(name=name, update_id=uid).tensor, a, with_data=False)
-            out = list(self.channel.upload("push", req, [a for _, a, _ in dense],
-                                           _stream_timeout(self.timeout, sum(
-                                               a.nbytes for _, a, _ in dense))).updated.versions)
-        return out + [self.push_sparse(name, ids, rows, sync=sync, update_id=uid)
-                      for name, ids, rows, uid in sparse]
 
     def push_sparse_async(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
                           update_id: int = 0) -> Pending:
@@ -433,7 +425,7 @@ class PSClient(PSAdmin):
         T.fill(req.values, rows, with_data=False)
         return background(lambda: self.channel.upload(
             "push_sparse", req, [ids, rows],
-            _stream_timeout(self.timeout, ids.nbytes + rows.nbytes)).updated.versions[0])
+            large.stream_timeout(self.timeout, ids.nbytes + rows.nbytes)).updated.versions[0])
 
     def push_sparse(self, name: str, ids, rows, *, sync: SyncSpec | None = None,
                     update_id: int = 0) -> int:
@@ -450,13 +442,11 @@ class PSClient(PSAdmin):
         nothing is counted, created or evicted. ``counts``: how often each
         key occurs in the caller's batch (it sends unique keys).
         ``sync_step`` (sync mode): first wait while an earlier step's
-        updates are being gathered on the shard."""
-        req = tables_pb2.LookupRequest(name=name, no_admit=not admit)
-        T.fill(req.keys, _keys(keys))
-        if counts is not None:
-            T.fill(req.counts, np.asarray(counts))
-        set_sync_read(req, sync_step)
-        return self.channel.send(methods.TABLE_LOOKUP, req, post=_table_rows)
+        updates are being gathered on the shard. (A look-up of several
+        tables, or of bags, in one call: read_all_async.)"""
+        return self.read_all_async(tables=[TableLookup(
+            name, _keys(keys), None if counts is None else np.asarray(counts), admit,
+            sync_step=sync_step)]).then(_first_table)
 
     def lookup(self, name: str, keys, *, admit: bool = True, counts=None,
                sync_step: int | None = None) -> np.ndarray:
@@ -471,12 +461,10 @@ class PSClient(PSAdmin):
         is sent (a resend answers (0, 0)). ``sync`` (sync mode): this
         replica's share of a step, gathered and applied with the others'
         once the step is complete; the counts are the step's if this update
-        completed it, else (0, 0)."""
-        req = tables_pb2.TableUpdateRequest(name=name, update_id=update_id)
-        T.fill(req.keys, _keys(keys).reshape(-1))
-        T.fill(req.grads, np.asarray(grads))
-        set_sync(req, sync)
-        return self.channel.send(methods.TABLE_UPDATE, req, post=_update_counts)
+        completed it, else (0, 0). (Several tables, or bags: push_all_async.)"""
+        return self.push_all_async(tables=[TableGradient(
+            name, _keys(keys).reshape(-1), np.asarray(grads), update_id, sync)]).then(
+            _first_table_counts)
 
     def update_table(self, name: str, keys, grads, *, update_id: int = 0,
                      sync: SyncSpec | None = None) -> tuple[int, int]:
@@ -484,30 +472,51 @@ class PSClient(PSAdmin):
                                        sync=sync).result()
 
 
-def _stream_timeout(timeout: float | None, nbytes: int) -> float | None:
-    """A stream's deadline: the call's, and more per byte (20 MB/s is far
-    below any link this runs on, so only a stuck transfer reaches it)."""
-    return None if timeout is None else timeout + nbytes / 20e6
-
-
 def _first_rows(result):
     return result[1][0]
 
 
-def _gathered_rows(reply) -> tuple[np.ndarray, int]:
-    return T.decode(reply.rows), reply.version
+def _values_and_rows(result):
+    return result[0], result[1]
+
+
+def _with_no_tables(result):
+    snaps, rows = result
+    return snaps, rows, []
+
+
+def _check_table_rows(t: TableLookup, rows, address: str) -> None:
+    """InvalidArgument unless ``rows`` are a look-up's answer: one row per key
+    (keys.shape + (dim,)), or per bag."""
+    want = t.keys.shape if t.offsets is None else (max(0, len(t.offsets) - 1),)
+    if rows is None or rows.ndim != len(want) + 1 or rows.shape[:-1] != tuple(want) \
+            or rows.dtype.kind != "f":
+        raise InvalidArgument(f"the read reply's rows of table {t.name!r} are not "
+                              f"{list(want)} rows (got "
+                              f"{None if rows is None else (rows.dtype, rows.shape)}) [{address}]")
 
 
 def _first_version(reply) -> int:
     return reply.versions[0]
 
 
-def _table_rows(reply) -> np.ndarray:
-    return T.decode(reply.rows)
+def _first_table(result) -> np.ndarray:
+    return result.tables[0]
 
 
-def _update_counts(reply) -> tuple[int, int]:
-    return reply.updated, reply.dropped
+def _first_table_counts(result) -> tuple[int, int]:
+    return result[1][0][:2]
+
+
+def _with_no_table_counts(versions) -> tuple:
+    return versions, []
+
+
+def _joined_with_tables(results: list) -> tuple:
+    """A push's (versions, table results) from its dense call's and each
+    row-wise call's."""
+    versions, tables = results[0]
+    return list(versions) + list(results[1:]), tables
 
 
 def _joined(results: list) -> list[int]:

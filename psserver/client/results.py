@@ -22,6 +22,82 @@ class Snapshot:
     value: np.ndarray
 
 
+@dataclasses.dataclass(frozen=True)
+class TableLookup:
+    """A look-up of this server's shard of dynamic table ``name`` (a read's
+    ReadRequest.table_lookups entry): ``keys`` (int64, any shape) and
+    ``counts`` (how often each occurs in the batch); or bags of ``keys``
+    (1-D): ``offsets`` (n + 1) and ``weights`` (one per key), pooled by the
+    server (psserver/bags.py). ``admit=False``: nothing counted, created or
+    evicted; ``sync_step``: wait for earlier steps first; ``row_bytes``: a
+    row's bytes, if known (the call's size is planned with it)."""
+    name: str
+    keys: np.ndarray
+    counts: np.ndarray | None = None
+    admit: bool = True
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    sync_step: int | None = None
+    row_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its rows (0: row_bytes not given)."""
+        n = self.keys.size if self.offsets is None else max(0, len(self.offsets) - 1)
+        return n * self.row_bytes
+
+    def fill(self, msg) -> None:
+        """Fill a TableLookup message (ps.proto)."""
+        msg.name, msg.no_admit = self.name, not self.admit
+        T.fill(msg.keys, self.keys)
+        for field in ("counts", "offsets", "weights"):
+            a = getattr(self, field)
+            if a is not None:
+                T.fill(getattr(msg, field), np.asarray(a))
+        if self.sync_step is not None:
+            msg.sync.step = self.sync_step
+
+
+@dataclasses.dataclass(frozen=True)
+class TableGradient:
+    """Row gradients of this server's shard of dynamic table ``name`` (a
+    push's PushRequest.table_updates entry): one row per key of ``keys``
+    (1-D int64), or one per bag (``offsets``, ``weights``: psserver/bags.py);
+    applied once per non-zero ``update_id``; ``sync``: this replica's share
+    of a step."""
+    name: str
+    keys: np.ndarray
+    grads: np.ndarray
+    update_id: int = 0
+    sync: SyncSpec | None = None
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + np.asarray(self.grads).nbytes
+
+    def framed(self) -> tuple:
+        """The entry as wire.encode_push_request takes it."""
+        return (self.name, np.asarray(self.keys), np.asarray(self.grads), self.update_id,
+                None if self.sync is None else sync_info(self.sync).SerializeToString(),
+                None if self.offsets is None else np.asarray(self.offsets),
+                None if self.weights is None else np.asarray(self.weights))
+
+
+class StepRead(tuple):
+    """What one read of a step gives (PSClient.read_all_async): ``values``
+    [Snapshot], ``rows`` [(rows, version)] of the row look-ups, ``tables``
+    [rows] of the dynamic-table look-ups."""
+
+    def __new__(cls, values, rows, tables):
+        return tuple.__new__(cls, (values, rows, tables))
+
+    values = property(lambda self: self[0])
+    rows = property(lambda self: self[1])
+    tables = property(lambda self: self[2])
+
+
 def meta_from_proto(m: ps_pb2.VariableMeta) -> VariableMeta:
     backup = Peer(m.backup.address, m.backup.name) if m.HasField("backup") else None
     return VariableMeta(m.name, m.dtype, tuple(m.shape), m.version, m.optimizer.name,

@@ -195,18 +195,44 @@ class ListReply(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("names", "max_bytes", "sync", "value_dtype", "gathers")
+    __slots__ = ("names", "max_bytes", "sync", "value_dtype", "gathers", "table_lookups")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     VALUE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     GATHERS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
     sync: SyncRead
     value_dtype: str
     gathers: _containers.RepeatedCompositeFieldContainer[RowLookup]
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ..., value_dtype: _Optional[str] = ..., gathers: _Optional[_Iterable[_Union[RowLookup, _Mapping]]] = ...) -> None: ...
+    table_lookups: _containers.RepeatedCompositeFieldContainer[TableLookup]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ..., value_dtype: _Optional[str] = ..., gathers: _Optional[_Iterable[_Union[RowLookup, _Mapping]]] = ..., table_lookups: _Optional[_Iterable[_Union[TableLookup, _Mapping]]] = ...) -> None: ...
+
+class TableLookup(_message.Message):
+    __slots__ = ("name", "keys", "counts", "no_admit", "offsets", "weights", "sync")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NO_ADMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    keys: Tensor
+    counts: Tensor
+    no_admit: bool
+    offsets: Tensor
+    weights: Tensor
+    sync: SyncRead
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., counts: _Optional[_Union[Tensor, _Mapping]] = ..., no_admit: _Optional[bool] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., sync: _Optional[_Union[SyncRead, _Mapping]] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: Tensor
+    def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RowLookup(_message.Message):
     __slots__ = ("name", "ids")
@@ -227,12 +253,14 @@ class VariableValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ReadReply(_message.Message):
-    __slots__ = ("values", "gathered")
+    __slots__ = ("values", "gathered", "table_rows")
     VALUES_FIELD_NUMBER: _ClassVar[int]
     GATHERED_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedCompositeFieldContainer[VariableValue]
     gathered: _containers.RepeatedCompositeFieldContainer[GatherReply]
-    def __init__(self, values: _Optional[_Iterable[_Union[VariableValue, _Mapping]]] = ..., gathered: _Optional[_Iterable[_Union[GatherReply, _Mapping]]] = ...) -> None: ...
+    table_rows: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, values: _Optional[_Iterable[_Union[VariableValue, _Mapping]]] = ..., gathered: _Optional[_Iterable[_Union[GatherReply, _Mapping]]] = ..., table_rows: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class ReadFrame(_message.Message):
     __slots__ = ("value", "chunk")
@@ -253,14 +281,34 @@ class DenseUpdate(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("updates", "sync", "sparse")
+    __slots__ = ("updates", "sync", "sparse", "table_updates")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_UPDATES_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[DenseUpdate]
     sync: SyncInfo
     sparse: _containers.RepeatedCompositeFieldContainer[SparseUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., sparse: _Optional[_Iterable[_Union[SparseUpdate, _Mapping]]] = ...) -> None: ...
+    table_updates: _containers.RepeatedCompositeFieldContainer[TableGradient]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., sparse: _Optional[_Iterable[_Union[SparseUpdate, _Mapping]]] = ..., table_updates: _Optional[_Iterable[_Union[TableGradient, _Mapping]]] = ...) -> None: ...
+
+class TableGradient(_message.Message):
+    __slots__ = ("name", "keys", "grads", "update_id", "sync", "offsets", "weights")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    keys: Tensor
+    grads: Tensor
+    update_id: int
+    sync: SyncInfo
+    offsets: Tensor
+    weights: Tensor
+    def __init__(self, name: _Optional[str] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., update_id: _Optional[int] = ..., sync: _Optional[_Union[SyncInfo, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SparseUpdate(_message.Message):
     __slots__ = ("name", "ids", "values", "sync", "update_id")
@@ -283,12 +331,26 @@ class AssignRequest(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[DenseUpdate, _Mapping]]] = ...) -> None: ...
 
 class UpdateReply(_message.Message):
-    __slots__ = ("versions", "dropped")
+    __slots__ = ("versions", "dropped", "tables")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     dropped: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[bool]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableUpdated]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[bool]] = ..., tables: _Optional[_Iterable[_Union[TableUpdated, _Mapping]]] = ...) -> None: ...
+
+class TableUpdated(_message.Message):
+    __slots__ = ("updated", "dropped", "step", "late")
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    updated: int
+    dropped: int
+    step: int
+    late: bool
+    def __init__(self, updated: _Optional[int] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class GatherRequest(_message.Message):
     __slots__ = ("name", "ids", "sync")
@@ -525,22 +587,20 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "data_port", "host")
+    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "host")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     server_id: str
     max_message_bytes: int
     num_variables: int
     total_bytes: int
-    data_port: int
     host: HostInfo
-    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., host: _Optional[_Union[HostInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., host: _Optional[_Union[HostInfo, _Mapping]] = ...) -> None: ...
 
 class HostInfo(_message.Message):
     __slots__ = ("boot_id", "net_ns", "pid_ns", "uid", "ipc_socket", "shared_memory", "data_port")
@@ -573,12 +633,10 @@ class ShmAttachRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class ShmAttachReply(_message.Message):
-    __slots__ = ("segment", "ipc_socket")
+    __slots__ = ("segment",)
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
-    IPC_SOCKET_FIELD_NUMBER: _ClassVar[int]
     segment: int
-    ipc_socket: str
-    def __init__(self, segment: _Optional[int] = ..., ipc_socket: _Optional[str] = ...) -> None: ...
+    def __init__(self, segment: _Optional[int] = ...) -> None: ...
 
 class ShmDetachRequest(_message.Message):
     __slots__ = ("segment",)

@@ -92,19 +92,15 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol_version", "worker_id", "datasets", "closures_run", "ipc_socket", "data_port", "host")
+    __slots__ = ("protocol_version", "worker_id", "datasets", "closures_run", "host")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     CLOSURES_RUN_FIELD_NUMBER: _ClassVar[int]
-    IPC_SOCKET_FIELD_NUMBER: _ClassVar[int]
-    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     worker_id: str
     datasets: _containers.RepeatedScalarFieldContainer[str]
     closures_run: int
-    ipc_socket: str
-    data_port: int
     host: _ps_pb2.HostInfo
-    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ..., ipc_socket: _Optional[str] = ..., data_port: _Optional[int] = ..., host: _Optional[_Union[_ps_pb2.HostInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ..., host: _Optional[_Union[_ps_pb2.HostInfo, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,574 @@
+"""A step's reads and pushes: ``read_variables``, ``push_gradients``.
+
+One call per parameter server each way, whatever the step holds: dense
+variables, rows of fixed tables by id (``Lookup`` of a ShardedVariable,
+``IndexedSlices`` gradients) and dynamic embedding tables (``Lookup`` of a
+DynamicEmbedding, ``IndexedSlices`` with keys as indices): a read's values,
+row look-ups and table look-ups ride one ParameterServerBulk.Read (or the
+server's shared memory and one socket frame on its host), a push's dense,
+row-wise and table gradients one Push. Each distinct id or key crosses the
+wire once; row gradients are summed here, as the server sums duplicates.
+
+Calls go through this process's ParameterServers (coordinator/ps_pool.py):
+sent to every server at once, resent on UNAVAILABLE / NOT_FOUND /
+DEADLINE_EXCEEDED with the same update keys for up to
+``PSTRAIN_RETRY_SECONDS``, and to a replicated shard's primary where it is
+now after a failover. Variables and tables alike: every push part carries
+an update key (random, or inside an exactly-once batch's step derived from
+it: coordinator/sharded.py), so a resent update applies once.
+
+Modes (coordinator.replica): in a sync step reads wait for the previous
+step, dense pushes join the step on the servers, and every shard of a fixed
+or dynamic table gets this replica's row-wise update (an empty one too),
+both copies where replicated. In a hybrid step dense gradients join the
+step and row-wise ones (fixed and dynamic tables) are applied on arrival
+with update keys, as in async mode (a variable is one or the other:
+``_check_hybrid_kinds``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections import defaultdict
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from coordinator.calls import new_update_id
+from coordinator.ps_pool import Op, servers
+from coordinator.replica import current_sync, rows_sync
+from coordinator.routes import key as routes_key
+from psserver.client.results import TableGradient, TableLookup
+from psserver.contract import InvalidArgument
+from psserver.keys import check_keys
+from psserver.rows import take_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """Rows of ``variable`` by id, to read with other variables in one call
+    per server: ``read_variables([table.lookup(ids), w, b])`` (a
+    ShardedVariable's rows, as ``gather(ids)`` gives them), or
+    ``read_variables([Lookup(embedding, keys), w])`` (a DynamicEmbedding's
+    rows, as ``lookup(keys)`` gives them; ``admit=False``: nothing counted,
+    created or evicted)."""
+    variable: object
+    ids: np.ndarray
+    admit: bool = True
+
+
+class IndexedSlices(NamedTuple):
+    """A row-wise gradient, as tf.IndexedSlices: ``values[i]`` is the gradient
+    of row ``indices[i]`` (duplicates are summed). Pass it to push_gradients
+    as a variable's gradient to push it with the dense ones, in one call per
+    server (as ``variable.push_sparse(indices, values)`` would, alone); for
+    a DynamicEmbedding, indices are keys (``push_gradient(keys, grads)``)."""
+    values: np.ndarray
+    indices: np.ndarray
+
+
+def _is_table(v) -> bool:
+    return getattr(v, "is_table", False)
+
+
+# -- the ids of a step's look-ups, sorted once --------------------------------------------
+def int64_ids(ids) -> np.ndarray:
+    """Row ids flattened, as int64; ValueError for any other kind than integers."""
+    flat = np.asarray(ids).reshape(-1)
+    if flat.dtype.kind not in "iu":
+        raise ValueError(f"ids must be integers, got {flat.dtype.name}")
+    return flat.astype(np.int64, copy=False)
+
+
+def distinct(ids, remember_for=None) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse]),
+    as np.unique gives them. ``remember_for``: the fixed table looked up; the
+    ids' stable sort order is kept (this thread's last look-up) for a
+    row-wise gradient of the same ids pushed next (one sort a step)."""
+    flat = int64_ids(ids)
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    first = np.empty(flat.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inverse = np.empty(flat.size, dtype=np.intp)
+    inverse[order] = np.cumsum(first) - 1
+    if remember_for is not None:
+        _last.sort = (remember_for, flat.copy(), order)   # a copy: the caller's may change
+    return ordered[first], inverse
+
+
+#: A thread's last look-ups: ``sort`` (fixed table, its ids, their stable sort
+#: order), ``keys`` (dynamic table, its keys, unique keys, inverse or None).
+_last = threading.local()
+
+
+def known_order(variable, ids: np.ndarray) -> np.ndarray | None:
+    """The stable sort order of ``ids`` if this thread's last look-up of
+    ``variable`` was of exactly these ids (else None: sort them)."""
+    last = getattr(_last, "sort", None)
+    if last is not None and last[0] is variable and last[1].shape == ids.shape \
+            and np.array_equal(last[1], ids):
+        return last[2]
+    return None
+
+
+def unique_keys(table, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(unique keys, inverse or None: ``keys`` are distinct) of 1-D ``keys``:
+    from this thread's last look-up of ``table`` when it was of these keys,
+    else computed."""
+    last = getattr(_last, "keys", None)
+    if last is not None and last[0] is table and last[1].shape == keys.shape \
+            and np.array_equal(last[1], keys):
+        return last[2], last[3]
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    return (keys, None) if uniq.size == keys.size and np.array_equal(uniq, keys) \
+        else (uniq, inverse.reshape(-1))
+
+
+def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+    """out[j] = the sum of rows[i] with inverse[i] == j (n rows; summed in
+    float64 in order of i, one np.bincount per column: faster than a sort
+    and np.add.reduceat, or np.add.at), in rows' dtype."""
+    if rows.dtype.kind != "f":
+        raise ValueError(f"gradient rows must be floating, got {rows.dtype}")
+    out = np.empty((rows.shape[1], n), rows.dtype)
+    for j, col in enumerate(np.ascontiguousarray(rows.T)):
+        out[j] = np.bincount(inverse, weights=col, minlength=n)
+    return np.ascontiguousarray(out.T)
+
+
+def by_shard(table, keys: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """(the order that puts ``keys`` shard by shard, [(shard, lo, hi)] of
+    each shard's run in that order) of a dynamic table's keys."""
+    n = table.num_shards
+    if n == 1:
+        return np.arange(keys.size), ([(0, 0, keys.size)] if keys.size else [])
+    which = table.shard_of(keys)
+    order = np.argsort(which, kind="stable")
+    bounds = np.searchsorted(which[order], np.arange(n + 1))
+    return order, [(i, int(bounds[i]), int(bounds[i + 1])) for i in range(n)
+                   if bounds[i + 1] > bounds[i]]
+
+
+#: Hybrid mode: the kind of gradient ("dense" or "row-wise") each variable
+#: took in this process's hybrid steps, by (name, shards).
+_hybrid_kinds: dict[tuple, str] = {}
+
+
+def _check_hybrid_kinds(pairs: Iterable[tuple[object, str]]) -> None:
+    """In a hybrid step: ValueError, before anything is sent, if a variable
+    gets a kind of gradient other than the one it got before in this process
+    (or in this call); then remember the kinds."""
+    sync = current_sync()
+    if sync is None or not sync.hybrid:
+        return
+    seen: dict[tuple, str] = {}
+    for v, kind in pairs:
+        key = (v.name, v.shards)
+        before = seen.get(key) or _hybrid_kinds.get(key)
+        if before is not None and before != kind:
+            raise ValueError(
+                f"{v.name!r} got a {kind} gradient in a hybrid-mode step after a {before} one. "
+                'In mode="hybrid" a variable is dense (its gradients join the sync step) or '
+                "an embedding table (row-wise gradients: IndexedSlices, push_sparse; applied "
+                "on arrival), not both: give it one kind of gradient, or train in "
+                'mode="sync". Nothing was pushed')
+        seen[key] = kind
+    _hybrid_kinds.update(seen)
+
+
+def _entry(by_addr: dict, address: str) -> list:
+    """One server's part of a step's call: [dense, rows, tables, seen routes, pairs]."""
+    e = by_addr.get(address)
+    if e is None:
+        e = by_addr[address] = [[], [], [], [], []]
+    return e
+
+
+def _copies(routes, v, k: int, entry_of, sync: bool) -> list:
+    """The copies shard k of v goes to now (its primary; with ``sync`` both
+    copies of a replicated shard), each with its server's entry, the shard's
+    route noted there (a changed route plans the step again)."""
+    if not v.backups:
+        return [(v.shards[k], entry_of(v.shards[k].address))]
+    r = routes.route(v, k)
+    out = []
+    for t in routes.targets_of(v, k, r, sync):
+        e = entry_of(t.address)
+        e[3].append((routes_key(v.shards[k]), r))
+        e[4].append((v, k))
+        out.append((t, e))
+    return out
+
+
+# -- reads ---------------------------------------------------------------------------------
+def read_variables(variables: Sequence, *, with_versions: bool = False, compression=None):
+    """Read many variables: one call per parameter server, all at once.
+
+    An item may be a ``Lookup``: a fixed table's rows by id
+    (``table.lookup(ids)``) or a dynamic table's by key (``Lookup(table,
+    keys)``), looked up in the same call to each server as the dense reads.
+
+    ``compression="fp16"`` (default None: values as they are): float32 and
+    float64 values come rounded to float16 (clipped to +-65504) and are sent
+    as float16 between hosts, half the bytes of float32; returned arrays keep
+    the variables' dtypes. On the same host the values are rounded here, so
+    every transport gives the same numbers. Dense variables only (a
+    ``Lookup`` among them is ValueError). Like push_gradients' compression,
+    a step function passes it explicitly::
+
+        spec = strategy.read_compression_spec
+        def step(it):
+            params = read_variables(variables, compression=spec)
+
+    Returns the values, or (values, versions) with ``with_versions``, where
+    versions[i] lists the version of each shard of variables[i] as read (for
+    a Lookup of a fixed table: of each shard rows were gathered from; of a
+    dynamic table: none).
+    """
+    value_dtype = read_value_dtype(compression)
+    if value_dtype and any(isinstance(v, Lookup) for v in variables):
+        raise ValueError("read compression applies to dense variables; read the lookups "
+                         "in a read_variables call without compression")
+    read = _Read(variables, value_dtype)
+    return read.finish(servers().settle(read.plan), with_versions)
+
+
+def read_value_dtype(compression) -> str:
+    """ReadRequest.value_dtype for read_variables' ``compression``."""
+    if compression is None:
+        return ""
+    from coordinator.compression import FP16   # only when compression is used
+    if compression == "fp16" or isinstance(compression, FP16):
+        return "float16"
+    raise ValueError(f'read compression must be None or "fp16", got {compression!r}')
+
+
+class _Read:
+    """One read_variables: its items prepared once (ids sorted, arrays made),
+    ``plan`` (the calls on the current routes; called again when a route
+    moved) and ``finish`` (the values from the calls' results)."""
+
+    def __init__(self, items: Sequence, value_dtype: str = ""):
+        sync, rows = current_sync(), rows_sync()
+        self.step = sync.step if sync is not None else None
+        self.table_step = rows.step if rows is not None else None   # (hybrid: none)
+        self.items, self.value_dtype = list(items), value_dtype
+        self.lookups: dict[int, tuple] = {}   # item -> (ids shape, inverse, parts, rows)
+        for i, v in enumerate(self.items):
+            if isinstance(v, Lookup):
+                self.lookups[i] = self._prepare(v)
+        # Without lookups each value lands in its final array (a slice of it
+        # per shard): on this host the only copy, made straight from shared memory.
+        self.full = None if self.lookups else [np.empty(v.shape, np.dtype(v.dtype))
+                                               for v in self.items]
+        self.planned = None
+
+    @staticmethod
+    def _prepare(v: Lookup) -> tuple:
+        """(ids shape, inverse, parts, rows): the distinct ids (each asked for
+        once), each server's part of them, and the array their rows land in
+        (each server's run received straight into it)."""
+        t = v.variable
+        if not _is_table(t):
+            ids = np.asarray(v.ids)
+            uniq, inverse = distinct(ids, t)
+            rows = np.empty((uniq.size,) + t.shape[1:], np.dtype(t.dtype))
+            return ids.shape, inverse, t._runs(uniq), rows
+        keys = check_keys(v.ids)
+        flat = keys.reshape(-1)
+        uniq, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
+        if uniq.size == flat.size:
+            uniq, inverse, counts = flat, None, None
+        _last.keys = (t, flat.copy(), uniq, None if inverse is None else inverse.reshape(-1))
+        order, runs = by_shard(t, uniq)
+        rank = np.empty(order.size, np.intp)
+        rank[order] = np.arange(order.size)   # where each distinct key's row lands
+        inverse = rank if inverse is None else rank[inverse.reshape(-1)]
+        sorted_keys = uniq[order]
+        counts = None if counts is None or not v.admit else counts[order]
+        rows = np.empty((uniq.size, t.dim), np.dtype(t.dtype))
+        parts = [(i, slice(lo, hi), sorted_keys[lo:hi],
+                  None if counts is None else counts[lo:hi]) for i, lo, hi in runs]
+        return keys.shape, inverse, parts, rows
+
+    def plan(self) -> list[Op]:
+        """One call per server on the current routes (a route asked once per shard)."""
+        routes = servers().routes
+        by_addr: dict[str, list] = {}
+        entry_of = functools.partial(_entry, by_addr)
+        prim = []   # each item's copies read, per shard
+        for i, v in enumerate(self.items):
+            if i in self.lookups:
+                t, parts = v.variable, self.lookups[i][2]
+                copies = []
+                prim.append(copies)
+                for part in parts:
+                    k = part[0]
+                    (copy, e), = _copies(routes, t, k, entry_of, False)
+                    copies.append(copy)
+                    if _is_table(t):   # (i, rows' slice, keys, counts) -> a TableLookup
+                        _, run, keys, counts = part
+                        e[2].append((i, run, TableLookup(
+                            copy.table, keys, counts, v.admit, sync_step=self.table_step,
+                            row_bytes=t.row_bytes)))
+                    else:
+                        _, run, local = part
+                        e[1].append((i, run, copy, local))
+                continue
+            copies = []
+            for k in range(v.num_shards):
+                (copy, e), = _copies(routes, v, k, entry_of, False)
+                e[0].append((i, copy))
+                copies.append(copy)
+            prim.append(copies)
+        ops = []
+        for addr, e in by_addr.items():
+            ops.append(Op(addr, self._send(e), tuple(e[3]), tuple(e[4])))
+        self.planned = (prim, [by_addr[op.address] for op in ops])
+        return ops
+
+    def _send(self, e: list):
+        dense, gathers, tables = e[0], e[1], e[2]
+        names = [s.name for _, s in dense]
+        step = self.step
+        if self.full is not None:
+            out = [_shard_view(self.full[i], s, self.items[i]) for i, s in dense]
+            value_dtype = self.value_dtype
+            return lambda c: c.read_many_async(names, sync_step=step, out=out,
+                                               value_dtype=value_dtype)
+        g = [(s.name, ids) for _, _, s, ids in gathers]
+        rows_out = [self.lookups[i][3][run] for i, run, _, _ in gathers]
+        t = [lookup for _, _, lookup in tables]
+        t_out = [self.lookups[i][3][run] for i, run, _ in tables]
+        return lambda c: c.read_all_async(names, g, t, sync_step=step, rows_out=rows_out,
+                                          tables_out=t_out)
+
+    def finish(self, results: list, with_versions: bool = False):
+        prim, entries = self.planned
+        parts: dict[tuple[int, str], np.ndarray] = {}
+        versions: dict[int, dict[str, int]] = defaultdict(dict)
+        for (dense, gathers, tables, _, _), result in zip(entries, results):
+            snaps, gathered, table_rows = (result, (), ()) if self.full is not None else result
+            for (i, s), snap in zip(dense, snaps):
+                parts[(i, s.name)], versions[i][s.name] = snap.value, snap.version
+            for (i, run, s, _), (rows, version) in zip(gathers, gathered):
+                _land(self.lookups[i][3], run, rows, s.name, s.address)
+                versions[i][s.name] = version
+            for (i, run, lookup), rows in zip(tables, table_rows):
+                _land(self.lookups[i][3], run, rows, lookup.name, "a parameter server")
+        out = []
+        for i, v in enumerate(self.items):
+            if self.full is not None:
+                for s in prim[i]:   # a part the read did not write in place (the other paths)
+                    part = parts[(i, s.name)]
+                    if not np.may_share_memory(part, self.full[i]):
+                        _shard_view(self.full[i], s, v)[...] = part
+                out.append(self.full[i])
+            elif i in self.lookups:
+                shape, inverse, _, rows = self.lookups[i]
+                out.append(take_rows(rows, inverse).reshape(shape + rows.shape[1:]))
+            elif v.num_shards == 1:
+                out.append(parts[(i, prim[i][0].name)].copy())
+            else:
+                out.append(np.concatenate([parts[(i, s.name)] for s in prim[i]]))
+        if not with_versions:
+            return out
+        return out, [[versions[i][s.name] for s in prim[i] if s.name in versions[i]]
+                     for i in range(len(self.items))]
+
+
+def _land(rows_out: np.ndarray, run, rows: np.ndarray, name: str, where: str) -> None:
+    """Rows of a look-up's part into its place (unless received there)."""
+    if np.may_share_memory(rows, rows_out):
+        return
+    want = rows_out[run]
+    if (rows.dtype, rows.shape) != (want.dtype, want.shape):
+        raise InvalidArgument(f"parameter server {where} sent rows of {name!r} as "
+                              f"{rows.dtype.name} {rows.shape}, not {want.dtype.name} "
+                              f"{want.shape}")
+    want[...] = rows
+
+
+def _shard_view(full: np.ndarray, s, v) -> np.ndarray:
+    """The part of a variable's array that shard s holds (a view)."""
+    return full if full.ndim == 0 or v.num_shards == 1 else full[s.offset:s.offset + s.rows]
+
+
+# -- pushes --------------------------------------------------------------------------------
+def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) -> None:
+    """Apply dense gradients to many variables: one call per parameter server.
+
+    Each shard's update is atomic on its server; shards of one variable on
+    different servers are updated independently (asynchronous training). A
+    gradient may be ``IndexedSlices``: a fixed table's row gradients, or a
+    dynamic table's by key (for a DynamicEmbedding), pushed in the same call
+    to each server as the dense ones.
+
+    ``compression`` (default None: gradients sent as they are) compresses
+    them on the wire: "fp16", "bf16" or ``TopK(ratio)`` (see
+    coordinator.compression). The strategy does not travel to the workers,
+    so a step function passes it explicitly, capturing it like the variables::
+
+        spec = strategy.gradient_compression_spec
+        def step(it):
+            ...
+            push_gradients(zip(variables, grads), compression=spec)
+
+    Compression applies to asynchronous pushes of fixed variables only:
+    ValueError in a sync or hybrid step. In a hybrid step dense gradients
+    join the step and ``IndexedSlices`` are applied on arrival (ValueError,
+    nothing sent, for a variable that got the other kind before).
+    """
+    push = _Push(pairs, compression)
+    pool = servers()
+    pool.settle(functools.partial(push.plan, pool.routes))
+
+
+class _Push:
+    """One push_gradients: split and keyed once (a push sent again after a
+    route changed keeps its keys), ``plan`` (the calls on the current routes)
+    and the table updates' counts from the calls' results (``table_counts``)."""
+
+    def __init__(self, pairs, compression=None):
+        sync, rows = current_sync(), rows_sync()
+        self.sync, self.row_sync = sync, rows
+        # (variable, shard index, part, key) / (variable, split parts) / (table, parts)
+        self.dense, self.sparse, self.tables = [], [], []
+        if compression is not None:
+            self._compressed(pairs, compression)
+            return
+        pairs = list(pairs)
+        if sync is not None and sync.hybrid:
+            _check_hybrid_kinds([(v, "row-wise" if isinstance(g, IndexedSlices) else "dense")
+                                 for v, g in pairs])
+        dense = self.dense
+        for v, g in pairs:
+            if _is_table(v):
+                self.tables.append((v, _table_parts(v, g, rows)))
+            elif isinstance(g, IndexedSlices):
+                self.sparse.append((v, v._sparse_split(g.indices, g.values, rows)))
+            else:
+                g = np.asarray(g, dtype=v.dtype)
+                if g.shape != v.shape:
+                    raise ValueError(f"gradient for {v.name!r} has shape {g.shape}, expected "
+                                     f"{v.shape}")
+                if len(v.shards) == 1:
+                    dense.append((v, 0, g, 0 if sync is not None else
+                                  new_update_id(f"{v.name}#0")))
+                    continue
+                for k, s in enumerate(v.shards):
+                    dense.append((v, k, g[s.offset:s.offset + s.rows],
+                                  0 if sync is not None else new_update_id(f"{v.name}#{k}")))
+
+    def plan(self, routes) -> list[Op]:
+        """The calls on the current routes: one per server (dense, row-wise and
+        table gradients together), but sync-mode row-wise pushes of fixed
+        tables one per shard (every shard must count the replica), and in
+        hybrid mode (``sync`` for the dense ones, ``row_sync`` None) the
+        row-wise ones applied on arrival. A route is asked once per shard."""
+        sync, row_sync = self.sync, self.row_sync
+        by_addr: dict[str, list] = {}
+        entry_of = functools.partial(_entry, by_addr)
+        for v, k, part, uid in self.dense:
+            for t, e in _copies(routes, v, k, entry_of, sync is not None):
+                e[0].append((t.name, part, uid))
+        ops = []
+        for v, parts in self.sparse:
+            if sync is not None:   # (a push with sync takes no row-wise part of a fixed table)
+                ops += v._sparse_ops(parts, row_sync)
+                continue
+            for k, ids, rows, uid in parts:
+                (t, e), = _copies(routes, v, k, entry_of, False)
+                e[1].append((t.name, ids, rows, uid))
+        for table, parts in self.tables:
+            for k, keys, grads, uid in parts:
+                for t, e in _copies(routes, table, k, entry_of, row_sync is not None):
+                    e[2].append(TableGradient(t.table, keys, grads, uid, row_sync))
+        for addr, (d, sp, tables, seen, pairs) in by_addr.items():
+            if tables:
+                send = (lambda c, d=d, sp=sp, tables=tables: c.push_all_async(
+                    d, sp, tables, sync=sync))
+            elif sp:
+                send = (lambda c, d=d, sp=sp: c.push_dense_and_sparse_async(d, sp))
+            else:
+                send = (lambda c, d=d: c.push_many_async(d, sync=sync))
+            ops.append(Op(addr, send, tuple(seen), tuple(pairs)))
+        return ops
+
+    @staticmethod
+    def table_counts(results: list) -> tuple[int, int]:
+        """(rows updated, gradient rows dropped) of the table updates, summed."""
+        updated = dropped = 0
+        for r in results:
+            if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], list):
+                for u, d, _, _ in r[1]:
+                    updated, dropped = updated + u, dropped + d
+        return updated, dropped
+
+    def _compressed(self, pairs, compression) -> None:
+        """Compressed once (top-k's error feedback changes with every call):
+        dense parts fp16/bf16, or top-k's chosen rows (row-wise updates of
+        their own, each keyed)."""
+        from coordinator import compression as C   # only when compression is used
+        spec = C.resolve(compression)
+        if spec is None:
+            self.__init__(pairs)
+            return
+        if self.sync is not None:
+            raise ValueError("gradient compression applies to asynchronous pushes only, "
+                             "not to a sync- or hybrid-mode step")
+        for v, g in pairs:
+            if _is_table(v):
+                raise ValueError(f"gradient compression applies to variables, not to the "
+                                 f"dynamic table {v.name!r}: push its gradient without")
+            if isinstance(g, IndexedSlices):   # row-wise gradients go as they are
+                self.sparse.append((v, v._sparse_split(g.indices, g.values)))
+                continue
+            g = v._check_dense(g, "gradient")
+            if isinstance(spec, C.TopK) and g.ndim >= 2:
+                acc, picks = C.residuals.compensate_and_select(
+                    v.name, g, [(s.offset, s.rows) for s in v.shards], spec)
+                self.sparse.append((v, [(k, ids, acc[s.offset + ids],
+                                         new_update_id(v._key_label(k)))
+                                        for k, (s, ids) in enumerate(zip(v.shards, picks))]))
+                continue
+            if isinstance(spec, C.FP16):
+                g = C.to_fp16(g)
+            elif isinstance(spec, C.BF16):
+                g = C.to_bf16(g)
+                if v.dtype != "float32":   # the server wants its own dtype (or float16)
+                    g = g.astype(v.dtype)
+            self.dense += [(v, k, part, new_update_id(v._key_label(k)))
+                           for k, part in enumerate(v._split(g))]
+
+
+def _table_parts(table, g, row_sync) -> list[tuple]:
+    """A dynamic table's gradient (IndexedSlices by key) as [(shard, keys,
+    summed rows, update key)]: each distinct key once (the rows of its
+    duplicates summed here), every shard in a sync step (an empty update
+    counts the replica). Keys this thread just looked up are not sorted again."""
+    if not isinstance(g, IndexedSlices):
+        raise ValueError(f"a dynamic table's gradient is row-wise: give "
+                         f"IndexedSlices(rows, keys) for {table.name!r}")
+    keys = check_keys(g.indices).reshape(-1)
+    grads = np.asarray(g.values)
+    if grads.shape != (keys.size, table.dim):
+        raise ValueError(f"gradient for table {table.name!r} has shape {grads.shape}, "
+                         f"expected {(keys.size, table.dim)}")
+    uniq, inverse = unique_keys(table, keys)
+    if inverse is not None:
+        keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
+    order, runs = by_shard(table, keys)
+    if len(runs) > 1:
+        keys, grads = keys[order], grads[order]
+    have = {k: (keys[lo:hi], grads[lo:hi]) for k, lo, hi in runs}
+    if row_sync is not None:   # every shard counts this replica (an empty update too)
+        empty = (np.zeros(0, np.int64), np.zeros((0, table.dim), grads.dtype))
+        return [(k, *have.get(k, empty), 0) for k in range(table.num_shards)]
+    # An update key per shard: a resend after a failover or a lost connection
+    # applies once, and a re-run of an exactly-once batch sends the same.
+    return [(k, ks, gs, new_update_id(f"{table.shards[k].name}#{k}"))
+            for k, (ks, gs) in have.items()]
