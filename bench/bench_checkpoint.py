@@ -80,10 +80,24 @@ import time
 
 import numpy as np
 
-from bench.common import (MiB, Stats, fmt_bytes, fmt_rate, fmt_seconds, machine_info,
-                          print_table, write_json)
-from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluster,
-                         ParameterServerStrategy, push_gradients, read_variables)
+from bench.common import (
+    MiB,
+    Stats,
+    fmt_bytes,
+    fmt_rate,
+    fmt_seconds,
+    machine_info,
+    print_table,
+    write_json,
+)
+from coordinator import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    LocalCluster,
+    ParameterServerStrategy,
+    push_gradients,
+    read_variables,
+)
 from coordinator.checkpoint import CheckpointManager
 
 GiB = 1 << 30

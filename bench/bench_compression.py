@@ -24,8 +24,14 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, batches, read_variables)
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    batches,
+    read_variables,
+)
 from coordinator.compression import TopK, wire_nbytes
 from coordinator.fit import fit
 from examples.digits import load_data

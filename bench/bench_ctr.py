@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 
-
 from bench.common import machine_info, print_table, write_json
 
 BATCH, LR, BUCKETS, SEED = 512, 0.1, 100_000, 0

@@ -41,8 +41,14 @@ import time
 import numpy as np
 
 from bench.common import machine_info, print_table, write_json
-from coordinator import (ClusterCoordinator, LocalCluster, ParameterServerStrategy, ShardedSource,
-                         push_gradients, read_variables)
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    ParameterServerStrategy,
+    ShardedSource,
+    push_gradients,
+    read_variables,
+)
 
 SIZES = (200, 600, 1000)
 BATCH = 20

@@ -58,7 +58,7 @@ def dataset_fn(n: int, ctx):
 
 
 def run(blocks: int, closures: int, n_batches: int) -> dict:
-    from bench import bench_modes as here   # by reference on the workers (not __main__)
+    from bench import bench_modes as here  # by reference on the workers (not __main__)
     from bench.suite import Variant, run_interleaved
     from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
     from examples import ctr

@@ -34,11 +34,30 @@ from typing import Callable
 
 import numpy as np
 
-from bench.common import (KiB, MiB, GrpcReference, PSConfig, Stats, TCPReference,
-                          fmt_bytes, fmt_count_rate, fmt_rate, fmt_seconds, machine_info,
-                          print_table, running_psserver, running_psservers,
-                          time_interleaved, transfer_record, write_json)
-from psserver.contract import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD
+from bench.common import (
+    GrpcReference,
+    KiB,
+    MiB,
+    PSConfig,
+    Stats,
+    TCPReference,
+    fmt_bytes,
+    fmt_count_rate,
+    fmt_rate,
+    fmt_seconds,
+    machine_info,
+    print_table,
+    running_psserver,
+    running_psservers,
+    time_interleaved,
+    transfer_record,
+    write_json,
+)
+from psserver.contract import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MESSAGE_OVERHEAD,
+)
 
 DENSE_SIZES = {"1 KiB": 1 * KiB, "1 MiB": 1 * MiB, "64 MiB": 64 * MiB}
 GATHER_TABLE_ROWS = 1_000_000

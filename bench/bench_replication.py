@@ -20,8 +20,14 @@ import time
 import numpy as np
 
 from bench.common import machine_info, print_table, write_json
-from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluster,
-                         ParameterServerStrategy, push_gradients, read_variables)
+from coordinator import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    LocalCluster,
+    ParameterServerStrategy,
+    push_gradients,
+    read_variables,
+)
 from psserver.client import PSClient
 
 SHAPES = {"w0": (64, 256), "b0": (256,), "w1": (256, 256), "b1": (256,),

@@ -9,7 +9,7 @@ MLP benchmark's shard size) over each route and report p50 / p99:
 * ``shares memory, not the network``: a default client here. It shares the
   kernel, the pid namespace and /dev/shm with the server but not its
   network, as pods on one node or ``--ipc=host`` containers do. The route
-  planner (psserver/routing.py) sends it to the data port. (Before the
+  planner (psserver/contract/routing.py) sends it to the data port. (Before the
   planner, this client attached shared memory and then made every read over
   gRPC around the segment: 7.5 ms p50 against 0.54 ms with shared memory
   off, measured when issue 14 was filed.)
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-
-import numpy as np
 
 from bench import hosts
 from bench.common import print_table, time_interleaved

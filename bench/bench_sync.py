@@ -47,11 +47,25 @@ import time
 
 import numpy as np
 
-from bench.common import (MiB, Stats, cpu_seconds, machine_busy, machine_info, print_table,
-                          write_json)
-from coordinator import (ClusterCoordinator, FixedShardsPartitioner, LocalCluster,
-                         MinSizePartitioner, ParameterServerStrategy, batches, push_gradients,
-                         read_variables)
+from bench.common import (
+    MiB,
+    Stats,
+    cpu_seconds,
+    machine_busy,
+    machine_info,
+    print_table,
+    write_json,
+)
+from coordinator import (
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    batches,
+    push_gradients,
+    read_variables,
+)
 
 MODES = ("async", "sync")
 DIGITS_BATCH = 32

@@ -9,7 +9,7 @@
   round-robin (bench.common.time_interleaved);
 * inserts: look-ups of 4,096 keys never seen (each admitted: a row made),
   keys per second, against the same look-up of existing keys;
-* memory: one shard (psserver.dynamic_table.DynamicTable, in this process)
+* memory: one shard (psserver.core.dynamic_table.DynamicTable, in this process)
   of 10,000,000 rows of dim 16 under Adagrad: bytes of every array it holds
   per row against dim x 4 x (1 + slots), and this process's resident size
   growth per row (pages touched).
@@ -22,10 +22,16 @@ import time
 
 import numpy as np
 
-from bench.common import machine_info, print_table, running_psserver, time_interleaved, write_json
+from bench.common import (
+    machine_info,
+    print_table,
+    running_psserver,
+    time_interleaved,
+    write_json,
+)
 
 ROWS, DIM, KEYS = 1_000_000, 64, 4096
-KEY_OVERHEAD = 104   # per-key bytes beyond the row and its slots (psserver/dynamic_table.py)
+KEY_OVERHEAD = 104   # per-key bytes beyond the row and its slots (psserver/core/dynamic_table.py)
 
 
 def _rss() -> int:
@@ -66,8 +72,8 @@ def lookups(rounds: int) -> dict:
 
 
 def memory(rows: int) -> dict:
-    from psserver.dynamic_table import DynamicTable, TableConfig
-    from psserver.optimizers import make_optimizer
+    from psserver.contract.optimizers import make_optimizer
+    from psserver.core.dynamic_table import DynamicTable, TableConfig
     dim = 16
     before = _rss()
     t = DynamicTable(TableConfig(dim=dim), make_optimizer("adagrad", {}), initial_rows_hint=1024)

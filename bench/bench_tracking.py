@@ -1,4 +1,4 @@
-"""What change tracking (incremental checkpoints, psserver/tracking.py)
+"""What change tracking (incremental checkpoints, psserver/core/tracking.py)
 costs on the push path.
 
     python -m bench.bench_tracking [--quick] [--json out.json] [--before PATH]
@@ -46,9 +46,9 @@ def _ids(rng) -> np.ndarray:
 
 def in_process(reps: int) -> dict:
     from bench.common import time_interleaved
-    from psserver.dynamic_table import DynamicTable, TableConfig
-    from psserver.optimizers import make_optimizer
-    from psserver.store import VariableStore
+    from psserver.contract.optimizers import make_optimizer
+    from psserver.core.dynamic_table import DynamicTable, TableConfig
+    from psserver.core.store import VariableStore
 
     rng = np.random.default_rng(0)
     grads = rng.normal(size=(IDS, DIM)).astype(np.float32)
@@ -160,7 +160,7 @@ def through_server(reps: int) -> dict:
 _CHILD = """
 import json, sys, time
 import numpy as np
-from psserver.store import VariableStore
+from psserver.core.store import VariableStore
 ROWS, DIM, IDS, reps = 200_000, 16, 2_539, int(sys.argv[1])
 rng = np.random.default_rng(0)
 grads = rng.normal(size=(IDS, DIM)).astype(np.float32)

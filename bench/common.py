@@ -45,10 +45,13 @@ from typing import Callable, Iterator, Mapping, Sequence
 import grpc
 import numpy as np
 
-from psserver.process import TaskProcess, start_task
+from psserver.contract import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_STREAM_THRESHOLD_BYTES,
+)
 from psserver.link.grpc_common import grpc_options
-from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-                               DEFAULT_STREAM_THRESHOLD_BYTES)
+from psserver.process import TaskProcess, start_task
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -221,6 +224,7 @@ def running_psservers(configs: Sequence[PSConfig], *, client_timeout: float = 30
     fails to start.
     """
     import secrets
+
     from psserver.client import PSClient
     from psserver.contract import TOKEN_ENV
     token = secrets.token_hex(8) if prefix or host != "127.0.0.1" else None

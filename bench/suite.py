@@ -96,7 +96,7 @@ its dynamic-table shards: rows, slots and index, as TableInfo reports them).
 
 Transport: all processes share this host, so ours moves tensors through
 shared memory and makes its hot calls (reads, pushes, lookups, closures)
-over local sockets (psserver/shm.py, psserver/ipc.py); the rest is
+over local sockets (psserver/contract/shm.py, psserver/ipc.py); the rest is
 plaintext gRPC like TensorFlow's (``--tls``: LocalCluster's default mutual
 TLS). ``--task-env PSTRAIN_SHM=0``: as between hosts (the hot calls over the
 tasks' data ports, TCP); add ``--task-env PSTRAIN_DATA=0`` and run with
@@ -446,8 +446,12 @@ class Ours:
 
     def __init__(self, tls: bool, token: str | None = None, env: dict[str, str] | None = None,
                  placement=None):
-        from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                                 ParameterServerStrategy)
+        from coordinator import (
+            ClusterCoordinator,
+            LocalCluster,
+            MinSizePartitioner,
+            ParameterServerStrategy,
+        )
         self.stack = contextlib.ExitStack()
         try:
             self.cluster = self.stack.enter_context(
@@ -489,7 +493,7 @@ class Ours:
 
     def setup_emb(self) -> None:
         from examples.embedding_bag import make_train_step
-        from psserver.store import Initializer
+        from psserver.contract import Initializer
         s = self.strategy["async"]
         self.table = s.create_variable(
             "emb/table", (EMB_ROWS, EMB_DIM), "float32",

@@ -48,9 +48,9 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable, Sequence
 
 import numpy as np
-from typing import Callable, Sequence
 
 #: Environment of every TensorFlow process (servers and chief).
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -485,6 +485,7 @@ class TFCluster:
         prefix): where each task runs (bench/hosts.py's TestHosts.placement);
         default every task on 127.0.0.1."""
         from concurrent import futures
+
         from psserver.process import start_task
         if placement is None:
             ports = free_ports(num_ps + num_workers)

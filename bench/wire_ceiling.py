@@ -46,7 +46,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from bench.common import _split_address, child_task
-from psserver.link.frames import send_parts as _send_parts   # buffers out with sendmsg, as ours
+from psserver.link.frames import (
+    send_parts as _send_parts,  # buffers out with sendmsg, as ours
+)
 
 #: One-byte requests.
 _READ, _PUSH, _ACK = b"r", b"p", b"k"
@@ -237,8 +239,8 @@ def running(sizes: Sequence[int], shards: list[list[list[int]]], lr: float,
 
 def _exit_with_parent() -> None:
     """End this process when the program that started it is gone (as our
-    tasks do: psserver/server.py), so a killed run leaves nothing behind."""
-    from psserver.server import _exit_with_parent as watch
+    tasks do: psserver/serve/server.py), so a killed run leaves nothing behind."""
+    from psserver.serve.server import _exit_with_parent as watch
     gone = threading.Event()
     watch(gone)
     threading.Thread(target=lambda: (gone.wait(), os._exit(0)), daemon=True).start()

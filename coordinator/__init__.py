@@ -2,27 +2,47 @@
 
     from coordinator import LocalCluster, ParameterServerStrategy, ClusterCoordinator
 """
-from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
+from coordinator.callbacks import (
+                                Callback,
+                                CheckpointCallback,
+                                EarlyStopping,
+                                History,
+                                LambdaCallback,
+                                PlotHistory,
+                                TensorBoard,
+                                TerminateOnNaN,
+)
+from coordinator.checkpoint import CheckpointManager
+from coordinator.cluster_spec import (
+                                ClusterConfigError,
+                                ClusterSpec,
+                                TFConfigClusterResolver,
+)
 from coordinator.coordinator import ClusterCoordinator, RemoteValue, RemoteValueStatus
-from coordinator.errors import (ClosureCancelled, CoordinatorError, ParameterServerLost,
-                                StepFunctionError, WorkerCallError)
 from coordinator.datasets import InputContext, batches
-from coordinator.sharded import DataStats, ShardedDataset, ShardedSource
-from coordinator.local import LocalCluster
 from coordinator.docker_cluster import DockerCluster
 from coordinator.embedding import DynamicEmbedding, TableStats
-from coordinator.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
-                                      MinSizePartitioner)
-from coordinator.strategy import ParameterServerStrategy
-from coordinator.step_calls import IndexedSlices, Lookup, push_gradients, read_variables
-from coordinator.variables import ShardedVariable
-from coordinator.checkpoint import CheckpointManager
+from coordinator.errors import (
+                                ClosureCancelled,
+                                CoordinatorError,
+                                ParameterServerLost,
+                                StepFunctionError,
+                                WorkerCallError,
+)
 from coordinator.fit import FitState, fit
-from coordinator.callbacks import (Callback, CheckpointCallback, EarlyStopping, History,
-                                   LambdaCallback, PlotHistory, TensorBoard, TerminateOnNaN)
-from coordinator.progress import Progress
+from coordinator.local import LocalCluster
+from coordinator.partitioners import (
+                                FixedShardsPartitioner,
+                                MaxSizePartitioner,
+                                MinSizePartitioner,
+)
 from coordinator.plots import plot_history
+from coordinator.progress import Progress
 from coordinator.replica import ReplicaContext, get_replica_context
+from coordinator.sharded import DataStats, ShardedDataset, ShardedSource
+from coordinator.step_calls import IndexedSlices, Lookup, push_gradients, read_variables
+from coordinator.strategy import ParameterServerStrategy
+from coordinator.variables import ShardedVariable
 from psserver.contract import Initializer
 
 __all__ = [

@@ -12,7 +12,6 @@ import hashlib
 import os
 import threading
 
-
 # -- update keys -----------------------------------------------------------------
 _keys = threading.local()
 
@@ -43,7 +42,7 @@ def update_key_scope(seed: bytes | None):
     twice in scopes of the same seed, making the same pushes in the same
     order per label, sends the same keys both times: a parameter server that
     applied one drops the other (it remembers the keys of its last
-    APPLIED_IDS_KEPT updates per shard, psserver/replication.py)."""
+    APPLIED_IDS_KEPT updates per shard, psserver/core/replication.py)."""
     previous = getattr(_keys, "scope", None)
     _keys.scope = None if seed is None else _DerivedKeys(seed)
     try:

@@ -19,7 +19,7 @@ them *deltas* holding only what changed since the previous checkpoint: the
 variables that changed, the rows a row-wise update touched (with their
 slots; scalar slots, version and update keys whole), a dynamic table's rows
 made, updated or looked up and the keys it evicted. Each parameter server
-knows what changed in its shards since a save (psserver/tracking.py) and
+knows what changed in its shards since a save (psserver/core/tracking.py) and
 writes the delta itself; where it cannot tell (it restarted, a shard was
 restored or failed over since) it writes that shard whole: never a wrong
 delta. A delta's manifest names its ``base`` and ``parent``; restoring it
@@ -63,43 +63,37 @@ the files back on restore.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import logging
 import os
 import secrets
-import shutil
 import time
-import uuid
-from concurrent import futures
 from typing import Any, Callable, Mapping, Sequence
-
-import numpy as np
 
 from coordinator import metrics as _metrics
 from coordinator import ps_pool
 from coordinator import variables as V
-from coordinator.checkpoint_files import (FORMAT_VERSION, CheckpointError,  # noqa: F401
-                                          chain_of, check_restorable, find_checkpoints,
-                                          load_checked_shard, load_table, load_variable,
-                                          read_manifest)
-from psserver.errors import (DeadlineExceeded, FailedPrecondition, NotFound, PSError,
-                             Unavailable)
-from psserver.saving import fsync_dir as _fsync_dir
+from coordinator.checkpoint_files import (
+    CheckpointError,
+    chain_of,
+    find_checkpoints,
+    read_manifest,
+)
+from coordinator.checkpoint_io import (
+    Incremental,
+    clear_leftovers,
+    remove_checkpoint,
+    restore_checkpoint,
+    write_checkpoint,
+)
+from psserver.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    Unavailable,
+)
 
 log = logging.getLogger("coordinator.checkpoint")
-
-#: SavedFile.kind / SaveTableReply.kind (ps.proto SaveKind) as manifests write them.
-_KIND_NAMES = {0: "full", 1: "delta", 2: "unchanged"}
-
-
-def _kind(kind: int) -> str:
-    if kind not in _KIND_NAMES:
-        raise CheckpointError(f"a parameter server wrote a shard of kind {kind}, which this "
-                              "version of pstrain does not know; upgrade the coordinator")
-    return _KIND_NAMES[kind]
-
 
 
 def _primaries(v) -> list:
@@ -140,7 +134,7 @@ class CheckpointManager:
         self.incremental, self.full_every = incremental, full_every
         self.weights_only = weights_only
         self._client_for = client_for or ps_pool.client_for
-        # Whose saves these are, for the servers (psserver/tracking.py): each
+        # Whose saves these are, for the servers (psserver/core/tracking.py): each
         # directory's points are committed apart from any other's.
         self.stream = ("export:" if weights_only else "ckpt:") + hashlib.sha256(
             self.directory.encode()).hexdigest()[:24]
@@ -288,23 +282,12 @@ class CheckpointManager:
         chosen = [v for v in self.strategy.variables
                   if address is None or any(s.address == address for s in _primaries(v))]
         # Into the copy that is primary now; a replicated one copies its new
-        # state to its backup before answering (psserver/replication.py).
+        # state to its backup before answering (psserver/core/replication.py).
         out = restore_checkpoint(path, chosen, self._client_for, copies=_primaries,
                                  address=address, tables=self.strategy.tables)
         if address is None:   # the servers hold that checkpoint now: the next save is a base
             self._force_full = True
         return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Incremental:
-    """An incremental save: its id, its stream (psserver/tracking.py), the
-    checkpoint it is a delta of ((path, manifest); None: a base) and whether
-    it holds weights only (a serving export)."""
-    save_id: int
-    stream: str
-    parent: tuple[str, dict] | None = None
-    weights_only: bool = False
 
 
 def same_layout(manifest: Mapping[str, Any], variables: Sequence[V.ShardedVariable],
@@ -339,279 +322,3 @@ def dependents(directory: str, path: str) -> list[str]:
         except CheckpointError:
             pass
     return out
-
-
-# -- the one implementation of save and restore (CheckpointManager, coordinator checkpoint) --
-def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVariable],
-                     client_for: Callable[[str], Any], *,
-                     copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
-                     ps_index: Mapping[str, int] | None = None, extra: dict | None = None,
-                     replace: bool = True, tables: Sequence = (),
-                     incremental: Incremental | None = None) -> tuple[str, int]:
-    """Write checkpoint ``step`` of ``variables`` under ``directory``: each
-    server saves its shards (``copies(v)``: the copies to save from, in shard
-    order) through ``client_for(address)``, then the manifest is written and
-    the directory renamed into place. Returns (its path, shard bytes).
-
-    ``replace``: a checkpoint of the same step is replaced; else refused
-    (CheckpointError). A failed save (PSError from a server, OSError,
-    CheckpointError) leaves nothing listed. ``incremental``: the save is a
-    save point on the servers, and with a parent each shard is written as
-    its changes since the parent where its server can tell them; once the
-    checkpoint is in place the servers are told (CommitSave: a server that
-    cannot be told keeps the changes, and the next save takes them again).
-    """
-    final = os.path.join(directory, f"ckpt-{step:08d}")
-    if not replace and os.path.exists(final):
-        raise CheckpointError(f"{final} exists already: pass another step, or delete it first")
-    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-    ps_index = ps_index or {}
-    chosen = {v.name: list(copies(v)) for v in variables}
-    by_ps: dict[str, list[str]] = {}
-    for v in variables:
-        for c in chosen[v.name]:
-            by_ps.setdefault(c.address, []).append(c.name)
-    inc = incremental or Incremental(0, "")
-    parent = inc.parent[1] if inc.parent else {}
-    known = parent.get("servers", {})
-
-    def fields(addr: str) -> dict:
-        return dict(save_id=inc.save_id, since=parent.get("save_id", 0),
-                    incarnation=known.get(addr, ""), stream=inc.stream,
-                    weights_only=inc.weights_only)
-    files: dict[str, Any] = {}
-    table_files: dict[str, list] = {}
-    servers: dict[str, str] = {}
-    try:
-        os.makedirs(tmp)
-        addresses = set(by_ps) | {a for t in tables for a in t.addresses}
-        with futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
-            subs = {}
-            for addr in addresses:
-                subs[addr] = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
-                os.makedirs(subs[addr])
-            jobs = {addr: pool.submit(client_for(addr).save_incremental, subs[addr], names,
-                                      **fields(addr))
-                    for addr, names in by_ps.items()}
-            copies = {t.name: t.primaries() for t in tables}   # (replication: primaries)
-            table_jobs = {t.name: [pool.submit(client_for(c.address).save_table, c.table,
-                                               subs[c.address], **fields(c.address))
-                                   for c in copies[t.name]]
-                          for t in tables}
-            for addr, job in jobs.items():
-                reply = job.result()
-                servers[addr] = reply.incarnation
-                for f in reply.files:
-                    entry = {"version": f.version, "bytes": f.bytes, "kind": _kind(f.kind)}
-                    if f.file:
-                        entry["file"] = os.path.relpath(os.path.join(subs[addr], f.file), tmp)
-                    if f.kind == 1:
-                        entry["delta_rows"] = f.rows
-                    files[f.name] = entry
-            for t in table_jobs:
-                table_files[t] = []
-                for c, job in zip(copies[t], table_jobs[t]):
-                    r = job.result()
-                    servers[c.address] = r.incarnation
-                    table_files[t].append(
-                        {"file": os.path.relpath(os.path.join(subs[c.address], r.file), tmp),
-                         "rows": r.rows, "bytes": r.bytes, "step": r.step,
-                         "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
-        gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
-        if gone:
-            raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
-        manifest = {
-            "format_version": 1, "step": step, "time": time.time(),
-            "extra": extra or {},
-            "variables": {v.name: {
-                "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
-                "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
-                            **files[c.name]} for s, c in zip(v.shards, chosen[v.name])]}
-                for v in variables},
-            "tables": {t.name: {"dim": t.dim, "dtype": t.dtype, "shards": table_files[t.name]}
-                       for t in tables},
-        }
-        if inc.save_id:
-            manifest.update(save_id=inc.save_id, stream=inc.stream, servers=servers)
-            if inc.weights_only:
-                manifest["weights_only"] = True
-            kinds = [e["kind"] for e in files.values()] + \
-                [e["kind"] for es in table_files.values() for e in es]
-            if inc.parent and any(k != "full" for k in kinds):   # else it stands alone: a base
-                link = parent.get("chain", {})
-                manifest.update(format_version=FORMAT_VERSION, chain={
-                    "parent": os.path.basename(inc.parent[0]), "parent_id": parent["save_id"],
-                    "base": link.get("base", os.path.basename(inc.parent[0])),
-                    "depth": link.get("depth", 0) + 1})
-        _write_json(os.path.join(tmp, "manifest.json"), manifest)
-        _fsync_dir(tmp)   # its entries (manifest, ps-N/) on disk before it is renamed into
-        replaced = None   # place (the servers fsynced each ps-N/ after their files)
-        if os.path.exists(final):
-            if not replace:
-                raise CheckpointError(f"{final} appeared during the save (another saver?)")
-            replaced = _set_aside(final, _REPLACED)   # saving the same step again replaces it
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if inc.save_id:
-        _commit(inc, servers, client_for)
-    return final, (sum(f["bytes"] for f in files.values())
-                   + sum(f["bytes"] for fs in table_files.values() for f in fs))
-
-
-def _commit(inc: Incremental, servers: Mapping[str, str], client_for) -> None:
-    """Tell every server that saved that the save is in place (CommitSave).
-    A server that cannot be told keeps what the save took (the next delta
-    is then larger, never wrong): logged, not raised."""
-    for addr, incarnation in servers.items():
-        try:
-            client_for(addr).commit_save(inc.save_id, inc.stream, incarnation)
-        except PSError as exc:
-            log.warning("parameter server %s was not told that save %d is in place (%s); its "
-                        "next incremental save takes those changes again", addr, inc.save_id,
-                        exc)
-
-
-def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
-                       client_for: Callable[[str], Any], *,
-                       copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
-                       address: str | None = None, tables: Sequence = ()) -> dict:
-    """Load checkpoint ``path`` into ``variables`` (into ``copies(v)``, with
-    ``address``: only those on that server). A delta is composed with its
-    chain first (checkpoint_files.chain_of). Values and slots are
-    reassembled and cut again by each variable's shards (any layout); a
-    shard restored into the cut it was saved in keeps its version and
-    idempotency keys. Everything is read and checked before any server is
-    written, every variable and every table, as the servers check it
-    (checkpoint_files.check_restorable): a checkpoint that lacks anything
-    its manifest promises, holds what a server would refuse, or whose chain
-    is broken, is refused (CheckpointError) with nothing changed. Returns
-    {"step", "extra", "path"}. A server that fails, or refuses its part for
-    a reason of its own (its --max-memory-bytes, a copy that is not
-    primary), raises its PSError after the others may have been written:
-    restore again once it is fixed."""
-    chain = chain_of(path)
-    manifest = chain[-1][1]
-    if manifest.get("weights_only"):
-        raise CheckpointError(f"{path} is a serving export (weights without optimizer state, "
-                              "coordinator.serving): restore a checkpoint instead")
-    loaded = [load_variable(v, chain) for v in variables]
-    table_states = [load_table(t, chain) for t in tables]
-    check_restorable(path, variables, loaded, tables, table_states)   # all before any write
-    _metrics.checkpoint_bytes("restore", sum(
-        e.get("bytes", 0) for _, m in chain for section in ("variables", "tables")
-        for info in m.get(section, {}).values() for e in info.get("shards", ())))
-    with futures.ThreadPoolExecutor(4) as pool:
-        handles = [h for v, state in zip(variables, loaded)
-                   for h in _write_variable(v, state, pool, client_for, copies, address)]
-        handles += [h for t, (state, step) in zip(tables, table_states)
-                    for h in _write_table(t, state, step, pool, client_for, address)]
-        for h in handles:
-            h.result()
-    return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
-
-
-def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
-                 address: str | None = None) -> list[futures.Future]:
-    """Each current shard of ``t`` emptied and given the saved rows its keys
-    send it now (psserver.dynamic_table.shard_of: any number of servers)."""
-    from psserver.keys import shard_of
-    keys = state.get("keys", np.zeros(0, np.int64))
-    which = shard_of(keys, len(t.addresses))
-    handles = []
-    for i, copy in enumerate(t.primaries()):   # (replication: each primary copies
-        if address is not None and copy.address != address:   # itself to its backup)
-            continue
-        mine = which == i
-        part = {k: (a if a.ndim == 0 else a[mine]) for k, a in state.items()}
-        if not part:
-            part = {"keys": keys}
-        handles.append(pool.submit(client_for(copy.address).import_table, copy.table,
-                                   _full(part, t), step, reset=True))
-    return handles
-
-
-def _full(part: dict, t) -> dict:
-    """An import's arrays, the bookkeeping ones made for an empty table."""
-    n = part["keys"].size
-    defaults = {"values": np.zeros((n, t.dim), np.dtype(t.dtype)),
-                "age_steps": np.zeros(n, np.int64), "age_seconds": np.zeros(n),
-                "freq": np.zeros(n, np.int64)}
-    return {**defaults, **part}
-
-
-def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, client_for,
-                    copies, address: str | None = None) -> list[futures.Future]:
-    handles = []
-    for s, c in zip(v.shards, copies(v)):
-        if address is not None and c.address != address:
-            continue
-
-        def cut(a, lo=s.offset, hi=s.offset + s.rows):
-            return a if a.ndim == 0 else a[lo:hi]
-        # Into the cut it was saved in: its own version, keys and scalar slots
-        # (Adam's step count); resharded: the largest of each.
-        version, applied, scalars = state["same_cut"].get((s.name, s.offset, s.rows),
-                                                          (state["version"], (), {}))
-        handles.append(pool.submit(
-            client_for(c.address).create_variable, c.name, None, v.dtype,
-            initial_value=cut(state["value"]), optimizer=v.optimizer,
-            optimizer_params=state["optimizer_params"],
-            allow_nonfinite=state["allow_nonfinite"],
-            slots={k: scalars.get(k, cut(a)) for k, a in state["slots"].items()},
-            version=version, overwrite=True, applied_ids=applied))
-    return handles
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-
-
-#: Names a checkpoint directory takes while it is being removed (deleted by
-#: max_to_keep, or replaced by a new save of its step): out of the listed
-#: namespace (ckpt-N) first, so a listed checkpoint is always complete, even
-#: when the coordinator dies half-way through removing one.
-_DELETING, _REPLACED = ".deleting-", ".replaced-"
-
-
-def _set_aside(path: str, prefix: str) -> str:
-    """Rename a checkpoint out of the listed namespace, durably; its new path."""
-    parent, name = os.path.split(path)
-    aside = os.path.join(parent, f"{prefix}{name}-{uuid.uuid4().hex[:8]}")
-    os.replace(path, aside)
-    _fsync_dir(parent)
-    return aside
-
-
-def remove_checkpoint(path: str) -> None:
-    """Remove a checkpoint: unlisted at once (a rename), then deleted."""
-    try:
-        aside = _set_aside(path, _DELETING)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def clear_leftovers(directory: str) -> None:
-    """What a coordinator that died mid-save or mid-removal left: unfinished
-    saves and checkpoints set aside are deleted; a checkpoint set aside to be
-    replaced whose replacement never landed is put back."""
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if name.startswith(_REPLACED):
-            original = os.path.join(directory, name[len(_REPLACED):].rsplit("-", 1)[0])
-            if not os.path.exists(original):
-                os.replace(path, original)
-                continue
-        if (".tmp-" in name and name.startswith("ckpt-")) or \
-                name.startswith((_DELETING, _REPLACED)):
-            shutil.rmtree(path, ignore_errors=True)

@@ -312,7 +312,7 @@ def load_checked_delta(ckpt: str, entry: Mapping[str, Any], dtype: str, shape: S
 
 
 def _checked(ckpt, entry, dtype, shape, optimizer, weights_only, delta):
-    from psserver import optimizers as optim
+    from psserver.contract import optimizers as optim
 
     try:
         file = _file_in(ckpt, entry["file"])
@@ -400,14 +400,14 @@ def check_restorable(path: str, variables: Sequence, loaded: Sequence[dict],
                      tables: Sequence = (), table_states: Sequence[tuple] = ()) -> None:
     """What a restore sends the servers, checked as they check it (values
     finite unless the variable allows otherwise; a table's rows as
-    psserver.dynamic_table.check_rows takes them: distinct keys, finite
+    psserver.core.dynamic_table.check_rows takes them: distinct keys, finite
     rows and slots, ages and counts >= 0, its step past every age), so that
     a checkpoint they would refuse is refused (CheckpointError) before any
     of them is written."""
-    from psserver import optimizers as optim
-    from psserver.contract import InvalidArgument
-    from psserver.table_format import check_rows, slot_layout
-    from psserver.variable import all_finite
+    from psserver.contract import optimizers as optim
+    from psserver.contract.checkpoint_format import check_rows, slot_layout
+    from psserver.contract.tensor import all_finite
+    from psserver.errors import InvalidArgument
 
     for v, state in zip(variables, loaded):
         if not state["allow_nonfinite"] and not all_finite(state["value"]):
@@ -526,8 +526,8 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     # Every other array of the file, (shape, dtype) as the servers write them.
     want = {"keys": keys, "values": values}
     if not weights_only:
-        from psserver import optimizers as optim
-        from psserver.table_format import slot_layout
+        from psserver.contract import optimizers as optim
+        from psserver.contract.checkpoint_format import slot_layout
         init, per_row = slot_layout(optim.make_optimizer(t.optimizer, {}), t.dim,
                                     np.dtype(t.dtype))
         want.update({"age_steps": ((rows,), np.int64), "age_seconds": ((rows,), np.float64),

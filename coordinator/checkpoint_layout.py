@@ -9,8 +9,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from coordinator import variables as V
-from coordinator.checkpoint import CheckpointError
-
+from coordinator.checkpoint_files import CheckpointError
 
 # -- plans from a parameter-server listing (the operator CLI: coordinator checkpoint ...) ------
 _PART_RE = re.compile(r"^(?P<base>.+)/part_(?P<index>0|[1-9]\d*)$")

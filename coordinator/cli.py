@@ -60,14 +60,29 @@ import sys
 import tempfile
 from typing import Mapping
 
-from coordinator import checkpoint as C
 from coordinator import evaluation
-from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
-                                      Refreshing, TFConfigClusterResolver, parse_tf_config)
+from coordinator.checkpoint_files import CheckpointError
 from coordinator.cli_checkpoint import _ckpt_list, _ckpt_restore, _ckpt_save, _export
-from coordinator.cli_ops import (EXIT_CONFIG, EXIT_FAILURE, EXIT_NOT_READY, NotReady,
-                                 OperatorError, _ps_health, _ps_list, check_health, wait_ready)
-from psserver.server import TOKEN_ENV, join_host_port
+from coordinator.cli_ops import (
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_NOT_READY,
+    NotReady,
+    OperatorError,
+    _ps_health,
+    _ps_list,
+    check_health,
+    wait_ready,
+)
+from coordinator.cluster_spec import (
+    TF_CONFIG_ENV,
+    TF_CONFIG_FILE_ENV,
+    ClusterConfigError,
+    Refreshing,
+    TFConfigClusterResolver,
+    parse_tf_config,
+)
+from psserver.contract import TOKEN_ENV, join_host_port
 
 _MODULES = {"ps": "psserver", "worker": "psworker"}
 
@@ -232,7 +247,7 @@ def _operator(args) -> int:
     except OperatorError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return exc.code
-    except C.CheckpointError as exc:
+    except CheckpointError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 

@@ -10,12 +10,26 @@ import sys
 import time
 import types
 
-
-from coordinator import checkpoint as C
 from coordinator import checkpoint_layout as L
+from coordinator.checkpoint_files import (
+    CheckpointError,
+    chain_of,
+    find_checkpoints,
+    read_manifest,
+)
+from coordinator.checkpoint_io import restore_checkpoint, write_checkpoint
+from coordinator.cli_ops import (
+    EXIT_OK,
+    OperatorError,
+    Target,
+    _explain_error,
+    _listing_or_fail,
+    _print_json,
+    _table,
+    human_bytes,
+    target_from_args,
+)
 from coordinator.cluster_spec import ClusterConfigError
-from coordinator.cli_ops import (EXIT_OK, OperatorError, Target, _explain_error, _listing_or_fail,
-                                 _print_json, _table, human_bytes, target_from_args)
 from psserver.client import PSClient
 from psserver.errors import PSError
 
@@ -33,7 +47,7 @@ def _held(target, not_done: str, nothing: str):
     try:
         layout = L.layout_from_listing(listing)
         tables = _tables(target)
-    except C.CheckpointError as exc:
+    except CheckpointError as exc:
         raise OperatorError(f"{exc}\n{not_done}. Check that {target.source} lists "
                             "every parameter server.") from None
     if not layout and not tables:
@@ -57,7 +71,7 @@ def _ckpt_save(args) -> int:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
         raise OperatorError(f"cannot create checkpoint directory {directory}: {exc}") from None
-    existing = C.find_checkpoints(directory)
+    existing = find_checkpoints(directory)
     if args.step is not None:
         step = args.step
     else:
@@ -67,10 +81,10 @@ def _ckpt_save(args) -> int:
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
     with _Clients(target) as clients:
         try:
-            final, nbytes = C.write_checkpoint(directory, step, layout, clients.get,
+            final, nbytes = write_checkpoint(directory, step, layout, clients.get,
                                                ps_index=ps_index, extra=extra, replace=False,
                                                tables=tables)
-        except C.CheckpointError as exc:
+        except CheckpointError as exc:
             raise OperatorError(f"{exc}\nNo checkpoint written.") from None
         except PSError as exc:
             raise OperatorError(
@@ -108,7 +122,7 @@ def _checkpoint_path(directory: str, path: str | None) -> str:
                             f"{directory}` shows the checkpoints")
     if not os.path.isdir(directory):
         raise OperatorError(f"no checkpoint found: {directory} does not exist")
-    found = C.find_checkpoints(directory)
+    found = find_checkpoints(directory)
     if not found:
         raise OperatorError(f"no checkpoint found in {directory}: no ckpt-NNNNNNNN/ directory "
                             "with a manifest.json (unfinished ckpt-*.tmp-* saves do not count)")
@@ -160,15 +174,15 @@ def _ckpt_restore(args) -> int:
     directory = os.path.abspath(args.directory)
     path = _checkpoint_path(directory, args.path)
     try:
-        manifest = C.read_manifest(path)
-    except C.CheckpointError as exc:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
         raise OperatorError(str(exc)) from None
     listing = _listing_or_fail(target)
     try:
         layout = L.layout_from_listing(listing)
         tables = _tables(target)
         plan = L.restore_plan(layout, manifest, path)
-    except C.CheckpointError as exc:
+    except CheckpointError as exc:
         raise OperatorError(
             f"{exc}\nNothing was restored. `coordinator checkpoint restore` overwrites each "
             "shard by name, so the checkpoint must have the layout of the variables on the "
@@ -179,8 +193,8 @@ def _ckpt_restore(args) -> int:
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
     with _Clients(target) as clients:
         try:   # everything read and checked first; nothing written on a bad checkpoint
-            C.restore_checkpoint(path, layout, clients.get, tables=tables)
-        except C.CheckpointError as exc:
+            restore_checkpoint(path, layout, clients.get, tables=tables)
+        except CheckpointError as exc:
             raise OperatorError(str(exc)) from None
         except PSError as exc:
             raise OperatorError(
@@ -190,7 +204,7 @@ def _ckpt_restore(args) -> int:
                 "failure hold the checkpoint, the others their own state. Fix the cause and "
                 "restore again.") from None
     nvars = len({v.name for v, _, _ in plan})
-    chain = [os.path.basename(p) for p, _ in C.chain_of(path)]
+    chain = [os.path.basename(p) for p, _ in chain_of(path)]
     if args.json:
         _print_json({"path": path, "step": manifest.get("step"), "extra": manifest.get("extra", {}),
                      "variables": nvars, "shards": len(plan), "chain": chain})
@@ -205,7 +219,7 @@ def _ckpt_restore(args) -> int:
 def _ckpt_list(args) -> int:
     directory = os.path.abspath(args.directory)
     out = []
-    for path in C.find_checkpoints(directory):
+    for path in find_checkpoints(directory):
         try:
             with open(os.path.join(path, "manifest.json")) as f:
                 m = json.load(f)
@@ -271,7 +285,7 @@ def _export(args) -> int:
                 started = time.monotonic()
                 try:
                     path = exporter.export()
-                except C.CheckpointError as exc:
+                except CheckpointError as exc:
                     raise OperatorError(f"{exc}\nNothing exported.") from None
                 except PSError as exc:
                     raise OperatorError(
@@ -283,7 +297,7 @@ def _export(args) -> int:
                 except OSError as exc:
                     raise OperatorError(f"cannot write under {directory}: {exc}") from None
                 done += 1
-                manifest = C.read_manifest(path)
+                manifest = read_manifest(path)
                 nbytes = sum(e.get("bytes", 0) for section in ("variables", "tables")
                              for info in manifest.get(section, {}).values()
                              for e in info["shards"])

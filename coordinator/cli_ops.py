@@ -16,19 +16,23 @@ from typing import Any, Callable, Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator import checkpoint as C
 from coordinator import checkpoint_layout as L
+from coordinator.checkpoint_files import CheckpointError
+from coordinator.cluster_spec import (
+    TF_CONFIG_ENV,
+    TF_CONFIG_FILE_ENV,
+    ClusterConfigError,
+    NoClusterDescription,
+    TFConfigClusterResolver,
+)
 from coordinator.diagnose import advice, reachability
-from coordinator.cluster_spec import (TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError,
-                                      NoClusterDescription, TFConfigClusterResolver)
 from protos.pstrain.v1 import worker_pb2
-from psserver import methods
 from psserver.client import PSClient
-from psserver.contract import Code
-from psserver.errors import PSError
+from psserver.contract import TOKEN_ENV, TOKEN_METADATA_KEY
+from psserver.errors import Code, PSError
+from psserver.link import methods
 from psserver.link.channel import TaskChannel
 from psserver.link.transport import from_rpc_error
-from psserver.server import TOKEN_ENV, TOKEN_METADATA_KEY
 from psserver.tls import CA_ENV, CERT_ENV, KEY_ENV, TLSConfig, make_channel
 
 #: Exit statuses of every `coordinator` command.
@@ -308,7 +312,7 @@ def _ps_list(args) -> int:
         try:
             for v in L.layout_from_listing(good):
                 cuts.update({s.name: (s.offset, s.rows) for s in v.shards if v.shape})
-        except C.CheckpointError:
+        except CheckpointError:
             pass   # not one consistent layout: shown without row ranges
     servers, grand = [], {"variables": 0, "value_bytes": 0, "slot_bytes": 0, "bytes": 0}
     for i, addr, metas, err in listing:

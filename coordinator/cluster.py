@@ -38,8 +38,7 @@ import uuid
 import weakref
 from typing import Callable
 
-from coordinator import serialization
-from coordinator import sharded
+from coordinator import serialization, sharded
 from coordinator.closures import Closure, RemoteValue, StepRemoteValue, _ClosureQueue
 from coordinator.datasets import PerWorkerDataset
 from coordinator.recovery import _PSRecovery, _PSWatch

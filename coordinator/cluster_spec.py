@@ -18,10 +18,13 @@ import os
 import threading
 from typing import Any, Mapping
 
-from psserver import tf_config
-from psserver.server import TOKEN_ENV
-from psserver.tf_config import (  # noqa: F401  (re-exported: they were defined here)
-    TF_CONFIG_ENV, TF_CONFIG_FILE_ENV, ClusterConfigError, TaskId)
+from psserver.contract import TOKEN_ENV, tf_config
+from psserver.contract.tf_config import (
+    TF_CONFIG_ENV,
+    TF_CONFIG_FILE_ENV,
+    ClusterConfigError,
+    TaskId,
+)
 
 ROLES = tf_config.JOBS
 
@@ -110,7 +113,7 @@ def _check_roles(cluster: Mapping[str, Any]) -> None:
 
 
 def parse_tf_config(text: str) -> tuple[ClusterSpec, TaskId | None]:
-    """(cluster spec, this task) from TF_CONFIG JSON text (psserver/tf_config.py)."""
+    """(cluster spec, this task) from TF_CONFIG JSON text (psserver/contract/tf_config.py)."""
     cluster, task = tf_config.parse(text)
     return ClusterSpec.from_dict(cluster, token=os.environ.get(TOKEN_ENV) or None), task
 

@@ -55,7 +55,7 @@ import threading
 
 import numpy as np
 
-from psserver import tensor as T
+from psserver.contract import tensor as T
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)   # 65504
 

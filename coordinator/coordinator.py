@@ -56,12 +56,17 @@ from __future__ import annotations
 from typing import Callable
 
 from coordinator import metrics as _metrics
+from coordinator.closures import (  # noqa: F401  (re-exported)
+    ABANDONED,
+    Closure,
+    RemoteValue,
+    RemoteValueStatus,
+    StepRemoteValue,
+)
 from coordinator.cluster import Cluster
 from coordinator.datasets import PerWorkerDataset
 from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.strategy import ParameterServerStrategy
-from coordinator.closures import (ABANDONED, Closure, RemoteValue,  # noqa: F401  (re-exported)
-                                  RemoteValueStatus, StepRemoteValue)
 
 
 def _setting(name: str) -> property:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from psserver.keys import mix64   # splitmix64's finalizer: the ids' hash
+from psserver.contract.keys import mix64  # splitmix64's finalizer: the ids' hash
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 #: Values of each categorical feature (Criteo's 26 run from 3 to ~10M).

@@ -79,7 +79,7 @@ class DockerCluster:
             raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
         if num_workers < 0:
             raise ValueError("num_workers must be >= 0")
-        import docker   # only here: the rest of the package does not need it
+        import docker  # only here: the rest of the package does not need it
         self._docker = docker
         self.client = client or docker.from_env()
         self.client.images.get(image)   # ImageNotFound now, not per container

@@ -2,8 +2,8 @@
 
 A table keyed by any int64 (hashes of feature strings), its keys spread
 over every parameter server by a hash of the key
-(psserver.keys.shard_of), each server holding its shard
-(psserver/table_store.py: admission, eviction, the optimizer's slots).
+(psserver.contract.keys.shard_of), each server holding its shard
+(psserver/core/table_store.py: admission, eviction, the optimizer's slots).
 ``ParameterServerStrategy.create_embedding_table`` makes one.
 
 Like a ShardedVariable, a ``DynamicEmbedding`` is a small picklable
@@ -30,7 +30,7 @@ Modes (coordinator.replica): in a sync step, look-ups wait for the
 previous step on each shard, and every shard gets this replica's update
 (an empty one counts), gathered with the other replicas' and applied once
 (their sum, or mean: the strategy's aggregation) when the step is complete
-(psserver/tables.py); with replication both copies get it. In async,
+(psserver/serve/tables.py); with replication both copies get it. In async,
 bounded and hybrid modes look-ups never wait and updates apply on arrival.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 from coordinator.ps_pool import servers
 from coordinator.step_calls import IndexedSlices, Lookup, _Push, _Read
 from psserver.contract import BACKUP_PREFIX, TABLE_PREFIX
-from psserver.keys import shard_of
+from psserver.contract.keys import shard_of
 from psserver.link.pending import Pending
 
 

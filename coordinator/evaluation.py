@@ -210,7 +210,7 @@ def read_checkpoint(path: str) -> Checkpoint:
     (an incremental checkpoint composed with its chain; each file checked
     against its manifest: CheckpointError)."""
     from coordinator.checkpoint_files import chain_of, load_variable
-    from coordinator.serving import _spec   # what the loaders need of a variable
+    from coordinator.serving import _spec  # what the loaders need of a variable
 
     chain = chain_of(path)
     manifest = chain[-1][1]

@@ -32,8 +32,8 @@ from concurrent import futures
 from typing import Any, Callable, Sequence
 
 from coordinator.cluster_spec import ClusterSpec
+from psserver.contract import TOKEN_ENV
 from psserver.process import TaskProcess, start_task
-from psserver.server import TOKEN_ENV
 from psserver.tls import TLSConfig, generate_self_signed
 
 

@@ -44,8 +44,8 @@ from typing import Callable, Sequence
 
 from coordinator.routes import Routes
 from psserver.client import PSClient
-from psserver.contract import (TOKEN_ENV, DeadlineExceeded, NotFound, NotPrimary, PSError,
-                               Unavailable)
+from psserver.contract import TOKEN_ENV
+from psserver.errors import DeadlineExceeded, NotFound, NotPrimary, PSError, Unavailable
 from psserver.link.pending import Pending
 from psserver.tls import TLSConfig
 

@@ -21,7 +21,7 @@
   shard gets its backup there again (the primary copies its state), and the
   primaries it held when created are handed back (a planned hand-over, so
   the layout is as created and the load even). No acknowledged update is
-  lost (psserver.replication).
+  lost (psserver.core.replication).
 
 The planners (``plan_failover``, ``plan_rebuild``, ``plan_failback``) are
 pure functions of what the servers report (``Copies``), tested as tables;
@@ -40,7 +40,16 @@ from typing import Sequence
 from coordinator import metrics as _metrics
 from coordinator import ps_pool
 from coordinator.errors import ParameterServerLost, WorkerCallError
-from psserver import replication as R
+from psserver.contract import (
+    ACTION_NAMES,
+    DEMOTE,
+    DROP_BACKUP,
+    PROMOTE,
+    ROLE_BACKUP,
+    ROLE_PRIMARY,
+    SET_BACKUP,
+    Peer,
+)
 from psserver.errors import PSError
 
 log = logging.getLogger("coordinator")
@@ -81,11 +90,11 @@ class Change:
     name: str
     action: int
     epoch: int
-    peer: R.Peer | None = None
+    peer: Peer | None = None
 
 
-def _peer(shard) -> R.Peer:
-    return R.Peer(shard.address, shard.name)
+def _peer(shard) -> Peer:
+    return Peer(shard.address, shard.name)
 
 
 def plan_failover(pairs: Sequence[Copies], lost: str) -> list[Change]:
@@ -98,10 +107,10 @@ def plan_failover(pairs: Sequence[Copies], lost: str) -> list[Change]:
         here, _, there, there_meta = p.on(lost)
         if here.address != lost or there_meta is None:
             continue
-        if there_meta.role == R.ROLE_BACKUP:
-            out.append(Change(there.address, there.name, R.PROMOTE, p.epoch + 1))
+        if there_meta.role == ROLE_BACKUP:
+            out.append(Change(there.address, there.name, PROMOTE, p.epoch + 1))
         elif there_meta.backup is not None:
-            out.append(Change(there.address, there.name, R.DROP_BACKUP, p.epoch + 1))
+            out.append(Change(there.address, there.name, DROP_BACKUP, p.epoch + 1))
     return out
 
 
@@ -115,11 +124,11 @@ def plan_rebuild(pairs: Sequence[Copies], returned: str) -> list[Change]:
         here, here_meta, there, there_meta = p.on(returned)
         if here.address != returned or there_meta is None:
             continue
-        there_primary = there_meta.role == R.ROLE_PRIMARY and (
-            here_meta is None or here_meta.role != R.ROLE_PRIMARY
+        there_primary = there_meta.role == ROLE_PRIMARY and (
+            here_meta is None or here_meta.role != ROLE_PRIMARY
             or there_meta.epoch > here_meta.epoch)
         if there_primary and there_meta.backup is None:
-            out.append(Change(there.address, there.name, R.SET_BACKUP, p.epoch + 1, _peer(here)))
+            out.append(Change(there.address, there.name, SET_BACKUP, p.epoch + 1, _peer(here)))
     return out
 
 
@@ -130,14 +139,14 @@ def plan_failback(pairs: Sequence[Copies]) -> list[tuple[Change, Change]]:
     out = []
     for p in pairs:
         o, c = p.other_meta, p.created_meta
-        if o is None or c is None or o.role != R.ROLE_PRIMARY or c.role != R.ROLE_BACKUP:
+        if o is None or c is None or o.role != ROLE_PRIMARY or c.role != ROLE_BACKUP:
             continue
         if o.backup is None or (o.backup.address, o.backup.name) != (p.created.address,
                                                                      p.created.name):
             continue
         e = p.epoch + 1
-        out.append((Change(p.other.address, p.other.name, R.DEMOTE, e),
-                    Change(p.created.address, p.created.name, R.PROMOTE, e, _peer(p.other))))
+        out.append((Change(p.other.address, p.other.name, DEMOTE, e),
+                    Change(p.created.address, p.created.name, PROMOTE, e, _peer(p.other))))
     return out
 
 
@@ -162,7 +171,7 @@ def apply_changes(changes: Sequence[Change]) -> None:
         by_addr.setdefault(c.address, []).append(c)
     for addr, cs in by_addr.items():
         log.info("replication: %s on %s", ", ".join(
-            f"{R.ACTION_NAMES[c.action]} {c.name} (epoch {c.epoch})" for c in cs), addr)
+            f"{ACTION_NAMES[c.action]} {c.name} (epoch {c.epoch})" for c in cs), addr)
         client_for(addr).reconfigure([(c.name, c.action, c.epoch, c.peer) for c in cs],
                                      timeout=CHANGE_SECONDS)
 

@@ -4,7 +4,7 @@ With ``replication=True`` each shard has two copies: ``v.shards[k]`` (its
 primary when created) and ``v.backups[k]``. The coordinator moves the
 primary role between them (a failover promotes the backup, a fail-back
 hands the role back; see coordinator.recovery), fenced by epochs on the
-servers (psserver.replication). A ShardedVariable (or DynamicEmbedding) is a
+servers (psserver.core.replication). A ShardedVariable (or DynamicEmbedding) is a
 picklable description that workers keep, so it does not change; instead
 every process keeps this table (in its ParameterServers,
 coordinator/ps_pool.py) of shards whose primary is the backup copy now, and

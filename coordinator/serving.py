@@ -40,9 +40,15 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from coordinator.checkpoint_files import (CheckpointError, advance_shard, advance_table_shard,
-                                          chain_of, find_checkpoints, load_table_shards,
-                                          load_variable)
+from coordinator.checkpoint_files import (
+    CheckpointError,
+    advance_shard,
+    advance_table_shard,
+    chain_of,
+    find_checkpoints,
+    load_table_shards,
+    load_variable,
+)
 
 log = logging.getLogger("coordinator.serving")
 
@@ -223,7 +229,7 @@ class Snapshot:
         the parameter servers answer for keys not admitted); of a variable (a
         fixed table), row ``keys[i]`` (IndexError out of range). KeyError for
         an unknown name; ValueError for keys that are not integers."""
-        from psserver.keys import check_keys, shard_of
+        from psserver.contract.keys import check_keys, shard_of
         state = self._state
         try:
             keys = check_keys(keys)

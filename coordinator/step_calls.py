@@ -40,9 +40,9 @@ from coordinator.ps_pool import Op, servers
 from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
 from psserver.client.results import TableGradient, TableLookup
-from psserver.contract import InvalidArgument
-from psserver.keys import check_keys
-from psserver.rows import take_rows
+from psserver.contract.keys import check_keys
+from psserver.contract.rows import take_rows
+from psserver.errors import InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +240,7 @@ def read_value_dtype(compression) -> str:
     """ReadRequest.value_dtype for read_variables' ``compression``."""
     if compression is None:
         return ""
-    from coordinator.compression import FP16   # only when compression is used
+    from coordinator.compression import FP16  # only when compression is used
     if compression == "fp16" or isinstance(compression, FP16):
         return "float16"
     raise ValueError(f'read compression must be None or "fp16", got {compression!r}')
@@ -512,7 +512,7 @@ class _Push:
         """Compressed once (top-k's error feedback changes with every call):
         dense parts fp16/bf16, or top-k's chosen rows (row-wise updates of
         their own, each keyed)."""
-        from coordinator import compression as C   # only when compression is used
+        from coordinator import compression as C  # only when compression is used
         spec = C.resolve(compression)
         if spec is None:
             self.__init__(pairs)

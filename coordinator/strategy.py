@@ -18,16 +18,24 @@ import numpy as np
 
 from coordinator import ps_pool, step_calls
 from coordinator import variables as V
+from coordinator.cluster_spec import (
+    ClusterConfigError,
+    ClusterSpec,
+    TFConfigClusterResolver,
+)
 from coordinator.diagnose import CONNECT_SECONDS, not_answering
-from coordinator.cluster_spec import ClusterConfigError, ClusterSpec, TFConfigClusterResolver
 from coordinator.embedding import DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
+from psserver.contract import (
+    BACKUP_PREFIX,  # backup shards: "_backup/<shard name>"
+    ROLE_PRIMARY,
+    SET_BACKUP,
+    TOKEN_ENV,
+    Initializer,
+    Peer,
+    SyncSpec,
+)
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
-from psserver.replication import ROLE_PRIMARY, SET_BACKUP, Peer
-from psserver.server import TOKEN_ENV
-from psserver.contract import BACKUP_PREFIX   # backup shards: "_backup/<shard name>"
-from psserver.contract import Initializer
-from psserver.contract import SyncSpec
 from psserver.tls import TLSConfig
 
 MODES = ("async", "sync", "hybrid", "bounded")
@@ -152,7 +160,7 @@ class ParameterServerStrategy:
         abandoned at once. 0: wait for every replica.
       staleness: bounded mode: the bound s (required).
       replication: keep a backup of every shard on the next parameter server
-        (chain replication, psserver/replication.py): a push goes to the
+        (chain replication, psserver/core/replication.py): a push goes to the
         shard's primary, which applies it, forwards exactly what it applied to
         the backup, and acknowledges once the backup has it. The copies are
         bit-identical at every acknowledged version, for every optimizer, so
@@ -433,7 +441,7 @@ class ParameterServerStrategy:
                                seed: int = 0) -> DynamicEmbedding:
         """A dynamic embedding table keyed by any int64, its keys spread over
         every parameter server by hash (coordinator/embedding.py,
-        psserver/dynamic_table.py). A key gets a row on its ``min_count``-th
+        psserver/core/dynamic_table.py). A key gets a row on its ``min_count``-th
         look-up, then with ``probability`` per look-up; until then it reads as
         zeros and its gradients are dropped. ``capacity`` (0: none) bounds
         the rows of the whole table (each server holds capacity / servers,

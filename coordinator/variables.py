@@ -20,7 +20,7 @@ idempotency key (``update_id``), so a resent push is applied at most once:
 random, or inside a step of an exactly-once sharded dataset derived from
 its batch (coordinator/sharded.py), so a re-run of the batch sends the same.
 With replication, a push goes to the shard's primary copy, which forwards it
-to its backup and answers once the backup has it (psserver.replication); a
+to its backup and answers once the backup has it (psserver.core.replication); a
 call refused by a copy that is not primary (NotPrimary), or that cannot
 reach its server, is sent where the primary is now (coordinator.routes), with
 the same key.
@@ -51,10 +51,17 @@ from coordinator.calls import new_update_id
 from coordinator.ps_pool import Op, servers
 from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
-from coordinator.step_calls import (Lookup, _check_hybrid_kinds, distinct, int64_ids,
-                                    known_order, push_gradients, read_variables)
+from coordinator.step_calls import (
+    Lookup,
+    _check_hybrid_kinds,
+    distinct,
+    int64_ids,
+    known_order,
+    push_gradients,
+    read_variables,
+)
+from psserver.contract.rows import sum_duplicates, take_rows
 from psserver.link.transport import background
-from psserver.rows import sum_duplicates, take_rows
 
 
 # -- the variable ----------------------------------------------------------------
@@ -204,7 +211,7 @@ class ShardedVariable:
     def _sparse_split(self, ids, rows, sync=None) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
         """(shard index, local ids, rows, update_id) per shard with ids (every
         shard in sync mode: an empty push counts the replica). Duplicate ids
-        are summed here as a server would (psserver.optimizers.sum_duplicates:
+        are summed here as a server would (psserver.contract.optimizers.sum_duplicates:
         the same bits), so each shard gets sorted distinct ids. Made once per
         push: a push sent again after a route changed keeps its keys."""
         ids = int64_ids(ids)

@@ -3,7 +3,7 @@
 * ``_WorkerThread``  connects to its worker (GetWorkerInfo; a restarted worker
   is noticed by its id and gets its datasets again), takes closures from the
   Cluster (coordinator/cluster.py: when it may start one), sends them on its
-  TaskChannel (psserver/link/channel.py: the route psserver/routing.py plans
+  TaskChannel (psserver/link/channel.py: the route psserver/contract/routing.py plans
   from what the worker announced: its Unix socket, its data port, or gRPC),
   and decides what a failure means: the worker gone (re-queue, or abandon a
   sync replica) or the step failed.
@@ -25,13 +25,13 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator import serialization
-from coordinator.diagnose import not_answering
-from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
+from coordinator.diagnose import not_answering
+from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from protos.pstrain.v1 import worker_pb2
-from psserver import methods
-from psserver.contract import Code, PSError
+from psserver.errors import Code, PSError
+from psserver.link import methods
 from psserver.link.channel import TaskChannel
 
 if TYPE_CHECKING:

@@ -53,14 +53,23 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-from coordinator import (CheckpointCallback, CheckpointManager, ClusterCoordinator,
-                         IndexedSlices, Initializer, LocalCluster, Lookup,
-                         ParameterServerStrategy, TFConfigClusterResolver, push_gradients,
-                         read_variables)
+from coordinator import (
+    CheckpointCallback,
+    CheckpointManager,
+    ClusterCoordinator,
+    IndexedSlices,
+    Initializer,
+    LocalCluster,
+    Lookup,
+    ParameterServerStrategy,
+    TFConfigClusterResolver,
+    push_gradients,
+    read_variables,
+)
 from coordinator import ctr_data as D
-from coordinator.ps_pool import client_for
 from coordinator.fit import fit
 from coordinator.local import run_main
+from coordinator.ps_pool import client_for
 from coordinator.replica import get_replica_context
 from examples import dlrm as M
 

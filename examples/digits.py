@@ -40,12 +40,18 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, TFConfigClusterResolver, batches,
-                         read_variables)
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    TFConfigClusterResolver,
+    batches,
+    read_variables,
+)
 from coordinator.fit import fit
-from coordinator.plots import try_plot_history
 from coordinator.local import run_main
+from coordinator.plots import try_plot_history
 from examples.nn import LOSSES, MLP, make_train_step
 
 #: Where runs with a local cluster keep their files: a directory per run under it.

@@ -125,8 +125,8 @@ def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
 def sum_rows(ids: np.ndarray, row_grads) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique int64 ids, their row gradients summed) from ids (n, 26)
     and row gradients as ``loss_and_grads`` returns them (array or list):
-    one row per id, ready for a sparse push (psserver.optimizers.sum_duplicates)."""
-    from psserver.rows import sum_duplicates
+    one row per id, ready for a sparse push (psserver.contract.optimizers.sum_duplicates)."""
+    from psserver.contract.rows import sum_duplicates
     return sum_duplicates(np.asarray(ids).reshape(-1), _rows(row_grads).reshape(-1, DIM))
 
 

@@ -28,8 +28,16 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-from coordinator import (ClusterCoordinator, IndexedSlices, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, batches, push_gradients, read_variables)
+from coordinator import (
+    ClusterCoordinator,
+    IndexedSlices,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    batches,
+    push_gradients,
+    read_variables,
+)
 from coordinator.local import run_main
 from examples.nn import dense, dense_backward, sigmoid_cross_entropy
 

@@ -19,8 +19,14 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, batches, read_variables)
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    batches,
+    read_variables,
+)
 from coordinator.local import run_main
 from examples.nn import MLP, make_train_step
 

@@ -51,10 +51,16 @@ except ModuleNotFoundError as exc:
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator import (ClusterCoordinator, LocalCluster, MinSizePartitioner,
-                         ParameterServerStrategy, TFConfigClusterResolver, batches)
-from coordinator.torch_bridge import TorchModelBridge
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    MinSizePartitioner,
+    ParameterServerStrategy,
+    TFConfigClusterResolver,
+    batches,
+)
 from coordinator.local import run_main
+from coordinator.torch_bridge import TorchModelBridge
 from examples.digits import load_data
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from psserver.server import main
+from psserver.serve.server import main
 
 sys.exit(main())

@@ -26,21 +26,46 @@ import time
 import traceback
 import uuid
 
-from coordinator import datasets, serialization, sharded
-from coordinator.replica import replica_scope
-from psserver.contract import SyncSpec
+from coordinator import datasets, serialization, sources
 from coordinator.cluster_spec import ClusterConfigError
+from coordinator.replica import replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import ipc_server, methods, routing, rpc, tf_config
 from psserver import metrics as M
 from psserver import tls as TLS
-from psserver.contract import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                               PermissionDenied, Unavailable, WorkerRestarted)
-from psserver.server import (INSECURE_FLAG, TOKEN_ENV, TaskSetupError, add_auth_argument,
-                             add_cpus_argument, add_data_port_argument,
-                             add_log_level_argument, check_auth, data_port_of, help_formatter,
-                             join_host_port, make_server, serve, task_epilog, task_setup)
-from psserver.contract import PROTOCOL_VERSION
+from psserver.contract import (
+    PROTOCOL_VERSION,
+    TOKEN_ENV,
+    SyncSpec,
+    join_host_port,
+    routing,
+    tf_config,
+)
+from psserver.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    WorkerRestarted,
+)
+from psserver.link import methods
+from psserver.serve import ipc_server, rpc, task_metrics
+from psserver.serve.server import (
+    INSECURE_FLAG,
+    TaskSetupError,
+    add_auth_argument,
+    add_cpus_argument,
+    add_data_port_argument,
+    add_log_level_argument,
+    check_auth,
+    data_port_of,
+    help_formatter,
+    make_server,
+    serve,
+    task_epilog,
+    task_setup,
+)
 
 log = logging.getLogger("psworker")
 
@@ -52,13 +77,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     started with --insecure-no-auth): only then does it run any function, by
     name or by value, or unpickle arguments beyond plain data. Running a
     closure is running code: a worker without a token runs none.
-    ``metrics``: a psserver.metrics.WorkerMetrics counting the closures run."""
+    ``metrics``: a psserver.serve.task_metrics.WorkerMetrics counting the closures run."""
 
-    def __init__(self, trusted: bool, metrics: "M.WorkerMetrics | None" = None):
+    def __init__(self, trusted: bool, metrics: "task_metrics.WorkerMetrics | None" = None):
         self.trusted = trusted
         self.metrics = metrics
         self.worker_id = uuid.uuid4().hex
-        self.ipc_socket = ""   # set by main when it serves its Unix socket (psserver/ipc_server.py)
+        self.ipc_socket = ""   # set by main when it serves its Unix socket (psserver/serve/ipc_server.py)
         self.data_port = 0     # likewise, its data port
         self.address = "(this one)"   # and where it listens, for error messages
         self._count = 0
@@ -120,7 +145,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def RunClosure(self, request, context):
         self._check_fence(request.worker_id, context)
         fn = self._function(request.fn, context)
-        sharded.check_assignments(request.batches)
+        sources.check_assignments(request.batches)
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)
         except ModuleNotFoundError as exc:
@@ -136,7 +161,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if m is not None:
             m.running.inc()
         try:
-            with replica_scope(sync), sharded.batch_scope(request.batches):
+            with replica_scope(sync), sources.batch_scope(request.batches):
                 result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
@@ -154,7 +179,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def _add_worker(servicer: WorkerServicer, server) -> None:
-    """The Worker service, its requests parsed by its handlers (psserver/rpc.py)."""
+    """The Worker service, its requests parsed by its handlers (psserver/serve/rpc.py)."""
     rpc.add_service(server, worker_pb2.DESCRIPTOR.services_by_name["Worker"], servicer)
 
 
@@ -214,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     worker_metrics = rpc_metrics = None
     if served is not None:
-        worker_metrics, rpc_metrics = M.WorkerMetrics(served[0]), M.RpcMetrics(served[0])
+        worker_metrics, rpc_metrics = task_metrics.WorkerMetrics(served[0]), task_metrics.RpcMetrics(served[0])
     try:
         handle = make_server(address, WorkerServicer(trusted=token is not None
                                                      or args.insecure_no_auth,

@@ -5,7 +5,7 @@ adagrad.py, adam.py, ftrl.py), one readable statement per formula, with no impor
 ``psserver``: the end-to-end tests compare what a real parameter server
 computes with what these give.
 
-Conventions (those of the service, see docs of ``psserver.optimizers``):
+Conventions (those of the service, see docs of ``psserver.contract.optimizers``):
 
 * Hyper-parameters are cast to the variable's dtype, arithmetic runs in it.
 * ``momentum`` is Keras ``SGD(momentum=..., nesterov=...)``; ``nesterov`` is

@@ -18,12 +18,21 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
-from psserver import methods, routing, wire
-from psserver import tensor as T
 from psserver.client.results import SizeCache, meta_from_proto
-from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-                               DEFAULT_STREAM_THRESHOLD_BYTES, MESSAGE_OVERHEAD, Initializer,
-                               InvalidArgument, Peer, VariableMeta)
+from psserver.contract import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_STREAM_THRESHOLD_BYTES,
+    MESSAGE_OVERHEAD,
+    Initializer,
+    Peer,
+    VariableMeta,
+    routing,
+    wire,
+)
+from psserver.errors import InvalidArgument
+from psserver.link import methods
+from psserver.link import tensor_proto as TP
 from psserver.link.channel import DEFAULT_TIMEOUT, TaskChannel
 from psserver.link.frames import MAX_FRAME_BYTES
 from psserver.tls import TLSConfig
@@ -35,7 +44,7 @@ def table_spec(dim: int, *, dtype: str = "float32",
                probability: float = 1.0, capacity: int = 0, policy: str = "lru",
                max_age_steps: int = 0, max_age_seconds: float = 0.0,
                admission_capacity: int = 0, seed: int = 0) -> tables_pb2.TableSpec:
-    """A TableSpec (see psserver/dynamic_table.py for what each field does)."""
+    """A TableSpec (see psserver/core/dynamic_table.py for what each field does)."""
     if isinstance(initializer, str):
         initializer = Initializer(kind=initializer)
     return tables_pb2.TableSpec(
@@ -65,7 +74,7 @@ class PSAdmin:
       wait_for_ready: queue gRPC calls until the server is up instead of
         failing with UNAVAILABLE at once (useful while a cluster starts).
       shared_memory: use the server's same-host socket and shared memory
-        where its route allows (psserver/routing.py: same host, network
+        where its route allows (psserver/contract/routing.py: same host, network
         namespace and user; segments also need the same pid namespace).
         ``PSTRAIN_SHM=0`` turns it off: the client then plans as if on
         another host.
@@ -104,7 +113,7 @@ class PSAdmin:
 
     @property
     def route(self) -> routing.Plan:
-        """How calls reach the server (psserver/routing.py): ``socket`` "unix",
+        """How calls reach the server (psserver/contract/routing.py): ``socket`` "unix",
         "tcp" or "" (gRPC only), ``shm``, and ``why``. Asks the server once."""
         return self.channel.plan
 
@@ -167,7 +176,7 @@ class PSAdmin:
         variable starts at zeros. Restoring: ``slots`` (every optimizer
         slot, by name), ``version``, and ``overwrite`` to replace an
         existing variable's state at once. Replication
-        (psserver.replication): ``backup`` (a Peer) makes a primary that
+        (psserver.core.replication): ``backup`` (a Peer) makes a primary that
         copies its state there before answering; ``role``, ``epoch`` and
         ``sync_steps`` are set by a primary copying its state.
         Raises InvalidArgument, AlreadyExists, ResourceExhausted.
@@ -202,9 +211,9 @@ class PSAdmin:
         tensors = arrays + [v for _, v in slot_items]
         streamed = not self._fits(sum(a.nbytes for a in tensors))
         if arrays:
-            T.fill(req.initial_value, arrays[0], with_data=not streamed)
+            TP.fill(req.initial_value, arrays[0], with_data=not streamed)
         for k, v in slot_items:
-            T.fill(req.slots.add(name=k).tensor, v, with_data=not streamed)
+            TP.fill(req.slots.add(name=k).tensor, v, with_data=not streamed)
         if streamed:
             meta = self.channel.upload("create", req, tensors, timeout).created
         else:
@@ -226,7 +235,7 @@ class PSAdmin:
         streamed = not self._fits(sum(a.nbytes for a in arrays))
         req = ps_pb2.AssignRequest()
         for (name, _), a in zip(items, arrays):
-            T.fill(req.updates.add(name=name).tensor, a, with_data=not streamed)
+            TP.fill(req.updates.add(name=name).tensor, a, with_data=not streamed)
         if streamed:
             return list(self.channel.upload("assign", req, arrays).updated.versions)
         return list(self._call(methods.ASSIGN, req).versions)
@@ -260,12 +269,12 @@ class PSAdmin:
         """Sync mode: replica will not push for step; stop waiting for it."""
         self._call(methods.ABANDON, ps_pb2.AbandonRequest(step=step, replica=replica))
 
-    # -- replication (psserver.replication) -------------------------------------------
+    # -- replication (psserver.core.replication) -------------------------------------------
     def replicate(self, records: Sequence, timeout: float | None = None
                   ) -> list[tuple[str, int, int]]:
         """A primary's records to this server (its backup): (name, version,
         status) per variable, as VariableStore.replicate. Framed by hand
-        (psserver/wire.py: tensor bytes copied once), over the data port or
+        (psserver/contract/wire.py: tensor bytes copied once), over the data port or
         the same-host socket where there is one (a frame's worth), else
         gRPC (past the stream threshold: Upload's frames)."""
         nbytes = sum(r.nbytes for r in records)
@@ -278,12 +287,12 @@ class PSAdmin:
             for r in records:
                 m = req.records.add(name=r.name, epoch=r.epoch, version=r.version,
                                     update_id=r.update_id, sync_steps=r.sync_steps, kind=r.kind)
-                T.fill(m.tensor, r.tensor, with_data=False)
+                TP.fill(m.tensor, r.tensor, with_data=False)
                 arrays.append(r.tensor)
                 for field in ("ids", "evicted"):
                     a = getattr(r, field)
                     if a is not None:
-                        T.fill(getattr(m, field), a, with_data=False)
+                        TP.fill(getattr(m, field), a, with_data=False)
                         arrays.append(a)
             reply = self.channel.upload("replicate", req, arrays, timeout).replicated
         return [(a.name, a.version, int(a.status)) for a in reply.acks]
@@ -333,7 +342,7 @@ class PSAdmin:
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
                      timeout: float | None = None) -> int:
-        """Put rows (psserver.dynamic_table.DynamicTable.export's arrays) into
+        """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
         pieces that fit a message. Returns the rows the shard holds.
         ``replica`` (a primary's server copying its state to its backup:
@@ -350,11 +359,11 @@ class PSAdmin:
             if replica is not None:
                 req.replica.CopyFrom(tables_pb2.ReplicaCopy(complete=hi >= keys.size, **replica))
             for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
-                T.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
+                TP.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
             for key, a in state.items():
                 if key.startswith("slot/"):
                     a = np.asarray(a)
-                    T.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
+                    TP.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
                            a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows

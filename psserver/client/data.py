@@ -4,14 +4,14 @@ Workers and the coordinator reach every parameter server through this class:
 the data calls (reads, pushes, row look-ups, dynamic tables) here, on top of
 PSAdmin's control calls (psserver/client/admin.py), both over one
 TaskChannel (psserver/link/channel.py). Every method raises a subclass of
-``psserver.contract.PSError`` on failure, carrying the server's message.
+``psserver.errors.PSError`` on failure, carrying the server's message.
 
 Each data call is written once, non-blocking: ``x_async(...)`` sends the
 request now and returns a ``Pending`` (psserver/link/pending.py) whose
 ``result()`` is the value, as ps-lite's ``Wait(ts)``; the blocking ``x(...)``
 is ``x_async(...).result()``. How a call travels is decided once per call
 by ``routing.form`` from the route the channel planned and the call's size
-(psserver/routing.py): straight from the server's memory, through a
+(psserver/contract/routing.py): straight from the server's memory, through a
 shared-memory segment (psserver/client/segments.py), in one socket frame,
 in one gRPC message, or in gRPC's streams (tensors of any size; callers
 never see the difference).
@@ -29,17 +29,29 @@ from typing import Sequence
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import buffers, methods, routing, wire, wire_decode
-from psserver import tensor as T
 from psserver.client import large
 from psserver.client.admin import PSAdmin
-from psserver.client.results import (Snapshot, StepRead, TableGradient, TableLookup, as_ids,
-                                     filled, halved, set_sync, set_sync_read, sync_info)
+from psserver.client.results import (
+    Snapshot,
+    StepRead,
+    TableGradient,
+    TableLookup,
+    as_ids,
+    filled,
+    halved,
+    set_sync,
+    set_sync_read,
+    sync_info,
+)
 from psserver.client.segments import SegmentPath
-from psserver.contract import Code, InvalidArgument, PSError, SyncSpec
+from psserver.contract import SyncSpec, routing, wire, wire_decode
+from psserver.contract import tensor as T
+from psserver.contract.routing import DIRECT, FRAME, SEGMENT, STREAM
+from psserver.errors import Code, InvalidArgument, PSError
+from psserver.link import buffers, methods
+from psserver.link import tensor_proto as TP
 from psserver.link.pending import Pending, gathered
 from psserver.link.transport import background
-from psserver.routing import DIRECT, FRAME, SEGMENT, STREAM
 
 #: Dense pushes of at least this many bytes go over a socket from their
 #: arrays (wire.SCATTER, one sendmsg) instead of being copied into a frame:
@@ -100,7 +112,7 @@ class PSClient(PSAdmin):
         received straight into it). A read that fails may have written
         some of them (their contents are then undefined). With ``sync_step``
         (sync mode), the read waits while an earlier step is still being
-        gathered on a variable (see psserver.sync).
+        gathered on a variable (see psserver.core.sync).
 
         ``value_dtype="float16"``: float32/float64 values come rounded to
         float16 (clipped to +-65504), sent as float16 between hosts (half the
@@ -258,7 +270,7 @@ class PSClient(PSAdmin):
                                                              if f == FRAME else
                                                              self.limits.message_bytes))
         for name, ids in flat:
-            T.fill(req.gathers.add(name=name).ids, ids)
+            TP.fill(req.gathers.add(name=name).ids, ids)
         for t in tables:
             t.fill(req.table_lookups.add())
         set_sync_read(req, sync_step)
@@ -308,7 +320,7 @@ class PSClient(PSAdmin):
         ``result()`` is the list of versions after each update. The request is
         validated in full first: on an error nothing was applied. With
         ``sync`` (sync mode), the gradients join their step instead (see
-        psserver.sync); a late one is dropped and counted on the server.
+        psserver.core.sync); a late one is dropped and counted on the server.
         """
         return self._push(grads, (), sync)
 
@@ -421,8 +433,8 @@ class PSClient(PSAdmin):
             return self.channel.send(methods.PUSH_SPARSE, raw, post=_first_version)
         req = ps_pb2.PushSparseRequest(name=name, update_id=update_id)
         set_sync(req, sync)
-        T.fill(req.ids, ids, with_data=False)
-        T.fill(req.values, rows, with_data=False)
+        TP.fill(req.ids, ids, with_data=False)
+        TP.fill(req.values, rows, with_data=False)
         return background(lambda: self.channel.upload(
             "push_sparse", req, [ids, rows],
             large.stream_timeout(self.timeout, ids.nbytes + rows.nbytes)).updated.versions[0])

@@ -18,10 +18,17 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import methods, routing
-from psserver import tensor as T
-from psserver.client.results import (Snapshot, TableLookup, filled, set_sync, set_sync_read)
-from psserver.contract import InvalidArgument, SyncSpec
+from psserver.client.results import (
+    Snapshot,
+    TableLookup,
+    filled,
+    set_sync,
+    set_sync_read,
+)
+from psserver.contract import SyncSpec, routing
+from psserver.errors import InvalidArgument
+from psserver.link import methods
+from psserver.link import tensor_proto as TP
 
 if TYPE_CHECKING:
     from psserver.client.data import PSClient
@@ -34,7 +41,7 @@ def stream_timeout(timeout: float | None, nbytes: int) -> float | None:
 
 
 def _gathered_rows(reply) -> tuple[np.ndarray, int]:
-    return T.decode(reply.rows), reply.version
+    return TP.decode(reply.rows), reply.version
 
 
 def read_stream(client: "PSClient", names: Sequence[str], sync_step: int | None, value_dtype: str,
@@ -47,7 +54,7 @@ def read_stream(client: "PSClient", names: Sequence[str], sync_step: int | None,
     for f in client.channel.read_stream(req, stream_timeout(client.timeout, total)):
         if f.HasField("value"):
             v = f.value
-            dt, shape, n = T.spec(v.value)
+            dt, shape, n = TP.spec(v.value)
             buf = np.empty(n, np.uint8)
             fill = len(v.value.data)
             buf[:fill] = np.frombuffer(v.value.data, np.uint8)
@@ -73,7 +80,7 @@ def push_streamed(client: "PSClient", dense, sparse, sync: SyncSpec | None, tabl
         req = ps_pb2.PushRequest()
         set_sync(req, sync)
         for name, a, uid in dense:
-            T.fill(req.updates.add(name=name, update_id=uid).tensor, a, with_data=False)
+            TP.fill(req.updates.add(name=name, update_id=uid).tensor, a, with_data=False)
         out = list(client.channel.upload("push", req, [a for _, a, _ in dense],
                                        stream_timeout(client.timeout, sum(
                                            a.nbytes for _, a, _ in dense))).updated.versions)
@@ -95,7 +102,7 @@ def gather_split(client: "PSClient", name: str, ids: np.ndarray, sync_step: int 
     sent = []
     for i in range(0, ids.size, per_call):
         req = ps_pb2.GatherRequest(name=name)
-        T.fill(req.ids, ids[i:i + per_call])
+        TP.fill(req.ids, ids[i:i + per_call])
         set_sync_read(req, sync_step)
         sent.append(client.channel.send(methods.GATHER, req, post=_gathered_rows))
     parts = [p.result() for p in sent]

@@ -10,8 +10,10 @@ from typing import Sequence
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import tensor as T
-from psserver.contract import InvalidArgument, Peer, SyncSpec, VariableMeta
+from psserver.contract import Peer, SyncSpec, VariableMeta
+from psserver.contract import tensor as T
+from psserver.errors import InvalidArgument
+from psserver.link import tensor_proto as TP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,7 @@ class TableLookup:
     ReadRequest.table_lookups entry): ``keys`` (int64, any shape) and
     ``counts`` (how often each occurs in the batch); or bags of ``keys``
     (1-D): ``offsets`` (n + 1) and ``weights`` (one per key), pooled by the
-    server (psserver/bags.py). ``admit=False``: nothing counted, created or
+    server (psserver/core/bags.py). ``admit=False``: nothing counted, created or
     evicted; ``sync_step``: wait for earlier steps first; ``row_bytes``: a
     row's bytes, if known (the call's size is planned with it)."""
     name: str
@@ -49,11 +51,11 @@ class TableLookup:
     def fill(self, msg) -> None:
         """Fill a TableLookup message (ps.proto)."""
         msg.name, msg.no_admit = self.name, not self.admit
-        T.fill(msg.keys, self.keys)
+        TP.fill(msg.keys, self.keys)
         for field in ("counts", "offsets", "weights"):
             a = getattr(self, field)
             if a is not None:
-                T.fill(getattr(msg, field), np.asarray(a))
+                TP.fill(getattr(msg, field), np.asarray(a))
         if self.sync_step is not None:
             msg.sync.step = self.sync_step
 
@@ -62,7 +64,7 @@ class TableLookup:
 class TableGradient:
     """Row gradients of this server's shard of dynamic table ``name`` (a
     push's PushRequest.table_updates entry): one row per key of ``keys``
-    (1-D int64), or one per bag (``offsets``, ``weights``: psserver/bags.py);
+    (1-D int64), or one per bag (``offsets``, ``weights``: psserver/core/bags.py);
     applied once per non-zero ``update_id``; ``sync``: this replica's share
     of a step."""
     name: str

@@ -1,7 +1,7 @@
 """The same-host data path of a PSClient: shared-memory segments and direct reads.
 
-A client whose route has shared memory (psserver/routing.py) reads and
-pushes through segments it attaches (psserver/shm.py): the Unix socket
+A client whose route has shared memory (psserver/contract/routing.py) reads and
+pushes through segments it attaches (psserver/contract/shm.py): the Unix socket
 carries names, shapes and offsets, and the tensor bytes never cross a
 socket (``SegmentPath.read``, ``push``). Asynchronous reads copy straight
 from the server's memory (``SegmentPath.direct``: a seqlock, no call).
@@ -24,10 +24,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
-from psserver import methods, routing, shm, wire
-from psserver import tensor as T
 from psserver.client.results import dest, set_sync, set_sync_read
-from psserver.contract import Code, PSError, SyncSpec
+from psserver.contract import SyncSpec, routing, shm, wire
+from psserver.contract import tensor as T
+from psserver.errors import Code, PSError
+from psserver.link import methods
+from psserver.link import tensor_proto as TP
 from psserver.link.channel import TaskChannel
 from psserver.link.pending import Pending
 
@@ -234,7 +236,7 @@ class SegmentPath:
 
         def copy_out(t: ps_pb2.ShmTensor, i: int | None = None) -> np.ndarray:
             """t's array copied out of the segment (into out[i] when it fits)."""
-            dt, shape, n = T.spec(t, T.WIRE_DTYPES, f"value of {t.name!r}")
+            dt, shape, n = TP.spec(t, T.WIRE_DTYPES, f"value of {t.name!r}")
             src = np.frombuffer(seg.array, dtype=dt, count=n // dt.itemsize,
                                 offset=t.offset).reshape(shape)
             d = dest(out, i, src) if i is not None else None

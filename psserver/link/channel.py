@@ -2,7 +2,7 @@
 
 A channel asks its task once where it runs and what it offers
 (GetServerInfo for a parameter server, GetWorkerInfo for a worker), plans
-the route from that (psserver/routing.py: the same-host Unix socket, the
+the route from that (psserver/contract/routing.py: the same-host Unix socket, the
 data port, or gRPC alone), opens the socket the route names, and keeps a
 table {Method: transport} made from the plan, so a call looks its
 transport up once. Everything else takes gRPC.
@@ -44,13 +44,21 @@ from typing import Mapping
 
 import grpc
 
-from psserver import methods, routing, wire
-from psserver.contract import (DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, TOKEN_ENV,
-                               DeadlineExceeded, PSError, Unavailable, call_metadata)
+from psserver.contract import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    TOKEN_ENV,
+    call_metadata,
+    routing,
+    wire,
+)
+from psserver.errors import DeadlineExceeded, FailedPrecondition, PSError, Unavailable
+from psserver.link import methods
 from psserver.link.grpc_common import client_options
+from psserver.link.methods import Method
 from psserver.link.pending import Pending
 from psserver.link.transport import GrpcTransport, SocketTransport, Transport
-from psserver.methods import Method
 from psserver.tls import TLSConfig, make_channel
 
 log = logging.getLogger(__name__)
@@ -64,6 +72,18 @@ _UNPLANNED = routing.Plan(why="not learnt yet: gRPC meanwhile")
 _SERVICES = {"ps": (methods.PS, methods.BULK, methods.SHM, methods.TABLES),
              "worker": (methods.WORKER,)}
 _INFO = {"ps": methods.SERVER_INFO, "worker": methods.WORKER_INFO}
+
+
+def check_version(theirs: int, address: str) -> None:
+    """Refuse a task that announces another protocol version (its ServerInfo
+    or WorkerInfo), saying which side is older: the task's own check of
+    the client's version (psserver/serve/server.py) is the other half."""
+    if theirs != PROTOCOL_VERSION:
+        older = "this client" if PROTOCOL_VERSION < theirs else "the task"
+        raise FailedPrecondition(
+            f"protocol version mismatch: {address} speaks pstrain protocol {theirs}, this "
+            f"client speaks {PROTOCOL_VERSION}; {older} is older: install the same pstrain "
+            "version on every task and the coordinator")
 
 
 class TaskChannel:
@@ -147,8 +167,11 @@ class TaskChannel:
         if wait_for_ready and isinstance(self.grpc, GrpcTransport) and \
                 not self.grpc.wait_for_ready:
             waiting = GrpcTransport(self.grpc.channel, self.address, self.grpc.metadata, True)
-            return waiting.call(method, request, timeout)
-        return self.grpc.call(method, request, timeout)
+            info = waiting.call(method, request, timeout)
+        else:
+            info = self.grpc.call(method, request, timeout)
+        check_version(info.protocol_version, self.address)
+        return info
 
     @staticmethod
     def _id_of(info) -> str:
@@ -165,6 +188,8 @@ class TaskChannel:
             self._planning = True
         try:   # briefly, without waiting for a task that is down: gRPC meanwhile
             info = self._ask_info(min(self.timeout or _ASK_SECONDS, _ASK_SECONDS), False)
+        except FailedPrecondition:   # another protocol version: no call may go
+            raise
         except PSError:
             self._ask_after = time.monotonic() + 1.0
             return

@@ -14,13 +14,13 @@ elsewhere). Then request/reply frames, one call at a time per connection:
 
 * request ``<method u8><length u32><timeout f64>`` + the request's bytes
   (the protobuf message of the gRPC method, or bytes framed by hand:
-  psserver/wire.py);
+  psserver/contract/wire.py);
 * reply ``<status u8><length u32>`` + the reply's bytes, or the error's
   message (status: the gRPC status code number; 0 is OK).
 
 This module holds the format, its limits, and the socket helpers both the
 client (psserver/link/transport.py, ``SocketTransport``) and the server
-(psserver/ipc_server.py) use to move frames. The server side's limits
+(psserver/serve/ipc_server.py) use to move frames. The server side's limits
 (``HELLO_SECONDS``, ``MAX_PENDING``...) are here beside the client's so
 one place says what a connection may do.
 """
@@ -34,7 +34,7 @@ import struct
 
 import numpy as np
 
-from psserver import buffers
+from psserver.link import buffers
 
 REQUEST = struct.Struct("<BId")
 REPLY = struct.Struct("<BI")
@@ -124,7 +124,7 @@ def recv_exact(sock: socket.socket, n: int, hold=None) -> bytearray | memoryview
     kernel's): up to JOIN_BYTES a bytearray, up to EAGER_BYTES a memoryview
     of an array made at once (not zeroed first, as a bytearray is: a
     worker's 1.4 MB read reply spent 0.2 ms in memset); a larger frame a
-    memoryview of a buffer kept for such frames (psserver/buffers.py),
+    memoryview of a buffer kept for such frames (psserver/link/buffers.py),
     taken against ``hold`` 1 MiB at a time as bytes arrive, so what a
     header only claims reserves nothing. ``hold(k)``: called before k more
     bytes are taken (it may refuse: raise)."""

@@ -1,5 +1,5 @@
 """What both ends of a gRPC connection agree on: channel and server options,
-and the client's retry policy.
+the client's retry policy, and the status code of a typed error.
 
 ``grpc_options`` is the one set of options a task's server and every
 client channel use (message limits, keepalive, reconnect backoff).
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import json
 
-from psserver import methods
+import grpc
+
 from psserver.contract import MESSAGE_OVERHEAD
+from psserver.errors import Code
+from psserver.link import methods
 
 #: gRPC's own retries of idempotent calls (attempts include the first).
 RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s",
@@ -58,3 +61,12 @@ def client_options(max_message_bytes: int) -> list[tuple]:
     """A client channel's options: the shared ones and the retry policy."""
     return grpc_options(max_message_bytes) + [("grpc.service_config", service_config()),
                                               ("grpc.enable_retries", 1)]
+
+
+_GRPC = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def grpc_code(code: Code) -> grpc.StatusCode:
+    """The gRPC status code of ``code`` (same number): what a servicer aborts a
+    call with for a typed error (psserver.errors)."""
+    return _GRPC[int(code)]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Generic, Sequence, TypeVar
 
-from psserver.contract import DeadlineExceeded, PSError
+from psserver.errors import DeadlineExceeded, PSError
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """One way to make a unary call to a task: ``Transport.send``.
 
-A transport makes any call of psserver/methods.py it carries and returns a
+A transport makes any call of psserver/link/methods.py it carries and returns a
 ``Pending`` (psserver/link/pending.py) at once: the request has gone (or is
 going, on a kept thread); ``result()`` is the reply, made into the caller's
 value by ``post`` where given, or the call's typed error (psserver.contract),
@@ -40,12 +40,20 @@ from typing import Callable, Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from psserver import methods, wire
-from psserver.contract import (Code, DeadlineExceeded, Internal, InvalidArgument, NotSent, PSError,
-                               Unavailable, error_for)
-from psserver.link import frames
+from psserver.contract import wire
+from psserver.errors import (
+    Code,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotSent,
+    PSError,
+    Unavailable,
+    error_for,
+)
+from psserver.link import frames, methods
+from psserver.link.methods import Method
 from psserver.link.pending import Pending
-from psserver.methods import Method
 
 _RDHUP = getattr(select, "POLLRDHUP", 0)
 #: The first read of a reply takes up to this much: a small reply (most
@@ -94,7 +102,7 @@ def _raw(request):
 
 
 def from_rpc_error(exc: grpc.RpcError, target: str = "", service: str = "") -> PSError:
-    """The typed error for a failed gRPC call (psserver.contract.error_for)."""
+    """The typed error for a failed gRPC call (psserver.errors.error_for)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     number = code.value[0] if isinstance(code, grpc.StatusCode) else Code.UNKNOWN
@@ -158,7 +166,7 @@ def background(fn: Callable, *args) -> Pending:
 class GrpcTransport(Transport):
     """Every Method over ``channel``; ``metadata`` (the token) and
     ``wait_for_ready`` go with each call. A request given as bytes (framed
-    by hand, psserver/wire.py) is sent as it is; a Method whose reply class
+    by hand, psserver/contract/wire.py) is sent as it is; a Method whose reply class
     is None returns the reply's bytes (or a receiver's value)."""
 
     kind = ""
@@ -378,7 +386,7 @@ class SocketTransport(Transport):
              receiver=None) -> Pending:
         mid = method.id
         if mid is None:
-            raise ValueError(f"{method.path} is not a socket call (psserver/methods.py)")
+            raise ValueError(f"{method.path} is not a socket call (psserver/link/methods.py)")
         payload = request if isinstance(request, (bytes, bytearray, memoryview, tuple)) \
             else request.SerializeToString()
         s = self._take()

@@ -1,0 +1,569 @@
+"""Dynamic embedding tables: rows keyed by arbitrary int64 ids, created on
+first sight (subject to admission), evicted by capacity or age.
+
+A parameter server shard holds one ``DynamicTable`` per table (the keys it
+owns by hash: psserver.contract.keys.shard_of). It is the data structure only; the server's
+store wraps calls to it in its locks, and the optimizer updates its rows
+through the same ``apply_sparse`` as a fixed table's.
+
+Layout (all numpy, no Python object per key):
+
+* a hash index (psserver.core.key_index.KeyIndex): buckets of 4 slots, each a
+  key (int64) and the row it names (int64), linear probing over buckets; at
+  most half the slots are used (rebuilt past that);
+* the rows, the optimizer's slots and per-row bookkeeping in arrays that
+  grow by a quarter when full (pages never written stay unresident), with
+  freed rows (evicted) reused first;
+* per row: its key, the table step and time of its last update (age
+  eviction), the step of its last use (LRU) and how often it was looked up
+  (LFU).
+
+Per-key overhead beyond the row and its slots: 2 to 4 index slots of 16
+bytes (load 0.25-0.5) and 40 bytes of bookkeeping (key, two steps, a time,
+a count), so 72 to 104 bytes, plus an admission counter entry (24 bytes and
+its 32 to 64 bytes of index, only for keys seen but not yet admitted).
+
+Admission: a key gets a row once it was looked up ``min_count`` times
+(counted in a bounded table of its own, oldest forgotten first), and then
+only with probability ``probability`` per look-up past that; until then a
+look-up returns the default row (zeros) and a gradient for it is dropped.
+Both are counted. Eviction: ``capacity`` rows at most (the least recently
+used, or the least frequently looked up, go first, ties to the oldest), and
+rows not updated for ``max_age_steps`` table steps (a step: one applied
+gradient batch) or ``max_age_seconds``. An evicted key forgets everything:
+seen again, it starts over (admission included) from its initializer.
+
+New rows are initialized from (the initializer's seed, key) alone
+(psserver.contract.keys.initial_rows), so a key's first value does not depend on the order
+keys arrive in, or on the shard: a table resharded or re-created gives the
+same rows. (``TableConfig.seed`` seeds probability admission's draws.)
+The file format of a shard's rows (export/import) is psserver/contract/checkpoint_format.py.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from psserver.contract import Initializer
+from psserver.contract.checkpoint_format import check_rows, slot_layout
+from psserver.contract.keys import check_keys, initial_rows
+from psserver.contract.rows import sum_duplicates
+from psserver.core.key_index import KeyCounter, KeyIndex
+from psserver.core.tracking import TableTracker
+from psserver.core.variable import check_initializer
+from psserver.errors import InvalidArgument
+
+#: Look-ups whose rows a shard remembers for the updates that follow them
+#: (DynamicTable._rows_of): a step's update comes after its own look-up and
+#: those of the few other workers' steps in flight.
+_RECENT_LOOKUPS = 4
+_GROW = 1.25             # rows arrays grow by this factor when full
+EVICTION_POLICIES = ("lru", "lfu")
+#: Bytes a row costs beyond its values and per-row slots: the upper figure of
+#: the per-key overhead above (index slots and bookkeeping).
+ROW_OVERHEAD = 104
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """How a dynamic table admits and evicts rows (see the module docstring).
+
+    ``capacity`` 0: no limit; ``max_age_steps`` / ``max_age_seconds`` 0: no
+    age limit; ``admission_capacity``: keys the admission counter remembers
+    (0: 4 x capacity, or 1M without a capacity)."""
+    dim: int
+    dtype: str = "float32"
+    initializer: Initializer = Initializer()
+    min_count: int = 1
+    probability: float = 1.0
+    capacity: int = 0
+    policy: str = "lru"
+    max_age_steps: int = 0
+    max_age_seconds: float = 0.0
+    admission_capacity: int = 0
+    seed: int = 0
+
+    def check(self) -> "TableConfig":
+        """This config, or InvalidArgument saying what to change."""
+        def bad(what):
+            raise InvalidArgument(f"dynamic table: {what}")
+        if not isinstance(self.dim, int) or not 1 <= self.dim <= 1 << 16:
+            bad(f"dim must be an integer from 1 to 65536, got {self.dim!r}")
+        if self.dtype not in ("float32", "float64"):
+            bad(f"dtype must be float32 or float64, got {self.dtype!r}")
+        if not isinstance(self.min_count, int) or not 1 <= self.min_count <= 1 << 30:
+            bad(f"min_count must be an integer >= 1 (1: admit on first sight), "
+                f"got {self.min_count!r}")
+        if not (isinstance(self.probability, (int, float)) and 0 < self.probability <= 1):
+            bad(f"probability must be in (0, 1], got {self.probability!r}")
+        for name in ("capacity", "max_age_steps", "admission_capacity"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not 0 <= v < 1 << 40:
+                bad(f"{name} must be an integer >= 0 (0: no limit), got {v!r}")
+        if not (isinstance(self.max_age_seconds, (int, float))
+                and math.isfinite(self.max_age_seconds) and self.max_age_seconds >= 0):
+            bad(f"max_age_seconds must be a finite number >= 0 (0: no limit), "
+                f"got {self.max_age_seconds!r}")
+        if self.policy not in EVICTION_POLICIES:
+            bad(f"policy must be one of {list(EVICTION_POLICIES)}, got {self.policy!r}")
+        try:
+            check_initializer(self.initializer)
+        except InvalidArgument as exc:
+            bad(str(exc))
+        return self
+
+
+
+def row_bytes(dim: int, dtype, row_slots: int) -> int:
+    """Bytes a row of ``dim`` ``dtype`` values costs with ``row_slots``
+    per-row optimizer slots and its bookkeeping (ROW_OVERHEAD): what
+    admitting or importing one row may add to a shard."""
+    return dim * np.dtype(dtype).itemsize * (1 + row_slots) + ROW_OVERHEAD
+
+
+@dataclasses.dataclass
+class TableStats:
+    """A shard's counters (its rows: len(table))."""
+    lookups: int = 0          # keys looked up
+    hits: int = 0             # ... that had a row
+    admitted: int = 0         # rows created
+    not_admitted: int = 0     # look-ups answered with the default row
+    evicted_capacity: int = 0
+    evicted_age: int = 0
+    updated: int = 0          # rows a gradient changed
+    dropped: int = 0          # gradient rows for keys without a row, dropped
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class DynamicTable:
+    """One shard of a dynamic embedding table: see the module docstring.
+
+    ``optimizer`` is a psserver.contract.optimizers.Optimizer (its slots live here,
+    a row each); ``clock`` gives seconds (time.monotonic by default; tests
+    pass their own)."""
+
+    def __init__(self, config: TableConfig, optimizer, *,
+                 clock: Callable[[], float] = time.monotonic, initial_rows_hint: int = 1024):
+        self.config = config.check()
+        self.dtype = np.dtype(config.dtype)
+        self.optimizer = optimizer
+        self.clock = clock
+        self.stats = TableStats()
+        self.step = 0                 # applied gradient batches
+        self.index = KeyIndex(2 * initial_rows_hint)
+        self._n = 1                   # rows handed out (live + free); row 0: the default
+                                      # row (zeros), never handed out, so a look-up is one gather
+        self._free: list[np.ndarray] = []   # freed row numbers, reused first
+        self._free_count = 0
+        cap = max(16, initial_rows_hint)
+        self.value = np.empty((cap, config.dim), self.dtype)
+        self.value[0] = 0
+        # The optimizer's slots: a row per table row for its per-element
+        # slots, and as they are for the others (Adam's step count).
+        self._slot_init, self._row_slots = slot_layout(optimizer, config.dim, self.dtype)
+        #: What one more row may cost this shard (the server's memory check).
+        self.row_bytes = row_bytes(config.dim, self.dtype, len(self._row_slots))
+        self.slots = dict(self._slot_init)
+        for n in self._row_slots:
+            self.slots[n] = np.empty((cap, config.dim), self.dtype)
+        self.row_key = np.zeros(cap, np.int64)
+        self.updated_step = np.zeros(cap, np.int64)
+        self.updated_time = np.zeros(cap, np.float64)
+        self.used_step = np.zeros(cap, np.int64)
+        self.freq = np.zeros(cap, np.int64)
+        self._tick = 0                # look-up batches (LRU's clock)
+        # Admission: keys seen but not admitted, and how often.
+        self.pending = KeyCounter(config.admission_capacity or (
+            4 * config.capacity if config.capacity else 1 << 20))
+        self._rng = np.random.default_rng(config.seed)
+        # Replication (psserver/core/table_copy.py): while not None, the keys whose rows
+        # were evicted and created, in order, and the last update's effect.
+        self._journal: tuple[list, list] | None = None
+        self._last_update: tuple[np.ndarray, np.ndarray] | None = None
+        # The rows of recent look-ups' keys, valid while no row is evicted
+        # (a key keeps its row until then; rows made since are found anew):
+        # the update of a step finds its rows here, not in the index again.
+        self._evictions = 0
+        self._recent: collections.deque = collections.deque(maxlen=_RECENT_LOOKUPS)
+        # Incremental saves (psserver.core.tracking): rows made, updated or looked
+        # up and keys evicted since a save point; None until a save names one.
+        self.tracker: TableTracker | None = None
+
+    # -- sizes -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array this shard holds (resident or not), its
+        change tracking's included."""
+        arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key,
+                  self.updated_step, self.updated_time, self.used_step, self.freq]
+        tracking = 0 if self.tracker is None else self.tracker.nbytes
+        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes + tracking
+
+    # -- look-ups ----------------------------------------------------------------------------
+    def lookup(self, keys, *, admit: bool = True, counts: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``keys`` (any shape of int64; the result has a trailing
+        dim): existing rows, rows created for keys admitted now, and the
+        default row (zeros) for the others. ``admit=False`` (evaluation,
+        serving): nothing is counted, created or touched. ``counts`` (int64
+        >= 1, one per key): each key stands for that many occurrences (a
+        caller that sent its batch's unique keys), for admission, LFU and
+        the statistics alike."""
+        keys = check_keys(keys)
+        flat = keys.reshape(-1)
+        if counts is not None:
+            counts = check_counts(keys, counts).reshape(-1)
+        self.expire()
+        rows = self.index.find(flat)
+        if admit:
+            self._tick += 1
+            found = rows >= 0
+            self.stats.lookups += flat.size if counts is None else int(counts.sum())
+            self.stats.hits += int(found.sum()) if counts is None else int(counts[found].sum())
+            hit = rows[found]
+            self.used_step[hit] = self._tick
+            if self.tracker is not None:   # (their look-up counts change)
+                self.tracker.dirty[hit] = True
+            if counts is None:
+                np.add.at(self.freq, hit, 1)
+            else:
+                np.add.at(self.freq, hit, counts[found])
+            missing = ~found
+            if missing.any():
+                new_keys, inverse = np.unique(flat[missing], return_inverse=True)
+                evicted = self.stats.evicted_capacity
+                times = np.bincount(inverse, minlength=new_keys.size) if counts is None else \
+                    np.bincount(inverse, weights=counts[missing],
+                                minlength=new_keys.size).astype(np.int64)
+                made = self._admit(new_keys, times)
+                rows[missing] = made[inverse]
+                if self.stats.evicted_capacity != evicted:   # a row hit above may be gone
+                    rows = self.index.find(flat)
+            self._recent.append((flat, rows, self._evictions))
+        out = np.take(self.value, np.maximum(rows, 0), axis=0)   # -1: row 0, the default row
+        return out.reshape(keys.shape + (self.config.dim,))
+
+    def _rows_of(self, keys: np.ndarray) -> np.ndarray:
+        """index.find(keys), from a recent look-up of the same keys where no
+        row was evicted since (those without a row then are looked for again)."""
+        for seen, rows, evictions in reversed(self._recent):
+            if evictions == self._evictions and seen.shape == keys.shape and \
+                    np.array_equal(seen, keys):
+                rows = rows.copy()
+                missing = rows < 0
+                if missing.any():
+                    rows[missing] = self.index.find(keys[missing])
+                return rows
+        return self.index.find(keys)
+
+    def _admit(self, keys: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Rows for unique absent ``keys`` seen ``times`` more times now (-1:
+        not admitted yet)."""
+        c = self.config
+        seen = times.astype(np.int64)
+        if c.min_count > 1:
+            seen += self.pending.counts(keys)
+        ok = seen >= c.min_count
+        if c.probability < 1.0:
+            ok &= self._rng.random(keys.size) < c.probability
+        rows = np.full(keys.size, -1, np.int64)
+        if ok.any():
+            rows[ok] = self._create(keys[ok])
+        made = rows >= 0
+        self.stats.not_admitted += int(times[~made].sum())
+        if c.min_count > 1:
+            self.pending.note(keys, seen, made, self._tick)
+        return rows
+
+    def _create(self, keys: np.ndarray, exact: bool = False) -> np.ndarray:
+        """Rows for new unique ``keys``, initialized (-1 for keys beyond a
+        capacity smaller than the batch: the last ``capacity`` get rows);
+        over capacity, the policy's victims are evicted first (not with
+        ``exact``: a backup makes the rows its primary made)."""
+        c = self.config
+        out = np.full(keys.size, -1, np.int64)
+        take = np.arange(keys.size)
+        if c.capacity and self.index.size + keys.size > c.capacity and not exact:
+            take = take[-c.capacity:]
+            self._evict_for(self.index.size + take.size - c.capacity)
+        keys = keys[take]
+        rows = self._take_rows(keys.size)
+        self.value[rows] = initial_rows(keys, c.dim, self.dtype, c.initializer)
+        for name in self._row_slots:
+            self.slots[name][rows] = self._slot_init[name][0]
+        self.row_key[rows] = keys
+        self.updated_step[rows] = self.step
+        self.updated_time[rows] = self.clock()
+        self.used_step[rows] = self._tick
+        self.freq[rows] = 1
+        self.index.insert(keys, rows)
+        self.stats.admitted += keys.size
+        if self.tracker is not None:
+            self.tracker.dirty[rows] = True
+        if self._journal is not None:
+            self._journal[1].append(keys.copy())
+        out[take] = rows
+        return out
+
+    def _take_rows(self, n: int) -> np.ndarray:
+        free = np.concatenate(self._free) if self._free else np.zeros(0, np.int64)
+        got, rest = free[:n], free[n:]
+        self._free = [rest] if rest.size else []
+        more = n - got.size
+        if more:
+            if self._n + more > self.value.shape[0]:
+                self._grow(self._n + more)
+            got = np.concatenate([got, np.arange(self._n, self._n + more)])
+            self._n += more
+        return got
+
+    def _grow(self, need: int) -> None:
+        size = max(need, int(self.value.shape[0] * _GROW) + 1)
+
+        def grown(a):
+            b = np.empty((size,) + a.shape[1:], a.dtype)
+            b[:self._n] = a[:self._n]
+            return b
+        self.value = grown(self.value)
+        for n in self._row_slots:
+            self.slots[n] = grown(self.slots[n])
+        for name in ("row_key", "updated_step", "updated_time", "used_step", "freq"):
+            setattr(self, name, grown(getattr(self, name)))
+        if self.tracker is not None:
+            self.tracker.grow(size)
+
+    # -- eviction ----------------------------------------------------------------------------
+    def _evict_rows(self, rows: np.ndarray) -> None:
+        self._evictions += 1   # rows looked up before may belong to other keys now
+        if self._journal is not None and rows.size:
+            self._journal[0].append(self.row_key[rows])
+        if self.tracker is not None and rows.size:
+            self.tracker.note_evicted(self.row_key[rows])
+        self.index.delete(self.row_key[rows])
+        self._free.append(rows.astype(np.int64))
+
+    def _evict_for(self, n: int) -> None:
+        """Evict ``n`` rows by the policy: least recently used (LRU) or least
+        often looked up (LFU, ties to the least recently used)."""
+        _, live = self.index.items()
+        if self.config.policy == "lfu":
+            order = np.lexsort((self.used_step[live], self.freq[live]))
+        else:
+            order = np.lexsort((self.freq[live], self.used_step[live]))
+        victims = live[order[:n]]
+        self._evict_rows(victims)
+        self.stats.evicted_capacity += victims.size
+
+    def expire(self) -> int:
+        """Evict rows not updated for max_age_steps steps or max_age_seconds;
+        how many."""
+        c = self.config
+        if not (c.max_age_steps or c.max_age_seconds) or not self.index.size:
+            return 0
+        _, live = self.index.items()
+        old = np.zeros(live.size, bool)
+        if c.max_age_steps:
+            old |= self.step - self.updated_step[live] >= c.max_age_steps
+        if c.max_age_seconds:
+            old |= self.clock() - self.updated_time[live] >= c.max_age_seconds
+        if old.any():
+            self._evict_rows(live[old])
+            self.stats.evicted_age += int(old.sum())
+        return int(old.sum())
+
+    # -- updates -----------------------------------------------------------------------------
+    def check_gradients(self, keys, grads) -> tuple[np.ndarray, np.ndarray]:
+        """(1-D int64 keys, grads) as apply_gradients takes them, or
+        InvalidArgument saying what is wrong (nothing changes either way)."""
+        keys = check_keys(keys).reshape(-1)
+        grads = np.asarray(grads)
+        if grads.shape != (keys.size, self.config.dim):
+            raise InvalidArgument(
+                f"dynamic table: gradient has shape {grads.shape}, expected "
+                f"({keys.size}, {self.config.dim}) for {keys.size} keys of dim {self.config.dim}")
+        if grads.dtype.kind != "f":
+            raise InvalidArgument(f"dynamic table: gradient dtype must be floating, got "
+                                  f"{grads.dtype}")
+        if not np.isfinite(grads).all():
+            raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
+        return keys, grads
+
+    def apply_gradients(self, keys, grads) -> int:
+        """Apply row gradients (duplicate keys summed) with the optimizer, to
+        the keys that have rows; the rest are dropped and counted. One table
+        step. Returns how many rows changed."""
+        keys, grads = self.check_gradients(keys, grads)
+        ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
+        rows = self._rows_of(ukeys)
+        have = rows >= 0
+        n_have = int(have.sum())
+        self.stats.dropped += ukeys.size - n_have
+        self.step += 1
+        if n_have:
+            r = rows[have] if n_have < rows.size else rows
+            order = np.argsort(r)
+            r = r[order]
+            g = (summed[have] if n_have < rows.size else summed)[order]
+            g = g.astype(self.dtype, copy=False)
+            self.optimizer.apply_sparse(self.value, self.slots, r, g)
+            self.updated_step[r] = self.step
+            self.updated_time[r] = self.clock()
+            self.stats.updated += r.size
+            if self.tracker is not None:
+                self.tracker.dirty[r] = True
+            if self._journal is not None:
+                self._last_update = (ukeys[have][order], g)
+        elif self._journal is not None:
+            self._last_update = (np.zeros(0, np.int64), np.zeros((0, self.config.dim),
+                                                                  self.dtype))
+        return int(have.sum())
+
+    # -- replication: a primary's effects, followed by its backup (psserver/core/table_copy.py) ---
+    # A backup makes no decisions of its own (admission, eviction, ages): it
+    # does what its primary did, so both hold the same keys, values and slots.
+    # Admission counters and look-up statistics are the primary's alone.
+    def start_journal(self) -> None:
+        """Note from now on the keys whose rows are evicted and created."""
+        self._journal, self._last_update = ([], []), None
+
+    def take_journal(self) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+        """(evicted keys, created keys, the last update's (keys, rows) or
+        None) since start_journal; journaling stops."""
+        ev, made = self._journal or ([], [])
+        update, self._journal, self._last_update = self._last_update, None, None
+        cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        return cat(ev), cat(made), update
+
+    def follow_rows(self, evicted: np.ndarray, created: np.ndarray) -> None:
+        """What a primary's look-up changed: the rows of ``evicted`` keys
+        gone, then rows made for ``created`` keys (initialized as the
+        primary's were). InvalidArgument, nothing changed, if they do not fit
+        this copy (it lacks a key to evict, or holds one to create)."""
+        rows = self.index.find(evicted)
+        held = created[self.index.find(created) >= 0]
+        if (rows < 0).any() or np.unique(evicted).size != evicted.size or \
+                np.unique(created).size != created.size or \
+                not np.isin(held, evicted).all():
+            raise InvalidArgument("dynamic table: a primary's changes do not fit this copy")
+        self._tick += 1
+        self._evict_rows(rows)
+        if created.size:
+            self._create(created, exact=True)
+
+    def follow_update(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        """A primary's update as applied: ``grads`` (the table's dtype) to
+        the rows of unique ``keys`` in that order (InvalidArgument, nothing
+        changed, if a key has no row here). One table step, as there."""
+        rows = self.index.find(keys)
+        if (rows < 0).any() or grads.shape != (keys.size, self.config.dim) or \
+                grads.dtype != self.dtype:
+            raise InvalidArgument("dynamic table: a primary's update does not fit this copy")
+        self.step += 1
+        if rows.size:
+            self.optimizer.apply_sparse(self.value, self.slots, rows, grads)
+            self.updated_step[rows] = self.step
+            self.updated_time[rows] = self.clock()
+            self.stats.updated += rows.size
+            if self.tracker is not None:
+                self.tracker.dirty[rows] = True
+
+    # -- state (checkpoints, resharding) -------------------------------------------------------
+    def export(self, keys: np.ndarray | None = None, now: float | None = None,
+               weights_only: bool = False) -> dict[str, np.ndarray]:
+        """Every live row, sorted by key: keys, values, per-row slots
+        ("slot/<name>"), scalar slots as they are, and bookkeeping relative
+        to ``now`` (default: the clock now) (age_steps, age_seconds: clocks
+        and step counts differ between servers), freq. With ``keys`` (sorted,
+        unique): only the rows of those that have one, and "evicted": the
+        others. ``weights_only``: keys and values (and evicted) only."""
+        now = self.clock() if now is None else now
+        if keys is None:
+            keys, rows = self.index.items()
+            order = np.argsort(keys)
+            keys, rows, gone = keys[order], rows[order], None
+        else:
+            rows = self.index.find(keys)
+            live = rows >= 0
+            keys, rows, gone = keys[live], rows[live], keys[~live]
+        out = {"keys": keys, "values": self.value[rows]}
+        if gone is not None:
+            out["evicted"] = gone
+        if weights_only:
+            return out
+        out.update({"age_steps": self.step - self.updated_step[rows],
+                    "age_seconds": now - self.updated_time[rows],
+                    "freq": self.freq[rows]})
+        for name, slot in self.slots.items():
+            out[f"slot/{name}"] = slot[rows] if name in self._row_slots else np.array(slot)
+        return out
+
+    def take_changes(self, save_id: int, stream: str, since: int):
+        """Save point ``save_id`` of this shard (see psserver.core.tracking): the
+        keys changed since point ``since`` (an Interval), or None or an
+        Interval marked ``whole`` (unknown, or too many evictions kept: save
+        it whole). Starts tracking on the first call."""
+        if self.tracker is None:
+            self.tracker = TableTracker(self.value.shape[0])
+        return self.tracker.take(save_id, stream, since, self.row_key)
+
+    def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool) -> int:
+        """Put rows ``state`` (export()'s arrays, any subset of keys) into this
+        shard; ``reset`` empties it first. Checked whole before anything
+        changes (InvalidArgument). Over capacity afterwards, the policy's
+        victims are evicted. Returns the rows held."""
+        c = self.config
+        keys, values, age_steps, age_seconds, freq, slots = check_rows(
+            state, step, c.dim, self.dtype, self._slot_init, self._row_slots)
+        n = keys.size
+        if not reset and (self.index.find(keys) >= 0).any():
+            raise InvalidArgument("dynamic table import: keys this shard holds already "
+                                  "(import into an emptied shard: reset)")
+        # Checked: from here on nothing fails.
+        self.tracker = None   # a restore: its next incremental save is whole
+        if reset:
+            _, live = self.index.items()
+            self._evict_rows(live)
+            self.pending.clear()
+        self.step = step if reset else max(self.step, step)
+        for name in self.slots:
+            if name not in self._row_slots:   # scalar (Adam's count): the largest
+                self.slots[name][...] = slots[name] if reset else \
+                    np.maximum(self.slots[name], slots[name])
+        rows = self._take_rows(n)
+        self.value[rows] = values
+        for name in self._row_slots:
+            self.slots[name][rows] = slots[name]
+        self.row_key[rows] = keys
+        self.updated_step[rows] = self.step - age_steps
+        self.updated_time[rows] = self.clock() - age_seconds
+        self.used_step[rows] = self._tick
+        self.freq[rows] = freq
+        self.index.insert(keys, rows)
+        if c.capacity and self.index.size > c.capacity:
+            self._evict_for(self.index.size - c.capacity)
+        return self.index.size
+
+
+#: The most occurrences one look-up may say a key had.
+MAX_COUNT = 1 << 31
+
+
+def check_counts(keys: np.ndarray, counts) -> np.ndarray:
+    """Look-up ``counts`` as int64: integers in [1, MAX_COUNT] of the keys'
+    shape; InvalidArgument otherwise."""
+    a = np.asarray(counts)
+    if a.shape != keys.shape or a.dtype.kind not in "iu" or \
+            (a.size and (a.min() < 1 or a.max() > MAX_COUNT)):
+        raise InvalidArgument(f"look-up counts must be integers in [1, 2**31] of the keys' "
+                              f"shape {list(keys.shape)}, got {a.dtype} {list(a.shape)}")
+    return a.astype(np.int64, copy=False)

@@ -1,0 +1,194 @@
+"""A dynamic table's shard as one copy of a replicated shard
+(``TableShardCopy``, a psserver.core.shards.CopyState as a variable is): its
+table (psserver/core/dynamic_table.py), role, epoch, version, update keys and
+sync state, and what replication and sync steps do to it, all under its
+lock. The calls that reach it are psserver/core/table_store.py's: the copy and
+the calls are apart as psserver/core/variable.py and psserver/core/store.py are.
+
+A call that may change rows runs in ``changing``: with a backup, the
+primary journals what the call changed, and ``changed`` makes it one
+record (TABLE_ROWS: rows evicted and made; TABLE_UPDATE: rows updated),
+which the backup follows without deciding anything itself (``follow``).
+A failure half-way (a bug) sends the backup the whole state instead, and
+the next incremental save writes the shard whole.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+
+import numpy as np
+
+from psserver.contract import ROLE_PRIMARY, TABLE_PREFIX, VariableMeta
+from psserver.core import replication as R
+from psserver.core import sync as S
+from psserver.core.dynamic_table import DynamicTable
+from psserver.core.shards import CopyState
+from psserver.errors import InvalidArgument
+
+
+class TableShardCopy(CopyState):
+    """A table shard on this server and, with replication, its copy's role
+    (psserver.core.replication: the primary journals what each call changed and
+    hands it to its backup as a record; the backup does the same to its
+    rows). Replicated under the name ``TABLE_PREFIX + table_name``."""
+
+    is_table = True
+
+    def __init__(self, table_name: str, spec, table: DynamicTable):
+        # spec: the table as its creator described it (table_store.TableSpec)
+        self.table_name, self.name = table_name, TABLE_PREFIX + table_name
+        self.spec, self.table = spec, table
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.version = 0      # changes made (look-ups that made or evicted rows, updates)
+        self.role, self.epoch, self.draining = ROLE_PRIMARY, 0, False
+        self.link: R.Link | None = None
+        self.applied: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # Sync mode (psserver/core/sync.py): the step being gathered, the steps
+        # applied, sync updates dropped whole (late), and the last applied
+        # step's (rows updated, gradient rows dropped).
+        self.acc: S.Accumulation | None = None
+        self.sync_steps = 0
+        self.dropped = 0
+        self.step_counts = (0, 0)
+        # A state copy arriving in pieces: (epoch, spec, table) until its last.
+        self.staging: tuple | None = None
+
+    @property
+    def tracker(self):
+        """The shard's change tracking (psserver.core.tracking), or None."""
+        return self.table.tracker
+
+    @property
+    def held_bytes(self) -> int:
+        """The shard's arrays (its tracking included) and a state copy being
+        received (read without the lock: an estimate)."""
+        staging = self.staging
+        return self.table.nbytes + (staging[2].nbytes if staging else 0)
+
+    def meta(self) -> VariableMeta:
+        t = self.table
+        slots = sum(a.nbytes for a in t.slots.values())
+        return VariableMeta(self.name, t.dtype.name, (len(t), t.config.dim), self.version,
+                            t.optimizer.name, t.optimizer.config(), t.value.nbytes, slots,
+                            False, self.sync_steps, self.dropped, self.role, self.epoch,
+                            self.link.peer if self.link is not None else None)
+
+    def forget_changes(self) -> None:
+        self.table.tracker = None
+
+    # -- the primary ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def changing(self, refused: tuple = ()):
+        """Run a call that may change rows (lock held), journaling what it
+        changes if a backup follows: yields whether it journals (pass it to
+        ``changed``). An exception of a ``refused`` type changed nothing (the
+        call checks its input whole first): the journal is dropped. Any
+        other is a failure half-way (a bug): which rows changed is unknown,
+        so the next incremental save writes the shard whole and the backup
+        gets the whole state."""
+        journaled = self.link is not None
+        if journaled:
+            self.table.start_journal()
+        try:
+            yield journaled
+        except refused:
+            if journaled:
+                self.table.take_journal()
+            raise
+        except BaseException:
+            self.forget_changes()
+            if journaled:
+                self.table.take_journal()
+                self.link.reset()
+            raise
+
+    def changed(self, journaled: bool, update_id: int = 0, update: bool = False) -> int | None:
+        """After a call (lock held): a new version if it changed rows, and its
+        record for the backup. Returns the version the caller waits for its
+        backup to have (None: nothing to wait for)."""
+        evicted, created, applied = self.table.take_journal() if journaled else (None,) * 3
+        if not update and not (journaled and (evicted.size or created.size)):
+            return None   # (without a backup, a look-up's rows are the state copy's business)
+        self.version += 1
+        self.remember(update_id)
+        if journaled:
+            if update:
+                keys, rows = applied if applied is not None else (
+                    np.zeros(0, np.int64), np.zeros((0, self.table.config.dim), self.table.dtype))
+                rec = R.Record(self.link.peer.name, self.epoch, self.version, update_id,
+                               self.sync_steps, R.TABLE_UPDATE, rows, keys)
+            else:
+                rec = R.Record(self.link.peer.name, self.epoch, self.version, 0,
+                               self.sync_steps, R.TABLE_ROWS, np.zeros(0, self.table.dtype),
+                               created, evicted)
+            self.link.add(rec)
+        return self.version
+
+    def apply_step(self) -> None:
+        """Apply the sync step gathered in ``acc`` (lock held; psserver.core.sync
+        calls it): the replicas' rows summed (or their mean), one table step,
+        journaled for the backup like any update."""
+        acc, self.acc = self.acc, None
+        t = self.table
+        keys, grads = S.combined_rows(acc, (t.config.dim,), t.dtype)
+        dropped = t.stats.dropped
+        with self.changing() as journaled:   # every part was checked when it came
+            updated = t.apply_gradients(keys, grads)
+        self.sync_steps = acc.step + 1
+        self.step_counts = (updated, t.stats.dropped - dropped)
+        self.changed(journaled, update=True)
+
+    def take_state(self, link: R.Link) -> dict:
+        """The whole shard for its backup (lock held; psserver.serve.forwarder)."""
+        link.state_taken(self.version)
+        return dict(spec=self.spec, rows=self.table.export(), step=self.table.step,
+                    epoch=self.epoch, version=self.version, applied_ids=list(self.applied),
+                    sync_steps=self.sync_steps)
+
+    # -- the backup ----------------------------------------------------------------------------
+    def check_record(self, rec: R.Record, what: str) -> None:
+        """InvalidArgument unless a primary's record (TABLE_ROWS or
+        TABLE_UPDATE) is well formed for this shard."""
+        def int_keys(a, field):
+            if a is None or a.ndim != 1 or a.dtype != np.int64:
+                raise InvalidArgument(f"{what}: a table record's {field} must be 1-D int64")
+        int_keys(rec.ids, "keys")
+        if rec.kind == R.TABLE_ROWS:
+            int_keys(rec.evicted if rec.evicted is not None else np.zeros(0, np.int64),
+                     "evicted keys")
+        elif rec.tensor.shape != (rec.ids.size, self.table.config.dim) or \
+                rec.tensor.dtype != self.table.dtype or not np.isfinite(rec.tensor).all():
+            raise InvalidArgument(f"{what}: a table update's rows must be finite "
+                                  f"{self.table.dtype.name} of shape "
+                                  f"{[rec.ids.size, self.table.config.dim]}")
+
+    def fits(self, rec: R.Record) -> bool:
+        """A table record's fit is known only when it applies (``follow``)."""
+        return rec.kind in R.TABLE_KINDS
+
+    def follow(self, rec: R.Record) -> bool:
+        """Apply the primary's record (lock held); False (nothing changed) if
+        it does not fit this copy's rows (the primary then copies it whole)."""
+        try:
+            if rec.kind == R.TABLE_ROWS:
+                evicted = rec.evicted if rec.evicted is not None else np.zeros(0, np.int64)
+                self.table.follow_rows(evicted, rec.ids)
+            else:
+                self.table.follow_update(rec.ids, rec.tensor)
+        except InvalidArgument:
+            return False
+        self.version = rec.version
+        self.remember(rec.update_id)
+        self.synced_to(rec.sync_steps)
+        self.cond.notify_all()
+        return True
+
+    def synced_to(self, sync_steps: int) -> None:
+        """The primary applied sync steps before ``sync_steps`` (lock held):
+        a step this copy was gathering is done there."""
+        self.sync_steps = max(self.sync_steps, sync_steps)
+        if self.acc is not None and self.acc.step < self.sync_steps:
+            self.acc = None

@@ -1,0 +1,561 @@
+"""Start a parameter-server task: ``create_server`` builds it, ``serve`` runs it.
+
+The ``psserver`` command (and ``python -m psserver``)::
+
+    psserver --port 0 --port-file /tmp/ps0.port      # prints "psserver listening on 127.0.0.1:PORT"
+    psserver --port 0 --metrics-port 0   # also serves metrics: "psserver metrics on 127.0.0.1:PORT"
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 1}}' psserver --host 0.0.0.0
+
+Under TF_CONFIG (or TF_CONFIG_FILE) the server binds the port of its own
+entry in the cluster unless ``--port`` says otherwise, as psworker does
+(psserver/contract/tf_config.py); the address it binds stays ``--host``'s. A "task"
+that is not a ps task, or not in the cluster, is an error (exit 2).
+
+On SIGTERM or SIGINT the server reports NOT_SERVING on the health service,
+stops taking new calls, lets the calls in flight finish (up to --grace
+seconds) and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import textwrap
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.pstrain.v1 import ps_pb2, tables_pb2
+from psserver import metrics, profiling
+from psserver import tls as TLS
+from psserver.contract import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PROTOCOL_METADATA_KEY,
+    PROTOCOL_VERSION,
+    TOKEN_ENV,
+    TOKEN_METADATA_KEY,
+    join_host_port,
+    routing,
+    shm,
+    tf_config,
+)
+from psserver.core.store import VariableStore
+from psserver.link import methods
+from psserver.link.grpc_common import grpc_options
+from psserver.serve import ipc_server, rpc, task_metrics
+from psserver.serve.servicer import ParameterServerServicer
+
+log = logging.getLogger("psserver")
+
+SERVICE_NAME = "pstrain.v1.ParameterServer"
+# Calls that stay open without a token, so probes need no secret.
+_PUBLIC_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def refusing_handler(handler, code: grpc.StatusCode, message: str):
+    """A handler of the same shape (unary or streaming) as ``handler`` that
+    aborts every call with code and message, so the servicer never runs."""
+    if handler is None:
+        return None
+
+    def deny(request_or_iterator, context):
+        context.abort(code, message)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(lambda it, ctx: iter([deny(it, ctx)]))
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(lambda r, ctx: iter([deny(r, ctx)]))
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuse (UNAUTHENTICATED) every call whose metadata lacks the token.
+
+    A refused call never reaches the servicer, so it changes nothing.
+    """
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_PUBLIC_PREFIXES):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                got = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return refusing_handler(
+            continuation(handler_call_details), grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong auth token: pass the cluster's token "
+            f"(PSClient(token=...) or ${TOKEN_ENV})")
+
+
+class ProtocolVersionInterceptor(grpc.ServerInterceptor):
+    """Refuse (FAILED_PRECONDITION) a caller that announces another protocol
+    version in ``x-pstrain-protocol``, saying which side is older. Callers
+    that announce none (grpcurl, probes) pass."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == PROTOCOL_METADATA_KEY:
+                try:
+                    theirs = int(value)
+                except ValueError:
+                    theirs = -1
+                if theirs != PROTOCOL_VERSION:
+                    older = "the client" if theirs < PROTOCOL_VERSION else "this server"
+                    return refusing_handler(
+                        continuation(handler_call_details), grpc.StatusCode.FAILED_PRECONDITION,
+                        f"protocol version mismatch: the client speaks pstrain protocol {theirs}, "
+                        f"this server speaks {PROTOCOL_VERSION}; {older} is older: install the "
+                        "same pstrain version on every task and the coordinator")
+        return continuation(handler_call_details)
+
+
+class ServerHandle:
+    """A running gRPC task: its server, port, main servicer and health service."""
+
+    def __init__(self, server: grpc.Server, port: int, servicer,
+                 health_servicer: health.HealthServicer, service_names: tuple[str, ...]):
+        self.server, self.port, self.servicer = server, port, servicer
+        self.health, self.service_names = health_servicer, service_names
+        self.ipc = None    # an ipc_server.IpcServer beside gRPC (same host: a Unix socket)
+        self.data = None   # an ipc_server.IpcServer on the data port (TCP), or None
+
+    @property
+    def store(self) -> VariableStore:
+        return self.servicer.store
+
+    def start(self) -> "ServerHandle":
+        self.server.start()
+        for side in (self.ipc, self.data):
+            if side is not None:
+                side.start()
+        for name in ("",) + self.service_names:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Stop taking calls; let those in flight finish for up to ``grace`` s."""
+        self.health.enter_graceful_shutdown()
+        stopped = self.server.stop(grace)
+        for side in (self.ipc, self.data):   # their calls get the same grace, at once
+            if side is not None:
+                side.stop(grace)
+        stopped.wait()
+        store = getattr(self.servicer, "store", None)   # (a psworker serves none)
+        forwarding = store.replicator.forwarding if store is not None else None
+        if forwarding is not None:   # replication senders (psserver/serve/forwarder.py)
+            forwarding.stop()
+        shared = getattr(self.servicer, "shared_memory", None)
+        if shared is not None:
+            shared.segments.close()
+
+
+def make_server(address: str, servicer, add_to_server, service_name: str, *,
+                token: str | None = None, tls: "TLS.TLSConfig | None" = None,
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                max_workers: int = 16, thread_name_prefix: str = "rpc",
+                rpc_metrics=None) -> ServerHandle:
+    """Build (not start) a gRPC server for one servicer, with health and auth.
+
+    ``"127.0.0.1:0"`` binds a free port; ``handle.port`` says which. With a
+    token, every call but health checks must carry it; with ``tls``, the port
+    serves TLS (mutual TLS when it has a CA). With ``rpc_metrics`` (a
+    psserver.serve.task_metrics.RpcMetrics), every call is counted and timed, refused
+    ones included.
+    Raises OSError if the address cannot be bound.
+    """
+    interceptors = []
+    if rpc_metrics is not None:   # first: it sees the calls the token check refuses
+        interceptors.append(task_metrics.MetricsInterceptor(rpc_metrics))
+    interceptors.append(ProtocolVersionInterceptor())
+    if token:
+        interceptors.append(TokenAuthInterceptor(token))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix=thread_name_prefix),
+                         interceptors=interceptors,
+                         options=grpc_options(max_message_bytes))
+    add_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = TLS.add_port(server, address, tls)
+    except RuntimeError as exc:
+        raise OSError(f"could not bind {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return ServerHandle(server, port, servicer, health_servicer, (service_name,))
+
+
+def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """The ParameterServer and SharedMemory services (requests parsed by
+    their handlers: psserver/serve/rpc.py), and ParameterServerBulk with hand-framed
+    messages (psserver/contract/wire.py): its Read returns bytes already serialized,
+    its Push takes the request's bytes as they came."""
+    services = ps_pb2.DESCRIPTOR.services_by_name
+    rpc.add_service(server, services["ParameterServer"], servicer)
+    rpc.add_service(server, services["SharedMemory"], servicer.shared_memory)
+
+    rpc.add_service(server, tables_pb2.DESCRIPTOR.services_by_name["DynamicTables"],
+                    servicer.tables)
+
+    rpc.add_service(server, services["ParameterServerBulk"], None, {
+        "Read": lambda raw, context: servicer.bulk_read(rpc.parse(ps_pb2.ReadRequest, raw),
+                                                        context),
+        "Push": servicer.bulk_push})
+
+
+def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None = None,
+                  token: str | None = None, tls: "TLS.TLSConfig | None" = None,
+                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  max_workers: int = 64, rpc_metrics=None,
+                  data_port: int | None = None) -> ServerHandle:
+    """Build (not start) a parameter server bound to ``address``.
+
+    ``rpc_metrics``: a psserver.serve.task_metrics.RpcMetrics counting every call (see
+    make_server); the store's own metrics come with ``VariableStore(observer=...)``.
+    ``data_port``: also serve reads, pushes, lookups and sparse pushes framed
+    by hand on this TCP port of the same host (0: a free one; None: none);
+    TLS as the gRPC port, the same token.
+    """
+    from psserver.serve.forwarder import (
+        Forwarder,  # it imports the client, which imports this
+    )
+
+    servicer = ParameterServerServicer(store if store is not None else VariableStore(),
+                                       max_message_bytes=max_message_bytes,
+                                       chunk_bytes=chunk_bytes)
+    replicator = servicer.store.replicator
+    if replicator.forwarding is None:   # replicated primaries reach their backups
+        replicator.forwarding = Forwarder(token, tls)
+    handle = make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
+                         tls=tls, max_message_bytes=max_message_bytes,
+                         max_workers=max_workers, thread_name_prefix="psserver-rpc",
+                         rpc_metrics=rpc_metrics)
+    # Both sockets serve the calls of psserver/link/methods.py with the servicer's
+    # own handlers; the shared-memory ones only where the segments can be: the
+    # Unix socket. (Which client takes which socket: psserver/contract/routing.py.)
+    services = {methods.PS: servicer, methods.BULK: servicer,
+                methods.SHM: servicer.shared_memory, methods.TABLES: servicer.tables}
+    identity = f"{PROTOCOL_VERSION}:{servicer.server_id}"
+    if shm.available() and routing.same_host_available():
+        shared = servicer.shared_memory
+        handle.ipc = ipc_server.IpcServer(methods.socket_handlers(services, shm=True), token,
+                                   rpc_metrics, identity=identity)
+        shared.ipc_socket = handle.ipc.name
+    if data_port is not None:
+        host = address.rsplit(":", 1)[0]
+        try:
+            handle.data = ipc_server.IpcServer(
+                methods.socket_handlers(services, shm=False), token, rpc_metrics,
+                tcp=(host, data_port),
+                ssl_context=tls.ssl_server_context() if tls is not None else None,
+                identity=identity)
+        except OSError as exc:
+            if handle.ipc is not None:
+                handle.ipc.stop(0)
+            raise OSError(f"data port {data_port}: {exc}") from None
+        servicer.data_port = handle.data.port
+    return handle
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write the port atomically, so a reader never sees a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+#: Set by psserver.process.start_task: the task stops when that process is gone,
+#: so a LocalCluster whose program was killed leaves no tasks behind.
+PARENT_PID_ENV = "PSTRAIN_PARENT_PID"
+
+
+def _exit_with_parent(stop: threading.Event) -> None:
+    pid = int(os.environ.get(PARENT_PID_ENV) or 0)
+    if not pid:
+        return
+    if os.getppid() == 0:
+        # The first process of a new PID namespace (a test host's `unshare
+        # --fork --kill-child`): its parent is outside and reads as 0, and
+        # the namespace ends with that parent.
+        return
+
+    def watch() -> None:
+        while not stop.wait(1.0):   # a check a second: the parent has no way to tell us
+            if os.getppid() != pid:
+                log.warning("parent process %d is gone: stopping", pid)
+                stop.set()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(handle: ServerHandle, *, grace: float = 5.0, port_file: str | None = None,
+          host: str = "127.0.0.1", role: str = "psserver") -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    _exit_with_parent(stop)
+    handle.start()
+    if port_file:   # before the announcement, so a reader of either sees both
+        write_port_file(port_file, handle.port)
+    if handle.data is not None:
+        print(f"{role} data port on {host}:{handle.data.port}", flush=True)
+    print(f"{role} listening on {host}:{handle.port}", flush=True)
+    stop.wait()
+    log.info("signal received: stopping (grace %.1fs)", grace)
+    handle.stop(grace)
+    if profiling.active is not None:   # PSTRAIN_PROFILE: the last calls' profiles too
+        profiling.active.write_all()
+
+
+def task_epilog(role: str) -> str:
+    """The end of a task's --help (psserver, psworker): the environment it
+    reads beyond the defaults its options name (docs/configuration.md has all)."""
+    job = "ps" if role == "psserver" else "worker"
+    unset = ("this server listens on loopback only (unless --insecure-no-auth) and any "
+             "user of this machine may read and change every variable" if role == "psserver"
+             else "this worker runs no closures and listens on loopback only (unless "
+             "--insecure-no-auth)")
+    entries = [
+        (TOKEN_ENV, "the cluster's auth token: a shared secret, the same on every task and "
+                    "the coordinator. Every call but health checks must carry it. Unset: "
+                    f"{unset}"),
+        ("TF_CONFIG, TF_CONFIG_FILE", "the cluster in TensorFlow's JSON (or a file holding "
+                                      "it): without --port, this task binds the port of its "
+                                      f'"task" entry, which must be a "{job}" one'),
+        (profiling.ENV, "a directory: profile every call this task serves (cProfile) into "
+                        "<role>-*.prof files there; python -m psserver.profiling DIR prints "
+                        "them merged"),
+    ]
+    lines = ["environment:"]
+    for name, text in entries:
+        lines.append(f"  {name}")
+        lines += textwrap.wrap(text, 76, initial_indent="      ", subsequent_indent="      ")
+    lines += ["", "Every option and variable: docs/configuration.md"]
+    return "\n".join(lines)
+
+
+def help_formatter(prog: str) -> argparse.HelpFormatter:
+    """Options wrapped as usual; the description and epilog kept as written."""
+    return argparse.RawDescriptionHelpFormatter(prog)
+
+
+def add_log_level_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", metavar="LEVEL",
+                   help="log messages of this level and above: DEBUG, INFO, WARNING, ERROR "
+                        "(default INFO)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="psserver", description="Run one parameter-server task.",
+                                epilog=task_epilog("psserver"), formatter_class=help_formatter)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 or [::] listens on all interfaces)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port to bind; 0 picks a free one (default: this task's TF_CONFIG "
+                        "entry, else 0)")
+    add_data_port_argument(p)
+    p.add_argument("--port-file", help="write the bound port to this file once serving")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds calls in flight get to finish on SIGTERM (default 5)")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest message accepted; larger tensors move in frames (default 64 MiB)")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help="frame size of streamed reads (default 1 MiB)")
+    p.add_argument("--max-memory-bytes", type=int, default=None,
+                   help="refuse creates beyond this many bytes of values and slots")
+    p.add_argument("--checkpoint-dir", action="append", default=[], metavar="DIR",
+                   help="directory under which Save (checkpoints) may write shard files; "
+                        "repeat for several. Without one this server writes no files")
+    p.add_argument("--threads", type=int, default=64,
+                   help="RPC handler threads (default 64; sync-mode reads wait in one each)")
+    add_log_level_argument(p)
+    add_auth_argument(p)
+    add_cpus_argument(p)
+    TLS.add_arguments(p)
+    metrics.add_arguments(p)
+    return p
+
+
+class TaskSetupError(Exception):
+    """A task's TLS files, metrics port or CPU list are unusable (the command exits 2)."""
+
+
+def add_data_port_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-port", type=int, default=0, metavar="PORT",
+                   help="TCP port of the data port: the hot calls framed by hand beside "
+                        "gRPC, for clients on other hosts (same host, TLS and token); 0 picks "
+                        "a free one (default; clients learn it over gRPC), -1 turns it off. "
+                        "Fix it where a firewall or Kubernetes Service must name it")
+
+
+def data_port_of(args) -> int | None:
+    return None if args.data_port < 0 else args.data_port
+
+
+INSECURE_FLAG = "--insecure-no-auth"
+
+
+def add_auth_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(INSECURE_FLAG, action="store_true",
+                   help=f"run without ${TOKEN_ENV} where that is refused (listening beyond "
+                        "loopback; a worker running closures): anyone who reaches the task "
+                        "may then change its state and, on a worker, run code as this user. "
+                        "For isolated test networks only")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` binds is a loopback one (127/8, ::1,
+    a name resolving only to those). 0.0.0.0 and :: listen everywhere."""
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = {info[4][0] for info in infos}
+    try:
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                   for a in addrs)
+    except ValueError:
+        return False
+
+
+def check_auth(args, role: str, token: str | None) -> None:
+    """Refuse (TaskSetupError) a tokenless task asked to listen beyond
+    loopback without --insecure-no-auth; warn, on every start, about any
+    tokenless task. The token is what stands between the network and this
+    task's state (and, on a worker, running code)."""
+    if token:
+        return
+    exposed = not is_loopback(args.host)
+    if exposed and not args.insecure_no_auth:
+        raise TaskSetupError(
+            f"refusing to listen on {args.host} without an auth token: anyone who reaches "
+            f"it could change this {role}'s state{' and run code on it' if role == 'psworker' else ''}. "
+            f"Set ${TOKEN_ENV} (the same secret on every task and the coordinator), or pass "
+            f"{INSECURE_FLAG} on an isolated network")
+    who = "anyone who can reach it" if exposed else "any user of this machine"
+    what = ("run any code as this user (closures)" if role == "psworker"
+            else "read and change every variable")
+    log.warning("SECURITY: no %s: %s can %s%s. Set %s on every task", TOKEN_ENV, who, what,
+                f" ({INSECURE_FLAG})" if args.insecure_no_auth else "", TOKEN_ENV)
+
+
+def add_cpus_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpus", metavar="LIST",
+                   help="run on these CPUs only, as taskset -c takes them (0-3,8): binds "
+                        "the task to cores, as MPI and Horovod bind ranks (default: every "
+                        "CPU it was given)")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """The CPU numbers of a list such as "0-3,8" (ValueError when malformed)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"--cpus {text!r}: expected CPU numbers and ranges such as 0-3,8")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"--cpus {text!r}: range {part.strip()!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def bind_cpus(text: str | None) -> None:
+    """Bind this process to the CPUs of ``text`` (before it starts threads:
+    they inherit it). Raises TaskSetupError saying which CPUs there are."""
+    if not text:
+        return
+    try:
+        cpus = parse_cpus(text)
+    except ValueError as exc:
+        raise TaskSetupError(str(exc)) from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise TaskSetupError(f"--cpus {text!r}: CPU {min(cpus - allowed)} is not one this task "
+                             f"may use; it may use {_cpu_list(allowed)}")
+    os.sched_setaffinity(0, cpus)
+
+
+def _cpu_list(cpus) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def task_setup(args, role: str):
+    """(TLS config, metrics endpoint) from a task's command line, shared by
+    psserver and psworker; binds the process to ``--cpus``; profiles its
+    calls when $PSTRAIN_PROFILE says (psserver/profiling.py). Raises
+    TaskSetupError with what to change."""
+    bind_cpus(args.cpus)
+    try:
+        profiling.start_from_env(role)
+    except ValueError as exc:
+        raise TaskSetupError(str(exc)) from None
+    try:
+        tls = TLS.from_arguments(args)
+    except ValueError as exc:
+        raise TaskSetupError(str(exc)) from None
+    try:
+        served = metrics.start_from_arguments(args, role, args.host)
+    except (ValueError, OSError) as exc:
+        raise TaskSetupError(f"cannot serve metrics: {exc}. Pick another --metrics-port, "
+                             "or 0 for a free one") from None
+    return tls, served
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s psserver %(levelname)s %(message)s")
+    try:
+        port = args.port if args.port is not None else tf_config.task_port("ps", "psserver")
+    except tf_config.ClusterConfigError as exc:
+        print(f"psserver: {exc}", file=sys.stderr)
+        return 2
+    address = join_host_port(args.host, port)
+    token = os.environ.get(TOKEN_ENV) or None
+    try:
+        check_auth(args, "psserver", token)
+        tls, served = task_setup(args, "psserver")
+    except TaskSetupError as exc:
+        print(f"psserver: {exc}", file=sys.stderr)
+        return 2
+    observer, rpc_metrics = None, None
+    if served is not None:
+        observer = task_metrics.StoreMetrics(served[0])
+        rpc_metrics = task_metrics.RpcMetrics(served[0])
+    store = VariableStore(args.max_memory_bytes, observer, checkpoint_dirs=args.checkpoint_dir)
+    if observer is not None:
+        observer.watch(store)
+    try:
+        handle = create_server(address, store=store, token=token, tls=tls,
+                               max_message_bytes=args.max_message_bytes,
+                               chunk_bytes=args.chunk_bytes, max_workers=args.threads,
+                               rpc_metrics=rpc_metrics, data_port=data_port_of(args))
+    except OSError as exc:
+        print(f"psserver: cannot listen on {address}: {exc}. Pick another --port or "
+              "--data-port, or 0 for a free one", file=sys.stderr)
+        return 2
+    if served is not None:
+        served[0].register(task_metrics.TablesCollector(handle.servicer.tables))
+    serve(handle, grace=args.grace, port_file=args.port_file, host=args.host)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

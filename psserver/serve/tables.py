@@ -1,0 +1,144 @@
+"""The DynamicTables service (protos/pstrain/v1/tables.proto): messages in,
+psserver.core.table_store.TableStore calls, messages out.
+
+Thin on purpose, as psserver/serve/servicer.py: the shards, their locks,
+replication, sync steps, the memory budget, saves and imports are the
+store's, with their guarantees (psserver/core/table_store.py). Handlers raise
+its typed errors; each transport maps them once (psserver/serve/rpc.py for gRPC,
+psserver/serve/ipc_server.py for sockets). The table's spec crosses here between
+its message (TableSpec) and the store's plain ``TableSpec``, field for field.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from google.protobuf import json_format
+
+from protos.pstrain.v1 import ps_pb2, tables_pb2
+from psserver.contract import MAX_COUNT, Initializer
+from psserver.contract import tensor as T
+from psserver.core.dynamic_table import TableConfig
+from psserver.core.table_store import StateCopy, TableSpec, TableStatus, TableStore
+from psserver.errors import InvalidArgument
+from psserver.link import tensor_proto as TP
+from psserver.serve.handling import deadline_of, save_fields, sync_spec_of
+
+_INT64_MAX = (1 << 63) - 1
+
+
+#: TableSpec's fields that are TableConfig's (of the same names), but the initializer.
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TableConfig) if f.name != "initializer")
+
+
+def spec_of(msg: tables_pb2.TableSpec) -> TableSpec:
+    """The store's TableSpec of a TableSpec message, field for field (not
+    checked: the store checks it where it is used)."""
+    i = msg.initializer
+    return TableSpec(
+        TableConfig(initializer=Initializer(i.kind, i.value, i.mean, i.stddev, i.minval,
+                                            i.maxval, i.seed),
+                    **{k: getattr(msg, k) for k in _CONFIG_FIELDS}),
+        msg.optimizer.name, dict(msg.optimizer.params))
+
+
+def spec_message(spec: TableSpec) -> tables_pb2.TableSpec:
+    """The TableSpec message of the store's TableSpec, field for field."""
+    return tables_pb2.TableSpec(
+        initializer=ps_pb2.Initializer(**dataclasses.asdict(spec.given.initializer)),
+        optimizer=ps_pb2.OptimizerSpec(name=spec.optimizer, params=spec.optimizer_params),
+        **{k: getattr(spec.given, k) for k in _CONFIG_FIELDS})
+
+
+def spec_json(spec: TableSpec) -> str:
+    """A spec as a table's checkpoint metadata records it: protobuf JSON of
+    its TableSpec message."""
+    return json_format.MessageToJson(spec_message(spec), indent=None)
+
+
+def _info(status: TableStatus) -> tables_pb2.TableInfo:
+    s = status.stats
+    return tables_pb2.TableInfo(
+        name=status.name, spec=spec_message(status.spec), rows=status.rows, step=status.step,
+        **{f.name: min(getattr(s, f.name), _INT64_MAX) for f in dataclasses.fields(s)},
+        bytes=status.bytes, sync_steps=status.sync_steps, late=min(status.late, _INT64_MAX))
+
+
+def _sync_read_step(request: tables_pb2.LookupRequest) -> int | None:
+    """A sync look-up's step (None: not sync), checked."""
+    if not request.HasField("sync"):
+        return None
+    step, timeout = request.sync.step, request.sync.step_timeout
+    if not (0 <= step < MAX_COUNT and timeout >= 0):
+        raise InvalidArgument(f"a sync look-up needs a step in [0, 2**62) and a step_timeout "
+                              f">= 0, got step {step}, step_timeout {timeout}")
+    return step
+
+
+class TableServicer:
+    """The DynamicTables service over ``store``: handlers take parsed
+    requests (psserver/serve/rpc.py); a look-up's reply is held to
+    ``max_message_bytes``."""
+
+    def __init__(self, store: TableStore, max_message_bytes: int):
+        self.store = store
+        self.max_message_bytes = max_message_bytes
+
+    def Create(self, request, context):
+        return _info(self.store.create(request.name, spec_of(request.spec), request.exist_ok))
+
+    def Lookup(self, request, context):
+        keys = TP.decode(request.keys, T.ID_DTYPES, "lookup keys")
+        counts = TP.decode(request.counts, T.ID_DTYPES, "lookup counts") \
+            if request.HasField("counts") else None
+        rows = self.store.lookup(request.name, keys, admit=not request.no_admit, counts=counts,
+                                 sync_step=_sync_read_step(request),
+                                 deadline=deadline_of(context),
+                                 max_reply_bytes=self.max_message_bytes)
+        reply = tables_pb2.LookupReply()
+        TP.fill(reply.rows, rows)
+        return reply
+
+    def Update(self, request, context):
+        done = self.store.update(
+            request.name, TP.decode(request.keys, T.ID_DTYPES, "update keys"),
+            TP.decode(request.grads, T.VALUE_DTYPES, "update grads"),
+            update_id=int(request.update_id), sync=sync_spec_of(request),
+            deadline=deadline_of(context))
+        return tables_pb2.TableUpdateReply(updated=done.updated, dropped=done.dropped,
+                                           step=done.step, late=done.late)
+
+    def Info(self, request, context):
+        return _info(self.store.info(request.name))
+
+    def List(self, request, context):
+        return tables_pb2.ListTablesReply(tables=[_info(s) for s in self.store.list()])
+
+    def Delete(self, request, context):
+        return tables_pb2.DeleteTableReply(deleted=self.store.delete(request.name))
+
+    def Save(self, request, context):
+        saved = self.store.save(request.name, request.directory, **save_fields(request))
+        return tables_pb2.SaveTableReply(
+            file=saved.file, rows=saved.rows, bytes=saved.bytes, step=saved.step,
+            kind=saved.kind, evicted=saved.evicted, incarnation=saved.incarnation)
+
+    def Import(self, request, context):
+        state = {"keys": TP.decode(request.keys, T.ID_DTYPES, "import keys")}
+        for field in ("values", "age_seconds"):
+            state[field] = TP.decode(getattr(request, field), T.VALUE_DTYPES, f"import {field}")
+        for field in ("age_steps", "freq"):
+            state[field] = TP.decode(getattr(request, field), T.ID_DTYPES, f"import {field}")
+        for slot in request.slots:
+            key = f"slot/{slot.name}"
+            if key in state:
+                raise InvalidArgument(f"import: slot {slot.name!r} given twice")
+            state[key] = TP.decode(slot.tensor, T.WIRE_DTYPES, f"import slot {slot.name!r}")
+        step = int(request.step)
+        if request.HasField("replica"):
+            r = request.replica
+            rows = self.store.import_copy(request.name, state, step, request.reset, StateCopy(
+                spec_of(r.spec), r.epoch, r.version, r.complete, list(r.applied_ids),
+                r.sync_steps))
+        else:
+            rows = self.store.import_rows(request.name, state, step, request.reset)
+        return tables_pb2.ImportTableReply(rows=rows)

@@ -1,0 +1,140 @@
+"""How a step's calls are settled and resent (coordinator/ps_pool.py's
+ParameterServers.settle), against fake clients: pure logic, no processes."""
+import threading
+
+import pytest
+
+from coordinator import ps_pool
+from coordinator.ps_pool import Op, ParameterServers
+from coordinator.routes import Route
+from coordinator.variables import Shard, ShardedVariable
+from psserver.errors import InvalidArgument, NotFound, NotPrimary, Unavailable
+from psserver.link.pending import Pending
+
+
+class FakeServer:
+    """Answers each call with the next of ``script`` (an exception is raised,
+    anything else returned), recording every request it was sent;
+    ``fail_on_send`` raises while sending instead of from result()."""
+
+    def __init__(self, *script, fail_on_send=False):
+        self.script, self.requests, self.fail_on_send = list(script), [], fail_on_send
+        self.collected = 0
+
+    def op(self, request, routes=(), pairs=()) -> Op:
+        def send(client):
+            self.requests.append(request)
+            outcome = self.script.pop(0) if self.script else "ok"
+            if self.fail_on_send and isinstance(outcome, Exception):
+                raise outcome
+            return Pending(lambda: self._collect(outcome))
+        return Op("fake:1", send, routes, pairs)
+
+    def _collect(self, outcome):
+        self.collected += 1
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    monkeypatch.setattr(ps_pool, "RETRY_SECONDS", 5.0)
+    p = ParameterServers()
+    p._clients["fake:1"] = object()   # the fake ops need no client
+    return p
+
+
+def test_results_in_order_and_retryable_failures_resent_with_the_same_request(pool):
+    a = FakeServer(Unavailable("restarting"), NotFound("not restored yet"), "a-done")
+    b = FakeServer("b-done")
+    assert pool.settle(lambda: [a.op(("w/part_0", 7)), b.op(("w/part_1", 8))]) == \
+        ["a-done", "b-done"]
+    assert a.requests == [("w/part_0", 7)] * 3   # the same request: the same update keys
+    assert b.requests == [("w/part_1", 8)]
+
+
+def test_a_failure_while_sending_is_resent_too(pool):
+    a = FakeServer(Unavailable("refused"), "ok", fail_on_send=True)
+    assert pool.settle(lambda: [a.op("r")]) == ["ok"] and len(a.requests) == 2
+
+
+def test_a_bad_request_is_not_resent_and_the_other_replies_are_collected(pool):
+    a = FakeServer(InvalidArgument("wrong shape"))
+    b, c = FakeServer("ok"), FakeServer("ok")
+    with pytest.raises(InvalidArgument):
+        pool.settle(lambda: [a.op("r"), b.op("r"), c.op("r")])
+    assert len(a.requests) == 1
+    assert b.collected == c.collected == 1   # drained: no connection left holding a reply
+
+
+def test_resending_stops_at_the_deadline(pool, monkeypatch):
+    monkeypatch.setattr(ps_pool, "RETRY_SECONDS", 0.3)
+    a = FakeServer(*[Unavailable("down")] * 1000)
+    with pytest.raises(Unavailable):
+        pool.settle(lambda: [a.op("r")])
+    assert 2 <= len(a.requests) < 1000
+
+
+def test_not_primary_without_replicas_to_ask_about_goes_up_at_once(pool):
+    a = FakeServer(NotPrimary("a backup"))
+    with pytest.raises(NotPrimary):
+        pool.settle(lambda: [a.op("r")])
+    assert len(a.requests) == 1
+
+
+def _replicated() -> ShardedVariable:
+    return ShardedVariable("w", (4,), "float32", (Shard("ps0:1", "w", 0, 4),),
+                           backups=(Shard("ps1:1", "w", 0, 4),))
+
+
+def test_a_moved_primary_replans_the_whole_step(pool, monkeypatch):
+    """A call that reaches replicated shards and fails asks who leads; when
+    a route it was planned on changed, the step's calls are planned again
+    (the keys stay those of the first plan)."""
+    v = _replicated()
+    flipped = Route(flipped=True)
+    monkeypatch.setattr(pool, "refresh", lambda pairs: pool.routes.set(v.shards[0], flipped))
+    plans = []
+
+    def plan():
+        r = pool.routes.route(v, 0)
+        server = FakeServer(NotPrimary("moved")) if not plans else FakeServer("done")
+        plans.append((server, r))
+        return [server.op(("w", 42), (((v.shards[0].address, "w"), r),), ((v, 0),))]
+    assert pool.settle(plan) == ["done"]
+    assert len(plans) == 2 and plans[1][0].requests == [("w", 42)]
+    assert plans[1][1] == flipped   # planned again on the new route
+
+
+def test_a_route_another_thread_found_moved_replans_too(pool, monkeypatch):
+    """The route changed before this call asked (another thread refreshed
+    first): this call's refresh changes nothing, yet it is planned again,
+    not resent to the old copy until the deadline."""
+    v = _replicated()
+    moved_by_other = threading.Event()
+
+    def refresh(pairs):   # another thread found out first: nothing changes here
+        return False
+    monkeypatch.setattr(pool, "refresh", refresh)
+    plans = []
+
+    def plan():
+        r = pool.routes.route(v, 0)
+        if not plans:
+            server = FakeServer(NotPrimary("moved"))
+            pool.routes.set(v.shards[0], Route(flipped=True))   # meanwhile, elsewhere
+            moved_by_other.set()
+        else:
+            server = FakeServer("done")
+        plans.append(server)
+        return [server.op("r", (((v.shards[0].address, "w"), r),), ((v, 0),))]
+    assert pool.settle(plan) == ["done"] and len(plans) == 2
+    assert moved_by_other.is_set()
+
+
+def test_start_sends_now_and_settles_in_result(pool):
+    a = FakeServer(Unavailable("restarting"), "done")
+    sent = pool.start(lambda: [a.op("r")])
+    assert a.requests == ["r"]   # sent before result() is asked
+    assert sent.result() == ["done"] and a.requests == ["r", "r"]

@@ -1,0 +1,39 @@
+"""psserver/link/buffers.py: large frame buffers used again, never while in use."""
+import gc
+
+import numpy as np
+
+from psserver.link import buffers as B
+
+
+def test_a_buffer_is_not_handed_out_again_while_anything_made_from_it_lives(monkeypatch):
+    monkeypatch.setattr(B, "_free", [])
+    first = memoryview(B.take(B.MIN_BYTES + 100))
+    np.frombuffer(first, np.uint8)[:] = 7
+    kept = np.frombuffer(first, np.float32, count=16, offset=64)[2:]   # a view of a view
+    expect = kept.copy()
+    del first
+    gc.collect()
+    other = B.take(B.MIN_BYTES + 100)   # must be another buffer: `kept` still reads the first
+    other[:] = 0
+    np.testing.assert_array_equal(kept, expect)
+    del kept, other
+    gc.collect()
+    free = B.free_bytes()   # both back in the pool now
+    assert free >= 2 * (B.MIN_BYTES + 100)
+    again = B.take(B.MIN_BYTES + 100)   # one of them, handed out again
+    assert B.free_bytes() < free and again.size == B.MIN_BYTES + 100
+
+
+def test_small_buffers_are_not_pooled_and_the_pool_is_bounded(monkeypatch):
+    monkeypatch.setattr(B, "_free", [])
+    small = B.take(1000)
+    assert small.size == 1000
+    del small
+    gc.collect()
+    assert B.free_bytes() == 0
+    monkeypatch.setattr(B, "MAX_FREE_BYTES", 3 * B.MIN_BYTES)
+    bufs = [B.take(B.MIN_BYTES) for _ in range(5)]
+    del bufs
+    gc.collect()
+    assert 0 < B.free_bytes() <= 3 * B.MIN_BYTES
