@@ -2,11 +2,10 @@
 (a real server serving them: tests/integration/test_bulk_service.py)."""
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 
-from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
+from protos.pstrain.v1 import ps_pb2
 from psserver.client import PSClient
 from psserver.contract import wire, wire_decode
 from psserver.errors import InvalidArgument
