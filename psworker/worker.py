@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import threading
@@ -27,18 +26,14 @@ import traceback
 import uuid
 
 from coordinator import datasets, serialization, sources
-from coordinator.cluster_spec import ClusterConfigError
 from coordinator.replica import replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
-from psserver import metrics as M
-from psserver import tls as TLS
 from psserver.contract import (
     PROTOCOL_VERSION,
     TOKEN_ENV,
     SyncSpec,
     join_host_port,
     routing,
-    tf_config,
 )
 from psserver.errors import (
     DeadlineExceeded,
@@ -50,22 +45,9 @@ from psserver.errors import (
     WorkerRestarted,
 )
 from psserver.link import methods
-from psserver.serve import ipc_server, rpc, task_metrics
-from psserver.serve.server import (
-    INSECURE_FLAG,
-    TaskSetupError,
-    add_auth_argument,
-    add_cpus_argument,
-    add_data_port_argument,
-    add_log_level_argument,
-    check_auth,
-    data_port_of,
-    help_formatter,
-    make_server,
-    serve,
-    task_epilog,
-    task_setup,
-)
+from psserver.serve import ipc_server, rpc, task, task_metrics
+from psserver.serve.server import make_server
+from psserver.serve.task import INSECURE_FLAG
 
 log = logging.getLogger("psworker")
 
@@ -194,23 +176,11 @@ def _ps_failure(exc: BaseException) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="psworker", description="Run one worker task.",
-                                epilog=task_epilog("psworker"), formatter_class=help_formatter)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 listens on all interfaces)")
-    p.add_argument("--port", type=int, default=None,
-                   help="port to bind; 0 picks a free one (default: this task's TF_CONFIG "
-                        "entry, else 0)")
-    add_data_port_argument(p)
-    p.add_argument("--port-file", help="write the bound port to this file once serving")
-    p.add_argument("--grace", type=float, default=5.0,
-                   help="seconds closures in flight get to finish on SIGTERM (default 5)")
+                                epilog=task.task_epilog("psworker"),
+                                formatter_class=task.help_formatter)
+    task.add_task_arguments(p, "psworker", grace="closures")
     p.add_argument("--threads", type=int, default=4,
                    help="closures that may run at once (default 4)")
-    add_log_level_argument(p)
-    add_auth_argument(p)
-    add_cpus_argument(p)
-    TLS.add_arguments(p)
-    M.add_arguments(p)
     return p
 
 
@@ -222,24 +192,14 @@ def _named_host(host: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s psworker %(levelname)s %(message)s")
-    try:
-        port = args.port if args.port is not None else tf_config.task_port("worker", "psworker")
-    except ClusterConfigError as exc:
-        print(f"psworker: {exc}", file=sys.stderr)
+    start = task.begin(args, "psworker", "worker")
+    if start is None:
         return 2
-    address = join_host_port(args.host, port)
-    token = os.environ.get(TOKEN_ENV) or None
-    try:
-        check_auth(args, "psworker", token)
-        tls, served = task_setup(args, "psworker")
-    except TaskSetupError as exc:
-        print(f"psworker: {exc}", file=sys.stderr)
-        return 2
+    address, token, tls, served = start.address, start.token, start.tls, start.served
     worker_metrics = rpc_metrics = None
     if served is not None:
-        worker_metrics, rpc_metrics = task_metrics.WorkerMetrics(served[0]), task_metrics.RpcMetrics(served[0])
+        worker_metrics = task_metrics.WorkerMetrics(served[0])
+        rpc_metrics = task_metrics.RpcMetrics(served[0])
     try:
         handle = make_server(address, WorkerServicer(trusted=token is not None
                                                      or args.insecure_no_auth,
@@ -257,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if routing.same_host_available():   # a coordinator on this host sends closures here
         handle.ipc = ipc_server.IpcServer(closures, token, rpc_metrics, identity=identity)
         handle.servicer.ipc_socket = handle.ipc.name
-    data_port = data_port_of(args)
+    data_port = task.data_port_of(args)
     if data_port is not None:   # and a coordinator on another host, here
         try:
             handle.data = ipc_server.IpcServer(
@@ -269,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--data-port, or 0 for a free one", file=sys.stderr)
             return 2
         handle.servicer.data_port = handle.data.port
-    serve(handle, grace=args.grace, port_file=args.port_file, host=args.host, role="psworker")
+    task.serve(handle, grace=args.grace, port_file=args.port_file, host=args.host, role="psworker")
     return 0
 
 

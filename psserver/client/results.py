@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from protos.pstrain.v1 import ps_pb2
-from psserver.contract import Peer, SyncSpec, VariableMeta
+from psserver.contract import Peer, SyncSpec, TableRead, TableWrite, VariableMeta
 from psserver.contract import tensor as T
 from psserver.errors import InvalidArgument
 from psserver.link import tensor_proto as TP
@@ -25,7 +25,7 @@ class Snapshot:
 
 
 @dataclasses.dataclass(frozen=True)
-class TableLookup:
+class TableLookup(TableRead):
     """A look-up of this server's shard of dynamic table ``name`` (a read's
     ReadRequest.table_lookups entry): ``keys`` (int64, any shape) and
     ``counts`` (how often each occurs in the batch); or bags of ``keys``
@@ -33,13 +33,6 @@ class TableLookup:
     server (psserver/core/bags.py). ``admit=False``: nothing counted, created or
     evicted; ``sync_step``: wait for earlier steps first; ``row_bytes``: a
     row's bytes, if known (the call's size is planned with it)."""
-    name: str
-    keys: np.ndarray
-    counts: np.ndarray | None = None
-    admit: bool = True
-    offsets: np.ndarray | None = None
-    weights: np.ndarray | None = None
-    sync_step: int | None = None
     row_bytes: int = 0
 
     @property
@@ -61,19 +54,12 @@ class TableLookup:
 
 
 @dataclasses.dataclass(frozen=True)
-class TableGradient:
+class TableGradient(TableWrite):
     """Row gradients of this server's shard of dynamic table ``name`` (a
     push's PushRequest.table_updates entry): one row per key of ``keys``
     (1-D int64), or one per bag (``offsets``, ``weights``: psserver/core/bags.py);
     applied once per non-zero ``update_id``; ``sync``: this replica's share
     of a step."""
-    name: str
-    keys: np.ndarray
-    grads: np.ndarray
-    update_id: int = 0
-    sync: SyncSpec | None = None
-    offsets: np.ndarray | None = None
-    weights: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import numpy as np
+
 from psserver import errors as _errors
 
 # -- the protocol --------------------------------------------------------------------
@@ -151,6 +153,36 @@ class SyncSpec:
         if not self.step_timeout >= 0:
             raise _errors.InvalidArgument(f"step_timeout must be >= 0, got {self.step_timeout}")
         return self
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRead:
+    """One look-up of a dynamic table's shard in a read (ReadRequest.table_lookups): ``keys`` (with
+    ``counts``, their occurrences in the batch; or bags: ``offsets`` and
+    ``weights``, psserver/core/bags.py), ``admit`` (False: nothing counted,
+    created or evicted), ``sync_step`` (wait for earlier steps first)."""
+    name: str
+    keys: np.ndarray
+    counts: np.ndarray | None = None
+    admit: bool = True
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    sync_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TableWrite:
+    """One update of a dynamic table's shard in a push (PushRequest.table_updates): gradient rows of
+    ``keys`` (or of bags: ``offsets``, ``weights``), applied once per
+    non-zero ``update_id``; ``sync``: this replica's share of a step."""
+    name: str
+    keys: np.ndarray
+    grads: np.ndarray
+    update_id: int = 0
+    sync: SyncSpec | None = None
+    offsets: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
 
 # -- names ---------------------------------------------------------------------------

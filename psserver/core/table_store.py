@@ -50,6 +50,8 @@ from psserver.contract import (
     ROLE_BACKUP,
     TABLE_PREFIX,
     SyncSpec,
+    TableRead,
+    TableWrite,
 )
 from psserver.contract.checkpoint_format import slot_layout, table_file
 from psserver.contract.keys import check_keys
@@ -137,35 +139,6 @@ class TableUpdate:
     dropped: int
     step: int
     late: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class TableRead:
-    """One look-up of a read (ReadRequest.table_lookups): ``keys`` (with
-    ``counts``, their occurrences in the batch; or bags: ``offsets`` and
-    ``weights``, psserver/core/bags.py), ``admit`` (False: nothing counted,
-    created or evicted), ``sync_step`` (wait for earlier steps first)."""
-    name: str
-    keys: np.ndarray
-    counts: np.ndarray | None = None
-    admit: bool = True
-    offsets: np.ndarray | None = None
-    weights: np.ndarray | None = None
-    sync_step: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TableWrite:
-    """One update of a push (PushRequest.table_updates): gradient rows of
-    ``keys`` (or of bags: ``offsets``, ``weights``), applied once per
-    non-zero ``update_id``; ``sync``: this replica's share of a step."""
-    name: str
-    keys: np.ndarray
-    grads: np.ndarray
-    update_id: int = 0
-    sync: SyncSpec | None = None
-    offsets: np.ndarray | None = None
-    weights: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,8 @@ from psserver.contract import (
     Initializer,
     Peer,
     SyncSpec,
+    TableRead,
+    TableWrite,
     VariableMeta,
     routing,
     shm,
@@ -33,7 +35,7 @@ from psserver.contract import (
 from psserver.contract import tensor as T
 from psserver.core import replication as R
 from psserver.core.store import VariableStore
-from psserver.core.table_store import TableRead, TableStore, TableWrite
+from psserver.core.table_store import TableStore
 from psserver.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from psserver.link import tensor_proto as TP
 from psserver.serve import rpc

@@ -7,7 +7,7 @@ import pytest
 
 from coordinator import LocalCluster
 from psserver.process import start_task
-from psserver.serve.server import parse_cpus
+from psserver.serve.task import parse_cpus
 
 CPUS = sorted(os.sched_getaffinity(0))
 

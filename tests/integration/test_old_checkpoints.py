@@ -10,8 +10,14 @@ import shutil
 import numpy as np
 import pytest
 
-from coordinator import (CheckpointManager, FixedShardsPartitioner, Initializer, LocalCluster,
-                         ParameterServerStrategy, push_gradients)
+from coordinator import (
+    CheckpointManager,
+    FixedShardsPartitioner,
+    Initializer,
+    LocalCluster,
+    ParameterServerStrategy,
+    push_gradients,
+)
 from coordinator.serving import Snapshot
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "ckpt-808e9e1"

@@ -47,7 +47,9 @@ def test_a_client_and_a_server_of_different_versions_refuse_each_other(start_ps,
 
 @pytest.mark.timeout(90)
 def test_a_worker_of_another_version_is_refused_by_the_coordinators_channel():
-    from psserver.link.channel import TaskChannel   # as coordinator/worker_channel.py holds it
+    from psserver.link.channel import (
+        TaskChannel,  # as coordinator/worker_channel.py holds it
+    )
     other = start_task(OTHER, [str(PROTOCOL_VERSION + 1), "psworker", "--port", "0"])
     try:
         ch = TaskChannel(other.address, role="worker")
