@@ -5,7 +5,8 @@ processes on one machine: gRPC Python moved 64 MiB at about a third of raw
 TCP speed here, and raw TCP itself copies every byte twice through the
 kernel. When a client and its parameter server share a host, the
 ``SharedMemory`` service (ps.proto) moves tensor bytes through a memory
-segment instead, and gRPC carries only names, shapes and offsets:
+segment instead, and its calls carry only names, shapes and offsets (Read
+and Push over the task's Unix socket, Attach and Detach over gRPC):
 
 * The client creates a segment: a memfd named ``pstrain-<hex>``, its memory
   reserved at once (``posix_fallocate``: no memory fails here, cleanly,
@@ -17,8 +18,9 @@ segment instead, and gRPC carries only names, shapes and offsets:
   the server never touches memory that went away (a truncated file's pages
   raise SIGBUS and kill the process: a token holder could do that to a
   /dev/shm file it shared). A server on another host (another container, another
-  pod) cannot open it and answers FAILED_PRECONDITION: the client then keeps
-  to the gRPC paths.
+  pod) cannot open it and answers FAILED_PRECONDITION: the client's channel
+  then plans without shared memory (TaskChannel.refuse; the bytes go framed
+  over the socket).
 * The client then closes its descriptor. From here on the memory belongs to
   the two mappings and the server's descriptor, so nothing is left behind
   when either process dies, SIGKILL included.

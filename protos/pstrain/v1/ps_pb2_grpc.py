@@ -789,7 +789,7 @@ class ParameterServer:
 class ParameterServerBulkStub:
     """The two calls that carry nearly nothing but tensor bytes, with the same
     messages and meaning as ParameterServer.Read and .Push. The server writes
-    and reads these messages by hand (psserver/wire.py) so tensor data is
+    and reads these messages by hand (psserver/contract/wire.py) so tensor data is
     copied once per side; any generated client may use them as usual.
     """
 
@@ -814,7 +814,7 @@ class ParameterServerBulkStub:
 class ParameterServerBulkServicer:
     """The two calls that carry nearly nothing but tensor bytes, with the same
     messages and meaning as ParameterServer.Read and .Push. The server writes
-    and reads these messages by hand (psserver/wire.py) so tensor data is
+    and reads these messages by hand (psserver/contract/wire.py) so tensor data is
     copied once per side; any generated client may use them as usual.
     """
 
@@ -854,7 +854,7 @@ def add_ParameterServerBulkServicer_to_server(servicer, server):
 class ParameterServerBulk:
     """The two calls that carry nearly nothing but tensor bytes, with the same
     messages and meaning as ParameterServer.Read and .Push. The server writes
-    and reads these messages by hand (psserver/wire.py) so tensor data is
+    and reads these messages by hand (psserver/contract/wire.py) so tensor data is
     copied once per side; any generated client may use them as usual.
     """
 
