@@ -111,7 +111,7 @@ _SAFE_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
     ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
     ("copyreg", "_reconstructor"),
-    ("coordinator.datasets", "_local_iterator"), ("coordinator.sharded", "_bound_iterator"),
+    ("coordinator.datasets", "_local_iterator"), ("coordinator.sources", "_bound_iterator"),
     ("coordinator.variables", "ShardedVariable"), ("coordinator.variables", "Shard"),
 }
 

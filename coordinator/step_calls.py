@@ -41,7 +41,7 @@ from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
 from psserver.client.results import TableGradient, TableLookup
 from psserver.contract.keys import check_keys
-from psserver.contract.rows import take_rows
+from psserver.contract.rows import put_rows, take_rows
 from psserver.errors import InvalidArgument
 
 
@@ -114,25 +114,28 @@ def known_order(variable, ids: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def unique_keys(table, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(unique keys, inverse or None: ``keys`` are distinct) of 1-D ``keys``:
-    from this thread's last look-up of ``table`` when it was of these keys,
-    else computed."""
+def last_lookup(table, keys: np.ndarray) -> tuple | None:
+    """(keys distinct and put shard by shard, where each of ``keys`` lands
+    among them, [(shard, lo, hi)]) from this thread's last look-up of
+    ``table`` when it was of these 1-D ``keys``; else None."""
     last = getattr(_last, "keys", None)
     if last is not None and last[0] is table and last[1].shape == keys.shape \
             and np.array_equal(last[1], keys):
-        return last[2], last[3]
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    return (keys, None) if uniq.size == keys.size and np.array_equal(uniq, keys) \
-        else (uniq, inverse.reshape(-1))
+        return last[2:]
+    return None
 
 
 def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     """out[j] = the sum of rows[i] with inverse[i] == j (n rows; summed in
     float64 in order of i, one np.bincount per column: faster than a sort
-    and np.add.reduceat, or np.add.at), in rows' dtype."""
+    and np.add.reduceat, or np.add.at), in rows' dtype. ``inverse`` takes
+    every value below n (as np.unique's does)."""
     if rows.dtype.kind != "f":
         raise ValueError(f"gradient rows must be floating, got {rows.dtype}")
+    if inverse.size == n:   # nothing to sum: each row to its place
+        out = np.empty((n,) + rows.shape[1:], rows.dtype)
+        put_rows(out, inverse, np.ascontiguousarray(rows))
+        return out
     out = np.empty((rows.shape[1], n), rows.dtype)
     for j, col in enumerate(np.ascontiguousarray(rows.T)):
         out[j] = np.bincount(inverse, weights=col, minlength=n)
@@ -282,12 +285,13 @@ class _Read:
         uniq, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
         if uniq.size == flat.size:
             uniq, inverse, counts = flat, None, None
-        _last.keys = (t, flat.copy(), uniq, None if inverse is None else inverse.reshape(-1))
         order, runs = by_shard(t, uniq)
         rank = np.empty(order.size, np.intp)
         rank[order] = np.arange(order.size)   # where each distinct key's row lands
         inverse = rank if inverse is None else rank[inverse.reshape(-1)]
         sorted_keys = uniq[order]
+        # The push of this step's row gradients sums them in this order (_table_parts).
+        _last.keys = (t, flat.copy(), sorted_keys, inverse, runs)
         counts = None if counts is None or not v.admit else counts[order]
         rows = np.empty((uniq.size, t.dim), np.dtype(t.dtype))
         parts = [(i, slice(lo, hi), sorted_keys[lo:hi],
@@ -558,12 +562,17 @@ def _table_parts(table, g, row_sync) -> list[tuple]:
     if grads.shape != (keys.size, table.dim):
         raise ValueError(f"gradient for table {table.name!r} has shape {grads.shape}, "
                          f"expected {(keys.size, table.dim)}")
-    uniq, inverse = unique_keys(table, keys)
-    if inverse is not None:
-        keys, grads = uniq, sum_rows(inverse, grads, uniq.size)
-    order, runs = by_shard(table, keys)
-    if len(runs) > 1:
-        keys, grads = keys[order], grads[order]
+    known = last_lookup(table, keys)
+    if known is not None:   # distinct keys shard by shard, as this thread just looked them up
+        keys, where, runs = known
+        grads = sum_rows(where, grads, keys.size)
+    else:
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        if uniq.size != keys.size:
+            keys, grads = uniq, sum_rows(inverse.reshape(-1), grads, uniq.size)
+        order, runs = by_shard(table, keys)
+        if len(runs) > 1:
+            keys, grads = keys[order], grads[order]
     have = {k: (keys[lo:hi], grads[lo:hi]) for k, lo, hi in runs}
     if row_sync is not None:   # every shard counts this replica (an empty update too)
         empty = (np.zeros(0, np.int64), np.zeros((0, table.dim), grads.dtype))

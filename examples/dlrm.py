@@ -27,6 +27,9 @@ NUM_DENSE, NUM_SPARSE = 13, 26
 BOTTOM = (NUM_DENSE, 64, DIM)
 _PAIRS = np.triu_indices(NUM_SPARSE + 1, k=1)
 TOP = (len(_PAIRS[0]) + DIM, 64, 1)
+# The pairs as positions in a flattened 27 x 27 matrix, and their mirror images.
+_UPPER = _PAIRS[0] * (NUM_SPARSE + 1) + _PAIRS[1]
+_LOWER = _PAIRS[1] * (NUM_SPARSE + 1) + _PAIRS[0]
 
 
 def layer_names() -> list[str]:
@@ -88,7 +91,10 @@ def forward(params, dense: np.ndarray, rows):
     rows = _rows(rows)
     bottom, bcache = _mlp(params, "bottom", dense, len(BOTTOM) - 1, relu_last=True)
     z = np.concatenate([bottom[:, None, :], rows], axis=1)          # (n, 27, DIM)
-    dots = np.matmul(z, z.transpose(0, 2, 1))[:, _PAIRS[0], _PAIRS[1]]   # (n, 351)
+    # Every pair's dot product (a contiguous transpose: BLAS's fast layout),
+    # then the upper triangle's 351 (np.take along the flattened matrix).
+    zz = np.matmul(z, np.ascontiguousarray(z.transpose(0, 2, 1)))
+    dots = np.take(zz.reshape(len(z), -1), _UPPER, axis=1)           # (n, 351)
     top_in = np.concatenate([dots, bottom], axis=1)
     logits, tcache = _mlp(params, "top", top_in, len(TOP) - 1, relu_last=False)
     return logits[:, 0], (bcache, z, tcache)
@@ -113,9 +119,11 @@ def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
     g_top_in = _mlp_back(params, "top", tcache, g, relu_last=False, grads=grads)
     pairs = len(_PAIRS[0])
     g_dots, g_bottom = g_top_in[:, :pairs], g_top_in[:, pairs:]
-    m = np.zeros((n, NUM_SPARSE + 1, NUM_SPARSE + 1), logits.dtype)
-    m[:, _PAIRS[0], _PAIRS[1]] = g_dots
-    g_z = np.matmul(m + m.transpose(0, 2, 1), z)   # d(z_i . z_j) / d z
+    # d(z_i . z_j) / d z: the pairs' gradients in a symmetric 27 x 27 matrix, times z.
+    m = np.zeros((n, (NUM_SPARSE + 1) ** 2), logits.dtype)
+    m[:, _UPPER] = g_dots
+    m[:, _LOWER] = g_dots
+    g_z = np.matmul(m.reshape(n, NUM_SPARSE + 1, NUM_SPARSE + 1), z)
     g_bottom = g_bottom + g_z[:, 0, :]
     _mlp_back(params, "bottom", bcache, g_bottom, relu_last=True, grads=grads)
     g_rows = g_z[:, 1:, :]

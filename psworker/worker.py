@@ -17,6 +17,7 @@ the parameter servers, and its return value goes back to the coordinator.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import socket
 import sys
@@ -54,6 +55,10 @@ log = logging.getLogger("psworker")
 SERVICE_NAME = "pstrain.v1.Worker"
 
 
+#: Functions sent by value a worker keeps unpickled (the most recently used).
+FUNCTIONS_KEPT = 32
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Runs closures. ``trusted``: calls passed a token check (or the task was
     started with --insecure-no-auth): only then does it run any function, by
@@ -70,6 +75,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.address = "(this one)"   # and where it listens, for error messages
         self._count = 0
         self._count_lock = threading.Lock()
+        # Functions sent by value, unpickled once each (by their bytes: the
+        # coordinator pickles a function once and sends the same bytes).
+        self._functions: collections.OrderedDict[bytes, object] = collections.OrderedDict()
 
     def _function(self, ref: worker_pb2.FunctionRef, context):
         if not self.trusted:   # by name is code too (os:system): nothing runs untrusted
@@ -85,8 +93,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except serialization.FunctionImportError as exc:
                 raise FailedPrecondition(str(exc)) from None
         if kind == "pickled":
+            data = ref.pickled
+            with self._count_lock:
+                fn = self._functions.get(data)
+                if fn is not None:
+                    self._functions.move_to_end(data)
+                    return fn
             try:
-                return serialization.load_function(ref.pickled, self.address)
+                fn = serialization.load_function(data, self.address)
             except serialization.FunctionImportError as exc:
                 raise FailedPrecondition(str(exc)) from None
             except Exception as exc:
@@ -94,6 +108,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     f"cannot unpickle the function on this worker: "
                     f"{type(exc).__name__}: {exc}. The worker needs the same "
                     "packages (and versions) as the coordinator") from None
+            with self._count_lock:
+                self._functions[data] = fn
+                while len(self._functions) > FUNCTIONS_KEPT:
+                    self._functions.popitem(last=False)
+            return fn
         raise InvalidArgument("no function in the request")
 
     def _check_fence(self, worker_id: str, context) -> None:

@@ -85,6 +85,25 @@ def test_function_from_main_is_sent_by_value(coord):
     assert coord.schedule(fn, args=(5,)).fetch() == 17
 
 
+def test_a_function_sent_by_value_is_unpickled_once_per_worker(cluster, coord):
+    """README: a worker keeps a function sent by value for the closures that
+    send it again, so state its closure captures lives on there (as a
+    function TensorFlow traced once per worker); the arguments are new each
+    time. Each worker counts the closures it ran with its one copy."""
+    seen = []
+
+    def step(x):
+        seen.append(x)   # this worker's copy of the list
+        return os.getpid(), len(seen), x
+    out = coord.fetch([coord.schedule(step, args=(i,)) for i in range(20)])
+    by_worker: dict[int, list] = {}
+    for pid, n, x in out:
+        by_worker.setdefault(pid, []).append(n)
+    assert sorted(x for _, _, x in out) == list(range(20)) and not seen
+    for counts in by_worker.values():   # 1, 2, 3, ... on each worker: one copy each
+        assert sorted(counts) == list(range(1, len(counts) + 1))
+
+
 def test_error_surfaces_at_fetch_and_join_with_worker_traceback(coord):
     rv = coord.schedule(fail_with, args=("the step broke",))
     with pytest.raises(StepFunctionError) as info:
