@@ -13,7 +13,7 @@
 
 Both get the Cluster and use its public methods and attributes only.
 
-Every failure arrives as a typed error (psserver.contract), whichever way
+Every failure arrives as a typed error (psserver.errors), whichever way
 the call went.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every call a transport makes returns one (psserver/link/transport.py), and so
 does every ``*_async`` method of PSClient: the request is sent before it is
 returned, and ``result()`` waits for the reply, turns it into the value
 (``post``) and returns it, or raises the call's typed error
-(psserver.contract), once an error handler (``recover``) had its say.
+(psserver.errors), once an error handler (``recover``) had its say.
 
 Guarantees:
 

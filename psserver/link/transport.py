@@ -3,7 +3,7 @@
 A transport makes any call of psserver/link/methods.py it carries and returns a
 ``Pending`` (psserver/link/pending.py) at once: the request has gone (or is
 going, on a kept thread); ``result()`` is the reply, made into the caller's
-value by ``post`` where given, or the call's typed error (psserver.contract),
+value by ``post`` where given, or the call's typed error (psserver.errors),
 mapped once, here, answered by ``recover`` where given. ``call`` is
 ``send(...).result()`` (over gRPC made straight on the calling thread).
 
