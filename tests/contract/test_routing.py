@@ -107,3 +107,41 @@ def test_announce_and_offer_round_trip():
     msg = R.announce(ps_pb2.HostInfo(), ipc_socket=SOCK, shared_memory=True, data_port=9)
     got = R.offer_of(ps_pb2.HostInfo.FromString(msg.SerializeToString()))
     assert got == R.Offer(R.this_host(), SOCK, True, 9)
+
+
+# -- the form of one data call (routing.form), as a table ------------------------------
+SHM_PLAN = R.Plan(R.UNIX, True, "same host")
+UNIX_PLAN = R.Plan(R.UNIX, False, "another pid namespace")
+TCP_PLAN = R.Plan(R.TCP, False, "another host")
+GRPC_PLAN = R.Plan(R.GRPC, False, "no socket")
+LIMITS = R.Limits(frame_bytes=1000, stream_bytes=100, message_bytes=500)
+
+# (op, tensor bytes, plan, keywords) -> form
+FORMS = [
+    (R.READ, 10, SHM_PLAN, {"direct": True}, R.DIRECT),
+    (R.READ, 10, SHM_PLAN, {"direct": True, "sync": True}, R.SEGMENT),   # a sync read waits
+    (R.READ, 10, SHM_PLAN, {}, R.SEGMENT),
+    (R.READ, 10, SHM_PLAN, {"segments": False}, R.FRAME),   # made again without its segment
+    (R.PUSH, 5000, SHM_PLAN, {}, R.SEGMENT),
+    (R.PUSH, 1000, UNIX_PLAN, {}, R.FRAME),
+    (R.PUSH, 1001, UNIX_PLAN, {}, R.STREAM),   # past a frame: gRPC's streams
+    (R.READ, 1000, TCP_PLAN, {"direct": True}, R.FRAME),   # no shared memory: not direct
+    (R.PUSH, 100, GRPC_PLAN, {}, R.UNARY),
+    (R.PUSH, 101, GRPC_PLAN, {}, R.STREAM),
+    (R.GATHER, 10, SHM_PLAN, {}, R.SEGMENT),
+    (R.GATHER, 2000, TCP_PLAN, {}, R.STREAM),   # past a frame and a message: several calls
+    (R.GATHER, 500, GRPC_PLAN, {}, R.UNARY),     # a gather may fill a message
+    (R.GATHER, 501, GRPC_PLAN, {}, R.STREAM),
+    (R.TABLE, 10, SHM_PLAN, {}, R.FRAME),        # table parts never take segments
+    (R.TABLE, 1000, TCP_PLAN, {}, R.FRAME),
+    (R.TABLE, 1001, TCP_PLAN, {}, R.STREAM),    # past a frame and a message: several calls
+    (R.TABLE, 500, GRPC_PLAN, {}, R.UNARY),
+    (R.TABLE, 501, GRPC_PLAN, {}, R.STREAM),
+]
+
+
+@pytest.mark.parametrize("op, nbytes, plan, kw, want", FORMS,
+                         ids=[f"{op}-{n}-{p.socket or 'grpc'}{'-shm' if p.shm else ''}-"
+                              f"{'-'.join(sorted(kw)) or 'plain'}" for op, n, p, kw, _ in FORMS])
+def test_the_form_of_each_data_call(op, nbytes, plan, kw, want):
+    assert R.form(op, nbytes, plan, LIMITS, **kw) == want
