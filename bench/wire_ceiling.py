@@ -239,7 +239,7 @@ def running(sizes: Sequence[int], shards: list[list[list[int]]], lr: float,
 
 def _exit_with_parent() -> None:
     """End this process when the program that started it is gone (as our
-    tasks do: psserver/serve/server.py), so a killed run leaves nothing behind."""
+    tasks do: psserver/serve/task.py), so a killed run leaves nothing behind."""
     from psserver.serve.task import _exit_with_parent as watch
     gone = threading.Event()
     watch(gone)

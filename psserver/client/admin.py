@@ -278,7 +278,8 @@ class PSAdmin:
         the same-host socket where there is one (a frame's worth), else
         gRPC (past the stream threshold: Upload's frames)."""
         nbytes = sum(r.nbytes for r in records)
-        if nbytes <= self._tensor_limit():
+        if routing.form(routing.PUSH, nbytes, self.channel.plan, self.limits,
+                        segments=False) != routing.STREAM:
             reply = self.channel.call(methods.REPLICATE, wire.encode_replicate_request(records),
                                       timeout)
         else:
@@ -296,11 +297,6 @@ class PSAdmin:
                         arrays.append(a)
             reply = self.channel.upload("replicate", req, arrays, timeout).replicated
         return [(a.name, a.version, int(a.status)) for a in reply.acks]
-
-    def _tensor_limit(self) -> int:
-        """The most tensor bytes one socket call (a frame) or gRPC call (the
-        stream threshold) carries on the route now."""
-        return self.limits.frame_bytes if self.channel.plan.socket else self.limits.stream_bytes
 
     def reconfigure(self, changes: Sequence[tuple], timeout: float = 120.0) -> list[VariableMeta]:
         """The coordinator's role changes on this server: (name, action, epoch,
