@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="psworker", description="Run one worker task.",
                                 epilog=task.task_epilog("psworker"),
                                 formatter_class=task.help_formatter)
-    task.add_task_arguments(p, "psworker", grace="closures")
+    task.add_task_arguments(p, grace="closures")
     p.add_argument("--threads", type=int, default=4,
                    help="closures that may run at once (default 4)")
     return p

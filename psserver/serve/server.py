@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="psserver", description="Run one parameter-server task.",
                                 epilog=task.task_epilog("psserver"),
                                 formatter_class=task.help_formatter)
-    task.add_task_arguments(p, "psserver", grace="calls")
+    task.add_task_arguments(p, grace="calls")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest message accepted; larger tensors move in frames (default 64 MiB)")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,

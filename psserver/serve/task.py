@@ -27,7 +27,7 @@ from psserver.contract import TOKEN_ENV, join_host_port, tf_config
 log = logging.getLogger("psserver")
 
 
-def add_task_arguments(p: argparse.ArgumentParser, role: str, grace: str) -> None:
+def add_task_arguments(p: argparse.ArgumentParser, grace: str) -> None:
     """The options every task takes: where it listens, its data port, the
     port file, the grace period (``grace``: what finishes in it), logging,
     auth, CPUs, TLS and metrics."""
