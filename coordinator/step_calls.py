@@ -142,6 +142,22 @@ def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(out.T)
 
 
+def shard_order(table, keys: np.ndarray, with_counts: bool = False) -> tuple:
+    """(the distinct ``keys`` (1-D) put shard by shard, where each of ``keys``
+    lands among them, [(shard, lo, hi)], and with ``with_counts`` how often
+    each occurs: None where every key occurs once): what a look-up sends
+    and what a push of the same keys' rows sums into."""
+    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    if uniq.size == keys.size:   # distinct: kept in the order given
+        uniq, inverse, counts = keys, None, None
+    order, runs = by_shard(table, uniq)
+    rank = np.empty(order.size, np.intp)
+    rank[order] = np.arange(order.size)   # where each distinct key lands
+    where = rank if inverse is None else rank[inverse.reshape(-1)]
+    counts = None if counts is None or not with_counts else counts[order]
+    return uniq[order], where, runs, counts
+
+
 def by_shard(table, keys: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """(the order that puts ``keys`` shard by shard, [(shard, lo, hi)] of
     each shard's run in that order) of a dynamic table's keys."""
@@ -282,21 +298,13 @@ class _Read:
             return ids.shape, inverse, t._runs(uniq), rows
         keys = check_keys(v.ids)
         flat = keys.reshape(-1)
-        uniq, inverse, counts = np.unique(flat, return_inverse=True, return_counts=True)
-        if uniq.size == flat.size:
-            uniq, inverse, counts = flat, None, None
-        order, runs = by_shard(t, uniq)
-        rank = np.empty(order.size, np.intp)
-        rank[order] = np.arange(order.size)   # where each distinct key's row lands
-        inverse = rank if inverse is None else rank[inverse.reshape(-1)]
-        sorted_keys = uniq[order]
+        sorted_keys, where, runs, counts = shard_order(t, flat, with_counts=v.admit)
         # The push of this step's row gradients sums them in this order (_table_parts).
-        _last.keys = (t, flat.copy(), sorted_keys, inverse, runs)
-        counts = None if counts is None or not v.admit else counts[order]
-        rows = np.empty((uniq.size, t.dim), np.dtype(t.dtype))
+        _last.keys = (t, flat.copy(), sorted_keys, where, runs)
+        rows = np.empty((sorted_keys.size, t.dim), np.dtype(t.dtype))
         parts = [(i, slice(lo, hi), sorted_keys[lo:hi],
                   None if counts is None else counts[lo:hi]) for i, lo, hi in runs]
-        return keys.shape, inverse, parts, rows
+        return keys.shape, where, parts, rows
 
     def plan(self) -> list[Op]:
         """One call per server on the current routes (a route asked once per shard)."""
@@ -562,17 +570,9 @@ def _table_parts(table, g, row_sync) -> list[tuple]:
     if grads.shape != (keys.size, table.dim):
         raise ValueError(f"gradient for table {table.name!r} has shape {grads.shape}, "
                          f"expected {(keys.size, table.dim)}")
-    known = last_lookup(table, keys)
-    if known is not None:   # distinct keys shard by shard, as this thread just looked them up
-        keys, where, runs = known
-        grads = sum_rows(where, grads, keys.size)
-    else:
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        if uniq.size != keys.size:
-            keys, grads = uniq, sum_rows(inverse.reshape(-1), grads, uniq.size)
-        order, runs = by_shard(table, keys)
-        if len(runs) > 1:
-            keys, grads = keys[order], grads[order]
+    # Distinct keys shard by shard: as this thread just looked them up, else anew.
+    keys, where, runs = last_lookup(table, keys) or shard_order(table, keys)[:3]
+    grads = sum_rows(where, grads, keys.size)
     have = {k: (keys[lo:hi], grads[lo:hi]) for k, lo, hi in runs}
     if row_sync is not None:   # every shard counts this replica (an empty update too)
         empty = (np.zeros(0, np.int64), np.zeros((0, table.dim), grads.dtype))

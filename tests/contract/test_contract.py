@@ -11,47 +11,12 @@ import pytest
 from psserver import errors as E
 from psserver.link.grpc_common import grpc_code
 from psserver.link.transport import from_rpc_error
-
-# A finder that refuses grpc, protobuf and the generated code, as an
-# environment without them would.
-_BLOCK = textwrap.dedent("""
-    import importlib.abc, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("grpc", "grpc_health", "protos") or \\
-                    name.startswith("google.protobuf"):
-                raise ModuleNotFoundError(f"blocked: {name}")
-    sys.meta_path.insert(0, Block())
-""")
-
-
-#: The parameter server's logic and the pure modules clients share: none may
-#: import grpc or protobuf (servicers, transports and clients do).
-CORE_MODULES = [
-    "psserver.contract",
-    "psserver.core.store",
-    "psserver.core.variable",
-    "psserver.contract.optimizers",
-    "psserver.contract.rows",
-    "psserver.core.sync",
-    "psserver.core.replication",
-    "psserver.core.saving",
-    "psserver.core.tracking",
-    "psserver.core.shards",
-    "psserver.core.dynamic_table",
-    "psserver.core.key_index",
-    "psserver.contract.keys",
-    "psserver.contract.checkpoint_format",
-    "psserver.core.table_copy",
-    "psserver.core.table_store",
-    "psserver.contract.shm",
-    "psserver.contract.tensor",
-    "psserver.errors"]
+from tests.contract.test_layers import BLOCK_GRPC_AND_PROTOBUF
 
 
 @pytest.mark.timeout(60)
 def test_store_runs_without_grpc_or_protobuf():
-    code = _BLOCK + textwrap.dedent("""
+    code = BLOCK_GRPC_AND_PROTOBUF + textwrap.dedent("""
         import numpy as np
         from psserver.contract import optimizers
         from psserver.core import sync
@@ -80,13 +45,11 @@ def test_store_runs_without_grpc_or_protobuf():
         tables.create("e", TableSpec(TableConfig(dim=3)))
         assert tables.lookup("e", np.array([1, 2])).shape == (2, 3)
         assert {c.name for c in s.registry.copies()} == {"w", "~table~e"}
-        import importlib   # every core module, and the pure ones clients share
-        for core in CORE_MODULES:
-            importlib.import_module(core)
+        # (every module of contract and core is imported so in test_layers.py)
         for mod in ("grpc", "google.protobuf", "protos"):
             assert mod not in sys.modules, mod
         print("ok", version)
-    """).replace("CORE_MODULES", repr(CORE_MODULES))
+    """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=50)
     assert out.returncode == 0, out.stderr
@@ -95,8 +58,9 @@ def test_store_runs_without_grpc_or_protobuf():
 
 @pytest.mark.timeout(60)
 def test_the_block_does_block():
-    """The finder above would catch a store that imports grpc."""
-    out = subprocess.run([sys.executable, "-c", _BLOCK + "import psserver.link.grpc_common"],
+    """The finder (test_layers.BLOCK_GRPC_AND_PROTOBUF) would catch a store that imports grpc."""
+    code = BLOCK_GRPC_AND_PROTOBUF + "import psserver.link.grpc_common"
+    out = subprocess.run([sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=50)
     assert out.returncode != 0 and "blocked: grpc" in out.stderr
 

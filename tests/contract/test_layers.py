@@ -103,16 +103,23 @@ def test_every_import_statement_keeps_to_its_layer():
         sorted(set(broken)))
 
 
-def loaded_by(modules: list[str], block: tuple[str, ...] = ()) -> list[str]:
-    """sys.modules after importing ``modules`` in a fresh interpreter in which
-    importing anything under ``block`` raises ImportError."""
-    code = f"""
-import importlib, importlib.abc, json, sys
+#: Code that makes importing grpc, protobuf or the generated code fail in the
+#: interpreter it runs in, as an environment without them would.
+BLOCK_GRPC_AND_PROTOBUF = f"""
+import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in {list(block)!r}):
-            raise ImportError("blocked: " + name)
+        if any(name == b or name.startswith(b + ".") for b in {GRPC_OR_PROTOBUF!r}):
+            raise ModuleNotFoundError("blocked: " + name)
 sys.meta_path.insert(0, Block())
+"""
+
+
+def loaded_by(modules: list[str], blocked: bool = False) -> list[str]:
+    """sys.modules after importing ``modules`` in a fresh interpreter (where
+    grpc and protobuf cannot be imported, with ``blocked``)."""
+    code = (BLOCK_GRPC_AND_PROTOBUF if blocked else "") + f"""
+import importlib, json, sys
 for m in {modules!r}:
     importlib.import_module(m)
 print(json.dumps(sorted(sys.modules)))
@@ -134,7 +141,7 @@ def modules_under(package: str) -> list[str]:
 def test_the_contract_layer_loads_no_grpc_and_no_protobuf():
     mods = modules_under("psserver.contract") + ["psserver.errors"] + modules_under(
         "psserver.core")
-    loaded = loaded_by(mods, block=GRPC_OR_PROTOBUF)
+    loaded = loaded_by(mods, blocked=True)
     assert not [m for m in loaded if within(m, GRPC_OR_PROTOBUF)]
     assert not [m for m in loaded if within(m, ("psserver.link", "psserver.client",
                                                 "psserver.serve"))]
