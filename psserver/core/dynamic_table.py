@@ -27,11 +27,15 @@ Admission: a key gets a row once it was looked up ``min_count`` times
 (counted in a bounded table of its own, oldest forgotten first), and then
 only with probability ``probability`` per look-up past that; until then a
 look-up returns the default row (zeros) and a gradient for it is dropped.
-Both are counted. Eviction: ``capacity`` rows at most (the least recently
-used, or the least frequently looked up, go first, ties to the oldest), and
-rows not updated for ``max_age_steps`` table steps (a step: one applied
-gradient batch) or ``max_age_seconds``. An evicted key forgets everything:
-seen again, it starts over (admission included) from its initializer.
+Both are counted. Eviction: ``capacity`` rows at most (LRU: least recently
+looked up first; LFU: least often looked up, admission's look-ups counted,
+then LRU; ties to the least recently updated, then the smaller key), never
+a row the same look-up found (new keys get the rows left, the last keys
+first); and rows not updated for ``max_age_steps`` table steps (a step: one
+applied gradient batch) or ``max_age_seconds``: absent from then on (their
+gradients dropped, zeros to a look-up that does not admit), evicted by the
+next look-up that admits. An evicted key forgets everything: seen again,
+it starts over (admission included) from its initializer.
 
 New rows are initialized from (the initializer's seed, key) alone
 (psserver.contract.keys.initial_rows), so a key's first value does not depend on the order
@@ -59,14 +63,15 @@ from psserver.core.variable import check_initializer
 from psserver.errors import InvalidArgument
 
 #: Look-ups whose rows a shard remembers for the updates that follow them
-#: (DynamicTable._rows_of): a step's update comes after its own look-up and
-#: those of the few other workers' steps in flight.
+#: (_rows_of): a step's update follows its look-up and a few other workers'.
 _RECENT_LOOKUPS = 4
 _GROW = 1.25             # rows arrays grow by this factor when full
 EVICTION_POLICIES = ("lru", "lfu")
 #: Bytes a row costs beyond its values and per-row slots: the upper figure of
 #: the per-key overhead above (index slots and bookkeeping).
 ROW_OVERHEAD = 104
+#: Look-up counts (LFU) saturate here: one look-up adds < 2**62, so they never wrap.
+MAX_FREQ = 1 << 62
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +121,6 @@ class TableConfig:
         except InvalidArgument as exc:
             bad(str(exc))
         return self
-
 
 
 def row_bytes(dim: int, dtype, row_slots: int) -> int:
@@ -215,29 +219,30 @@ class DynamicTable:
         """Rows of ``keys`` (any shape of int64; the result has a trailing
         dim): existing rows, rows created for keys admitted now, and the
         default row (zeros) for the others. ``admit=False`` (evaluation,
-        serving): nothing is counted, created or touched. ``counts`` (int64
-        >= 1, one per key): each key stands for that many occurrences (a
-        caller that sent its batch's unique keys), for admission, LFU and
-        the statistics alike."""
+        serving): nothing is counted, created, evicted or touched (a row past
+        its age reads as absent). ``counts`` (int64 >= 1, one per key): each
+        key stands for that many occurrences (a caller that sent its batch's
+        unique keys), for admission, LFU and the statistics alike."""
         keys = check_keys(keys)
         flat = keys.reshape(-1)
         if counts is not None:
             counts = check_counts(keys, counts).reshape(-1)
-        self.expire()
-        rows = self.index.find(flat)
-        if admit:
+        if not admit:
+            rows = self.index.find(flat)
+            rows[self._stale(rows)] = -1
+        else:
+            self.expire()
+            rows = self.index.find(flat)
             self._tick += 1
             found = rows >= 0
             self.stats.lookups += flat.size if counts is None else int(counts.sum())
             self.stats.hits += int(found.sum()) if counts is None else int(counts[found].sum())
             hit = rows[found]
-            self.used_step[hit] = self._tick
+            self.used_step[hit] = self._tick   # (also: _create evicts none of them)
             if self.tracker is not None:   # (their look-up counts change)
                 self.tracker.dirty[hit] = True
-            if counts is None:
-                np.add.at(self.freq, hit, 1)
-            else:
-                np.add.at(self.freq, hit, counts[found])
+            np.add.at(self.freq, hit, 1 if counts is None else counts[found])
+            self.freq[hit] = np.minimum(self.freq[hit], MAX_FREQ)
             missing = ~found
             if missing.any():
                 new_keys, inverse = np.unique(flat[missing], return_inverse=True)
@@ -272,30 +277,37 @@ class DynamicTable:
         c = self.config
         seen = times.astype(np.int64)
         if c.min_count > 1:
-            seen += self.pending.counts(keys)
+            seen = np.minimum(seen + self.pending.counts(keys), MAX_FREQ)
         ok = seen >= c.min_count
         if c.probability < 1.0:
             ok &= self._rng.random(keys.size) < c.probability
         rows = np.full(keys.size, -1, np.int64)
-        if ok.any():
-            rows[ok] = self._create(keys[ok])
+        if ok.any():   # a new row's look-up count: every look-up of its key so far
+            rows[ok] = self._create(keys[ok], freq=np.minimum(seen[ok], MAX_FREQ))
         made = rows >= 0
         self.stats.not_admitted += int(times[~made].sum())
         if c.min_count > 1:
             self.pending.note(keys, seen, made, self._tick)
         return rows
 
-    def _create(self, keys: np.ndarray, exact: bool = False) -> np.ndarray:
-        """Rows for new unique ``keys``, initialized (-1 for keys beyond a
-        capacity smaller than the batch: the last ``capacity`` get rows);
-        over capacity, the policy's victims are evicted first (not with
-        ``exact``: a backup makes the rows its primary made)."""
+    def _create(self, keys: np.ndarray, exact: bool = False,
+                freq: np.ndarray | int = 1) -> np.ndarray:
+        """Rows for new unique ``keys`` looked up ``freq`` times so far.
+        Over capacity the policy's victims go first, never a row this look-up
+        found (its tick); -1 for keys beyond the rows left (the last keys get
+        rows). Not with ``exact``: a backup makes the rows its primary made."""
         c = self.config
         out = np.full(keys.size, -1, np.int64)
         take = np.arange(keys.size)
         if c.capacity and self.index.size + keys.size > c.capacity and not exact:
-            take = take[-c.capacity:]
-            self._evict_for(self.index.size + take.size - c.capacity)
+            _, live = self.index.items()
+            victims = live[self.used_step[live] != self._tick]
+            room = c.capacity - (live.size - victims.size)   # rows new keys may have
+            take = take[keys.size - max(0, min(keys.size, room)):]
+            if live.size + take.size > c.capacity:
+                self._evict_for(live.size + take.size - c.capacity, victims)
+        if not isinstance(freq, int):
+            freq = freq[take]
         keys = keys[take]
         rows = self._take_rows(keys.size)
         self.value[rows] = initial_rows(keys, c.dim, self.dtype, c.initializer)
@@ -305,7 +317,7 @@ class DynamicTable:
         self.updated_step[rows] = self.step
         self.updated_time[rows] = self.clock()
         self.used_step[rows] = self._tick
-        self.freq[rows] = 1
+        self.freq[rows] = freq
         self.index.insert(keys, rows)
         self.stats.admitted += keys.size
         if self.tracker is not None:
@@ -352,30 +364,37 @@ class DynamicTable:
         self.index.delete(self.row_key[rows])
         self._free.append(rows.astype(np.int64))
 
-    def _evict_for(self, n: int) -> None:
-        """Evict ``n`` rows by the policy: least recently used (LRU) or least
-        often looked up (LFU, ties to the least recently used)."""
-        _, live = self.index.items()
-        if self.config.policy == "lfu":
-            order = np.lexsort((self.used_step[live], self.freq[live]))
-        else:
-            order = np.lexsort((self.freq[live], self.used_step[live]))
+    def _evict_for(self, n: int, candidates: np.ndarray | None = None) -> None:
+        """Evict ``n`` rows of ``candidates`` (default: every live row) by the
+        policy (the module docstring: LRU or LFU, then the least recently
+        updated, then the smaller key)."""
+        live = self.index.items()[1] if candidates is None else candidates
+        last = (self.row_key[live], self.updated_step[live], self.used_step[live])
+        order = np.lexsort(last + (self.freq[live],) if self.config.policy == "lfu" else last)
         victims = live[order[:n]]
         self._evict_rows(victims)
         self.stats.evicted_capacity += victims.size
 
+    def _stale(self, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` (-1: none) are past their age (absent till expire evicts them)."""
+        c = self.config
+        old = np.zeros(rows.shape, bool)
+        if not (c.max_age_steps or c.max_age_seconds) or not rows.size:
+            return old
+        r = np.maximum(rows, 0)
+        if c.max_age_steps:
+            old |= self.step - self.updated_step[r] >= c.max_age_steps
+        if c.max_age_seconds:
+            old |= self.clock() - self.updated_time[r] >= c.max_age_seconds
+        return old & (rows >= 0)
+
     def expire(self) -> int:
         """Evict rows not updated for max_age_steps steps or max_age_seconds;
         how many."""
-        c = self.config
-        if not (c.max_age_steps or c.max_age_seconds) or not self.index.size:
+        if not (self.config.max_age_steps or self.config.max_age_seconds):
             return 0
         _, live = self.index.items()
-        old = np.zeros(live.size, bool)
-        if c.max_age_steps:
-            old |= self.step - self.updated_step[live] >= c.max_age_steps
-        if c.max_age_seconds:
-            old |= self.clock() - self.updated_time[live] >= c.max_age_seconds
+        old = self._stale(live)
         if old.any():
             self._evict_rows(live[old])
             self.stats.evicted_age += int(old.sum())
@@ -394,17 +413,28 @@ class DynamicTable:
         if grads.dtype.kind != "f":
             raise InvalidArgument(f"dynamic table: gradient dtype must be floating, got "
                                   f"{grads.dtype}")
+        with np.errstate(over="ignore"):   # checked as applied: in the table's dtype
+            grads = grads.astype(self.dtype, copy=False)
         if not np.isfinite(grads).all():
-            raise InvalidArgument("dynamic table: gradient has NaN or Inf; nothing applied")
+            raise InvalidArgument(
+                f"dynamic table: gradient has NaN or Inf, or values beyond {self.dtype.name}'s "
+                f"range (+-{np.finfo(self.dtype).max:.3g}), the table's dtype; nothing "
+                "applied. Lower the learning rate or clip gradients")
         return keys, grads
 
     def apply_gradients(self, keys, grads) -> int:
         """Apply row gradients (duplicate keys summed) with the optimizer, to
-        the keys that have rows; the rest are dropped and counted. One table
-        step. Returns how many rows changed."""
+        the keys that have rows (not past their age); the rest are dropped
+        and counted. One table step. Returns how many rows changed."""
         keys, grads = self.check_gradients(keys, grads)
-        ukeys, summed = sum_duplicates(keys, grads)   # a DynamicEmbedding sends them summed
+        with np.errstate(over="ignore"):   # (a DynamicEmbedding sends them summed)
+            ukeys, summed = sum_duplicates(keys, grads)
+        if ukeys.size < keys.size and not np.isfinite(summed).all():
+            raise InvalidArgument(
+                f"dynamic table: a repeated key's gradients sum beyond {self.dtype.name}'s "
+                "range; nothing applied. Lower the learning rate or clip gradients")
         rows = self._rows_of(ukeys)
+        rows[self._stale(rows)] = -1   # past its age: as good as evicted, its gradient dropped
         have = rows >= 0
         n_have = int(have.sum())
         self.stats.dropped += ukeys.size - n_have
@@ -547,7 +577,7 @@ class DynamicTable:
         self.updated_step[rows] = self.step - age_steps
         self.updated_time[rows] = self.clock() - age_seconds
         self.used_step[rows] = self._tick
-        self.freq[rows] = freq
+        self.freq[rows] = np.minimum(freq, MAX_FREQ)
         self.index.insert(keys, rows)
         if c.capacity and self.index.size > c.capacity:
             self._evict_for(self.index.size - c.capacity)

@@ -474,3 +474,117 @@ def test_bad_look_up_counts_are_refused_and_change_nothing(counts):
         t.lookup(k(1, 2), counts=counts)
     after = t.export()
     assert all(before[n].tobytes() == after[n].tobytes() for n in before) and t.stats == stats
+
+
+# -- issue 32, items 1-4, 6, 8, 9: what the docstrings promise ---------------------------------
+def test_a_look_up_without_admission_evicts_nothing_by_age_and_reads_old_rows_as_absent():
+    """Item 1: ``admit=False`` counts, creates and evicts nothing; a row past
+    its age reads as the default row (the next admitting look-up evicts it)."""
+    t = table(max_age_steps=1)
+    t.lookup(k(1, 2))
+    t.apply_gradients(k(1), np.full((1, 4), 0.5, np.float32))   # step 1: 2 is 1 step old
+    before, stats = t.export(), dict(vars(t.stats))
+    out = t.lookup(k(1, 2), admit=False)
+    np.testing.assert_array_equal(out, [[0.5] * 4, [0] * 4])
+    assert live(t) == {1, 2} and dict(vars(t.stats)) == stats
+    for name, arr in t.export().items():
+        np.testing.assert_array_equal(arr, before[name])
+    t.lookup(k(1))
+    assert live(t) == {1} and t.stats.evicted_age == 1
+
+
+def test_lfu_counts_the_look_ups_made_before_a_key_had_a_row():
+    """Item 2: a new row starts with every look-up of its key so far (in the
+    admitting look-up, and before it while it waited for min_count)."""
+    t = table(capacity=2, policy="lfu")
+    t.lookup(k(*[10] * 5))
+    t.lookup(k(11))
+    t.lookup(k(11))
+    t.lookup(k(12))                 # 10 was looked up 5 times, 11 twice: 11 goes
+    assert live(t) == {10, 12}
+    t = table(capacity=2, policy="lfu", min_count=2)
+    t.lookup(k(1))
+    t.lookup(k(1, 1, 1))            # admitted after 4 look-ups
+    t.lookup(k(2, 2))
+    t.lookup(k(2))                  # 3 look-ups
+    t.lookup(k(3, 3))               # 2 (3) goes, not 1 (4)
+    assert live(t) == {1, 3}
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_a_look_up_never_evicts_a_key_it_found(policy):
+    """Item 3: the rows a look-up hit keep their keys, so their gradients
+    are not dropped; new keys get the rows that are left."""
+    t = table(capacity=2, policy=policy)
+    t.lookup(k(20))
+    for _ in range(3):
+        t.lookup(k(21))
+    out = t.lookup(k(20, 22))       # LFU's victim would be 20 (2 look-ups against 3)
+    np.testing.assert_array_equal(out, np.ones((2, 4)))
+    assert live(t) == {20, 22}
+    out = t.lookup(k(20, 22, 23))   # both hit: 23 gets no row, nothing is evicted
+    np.testing.assert_array_equal(out[:, 0], [1, 1, 0])
+    assert live(t) == {20, 22} and t.stats.evicted_capacity == 1
+    assert t.apply_gradients(k(20, 22, 23), np.ones((3, 4), np.float32)) == 2
+
+
+@pytest.mark.parametrize("age", [dict(max_age_steps=2), dict(max_age_seconds=10.0)])
+def test_a_gradient_for_a_row_past_its_age_is_dropped_and_does_not_revive_it(age):
+    """Item 4: a row past its age is gone for updates too, not only at the next look-up."""
+    clock = Clock()
+    t = table(clock=clock, **age)
+    t.lookup(k(1, 2))
+    g = np.ones((1, 4), np.float32)
+    t.apply_gradients(k(1), g)
+    t.apply_gradients(k(1), g)      # step 2: 2 is 2 steps old
+    clock.now += 10.0               # and 10 s
+    dropped = t.stats.dropped
+    assert t.apply_gradients(k(2), g) == 0 and t.stats.dropped == dropped + 1
+    t.lookup(k(3))                  # the next look-up evicts 2 (1 too, by seconds)
+    assert 2 not in live(t) and t.stats.evicted_age >= 1
+    np.testing.assert_array_equal(t.lookup(k(2)), [[1] * 4])   # it starts over
+
+
+def test_capacity_ties_go_to_the_least_recently_updated_then_to_the_smaller_key():
+    """Item 6: as the module docstring says (LRU and LFU alike)."""
+    for policy in ("lru", "lfu"):
+        t = table(capacity=3, policy=policy)
+        t.lookup(k(50, 30, 40))     # one look-up: tied on use and count
+        t.apply_gradients(k(50), np.ones((1, 4), np.float32))   # 50 updated at step 1
+        t.lookup(k(9))              # 30 and 40 not updated since made: 30 goes
+        assert live(t) == {40, 50, 9}, policy
+        t.lookup(k(10))             # 40 (step 0) before 50 (step 1)
+        assert live(t) == {50, 9, 10}, policy
+
+
+def test_look_up_counts_saturate_and_a_saved_shard_imports_again():
+    """Item 8: a count near the int64 maximum does not wrap negative."""
+    t = table()
+    t.lookup(k(1))
+    state = t.export()
+    state["freq"] = np.array([I64.max - 5], np.int64)
+    t.import_rows(state, 0, reset=True)
+    t.lookup(k(1), counts=np.array([1 << 31]))
+    t.lookup(k(1, 1))
+    saved = t.export()
+    assert saved["freq"][0] > 0
+    other = table()
+    assert other.import_rows(saved, 0, reset=True) == 1
+    np.testing.assert_array_equal(other.export()["freq"], saved["freq"])
+
+
+def test_a_gradient_beyond_the_tables_dtype_is_refused_and_changes_nothing():
+    """Item 9: finite in float64 but not in the float32 table, or repeated
+    keys that sum beyond its range: refused whole, nothing applied."""
+    t = table()
+    t.lookup(k(1, 2))
+    before = t.export()
+    with pytest.raises(InvalidArgument, match="float32's range"):
+        t.apply_gradients(k(1, 2), np.array([[1e300] * 4, [1.0] * 4]))
+    with pytest.raises(InvalidArgument, match="sum beyond float32's range"):
+        t.apply_gradients(k(1, 1), np.full((2, 4), 3e38, np.float32))
+    for name, arr in t.export().items():
+        np.testing.assert_array_equal(arr, before[name])
+    assert t.step == 0
+    assert t.apply_gradients(k(1), np.full((1, 4), 0.25)) == 1   # float64, in range: applied
+    np.testing.assert_array_equal(t.lookup(k(1), admit=False), [[0.75] * 4])

@@ -94,6 +94,32 @@ def test_bad_calls_are_refused_and_change_nothing(start_ps, route):
         np.testing.assert_array_equal(c.lookup("t", [1, 2, 3], admit=False), values)
 
 
+@pytest.mark.parametrize("route", ["grpc", "data port"])
+def test_old_rows_and_out_of_range_gradients_on_a_real_server(start_ps, route):
+    """Issue 32 items 1, 4 and 9 through a server: a look-up that does not
+    admit evicts nothing and reads a row past its age as absent; a gradient
+    for such a row is dropped; a float64 gradient beyond the float32
+    table's range is refused whole (it wrote -Inf rows before)."""
+    ps = start_ps()
+    with PSClient(ps.address, **ROUTES[route]) as c:
+        c.create_table("t", 4, initializer="ones", optimizer="sgd",
+                       optimizer_params={"learning_rate": 1.0}, max_age_steps=2)
+        c.lookup("t", [1, 2])
+        for _ in range(2):   # step 2: 2 was made at step 0
+            assert c.update_table("t", [1], np.full((1, 4), 0.25, np.float32)) == (1, 0)
+        np.testing.assert_array_equal(c.lookup("t", [1, 2], admit=False)[:, 0], [0.5, 0])
+        assert _info(c, "t")["rows"] == 2 and _info(c, "t")["evicted_age"] == 0
+        assert c.update_table("t", [2], np.ones((1, 4), np.float32)) == (0, 1)
+        before = _info(c, "t")
+        with pytest.raises(PSError, match="float32's range") as e:
+            c.update_table("t", [1, 2], np.array([[1e300] * 4, [1.0] * 4]))
+        assert e.value.code == Code.INVALID_ARGUMENT
+        assert _info(c, "t") == before
+        np.testing.assert_array_equal(c.lookup("t", [1], admit=False), [[0.5] * 4])
+        c.lookup("t", [3])   # admits: evicts 2
+        assert _info(c, "t")["rows"] == 2 and _info(c, "t")["evicted_age"] == 1
+
+
 @pytest.mark.parametrize("spec,words", [
     ({"dim": 0}, "dim"), ({"dim": -1}, "dim"), ({"dtype": "int64"}, "dtype"),
     ({"optimizer": "nonesuch"}, "optimizer"), ({"min_count": -1}, "min_count"),
