@@ -456,7 +456,7 @@ def parse_push_request(raw: bytes):
             tensor = _tensor_parts(buf, spans, f"gradient of {name!r}") if spans else None
             updates.append((name, spans, tensor, uid))
         elif field == 2 and wt == _LEN:
-            sync.append(bytes(buf[a:b]))
+            sync.append(_occurrence(buf, a, b))
         elif field == 3 and wt == _LEN:   # a SparseUpdate{name, ids, values, sync, update_id}
             name, uid, spans = _nested(buf, a, b, 1, 5, (2, 3, 4))
             ids, values, own_sync = spans[2], spans[3], spans[4]
@@ -475,7 +475,16 @@ def parse_push_request(raw: bytes):
 
 def _joined(buf: memoryview, spans) -> bytes | None:
     """A message field's bytes, every occurrence joined (merged when parsed); None: absent."""
-    return b"".join(bytes(buf[c:d]) for c, d in spans) if spans else None
+    return b"".join(_occurrence(buf, c, d) for c, d in spans) if spans else None
+
+
+def _occurrence(buf: memoryview, a: int, b: int) -> bytes:
+    """buf[a:b], one occurrence of a (scalar-only) message field, checked on
+    its own as protobuf parses it: one cut short is refused even where the
+    occurrences joined would parse."""
+    for _ in _fields(buf, a, b):
+        pass
+    return bytes(buf[a:b])
 
 
 def decode_push_request(raw: bytes):

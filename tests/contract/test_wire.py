@@ -81,7 +81,7 @@ def test_tensor_data_starts_aligned_whatever_precedes_it():
 
 # -- the hand decoder agrees with protobuf's parser on every input ---------------------------
 from google.protobuf.message import DecodeError  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
@@ -222,6 +222,8 @@ def _mutated_push(draw) -> bytes:
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(_mutated_push(), st.binary(max_size=40)))
+@example(b'\x12\x03\x08\x01"\x12\x02\x01\x00')   # a sync cut short (field 4, no length), and
+                                              # a second one that would complete it if joined
 def test_push_decoder_agrees_with_protobuf_on_every_input(raw):
     """Field 0, numbers out of range, fixed-size fields and groups running
     past the end, bad UTF-8, repeated message fields (merged): whatever
