@@ -12,7 +12,11 @@
 * memory: one shard (psserver.core.dynamic_table.DynamicTable, in this process)
   of 10,000,000 rows of dim 16 under Adagrad: bytes of every array it holds
   per row against dim x 4 x (1 + slots), and this process's resident size
-  growth per row (pages touched).
+  growth per row (pages touched);
+* evictions: a look-up of 256 new keys that evicts (by capacity, LRU and
+  LFU; by age, steps and seconds) on one shard in this process holding
+  10,000,000 rows (1,000,000 with --quick) against the same on one holding
+  10,000 (psserver/core/eviction.py: the cost must not grow with the shard).
 """
 from __future__ import annotations
 
@@ -73,7 +77,8 @@ def lookups(rounds: int) -> dict:
 
 def memory(rows: int) -> dict:
     from psserver.contract.optimizers import make_optimizer
-    from psserver.core.dynamic_table import DynamicTable, TableConfig
+    from psserver.core.dynamic_table import DynamicTable
+    from psserver.core.table_config import TableConfig
     dim = 16
     before = _rss()
     t = DynamicTable(TableConfig(dim=dim), make_optimizer("adagrad", {}), initial_rows_hint=1024)
@@ -91,13 +96,57 @@ def memory(rows: int) -> dict:
             "inserts_per_s_in_process": rows / seconds}
 
 
+EVICT_BATCH = 256
+EVICT_MODES = {"capacity, LRU": dict(policy="lru"), "capacity, LFU": dict(policy="lfu"),
+               "age, steps": dict(max_age_steps=1), "age, seconds": dict(max_age_seconds=60.0)}
+
+
+def evictions(sizes: tuple[int, int], rounds: int) -> dict:
+    """Per mode and shard size: the median seconds of a look-up of
+    EVICT_BATCH new keys that evicts (every timed one does: asserted)."""
+    from psserver.contract.optimizers import make_optimizer
+    from psserver.core.dynamic_table import DynamicTable
+    from psserver.core.table_config import TableConfig
+    out: dict = {}
+    for mode, kw in EVICT_MODES.items():
+        for size in sizes:
+            now = [0.0]
+            t = DynamicTable(TableConfig(dim=16, capacity=size if "policy" in kw else 0, **kw),
+                             make_optimizer("sgd", {}), clock=lambda: now[0],
+                             initial_rows_hint=size)
+            fresh = iter(range(1 << 62))
+
+            def fill():
+                while len(t) < size:
+                    t.lookup(np.fromiter(fresh, np.int64, min(100_000, size - len(t))))
+            fill()
+            times = []
+            for _ in range(rounds):
+                if "policy" not in kw:   # every row past its age (a small shard: refilled)
+                    if len(t) < size // 2:
+                        fill()
+                    now[0] += 120.0
+                    t.apply_gradients(np.zeros(0, np.int64), np.zeros((0, 16), np.float32))
+                keys = np.fromiter(fresh, np.int64, EVICT_BATCH)
+                before = t.stats.evicted_age + t.stats.evicted_capacity
+                t0 = time.perf_counter()
+                t.lookup(keys)
+                times.append(time.perf_counter() - t0)
+                assert t.stats.evicted_age + t.stats.evicted_capacity > before, mode
+            out.setdefault(mode, {})[size] = float(np.median(times))
+            del t
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, 1M rows for memory")
     ap.add_argument("--json", default=None, help="write every number here")
     args = ap.parse_args(argv)
+    sizes = (10_000, 1_000_000 if args.quick else 10_000_000)
     res = {"machine": machine_info(), "lookups": lookups(10 if args.quick else 40),
-           "memory": memory(1_000_000 if args.quick else 10_000_000)}
+           "memory": memory(1_000_000 if args.quick else 10_000_000),
+           "evictions": evictions(sizes, 15 if args.quick else 40)}
     rows = []
     for route in ("same host", "data port"):
         r = res["lookups"][route]
@@ -115,6 +164,12 @@ def main(argv=None) -> int:
                  f"{KEY_OVERHEAD} B = {allowed:.0f} B",
                  f"{m['held_bytes_per_row'] / allowed:.2f} (RSS "
                  f"{m['rss_bytes_per_row'] / allowed:.2f})", "<= 1"])
+    for mode, by in res["evictions"].items():
+        small, large = by[sizes[0]], by[sizes[1]]
+        rows.append([f"look-up of {EVICT_BATCH} new keys that evicts, {mode}, "
+                     f"{sizes[1]:,} rows", f"{large * 1e3:.2f} ms",
+                     f"the same at {sizes[0]:,} rows {small * 1e3:.2f} ms",
+                     f"{large / small:.2f}", "<= 2"])
     print_table(["workload", "ours", "reference (same run)", "ratio", "target"], rows)
     print(f"fill of 1M keys by look-ups over RPC: {res['lookups']['fill_keys_per_s'] / 1e3:.0f} "
           f"k keys/s; in process: {m['inserts_per_s_in_process'] / 1e3:.0f} k keys/s")

@@ -47,8 +47,9 @@ def _ids(rng) -> np.ndarray:
 def in_process(reps: int) -> dict:
     from bench.common import time_interleaved
     from psserver.contract.optimizers import make_optimizer
-    from psserver.core.dynamic_table import DynamicTable, TableConfig
+    from psserver.core.dynamic_table import DynamicTable
     from psserver.core.store import VariableStore
+    from psserver.core.table_config import TableConfig
 
     rng = np.random.default_rng(0)
     grads = rng.normal(size=(IDS, DIM)).astype(np.float32)

@@ -27,15 +27,17 @@ Admission: a key gets a row once it was looked up ``min_count`` times
 (counted in a bounded table of its own, oldest forgotten first), and then
 only with probability ``probability`` per look-up past that; until then a
 look-up returns the default row (zeros) and a gradient for it is dropped.
-Both are counted. Eviction: ``capacity`` rows at most (LRU: least recently
+Both are counted. Eviction (its cost independent of the shard's size:
+psserver/core/eviction.py): ``capacity`` rows at most (LRU: least recently
 looked up first; LFU: least often looked up, admission's look-ups counted,
-then LRU; ties to the least recently updated, then the smaller key), never
-a row the same look-up found (new keys get the rows left, the last keys
-first); and rows not updated for ``max_age_steps`` table steps (a step: one
-applied gradient batch) or ``max_age_seconds``: absent from then on (their
-gradients dropped, zeros to a look-up that does not admit), evicted by the
-next look-up that admits. An evicted key forgets everything: seen again,
-it starts over (admission included) from its initializer.
+then LRU; ties to the least recently updated, then the smaller key; exact
+up to 4,096 rows, the worst of a random sample beyond), never a row the
+same look-up found (new keys get the rows left, the last keys first); and
+rows not updated for ``max_age_steps`` table steps (a step: one applied
+gradient batch) or ``max_age_seconds``: absent from then on (gradients
+dropped, zeros to any look-up), their memory freed by a sweep of 4,096 rows
+per admitting look-up, or the look-up that finds one. An evicted key
+forgets everything: seen again, it starts over (admission included).
 
 New rows are initialized from (the initializer's seed, key) alone
 (psserver.contract.keys.initial_rows), so a key's first value does not depend on the order
@@ -46,105 +48,26 @@ The file format of a shard's rows (export/import) is psserver/contract/checkpoin
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
 import time
 from typing import Callable
 
 import numpy as np
 
-from psserver.contract import Initializer
 from psserver.contract.checkpoint_format import check_rows, slot_layout
 from psserver.contract.keys import check_keys, initial_rows
 from psserver.contract.rows import sum_duplicates
+from psserver.core import eviction
 from psserver.core.key_index import KeyCounter, KeyIndex
+from psserver.core.table_config import TableConfig, TableStats, check_counts, row_bytes
 from psserver.core.tracking import TableTracker
-from psserver.core.variable import check_initializer
 from psserver.errors import InvalidArgument
 
 #: Look-ups whose rows a shard remembers for the updates that follow them
 #: (_rows_of): a step's update follows its look-up and a few other workers'.
 _RECENT_LOOKUPS = 4
 _GROW = 1.25             # rows arrays grow by this factor when full
-EVICTION_POLICIES = ("lru", "lfu")
-#: Bytes a row costs beyond its values and per-row slots: the upper figure of
-#: the per-key overhead above (index slots and bookkeeping).
-ROW_OVERHEAD = 104
 #: Look-up counts (LFU) saturate here: one look-up adds < 2**62, so they never wrap.
 MAX_FREQ = 1 << 62
-
-
-@dataclasses.dataclass(frozen=True)
-class TableConfig:
-    """How a dynamic table admits and evicts rows (see the module docstring).
-
-    ``capacity`` 0: no limit; ``max_age_steps`` / ``max_age_seconds`` 0: no
-    age limit; ``admission_capacity``: keys the admission counter remembers
-    (0: 4 x capacity, or 1M without a capacity)."""
-    dim: int
-    dtype: str = "float32"
-    initializer: Initializer = Initializer()
-    min_count: int = 1
-    probability: float = 1.0
-    capacity: int = 0
-    policy: str = "lru"
-    max_age_steps: int = 0
-    max_age_seconds: float = 0.0
-    admission_capacity: int = 0
-    seed: int = 0
-
-    def check(self) -> "TableConfig":
-        """This config, or InvalidArgument saying what to change."""
-        def bad(what):
-            raise InvalidArgument(f"dynamic table: {what}")
-        if not isinstance(self.dim, int) or not 1 <= self.dim <= 1 << 16:
-            bad(f"dim must be an integer from 1 to 65536, got {self.dim!r}")
-        if self.dtype not in ("float32", "float64"):
-            bad(f"dtype must be float32 or float64, got {self.dtype!r}")
-        if not isinstance(self.min_count, int) or not 1 <= self.min_count <= 1 << 30:
-            bad(f"min_count must be an integer >= 1 (1: admit on first sight), "
-                f"got {self.min_count!r}")
-        if not (isinstance(self.probability, (int, float)) and 0 < self.probability <= 1):
-            bad(f"probability must be in (0, 1], got {self.probability!r}")
-        for name in ("capacity", "max_age_steps", "admission_capacity"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or not 0 <= v < 1 << 40:
-                bad(f"{name} must be an integer >= 0 (0: no limit), got {v!r}")
-        if not (isinstance(self.max_age_seconds, (int, float))
-                and math.isfinite(self.max_age_seconds) and self.max_age_seconds >= 0):
-            bad(f"max_age_seconds must be a finite number >= 0 (0: no limit), "
-                f"got {self.max_age_seconds!r}")
-        if self.policy not in EVICTION_POLICIES:
-            bad(f"policy must be one of {list(EVICTION_POLICIES)}, got {self.policy!r}")
-        try:
-            check_initializer(self.initializer)
-        except InvalidArgument as exc:
-            bad(str(exc))
-        return self
-
-
-def row_bytes(dim: int, dtype, row_slots: int) -> int:
-    """Bytes a row of ``dim`` ``dtype`` values costs with ``row_slots``
-    per-row optimizer slots and its bookkeeping (ROW_OVERHEAD): what
-    admitting or importing one row may add to a shard."""
-    return dim * np.dtype(dtype).itemsize * (1 + row_slots) + ROW_OVERHEAD
-
-
-@dataclasses.dataclass
-class TableStats:
-    """A shard's counters (its rows: len(table))."""
-    lookups: int = 0          # keys looked up
-    hits: int = 0             # ... that had a row
-    admitted: int = 0         # rows created
-    not_admitted: int = 0     # look-ups answered with the default row
-    evicted_capacity: int = 0
-    evicted_age: int = 0
-    updated: int = 0          # rows a gradient changed
-    dropped: int = 0          # gradient rows for keys without a row, dropped
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
 
 
 class DynamicTable:
@@ -166,7 +89,6 @@ class DynamicTable:
         self._n = 1                   # rows handed out (live + free); row 0: the default
                                       # row (zeros), never handed out, so a look-up is one gather
         self._free: list[np.ndarray] = []   # freed row numbers, reused first
-        self._free_count = 0
         cap = max(16, initial_rows_hint)
         self.value = np.empty((cap, config.dim), self.dtype)
         self.value[0] = 0
@@ -188,6 +110,8 @@ class DynamicTable:
         self.pending = KeyCounter(config.admission_capacity or (
             4 * config.capacity if config.capacity else 1 << 20))
         self._rng = np.random.default_rng(config.seed)
+        self._sampler = np.random.default_rng([config.seed, 1])   # capacity's samples
+        self._cursor = 1              # where the next age sweep starts
         # Replication (psserver/core/table_copy.py): while not None, the keys whose rows
         # were evicted and created, in order, and the last update's effect.
         self._journal: tuple[list, list] | None = None
@@ -231,8 +155,13 @@ class DynamicTable:
             rows = self.index.find(flat)
             rows[self._stale(rows)] = -1
         else:
-            self.expire()
+            now = self.clock()
+            self._sweep(now)
             rows = self.index.find(flat)
+            old = self._stale(rows, now)
+            if old.any():   # past its age, not swept yet: gone now
+                self._expire_rows(np.unique(rows[old]))
+                rows[old] = -1
             self._tick += 1
             found = rows >= 0
             self.stats.lookups += flat.size if counts is None else int(counts.sum())
@@ -250,7 +179,8 @@ class DynamicTable:
                 times = np.bincount(inverse, minlength=new_keys.size) if counts is None else \
                     np.bincount(inverse, weights=counts[missing],
                                 minlength=new_keys.size).astype(np.int64)
-                made = self._admit(new_keys, times)
+                made = self._admit(new_keys, times,
+                                   np.unique(hit).size if self.config.capacity else 0)
                 rows[missing] = made[inverse]
                 if self.stats.evicted_capacity != evicted:   # a row hit above may be gone
                     rows = self.index.find(flat)
@@ -271,9 +201,9 @@ class DynamicTable:
                 return rows
         return self.index.find(keys)
 
-    def _admit(self, keys: np.ndarray, times: np.ndarray) -> np.ndarray:
+    def _admit(self, keys: np.ndarray, times: np.ndarray, hits: int) -> np.ndarray:
         """Rows for unique absent ``keys`` seen ``times`` more times now (-1:
-        not admitted yet)."""
+        not admitted yet) by a look-up that found ``hits`` rows."""
         c = self.config
         seen = times.astype(np.int64)
         if c.min_count > 1:
@@ -283,7 +213,7 @@ class DynamicTable:
             ok &= self._rng.random(keys.size) < c.probability
         rows = np.full(keys.size, -1, np.int64)
         if ok.any():   # a new row's look-up count: every look-up of its key so far
-            rows[ok] = self._create(keys[ok], freq=np.minimum(seen[ok], MAX_FREQ))
+            rows[ok] = self._create(keys[ok], freq=np.minimum(seen[ok], MAX_FREQ), hits=hits)
         made = rows >= 0
         self.stats.not_admitted += int(times[~made].sum())
         if c.min_count > 1:
@@ -291,21 +221,21 @@ class DynamicTable:
         return rows
 
     def _create(self, keys: np.ndarray, exact: bool = False,
-                freq: np.ndarray | int = 1) -> np.ndarray:
+                freq: np.ndarray | int = 1, hits: int = 0) -> np.ndarray:
         """Rows for new unique ``keys`` looked up ``freq`` times so far.
-        Over capacity the policy's victims go first, never a row this look-up
-        found (its tick); -1 for keys beyond the rows left (the last keys get
-        rows). Not with ``exact``: a backup makes the rows its primary made."""
+        Over capacity the policy's victims go first, never one of the ``hits``
+        rows this look-up found (its tick); -1 for keys beyond the rows left
+        (the last keys get rows). Not with ``exact``: a backup makes the rows
+        its primary made."""
         c = self.config
         out = np.full(keys.size, -1, np.int64)
         take = np.arange(keys.size)
         if c.capacity and self.index.size + keys.size > c.capacity and not exact:
-            _, live = self.index.items()
-            victims = live[self.used_step[live] != self._tick]
-            room = c.capacity - (live.size - victims.size)   # rows new keys may have
+            room = c.capacity - hits   # rows new keys may have
             take = take[keys.size - max(0, min(keys.size, room)):]
-            if live.size + take.size > c.capacity:
-                self._evict_for(live.size + take.size - c.capacity, victims)
+            over = self.index.size + take.size - c.capacity
+            if over > 0:
+                self._evict_for(over, protect=True)
         if not isinstance(freq, int):
             freq = freq[take]
         keys = keys[take]
@@ -328,16 +258,23 @@ class DynamicTable:
         return out
 
     def _take_rows(self, n: int) -> np.ndarray:
-        free = np.concatenate(self._free) if self._free else np.zeros(0, np.int64)
-        got, rest = free[:n], free[n:]
-        self._free = [rest] if rest.size else []
-        more = n - got.size
+        """n rows: freed ones first (from the last freed: no copy of the
+        others), then new ones."""
+        got, have = [], 0
+        while self._free and have < n:
+            a = self._free.pop()
+            if a.size > n - have:
+                self._free.append(a[n - have:])
+                a = a[:n - have]
+            got.append(a)
+            have += a.size
+        more = n - have
         if more:
             if self._n + more > self.value.shape[0]:
                 self._grow(self._n + more)
-            got = np.concatenate([got, np.arange(self._n, self._n + more)])
+            got.append(np.arange(self._n, self._n + more))
             self._n += more
-        return got
+        return np.concatenate(got) if got else np.zeros(0, np.int64)
 
     def _grow(self, need: int) -> None:
         size = max(need, int(self.value.shape[0] * _GROW) + 1)
@@ -362,21 +299,31 @@ class DynamicTable:
         if self.tracker is not None and rows.size:
             self.tracker.note_evicted(self.row_key[rows])
         self.index.delete(self.row_key[rows])
+        self.used_step[rows] = eviction.FREE
         self._free.append(rows.astype(np.int64))
 
-    def _evict_for(self, n: int, candidates: np.ndarray | None = None) -> None:
-        """Evict ``n`` rows of ``candidates`` (default: every live row) by the
-        policy (the module docstring: LRU or LFU, then the least recently
-        updated, then the smaller key)."""
-        live = self.index.items()[1] if candidates is None else candidates
-        last = (self.row_key[live], self.updated_step[live], self.used_step[live])
-        order = np.lexsort(last + (self.freq[live],) if self.config.policy == "lfu" else last)
-        victims = live[order[:n]]
-        self._evict_rows(victims)
-        self.stats.evicted_capacity += victims.size
+    def _evict_for(self, n: int, protect: bool = False) -> None:
+        """Evict ``n`` rows by the policy (psserver/core/eviction.py), with
+        ``protect`` none this look-up found."""
+        def all_live():
+            return self.index.items()[1]
+        for pick in (lambda: eviction.candidates(self.used_step, self._n, self.index.size, n,
+                                                 self._sampler, all_live), all_live):
+            live = pick()
+            if protect:
+                live = live[self.used_step[live] != self._tick]
+            if live.size >= n:   # (a sample short of victims: nearly every row goes)
+                break
+        stale = self._stale(live)
+        order = eviction.worst_first(self.config.policy, stale, self.used_step[live],
+                                     self.freq[live], self.updated_step[live],
+                                     self.row_key[live])[:n]
+        self._evict_rows(live[order])
+        self.stats.evicted_age += int(stale[order].sum())
+        self.stats.evicted_capacity += int(order.size - stale[order].sum())
 
-    def _stale(self, rows: np.ndarray) -> np.ndarray:
-        """Which of ``rows`` (-1: none) are past their age (absent till expire evicts them)."""
+    def _stale(self, rows: np.ndarray, now: float | None = None) -> np.ndarray:
+        """Which of ``rows`` (-1: none) are past their age (absent, till evicted)."""
         c = self.config
         old = np.zeros(rows.shape, bool)
         if not (c.max_age_steps or c.max_age_seconds) or not rows.size:
@@ -385,20 +332,28 @@ class DynamicTable:
         if c.max_age_steps:
             old |= self.step - self.updated_step[r] >= c.max_age_steps
         if c.max_age_seconds:
-            old |= self.clock() - self.updated_time[r] >= c.max_age_seconds
+            now = self.clock() if now is None else now
+            old |= now - self.updated_time[r] >= c.max_age_seconds
         return old & (rows >= 0)
 
+    def _expire_rows(self, rows: np.ndarray) -> int:
+        if rows.size:
+            self._evict_rows(rows)
+            self.stats.evicted_age += rows.size
+        return rows.size
+
+    def _sweep(self, now: float) -> None:
+        """Evict the rows past their age among the next eviction.SWEEP rows."""
+        if self.config.max_age_steps or self.config.max_age_seconds:
+            rows, self._cursor = eviction.sweep(self._cursor, self._n)
+            rows = rows[self.used_step[rows] != eviction.FREE]
+            self._expire_rows(rows[self._stale(rows, now)])
+
     def expire(self) -> int:
-        """Evict rows not updated for max_age_steps steps or max_age_seconds;
-        how many."""
-        if not (self.config.max_age_steps or self.config.max_age_seconds):
-            return 0
+        """Evict every row not updated for max_age_steps steps or
+        max_age_seconds (look-ups sweep a part at a time); how many."""
         _, live = self.index.items()
-        old = self._stale(live)
-        if old.any():
-            self._evict_rows(live[old])
-            self.stats.evicted_age += int(old.sum())
-        return int(old.sum())
+        return self._expire_rows(live[self._stale(live)])
 
     # -- updates -----------------------------------------------------------------------------
     def check_gradients(self, keys, grads) -> tuple[np.ndarray, np.ndarray]:
@@ -582,18 +537,3 @@ class DynamicTable:
         if c.capacity and self.index.size > c.capacity:
             self._evict_for(self.index.size - c.capacity)
         return self.index.size
-
-
-#: The most occurrences one look-up may say a key had.
-MAX_COUNT = 1 << 31
-
-
-def check_counts(keys: np.ndarray, counts) -> np.ndarray:
-    """Look-up ``counts`` as int64: integers in [1, MAX_COUNT] of the keys'
-    shape; InvalidArgument otherwise."""
-    a = np.asarray(counts)
-    if a.shape != keys.shape or a.dtype.kind not in "iu" or \
-            (a.size and (a.min() < 1 or a.max() > MAX_COUNT)):
-        raise InvalidArgument(f"look-up counts must be integers in [1, 2**31] of the keys' "
-                              f"shape {list(keys.shape)}, got {a.dtype} {list(a.shape)}")
-    return a.astype(np.int64, copy=False)

@@ -58,15 +58,10 @@ from psserver.contract.keys import check_keys
 from psserver.contract.optimizers import make_optimizer
 from psserver.core import sync as S
 from psserver.core.bags import check_bags
-from psserver.core.dynamic_table import (
-    DynamicTable,
-    TableConfig,
-    TableStats,
-    check_counts,
-    row_bytes,
-)
+from psserver.core.dynamic_table import DynamicTable
 from psserver.core.saving import DELTA, FULL, KIND_NAMES, write_tensors
 from psserver.core.shards import check_name
+from psserver.core.table_config import TableConfig, TableStats, check_counts, row_bytes
 from psserver.core.table_copy import TableShardCopy
 from psserver.core.variable import check_initializer
 from psserver.errors import AlreadyExists, InvalidArgument, ResourceExhausted

@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver.contract import MAX_COUNT, Initializer
 from psserver.contract import tensor as T
-from psserver.core.dynamic_table import TableConfig
+from psserver.core.table_config import TableConfig
 from psserver.core.table_store import StateCopy, TableSpec, TableStatus, TableStore
 from psserver.errors import InvalidArgument
 from psserver.link import tensor_proto as TP

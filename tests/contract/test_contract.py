@@ -28,7 +28,8 @@ def test_store_runs_without_grpc_or_protobuf():
         SyncSpec(step=0, replica=0, num_replicas=1, required=1).validate()
         version, value = s.snapshot("w")
         assert version >= 1 and value.shape == (4,) and (value < 1).all(), (version, value)
-        from psserver.core.dynamic_table import DynamicTable, TableConfig
+        from psserver.core.dynamic_table import DynamicTable
+        from psserver.core.table_config import TableConfig
         t = DynamicTable(TableConfig(dim=2), optimizers.make_optimizer("sgd", {}))
         assert t.lookup(np.array([5, 6])).shape == (2, 2) and len(t) == 2
         import tempfile   # incremental saves: tracking, deltas, commits
@@ -40,7 +41,7 @@ def test_store_runs_without_grpc_or_protobuf():
         assert (saved.kind, saved.rows) == (1, 1), saved
         assert t.take_changes(1, "s", 0) is None and t.tracker is not None
         from psserver.core.table_store import TableSpec, TableStore   # a table beside the variables
-        from psserver.core.dynamic_table import TableConfig
+        from psserver.core.table_config import TableConfig
         tables = TableStore.beside(s)
         tables.create("e", TableSpec(TableConfig(dim=3)))
         assert tables.lookup("e", np.array([1, 2])).shape == (2, 3)

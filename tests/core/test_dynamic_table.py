@@ -11,8 +11,10 @@ from psserver.contract import Initializer
 from psserver.contract.keys import initial_rows, mix64, shard_of
 from psserver.contract.optimizers import make_optimizer
 from psserver.contract.rows import sum_duplicates
-from psserver.core.dynamic_table import DynamicTable, TableConfig
+from psserver.core import eviction
+from psserver.core.dynamic_table import DynamicTable
 from psserver.core.key_index import KeyIndex
+from psserver.core.table_config import TableConfig
 from psserver.errors import InvalidArgument
 
 I64 = np.iinfo(np.int64)
@@ -588,3 +590,40 @@ def test_a_gradient_beyond_the_tables_dtype_is_refused_and_changes_nothing():
     assert t.step == 0
     assert t.apply_gradients(k(1), np.full((1, 4), 0.25)) == 1   # float64, in range: applied
     np.testing.assert_array_equal(t.lookup(k(1), admit=False), [[0.75] * 4])
+
+
+# -- issue 32 item 7: eviction in time independent of the shard's size -------------------------
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_large_shard_evicts_the_policys_worst_of_a_sample(policy):
+    """Past eviction.EXACT_ROWS a look-up's victims are the worst of a random
+    sample of live rows, not of all of them: each is among the least
+    recently used (LFU: least often) few percent, never a row just used."""
+    n = 4 * eviction.EXACT_ROWS
+    t = table(dim=1, capacity=n, policy=policy)
+    for lo in range(0, n, 512):   # key i looked up at tick i // 512 + 1 (LFU: once)
+        t.lookup(np.arange(lo, lo + 512))
+    if policy == "lfu":           # all but the first quarter looked up once more
+        t.lookup(np.arange(n // 4, n))
+    evicted = set(range(n))
+    for r in range(4):
+        t.lookup(np.arange(n + 256 * r, n + 256 * (r + 1)))   # 256 new keys each time
+        assert len(t) == n
+    evicted -= live(t)
+    assert len(evicted) == 4 * 256 and t.stats.evicted_capacity == 1024
+    assert max(evicted) < n // 4, sorted(evicted)[-5:]   # all from the oldest quarter
+
+
+def test_rows_past_their_age_are_absent_at_once_and_swept_a_part_per_look_up():
+    n = 3 * eviction.SWEEP
+    t = table(dim=1, max_age_steps=1)
+    for lo in range(0, n, 4096):
+        t.lookup(np.arange(lo, lo + 4096))
+    t.apply_gradients(k(), np.zeros((0, 1), np.float32))   # step 1: every row 1 step old
+    assert len(t) == n and t.stats.evicted_age == 0
+    np.testing.assert_array_equal(t.lookup(k(5, n - 1), admit=False), [[0], [0]])
+    assert t.apply_gradients(k(5), np.ones((1, 1), np.float32)) == 0   # absent: dropped
+    t.lookup(k(n - 1))            # found past its age: evicted now (and made again), plus a sweep
+    assert t.stats.evicted_age == eviction.SWEEP + 1 and len(t) == n - eviction.SWEEP
+    t.lookup(k(-1))
+    t.lookup(k(-2))
+    assert t.stats.evicted_age == n and live(t) == {n - 1, -1, -2}

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from psserver.contract import ROLE_BACKUP, ROLE_PRIMARY, Peer, SyncSpec
-from psserver.core.dynamic_table import TableConfig
 from psserver.core.replication import Link
 from psserver.core.shards import CopyState, MemoryBudget, ShardRegistry, check_name
 from psserver.core.store import VariableStore
+from psserver.core.table_config import TableConfig
 from psserver.core.table_store import TableSpec, TableStore
 from psserver.errors import InvalidArgument, NotFound, NotPrimary, ResourceExhausted
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from psserver.contract import ROLE_BACKUP, Peer, SyncSpec
-from psserver.core.dynamic_table import TableConfig
 from psserver.core.store import VariableStore
+from psserver.core.table_config import TableConfig
 from psserver.core.table_store import TableSpec, TableStore
 from psserver.errors import InvalidArgument, NotFound, NotPrimary
 

@@ -11,8 +11,8 @@ import pytest
 
 from psserver.contract import ROLE_BACKUP, Initializer, Peer, SyncSpec
 from psserver.core import replication as R
-from psserver.core.dynamic_table import TableConfig
 from psserver.core.store import VariableStore
+from psserver.core.table_config import TableConfig
 from psserver.core.table_store import StateCopy, TableSpec, TableStore
 from psserver.errors import (
     AlreadyExists,
