@@ -14,9 +14,10 @@
   per row against dim x 4 x (1 + slots), and this process's resident size
   growth per row (pages touched);
 * evictions: a look-up of 256 new keys that evicts (by capacity, LRU and
-  LFU; by age, steps and seconds) on one shard in this process holding
-  10,000,000 rows (1,000,000 with --quick) against the same on one holding
-  10,000 (psserver/core/eviction.py: the cost must not grow with the shard).
+  LFU; by age, steps and seconds; or that forgets keys of a full admission
+  counter) on one shard in this process holding 10,000,000 rows or counted
+  keys (1,000,000 with --quick) against the same on one holding 10,000
+  (psserver/core/eviction.py: the cost must not grow with the shard).
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def memory(rows: int) -> dict:
 
 EVICT_BATCH = 256
 EVICT_MODES = {"capacity, LRU": dict(policy="lru"), "capacity, LFU": dict(policy="lfu"),
-               "age, steps": dict(max_age_steps=1), "age, seconds": dict(max_age_seconds=60.0)}
+               "age, steps": dict(max_age_steps=1), "age, seconds": dict(max_age_seconds=60.0),
+               "admission counter full (min_count 2)": dict(min_count=2)}
 
 
 def evictions(sizes: tuple[int, int], rounds: int) -> dict:
@@ -111,14 +113,19 @@ def evictions(sizes: tuple[int, int], rounds: int) -> dict:
     for mode, kw in EVICT_MODES.items():
         for size in sizes:
             now = [0.0]
-            t = DynamicTable(TableConfig(dim=16, capacity=size if "policy" in kw else 0, **kw),
+            counter = "min_count" in kw   # the admission counter at its limit, not the rows
+            t = DynamicTable(TableConfig(dim=16, capacity=size if "policy" in kw else 0,
+                                         admission_capacity=size if counter else 0, **kw),
                              make_optimizer("sgd", {}), clock=lambda: now[0],
-                             initial_rows_hint=size)
+                             initial_rows_hint=1024 if counter else size)
             fresh = iter(range(1 << 62))
 
+            def held():
+                return t.pending.size if counter else len(t)
+
             def fill():
-                while len(t) < size:
-                    t.lookup(np.fromiter(fresh, np.int64, min(100_000, size - len(t))))
+                while held() < size:
+                    t.lookup(np.fromiter(fresh, np.int64, min(100_000, size - held())))
             fill()
             times = []
             for _ in range(rounds):
@@ -129,12 +136,13 @@ def evictions(sizes: tuple[int, int], rounds: int) -> dict:
                     t.apply_gradients(np.zeros(0, np.int64), np.zeros((0, 16), np.float32))
                 keys = np.fromiter(fresh, np.int64, EVICT_BATCH)
                 before = t.stats.evicted_age + t.stats.evicted_capacity
+                assert not counter or t.pending.size == size   # 256 keys to forget
                 t0 = time.perf_counter()
                 t.lookup(keys)
                 times.append(time.perf_counter() - t0)
-                assert t.stats.evicted_age + t.stats.evicted_capacity > before, mode
+                assert counter or t.stats.evicted_age + t.stats.evicted_capacity > before, mode
             out.setdefault(mode, {})[size] = float(np.median(times))
-            del t
+            t = None   # (its memory back before the next shard is made)
     return out
 
 

@@ -27,17 +27,19 @@ FREE = -1
 
 
 def candidates(used_step: np.ndarray, handed: int, live: int, want: int,
-               rng: np.random.Generator, all_live) -> np.ndarray:
-    """Distinct live rows to choose ``want`` victims among: every live row
-    of a small shard, else a random sample of max(SAMPLE, 8 * want) of them
-    (``all_live()``: every live row, for a shard too sparse to sample)."""
-    if handed - 1 <= EXACT_ROWS:
-        return np.flatnonzero(used_step[1:handed] != FREE) + 1
+               rng: np.random.Generator, all_live, first: int = 1) -> np.ndarray:
+    """Distinct live rows (``first`` .. handed-1) to choose ``want`` victims
+    among: every live row of a small shard, else a random sample of
+    max(SAMPLE, 8 * want) of them (``all_live()``: every live row, for a
+    shard too sparse to sample). (The admission counter's entries too:
+    KeyCounter, from 0, ``used_step`` its last-seen ticks.)"""
+    if handed - first <= EXACT_ROWS:
+        return np.flatnonzero(used_step[first:handed] != FREE) + first
     k = max(SAMPLE, 8 * want)
-    share = live / (handed - 1)
+    share = live / (handed - first)
     if k >= live or share < 0.05:
         return all_live()
-    draw = rng.integers(1, handed, size=int(k / share * 1.25) + 16)
+    draw = rng.integers(first, handed, size=int(k / share * 1.25) + 16)
     return np.unique(draw[used_step[draw] != FREE])
 
 

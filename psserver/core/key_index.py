@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from psserver.contract.keys import mix64
+from psserver.core import eviction
 
 EMPTY, DELETED = -1, -2   # a slot's row when it holds no key
 _BUCKET = 4
@@ -161,8 +162,10 @@ class KeyCounter:
     dynamic table's admission counter (keys seen but not admitted yet).
 
     At most ``limit`` keys: past it, the keys seen longest ago are forgotten
-    first. Per key an index entry and 24 bytes (count, last seen, the key),
-    in arrays that double when full; a forgotten key's entry is reused."""
+    first (of a random sample past eviction.EXACT_ROWS keys: in time
+    independent of the limit). Per key an index entry and 24 bytes (count,
+    last seen, the key), in arrays that double when full; a forgotten key's
+    entry is reused (its last seen: eviction.FREE)."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -172,6 +175,7 @@ class KeyCounter:
         self._key = np.zeros(64, np.int64)
         self._n = 0                           # entries handed out (live + free)
         self._free: list[np.ndarray] = []     # forgotten entries, reused first
+        self._rng = np.random.default_rng(0)  # forgetting's samples
 
     @property
     def size(self) -> int:
@@ -203,7 +207,7 @@ class KeyCounter:
         slot = self.index.find(keys)
         gone = admitted & (slot >= 0)
         if gone.any():
-            self._free.append(self.index.delete(keys[gone]))
+            self._forget(slot[gone])
         stay = ~admitted & (slot >= 0)
         self._count[slot[stay]] = seen[stay]
         self._seen[slot[stay]] = tick
@@ -211,15 +215,24 @@ class KeyCounter:
         if new.any():
             over = self.index.size + int(new.sum()) - self.limit
             if over > 0:   # forget the keys seen longest ago
-                pk, pr = self.index.items()
-                old = np.argsort(self._seen[pr], kind="stable")[:over]
-                self._free.append(self.index.delete(pk[old]))
+                def every():
+                    return self.index.items()[1]
+                live = eviction.candidates(self._seen, self._n, self.index.size, over,
+                                           self._rng, every, first=0)
+                if live.size < over:
+                    live = every()
+                self._forget(live[np.argsort(self._seen[live], kind="stable")[:over]])
             nk = keys[new]
             pr = self._take(nk.size)
             self.index.insert(nk, pr)
             self._count[pr] = seen[new]
             self._seen[pr] = tick
             self._key[pr] = nk
+
+    def _forget(self, entries: np.ndarray) -> None:
+        self.index.delete(self._key[entries])
+        self._seen[entries] = eviction.FREE
+        self._free.append(entries)
 
     def _take(self, n: int) -> np.ndarray:
         free = np.concatenate(self._free) if self._free else np.zeros(0, np.int64)

@@ -627,3 +627,24 @@ def test_rows_past_their_age_are_absent_at_once_and_swept_a_part_per_look_up():
     t.lookup(k(-1))
     t.lookup(k(-2))
     assert t.stats.evicted_age == n and live(t) == {n - 1, -1, -2}
+
+
+@pytest.mark.parametrize("scale", [1, 8])
+def test_the_admission_counter_forgets_the_keys_seen_longest_ago(scale):
+    """Past its limit the counter forgets the keys seen longest ago: all of
+    them compared in a small counter, the oldest of a sample in a large one
+    (in time independent of its size: psserver/core/eviction.py)."""
+    n = scale * 1024                 # 1,024 (exact) or 8,192 keys (sampled)
+    t = table(dim=1, min_count=3, admission_capacity=n)
+    for lo in range(0, n, 256):      # key i seen once, at look-up i // 256 + 1
+        t.lookup(np.arange(lo, lo + 256))
+    assert t.pending.size == n and len(t) == 0
+    t.lookup(np.arange(n, n + 256))  # 256 more: 256 forgotten
+    assert t.pending.size == n
+    gone = [key for key in range(n) if t.pending.counts(k(key))[0] == 0]
+    assert len(gone) == 256
+    assert max(gone) < (256 if scale == 1 else n // 4), max(gone)
+    t.lookup(k(gone[0], gone[0]))    # forgotten: counted from 0 again (2 < 3)
+    assert len(t) == 0
+    t.lookup(k(n + 1, n + 1))        # remembered: its third look-up admits it
+    assert len(t) == 1
