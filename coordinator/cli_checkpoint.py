@@ -194,6 +194,9 @@ def _ckpt_restore(args) -> int:
     with _Clients(target) as clients:
         try:   # everything read and checked first; nothing written on a bad checkpoint
             restore_checkpoint(path, layout, clients.get, tables=tables)
+            names = {t.name for t in tables}   # (their rows as the servers hold them now)
+            table_rows = sum(i.rows for a in target.ps for i in clients.get(a).list_tables()
+                             if i.name in names)
         except CheckpointError as exc:
             raise OperatorError(str(exc)) from None
         except PSError as exc:
@@ -207,12 +210,13 @@ def _ckpt_restore(args) -> int:
     chain = [os.path.basename(p) for p, _ in chain_of(path)]
     if args.json:
         _print_json({"path": path, "step": manifest.get("step"), "extra": manifest.get("extra", {}),
-                     "variables": nvars, "shards": len(plan), "chain": chain})
+                     "variables": nvars, "shards": len(plan), "tables": len(tables),
+                     "table_rows": table_rows, "chain": chain})
     else:
         print(f"restored {path} (step {manifest.get('step')}"
               + (f"; base {chain[0]} + {len(chain) - 1} delta(s)" if len(chain) > 1 else "")
-              + f"): {nvars} variable(s), {len(plan)} shard(s) on {len(target.ps)} parameter "
-              "server(s)")
+              + f"): {nvars} variable(s), {len(plan)} shard(s) and {len(tables)} dynamic "
+              f"table(s) ({table_rows:,} rows) on {len(target.ps)} parameter server(s)")
     return EXIT_OK
 
 
@@ -228,7 +232,8 @@ def _ckpt_list(args) -> int:
             link = m.get("chain")
             out.append({"path": path, "step": m.get("step"), "time": m.get("time"),
                         "variables": len(m["variables"]), "shards": len(shards),
-                        "tables": len(m.get("tables", {})),
+                        "tables": len(m.get("tables", {})), "table_shards": len(tables),
+                        "table_rows": sum(int(s.get("rows", 0)) for s in tables),
                         "bytes": sum(s.get("bytes", 0) for s in shards + tables),
                         "kind": "delta" if link else "full",
                         "parent": link["parent"] if link else None,
@@ -248,11 +253,13 @@ def _ckpt_list(args) -> int:
             return "?"
         what = ("export " if c["weights_only"] else "") + c["kind"]
         return what if c["kind"] == "full" else f"{what} of {c['parent']} (base {c['base']})"
-    print(_table(["STEP", "SAVED", "KIND", "VARIABLES", "SHARDS", "BYTES", "PATH"], [
+    print(_table(["STEP", "SAVED", "KIND", "VARIABLES", "SHARDS", "TABLES", "TABLE ROWS", "BYTES",
+                  "PATH"], [
         [c.get("step", "?"), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"]))
          if c.get("time") else "?", kind(c), c.get("variables", "?"), c.get("shards", "?"),
+         c.get("tables", "?"), f"{c['table_rows']:,}" if "table_rows" in c else "?",
          human_bytes(c["bytes"]) if "bytes" in c else c.get("error"), c["path"]]
-        for c in out], right={0, 3, 4, 5}))
+        for c in out], right={0, 3, 4, 5, 6, 7}))
     return EXIT_OK
 
 

@@ -28,7 +28,7 @@ from coordinator.cluster_spec import (
 from coordinator.diagnose import advice, reachability
 from protos.pstrain.v1 import worker_pb2
 from psserver.client import PSClient
-from psserver.contract import TOKEN_ENV, TOKEN_METADATA_KEY
+from psserver.contract import BACKUP_PREFIX, TOKEN_ENV, TOKEN_METADATA_KEY
 from psserver.errors import Code, PSError
 from psserver.link import methods
 from psserver.link.channel import TaskChannel
@@ -256,6 +256,20 @@ def _listing(target: Target) -> list[tuple[int, str, list | None, str | None]]:
     return out
 
 
+def _table_rows(target: Target) -> list[tuple[list | None, str | None]]:
+    """(the dynamic-table shards as ``ps list --json`` shows them, or None;
+    error or None) of every parameter server, in order."""
+    def one(address):
+        with target.client(address) as c:
+            return [{"name": t.name, "table": t.name.removeprefix(BACKUP_PREFIX),
+                     "copy": "backup" if t.name.startswith(BACKUP_PREFIX) else "primary",
+                     "rows": t.rows, "dim": t.spec.dim, "dtype": t.spec.dtype or "float32",
+                     "step": t.step, "optimizer": t.spec.optimizer.name, "bytes": t.bytes}
+                    for t in c.list_tables()]
+    return [(rows, None if exc is None else _explain_error(target, f"ps {i}", addr, exc))
+            for i, (addr, (rows, exc)) in enumerate(zip(target.ps, _fan_out(one, target.ps)))]
+
+
 def _listing_or_fail(target: Target) -> dict[str, list]:
     """{address: variables} of every parameter server; OperatorError if one fails."""
     listing = _listing(target)
@@ -299,7 +313,9 @@ def _print_json(obj) -> None:
 # -- coordinator ps list --------------------------------------------------------------------
 def _ps_list(args) -> int:
     target = target_from_args(args)
-    listing = _listing(target)
+    tables = _table_rows(target)
+    listing = [(i, addr, metas, err or terr) for (i, addr, metas, err), (_, terr)
+               in zip(_listing(target), tables)]
     good = {addr: metas for _, addr, metas, err in listing if err is None}
     counts: dict[str, int] = {}
     for metas in good.values():
@@ -314,7 +330,9 @@ def _ps_list(args) -> int:
                 cuts.update({s.name: (s.offset, s.rows) for s in v.shards if v.shape})
         except CheckpointError:
             pass   # not one consistent layout: shown without row ranges
-    servers, grand = [], {"variables": 0, "value_bytes": 0, "slot_bytes": 0, "bytes": 0}
+    servers = []
+    grand = {"variables": 0, "value_bytes": 0, "slot_bytes": 0, "tables": 0, "table_rows": 0,
+             "table_bytes": 0, "bytes": 0}
     for i, addr, metas, err in listing:
         if err is not None:
             servers.append({"index": i, "address": addr, "error": err})
@@ -331,12 +349,16 @@ def _ps_list(args) -> int:
                 "optimizer_params": dict(m.optimizer_params),
                 "value_bytes": m.nbytes, "slot_bytes": m.slot_nbytes,
                 "bytes": m.nbytes + m.slot_nbytes})
+        shards = tables[i][0]
         total = {"variables": len(rows), "value_bytes": sum(r["value_bytes"] for r in rows),
-                 "slot_bytes": sum(r["slot_bytes"] for r in rows)}
-        total["bytes"] = total["value_bytes"] + total["slot_bytes"]
+                 "slot_bytes": sum(r["slot_bytes"] for r in rows), "tables": len(shards),
+                 "table_rows": sum(t["rows"] for t in shards),
+                 "table_bytes": sum(t["bytes"] for t in shards)}
+        total["bytes"] = total["value_bytes"] + total["slot_bytes"] + total["table_bytes"]
         for k in grand:
             grand[k] += total[k]
-        servers.append({"index": i, "address": addr, "variables": rows, "total": total})
+        servers.append({"index": i, "address": addr, "variables": rows, "tables": shards,
+                        "total": total})
     failed = [s for s in servers if "error" in s]
     if args.json:
         _print_json({"source": target.source, "servers": servers, "total": grand})
@@ -356,13 +378,22 @@ def _ps_list(args) -> int:
                       r["dtype"], _shape(r["shape"]), r["version"], r["optimizer"],
                       human_bytes(r["bytes"])] for r in s["variables"]],
                     right={6, 8}, indent="  "))
-            else:
+            elif not s["tables"]:
                 print("  (no variables)")
+            if s["tables"]:
+                print(_table(
+                    ["TABLE SHARD", "TABLE", "COPY", "ROWS", "DIM", "DTYPE", "STEP", "OPTIMIZER",
+                     "BYTES"],
+                    [[t["name"], t["table"], t["copy"], t["rows"], t["dim"], t["dtype"],
+                      t["step"], t["optimizer"], human_bytes(t["bytes"])] for t in s["tables"]],
+                    right={3, 4, 6, 8}, indent="  "))
             t = s["total"]
-            print(f"  total: {t['variables']} variable(s), {human_bytes(t['bytes'])} "
-                  f"(values {human_bytes(t['value_bytes'])} + slots "
-                  f"{human_bytes(t['slot_bytes'])})\n")
-        print(f"all: {grand['variables']} variable(s) on {len(servers) - len(failed)} of "
+            print(f"  total: {t['variables']} variable(s), {t['tables']} table shard(s) of "
+                  f"{t['table_rows']:,} rows, {human_bytes(t['bytes'])} (values "
+                  f"{human_bytes(t['value_bytes'])} + slots {human_bytes(t['slot_bytes'])} + "
+                  f"tables {human_bytes(t['table_bytes'])})\n")
+        print(f"all: {grand['variables']} variable(s) and {grand['tables']} table shard(s) "
+              f"({grand['table_rows']:,} rows) on {len(servers) - len(failed)} of "
               f"{len(servers)} parameter server(s), {human_bytes(grand['bytes'])}")
     for s in failed:
         print(f"coordinator: {s['error']}", file=sys.stderr)
@@ -402,10 +433,13 @@ def _ps_health(args) -> int:
             if role == "ps":
                 with target.client(addr) as c:
                     info = c.server_info()
+                    shards = c.list_tables()
                 entry["server_info"] = {
                     "protocol_version": info.protocol_version, "server_id": info.server_id,
                     "num_variables": info.num_variables, "total_bytes": info.total_bytes,
-                    "max_message_bytes": info.max_message_bytes}
+                    "max_message_bytes": info.max_message_bytes,
+                    "num_table_shards": len(shards), "table_rows": sum(t.rows for t in shards),
+                    "table_bytes": sum(t.bytes for t in shards)}
             else:
                 target.worker_info(addr)
         except PSError as exc:
@@ -422,10 +456,11 @@ def _ps_health(args) -> int:
             si = e["server_info"] or {}
             rows.append([e["role"], e["index"], e["address"], e["status"],
                          si.get("protocol_version", ""), si.get("server_id", ""),
-                         si.get("num_variables", ""),
-                         human_bytes(si["total_bytes"]) if si else ""])
+                         si.get("num_variables", ""), si.get("num_table_shards", ""),
+                         f"{si['table_rows']:,}" if si else "",
+                         human_bytes(si["total_bytes"] + si["table_bytes"]) if si else ""])
         print(_table(["ROLE", "TASK", "ADDRESS", "HEALTH", "PROTOCOL", "SERVER ID", "VARIABLES",
-                      "BYTES"], rows, right={1, 4, 6, 7}))
+                      "TABLE SHARDS", "TABLE ROWS", "BYTES"], rows, right={1, 4, 6, 7, 8, 9}))
         print(f"{len(entries) - len(bad)} of {len(entries)} task(s) healthy"
               + ("" if target.worker else f" (no workers in {target.source})"))
     for e in bad:

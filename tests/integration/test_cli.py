@@ -120,7 +120,8 @@ def test_ps_list_shows_each_shard_with_its_variable_shape_and_version(live, env,
     for pattern in expected:
         assert any(re.fullmatch(pattern, line) for line in lines), (pattern, out)
     assert sum(line.startswith("total: ") for line in lines) == 2      # one per server
-    assert lines[-1].startswith("all: 6 variable(s) on 2 of 2 parameter server(s)")
+    assert lines[-1].startswith("all: 6 variable(s) and 0 table shard(s) (0 rows) on 2 of 2 "
+                                "parameter server(s)")
 
 
 def test_ps_list_json_matches_the_variables(live, env, capsys):
@@ -186,7 +187,7 @@ def test_ps_health_lists_every_task_as_serving(live, env, capsys):
     assert code == 0, err
     lines = squeeze(out)
     assert lines[0].split() == ["ROLE", "TASK", "ADDRESS", "HEALTH", "PROTOCOL", "SERVER", "ID",
-                                "VARIABLES", "BYTES"]
+                                "VARIABLES", "TABLE", "SHARDS", "TABLE", "ROWS", "BYTES"]
     for role, addrs in (("ps", env.ps), ("worker", env.worker)):
         for i, addr in enumerate(addrs):
             assert any(line.startswith(f"{role} {i} {addr} SERVING") for line in lines), out
@@ -258,8 +259,8 @@ def test_checkpoint_restore_brings_the_values_back(live, env, capsys, tmp_path):
     code, out, err = run(capsys, "checkpoint", "restore", str(tmp_path), "--path",
                          "ckpt-00000010")
     assert code == 0, err
-    assert out.strip() == (f"restored {first} (step 10): 3 variable(s), 6 shard(s) on 2 "
-                           "parameter server(s)")
+    assert out.strip() == (f"restored {first} (step 10): 3 variable(s), 6 shard(s) and 0 "
+                           "dynamic table(s) (0 rows) on 2 parameter server(s)")
     for e, g in zip(saved, read_variables(live.variables)):
         np.testing.assert_array_equal(g, e)
     assert [m.version for v in live.variables for m in v.meta()] == versions
@@ -580,10 +581,31 @@ def test_checkpoint_save_and_restore_carry_dynamic_tables(live, env, capsys, tmp
         assert code == 0 and "1 dynamic table(s)" in err, err
         manifest = json.loads((tmp_path / "ckpt-00000005" / "manifest.json").read_text())
         assert sum(s["rows"] for s in manifest["tables"]["cli_emb"]["shards"]) == 50
+        # the operator commands show the table (issue 32): list, health, checkpoint list
+        code, out, err = run(capsys, "ps", "list")
+        shards = [line.split() for line in squeeze(out) if line.startswith("cli_emb ")]
+        assert code == 0 and len(shards) == 2 and sum(int(r[3]) for r in shards) == 50, out
+        assert all(r[1:3] == ["cli_emb", "primary"] and r[4:6] == ["3", "float32"]
+                   and r[7] == "adagrad" for r in shards), out
+        assert squeeze(out)[-1].startswith("all: 6 variable(s) and 2 table shard(s) (50 rows)")
+        doc = json.loads(run(capsys, "ps", "list", "--json")[1])
+        assert doc["total"]["tables"] == 2 and doc["total"]["table_rows"] == 50
+        assert sorted(t["rows"] for s in doc["servers"] for t in s["tables"]) == \
+            sorted(int(r[3]) for r in shards)
+        doc = json.loads(run(capsys, "ps", "health", "--json")[1])
+        assert sum(t["server_info"]["table_rows"] for t in doc["tasks"] if t["role"] == "ps") \
+            == 50
+        code, out, err = run(capsys, "checkpoint", "list", str(tmp_path))
+        row = [line.split() for line in squeeze(out) if line.endswith("ckpt-00000005")][0]
+        assert row[0] == "5" and row[4:8] == ["3", "6", "1", "50"], out   # (SAVED: 2 words)
+        doc = json.loads(run(capsys, "checkpoint", "list", str(tmp_path), "--json")[1])
+        assert (doc["checkpoints"][0]["tables"], doc["checkpoints"][0]["table_shards"],
+                doc["checkpoints"][0]["table_rows"]) == (1, 2, 50)
         table.push_gradient(keys, np.ones((50, 3), np.float32))
         table.lookup(np.arange(1000, 1010))
         code, out, err = run(capsys, "checkpoint", "restore", str(tmp_path))
         assert code == 0, err
+        assert "and 1 dynamic table(s) (50 rows) on 2 parameter server(s)" in out, out
         np.testing.assert_array_equal(table.lookup(keys, admit=False), saved)
         assert table.stats().rows == 50
         later = ParameterServerStrategy(live.cluster.spec)   # the program's way reads it too
