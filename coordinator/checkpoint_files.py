@@ -1,8 +1,7 @@
 """Reading checkpoints, with no parameter server involved: manifests, shard
 files checked against what their manifest promises, and chains of
 incremental checkpoints composed into exactly the state a full checkpoint
-would hold. coordinator/checkpoint.py restores from here, and
-coordinator/serving.py serves from here.
+would hold (what coordinator/checkpoint.py restores, serving.py serves).
 
 A chain: a *base* (a full checkpoint that names a ``save_id``) and *deltas*,
 each naming its parent (``manifest["chain"]``: ``parent``, the parent's
@@ -25,11 +24,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-#: 1: full checkpoints; 2: incremental ones (a chain, delta and unchanged shards).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2   # 1: full checkpoints; 2: incremental (chains, delta and unchanged shards)
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
-#: The longest chain followed (a loop of parents is refused before that).
-MAX_CHAIN = 10_000
+MAX_CHAIN = 10_000   # the longest chain followed (a loop of parents is refused before that)
 
 
 class CheckpointError(Exception):
@@ -502,10 +499,10 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
                     ) -> tuple[dict[str, np.ndarray], int, float | None]:
     """(arrays, step, clock) of one table shard file, checked against its
     manifest entry and the table ``t``: "keys" (sorted, distinct) and
-    "values" of its rows,
-    and (not weights-only) the optimizer slots, ages and look-up counts; a
-    delta's "evicted" keys apart (in the arrays). Clock: None when the file
-    has none (written before incremental saves)."""
+    "values" of its rows, and (not weights-only) the optimizer slots (any,
+    with ``t.optimizer`` None: a manifest does not name it), ages and look-up
+    counts; a delta's "evicted" keys apart (in the arrays). Clock: None when
+    the file has none (written before incremental saves)."""
     try:
         file, rows = _file_in(ckpt, entry["file"]), int(entry["rows"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -526,15 +523,17 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     # Every other array of the file, (shape, dtype) as the servers write them.
     want = {"keys": keys, "values": values}
     if not weights_only:
-        from psserver.contract import optimizers as optim
-        from psserver.contract.checkpoint_format import slot_layout
-        init, per_row = slot_layout(optim.make_optimizer(t.optimizer, {}), t.dim,
-                                    np.dtype(t.dtype))
         want.update({"age_steps": ((rows,), np.int64), "age_seconds": ((rows,), np.float64),
                      "freq": ((rows,), np.int64)})
-        want.update({f"slot/{n}": ((rows, t.dim) if n in per_row else a.shape, a.dtype)
-                     for n, a in init.items()})
-    names = set(want) | ({"evicted"} if delta else set())
+        if t.optimizer is not None:
+            from psserver.contract import optimizers as optim
+            from psserver.contract.checkpoint_format import slot_layout
+            init, per_row = slot_layout(optim.make_optimizer(t.optimizer, {}), t.dim,
+                                        np.dtype(t.dtype))
+            want.update({f"slot/{n}": ((rows, t.dim) if n in per_row else a.shape, a.dtype)
+                         for n, a in init.items()})
+    names = set(want) | ({"evicted"} if delta else set()) | (
+        {n for n in tensors if n.startswith("slot/")} if t.optimizer is None else set())
     if set(tensors) != names:
         raise CheckpointError(
             f"checkpoint file {file} holds {sorted(tensors)}, not the arrays of a "

@@ -197,26 +197,38 @@ class BackgroundValidation:
 # -- as a process of its own: `coordinator evaluate` ------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint as an evaluation function gets it: its variables' values
-    (dynamic tables are not read; their files are under ``path``)."""
+    """A checkpoint as an evaluation function gets it: its variables'
+    values, and its dynamic tables' rows (``lookup``)."""
     step: int
     path: str
     extra: dict
     variables: dict[str, np.ndarray]
+    tables: dict = dataclasses.field(default_factory=dict)   # serving.lookup_rows's
+
+    def lookup(self, name: str, keys) -> np.ndarray:
+        """Rows of ``keys`` (any shape; a trailing dim): of dynamic table
+        ``name``, zeros for keys without a row (as the servers answer a
+        look-up that does not admit: examples/ctr.py evaluate_checkpoint);
+        of a variable (a fixed table), its rows ``keys``. KeyError for an
+        unknown name."""
+        from coordinator.serving import lookup_rows
+        return lookup_rows(self.variables, self.tables, name, keys, f"checkpoint {self.path}")
 
 
 def read_checkpoint(path: str) -> Checkpoint:
-    """Every variable's value in checkpoint ``path``, read from its files
-    (an incremental checkpoint composed with its chain; each file checked
-    against its manifest: CheckpointError)."""
+    """Every variable's value and every dynamic table's rows in checkpoint
+    ``path``, read from its files (an incremental checkpoint composed with
+    its chain; each file checked against its manifest: CheckpointError)."""
     from coordinator.checkpoint_files import chain_of, load_variable
-    from coordinator.serving import _spec  # what the loaders need of a variable
+    from coordinator.serving import _spec, table_rows  # what the loaders need
 
     chain = chain_of(path)
     manifest = chain[-1][1]
     values = {name: load_variable(_spec(name, info), chain)["value"]
               for name, info in manifest["variables"].items()}
-    return Checkpoint(int(manifest["step"]), path, manifest.get("extra", {}), values)
+    tables = {name: table_rows(chain, name, info)
+              for name, info in manifest.get("tables", {}).items()}
+    return Checkpoint(int(manifest["step"]), path, manifest.get("extra", {}), values, tables)
 
 
 def load_function(name: str) -> Callable[[Checkpoint], Any]:
@@ -368,7 +380,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fn", required=True, metavar="MODULE:FUNCTION",
                    help="the evaluation: FUNCTION(checkpoint) -> {metric: number}, imported "
                         "here (checkpoint: coordinator.evaluation.Checkpoint: step, path, "
-                        "extra, variables)")
+                        "extra, variables, lookup(table, keys))")
     p.add_argument("--logdir", required=True, metavar="DIR",
                    help="TensorBoard event files go to DIR/evaluation; DIR/"
                         f"{STATE_FILE} records the last step evaluated")

@@ -229,33 +229,8 @@ class Snapshot:
         the parameter servers answer for keys not admitted); of a variable (a
         fixed table), row ``keys[i]`` (IndexError out of range). KeyError for
         an unknown name; ValueError for keys that are not integers."""
-        from psserver.contract.keys import check_keys, shard_of
         state = self._state
-        try:
-            keys = check_keys(keys)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-        if name in state.tables:
-            shards, dim = state.tables[name]
-            flat = keys.reshape(-1)
-            out = np.zeros((flat.size, dim), shards[0][1].dtype if shards else np.float32)
-            which = shard_of(flat, len(shards))
-            for i, (skeys, svalues) in enumerate(shards):
-                sel = np.flatnonzero(which == i)
-                if not sel.size or not skeys.size:
-                    continue
-                pos = np.minimum(np.searchsorted(skeys, flat[sel]), skeys.size - 1)
-                hit = skeys[pos] == flat[sel]
-                out[sel[hit]] = svalues[pos[hit]]
-            return out.reshape(keys.shape + (dim,))
-        if name in state.values:
-            value = state.values[name]
-            if value.ndim == 0:
-                raise ValueError(f"variable {name!r} is a scalar: it has no rows")
-            if keys.size and (keys.min() < 0 or keys.max() >= value.shape[0]):
-                raise IndexError(f"row ids of {name!r} must be in [0, {value.shape[0]})")
-            return value[keys]
-        raise KeyError(f"no table or variable {name!r} in the export {state.path}")
+        return lookup_rows(state.values, state.tables, name, keys, f"the export {state.path}")
 
     def wait(self, generation: int, timeout: float | None = None) -> int:
         """Block until a refresh past ``generation`` (or ``timeout``); the
@@ -359,6 +334,45 @@ class Snapshot:
         self.close()
 
 
+def lookup_rows(values: Mapping[str, np.ndarray], tables: Mapping[str, tuple], name: str,
+                keys, where: str) -> np.ndarray:
+    """Snapshot.lookup over ``values`` (variable -> value) and ``tables``
+    (table -> ((sorted keys, rows) per shard, dim)) read from ``where``."""
+    from psserver.contract.keys import check_keys, shard_of
+    try:
+        keys = check_keys(keys)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    if name in tables:
+        shards, dim = tables[name]
+        flat = keys.reshape(-1)
+        out = np.zeros((flat.size, dim), shards[0][1].dtype if shards else np.float32)
+        which = shard_of(flat, len(shards))
+        for i, (skeys, svalues) in enumerate(shards):
+            sel = np.flatnonzero(which == i)
+            if not sel.size or not skeys.size:
+                continue
+            pos = np.minimum(np.searchsorted(skeys, flat[sel]), skeys.size - 1)
+            hit = skeys[pos] == flat[sel]
+            out[sel[hit]] = svalues[pos[hit]]
+        return out.reshape(keys.shape + (dim,))
+    if name in values:
+        value = values[name]
+        if value.ndim == 0:
+            raise ValueError(f"variable {name!r} is a scalar: it has no rows")
+        if keys.size and (keys.min() < 0 or keys.max() >= value.shape[0]):
+            raise IndexError(f"row ids of {name!r} must be in [0, {value.shape[0]})")
+        return value[keys]
+    raise KeyError(f"no table or variable {name!r} in {where}")
+
+
+def table_rows(chain: list, name: str, info: dict) -> tuple[list, int]:
+    """A table of the chain's last checkpoint or export as lookup_rows takes
+    it: ((sorted keys, rows) per shard, dim)."""
+    shards = load_table_shards(_table_spec(name, info), chain)
+    return [(s["keys"], s["values"]) for s, _, _ in shards], int(info["dim"])
+
+
 def _weights(manifest: dict) -> bool:
     return bool(manifest.get("weights_only"))
 
@@ -370,8 +384,9 @@ def _spec(name: str, info: dict):
 
 
 def _table_spec(name: str, info: dict):
+    """What the loaders need of a table (its rows, whatever its optimizer)."""
     return types.SimpleNamespace(name=name, dim=int(info["dim"]), dtype=info["dtype"],
-                                 optimizer="sgd")
+                                 optimizer=None)
 
 
 def _advance_value(value: np.ndarray, v, later: list) -> np.ndarray:

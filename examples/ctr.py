@@ -124,6 +124,20 @@ def evaluate(table, variables: dict, seed: int, batches: int, size: int) -> dict
     return held_out(params, lambda ids: table.lookup(ids, admit=False), seed, batches, size)
 
 
+def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches: int = 20,
+                        size: int = 512) -> dict:
+    """The side evaluator's function (reads no parameter server):
+
+        python -m coordinator evaluate DIR --fn examples.ctr:evaluate_checkpoint --logdir LOGS
+
+    AUC and loss of a checkpoint of this model (``--incremental-checkpoints
+    DIR``, defaults of ``main``) on the held-out batches, its rows read from
+    the checkpoint's files as a look-up without admission reads them."""
+    params = {n: checkpoint.variables[f"{prefix}/{n}"] for n in M.init_params(seed)}
+    return held_out(params, lambda ids: checkpoint.lookup(f"{prefix}/emb", ids), seed,
+                    batches, size)
+
+
 def held_out(params: dict, lookup, seed: int, batches: int, size: int) -> dict:
     """AUC and loss of ``params`` (the dense layers) and ``lookup`` (ids ->
     embedding rows) on the held-out batches (also examples/serve_ctr.py)."""

@@ -250,6 +250,24 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
                for e in exports), exports
     served = serve_ctr.main(["--export", export, "--eval-batches", "5", "--batch-size", "256"])
     assert served["auc"] == out["auc"] and served["path"].endswith(exports[-1])
+    # The side evaluator scores the last checkpoint (a delta on its base; an
+    # Adagrad table read from the files) as training's own last validation.
+    from coordinator import cli
+    from coordinator.evaluation import read_checkpoint
+    checkpoint = read_checkpoint(os.path.join(ckpt, latest))
+    got = ctr.evaluate_checkpoint(checkpoint, batches=5, size=256)
+    assert got["auc"] == out["auc"], (got, out["auc"])
+    from coordinator.serving import Snapshot   # a checkpoint directory reads as an export does
+    ids = np.concatenate([D.batch(1, i, 256).sparse for i in range(3)])
+    rows = checkpoint.lookup("ctr/emb", ids)
+    assert (rows != 0).any(axis=-1).mean() > 0.5
+    np.testing.assert_array_equal(Snapshot(ckpt).lookup("ctr/emb", ids), rows)
+    logs = tmp_path / "logs"
+    assert cli.main(["evaluate", ckpt, "--fn", "examples.ctr:evaluate_checkpoint", "--logdir",
+                     str(logs), "--once"]) == 0
+    assert json.loads((logs / "evaluator_state.json").read_text())["last_step"] == 60
+    assert any(f.name.endswith(".step60." + str(os.getpid()))
+               for f in (logs / "evaluation").iterdir())   # its metrics' event file
 
 
 @pytest.mark.timeout(180)
