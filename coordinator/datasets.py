@@ -8,6 +8,7 @@ runs it as that worker's own iterator over its own copy of the data.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
 import itertools
@@ -28,23 +29,47 @@ class InputContext:
         return tuple(a[self.input_pipeline_id::self.num_input_pipelines] for a in arrays)
 
 
+#: The InputContext of the dataset_fn running now (on a worker), for batches' default seed.
+_current: contextvars.ContextVar[InputContext | None] = contextvars.ContextVar(
+    "pstrain_input_context", default=None)
+
+
 def call_dataset_fn(fn: Callable, ctx: InputContext) -> Iterable:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = {}
-    return fn(ctx) if len(params) >= 1 else fn()
+    token = _current.set(ctx)
+    try:
+        return fn(ctx) if len(params) >= 1 else fn()
+    finally:
+        _current.reset(token)
 
 
-def batches(*arrays: np.ndarray, batch_size: int, shuffle: bool = True, seed: int = 0,
-            repeat: bool = True, drop_remainder: bool = True) -> Iterator[tuple[np.ndarray, ...]]:
-    """Batches of aligned arrays, reshuffled each epoch; forever if repeat."""
+def batches(*arrays: np.ndarray, batch_size: int, shuffle: bool = True,
+            seed: int | None = None, repeat: bool = True,
+            drop_remainder: bool = True) -> Iterator[tuple[np.ndarray, ...]]:
+    """Batches of aligned arrays, reshuffled each epoch; forever if repeat.
+
+    ``seed``: the shuffle's. None (default): each worker its own order, as
+    TensorFlow's unseeded shuffle, yet reproducible: seed 0 with the
+    worker's index mixed in (in a dataset_fn on a worker; elsewhere seed 0).
+    A seed given is used as it is (every worker the same order: add
+    ``ctx.input_pipeline_id`` for orders of their own)."""
     n = len(arrays[0])
     if any(len(a) != n for a in arrays):
         raise ValueError("all arrays must have the same length")
     if batch_size < 1 or (drop_remainder and batch_size > n):
         raise ValueError(f"batch_size {batch_size} does not fit {n} examples")
-    rng = np.random.default_rng(seed)
+    ctx = _current.get()
+    if seed is None:
+        seed = [0, ctx.input_pipeline_id] if ctx is not None else 0
+    return _batches(arrays, n, batch_size, shuffle, np.random.default_rng(seed), repeat,
+                    drop_remainder)
+
+
+def _batches(arrays, n: int, batch_size: int, shuffle: bool, rng, repeat: bool,
+             drop_remainder: bool) -> Iterator[tuple[np.ndarray, ...]]:
     for _ in itertools.count() if repeat else range(1):
         order = rng.permutation(n) if shuffle else np.arange(n)
         stop = n - n % batch_size if drop_remainder else n

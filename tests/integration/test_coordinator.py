@@ -221,6 +221,37 @@ def test_per_worker_dataset_gives_each_worker_its_shard(coord):
         assert len({v % 2 for v in vals}) == 1 and vals == sorted(vals)
 
 
+def test_batches_without_a_seed_shuffle_each_worker_its_own_reproducible_order(coord):
+    """Issue 32: every worker got the same order by default (seed 0); now,
+    as an unseeded tf.data shuffle, each worker its own, reproducible (the
+    same order again for the same worker index), and a seed given is kept."""
+    from coordinator import batches
+
+    def dataset_fn(ctx):   # the same 64 examples on each worker
+        return batches(np.arange(64), batch_size=64)
+
+    def seeded(ctx):
+        return batches(np.arange(64), batch_size=64, seed=3)
+
+    def take(it):
+        return next(it)[0].tolist(), os.getpid()
+
+    for fn in (dataset_fn, dataset_fn, seeded):
+        it = iter(coord.create_per_worker_dataset(fn))
+        got = {}
+        for order, pid in coord.fetch([coord.schedule(take, args=(it,)) for _ in range(8)]):
+            got.setdefault(pid, order)   # each worker's first epoch
+        assert len(got) == 2, got
+        orders = sorted(got.values())
+        if fn is seeded:
+            assert orders[0] == orders[1] == np.random.default_rng(3).permutation(64).tolist()
+        else:
+            assert orders[0] != orders[1] and orders == sorted(
+                np.random.default_rng([0, i]).permutation(64).tolist() for i in (0, 1))
+    assert list(batches(np.arange(8), batch_size=8, repeat=False))[0][0].tolist() == \
+        np.random.default_rng(0).permutation(8).tolist()   # in-process: seed 0, as before
+
+
 # -- several closures per worker ------------------------------------------------------------
 #: In each worker process (this module is imported there by name): two
 #: closures meet here only if they run at the same time.
