@@ -4,7 +4,9 @@ operator allowed (``psserver --checkpoint-dir``) and nowhere else.
 ``Saver`` writes the variables of a psserver.core.shards.ShardRegistry, keeps the
 save points this server took, and commits them on every shard copy (table
 shards too: psserver/core/table_store.py writes their files with the same
-checks and ``write_tensors``). Free of grpc and protobuf.
+checks), through psserver/core/save_files.py (the directory opened once,
+no symbolic link followed below the --checkpoint-dir). Free of grpc and
+protobuf.
 
 Incremental saves (coordinator/checkpoint.py, psserver/core/tracking.py): a save
 with a ``save_id`` is a save point of every shard it writes; with ``since``
@@ -18,11 +20,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import json
 import os
-import shutil
-import tempfile
 import threading
 import urllib.parse
 import uuid
@@ -30,19 +29,9 @@ from typing import Sequence
 
 import numpy as np
 
-from psserver.contract.checkpoint_format import fsync_dir
+from psserver.core.save_files import SaveDir, open_save_dir, write_tensors
 from psserver.core.tracking import VariableTracker
-from psserver.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
-)
-
-#: Testing switch: a parameter server with this set dies in the middle of a
-#: save (after writing a temporary file, before renaming it); set to
-#: "delta", only in the middle of writing a delta.
-FAULT_CRASH_IN_SAVE_ENV = "PSTRAIN_FAULT_CRASH_IN_SAVE"
+from psserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 #: How a shard was written (ps.proto SaveKind).
 FULL, DELTA, UNCHANGED = 0, 1, 2
@@ -76,65 +65,6 @@ class SaveSpec:
     since: int = 0
     stream: str = ""
     weights_only: bool = False
-
-
-def write_tensors(directory: str, file: str, tensors: dict, meta: dict,
-                  delta: bool = False) -> int:
-    """Write a safetensors file atomically: under a temporary name, fsync,
-    chmod 0644 (a coordinator of another user reads it), rename, fsync the
-    directory. Returns its bytes. ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta).
-
-    The temporary name is in a directory of its own made for this call
-    beside the file (tempfile.mkdtemp: a random name, created exclusively,
-    0700), so two saves of one shard into one directory never share it and
-    nothing planted at a name known in advance is written through or
-    replaced. A failure to write (disk full, permissions, the directory
-    gone) raises a PSError saying so: ResourceExhausted, PermissionDenied
-    or FailedPrecondition; nothing is left under the file's name."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import save_file
-
-    path = os.path.join(directory, file)
-    try:
-        private = tempfile.mkdtemp(prefix=".saving-", dir=directory)
-        try:
-            tmp = os.path.join(private, file)
-            save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)  # (0-d stays)
-                       for k, v in tensors.items()}, tmp, metadata=meta)
-            fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
-            if fault and (delta or fault != "delta"):   # fault injection for tests
-                os._exit(3)
-            _fsync_file(tmp)    # on disk before it gets its final name
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            shutil.rmtree(private, ignore_errors=True)
-        fsync_dir(directory)    # and the name on disk
-        return os.path.getsize(path)
-    except (OSError, SafetensorError) as exc:
-        raise _write_error(path, exc) from None
-
-
-def _write_error(path: str, exc: Exception) -> Exception:
-    """The PSError a failed write of checkpoint file ``path`` raises."""
-    text = f"cannot write checkpoint file {path} ({exc}); nothing was saved there"
-    code = getattr(exc, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return ResourceExhausted(f"{text}: free space on that filesystem, or save elsewhere")
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PermissionDenied(f"{text}: the parameter server's user must be able to write "
-                                "there")
-    return FailedPrecondition(f"{text}: check that the directory exists, is a directory "
-                              "the parameter server can write, and holds no directory of "
-                              "that name")
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Saver:
@@ -260,8 +190,8 @@ class Saver:
         the value and of each per-row slot (scalar slots and update keys
         whole); with ``weights_only`` only the value (or its rows).
         """
-        directory, chosen = self._save_target(directory, names)
-        return self._write_shards(directory, chosen, spec)
+        with self.save_directory(directory) as target:
+            return self._write_shards(target, self._chosen(names), spec)
 
     def save_point(self, directory: str, names: Sequence[str] = (), **fields) -> list[SavedShard]:
         """A Save call: its incremental fields (check_save's), the directory
@@ -269,25 +199,22 @@ class Saver:
         call (InvalidArgument, FailedPrecondition, PermissionDenied,
         NotFound) notes nothing and writes nothing."""
         spec = self.check_save(**fields)
-        directory, chosen = self._save_target(directory, names)
-        return self._write_shards(directory, chosen, self.note_save(spec))
+        with self.save_directory(directory) as target:
+            chosen = self._chosen(names)
+            return self._write_shards(target, chosen, self.note_save(spec))
 
-    def save_directory(self, directory: str) -> str:
-        """``directory`` resolved, if this server may write there and it
-        exists (PermissionDenied, InvalidArgument)."""
-        directory = self._confined(directory)
-        if not os.path.isdir(directory):
-            raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
-                                  "parameter server (it must see the same filesystem)")
-        return directory
+    def save_directory(self, directory: str) -> SaveDir:
+        """``directory``, opened (psserver/core/save_files.py), if this server
+        may write there and it exists (PermissionDenied, InvalidArgument);
+        close it after (``with``)."""
+        real, root = self._confined(directory)
+        return open_save_dir(directory, real, root)
 
-    def _save_target(self, directory: str, names: Sequence[str]) -> tuple[str, list]:
-        directory = self.save_directory(directory)
-        chosen = [self._registry.variable(n) for n in names] if names \
+    def _chosen(self, names: Sequence[str]) -> list:
+        return [self._registry.variable(n) for n in names] if names \
             else self._registry.variables()
-        return directory, chosen
 
-    def _write_shards(self, directory: str, chosen: list, spec: SaveSpec) -> list[SavedShard]:
+    def _write_shards(self, target: SaveDir, chosen: list, spec: SaveSpec) -> list[SavedShard]:
         out = []
         for var in chosen:
             with var.lock:
@@ -310,7 +237,7 @@ class Saver:
                 out.append(SavedShard(var.name, "", version, 0, kind))
                 continue
             file = urllib.parse.quote(var.name, safe="") + ".safetensors"
-            nbytes = write_tensors(directory, file, tensors, meta, delta=kind == DELTA)
+            nbytes = write_tensors(target, file, tensors, meta, delta=kind == DELTA)
             out.append(SavedShard(var.name, file, version, nbytes, kind,
                                   0 if rows is None else int(rows.size)))
         return out
@@ -330,23 +257,30 @@ class Saver:
         out["applied_ids"] = np.fromiter(var.applied, np.uint64, len(var.applied))
         return out
 
-    def _confined(self, directory: str) -> str:
-        """``directory`` resolved (symbolic links, ``..``), if it lies in a
-        checkpoint directory this server was given. Raises PermissionDenied."""
+    def _confined(self, directory: str) -> tuple[str, str | None]:
+        """(``directory`` resolved (symbolic links, ``..``), the checkpoint
+        directory this server was given that it lies in (None: any)). Raises
+        PermissionDenied."""
         if not isinstance(directory, str) or not directory or "\0" in directory:
             raise InvalidArgument("give the checkpoint directory as a path")
-        real = os.path.realpath(directory)
+        try:
+            real = os.path.realpath(directory)
+        except OSError as exc:   # (a part changed while it was resolved)
+            raise PermissionDenied(f"checkpoint directory {directory!r} changed while it was "
+                                   f"resolved ({exc.strerror}); nothing was written. Save into "
+                                   "a directory no one else changes") from None
         if self.checkpoint_dirs is None:
-            return real
+            return real, None
         if not self.checkpoint_dirs:
             raise PermissionDenied(
                 "this parameter server writes no checkpoint files: it was started without "
                 "--checkpoint-dir; start it with --checkpoint-dir DIR (a directory the "
                 "coordinator's CheckpointManager writes under, on the same filesystem)")
-        if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep)
-                   for d in self.checkpoint_dirs):
+        roots = [d for d in self.checkpoint_dirs
+                 if real == d or real.startswith(d.rstrip(os.sep) + os.sep)]
+        if not roots:
             raise PermissionDenied(
                 f"{directory!r} is outside this parameter server's checkpoint directories "
                 f"({', '.join(self.checkpoint_dirs)}); nothing was written. Save under one of "
                 "them, or start the server with --checkpoint-dir covering it")
-        return real
+        return real, max(roots, key=len)

@@ -59,7 +59,8 @@ from psserver.contract.optimizers import make_optimizer
 from psserver.core import sync as S
 from psserver.core.bags import check_bags
 from psserver.core.dynamic_table import DynamicTable
-from psserver.core.saving import DELTA, FULL, KIND_NAMES, write_tensors
+from psserver.core.save_files import write_tensors
+from psserver.core.saving import DELTA, FULL, KIND_NAMES
 from psserver.core.shards import check_name
 from psserver.core.table_config import TableConfig, TableStats, check_counts, row_bytes
 from psserver.core.table_copy import TableShardCopy
@@ -455,8 +456,11 @@ class TableStore:
         ages are taken at. A refused save notes nothing and writes nothing."""
         copy = self.registry.table(name)
         spec = self._saver.check_save(**fields)                  # all checked, then
-        directory = self._saver.save_directory(directory)
-        self._saver.note_save(spec)                              # the save id noted
+        with self._saver.save_directory(directory) as target:
+            self._saver.note_save(spec)                          # the save id noted
+            return self._write(copy, name, spec, target)
+
+    def _write(self, copy, name: str, spec, target) -> SavedTable:
         with copy.lock:
             t = copy.table
             changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
@@ -472,7 +476,7 @@ class TableStore:
         if self._describe_spec is not None:
             meta["spec"] = self._describe_spec(table_spec)
         file = table_file(name)
-        nbytes = write_tensors(directory, file, state, meta, delta=kind == DELTA)
+        nbytes = write_tensors(target, file, state, meta, delta=kind == DELTA)
         return SavedTable(file, int(state["keys"].size), nbytes, step, kind,
                           int(state["evicted"].size) if "evicted" in state else 0,
                           self._saver.incarnation)

@@ -365,9 +365,12 @@ class _DiskOps:
             self.events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
             return fsync(fd)
 
-        def spy_replace(src, dst):
-            self.events.append(("replace", os.fspath(src), os.fspath(dst)))
-            return replace(src, dst)
+        def spy_replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+            def full(p, fd):   # (names relative to an open directory: its path)
+                return os.fspath(p) if fd is None else \
+                    os.path.join(os.readlink(f"/proc/self/fd/{fd}"), os.fspath(p))
+            self.events.append(("replace", full(src, src_dir_fd), full(dst, dst_dir_fd)))
+            return replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         monkeypatch.setattr(os, "fsync", spy_fsync)
         monkeypatch.setattr(os, "replace", spy_replace)
 

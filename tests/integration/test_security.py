@@ -142,6 +142,54 @@ def test_save_writes_only_under_the_checkpoint_dirs(start_ps, tmp_path):
     assert [p.name for p in (allowed / "run1").iterdir()] == [saved.file]
 
 
+@pytest.mark.timeout(120)
+def test_a_directory_swapped_for_a_link_during_saves_gets_nothing_written_outside(start_ps,
+                                                                                  tmp_path):
+    """Issue 33 item 4: a part of the save's path swapped for a link to a
+    directory outside --checkpoint-dir, over and over while a variable and
+    a table are saved there (the probe wrote outside after 46 tries): every
+    save lands in a directory under --checkpoint-dir or is refused."""
+    import threading
+
+    from psserver.errors import InvalidArgument, PermissionDenied
+    allowed, outside = tmp_path / "ckpt", tmp_path / "outside"
+    (allowed / "run").mkdir(parents=True)
+    outside.mkdir()
+    ps = start_ps("--checkpoint-dir", str(allowed))
+    stop = threading.Event()
+
+    def swapper():   # run <-> a link to outside, as fast as it goes
+        n = 0
+        while not stop.is_set():
+            n += 1
+            os.rename(allowed / "run", allowed / f"real-{n}")
+            os.symlink(outside, allowed / "run")
+            os.unlink(allowed / "run")
+            os.rename(allowed / f"real-{n}", allowed / "run")
+    with PSClient(ps.address) as c:
+        c.create_variable("w", initial_value=np.arange(4, dtype=np.float32))
+        c.create_table("t", 2)
+        c.lookup("t", [1, 2, 3])
+        thread = threading.Thread(target=swapper, daemon=True)
+        thread.start()
+        saved = refused = 0
+        try:
+            for i in range(150):
+                try:
+                    if i % 2:
+                        c.save(str(allowed / "run"), ["w"])
+                    else:
+                        c.save_table("t", str(allowed / "run"))
+                    saved += 1
+                except (PermissionDenied, InvalidArgument):
+                    refused += 1
+        finally:
+            stop.set()
+            thread.join(10)
+    assert list(outside.iterdir()) == [], list(outside.iterdir())
+    assert saved + refused == 150 and saved, (saved, refused)
+
+
 def test_a_killed_local_cluster_leaves_no_private_key_behind(tmp_path):
     """SIGKILL runs no cleanup: the next LocalCluster removes what a dead
     one left (its CA and key), and keeps a live one's."""
