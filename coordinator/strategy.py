@@ -558,6 +558,32 @@ class ParameterServerStrategy:
                     ps_pool.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
-        for s in var.shards + var.backups:
-            ps_pool.client_for(s.address).delete_variable(s.name)
+        """Delete every copy of ``var``'s shards where the routes say they
+        are (after a failover too: _delete_copies)."""
+        _delete_copies(var, lambda s: ps_pool.client_for(s.address).delete_variable(s.name))
         self._variables.pop(var.name, None)
+
+    def delete_embedding_table(self, table: DynamicEmbedding) -> None:
+        """Delete every copy of a dynamic table's shards, as delete_variable."""
+        _delete_copies(table, lambda s: ps_pool.client_for(s.address).delete_table(s.table))
+        self._tables.pop(table.name, None)
+        self._table_creation.pop(table.name, None)
+
+
+def _delete_copies(v, delete) -> None:
+    """``delete(copy)`` on each shard's primary as the routes have it now
+    (its errors raised), then on its other copy unless the primary is alone
+    (that copy is gone: a server lost for good holds nothing to delete); an
+    other copy whose server does not answer is skipped (issue 33 item 10:
+    the shipped job failed at its clean-up after a server was lost)."""
+    routes = ps_pool.servers().routes
+    for k in range(v.num_shards):
+        r = routes.route(v, k)
+        primary = routes.primary_of(v, k, r)
+        delete(primary)
+        if v.backups and not r.alone:
+            other = v.shards[k] if primary is v.backups[k] else v.backups[k]
+            try:
+                delete(other)
+            except (Unavailable, DeadlineExceeded):
+                pass

@@ -69,7 +69,6 @@ from coordinator import (
 from coordinator import ctr_data as D
 from coordinator.fit import fit
 from coordinator.local import run_main
-from coordinator.ps_pool import client_for
 from coordinator.replica import get_replica_context
 from examples import dlrm as M
 
@@ -198,8 +197,7 @@ def main(argv=None) -> dict:
         variables, table = build(strategy, args.seed, args.lr)
         if args.cluster == "tf_config":   # leave the shared servers as we found them
             stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
-            stack.callback(lambda: [client_for(a).delete_table(table.name)
-                                    for a in table.addresses])
+            stack.callback(lambda: strategy.delete_embedding_table(table))
         seed, size = args.seed, args.batch_size
 
         def dataset_fn(ctx):   # on every worker: its own batches of the stream

@@ -155,6 +155,8 @@ def test_lost_server_fails_over_without_waiting_and_loses_nothing(tmp_path):
         strategy = ParameterServerStrategy(cluster.spec, replication=True,
                                            variable_partitioner=FixedShardsPartitioner(2))
         c = counter(strategy)
+        table = strategy.create_embedding_table("t", 2)
+        table.lookup(np.arange(100))
         with ClusterCoordinator(strategy, ps_check_interval=0.2, ps_failover_after=1.0,
                                 ps_recovery_timeout=5.0) as coord:
             step = add_one(c)
@@ -166,6 +168,13 @@ def test_lost_server_fails_over_without_waiting_and_loses_nothing(tmp_path):
             value = c.read()
             metas = c.meta()
             assert coord.cluster.recovery.lost == {cluster.spec.ps[1]}
+            # The job's clean-up follows the routes (issue 33 item 10: it sent the
+            # deletes to the lost server and failed after the job had succeeded).
+            table.lookup(np.arange(100))   # (its shards failed over too)
+            strategy.delete_variable(c)
+            strategy.delete_embedding_table(table)
+            with PSClient(cluster.spec.ps[0], token=cluster.token, tls=cluster.tls) as alive:
+                assert alive.list_variables() == [] and alive.list_tables() == []
     np.testing.assert_array_equal(value, np.full((4, 2), 60, np.float32))
     assert [m.version for m in metas] == [60, 60]
     assert all(m.backup is None for m in metas)   # going on alone until it returns
