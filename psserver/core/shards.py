@@ -22,8 +22,9 @@ from __future__ import annotations
 import collections
 import re
 import threading
+import urllib.parse
 
-from psserver.contract import ROLE_BACKUP, ROLE_PRIMARY, TABLE_PREFIX
+from psserver.contract import BACKUP_PREFIX, ROLE_BACKUP, ROLE_PRIMARY, TABLE_PREFIX
 from psserver.errors import InvalidArgument, NotFound, NotPrimary, ResourceExhausted
 
 ROLE_NAMES = {ROLE_PRIMARY: "primary", ROLE_BACKUP: "backup"}
@@ -32,13 +33,27 @@ ROLE_NAMES = {ROLE_PRIMARY: "primary", ROLE_BACKUP: "backup"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/:]{1,256}$")
 
 
+#: The longest file name a filesystem takes (NAME_MAX).
+MAX_FILE_NAME = 255
+
+
 def check_name(name: str) -> str:
     """``name`` if it may name a variable or a dynamic table (1 to 256 of
-    letters, digits and ``_ . - / :``), else InvalidArgument."""
+    letters, digits and ``_ . - / :``, and its checkpoint file's name, its
+    backup's and its table shard's included, at most MAX_FILE_NAME bytes:
+    a name every save would fail on is refused at once), else InvalidArgument."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidArgument(
             f"invalid variable name {name!r}: use 1 to 256 characters from "
             "letters, digits and _ . - / :")
+    base = name[len(BACKUP_PREFIX):] if name.startswith(BACKUP_PREFIX) else name
+    longest = len(TABLE_PREFIX + urllib.parse.quote(BACKUP_PREFIX + base, safe="")
+                  + ".safetensors")
+    if longest > MAX_FILE_NAME:
+        raise InvalidArgument(
+            f"name {name[:40]!r}... ({len(name)} characters) would make checkpoint file names "
+            f"of up to {longest} bytes, over the {MAX_FILE_NAME} a filesystem takes, so no "
+            "save of it could be written; use a shorter name (each / and : counts 3)")
     return name
 
 

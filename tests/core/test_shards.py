@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psserver.contract import ROLE_BACKUP, ROLE_PRIMARY, Peer, SyncSpec
+from psserver.contract import BACKUP_PREFIX, ROLE_BACKUP, ROLE_PRIMARY, Peer, SyncSpec
 from psserver.core.replication import Link
 from psserver.core.shards import CopyState, MemoryBudget, ShardRegistry, check_name
 from psserver.core.store import VariableStore
@@ -61,6 +61,36 @@ def test_check_name():
     for bad in ("", "a b", "~table~t", "x" * 257, 7, None):
         with pytest.raises(InvalidArgument, match="invalid variable name"):
             check_name(bad)
+
+
+@pytest.mark.parametrize("kind", ["variable", "table"])
+def test_a_name_no_save_could_write_is_refused_at_create(kind, tmp_path):
+    """Issue 33 item 8: a name whose checkpoint file (its backup's, its table
+    shard's) would pass 255 bytes was accepted, and every save then failed.
+    The longest accepted name saves, as a variable and as a table, and as
+    the backup copy's name."""
+    from psserver.core.store import VariableStore
+    from psserver.core.table_config import TableConfig
+    from psserver.core.table_store import TableSpec, TableStore
+    longest = "x/" * 56 + "xy"       # 114 characters, quoted 226 bytes: 255 with prefixes
+    assert check_name(longest) == longest
+    for bad in ("a" * 227, "/" * 76, longest + "c"):
+        with pytest.raises(InvalidArgument, match="over the 255 a filesystem takes"):
+            check_name(bad)
+    store = VariableStore(checkpoint_dirs=[str(tmp_path)])
+    tables = TableStore.beside(store)
+    assert check_name(BACKUP_PREFIX + longest)   # its backup copy's name
+    for name in (longest, BACKUP_PREFIX + longest)[:2 if kind == "variable" else 1]:
+        if kind == "variable":
+            store.create(name, "float32", [2])
+            (saved,) = store.saver.save(str(tmp_path), [name])
+        else:
+            tables.create(name, TableSpec(TableConfig(dim=2)))
+            saved = tables.save(name, str(tmp_path))
+        assert (tmp_path / saved.file).is_file() and len(saved.file) <= 255
+    with pytest.raises(InvalidArgument, match="255"):
+        store.create(longest + "c", "float32", [2]) if kind == "variable" else \
+            tables.create(longest + "c", TableSpec(TableConfig(dim=2)))
 
 
 @pytest.mark.parametrize("role, epoch, fenced, offered, accepted", [
