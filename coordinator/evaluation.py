@@ -260,6 +260,7 @@ class Sidecar:
         self.state_path = os.path.join(logdir, STATE_FILE)
         self.last_step = self._read_state()
         self.evaluated = self.failed = self.skipped = self.abandoned = 0
+        self.unreadable: set[str] = set()   # checkpoints whose files could not be read
 
     def _read_state(self) -> int:
         try:
@@ -282,7 +283,8 @@ class Sidecar:
     def pending(self) -> list[str]:
         """Complete checkpoints newer than the last one evaluated, oldest first."""
         from coordinator.checkpoint_files import find_checkpoints
-        return [p for p in find_checkpoints(self.ckpt_dir) if _step_of(p) > self.last_step]
+        return [p for p in find_checkpoints(self.ckpt_dir)
+                if _step_of(p) > self.last_step and p not in self.unreadable]
 
     def step_once(self) -> int | None:
         """Evaluate the newest pending checkpoint (skipping older pending
@@ -299,12 +301,19 @@ class Sidecar:
         start = time.monotonic()
         outcome, values, text = self._evaluate(path)
         seconds = time.monotonic() - start
+        name = os.path.basename(path)
+        if outcome == "unreadable":   # its step is not to be trusted: nothing recorded, so
+            self.unreadable.add(path)   # checkpoints of lower steps still count (issue 33)
+            self.failed += 1
+            _metrics.evaluation("sidecar", "failed", seconds, step, {})
+            print(f"coordinator evaluate: {name} cannot be read, skipped (the checkpoints "
+                  f"after it are evaluated as they come):\n{text}", file=sys.stderr, flush=True)
+            return step
         if outcome == "ok":
             self._write_events(step, values)
         _metrics.evaluation("sidecar", outcome, seconds, step, values)
         self.last_step = step   # once each, whatever the outcome; said once recorded
         self._write_state()
-        name = os.path.basename(path)
         if outcome == "ok":
             self.evaluated += 1
             print(f"coordinator evaluate: {name} (step {step}): "
@@ -335,20 +344,28 @@ class Sidecar:
             writer.close()
 
     def _evaluate(self, path: str) -> tuple[str, dict[str, float], str]:
-        """("ok" | "failed" | "abandoned", metrics, error text), run on a
-        daemon thread so a hang is abandoned after the timeout."""
+        """("ok" | "failed" | "unreadable" | "abandoned", metrics, error
+        text), run on a daemon thread so a hang is abandoned after the timeout."""
+        from coordinator.checkpoint_files import CheckpointError
         box: dict[str, Any] = {}
         done = threading.Event()
 
         def body():
             try:
-                box["values"] = metric_values(self.fn(read_checkpoint(path)), "the --fn function")
+                try:
+                    checkpoint = read_checkpoint(path)
+                except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
+                    box["unreadable"] = f"{type(exc).__name__}: {exc}"
+                else:
+                    box["values"] = metric_values(self.fn(checkpoint), "the --fn function")
             except BaseException:
                 box["error"] = traceback.format_exc()
             done.set()
         threading.Thread(target=body, daemon=True, name="evaluate").start()
         if not done.wait(self.timeout):
             return "abandoned", {}, ""
+        if "unreadable" in box:
+            return "unreadable", {}, box["unreadable"]
         if "error" in box:
             return "failed", {}, box["error"]
         return "ok", box["values"], ""

@@ -296,3 +296,23 @@ def test_evaluate_without_tensorboardx_exits_at_once_and_says_what_to_install(cl
     assert "pip install 'pstrain[viz]'" in r.stderr and "Traceback" not in r.stderr
     assert "step 1" not in r.stdout   # nothing evaluated
     assert not (tmp_path / "eval" / "evaluator_state.json").exists()
+
+
+def test_a_damaged_checkpoint_does_not_stop_the_side_evaluator_for_good(cluster, tmp_path):
+    """Issue 33 item 9: a ckpt-99999999 whose manifest is broken was recorded
+    as evaluated, so every real checkpoint after it (of a lower step) was
+    never evaluated. It is skipped now, recording nothing."""
+    strategy = ParameterServerStrategy(cluster.spec)
+    w = strategy.create_variable("ev_damaged", initial_value=np.ones((2, 1), np.float32))
+    try:
+        manager = CheckpointManager(strategy, str(tmp_path / "ckpt"))
+        bad = tmp_path / "ckpt" / "ckpt-99999999"
+        bad.mkdir(parents=True)
+        (bad / "manifest.json").write_text("{not json")
+        ev = Sidecar(str(tmp_path / "ckpt"), evaluate_step, str(tmp_path / "eval"))
+        assert ev.step_once() == 99999999 and ev.last_step == -1 and ev.failed == 1
+        manager.save(10)   # a real checkpoint after it
+        assert ev.step_once() == 10 and ev.last_step == 10 and ev.evaluated == 1
+        assert ev.step_once() is None   # both done: nothing pending
+    finally:
+        strategy.delete_variable(w)
