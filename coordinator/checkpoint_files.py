@@ -24,13 +24,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from coordinator.shard_files import CheckpointError, load_shard
+
 FORMAT_VERSION = 2   # 1: full checkpoints; 2: incremental (chains, delta and unchanged shards)
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 MAX_CHAIN = 10_000   # the longest chain followed (a loop of parents is refused before that)
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete, or does not match the variables."""
 
 
 def read_manifest(path: str) -> dict:
@@ -320,7 +318,7 @@ def _checked(ckpt, entry, dtype, shape, optimizer, weights_only, delta):
                               f"{entry.get('name', '?')!r} lacks {exc}; the checkpoint cannot "
                               "be restored (restore an older one: coordinator checkpoint "
                               "list)") from None
-    tensors, meta = _load_shard(file, entry.get("bytes"))
+    tensors, meta = load_shard(file, entry.get("bytes"))
     want = tuple(shape) if not shape else (nrows,) + tuple(shape[1:])
 
     def refuse(what: str):
@@ -508,7 +506,7 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest of {ckpt} is incomplete: a shard of table "
                               f"{t.name!r} lacks {exc}; nothing was restored") from None
-    tensors, meta = _load_shard(file, entry.get("bytes"))
+    tensors, meta = load_shard(file, entry.get("bytes"))
     keys = tensors.get("keys")
     values = tensors.get("values")
     if keys is None or keys.shape != (rows,) or keys.dtype != np.int64 or values is None or \
@@ -571,26 +569,6 @@ def _file_in(ckpt: str, name) -> str:
         raise CheckpointError(f"the manifest of {ckpt} names the file {name!r}, outside the "
                               "checkpoint; nothing was read from it")
     return path
-
-
-def _load_shard(path: str, nbytes: Any = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of one shard file; with ``nbytes`` (its manifest
-    entry's), a file of another size is refused first (cut short, damaged)."""
-    from safetensors import SafetensorError, safe_open
-
-    if isinstance(nbytes, int):
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
-        if size != nbytes:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, not the {nbytes} "
-                                  "its manifest says: it is damaged; nothing was restored")
-    try:
-        with safe_open(path, framework="np") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except (OSError, ValueError, SafetensorError) as exc:
-        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
 
 
 def _join(arrays: list[np.ndarray], shape) -> np.ndarray:

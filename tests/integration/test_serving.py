@@ -213,3 +213,40 @@ def test_a_table_file_whose_keys_are_out_of_order_is_refused(tmp_path):
         json.dump(manifest, open(manifest_path, "w"))
         with pytest.raises(SnapshotError, match="not sorted and distinct"):
             Snapshot(str(export_dir))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("swap", ["fifo", "symlink"])
+def test_a_fifo_or_a_link_in_place_of_a_shard_file_is_refused_at_once(tmp_path, swap):
+    """Issue 33 items 5 and 7: a FIFO where a shard file belongs froze every
+    thread of a reader (and `coordinator evaluate --timeout` with it); a
+    shard file that was a link to a file outside the export was read. Both
+    are refused at once now, by Snapshot and by the side evaluator's reader,
+    with no size in the manifest to catch them first."""
+    from coordinator.checkpoint_files import CheckpointError
+    from coordinator.evaluation import read_checkpoint
+    export_dir = tmp_path / "export"
+    with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        strategy.create_variable("w", initial_value=np.arange(6, dtype=np.float32))
+        emb = strategy.create_embedding_table("emb", 2, initializer="random_normal", seed=1)
+        emb.lookup(np.arange(20, dtype=np.int64))
+        path = Exporter(strategy, str(export_dir)).export()
+    manifest_path = os.path.join(path, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    for section, name in (("variables", "w"), ("tables", "emb")):
+        entry = manifest[section][name]["shards"][0]
+        entry.pop("bytes", None)
+        shard = os.path.join(path, entry["file"])
+        outside = str(tmp_path / f"elsewhere-{name}")
+        shutil.move(shard, outside)
+        if swap == "fifo":
+            os.mkfifo(shard)
+        else:
+            os.symlink(outside, shard)
+    json.dump(manifest, open(manifest_path, "w"))
+    words = "not a regular file" if swap == "fifo" else "symbolic link"
+    with pytest.raises(SnapshotError, match=words):
+        Snapshot(str(export_dir))
+    with pytest.raises(CheckpointError, match=words):
+        read_checkpoint(path)
