@@ -84,7 +84,7 @@ class VariableStore:
         self.budget = budget if budget is not None else MemoryBudget(max_bytes, self.registry)
         # Given once: the parts that tell it of their work hold it too.
         self.observer = observer or StoreObserver()
-        self.steps = StepGatherer(self.registry, self.observer)
+        self.steps = StepGatherer(self.registry, self.observer, self.budget)
         self.replicator = R.Replicator(self.registry, self.steps)
         self.saver = Saver(self.registry, checkpoint_dirs)
         # A variable by name, NotFound if none (the registry's: bound once,
@@ -97,8 +97,9 @@ class VariableStore:
         return self.budget.limit
 
     def total_bytes(self) -> int:
-        """Bytes of the variables' values and slots (ServerInfo.total_bytes)."""
-        return sum(v.value.nbytes + v.slot_nbytes for v in self.registry.variables())
+        """Bytes the variables hold: values, slots, change tracking and what
+        their sync steps gathered (ServerInfo.total_bytes; Variable.held_bytes)."""
+        return sum(v.held_bytes for v in self.registry.variables())
 
     def __len__(self) -> int:
         return self.registry.variable_count()

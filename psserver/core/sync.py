@@ -57,6 +57,12 @@ class Accumulation:
             np.add(self.total, grad, out=self.total)
         self.replicas.add(replica)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes gathered so far (row-wise parts; a dense step's sum buffer)."""
+        return sum(i.nbytes + r.nbytes for i, r in self.parts) + \
+            (self.total.nbytes if self.total is not None else 0)
+
     def scale(self) -> float | None:
         """What the sum of the step's gradients is multiplied by: 1/n for the
         mean over the n replicas that pushed (None: the sum, or one replica)."""
@@ -118,25 +124,43 @@ def combined_rows(acc: Accumulation, row_shape: tuple, dtype) -> tuple[np.ndarra
 
 
 def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
-         deadline: float | None) -> bool:
-    """Add a replica's gradient to its step (lock held). Returns True if dropped."""
+         deadline: float | None, budget=None) -> bool:
+    """Add a replica's gradient to its step (lock held). Returns True if
+    dropped. ``budget`` (psserver.core.shards.MemoryBudget): what the step
+    gathers counts against --max-memory-bytes; past it ResourceExhausted,
+    nothing changed (steps that never complete grew a server without bound)."""
     wait_for_earlier_steps(var, spec.step, deadline)
     late = spec.step < var.sync_steps or (var.acc is not None and spec.step < var.acc.step)
     if late or spec.replica in abandoned:
         var.dropped += 1
         return True
-    if var.acc is None:
-        var.acc = Accumulation(spec.step, spec, sparse, None if sparse else var.sync_buffer)
-    elif var.acc.sparse != sparse:
+    acc = var.acc if var.acc is not None else \
+        Accumulation(spec.step, spec, sparse, None if sparse else var.sync_buffer)
+    if acc.sparse != sparse:
         raise InvalidArgument(
             f"{var.name!r} got dense and sparse gradients in sync step {spec.step}; push "
             "one kind per variable")
-    if spec.replica in var.acc.replicas:   # a re-run of the same replica: first one wins
+    if spec.replica in acc.replicas:   # a re-run of the same replica: first one wins
         var.dropped += 1
         return True
-    var.acc.add(spec.replica, grad)
+    if budget is not None:   # (checked before the step is begun: a refusal changes nothing)
+        budget.check(_adds(acc, grad), f"sync step {spec.step}'s gradient for {var.name!r}",
+                     "the step has not completed (a replica missing?): lower the step's "
+                     "required pushes, give up on the lost replicas (AbandonStep), or raise "
+                     "--max-memory-bytes")
+    var.acc = acc
+    acc.add(spec.replica, grad)
     maybe_complete(var, abandoned)
     return False
+
+
+def _adds(acc: Accumulation, grad) -> int:
+    """Bytes ``acc.add(grad)`` takes: a row-wise part, or a dense sum buffer made."""
+    if acc.sparse:
+        return sum(np.asarray(a).nbytes for a in grad)
+    if not acc.replicas and (acc.total is None or acc.total.shape != grad.shape):
+        return grad.nbytes
+    return 0
 
 
 def maybe_complete(var, abandoned: set[int]) -> None:
@@ -170,9 +194,10 @@ class StepGatherer:
     #: How many steps of abandoned replicas to remember.
     ABANDONED_KEPT = 1024
 
-    def __init__(self, registry, observer):
+    def __init__(self, registry, observer, budget=None):
         self._registry = registry
         self._observer = observer
+        self._budget = budget   # psserver.core.shards.MemoryBudget: a step's gradients count
         # step -> replicas that will not push for it (their worker died).
         self._abandoned: dict[int, set[int]] = {}
         self._lock = threading.Lock()   # guards _abandoned
@@ -248,7 +273,7 @@ class StepGatherer:
         # gathering): 0 on time; more: late (push drops it).
         ahead = max(var.sync_steps, var.acc.step if var.acc is not None else 0)
         self._observer.sync_staleness(max(0, ahead - spec.step))
-        dropped = push(var, spec, grad, sparse, abandoned, deadline)
+        dropped = push(var, spec, grad, sparse, abandoned, deadline, self._budget)
         kind = "sparse" if sparse else "dense"
         if dropped:
             self._observer.dropped(kind)

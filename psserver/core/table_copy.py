@@ -65,8 +65,9 @@ class TableShardCopy(CopyState):
     def held_bytes(self) -> int:
         """The shard's arrays (its tracking included) and a state copy being
         received (read without the lock: an estimate)."""
-        staging = self.staging
-        return self.table.nbytes + (staging[2].nbytes if staging else 0)
+        staging, acc = self.staging, self.acc
+        return self.table.nbytes + (staging[2].nbytes if staging else 0) + \
+            (0 if acc is None else acc.nbytes)
 
     def meta(self) -> VariableMeta:
         t = self.table

@@ -415,7 +415,7 @@ class TableStore:
             if copy.draining:
                 copy.check_primary()
             keys, grads = copy.table.check_gradients(keys, grads)   # now, not at the apply
-            late = S.push(copy, spec, (keys, grads), True, abandoned, deadline)
+            late = S.push(copy, spec, (keys, grads), True, abandoned, deadline, self.budget)
             completed = not late and copy.sync_steps > spec.step   # by this update
             updated, dropped = copy.step_counts if completed else (0, 0)
             return TableUpdate(updated, dropped, copy.table.step, late)

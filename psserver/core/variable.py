@@ -122,10 +122,13 @@ class Variable(CopyState):
 
     @property
     def held_bytes(self) -> int:
-        """Value, slots and change tracking (at most 1 + MAX_POINTS bytes a
-        row: psserver/core/tracking.py)."""
-        tracker = self.tracker
-        return self.value.nbytes + self.slot_nbytes + (0 if tracker is None else tracker.nbytes)
+        """Value, slots, change tracking (at most 1 + MAX_POINTS bytes a
+        row: psserver/core/tracking.py) and what a sync step gathered (its
+        row-wise parts, its sum buffer, kept between steps)."""
+        tracker, acc, kept = self.tracker, self.acc, self.sync_buffer
+        return self.value.nbytes + self.slot_nbytes + (0 if tracker is None else tracker.nbytes) \
+            + (0 if acc is None else acc.nbytes) \
+            + (0 if kept is None or (acc is not None and acc.total is kept) else kept.nbytes)
 
     # -- checks of what a call sends (no lock: shape and dtype do not change) -----------------
     def check_grad(self, grad: np.ndarray, shape, what: str) -> None:

@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                    help="frame size of streamed reads (default 1 MiB)")
     p.add_argument("--max-memory-bytes", type=int, default=None,
-                   help="refuse creates beyond this many bytes of values and slots")
+                   help="refuse what would take this server past this many bytes: "
+                        "variables (values, slots), table rows, gathered sync steps")
     p.add_argument("--checkpoint-dir", action="append", default=[], metavar="DIR",
                    help="directory under which Save (checkpoints) may write shard files; "
                         "repeat for several. Without one this server writes no files")

@@ -696,6 +696,40 @@ def test_max_memory_bytes_limits_creates(start_ps):
     assert ps.alive()
 
 
+@pytest.mark.parametrize("what", ["table", "variable rows"])
+def test_sync_steps_that_never_complete_count_against_max_memory_bytes(start_ps, what):
+    """Issue 33 item 2: row-wise sync updates of a step that never completes
+    (required 1000) grew a server far past --max-memory-bytes while it said
+    it held almost nothing. What a step gathers now counts: past the limit
+    a push is refused (ResourceExhausted, nothing gathered), and the server
+    reports the bytes it holds for the step."""
+    from psserver.contract import SyncSpec
+    limit, rows = 16 * MiB, 16 * 1024           # 16k rows of 32 float32: 2 MiB a push
+    ps = start_ps("--max-memory-bytes", str(limit))
+    with PSClient(ps.address) as c:
+        if what == "table":
+            c.create_table("t", 32)
+        else:
+            c.create_variable("w", (rows, 32), "float32")
+        held0 = c.server_info().total_bytes
+        grads, ids = np.ones((rows, 32), F32), np.arange(rows)
+        accepted = 0
+        with pytest.raises(ResourceExhausted, match="sync step 0's gradient"):
+            for replica in range(20):           # 40 MiB if nothing stopped it
+                spec = SyncSpec(0, replica, 1000, 1000)
+                if what == "table":
+                    c.update_table("t", ids, grads, sync=spec)
+                else:
+                    c.push_sparse("w", ids, grads, sync=spec)
+                accepted += 1
+        assert 3 <= accepted <= 8, accepted     # the limit, less what the server holds
+        info = [t for t in c.list_tables()] if what == "table" else c.list_variables()
+        assert info   # still serving
+        if what == "variable rows":   # the step's bytes are the variable's, as the server says
+            assert c.server_info().total_bytes >= held0 + accepted * 2 * MiB
+    assert ps.alive()
+
+
 # ---------------------------------------------------------------------------
 # 4. Large tensors: framed transfers
 # ---------------------------------------------------------------------------
