@@ -314,5 +314,12 @@ def test_a_damaged_checkpoint_does_not_stop_the_side_evaluator_for_good(cluster,
         manager.save(10)   # a real checkpoint after it
         assert ev.step_once() == 10 and ev.last_step == 10 and ev.evaluated == 1
         assert ev.step_once() is None   # both done: nothing pending
+        # (issue 33 item 12(d)) a sidecar started again goes on after what the
+        # state file recorded, evaluating nothing twice (the unreadable one is
+        # tried again, once: what cannot be read is not recorded)
+        again = Sidecar(str(tmp_path / "ckpt"), evaluate_step, str(tmp_path / "eval"))
+        assert again.last_step == 10
+        assert again.step_once() == 99999999 and again.evaluated == 0
+        assert again.step_once() is None and again.last_step == 10
     finally:
         strategy.delete_variable(w)
