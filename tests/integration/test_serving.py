@@ -67,6 +67,9 @@ def test_a_snapshot_follows_training_atomically_and_serves_without_the_servers(t
             done = snap.generation
             exporter.export()
             assert snap.wait(done, timeout=30) == done + 1
+            # each export served as it is, deltas included (issue 33 item 12(c): a
+            # Snapshot skipping table deltas was caught 1 time in 3 by the end only)
+            assert (snap.lookup("marks", MARKS) == k).all() and (snap.read("a") == k).all(), k
         stop.set()
         thread.join()
         assert not mixed, mixed[:2]
