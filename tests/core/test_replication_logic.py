@@ -300,3 +300,21 @@ def test_a_reconfigure_with_one_bad_change_changes_nothing(pair):
     with pytest.raises(NotPrimary):   # a stale epoch, second
         b.replicator.reconfigure_all([("_w", PROMOTE, 3, None), ("_w", DEMOTE, 0, None)])
     assert b.meta("_w").role == ROLE_BACKUP and b.meta("_w").epoch == 0
+
+
+def test_a_backup_tracks_the_rows_its_primarys_records_change(pair):
+    """Issue 33 item 12(f): a backup that did not mark a row-wise record's
+    rows would write deltas without them once saves came from it (harmless
+    today only because saves come from primaries). It marks exactly those
+    rows, and a dense record the whole variable."""
+    from psserver.core.tracking import VariableTracker
+    a, b, _ = pair
+    backup = b.registry.variable("_w")
+    backup.tracker = VariableTracker(backup.value.shape)
+    backup.tracker.take(1, "s", 0)                       # a save point on the backup
+    a.push(sparse=[("w", np.array([3, 0, 3]), grad(2)[:3], 12)])
+    changes = backup.tracker.take(2, "s", 1)
+    assert not changes.whole and np.flatnonzero(changes.rows).tolist() == [0, 3]
+    a.push([("w", grad(1), 13)])
+    changes = backup.tracker.take(3, "s", 2)
+    assert changes.whole or changes.rows.all()
