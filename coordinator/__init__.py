@@ -18,6 +18,7 @@ from coordinator.cluster_spec import (
                                 ClusterSpec,
                                 TFConfigClusterResolver,
 )
+from coordinator.compression import BF16, FP16, TopK
 from coordinator.coordinator import ClusterCoordinator, RemoteValue, RemoteValueStatus
 from coordinator.datasets import InputContext, batches
 from coordinator.docker_cluster import DockerCluster
@@ -57,4 +58,5 @@ __all__ = [
     "Initializer", "CheckpointManager", "FitState", "fit", "Callback", "CheckpointCallback",
     "EarlyStopping", "History", "LambdaCallback", "PlotHistory", "TensorBoard",
     "TerminateOnNaN", "Progress", "plot_history", "ReplicaContext", "get_replica_context",
+    "FP16", "BF16", "TopK",
 ]

@@ -27,7 +27,7 @@ CERT_ENV, KEY_ENV, CA_ENV = "PSTRAIN_TLS_CERT", "PSTRAIN_TLS_KEY", "PSTRAIN_TLS_
 class TLSConfig:
     """PEM bytes; ``paths`` keeps where they came from, to hand to child tasks."""
     cert: bytes | None = None
-    key: bytes | None = None
+    key: bytes | None = dataclasses.field(default=None, repr=False)   # never in a log line
     ca: bytes | None = None
     paths: tuple[str | None, str | None, str | None] = (None, None, None)
 

@@ -211,6 +211,12 @@ def check_auth(args, role: str, token: str | None) -> None:
             f"it could change this {role}'s state{' and run code on it' if role == 'psworker' else ''}. "
             f"Set ${TOKEN_ENV} (the same secret on every task and the coordinator), or pass "
             f"{INSECURE_FLAG} on an isolated network")
+    if role == "psworker" and not args.insecure_no_auth:   # (psworker/worker.py: trusted)
+        log.warning("no %s: this worker runs no closures (it refuses every function, by name "
+                    "or by value). Set %s on every task and the coordinator, or pass %s on an "
+                    "isolated network to run them without one", TOKEN_ENV, TOKEN_ENV,
+                    INSECURE_FLAG)
+        return
     who = "anyone who can reach it" if exposed else "any user of this machine"
     what = ("run any code as this user (closures)" if role == "psworker"
             else "read and change every variable")

@@ -624,7 +624,9 @@ def test_worker_without_token_runs_no_function_for_anyone(tmp_path):
             assert caught.value.code == Code.PERMISSION_DENIED
         finally:
             data.close()
-        assert "SECURITY: no PSTRAIN_AUTH_TOKEN" in w.output()
+        # it says what it does (issue 35 item 2: it said anyone could run code)
+        assert "no PSTRAIN_AUTH_TOKEN: this worker runs no closures" in w.output()
+        assert "run any code" not in w.output()
     finally:
         w.kill()
     assert not marker.exists()
