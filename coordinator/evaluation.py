@@ -36,6 +36,7 @@ import json
 import logging
 import numbers
 import os
+import signal
 import sys
 import threading
 import time
@@ -438,6 +439,10 @@ def main(args) -> int:
           flush=True)
     try:
         sidecar.run(interval=args.interval, until_step=args.until_step, once=args.once)
+    except KeyboardInterrupt:   # Ctrl-C: one line and 130, as the other commands
+        print(f"coordinator evaluate: interrupted after step {sidecar.last_step}",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     finally:
         sidecar.close()
     return 0

@@ -96,6 +96,12 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 _running: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
 
 
+def description(doc: str) -> str:
+    """A program's --help description: its docstring's first paragraph on
+    one line (a first line alone stops mid-sentence where it wraps)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 def run_main(main: Callable[..., Any], *args: Any) -> int:
     """Run ``main(*args)``, a program's entry point; return its exit status.
 

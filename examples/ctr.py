@@ -68,7 +68,7 @@ from coordinator import (
 )
 from coordinator import ctr_data as D
 from coordinator.fit import fit
-from coordinator.local import run_main
+from coordinator.local import description, run_main
 from coordinator.replica import get_replica_context
 from examples import dlrm as M
 
@@ -152,7 +152,7 @@ def held_out(params: dict, lookup, seed: int, batches: int, size: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--steps-per-epoch", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=512,
@@ -232,6 +232,13 @@ def main(argv=None) -> dict:
           f"look-ups not admitted yet, {stats.evicted_capacity + stats.evicted_age:,} evicted, "
           f"hit rate {stats.hit_rate:.3f}", flush=True)
     print(f"test AUC: {aucs[-1]:.4f} (the planted model: {ceiling:.4f})", flush=True)
+    if args.incremental_checkpoints:
+        print(f"checkpoints: {dirs[0]} (`python -m coordinator checkpoint list {dirs[0]}`; "
+              f"score them: `python -m coordinator evaluate {dirs[0]} --fn "
+              "examples.ctr:evaluate_checkpoint --logdir LOGS --once`)", flush=True)
+    if args.export:
+        print(f"serving exports: {dirs[-1]} (`python examples/serve_ctr.py --export "
+              f"{dirs[-1]}`)", flush=True)
     return {"mode": args.mode, "auc": aucs[-1], "aucs": aucs, "ceiling": ceiling,
             "samples_per_second": float(np.median(rates)), "rows": stats.rows,
             "history": history.history}

@@ -50,7 +50,7 @@ from coordinator import (
     read_variables,
 )
 from coordinator.fit import fit
-from coordinator.local import run_main
+from coordinator.local import description, run_main
 from coordinator.plots import try_plot_history
 from examples.nn import LOSSES, MLP, make_train_step
 
@@ -94,7 +94,7 @@ def accuracy(model: MLP, params, x, y) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--steps-per-epoch", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=32)

@@ -38,7 +38,7 @@ from coordinator import (
     push_gradients,
     read_variables,
 )
-from coordinator.local import run_main
+from coordinator.local import description, run_main
 from examples.nn import dense, dense_backward, sigmoid_cross_entropy
 
 
@@ -105,7 +105,7 @@ def evaluate(table, w_var, b_var, ids, labels) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--vocab", type=int, default=20_000)

@@ -27,7 +27,7 @@ from coordinator import (
     batches,
     read_variables,
 )
-from coordinator.local import run_main
+from coordinator.local import description, run_main
 from examples.nn import MLP, make_train_step
 
 
@@ -42,7 +42,7 @@ def make_data(n: int = 1000, features: int = 10, seed: int = 0):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--num-ps", type=int, default=2)

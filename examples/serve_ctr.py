@@ -20,6 +20,7 @@ import time
 if __package__ in (None, ""):   # run as a script: make the repo importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from coordinator.local import description, run_main
 from coordinator.serving import Snapshot
 from examples.ctr import held_out
 
@@ -31,7 +32,7 @@ def score(snap: Snapshot, seed: int, batches: int, size: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--export", required=True, metavar="DIR", help="examples/ctr.py --export's")
     p.add_argument("--follow", type=float, default=0.0, metavar="SECONDS",
                    help="follow the export this long, scoring each new one (default: once)")
@@ -60,4 +61,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))   # Ctrl-C: one line, exit status 130

@@ -59,7 +59,7 @@ from coordinator import (
     TFConfigClusterResolver,
     batches,
 )
-from coordinator.local import run_main
+from coordinator.local import description, run_main
 from coordinator.torch_bridge import TorchModelBridge
 from examples.digits import load_data
 
@@ -96,7 +96,7 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=description(__doc__))
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--steps-per-epoch", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=32)

@@ -228,7 +228,7 @@ def test_the_ctr_example_learns_on_dynamic_tables(mode, steps):
 
 @pytest.mark.timeout(240)
 def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_the_same(
-        tmp_path):
+        tmp_path, capsys):
     """examples/ctr.py --incremental-checkpoints --export: a base and a delta
     checkpoint, a serving copy exported beside training; examples/serve_ctr.py
     scores the last export (from memory, no parameter server) with the
@@ -242,6 +242,8 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
     out = ctr.main(["--epochs", "2", "--steps-per-epoch", "30", "--batch-size", "256",
                     "--eval-batches", "5", "--verbose", "0", "--incremental-checkpoints", ckpt,
                     "--export", export, "--export-every", "0.5"])
+    said = capsys.readouterr().out   # where its checkpoints and exports went (issue 35 item 8)
+    assert f"checkpoints: {ckpt} " in said and f"serving exports: {export} " in said, said
     latest = sorted(os.listdir(ckpt))[-1]
     assert [os.path.basename(p) for p, _ in chain_of(os.path.join(ckpt, latest))] == [
         "ckpt-00000030", "ckpt-00000060"]

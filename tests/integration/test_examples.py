@@ -21,6 +21,7 @@ if ROOT not in sys.path:          # `pytest` (not `python -m pytest`) from anywh
     sys.path.insert(0, ROOT)
 
 from examples import embedding_bag, nn  # noqa: E402
+from psserver.process import child_env  # noqa: E402
 
 
 def numeric_grad(f, arrays, eps=1e-6):
@@ -208,3 +209,51 @@ def test_ctrl_c_stops_the_main_job_quietly_with_its_tasks(tmp_path):
     assert "interrupted; stopping the cluster\n" in text, text
     assert "Traceback" not in text and "re-queue" not in text, text
     assert [pid for pid in tasks if _cmdline(pid)] == [], "tasks left running"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("program", ["evaluate", "serve_ctr"])
+def test_ctrl_c_in_the_evaluator_and_the_serving_copy_ends_in_one_line_and_130(tmp_path,
+                                                                               program):
+    """Issue 35 item 6: Ctrl-C in `coordinator evaluate` and in
+    `serve_ctr.py --follow` printed a raw KeyboardInterrupt traceback."""
+    from coordinator import LocalCluster, ParameterServerStrategy
+    from coordinator.serving import Exporter
+    export = tmp_path / "export"
+    with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        from examples import ctr
+        ctr.build(strategy, 0, 0.1)   # the model serve_ctr.py scores, as created
+        Exporter(strategy, str(export)).export()
+    cmd = ([sys.executable, "-m", "coordinator", "evaluate", str(export), "--fn", "json:dumps",
+            "--logdir", str(tmp_path / "logs"), "--interval", "60"] if program == "evaluate"
+           else [sys.executable, os.path.join(ROOT, "examples", "serve_ctr.py"), "--export",
+                 str(export), "--follow", "600", "--eval-batches", "1", "--batch-size", "8"])
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=child_env())
+    try:
+        first = proc.stdout.readline()   # it runs: "following ..." / "serving ..."
+        assert ("following" if program == "evaluate" else "serving") in first, first
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        text = first + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+
+
+@pytest.mark.parametrize("example", ["ctr", "serve_ctr", "digits", "regression",
+                                     "embedding_bag"])
+def test_an_examples_help_says_its_first_sentence_whole(example):
+    """Issue 35 item 8: descriptions stopped mid-sentence (the docstring's first line)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", f"{example}.py"),
+                        "--help"], capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode == 0, r.stderr
+    said = " ".join(r.stdout.split("\n\n")[1].split())   # (after the usage lines)
+    assert said.endswith("."), said
+    import importlib
+    doc = importlib.import_module(f"examples.{example}").__doc__
+    assert said == " ".join(doc.strip().split("\n\n")[0].split())
