@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                              token=token, tls=tls, max_workers=args.threads,
                              thread_name_prefix="psworker-rpc", rpc_metrics=rpc_metrics)
     except OSError as exc:
-        print(f"psworker: cannot listen on {address}: {exc}. Pick another --port, or 0 "
-              "for a free one", file=sys.stderr)
+        print(f"psworker: cannot listen on {address}: {exc.strerror or exc}. Pick another "
+              "--port, or 0 for a free one", file=sys.stderr)
         return 2
     handle.servicer.address = join_host_port(_named_host(args.host), handle.port)
     closures = methods.socket_handlers({methods.WORKER: handle.servicer}, shm=False)
@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 ssl_context=tls.ssl_server_context() if tls is not None else None,
                 identity=identity)
         except OSError as exc:
-            print(f"psworker: cannot listen on data port {data_port}: {exc}. Pick another "
-                  "--data-port, or 0 for a free one", file=sys.stderr)
+            print(f"psworker: cannot listen on data port {args.host}:{data_port}: "
+                  f"{exc.strerror or exc}. Pick another --data-port, or 0 for a free one",
+                  file=sys.stderr)
             return 2
         handle.servicer.data_port = handle.data.port
     task.serve(handle, grace=args.grace, port_file=args.port_file, host=args.host, role="psworker")

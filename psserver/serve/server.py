@@ -18,8 +18,10 @@ seconds) and exits 0.
 from __future__ import annotations
 
 import argparse
+import errno
 import hmac
 import logging
+import socket
 import sys
 from concurrent import futures
 
@@ -180,13 +182,42 @@ def make_server(address: str, servicer, add_to_server, service_name: str, *,
     add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _check_free(address)   # (before gRPC: its own error line would come first)
     try:
         port = TLS.add_port(server, address, tls)
     except RuntimeError as exc:
-        raise OSError(f"could not bind {address}: {exc}") from None
+        raise OSError(f"could not bind {address}: {str(exc).rstrip('.')}") from None
     if port == 0:
         raise OSError(f"could not bind {address}")
     return ServerHandle(server, port, servicer, health_servicer, (service_name,))
+
+
+class DataPortError(OSError):
+    """The data port (``--data-port``) cannot be listened on: ``port``, why."""
+
+    def __init__(self, host: str, port: int, why: OSError):
+        super().__init__(getattr(why, "errno", None), why.strerror or str(why))
+        self.host, self.port = host, port
+
+
+def _check_free(address: str) -> None:
+    """OSError (EADDRINUSE) when ``address``'s port, if not 0, is taken."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return   # (gRPC says why)
+    family, kind, proto, _, where = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(where)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE, f"port {port} is in use by another "
+                                                "process") from None
 
 
 def _add_parameter_server(servicer: ParameterServerServicer, server: grpc.Server) -> None:
@@ -257,7 +288,7 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
         except OSError as exc:
             if handle.ipc is not None:
                 handle.ipc.stop(0)
-            raise OSError(f"data port {data_port}: {exc}") from None
+            raise DataPortError(host, data_port, exc) from None
         servicer.data_port = handle.data.port
     return handle
 
@@ -299,9 +330,13 @@ def main(argv: list[str] | None = None) -> int:
                                max_message_bytes=args.max_message_bytes,
                                chunk_bytes=args.chunk_bytes, max_workers=args.threads,
                                rpc_metrics=rpc_metrics, data_port=task.data_port_of(args))
+    except DataPortError as exc:
+        print(f"psserver: cannot listen on data port {exc.host}:{exc.port}: {exc.strerror}. "
+              "Pick another --data-port, or 0 for a free one", file=sys.stderr)
+        return 2
     except OSError as exc:
-        print(f"psserver: cannot listen on {start.address}: {exc}. Pick another --port or "
-              "--data-port, or 0 for a free one", file=sys.stderr)
+        print(f"psserver: cannot listen on {start.address}: {exc.strerror or exc}. Pick "
+              "another --port, or 0 for a free one", file=sys.stderr)
         return 2
     if start.served is not None:
         start.served[0].register(task_metrics.TablesCollector(handle.servicer.tables))

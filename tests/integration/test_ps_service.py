@@ -1018,6 +1018,24 @@ def test_cli_port_in_use_exits_nonzero():
     assert out.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "listening" not in out.stdout
+    # issue 35 item 7: ours alone (no gRPC log line first), one period, the right flag
+    assert "add_port.cc" not in out.stderr and ".." not in out.stderr
+    assert "Pick another --port" in out.stderr and "--data-port" not in out.stderr
+
+
+@pytest.mark.parametrize("role", ["psserver", "psworker"])
+def test_a_taken_data_port_is_named_with_its_flag(role):
+    import sys
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", role, "--port", "0", "--data-port",
+                              str(port)], capture_output=True, text=True, timeout=60,
+                             env=child_env())
+    assert out.returncode == 2
+    assert f"cannot listen on data port 127.0.0.1:{port}: " in out.stderr, out.stderr
+    assert "Pick another --data-port" in out.stderr and "127.0.0.1:0" not in out.stderr
 
 
 def test_cli_port_held_by_another_psserver_exits_nonzero(start_ps):
