@@ -172,6 +172,8 @@ class LocalCluster:
         self.token = token or secrets.token_hex(16)
         if checkpoint_dirs is None:
             checkpoint_dirs = (os.getcwd(), tempfile.gettempdir())
+        for d in checkpoint_dirs:   # (a server refuses a missing one: made here, as asked)
+            os.makedirs(d, exist_ok=True)
         self._ps_args = tuple(a for d in checkpoint_dirs
                               for a in ("--checkpoint-dir", os.path.abspath(d))) + tuple(ps_args)
         self._worker_args = tuple(worker_args)

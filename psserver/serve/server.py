@@ -21,6 +21,7 @@ import argparse
 import errno
 import hmac
 import logging
+import os
 import socket
 import sys
 from concurrent import futures
@@ -315,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for d in args.checkpoint_dir:   # (a save into a missing one would fail, or make it elsewhere)
+        why = None if os.path.isdir(d) else "does not exist" if not os.path.exists(d) \
+            else "is not a directory"
+        if why is None and not os.access(d, os.W_OK | os.X_OK):
+            why = "is not writable by this user"
+        if why:
+            print(f"psserver: --checkpoint-dir {d} {why}: create it (mkdir -p {d}) or give "
+                  "a directory this server can write, on storage the coordinator sees at the "
+                  "same path", file=sys.stderr)
+            return 2
     start = task.begin(args, "psserver", "ps")
     if start is None:
         return 2

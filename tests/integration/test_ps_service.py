@@ -1009,6 +1009,18 @@ def test_cli_bad_argument_exits_nonzero():
     assert out.returncode == 2 and "--port" in out.stderr
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_at_start(tmp_path):
+    """Issue 35 item 3: a missing --checkpoint-dir was accepted without a word
+    (the first save then failed, or the coordinator made it elsewhere)."""
+    (tmp_path / "file").write_text("")
+    for d, why in ((tmp_path / "missing", "does not exist"), (tmp_path / "file",
+                                                               "is not a directory")):
+        out = _run_psserver("--port", "0", "--checkpoint-dir", str(d))
+        assert out.returncode == 2, out.stderr
+        assert f"--checkpoint-dir {d} {why}: create it (mkdir -p {d})" in out.stderr
+        assert not (tmp_path / "missing").exists()
+
+
 def test_cli_port_in_use_exits_nonzero():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
