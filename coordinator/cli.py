@@ -266,6 +266,16 @@ _EPILOG = (f"The cluster: TF_CONFIG (TensorFlow's JSON) or TF_CONFIG_FILE (a fil
            "Each command's options: coordinator COMMAND --help.")
 
 
+def _chosen(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` chose, deepest first (coordinator ps list)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description=_DESCRIPTION, epilog=_EPILOG)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
@@ -399,7 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # said by the command's own parser: its usage, not the top-level one
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "run":
         return _run(args)
     if args.command in ("ps", "checkpoint", "export"):

@@ -96,6 +96,11 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 _running: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
 
 
+def plural(n: int, word: str) -> str:
+    """"1 worker", "2 workers"."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def description(doc: str) -> str:
     """A program's --help description: its docstring's first paragraph on
     one line (a first line alone stops mid-sentence where it wraps)."""

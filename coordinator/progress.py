@@ -192,7 +192,9 @@ class Progress:
             self._bar.close()
         else:
             elapsed = self.clock() - self._t0
-            self._emit(f"progress: done  {self.done - self.initial} steps in "
+            short = self.total is not None and self.done < self.total   # (interrupted, failed)
+            self._emit(f"progress: {'stopped after' if short else 'done '} "
+                       f"{self.done - self.initial} steps in "
                        f"{format_seconds(elapsed)}  {self._rate(elapsed):.1f} steps/s"
                        + (f"  loss {self.loss:.4f}" if self.loss is not None else ""))
 

@@ -68,7 +68,7 @@ from coordinator import (
 )
 from coordinator import ctr_data as D
 from coordinator.fit import fit
-from coordinator.local import description, run_main
+from coordinator.local import description, plural, run_main
 from coordinator.replica import get_replica_context
 from examples import dlrm as M
 
@@ -191,7 +191,8 @@ def main(argv=None) -> dict:
         strategy = ParameterServerStrategy(resolver, mode=args.mode)
         replicas = strategy.num_replicas_in_sync
         print(f"ctr: DLRM ({M.num_params()} dense parameters, embeddings of {M.DIM} in a "
-              f"dynamic table), {spec.num_ps} ps, {spec.num_workers} workers, {args.mode}, "
+              f"dynamic table), {spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
+              f"{args.mode}, "
               f"batch {args.batch_size}" + (f" x {replicas} replicas" if replicas > 1 else "")
               + f"; the planted model's AUC: {ceiling:.4f}", flush=True)
         variables, table = build(strategy, args.seed, args.lr)

@@ -50,7 +50,7 @@ from coordinator import (
     read_variables,
 )
 from coordinator.fit import fit
-from coordinator.local import description, run_main
+from coordinator.local import description, plural, run_main
 from coordinator.plots import try_plot_history
 from examples.nn import LOSSES, MLP, make_train_step
 
@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
             resolver = TFConfigClusterResolver()
         spec = resolver.cluster_spec()
         print(f"digits: {len(x_tr)} train / {len(x_te)} test images, MLP {model.sizes}, "
-              f"{spec.num_ps} ps, {spec.num_workers} workers, {total} steps", flush=True)
+              f"{spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, {total} steps", flush=True)
         strategy = ParameterServerStrategy(
             resolver, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10,
                                                               max_shards=spec.num_ps),
@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
     if plot_path:
         plot, message = try_plot_history(history, plot_path,
                                          title=f"digits: MLP {model.sizes}, {spec.num_ps} ps, "
-                                               f"{spec.num_workers} workers")
+                                               f"{plural(spec.num_workers, 'worker')}")
         print(message, flush=True)
         if plot is None and plot_default:   # nothing written (no matplotlib): no empty run dir
             with contextlib.suppress(OSError):

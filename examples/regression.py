@@ -27,7 +27,7 @@ from coordinator import (
     batches,
     read_variables,
 )
-from coordinator.local import description, run_main
+from coordinator.local import description, plural, run_main
 from examples.nn import MLP, make_train_step
 
 
@@ -66,7 +66,8 @@ def main(argv=None) -> dict:
             return model.loss_and_grads(read_variables(model.variables), x, y)[0]
 
         initial_loss = full_loss()
-        print(f"regression: {len(x)} examples, {args.num_ps} ps, {args.num_workers} workers, "
+        print(f"regression: {len(x)} examples, {args.num_ps} ps, "
+              f"{plural(args.num_workers, 'worker')}, "
               f"initial loss {initial_loss:.4f}", flush=True)
 
         with ClusterCoordinator(strategy) as coord:

@@ -59,7 +59,7 @@ from coordinator import (
     TFConfigClusterResolver,
     batches,
 )
-from coordinator.local import description, run_main
+from coordinator.local import description, plural, run_main
 from coordinator.torch_bridge import TorchModelBridge
 from examples.digits import load_data
 
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
             resolver = TFConfigClusterResolver()
         spec = resolver.cluster_spec()
         print(f"torch digits: {len(x_tr)} train / {len(x_te)} test images, CNN with "
-              f"{n_params} parameters, {spec.num_ps} ps, {spec.num_workers} workers, "
+              f"{n_params} parameters, {spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
               f"{total} steps", flush=True)
         strategy = ParameterServerStrategy(
             resolver, variable_partitioner=MinSizePartitioner(min_shard_bytes=256 << 10,

@@ -442,6 +442,16 @@ def test_usage_and_configuration_errors_exit_2(capsys, monkeypatch, tmp_path):
             cli.main(argv)
         assert exc.value.code == 2
     assert os.listdir(tmp_path) == []
+    # a typo is said in its command's usage, not the top level's (issue 35 item 12)
+    capsys.readouterr()
+    for argv, prog, typo in ((["run", "--wait-redy", "10", "x.py"], "coordinator run",
+                              "--wait-redy"),
+                             (["ps", "list", "--jsn"], "coordinator ps list", "--jsn")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert f"usage: {prog} " in err and \
+            f"{prog}: error: unrecognized arguments: {typo}" in err, err
 
 
 # -- plans from a listing (no cluster) ----------------------------------------------------------

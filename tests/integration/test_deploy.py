@@ -622,6 +622,6 @@ def test_run_digits_on_an_existing_cluster_with_worker_discovery(tmp_path):
                           **({"tls": cluster.tls} if getattr(cluster, "tls", None) else {})) as c:
                 assert c.list_variables() == []
     assert f"workers now ['127.0.0.1:{worker_port}']" in r.stderr
-    assert "2 ps, 1 workers, 100 steps" in r.stdout and "epoch 2/2  steps 100/100" in r.stdout
+    assert "2 ps, 1 worker, 100 steps" in r.stdout   # (issue 35 item 12: "1 workers") and "epoch 2/2  steps 100/100" in r.stdout
     acc = float(r.stdout.strip().splitlines()[-1].split(":")[1])
     assert acc >= 0.85, r.stdout

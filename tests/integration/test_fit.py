@@ -73,6 +73,17 @@ def test_progress_writes_lines_every_n_steps_when_not_a_terminal():
     assert lines[4] == "progress: done  100 steps in 20s  5.0 steps/s  loss 0.0100"
 
 
+def test_progress_says_stopped_when_it_ends_short_of_its_total():
+    """Issue 35 item 12: "progress: done 394 steps" after an interrupt."""
+    out, clock = io.StringIO(), FakeClock()
+    p = Progress(total=100, file=out, log_every_seconds=None, log_every_steps=1000, clock=clock)
+    for _ in range(40):
+        clock.now += 0.5
+        p.update(1)
+    p.close()
+    assert out.getvalue().splitlines()[-1].startswith("progress: stopped after 40 steps in ")
+
+
 def test_progress_lines_by_time_also_while_no_step_finishes():
     out, clock = io.StringIO(), FakeClock()
     alive = [2]
