@@ -69,9 +69,11 @@ from coordinator.cli_ops import (
     EXIT_NOT_READY,
     NotReady,
     OperatorError,
+    _explain_error,
     _ps_health,
     _ps_list,
     check_health,
+    target_from_args,
     wait_ready,
 )
 from coordinator.cluster_spec import (
@@ -83,6 +85,7 @@ from coordinator.cluster_spec import (
     parse_tf_config,
 )
 from psserver.contract import TOKEN_ENV, join_host_port
+from psserver.errors import Code, PSError
 
 _MODULES = {"ps": "psserver", "worker": "psworker"}
 
@@ -193,6 +196,10 @@ def _run(args) -> int:
                 print(f"coordinator: waiting up to {args.wait_ready:g}s for {len(spec.ps)} ps "
                       "and the workers to serve", file=sys.stderr, flush=True)
                 wait_ready(resolver, args.wait_ready)
+                refused = _token_refusals(spec)   # health is public: ask a call too
+                if refused:
+                    print("\n".join(f"coordinator: {r}" for r in refused), file=sys.stderr)
+                    return EXIT_CONFIG
         except ClusterConfigError as exc:
             print(f"coordinator: {exc}", file=sys.stderr)
             return EXIT_CONFIG
@@ -202,11 +209,41 @@ def _run(args) -> int:
         script = os.path.abspath(args.script)
         sys.argv = [args.script, *args.script_args]
         sys.path.insert(0, os.path.dirname(script))
-        runpy.run_path(script, run_name="__main__")   # its SystemExit / errors propagate
+        try:
+            runpy.run_path(script, run_name="__main__")   # its SystemExit / errors propagate
+        except PSError as exc:   # the token or TLS: what to do, in one line, not a traceback
+            if exc.code not in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+                raise
+            print(f"coordinator: {args.script} stopped: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
         return 0
     finally:
         if discovery is not None:
             discovery.stop()
+
+
+def _token_refusals(spec) -> list[str]:
+    """Each task of ``spec`` that refuses a call with this process's token and
+    TLS (what `ps health` says of it), as ps health asks: GetServerInfo,
+    GetWorkerInfo. A wrong or missing token was seen only by the program,
+    in a long traceback (issue 35 item 1)."""
+    import types
+    target = target_from_args(types.SimpleNamespace(token=None, ps=None, worker=None,
+                                                    timeout=10.0))
+    out = []
+    for role, addrs in (("ps", spec.ps), ("worker", spec.worker)):
+        for i, addr in enumerate(addrs):
+            try:
+                if role == "ps":
+                    with target.client(addr) as c:
+                        c.server_info()
+                else:
+                    target.worker_info(addr)
+            except PSError as exc:
+                if exc.code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):   # (run has
+                    out.append(_explain_error(target, f"{role} {i}", addr, exc)   # no --token)
+                               .replace(" (or pass --token)", "").replace(" (or --token)", ""))
+    return out
 
 
 def _health(args) -> int:

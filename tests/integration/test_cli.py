@@ -411,6 +411,39 @@ def test_ps_health_with_a_wrong_token_shows_why_and_counts_nobody_healthy(start_
         worker.kill()
 
 
+def test_run_checks_the_token_before_the_program_and_a_refusal_ends_in_one_line(
+        live, env, capsys, monkeypatch, tmp_path):
+    """Issue 35 item 1: `coordinator run` with a wrong or missing token said
+    every task was serving (health is public), then the program died with
+    an 80-line traceback. It asks a call of each task first, as ps health
+    does; a program stopped by a refusal anyway ends in one line."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\n"
+                      "from psserver.client import PSClient\n"
+                      "from psserver.tls import TLSConfig\n"
+                      "with PSClient(os.environ['PS0'], tls=TLSConfig.from_env()) as c:\n"
+                      "    c.server_info()\n"
+                      "open(os.environ['MARK'], 'w').close()\n")
+    monkeypatch.setenv("PS0", env.ps[0])
+    monkeypatch.setenv("MARK", str(tmp_path / "ran"))
+    for token in ("wrong", None):
+        if token is None:
+            monkeypatch.delenv("PSTRAIN_AUTH_TOKEN")
+        else:
+            monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", token)
+        code, out, err = run(capsys, "run", "--wait-ready", "30", str(script))
+        assert code == 2 and "PSTRAIN_AUTH_TOKEN" in err and "--token" not in err, err
+        assert ("UNAUTHENTICATED" if token else "none was given") in err, err
+        assert "worker 0" in err and "Traceback" not in err
+        assert not (tmp_path / "ran").exists()
+    monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", "wrong")   # no check: the program is refused
+    code, out, err = run(capsys, "run", "--wait-ready", "0", str(script))
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "train.py stopped" in err, err
+    monkeypatch.setenv("PSTRAIN_AUTH_TOKEN", live.cluster.token)
+    code, out, err = run(capsys, "run", "--wait-ready", "30", str(script))
+    assert code == 0 and (tmp_path / "ran").exists(), err
+
+
 def test_a_tls_mismatch_is_named(live, env, capsys, monkeypatch):
     for k in live.cluster.tls.env():
         monkeypatch.delenv(k)
