@@ -577,13 +577,11 @@ def _delete_copies(v, delete) -> None:
     other copy whose server does not answer is skipped (issue 33 item 10:
     the shipped job failed at its clean-up after a server was lost)."""
     routes = ps_pool.servers().routes
-    for k in range(v.num_shards):
-        r = routes.route(v, k)
-        primary = routes.primary_of(v, k, r)
+    for k in range(v.num_shards):   # (the copies a sync push reaches: the primary first)
+        primary, *other = routes.targets_of(v, k, routes.route(v, k), True)
         delete(primary)
-        if v.backups and not r.alone:
-            other = v.shards[k] if primary is v.backups[k] else v.backups[k]
+        for copy in other:
             try:
-                delete(other)
+                delete(copy)
             except (Unavailable, DeadlineExceeded):
                 pass
