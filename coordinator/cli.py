@@ -227,22 +227,18 @@ def _token_refusals(spec) -> list[str]:
     TLS (what `ps health` says of it), as ps health asks: GetServerInfo,
     GetWorkerInfo. A wrong or missing token was seen only by the program,
     in a long traceback (issue 35 item 1)."""
+    import dataclasses
     import types
-    target = target_from_args(types.SimpleNamespace(token=None, ps=None, worker=None,
-                                                    timeout=10.0))
+    target = dataclasses.replace(target_from_args(types.SimpleNamespace(
+        token=None, ps=None, worker=None, timeout=10.0)), token_flag=None)   # (run has none)
     out = []
     for role, addrs in (("ps", spec.ps), ("worker", spec.worker)):
         for i, addr in enumerate(addrs):
             try:
-                if role == "ps":
-                    with target.client(addr) as c:
-                        c.server_info()
-                else:
-                    target.worker_info(addr)
+                target.ask(role, addr)
             except PSError as exc:
-                if exc.code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):   # (run has
-                    out.append(_explain_error(target, f"{role} {i}", addr, exc)   # no --token)
-                               .replace(" (or pass --token)", "").replace(" (or --token)", ""))
+                if exc.code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+                    out.append(_explain_error(target, f"{role} {i}", addr, exc))
     return out
 
 

@@ -135,6 +135,7 @@ class Target:
     token: str | None
     tls: TLSConfig | None
     timeout: float
+    token_flag: str | None = "--token"   # the command's option for the token (None: none)
 
     def client(self, address: str) -> PSClient:
         return PSClient(address, token=self.token, tls=self.tls, timeout=self.timeout)
@@ -144,6 +145,15 @@ class Target:
         with TaskChannel(address, role="worker", token=self.token, tls=self.tls,
                          timeout=self.timeout) as channel:
             return channel.call(methods.WORKER_INFO, worker_pb2.WorkerInfoRequest())
+
+    def ask(self, role: str, address: str) -> tuple:
+        """The call that proves a task takes this command's token (its health
+        check is public): a ps's (ServerInfo, its table shards), a worker's
+        (WorkerInfo, ()). Raises PSError."""
+        if role != "ps":
+            return self.worker_info(address), ()
+        with self.client(address) as c:
+            return c.server_info(), c.list_tables()
 
     def health_environ(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -197,12 +207,15 @@ def explain(target: Target, what: str, address: str, code: Code | None,
     details = details.replace(f" [{address}]", "")
     where = f"{what} at {address}"
     if code == Code.UNAUTHENTICATED:
+        flag = target.token_flag
         if not target.token:
             return (f"{where} demands the cluster's auth token and none was given: set "
-                    f"${TOKEN_ENV} (or pass --token) to the token the tasks were started with")
-        return (f"{where} refused the auth token (UNAUTHENTICATED): ${TOKEN_ENV} (or --token) is "
-                "not this cluster's token; use the one the tasks were started with (Kubernetes: "
-                f"Secret pstrain-auth, key token; compose: {TOKEN_ENV} in .env)")
+                    f"${TOKEN_ENV}{f' (or pass {flag})' if flag else ''} to the token the "
+                    "tasks were started with")
+        return (f"{where} refused the auth token (UNAUTHENTICATED): ${TOKEN_ENV}"
+                f"{f' (or {flag})' if flag else ''} is not this cluster's token; use the one "
+                "the tasks were started with (Kubernetes: Secret pstrain-auth, key token; "
+                f"compose: {TOKEN_ENV} in .env)")
     if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, None):
         kind, why = reachability(address, min(5.0, target.timeout))
         if kind == "open" and code == Code.DEADLINE_EXCEEDED:
@@ -430,18 +443,14 @@ def _ps_health(args) -> int:
         # Health is public: a task also has to take this command's token (and
         # answer a real call) to count as healthy.
         try:
+            info, shards = target.ask(role, addr)
             if role == "ps":
-                with target.client(addr) as c:
-                    info = c.server_info()
-                    shards = c.list_tables()
                 entry["server_info"] = {
                     "protocol_version": info.protocol_version, "server_id": info.server_id,
                     "num_variables": info.num_variables, "total_bytes": info.total_bytes,
                     "max_message_bytes": info.max_message_bytes,
                     "num_table_shards": len(shards), "table_rows": sum(t.rows for t in shards),
                     "table_bytes": sum(t.bytes for t in shards)}
-            else:
-                target.worker_info(addr)
         except PSError as exc:
             entry["status"] = _refusal(target, exc)
             entry["error"] = _explain_error(target, f"{role} {i}", addr, exc)
