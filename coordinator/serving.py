@@ -306,8 +306,7 @@ class Snapshot:
             for state, _, _ in shards:
                 for a in (state["keys"], state["values"]):
                     a.setflags(write=False)
-            tables[name] = ([(s["keys"], s["values"]) for s, _, _ in shards],
-                            int(manifest["tables"][name]["dim"]))
+            tables[name] = _served(shards, manifest["tables"][name])
         return _State(path, manifest, tuple(chain), values, tables, table_shards)
 
     def _follow(self) -> None:
@@ -369,7 +368,11 @@ def lookup_rows(values: Mapping[str, np.ndarray], tables: Mapping[str, tuple], n
 def table_rows(chain: list, name: str, info: dict) -> tuple[list, int]:
     """A table of the chain's last checkpoint or export as lookup_rows takes
     it: ((sorted keys, rows) per shard, dim)."""
-    shards = load_table_shards(_table_spec(name, info), chain)
+    return _served(load_table_shards(_table_spec(name, info), chain), info)
+
+
+def _served(shards: list, info: dict) -> tuple[list, int]:
+    """load_table_shards' shards as lookup_rows takes a table."""
     return [(s["keys"], s["values"]) for s, _, _ in shards], int(info["dim"])
 
 

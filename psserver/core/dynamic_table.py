@@ -305,15 +305,10 @@ class DynamicTable:
     def _evict_for(self, n: int, protect: bool = False) -> None:
         """Evict ``n`` rows by the policy (psserver/core/eviction.py), with
         ``protect`` none this look-up found."""
-        def all_live():
-            return self.index.items()[1]
-        for pick in (lambda: eviction.candidates(self.used_step, self._n, self.index.size, n,
-                                                 self._sampler, all_live), all_live):
-            live = pick()
-            if protect:
-                live = live[self.used_step[live] != self._tick]
-            if live.size >= n:   # (a sample short of victims: nearly every row goes)
-                break
+        live = eviction.candidates(
+            self.used_step, self._n, self.index.size, n, self._sampler,
+            lambda: self.index.items()[1],
+            keep=(lambda rows: self.used_step[rows] != self._tick) if protect else None)
         stale = self._stale(live)
         order = eviction.worst_first(self.config.policy, stale, self.used_step[live],
                                      self.freq[live], self.updated_step[live],
@@ -398,20 +393,23 @@ class DynamicTable:
             r = rows[have] if n_have < rows.size else rows
             order = np.argsort(r)
             r = r[order]
-            g = (summed[have] if n_have < rows.size else summed)[order]
-            g = g.astype(self.dtype, copy=False)
-            self.optimizer.apply_sparse(self.value, self.slots, r, g)
-            self.updated_step[r] = self.step
-            self.updated_time[r] = self.clock()
-            self.stats.updated += r.size
-            if self.tracker is not None:
-                self.tracker.dirty[r] = True
+            g = (summed[have] if n_have < rows.size else summed)[order]   # (the table's dtype)
+            self._update_rows(r, g)
             if self._journal is not None:
                 self._last_update = (ukeys[have][order], g)
         elif self._journal is not None:
             self._last_update = (np.zeros(0, np.int64), np.zeros((0, self.config.dim),
                                                                   self.dtype))
-        return int(have.sum())
+        return n_have
+
+    def _update_rows(self, rows: np.ndarray, grads: np.ndarray) -> None:
+        """The optimizer on unique ``rows`` (one table step), their ages and tracking."""
+        self.optimizer.apply_sparse(self.value, self.slots, rows, grads)
+        self.updated_step[rows] = self.step
+        self.updated_time[rows] = self.clock()
+        self.stats.updated += rows.size
+        if self.tracker is not None:
+            self.tracker.dirty[rows] = True
 
     # -- replication: a primary's effects, followed by its backup (psserver/core/table_copy.py) ---
     # A backup makes no decisions of its own (admission, eviction, ages): it
@@ -455,12 +453,7 @@ class DynamicTable:
             raise InvalidArgument("dynamic table: a primary's update does not fit this copy")
         self.step += 1
         if rows.size:
-            self.optimizer.apply_sparse(self.value, self.slots, rows, grads)
-            self.updated_step[rows] = self.step
-            self.updated_time[rows] = self.clock()
-            self.stats.updated += rows.size
-            if self.tracker is not None:
-                self.tracker.dirty[rows] = True
+            self._update_rows(rows, grads)
 
     # -- state (checkpoints, resharding) -------------------------------------------------------
     def export(self, keys: np.ndarray | None = None, now: float | None = None,

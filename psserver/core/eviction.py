@@ -27,20 +27,27 @@ FREE = -1
 
 
 def candidates(used_step: np.ndarray, handed: int, live: int, want: int,
-               rng: np.random.Generator, all_live, first: int = 1) -> np.ndarray:
-    """Distinct live rows (``first`` .. handed-1) to choose ``want`` victims
-    among: every live row of a small shard, else a random sample of
-    max(SAMPLE, 8 * want) of them (``all_live()``: every live row, for a
-    shard too sparse to sample). (The admission counter's entries too:
-    KeyCounter, from 0, ``used_step`` its last-seen ticks.)"""
-    if handed - first <= EXACT_ROWS:
-        return np.flatnonzero(used_step[first:handed] != FREE) + first
+               rng: np.random.Generator, all_live, first: int = 1, keep=None) -> np.ndarray:
+    """Distinct live rows (``first`` .. handed-1; ``keep(rows)``: a mask of
+    the ones that may go) to choose ``want`` victims among: every live row of
+    a small shard, else a random sample of max(SAMPLE, 8 * want) of them;
+    every live row (``all_live()``) for a shard too sparse to sample, or
+    where the sample holds fewer than ``want`` (nearly every row goes).
+    (The admission counter's entries too: KeyCounter, from 0, ``used_step``
+    its last-seen ticks.)"""
+    def kept(rows):
+        return rows if keep is None else rows[keep(rows)]
     k = max(SAMPLE, 8 * want)
-    share = live / (handed - first)
-    if k >= live or share < 0.05:
-        return all_live()
-    draw = rng.integers(first, handed, size=int(k / share * 1.25) + 16)
-    return np.unique(draw[used_step[draw] != FREE])
+    share = live / max(1, handed - first)
+    if handed - first <= EXACT_ROWS:
+        rows = np.flatnonzero(used_step[first:handed] != FREE) + first
+    elif k >= live or share < 0.05:
+        rows = all_live()
+    else:
+        draw = rng.integers(first, handed, size=int(k / share * 1.25) + 16)
+        rows = np.unique(draw[used_step[draw] != FREE])
+    rows = kept(rows)
+    return rows if rows.size >= want else kept(all_live())
 
 
 def worst_first(policy: str, stale, used_step, freq, updated_step, row_key) -> np.ndarray:

@@ -215,12 +215,8 @@ class KeyCounter:
         if new.any():
             over = self.index.size + int(new.sum()) - self.limit
             if over > 0:   # forget the keys seen longest ago
-                def every():
-                    return self.index.items()[1]
                 live = eviction.candidates(self._seen, self._n, self.index.size, over,
-                                           self._rng, every, first=0)
-                if live.size < over:
-                    live = every()
+                                           self._rng, lambda: self.index.items()[1], first=0)
                 self._forget(live[np.argsort(self._seen[live], kind="stable")[:over]])
             nk = keys[new]
             pr = self._take(nk.size)

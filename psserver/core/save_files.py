@@ -57,26 +57,20 @@ def open_save_dir(directory: str, real: str, root: str | None) -> SaveDir:
     where a part of it is a link or not a directory now (it changed since it
     was resolved)."""
     parts = [] if root is None or real == root else os.path.relpath(real, root).split(os.sep)
+    fd = -1
     try:
         fd = os.open(real if root is None else root, _DIR | (_NOFOLLOW if root else 0))
-    except FileNotFoundError:
-        raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
-                              "parameter server (it must see the same filesystem)") from None
-    except OSError as exc:
-        raise _refused(directory, exc) from None
-    try:
         for part in parts:
             inner = os.open(part, _DIR | _NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = inner
-    except BaseException as exc:
-        os.close(fd)
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
         if isinstance(exc, FileNotFoundError):
             raise InvalidArgument(f"checkpoint directory {directory!r} does not exist on this "
                                   "parameter server (it must see the same filesystem)") from None
-        if isinstance(exc, OSError):
-            raise _refused(directory, exc) from None
-        raise
+        raise _refused(directory, exc) from None
     return SaveDir(real, fd)
 
 
