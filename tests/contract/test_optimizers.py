@@ -3,24 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference_optimizers import ReferenceOptimizer
+from reference_optimizers import DEFAULTS as KERAS_DEFAULTS
+from reference_optimizers import STEPS as REF_STEPS
+from reference_optimizers import ReferenceOptimizer, initial_slots
 
 from psserver.contract.optimizers import OPTIMIZERS, make_optimizer
 from psserver.contract.rows import sum_duplicates
 
 STEPS = 5
 TOL = {np.float32: dict(rtol=1e-5, atol=0.0), np.float64: dict(rtol=1e-12, atol=0.0)}
-
-KERAS_DEFAULTS = {
-    "sgd": {"learning_rate": 0.01},
-    "momentum": {"learning_rate": 0.01, "momentum": 0.9, "nesterov": 0.0},
-    "adagrad": {"learning_rate": 0.001, "initial_accumulator_value": 0.1, "epsilon": 1e-7},
-    "adam": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7},
-    "ftrl": {"learning_rate": 0.001, "learning_rate_power": -0.5,
-             "initial_accumulator_value": 0.1, "l1_regularization_strength": 0.0,
-             "l2_regularization_strength": 0.0, "l2_shrinkage_regularization_strength": 0.0,
-             "beta": 0.0},
-}
 
 # (optimizer name, params): defaults and a few non-default settings.
 CASES = [
@@ -42,64 +33,15 @@ CASES = [
 CASE_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items()) or 'defaults'}" for n, p in CASES]
 
 
-# --------------------------------------------------------------------------
-# Reference: one step of each optimizer, written out plainly, in the array's
-# dtype, following keras/src/optimizers/{sgd,adagrad,adam}.py. ``state`` holds
-# the slots; returns nothing, replaces arrays in ``state`` and returns new var.
-# --------------------------------------------------------------------------
+# The reference: one step of each optimizer, written out plainly in the array's
+# dtype (tests/reference_optimizers.py: Keras 3's formulas, no psserver import).
 def ref_init(name, p, var):
-    cfg = {**KERAS_DEFAULTS[name], **p}
-    if name == "momentum":
-        return {"momentum": np.zeros_like(var)}
-    if name == "adagrad":
-        return {"accumulator": np.full_like(var, cfg["initial_accumulator_value"])}
-    if name == "adam":
-        return {"m": np.zeros_like(var), "v": np.zeros_like(var)}
-    if name == "ftrl":
-        return {"accumulator": np.full_like(var, cfg["initial_accumulator_value"]),
-                "linear": np.zeros_like(var)}
-    return {}
+    return initial_slots(name, {**KERAS_DEFAULTS[name], **p}, var)
 
 
 def ref_step(name, p, var, state, g, step):
     """New var; ``state`` updated. ``step`` is the 1-based Adam step."""
-    cfg = {**KERAS_DEFAULTS[name], **p}
-    f = var.dtype.type
-    lr = f(cfg["learning_rate"])
-    if name == "sgd":
-        return var - lr * g
-    if name == "momentum":
-        mu = f(cfg["momentum"])
-        m = mu * state["momentum"] - lr * g
-        state["momentum"] = m
-        if cfg["nesterov"]:
-            return var + (mu * m - lr * g)
-        return var + m
-    if name == "adagrad":
-        eps = f(cfg["epsilon"])
-        acc = state["accumulator"] + g * g
-        state["accumulator"] = acc
-        return var - (lr * g) / np.sqrt(acc + eps)
-    if name == "adam":
-        b1, b2, eps = f(cfg["beta_1"]), f(cfg["beta_2"]), f(cfg["epsilon"])
-        t = f(step)
-        alpha = lr * np.sqrt(f(1) - b2**t) / (f(1) - b1**t)
-        m = state["m"] + (g - state["m"]) * (f(1) - b1)
-        v = state["v"] + (g * g - state["v"]) * (f(1) - b2)
-        state["m"], state["v"] = m, v
-        return var - (m * alpha) / (np.sqrt(v) + eps)
-    if name == "ftrl":   # keras/src/optimizers/ftrl.py, update_step
-        p = f(-cfg["learning_rate_power"])
-        l1, l2 = f(cfg["l1_regularization_strength"]), f(cfg["l2_regularization_strength"])
-        l2_reg = l2 + f(cfg["beta"]) / (f(2.0) * lr)
-        grad_to_use = g + f(2 * cfg["l2_shrinkage_regularization_strength"]) * var
-        accum = state["accumulator"]
-        new_accum = accum + g * g
-        linear = state["linear"] + (grad_to_use - (new_accum**p - accum**p) / lr * var)
-        quadratic = new_accum**p / lr + f(2) * l2_reg
-        state["accumulator"], state["linear"] = new_accum, linear
-        return (np.clip(linear, -l1, l1) - linear) / quadratic
-    raise AssertionError(name)
+    return REF_STEPS[name](var, g, state, {**KERAS_DEFAULTS[name], **p}, step)
 
 
 def _close(actual, expected, dtype):
