@@ -25,6 +25,8 @@ process), so runs side by side keep their own, and prints where (``--plot
 PATH`` elsewhere, ``--no-plot`` for none); with ``--cluster tf_config`` it
 writes nothing to disk unless given ``--plot PATH`` (e.g. on the
 /checkpoints volume: the image's working directory is read-only to its user).
+``--checkpoint-dir DIR`` saves a checkpoint after every epoch and, when DIR
+already holds one, resumes from it (the epochs done are not trained again).
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 import numpy as np
 
 from coordinator import (
+    CheckpointCallback,
+    CheckpointManager,
     ClusterCoordinator,
     LocalCluster,
     MinSizePartitioner,
@@ -114,6 +118,11 @@ def main(argv=None) -> dict:
                    help="keep a second copy of every shard on another parameter server "
                         "(2 or more): losing one loses no update and training goes on "
                         "(the compose and Kubernetes jobs run this way)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="save a checkpoint there after every epoch (the 3 latest kept) and, "
+                        "when DIR already holds one, resume from it; every parameter server "
+                        "must see DIR at this path under its --checkpoint-dir (a local "
+                        "cluster's servers take the current and the temporary directory)")
     p.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
                    help="1: progress bar (terminal) or periodic lines, and epoch lines; "
                         "2: epoch lines only; 0: quiet")
@@ -146,6 +155,15 @@ def main(argv=None) -> dict:
                                optimizer_params={"learning_rate": args.lr}, seed=args.seed)
         train_step = make_train_step(model)
         batch_size, seed = args.batch_size, args.seed
+        callbacks, initial_epoch = [], 0
+        if args.checkpoint_dir:
+            manager = CheckpointManager(strategy, args.checkpoint_dir, max_to_keep=3)
+            state = manager.restore_or_initialize()
+            if state is not None:
+                initial_epoch = min(int(state["extra"].get("epoch", 0)), args.epochs)
+                print(f"resumed from {manager.latest()} (epoch {initial_epoch} of "
+                      f"{args.epochs} done)", flush=True)
+            callbacks.append(CheckpointCallback(manager))
 
         def dataset_fn(ctx):   # runs on every worker: its shard of the training set
             xs, ys = ctx.shard(x_tr, y_tr)
@@ -160,7 +178,8 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             history = fit(coord, train_step, dataset_fn, epochs=args.epochs,
                           steps_per_epoch=args.steps_per_epoch, validation_fn=validate,
-                          verbose=args.verbose)
+                          verbose=args.verbose, callbacks=callbacks,
+                          initial_epoch=initial_epoch)
             elapsed = time.perf_counter() - t0
         params = read_variables(model.variables)
     losses = list(history.step_history.get("loss", []))
@@ -177,6 +196,8 @@ def main(argv=None) -> dict:
                 os.rmdir(os.path.dirname(plot_path))
     test_acc = accuracy(model, params, x_te, y_te)
     train_acc = accuracy(model, params, x_tr, y_tr)
+    if args.checkpoint_dir:
+        print(f"checkpoints in {os.path.abspath(args.checkpoint_dir)}", flush=True)
     print(f"test accuracy: {test_acc:.4f}", flush=True)
     return {"test_accuracy": test_acc, "train_accuracy": train_acc, "losses": losses,
             "steps": len(losses), "seconds": elapsed, "steps_per_second": len(losses) / elapsed,

@@ -115,6 +115,26 @@ def test_digits_reaches_90_percent(capsys):
     assert f"test accuracy: {out['test_accuracy']:.4f}" in text
 
 
+@pytest.mark.timeout(90)
+def test_digits_checkpoints_every_epoch_and_a_second_run_resumes(tmp_path, monkeypatch, capsys):
+    """`--checkpoint-dir`: a checkpoint after each epoch; run again with more
+    epochs, it restores the latest and trains only the epochs left."""
+    from examples import digits
+    monkeypatch.chdir(tmp_path)   # a local cluster's servers may write under the current dir
+    args = ["--steps-per-epoch", "50", "--checkpoint-dir", "ck", "--no-plot", "--verbose", "2"]
+    first = digits.main(["--epochs", "2", *args])
+    assert first["steps"] == 100
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000050", "ckpt-00000100"]
+    capsys.readouterr()
+    second = digits.main(["--epochs", "3", *args])
+    text = capsys.readouterr().out
+    assert second["steps"] == 50, text          # epoch 3 alone
+    assert "resumed from" in text and "ckpt-00000100 (epoch 2 of 3 done)" in text
+    assert "epoch 3/3  steps 150/150" in text
+    assert second["test_accuracy"] >= first["test_accuracy"] - 0.05
+    assert "ckpt-00000150" in os.listdir(tmp_path / "ck")
+
+
 @pytest.mark.timeout(60)
 def test_embedding_bag_learns_with_a_sharded_table(capsys):
     out = embedding_bag.main([])
