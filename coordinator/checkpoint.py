@@ -8,7 +8,8 @@
 Layout of one checkpoint (a directory; readable without this package)::
 
     ckpt-00000100/
-      manifest.json              the variables, their shards and files, step, extra
+      manifest.json              the variables, their shards and files (each
+                                 with its size and CRC-32), step, extra
       ps-0/<shard name>.safetensors   written by parameter server 0: "value",
       ps-1/...                        "slot/<name>" tensors; name, version and
                                       optimizer in the file's metadata
@@ -43,6 +44,11 @@ Guarantees:
   between steps (after ``ClusterCoordinator.join()``) for that. In sync mode
   that cut is exact (in hybrid mode too, after ``join()``: every push of
   the steps scheduled has been applied).
+* Checked: each file's CRC-32 (computed by the server that wrote it) is in
+  the manifest, and every reader (restore, Snapshot, the side evaluator)
+  refuses a file whose bytes no longer match, naming it, before anything
+  is written (coordinator/shard_files.py). Checkpoints written before
+  checksums (no ``"checksum"`` in the manifest) are read unchecked.
 * Restore reshards: values and slots are reassembled along axis 0 from the
   saved shards and split again by the *current* variables' shards, so a
   checkpoint restores into any number of parameter servers or any

@@ -1,5 +1,6 @@
 """Reading checkpoints, with no parameter server involved: manifests, shard
-files checked against what their manifest promises, and chains of
+files checked against what their manifest promises (their sizes and
+checksums first: coordinator/shard_files.py), and chains of
 incremental checkpoints composed into exactly the state a full checkpoint
 would hold (what coordinator/checkpoint.py restores, serving.py serves).
 
@@ -24,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinator.shard_files import CheckpointError, load_shard
+from coordinator.shard_files import CheckpointError, check_checksums, load_shard
 
 FORMAT_VERSION = 2   # 1: full checkpoints; 2: incremental (chains, delta and unchanged shards)
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
@@ -56,6 +57,7 @@ def read_manifest(path: str) -> dict:
         if bad:
             raise CheckpointError(f"the manifest of {path} has malformed {section} entries "
                                   f"({', '.join(map(repr, bad))}); nothing was restored")
+    check_checksums(path, manifest)   # (each file's is checked as it is read: load_shard)
     return manifest
 
 
@@ -318,7 +320,7 @@ def _checked(ckpt, entry, dtype, shape, optimizer, weights_only, delta):
                               f"{entry.get('name', '?')!r} lacks {exc}; the checkpoint cannot "
                               "be restored (restore an older one: coordinator checkpoint "
                               "list)") from None
-    tensors, meta = load_shard(file, entry.get("bytes"))
+    tensors, meta = load_shard(file, entry.get("bytes"), entry.get("crc32"))
     want = tuple(shape) if not shape else (nrows,) + tuple(shape[1:])
 
     def refuse(what: str):
@@ -506,7 +508,7 @@ def load_table_file(ckpt: str, entry: Mapping[str, Any], t, weights_only: bool, 
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest of {ckpt} is incomplete: a shard of table "
                               f"{t.name!r} lacks {exc}; nothing was restored") from None
-    tensors, meta = load_shard(file, entry.get("bytes"))
+    tensors, meta = load_shard(file, entry.get("bytes"), entry.get("crc32"))
     keys = tensors.get("keys")
     values = tensors.get("values")
     if keys is None or keys.shape != (rows,) or keys.dtype != np.int64 or values is None or \

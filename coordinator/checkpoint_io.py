@@ -32,6 +32,8 @@ from coordinator.checkpoint_files import (  # noqa: F401
     load_variable,
     read_manifest,
 )
+from coordinator.shard_files import crc32_of_path
+from psserver.contract.checkpoint_format import CHECKSUM
 from psserver.contract.checkpoint_format import fsync_dir as _fsync_dir
 from psserver.errors import (
     PSError,
@@ -124,6 +126,7 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                     entry = {"version": f.version, "bytes": f.bytes, "kind": _kind(f.kind)}
                     if f.file:
                         entry["file"] = os.path.relpath(os.path.join(subs[addr], f.file), tmp)
+                        entry["crc32"] = _crc32(f, os.path.join(subs[addr], f.file))
                     if f.kind == 1:
                         entry["delta_rows"] = f.rows
                     files[f.name] = entry
@@ -135,12 +138,13 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                     table_files[t].append(
                         {"file": os.path.relpath(os.path.join(subs[c.address], r.file), tmp),
                          "rows": r.rows, "bytes": r.bytes, "step": r.step,
+                         "crc32": _crc32(r, os.path.join(subs[c.address], r.file)),
                          "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
-        manifest = {
-            "format_version": 1, "step": step, "time": time.time(),
+        manifest = {   # every file with its checksum (coordinator/shard_files.py)
+            "format_version": 1, "checksum": CHECKSUM, "step": step, "time": time.time(),
             "extra": extra or {},
             "variables": {v.name: {
                 "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
@@ -180,6 +184,13 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
         _commit(inc, servers, client_for)
     return final, (sum(f["bytes"] for f in files.values())
                    + sum(f["bytes"] for fs in table_files.values() for f in fs))
+
+
+def _crc32(reply, path: str) -> int:
+    """The CRC-32 of a file a server wrote (``reply``: a SavedFile or a
+    SaveTableReply); computed here from the file where the server sent none
+    (a server of a pstrain that predates checksums)."""
+    return reply.crc32 if reply.HasField("crc32") else crc32_of_path(path)
 
 
 def _commit(inc: Incremental, servers: Mapping[str, str], client_for) -> None:

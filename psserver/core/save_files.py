@@ -10,11 +10,14 @@ the save is refused. psserver.core.saving (variables) and table_store
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
+import sys
 
 import numpy as np
 
+from psserver.contract.checkpoint_format import crc32_of_file, crc32_of_parts
 from psserver.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -84,14 +87,16 @@ def _refused(directory: str, exc: OSError) -> Exception:
 
 
 def write_tensors(target: SaveDir, file: str, tensors: dict, meta: dict,
-                  delta: bool = False) -> int:
+                  delta: bool = False) -> tuple[int, int]:
     """Write a safetensors file atomically into ``target``: under a
     temporary name in a directory of its own made for this call (a random
     name, created exclusively, 0700: two saves of one shard never share it,
     and nothing planted at a name known in advance is written through),
     fsync, chmod 0644 (a coordinator of another user reads it), rename into
-    ``target``, fsync it; all relative to the open directory. Returns its
-    bytes. ``delta``: the file is a delta (FAULT_CRASH_IN_SAVE_ENV=delta).
+    ``target``, fsync it; all relative to the open directory. Returns (its
+    bytes, its CRC-32: psserver.contract.checkpoint_format.CHECKSUM, from
+    what was written: _crc32_written). ``delta``: the file is a delta
+    (FAULT_CRASH_IN_SAVE_ENV=delta).
     A failure to write (disk full, permissions, the directory gone) raises
     a PSError saying so: ResourceExhausted, PermissionDenied or
     FailedPrecondition; nothing is left under the file's name."""
@@ -107,13 +112,16 @@ def write_tensors(target: SaveDir, file: str, tensors: dict, meta: dict,
             where = f"/proc/self/fd/{pfd}"
             tmp = os.path.join(where if os.path.isdir(where)
                                else os.path.join(target.path, private), file)
-            save_file({k: np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v)  # (0-d stays)
-                       for k, v in tensors.items()}, tmp, metadata=meta)
+            arrays = {k: _little(np.ascontiguousarray(v) if np.ndim(v) else np.asarray(v))
+                      for k, v in tensors.items()}   # (0-d stays)
+            save_file(arrays, tmp, metadata=meta)
             fault = os.environ.get(FAULT_CRASH_IN_SAVE_ENV)
             if fault and (delta or fault != "delta"):   # fault injection for tests
                 os._exit(3)
             fd = os.open(file, os.O_RDONLY | _NOFOLLOW, dir_fd=pfd)
             try:
+                size = os.fstat(fd).st_size
+                crc = _crc32_written(fd, size, arrays)
                 os.fsync(fd)    # on disk before it gets its final name
                 os.fchmod(fd, 0o644)
             finally:
@@ -130,9 +138,45 @@ def write_tensors(target: SaveDir, file: str, tensors: dict, meta: dict,
             except OSError:
                 pass
         os.fsync(dfd)    # and the name on disk
-        return os.stat(file, dir_fd=dfd, follow_symlinks=False).st_size
-    except (OSError, SafetensorError) as exc:
+        return size, crc
+    except (OSError, EOFError, SafetensorError) as exc:
         raise _write_error(path, exc) from None
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _little(a: np.ndarray) -> np.ndarray:
+    """``a`` with little-endian bytes (as safetensors writes them; a copy
+    only where they are not)."""
+    return a if a.dtype.byteorder in "|<" or (a.dtype.byteorder == "=" and _LITTLE) \
+        else a.astype(a.dtype.newbyteorder("<"))
+
+
+def _crc32_written(fd: int, size: int, arrays: dict) -> int:
+    """CRC-32 of the safetensors file of ``size`` bytes just written to
+    ``fd`` from ``arrays``: its header read back (8 bytes and its JSON), then
+    each array's bytes from memory, in the order of the file's offsets, so
+    the data are not read again. A file laid out otherwise (safetensors
+    padding between tensors, or writing them otherwise) is read whole instead."""
+    try:
+        head = os.pread(fd, 8, 0)
+        n = int.from_bytes(head, "little")
+        if len(head) != 8 or not 0 < n <= size - 8:
+            raise ValueError("no header")
+        header = os.pread(fd, n, 8)
+        spans = sorted((e["data_offsets"][0], e["data_offsets"][1], k)
+                       for k, e in json.loads(header).items() if k != "__metadata__")
+        at = 0
+        for start, end, k in spans:
+            if len(header) != n or start != at or end - start != arrays[k].nbytes:
+                raise ValueError("not laid out as written")
+            at = end
+        if 8 + n + at != size or len(spans) != len(arrays):
+            raise ValueError("not laid out as written")
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return crc32_of_file(fd, size)
+    return crc32_of_parts([head, header] + [arrays[k] for _, _, k in spans])
 
 
 def _private_dir(dfd: int) -> str:

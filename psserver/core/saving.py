@@ -48,13 +48,15 @@ MAX_STREAM = 128
 @dataclasses.dataclass(frozen=True)
 class SavedShard:
     """One variable shard a save wrote: ``file`` ("" when UNCHANGED), the
-    version it holds, its bytes, ``kind`` and, for a delta, its rows."""
+    version it holds, its bytes, ``kind``, for a delta its rows, and the
+    file's CRC-32 (None: no file; psserver/core/save_files.py)."""
     name: str
     file: str
     version: int
     bytes: int
     kind: int = FULL
     rows: int = 0
+    crc32: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,9 +239,9 @@ class Saver:
                 out.append(SavedShard(var.name, "", version, 0, kind))
                 continue
             file = urllib.parse.quote(var.name, safe="") + ".safetensors"
-            nbytes = write_tensors(target, file, tensors, meta, delta=kind == DELTA)
+            nbytes, crc = write_tensors(target, file, tensors, meta, delta=kind == DELTA)
             out.append(SavedShard(var.name, file, version, nbytes, kind,
-                                  0 if rows is None else int(rows.size)))
+                                  0 if rows is None else int(rows.size), crc))
         return out
 
     @staticmethod

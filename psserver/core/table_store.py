@@ -140,8 +140,8 @@ class TableUpdate:
 @dataclasses.dataclass(frozen=True)
 class SavedTable:
     """A shard's checkpoint file: its name in the directory, rows, bytes,
-    step, kind (psserver.core.saving FULL or DELTA), a delta's evicted keys, and
-    the server incarnation that took the save point."""
+    step, kind (psserver.core.saving FULL or DELTA), a delta's evicted keys,
+    the server incarnation that took the save point, and the file's CRC-32."""
     file: str
     rows: int
     bytes: int
@@ -149,6 +149,7 @@ class SavedTable:
     kind: int
     evicted: int
     incarnation: str
+    crc32: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,10 +477,10 @@ class TableStore:
         if self._describe_spec is not None:
             meta["spec"] = self._describe_spec(table_spec)
         file = table_file(name)
-        nbytes = write_tensors(target, file, state, meta, delta=kind == DELTA)
+        nbytes, crc = write_tensors(target, file, state, meta, delta=kind == DELTA)
         return SavedTable(file, int(state["keys"].size), nbytes, step, kind,
                           int(state["evicted"].size) if "evicted" in state else 0,
-                          self._saver.incarnation)
+                          self._saver.incarnation, crc)
 
     def import_rows(self, name: str, state: dict, step: int, reset: bool) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied

@@ -452,7 +452,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                             **save_fields(request))
         return ps_pb2.SaveReply(
             files=[ps_pb2.SavedFile(name=s.name, file=s.file, version=s.version, bytes=s.bytes,
-                                    kind=s.kind, rows=s.rows) for s in saved],
+                                    kind=s.kind, rows=s.rows, crc32=s.crc32) for s in saved],
             incarnation=self.store.saver.incarnation)
 
     def CommitSave(self, request, context):

@@ -120,7 +120,8 @@ class TableServicer:
         saved = self.store.save(request.name, request.directory, **save_fields(request))
         return tables_pb2.SaveTableReply(
             file=saved.file, rows=saved.rows, bytes=saved.bytes, step=saved.step,
-            kind=saved.kind, evicted=saved.evicted, incarnation=saved.incarnation)
+            kind=saved.kind, evicted=saved.evicted, incarnation=saved.incarnation,
+            crc32=saved.crc32)
 
     def Import(self, request, context):
         state = {"keys": TP.decode(request.keys, T.ID_DTYPES, "import keys")}

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -524,12 +525,14 @@ def test_a_checkpoint_the_servers_would_refuse_is_refused_before_any_is_written(
             damage(tensors)
             save_file(tensors, shard, metadata=meta)
             entry["bytes"] = os.path.getsize(shard)
+            entry["crc32"] = zlib.crc32(open(shard, "rb").read())   # (past the checksum)
             json.dump(manifest, open(manifest_path, "w"))
             with pytest.raises(CheckpointError):
                 ckpt.restore(delta)
                 pytest.fail(f"restored with {what}")
         save_file(good, shard, metadata=meta)
         entry["bytes"] = os.path.getsize(shard)
+        entry["crc32"] = zlib.crc32(open(shard, "rb").read())
         json.dump(manifest, open(manifest_path, "w"))
 
         delta_path = os.path.join(delta, "manifest.json")

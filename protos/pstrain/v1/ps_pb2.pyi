@@ -449,20 +449,22 @@ class SaveReply(_message.Message):
     def __init__(self, files: _Optional[_Iterable[_Union[SavedFile, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SavedFile(_message.Message):
-    __slots__ = ("name", "file", "version", "bytes", "kind", "rows")
+    __slots__ = ("name", "file", "version", "bytes", "kind", "rows", "crc32")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     name: str
     file: str
     version: int
     bytes: int
     kind: SaveKind
     rows: int
-    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., rows: _Optional[int] = ...) -> None: ...
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., kind: _Optional[_Union[SaveKind, str]] = ..., rows: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class CommitSaveRequest(_message.Message):
     __slots__ = ("save_id", "stream", "incarnation")

@@ -166,7 +166,7 @@ class SaveTableRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., directory: _Optional[str] = ..., save_id: _Optional[int] = ..., since: _Optional[int] = ..., incarnation: _Optional[str] = ..., stream: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class SaveTableReply(_message.Message):
-    __slots__ = ("file", "rows", "bytes", "step", "kind", "evicted", "incarnation")
+    __slots__ = ("file", "rows", "bytes", "step", "kind", "evicted", "incarnation", "crc32")
     FILE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class SaveTableReply(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     file: str
     rows: int
     bytes: int
@@ -181,7 +182,8 @@ class SaveTableReply(_message.Message):
     kind: _ps_pb2.SaveKind
     evicted: int
     incarnation: str
-    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    crc32: int
+    def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
     __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica")
