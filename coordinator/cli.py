@@ -70,9 +70,11 @@ from coordinator.cli_ops import (
     NotReady,
     OperatorError,
     _explain_error,
+    _health_check,
     _ps_health,
     _ps_list,
-    check_health,
+    check_health,  # noqa: F401 -- cli.check_health, for callers of this module
+    explain_health,
     target_from_args,
     wait_ready,
 )
@@ -243,7 +245,10 @@ def _token_refusals(spec) -> list[str]:
 
 
 def _health(args) -> int:
-    ok, detail = check_health(args.address, timeout=args.timeout, service=args.service)
+    ok, detail, code = _health_check(args.address, args.timeout, args.service)
+    if not ok:   # a task it cannot reach: why, and what to check (as ps health says it)
+        detail = explain_health("the task", args.address, detail, code, "the command line",
+                                args.timeout)
     print(f"{args.address}: {detail}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 

@@ -25,13 +25,13 @@ from coordinator.cluster_spec import (
     NoClusterDescription,
     TFConfigClusterResolver,
 )
-from coordinator.diagnose import advice, reachability
 from protos.pstrain.v1 import worker_pb2
 from psserver.client import PSClient
 from psserver.contract import BACKUP_PREFIX, TOKEN_ENV, TOKEN_METADATA_KEY
 from psserver.errors import Code, PSError
 from psserver.link import methods
 from psserver.link.channel import TaskChannel
+from psserver.link.diagnose import unreachable
 from psserver.link.transport import from_rpc_error
 from psserver.tls import CA_ENV, CERT_ENV, KEY_ENV, TLSConfig, make_channel
 
@@ -90,24 +90,30 @@ def wait_ready(resolver, timeout: float, poll: float = 1.0, out=None) -> None:
     ready: set[str] = set()
     while True:
         spec = resolver.cluster_spec()
-        problems = []
+        failed = []   # (what, address, detail, code)
         for role, addrs in (("ps", spec.ps), ("worker", spec.worker)):
             for i, addr in enumerate(addrs):
                 if addr in ready:
                     continue
-                left = deadline - time.monotonic()
-                ok, detail = check_health(addr, timeout=min(5.0, max(0.5, left)))
+                left = min(5.0, max(0.5, deadline - time.monotonic()))
+                ok, detail, code = _health_check(addr, left)
                 if ok:
                     ready.add(addr)
                     print(f"coordinator: {role} {i} at {addr} is serving", file=out, flush=True)
                 else:
-                    problems.append(f"{role} {i} at {addr}: {detail}")
-        if not spec.worker:
-            problems.append('no workers: the cluster has no "worker" addresses (add them to '
-                            "TF_CONFIG, or pass --worker-dns SERVICE:PORT)")
-        if not problems:
+                    failed.append((f"{role} {i}", addr, detail, code))
+        if not failed and spec.worker:
             return
         if time.monotonic() >= deadline:
+            # Each said once, at the end: why it cannot be reached, what to check
+            # (their probes at once: a silent address waits for its own).
+            where = spec_source()
+            said = _fan_out(lambda f: f"{f[0]} at {f[1]}: " + explain_health(
+                *f, where=where, timeout=timeout, timeout_flag="--wait-ready"), failed)
+            problems = [text or f"{f[0]} at {f[1]}: {f[2]}" for (text, _), f in zip(said, failed)]
+            if not spec.worker:
+                problems.append('no workers: the cluster has no "worker" addresses (add them to '
+                                "TF_CONFIG, or pass --worker-dns SERVICE:PORT)")
             raise NotReady(
                 f"after {timeout:g}s these tasks are still not serving:\n  "
                 + "\n  ".join(problems)
@@ -136,14 +142,18 @@ class Target:
     tls: TLSConfig | None
     timeout: float
     token_flag: str | None = "--token"   # the command's option for the token (None: none)
+    timeout_flag: str = "--timeout"      # the command's option for how long to wait
 
+    # (self.tls is what the command settled on: None is plaintext; its errors
+    # are explained with the command's words, explain(), not the client's.)
     def client(self, address: str) -> PSClient:
-        return PSClient(address, token=self.token, tls=self.tls, timeout=self.timeout)
+        return PSClient(address, token=self.token, tls=self.tls or False, timeout=self.timeout,
+                        diagnose=False)
 
     def worker_info(self, address: str) -> worker_pb2.WorkerInfo:
         """The worker's GetWorkerInfo, with this command's token (raises PSError)."""
-        with TaskChannel(address, role="worker", token=self.token, tls=self.tls,
-                         timeout=self.timeout) as channel:
+        with TaskChannel(address, role="worker", token=self.token, tls=self.tls or False,
+                         timeout=self.timeout, diagnose=False) as channel:
             return channel.call(methods.WORKER_INFO, worker_pb2.WorkerInfoRequest())
 
     def ask(self, role: str, address: str) -> tuple:
@@ -192,8 +202,7 @@ def target_from_args(args, environ: Mapping[str, str] = os.environ) -> Target:
         except NoClusterDescription as exc:
             raise ClusterConfigError(f"{exc}; or pass --ps HOST:PORT,HOST:PORT") from None
         ps, worker = spec.ps, spec.worker
-        path = environ.get(TF_CONFIG_FILE_ENV)
-        source = f"{TF_CONFIG_FILE_ENV}={path}" if path else TF_CONFIG_ENV
+        source = spec_source(environ)
     if not ps:
         raise ClusterConfigError(f"the cluster in {source} has no parameter servers: list their "
                                  'addresses under "ps" (or pass --ps HOST:PORT,...)')
@@ -217,15 +226,32 @@ def explain(target: Target, what: str, address: str, code: Code | None,
                 "the tasks were started with (Kubernetes: Secret pstrain-auth, key token; "
                 f"compose: {TOKEN_ENV} in .env)")
     if code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, None):
-        kind, why = reachability(address, min(5.0, target.timeout))
-        if kind == "open" and code == Code.DEADLINE_EXCEEDED:
-            return (f"{where} accepts connections but did not answer within {target.timeout:g}s: "
-                    "it may be overloaded or not a pstrain task; try a longer --timeout")
-        head = {"dns": f"{where}: {why}",
-                "closed": f"nothing answers at {address} ({what}, from {target.source}): {why}",
-                "open": f"{where} accepts connections but the gRPC handshake fails ({details})"}
-        return f"{head[kind]}: {advice(kind, what, target.source, target.tls, 'this command')}"
+        return unreachable(what, address, target.tls, where=target.source,
+                           speaker="this command", details=details,
+                           timed_out=code == Code.DEADLINE_EXCEEDED,
+                           longer=f"a longer {target.timeout_flag} than {target.timeout:g}s",
+                           probe=min(5.0, target.timeout))
     return f"{where}: {code.name}: {details}"
+
+
+def explain_health(what: str, address: str, detail: str, code: Code | None, where: str,
+                   timeout: float, timeout_flag: str = "--timeout",
+                   environ: Mapping[str, str] = os.environ) -> str:
+    """A failed health check (``_health_check``'s detail and code) of task
+    ``what`` at ``address`` (from ``where``; waited for ``timeout`` s, the
+    command's ``timeout_flag``), said as explain() says a failed call:
+    "CODE: why, what to check"."""
+    if code not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):   # it answered (or bad TLS
+        return detail                                              # settings): as it said
+    target = Target((), (), where, environ.get(TOKEN_ENV) or None, TLSConfig.from_env(environ),
+                    timeout, token_flag=None, timeout_flag=timeout_flag)
+    return f"{code.name}: {explain(target, what, address, code, detail.partition(': ')[2])}"
+
+
+def spec_source(environ: Mapping[str, str] = os.environ) -> str:
+    """Where TFConfigClusterResolver takes the cluster from, for messages."""
+    path = environ.get(TF_CONFIG_FILE_ENV)
+    return f"{TF_CONFIG_FILE_ENV}={path}" if path else TF_CONFIG_ENV
 
 
 def _explain_error(target: Target, what: str, address: str, exc: Exception,

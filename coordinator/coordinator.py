@@ -49,7 +49,9 @@ Guarantees:
   seconds; they create every per-worker dataset before taking closures. One
   that does not answer for the strategy's ``connect_timeout`` (10 s) is named
   in a warning ("worker 1 at HOST:PORT does not answer ...", with what to
-  check), once per outage, and is still waited for.
+  check), once per outage, and is still waited for; one that never answered
+  is named at its first failed call when its host does not resolve or its
+  port refuses connections (no slow start explains those).
 """
 from __future__ import annotations
 

@@ -91,7 +91,9 @@ class ParameterServers:
             with self._lock:
                 c = self._clients.get(address)
                 if c is None:
-                    c = self._clients[address] = PSClient(address, token=self.token, tls=self.tls)
+                    # (self.tls was settled already: None is plaintext, not "ask the env")
+                    c = self._clients[address] = PSClient(
+                        address, token=self.token, tls=self.tls or False)
         return c
 
     def use(self, address: str, client: PSClient) -> None:

@@ -23,7 +23,7 @@ from coordinator.cluster_spec import (
     ClusterSpec,
     TFConfigClusterResolver,
 )
-from coordinator.diagnose import CONNECT_SECONDS, not_answering
+from coordinator.diagnose import CONNECT_SECONDS
 from coordinator.embedding import DynamicEmbedding
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.contract import (
@@ -36,6 +36,7 @@ from psserver.contract import (
     SyncSpec,
 )
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
+from psserver.link.diagnose import not_answering
 from psserver.tls import TLSConfig
 
 MODES = ("async", "sync", "hybrid", "bounded")

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 from coordinator import serialization
 from coordinator.closures import ABANDONED, Closure
 from coordinator.cluster_spec import Refreshing
-from coordinator.diagnose import not_answering
 from coordinator.errors import ClosureCancelled, StepFunctionError, WorkerCallError
 from protos.pstrain.v1 import worker_pb2
 from psserver.errors import Code, PSError
 from psserver.link import methods
 from psserver.link.channel import TaskChannel
+from psserver.link.diagnose import UNREACHED, not_answering, reachability
 
 if TYPE_CHECKING:
     from coordinator.cluster import Cluster
@@ -45,6 +45,10 @@ log = logging.getLogger("coordinator")
 _WORKER_FAILURE_CODES = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.ABORTED)
 #: Deadline of the calls that check a worker is up and create its datasets.
 _CONTROL_TIMEOUT = 30.0
+#: How long the probe of a worker whose first call failed waits for a TCP
+#: connection: a refused one is known at once; no answer in this long is
+#: left to the strategy's connect_timeout (it may be a slow network).
+_FIRST_PROBE_SECONDS = 1.0
 
 
 # -- one thread per worker (per slot) ----------------------------------------------------
@@ -92,16 +96,19 @@ class _WorkerThread:
         shared.slots.append(self)
         self.alive = False            # answered its last call
         self.worker_id: str | None = None   # the worker process this thread talks to
-        # Since when (monotonic) the worker has not answered, and whether that
-        # was said (_note_silence); None: it answered its last probe.
+        # Since when (monotonic) the worker has not answered, whether that
+        # was said, and whether its address was probed (_note_silence);
+        # None: it answered its last probe.
         self._silent_since: float | None = None
-        self._said_silent = False
+        self._said_silent = self._probed = False
         self._stop = threading.Event()
         # One connection (a slot runs one closure at a time); no deadline of
         # its own: a closure's is closure_timeout, control calls' their own.
+        # (The strategy's TLS, None: plaintext; silence is said by
+        # _note_silence, once, not by every failed call.)
         self._channel = TaskChannel(address, role="worker", token=cluster.strategy.token,
-                                    tls=cluster.strategy.tls, timeout=None, max_free=1,
-                                    abortable=True)
+                                    tls=cluster.strategy.tls or False, timeout=None, max_free=1,
+                                    abortable=True, diagnose=False)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"WorkerClosureProcessingLoop-{index}")
 
@@ -153,7 +160,7 @@ class _WorkerThread:
             return False
         if self._said_silent:
             log.warning("worker %d at %s answers now", self._spec_index(), self.address)
-        self._silent_since, self._said_silent = None, False
+        self._silent_since, self._said_silent, self._probed = None, False, False
         self._shared.seen(info.worker_id, info.datasets)
         if info.worker_id != self.worker_id:
             if self.worker_id is not None and self.slot == 0:
@@ -169,17 +176,29 @@ class _WorkerThread:
         return self.cluster.worker_count_and_index(self.address)[1]
 
     def _note_silence(self, exc: PSError) -> None:
-        """Once per outage, after the strategy's connect_timeout: a warning
-        naming the worker and what to check. The thread keeps trying (a
-        worker may start late, or restart)."""
+        """Once per outage: a warning naming the worker and what to check,
+        after the strategy's connect_timeout; for a worker that never
+        answered, at its first failed call when its host does not resolve or
+        its port refuses connections (a probe tells at once: no slow start of
+        a worker that is up). The thread keeps trying (a worker may start
+        late, or restart)."""
+        if self._said_silent or self.slot:
+            return
         waited = time.monotonic() - self._silent_since
         limit = self.cluster.strategy.connect_timeout
-        if self._said_silent or waited < limit or self.slot:
-            return
+        found = None
+        if waited < limit:
+            if self._probed or self.worker_id is not None or exc.code not in UNREACHED:
+                return
+            self._probed = True   # once per outage: a silent address costs the probe's wait
+            found = reachability(self.address, _FIRST_PROBE_SECONDS)
+            if found[0] not in ("dns", "closed"):
+                return   # silent, or up and slow to answer: connect_timeout's to say
         self._said_silent = True
         what = f"worker {self._spec_index()}"
-        if exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-            why = not_answering(what, self.address, limit, self.cluster.strategy.tls)
+        if exc.code in UNREACHED:
+            why = not_answering(what, self.address, None if found else limit,
+                                self.cluster.strategy.tls, found=found)
         elif exc.code == Code.UNAUTHENTICATED:
             why = (f"{what} at {self.address} refuses the coordinator's auth token "
                    f"(UNAUTHENTICATED): give the strategy the token the tasks were started "

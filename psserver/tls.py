@@ -106,6 +106,28 @@ class TLSConfig:
             ctx.load_cert_chain(cert, key)
 
 
+def client_config(tls: "TLSConfig | bool | None", environ=os.environ) -> "TLSConfig | None":
+    """What a client connects with (None: plaintext), from its ``tls``
+    argument: a TLSConfig is used as it is; None takes ``$PSTRAIN_TLS_CERT``,
+    ``$PSTRAIN_TLS_KEY`` and ``$PSTRAIN_TLS_CA`` as the tasks do (plaintext
+    when none is set); False is plaintext whatever they say. Raises
+    ValueError naming the variables when they cannot be used."""
+    if tls is False:
+        return None
+    if tls is None:
+        try:
+            return TLSConfig.from_env(environ)
+        except ValueError as exc:
+            raise ValueError(f"bad TLS settings in ${CERT_ENV} / ${KEY_ENV} / ${CA_ENV}: {exc}; "
+                             "fix or unset them, or pass tls= (a TLSConfig, or False for "
+                             "plaintext)") from None
+    if not isinstance(tls, TLSConfig):
+        raise TypeError(f"tls must be a psserver.tls.TLSConfig (TLSConfig.from_files(cert, key, "
+                        f"ca)), None (from ${CERT_ENV} / ${KEY_ENV} / ${CA_ENV}) or False "
+                        f"(plaintext), got {tls!r}")
+    return tls
+
+
 def make_channel(address: str, options: list, tls: TLSConfig | None) -> grpc.Channel:
     """A channel to address: TLS when tls is given, else plaintext."""
     if tls is None:

@@ -64,7 +64,10 @@ class PSAdmin:
         ``$PSTRAIN_AUTH_TOKEN`` when it is set, as ParameterServerStrategy
         and the tasks take it; else no token.
       tls: a TLSConfig to connect with TLS (its CA to trust the server; its
-        certificate and key for mutual TLS). None: plaintext.
+        certificate and key for mutual TLS). None (the default):
+        ``$PSTRAIN_TLS_CERT``, ``$PSTRAIN_TLS_KEY`` and ``$PSTRAIN_TLS_CA``
+        when set, as the tasks take them (plaintext when none is set).
+        False: plaintext, whatever the environment says.
       timeout: deadline in seconds of each call (None: no deadline).
       max_message_bytes: must match the server's; no message is larger.
       chunk_bytes: frame size of streamed uploads.
@@ -83,19 +86,24 @@ class PSAdmin:
         turns it off. False: gRPC only.
       channel: a TaskChannel to use instead of making one (tests, and
         transports of your own: psserver/link/channel.py).
+      diagnose: a call to a server that has not answered yet and cannot be
+        reached fails with an error saying why and what to check (a wrong
+        host, nothing listening at the port, a TLS mismatch:
+        psserver/link/diagnose.py). False: gRPC's own words.
 
     The route is planned once, from the server's GetServerInfo (no call is
     made to find it out), and again after a socket breaks; ``route`` tells
     what it is.
     """
 
-    def __init__(self, address: str, *, token: str | None = None, tls: TLSConfig | None = None,
-                 timeout: float | None = DEFAULT_TIMEOUT,
+    def __init__(self, address: str, *, token: str | None = None,
+                 tls: TLSConfig | bool | None = None, timeout: float | None = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  stream_threshold_bytes: int = DEFAULT_STREAM_THRESHOLD_BYTES,
                  wait_for_ready: bool = False, shared_memory: bool = True,
-                 data_port: bool = True, channel: TaskChannel | None = None):
+                 data_port: bool = True, channel: TaskChannel | None = None,
+                 diagnose: bool = True):
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -105,7 +113,8 @@ class PSAdmin:
         self.channel = channel if channel is not None else TaskChannel(
             address, role="ps", token=token, tls=tls, timeout=timeout,
             max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes,
-            wait_for_ready=wait_for_ready, shared_memory=shared_memory, data_port=data_port)
+            wait_for_ready=wait_for_ready, shared_memory=shared_memory, data_port=data_port,
+            diagnose=diagnose)
         self._sizes = SizeCache()
         self.limits = routing.Limits(MAX_FRAME_BYTES - MESSAGE_OVERHEAD,
                                      self.stream_threshold_bytes,

@@ -55,11 +55,12 @@ from psserver.contract import (
 )
 from psserver.errors import DeadlineExceeded, FailedPrecondition, PSError, Unavailable
 from psserver.link import methods
+from psserver.link.diagnose import diagnosed
 from psserver.link.grpc_common import client_options
 from psserver.link.methods import Method
 from psserver.link.pending import Pending
 from psserver.link.transport import GrpcTransport, SocketTransport, Transport
-from psserver.tls import TLSConfig, make_channel
+from psserver.tls import TLSConfig, client_config, make_channel
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ class TaskChannel:
     Args:
       role: "ps" (a parameter server) or "worker".
       token: the cluster's auth token; None: ``$PSTRAIN_AUTH_TOKEN`` if set.
-      tls: a TLSConfig (its CA, and a certificate for mutual TLS); None: plaintext.
+      tls: a TLSConfig (its CA, and a certificate for mutual TLS); None:
+        ``$PSTRAIN_TLS_CERT`` / ``_KEY`` / ``_CA`` if set, else plaintext;
+        False: plaintext (psserver.tls.client_config).
       timeout: each call's deadline in seconds (None: none).
       wait_for_ready: gRPC calls wait for a task that is down (until their
         deadline) instead of failing at once with UNAVAILABLE.
@@ -103,27 +106,35 @@ class TaskChannel:
       abortable: ``abort()`` cuts calls waiting for their replies (a
         worker's closures, when the coordinator gives up on them).
       transports: transports to use instead of making them (see the module).
+      diagnose: until the task answers, a call that cannot reach it fails
+        with an error that says why (psserver/link/diagnose.py: a probe tells
+        a wrong host, nothing listening and a TLS mismatch apart) and what
+        to check. False: gRPC's own words (callers that explain it themselves).
     """
 
     def __init__(self, address: str, *, role: str = "ps", token: str | None = None,
-                 tls: TLSConfig | None = None, timeout: float | None = DEFAULT_TIMEOUT,
+                 tls: TLSConfig | bool | None = None,
+                 timeout: float | None = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, wait_for_ready: bool = False,
                  shared_memory: bool = True, data_port: bool = True, max_free: int = 8,
-                 abortable: bool = False, transports: Mapping[str, Transport] | None = None):
+                 abortable: bool = False, transports: Mapping[str, Transport] | None = None,
+                 diagnose: bool = True):
         if role not in _SERVICES:
             raise ValueError(f"role must be 'ps' or 'worker', got {role!r}")
         self.address, self.role, self.timeout = address, role, timeout
         self.max_message_bytes = max_message_bytes
         self._token = token or os.environ.get(TOKEN_ENV) or None
-        self._tls = tls
+        self._tls = tls = client_config(tls)
         self._max_free, self._abortable = max_free, abortable
         given = dict(transports or {})
         grpc_t = given.pop("grpc", None)
         if grpc_t is None:
             channel = make_channel(address, client_options(max_message_bytes), tls)
             grpc_t = GrpcTransport(channel, address, call_metadata(self._token), wait_for_ready,
-                                   chunk_bytes=max(1, min(chunk_bytes, max_message_bytes)))
+                                   chunk_bytes=max(1, min(chunk_bytes, max_message_bytes)),
+                                   diagnose=functools.partial(diagnosed, role=role, tls=tls)
+                                   if diagnose else None)
         self.grpc = grpc_t
         self._given = given   # sockets to use instead of opening them: kind -> transport
         self._same_host_ok = shared_memory and routing.same_host_available()
@@ -161,15 +172,22 @@ class TaskChannel:
             self._replan_from(info)
         return info
 
-    def _ask_info(self, timeout: float, wait_for_ready: bool):
+    def _ask_info(self, timeout: float, wait_for_ready: bool, diagnose: bool = True):
+        """The task's info; ``diagnose``: a failure says why (its transport's
+        diagnose), else gRPC's words (an error no one sees)."""
         method = _INFO[self.role]
         request = method.request()
-        if wait_for_ready and isinstance(self.grpc, GrpcTransport) and \
-                not self.grpc.wait_for_ready:
-            waiting = GrpcTransport(self.grpc.channel, self.address, self.grpc.metadata, True)
-            info = waiting.call(method, request, timeout)
+        g = self.grpc
+        if isinstance(g, GrpcTransport) and ((wait_for_ready and not g.wait_for_ready)
+                                             or (not diagnose and g.diagnose is not None
+                                                 and not g.answered)):
+            once = GrpcTransport(g.channel, self.address, g.metadata,
+                                 wait_for_ready or g.wait_for_ready,
+                                 diagnose=g.diagnose if diagnose and not g.answered else None)
+            info = once.call(method, request, timeout)
+            g.answered = True
         else:
-            info = self.grpc.call(method, request, timeout)
+            info = g.call(method, request, timeout)
         check_version(info.protocol_version, self.address)
         return info
 
@@ -187,7 +205,8 @@ class TaskChannel:
                 return
             self._planning = True
         try:   # briefly, without waiting for a task that is down: gRPC meanwhile
-            info = self._ask_info(min(self.timeout or _ASK_SECONDS, _ASK_SECONDS), False)
+            info = self._ask_info(min(self.timeout or _ASK_SECONDS, _ASK_SECONDS), False,
+                                  diagnose=False)   # the call that follows says why
         except FailedPrecondition:   # another protocol version: no call may go
             raise
         except PSError:
@@ -357,8 +376,13 @@ class TaskChannel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise DeadlineExceeded(f"task {self.address} not ready after {timeout}s; is it "
-                                   "running and is the address right?") from None
+            err = DeadlineExceeded(f"task {self.address} not ready after {timeout}s; is it "
+                                   "running and is the address right?")
+            err.address = self.address
+            diagnose = getattr(self.grpc, "diagnose", None)
+            if diagnose is not None and not self.grpc.answered:
+                err = diagnose(err)   # which of those, and what to check
+            raise err from None
 
     def close(self) -> None:
         with self._lock:

@@ -172,10 +172,16 @@ class GrpcTransport(Transport):
     kind = ""
 
     def __init__(self, channel: grpc.Channel, target: str, metadata: tuple = (),
-                 wait_for_ready: bool = False, *, chunk_bytes: int = 1 << 20):
+                 wait_for_ready: bool = False, *, chunk_bytes: int = 1 << 20,
+                 diagnose: Callable[[PSError], PSError] | None = None):
         self.channel, self.target = channel, target
         self.metadata, self.wait_for_ready = metadata, wait_for_ready
         self.chunk_bytes = chunk_bytes
+        # Until the task answers a call (``answered``), a call that does not
+        # reach it fails with the error ``diagnose`` makes of it: why, and
+        # what to check (psserver/link/diagnose.py), not gRPC's bare words.
+        self.diagnose = diagnose
+        self.answered = False
         self._callables: dict[tuple, grpc.UnaryUnaryMultiCallable] = {}
         self._closed = False
 
@@ -194,9 +200,10 @@ class GrpcTransport(Transport):
             reply = self._callable(method, raw)(request, timeout=timeout, metadata=self.metadata,
                                                 wait_for_ready=self.wait_for_ready)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.target, method.service) from exc
+            raise self._error(exc, method.service) from exc
         except ValueError as exc:
             raise self._closed_error(exc) from None
+        self.answered = True
         if receiver is not None and method.reply is None:
             return receiver(_reader(reply), len(reply))
         return reply
@@ -233,7 +240,7 @@ class GrpcTransport(Transport):
         try:
             yield from stream(request, **self._kw(timeout))
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.target) from exc
+            raise self._error(exc) from exc
         except ValueError as exc:
             raise self._closed_error(exc) from None
 
@@ -245,9 +252,20 @@ class GrpcTransport(Transport):
         try:
             return fn()
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.target) from exc
+            raise self._error(exc) from exc
         except ValueError as exc:
             raise self._closed_error(exc) from None
+
+    def _error(self, exc: grpc.RpcError, service: str = "") -> PSError:
+        """The typed error of a failed call; one that did not reach a task
+        that never answered says why (``diagnose``)."""
+        err = from_rpc_error(exc, self.target, service)
+        if err.code not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED):
+            self.answered = True   # it answered, with an error
+        elif err.code != Code.CANCELLED and not self.answered and self.diagnose is not None \
+                and not self._closed:
+            err = self.diagnose(err)
+        return err
 
     def _closed_error(self, exc: ValueError) -> Exception:
         """What a call grpc refuses with ValueError (a closed channel) is:

@@ -70,7 +70,8 @@ class Forwarder(R.Forwarding):
         # A peer on this host is reached over its local socket (no TLS to
         # pay for: measured, TLS on the data port was most of a replicated
         # push's cost between two servers of one host), else its data port.
-        return PSClient(address, token=self._token, tls=self._tls, timeout=CALL_SECONDS)
+        return PSClient(address, token=self._token, tls=self._tls or False,
+                        timeout=CALL_SECONDS)
 
     def stop(self) -> None:
         with self._lock:
