@@ -35,7 +35,7 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-#: How to install what this example needs (also in README.md; a test checks
+#: How to install what this example needs (also in docs/checkpoints.md; a test checks
 #: both name extras that pyproject.toml has).
 INSTALL = ('pip install torch --index-url https://download.pytorch.org/whl/cpu && '
            'pip install -e ".[torch,examples]"')

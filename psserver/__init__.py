@@ -22,4 +22,4 @@ Public tools any role uses (they import the contract layer only):
 """
 from psserver import _moved
 
-_moved.install()   # the old module paths, deprecated (README, "Moved names")
+_moved.install()   # the old module paths, deprecated (docs/client.md, "Moved names")

@@ -1,4 +1,4 @@
-"""Deprecated import paths of modules that moved into the layers (README,
+"""Deprecated import paths of modules that moved into the layers (docs/client.md,
 "Moved names"): ``import psserver.store`` still works, warns once with
 DeprecationWarning, and gives the module at its new path (the same module
 object, so nothing is loaded twice). Nothing in this repository imports an

@@ -199,7 +199,7 @@ BACKUP_PREFIX = "_backup/"
 
 def __getattr__(name: str):
     """The typed errors lived here before psserver.errors held them: the old
-    path still works, deprecated (README, "Moved names")."""
+    path still works, deprecated (docs/client.md, "Moved names")."""
     import warnings
 
     from psserver import errors

@@ -178,7 +178,7 @@ def test_no_module_in_psserver_or_coordinator_passes_600_lines():
 
 
 def test_old_module_paths_warn_and_give_the_moved_module():
-    """README, "Moved names": an old path still imports, warns, and is the
+    """docs/client.md, "Moved names": an old path still imports, warns, and is the
     same module object as the new path (one copy of its state)."""
     code = """
 import importlib, warnings

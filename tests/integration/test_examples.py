@@ -161,7 +161,7 @@ def test_digits_runs_as_a_script_from_another_directory(tmp_path):
 
 # -- installing the torch example -------------------------------------------------------------
 def test_torch_example_and_readme_name_the_same_extras_and_the_cpu_build():
-    """README and examples/torch_digits.py say the same `pip install -e ".[...]"`
+    """docs/checkpoints.md and examples/torch_digits.py say the same `pip install -e ".[...]"`
     for the torch example, every extra in it exists, and both install
     PyTorch's CPU build first (PyPI's default Linux torch is GBs of CUDA)."""
     import tomllib
@@ -169,7 +169,7 @@ def test_torch_example_and_readme_name_the_same_extras_and_the_cpu_build():
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     with open(os.path.join(ROOT, "examples", "torch_digits.py")) as f:
         example = f.read()
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "checkpoints.md")) as f:   # its PyTorch item
         readme = f.read()
     install = re.compile(r"""pip install -e ["']\.\[([\w,]+)\]["']""")
     in_example = set(install.findall(example))
