@@ -76,7 +76,11 @@ class ParameterServers:
     """See the module. ``token``/``tls``: the cluster's (None: plaintext, no token)."""
 
     def __init__(self, token: str | None = None, tls: TLSConfig | None = None):
-        self.token, self.tls = token, tls
+        self.token, self.tls = token, tls   # for an address no cluster was given for
+        # address -> (token, tls) of the cluster it belongs to (``give``): two
+        # strategies of two clusters in one process each reach their own
+        # servers with their own credentials.
+        self._given: dict[str, tuple] = {}
         self._clients: dict[str, PSClient] = {}
         self._lock = threading.Lock()
         self.routes = Routes()
@@ -91,10 +95,37 @@ class ParameterServers:
             with self._lock:
                 c = self._clients.get(address)
                 if c is None:
-                    # (self.tls was settled already: None is plaintext, not "ask the env")
-                    c = self._clients[address] = PSClient(
-                        address, token=self.token, tls=self.tls or False)
+                    token, tls = self._given.get(address, (self.token, self.tls))
+                    # (tls was settled already: None is plaintext, not "ask the env")
+                    c = self._clients[address] = PSClient(address, token=token,
+                                                          tls=tls or False)
         return c
+
+    def give(self, addresses, token: str | None, tls: TLSConfig | None) -> None:
+        """Reach ``addresses`` (one cluster's servers) with ``token`` and
+        ``tls``; a client made with other credentials is closed (made again
+        on use)."""
+        stale = []
+        with self._lock:
+            for a in addresses:
+                if self._given.get(a, (self.token, self.tls)) != (token, tls) \
+                        and a in self._clients:
+                    stale.append(self._clients.pop(a))
+                self._given[a] = (token, tls)
+        for c in stale:
+            c.close()
+
+    def set_default(self, token: str | None, tls: TLSConfig | None) -> None:
+        """The credentials of addresses no cluster was given for; their
+        clients made with others are closed."""
+        stale = []
+        with self._lock:
+            if (self.token, self.tls) != (token, tls):
+                self.token, self.tls = token, tls
+                for a in [a for a in self._clients if a not in self._given]:
+                    stale.append(self._clients.pop(a))
+        for c in stale:
+            c.close()
 
     def use(self, address: str, client: PSClient) -> None:
         """Make ``client`` this process's client of ``address`` (one with
@@ -223,19 +254,24 @@ def _set(s: ParameterServers) -> None:
     _servers = s
 
 
-def configure(token: str | None, tls: TLSConfig | None = None) -> ParameterServers:
-    """Use ``token`` and ``tls`` for this process's connections (closing the
-    old ones when they change); the process's ParameterServers."""
+def configure(token: str | None, tls: TLSConfig | None = None,
+              addresses: Sequence[str] = ()) -> ParameterServers:
+    """Use ``token`` and ``tls`` for this process's connections to
+    ``addresses`` (a cluster's parameter servers) and to any address no
+    cluster was given for (closing connections made with other
+    credentials); the process's ParameterServers. A strategy configures its
+    cluster's servers, so two clusters in one process (two LocalClusters,
+    say) each keep their own token and TLS."""
     with _servers_lock:
-        old = _servers
-        if old is not None and (old.token, old.tls) == (token, tls):
-            return old
-        new = ParameterServers(token, tls)
-        if old is not None:
-            new.routes = old.routes   # what is known of who leads stays true
-            old.close()
-        _set(new)
-        return new
+        s = _servers
+        if s is None:
+            s = ParameterServers(token, tls)
+            _set(s)
+        else:
+            s.set_default(token, tls)
+        if addresses:
+            s.give(addresses, token, tls)
+        return s
 
 
 def client_for(address: str) -> PSClient:

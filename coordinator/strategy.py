@@ -217,7 +217,7 @@ class ParameterServerStrategy:
         self.variable_partitioner = variable_partitioner
         self.token = token or spec.token or os.environ.get(TOKEN_ENV) or None
         self.tls = tls or getattr(spec, "tls", None) or TLSConfig.from_env()
-        ps_pool.configure(self.token, self.tls)
+        ps_pool.configure(self.token, self.tls, self._ps)
         self.connect_timeout = float(CONNECT_SECONDS if connect_timeout is None
                                      else connect_timeout)
         if not self.connect_timeout > 0:

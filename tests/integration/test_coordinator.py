@@ -679,3 +679,33 @@ def test_worker_with_token_refuses_calls_without_it(cluster):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     reply = stub.RunClosure(req, metadata=(("authorization", f"Bearer {cluster.token}"),), timeout=10)
     assert serialization.loads(reply.result, trusted=True) == 2
+
+
+@pytest.mark.timeout(90)
+def test_two_clusters_in_one_process_each_keep_their_token_and_tls():
+    """Two LocalClusters (each its own token and certificates) driven from one
+    program: the second strategy used to replace the process's connection
+    pool's credentials, so the first cluster's reads, pushes and its
+    coordinator's watch failed the TLS handshake (bench.bench_replication
+    runs two clusters so). Each cluster's servers keep their own."""
+    from coordinator import push_gradients, read_variables
+    with LocalCluster(num_ps=1, num_workers=1) as a, LocalCluster(num_ps=1, num_workers=1) as b:
+        assert a.token != b.token
+        sa = ParameterServerStrategy(a.spec)
+        wa = sa.create_variable("w", initial_value=np.ones(4, np.float32), optimizer="sgd",
+                                optimizer_params={"learning_rate": 1.0})
+        sb = ParameterServerStrategy(b.spec)
+        wb = sb.create_variable("w", initial_value=np.full(4, 2.0, np.float32), optimizer="sgd",
+                                optimizer_params={"learning_rate": 1.0})
+        # cluster a, after b's strategy was made: directly, and through its workers
+        np.testing.assert_array_equal(wa.read(), np.ones(4, np.float32))
+
+        def step(v):
+            push_gradients([(v, np.full(4, 0.5, np.float32))])
+            return read_variables([v])[0]
+        for strategy, v, start in ((sa, wa, 1.0), (sb, wb, 2.0)):
+            with ClusterCoordinator(strategy) as coord:
+                got = coord.fetch([coord.schedule(step, args=(v,)) for _ in range(4)])
+                coord.join()
+            np.testing.assert_array_equal(v.read(), np.full(4, start - 2.0, np.float32))
+            assert float(got[-1][0]) == start - 2.0
