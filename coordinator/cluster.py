@@ -97,7 +97,11 @@ class Cluster:
         self.closed = False
         # In bounded mode workers differ in whether they may take a closure.
         self.queue = _ClosureQueue(wake_all=strategy.staleness is not None)
-        self._steps = itertools.count()   # sync mode's global step counter
+        # Sync mode's global step counter, from the steps the servers applied
+        # already (a restarted coordinator's adopted variables: sync_steps_done)
+        # when the first step is scheduled.
+        self._steps: itertools.count | None = None
+        self._steps_lock = threading.Lock()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
         self._fn_refs: "weakref.WeakKeyDictionary[Callable, worker_pb2.FunctionRef]" = \
             weakref.WeakKeyDictionary()
@@ -146,7 +150,10 @@ class Cluster:
             self.queue.put(closure)
             return closure.remote_value
         if self.strategy.mode in SYNC_MODES:
-            step = next(self._steps)
+            with self._steps_lock:
+                if self._steps is None:
+                    self._steps = itertools.count(self.strategy.sync_steps_done())
+                step = next(self._steps)
             closures = [Closure(ref, payload, f"{_name(fn)}[step {step} replica {i}]",
                                 self.strategy.sync_spec(step, i))
                         for i in range(self.strategy.num_replicas)]

@@ -294,6 +294,16 @@ class ParameterServerStrategy:
         Pair it with a warm-up for large k, as that paper does."""
         return learning_rate * self.num_replicas_in_sync
 
+    def sync_steps_done(self) -> int:
+        """The highest ``sync_steps`` of any shard of this strategy's variables
+        and tables: a restarted coordinator (``reuse_existing``) numbers its
+        steps from here (a lower step is late everywhere, its updates dropped)."""
+        pool = ps_pool.servers()
+        done = [m.sync_steps for v in self.variables for m in v.meta()]
+        done += [pool.client(c.address).table_info(c.table).sync_steps
+                 for t in self.tables for c in t.primaries()]
+        return max(done, default=0)
+
     def sync_spec(self, step: int, replica: int) -> SyncSpec:
         """What the parameter servers need to know of replica ``replica`` of ``step``."""
         return SyncSpec(step, replica, self.num_replicas,

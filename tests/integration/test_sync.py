@@ -328,3 +328,40 @@ def test_the_mean_is_over_the_replicas_that_pushed_not_the_configured_count(spar
         version, value = store.snapshot("v")
         assert version == 1
         np.testing.assert_array_equal(value, -2.0 * np.ones((4, 2)))   # mean of 1 and 3
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_coordinator_numbers_its_steps_after_those_the_servers_applied():
+    """Issue 33 item 11: a coordinator restarted in sync mode with
+    reuse_existing numbered its steps from 0 again while the parameter
+    servers had applied steps 0..2: every step it ran was late on every
+    shard, its updates dropped. It now starts at the servers' step count,
+    for variables and dynamic tables alike."""
+    from coordinator import IndexedSlices, Lookup
+
+    def job(cluster, steps, reuse):
+        strategy = ParameterServerStrategy(cluster.spec, mode="sync", num_replicas=2,
+                                           reuse_existing=reuse)
+        w = strategy.create_variable("w", initial_value=np.zeros(3, np.float32),
+                                     optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+        t = strategy.create_embedding_table("t", 2, initializer="zeros", optimizer="sgd",
+                                            optimizer_params={"learning_rate": 1.0})
+        keys = np.array([7], np.int64)
+
+        def step():
+            rows, _ = read_variables([Lookup(t, keys), w])
+            push_gradients([(w, np.ones(3, np.float32)),
+                            (t, IndexedSlices(np.ones((1, 2), np.float32), keys))])
+            return float(rows[0, 0])
+        with ClusterCoordinator(strategy) as coord:
+            coord.fetch([coord.schedule(step) for _ in range(steps)])
+            coord.join()
+        return w.read(), t.lookup(keys, admit=False)
+
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        w, rows = job(cluster, 3, reuse=False)
+        np.testing.assert_array_equal(w, np.full(3, -3.0, np.float32))
+        np.testing.assert_array_equal(rows, np.full((1, 2), -3.0, np.float32))
+        w, rows = job(cluster, 2, reuse=True)   # the restarted coordinator
+        np.testing.assert_array_equal(w, np.full(3, -5.0, np.float32))
+        np.testing.assert_array_equal(rows, np.full((1, 2), -5.0, np.float32))
