@@ -41,17 +41,22 @@ class OursCTR:
     (seconds), ``auc()`` measures the model on held-out batches. Also the
     (e) workload of bench/suite.py."""
 
-    def __init__(self, strategy, coord, n_batches: int, prefix: str = "ctr"):
-        from coordinator import Initializer
+    def __init__(self, strategy, coord, n_batches: int, prefix: str = "ctr",
+                 tables: str = "shared"):
+        from coordinator import EmbeddingCollection, EmbeddingConfig, Initializer
         from examples import ctr
         from examples import dlrm as M
         self.variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
                                                       optimizer="sgd",
                                                       optimizer_params={"learning_rate": LR})
                           for n, v in M.init_params(SEED).items()}
-        self.table = strategy.create_embedding_table(
-            f"{prefix}/emb", M.DIM, optimizer="sgd", optimizer_params={"learning_rate": LR},
-            initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05))
+        config = dict(optimizer="sgd", optimizer_params={"learning_rate": LR},
+                      initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05))
+        if tables == "per-feature":   # a table per feature: examples/ctr.py --tables per-feature
+            self.table = EmbeddingCollection(strategy, f"{prefix}/emb", {
+                f: EmbeddingConfig(dim=M.DIM, **config) for f in ctr.FEATURES})
+        else:
+            self.table = strategy.create_embedding_table(f"{prefix}/emb", M.DIM, **config)
         self.coord = coord
         self.it = iter(coord.create_per_worker_dataset(functools.partial(ctr_dataset, n_batches)))
         self.step = ctr.make_train_step(self.table, self.variables)   # examples/ctr.py's step

@@ -33,7 +33,10 @@ task its own process on 127.0.0.1):
   batches of 512, plain SGD 0.1, async. Ours: the 26 features' ids in one
   dynamic embedding table (examples/ctr.py's step); TensorFlow's: 26 fixed
   tables of ``id % 100,000`` rows (the usual workaround). Samples/s, and the
-  held-out AUC of each model after the run (the same held-out batches).
+  held-out AUC of each model after the run (the same held-out batches). A
+  second variant of ours has a table per feature (an EmbeddingCollection of
+  26, examples/ctr.py --tables per-feature), against TensorFlow and against
+  the shared table.
 * (d) ``digits``, with ``--hosts`` only: every test host's link shaped to
   1 Gbit/s (tbf; plus 0.5 ms each way where the kernel has netem), an MLP
   64-1024-1024-10 (4.5 MB of float32 weights, about 3 ms of numpy per
@@ -177,7 +180,8 @@ TARGETS = {
     "mlp_async_vs_ceiling": (">=", 0.55),
     "emb_uniform_vs_tf": (">=", 2.8), "emb_zipf_vs_tf": (">=", 2.8),
     "emb_uniform2_vs_tf": (">=", 2.8), "emb_zipf2_vs_tf": (">=", 2.8),
-    "ctr_vs_tf": (">=", 3.0),
+    "ctr_vs_tf": (">=", 3.0), "ctr_features_vs_tf": (">=", 3.0),
+    "ctr_features_vs_shared": (">=", 0.9),
     "ps_memory": ("<=", 1.5),
 }
 TARGETS_HOSTS = {**TARGETS, "mlp_sync_vs_tf_async": (">=", 1.5),
@@ -526,9 +530,14 @@ class Ours:
     def setup_ctr(self) -> None:
         from bench.bench_ctr import OursCTR
         self.ctr = OursCTR(self.strategy["async"], self.coord["async"], CTR_BATCHES)
+        self.ctr_features = OursCTR(self.strategy["async"], self.coord["async"], CTR_BATCHES,
+                                    prefix="ctrf", tables="per-feature")
 
     def run_ctr(self, n: int) -> float:
         return _gc_paused(lambda: self.ctr.run(n))
+
+    def run_ctr_features(self, n: int) -> float:
+        return _gc_paused(lambda: self.ctr_features.run(n))
 
     def digits_accuracy(self, key: str) -> float:
         from coordinator import read_variables
@@ -716,6 +725,13 @@ def build_rows(res: dict) -> list[dict]:
                         None if "ours_ctr" not in e else sps(e, "ours_ctr") * per,
                         "TF, 26 tables of id % 100,000",
                         None if "tf_ctr" not in e else sps(e, "tf_ctr") * per, "samples/s", note))
+        feats = None if "ours_ctr_features" not in e else sps(e, "ours_ctr_features") * per
+        rows.append(row("ctr_features_vs_tf", "(e) CTR, DLRM, 26 per-feature tables "
+                        "(EmbeddingCollection)", feats, "TF, 26 tables of id % 100,000",
+                        None if "tf_ctr" not in e else sps(e, "tf_ctr") * per, "samples/s"))
+        rows.append(row("ctr_features_vs_shared", "(e) CTR, 26 per-feature tables", feats,
+                        "ours, one shared table",
+                        None if "ours_ctr" not in e else sps(e, "ours_ctr") * per, "samples/s"))
     d = res.get("shaped")
     if d:
         link = d["link"]["rate"] + (f", {d['link']['delay']}" if d["link"]["delay"] else "")
@@ -900,9 +916,12 @@ def run_ctr(plan: Plan, ours: "Ours", tf: "TF | None") -> dict:
     from coordinator import ctr_data as D
     log("(e) ctr: creating variables, tables and datasets")
     ours.setup_ctr()
-    out = _race(plan, [Variant("ours_ctr", ours.run_ctr, plan.ctr_steps, ours.meter)],
+    out = _race(plan, [Variant("ours_ctr", ours.run_ctr, plan.ctr_steps, ours.meter),
+                       Variant("ours_ctr_features", ours.run_ctr_features, plan.ctr_steps,
+                               ours.meter)],
                 tf, "tf_ctr", "ctr", "(e) ctr")
     out["ours_ctr"]["auc"] = ours.ctr.auc()
+    out["ours_ctr_features"]["auc"] = ours.ctr_features.auc()
     if tf:
         out["tf_ctr"]["auc"] = tf.ctr_auc()
     out.update(batch=C.BATCH, ceiling_auc=D.bayes_auc(C.SEED + 1, 20 * C.BATCH),

@@ -248,11 +248,23 @@ def read_variables(variables: Sequence, *, with_versions: bool = False, compress
     dynamic table: none).
     """
     value_dtype = read_value_dtype(compression)
-    if value_dtype and any(isinstance(v, Lookup) for v in variables):
+    # an EmbeddingCollection's look-up is its group tables' (coordinator/embedding_collection.py)
+    flat = [p for v in variables for p in getattr(v, "parts", (v,))]
+    if value_dtype and any(isinstance(v, Lookup) for v in flat):
         raise ValueError("read compression applies to dense variables; read the lookups "
                          "in a read_variables call without compression")
-    read = _Read(variables, value_dtype)
-    return read.finish(servers().settle(read.plan), with_versions)
+    read = _Read(flat, value_dtype)
+    got = read.finish(servers().settle(read.plan), with_versions)
+    if not any(hasattr(v, "parts") for v in variables):
+        return got
+    values, versions = got if with_versions else (got, None)
+    out, seen, at = [], [], 0
+    for v in variables:
+        parts = getattr(v, "parts", None)
+        out.append(values[at] if parts is None else v.fold(values[at:at + len(parts)]))
+        seen.append(versions[at] if parts is None and versions is not None else [])
+        at += 1 if parts is None else len(parts)
+    return (out, seen) if with_versions else out
 
 
 def read_value_dtype(compression) -> str:
@@ -434,7 +446,9 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
     join the step and ``IndexedSlices`` are applied on arrival (ValueError,
     nothing sent, for a variable that got the other kind before).
     """
-    push = _Push(pairs, compression)
+    push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
+                  for q in (v.expand_push(g) if hasattr(v, "expand_push") else ((v, g),))],
+                 compression)
     pool = servers()
     pool.settle(functools.partial(push.plan, pool.routes))
 

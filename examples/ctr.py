@@ -57,6 +57,8 @@ from coordinator import (
     CheckpointCallback,
     CheckpointManager,
     ClusterCoordinator,
+    EmbeddingCollection,
+    EmbeddingConfig,
     IndexedSlices,
     Initializer,
     LocalCluster,
@@ -67,6 +69,7 @@ from coordinator import (
     read_variables,
 )
 from coordinator import ctr_data as D
+from coordinator.embedding_collection import keys_in
 from coordinator.fit import fit
 from coordinator.local import description, plural, run_main
 from coordinator.replica import get_replica_context
@@ -90,25 +93,65 @@ def make_train_step(table, variables: dict, batch_of=None):
         else:
             b = batch_of(ctx.step * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group)
         # The table's rows and the dense layers: one call per server.
-        rows, *values = read_variables([Lookup(table, b.sparse),
-                                        *(variables[n] for n in names)])   # rows (n, 26, DIM)
-        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense, rows,
-                                                  b.labels)
+        got, *values = read_variables([lookup_item(table, b.sparse),
+                                       *(variables[n] for n in names)])
+        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense,
+                                                  rows_of(table, got), b.labels)
         # Their gradients: one call per server (the keys, looked up just now, not sorted again).
-        push_gradients([(table, IndexedSlices(row_grads.reshape(-1, M.DIM),
-                                              b.sparse.reshape(-1))),
+        push_gradients([row_gradients(table, b.sparse, row_grads),
                         *((variables[n], grads[n]) for n in names)])
         return loss
     return train_step
 
 
-def build(strategy, seed: int, lr: float, prefix: str = "ctr"):
-    """The model on ``strategy``: (dense variables by name, the table), all
+#: The categorical features, each a table of its own with ``--tables per-feature``.
+FEATURES = [f"C{i + 1}" for i in range(M.NUM_SPARSE)]
+
+
+def feature_configs(seed: int, lr: float) -> dict:
+    """``--tables per-feature``: a table per feature (an EmbeddingCollection),
+    each as the shared table is made but with a share of its 4M rows by the
+    feature's vocabulary (the DLRM's dot interactions take one dimension, so
+    the 26 tables share one group table on the servers: coordinator/embedding_collection.py)."""
+    init = Initializer(kind="random_uniform", minval=-0.05, maxval=0.05, seed=seed)
+    return {f: EmbeddingConfig(dim=M.DIM, seed=seed, optimizer="adagrad", initializer=init,
+                               optimizer_params={"learning_rate": lr}, min_count=2,
+                               capacity=max(1_000, 4_000_000 * v // sum(D.VOCABS)))
+            for f, v in zip(FEATURES, D.VOCABS)}
+
+
+def lookup_item(table, sparse: np.ndarray, admit: bool = True):
+    """read_variables' item for a batch's ids (n, 26): one table, or a table per feature."""
+    if isinstance(table, EmbeddingCollection):
+        return table.lookup({f: sparse[:, i] for i, f in enumerate(FEATURES)}, admit=admit)
+    return Lookup(table, sparse, admit)
+
+
+def rows_of(table, got) -> np.ndarray:
+    """The rows lookup_item's read gave, (n, 26, DIM)."""
+    return np.stack([got[f] for f in FEATURES], axis=1) \
+        if isinstance(table, EmbeddingCollection) else got
+
+
+def row_gradients(table, sparse: np.ndarray, row_grads: np.ndarray) -> tuple:
+    """push_gradients' pair for the rows' gradients (n, 26, DIM)."""
+    if isinstance(table, EmbeddingCollection):
+        return table, {f: IndexedSlices(row_grads[:, i], sparse[:, i])
+                       for i, f in enumerate(FEATURES)}
+    return table, IndexedSlices(row_grads.reshape(-1, M.DIM), sparse.reshape(-1))
+
+
+def build(strategy, seed: int, lr: float, prefix: str = "ctr", tables: str = "shared"):
+    """The model on ``strategy``: (dense variables by name, the table: one
+    shared, or with ``tables="per-feature"`` an EmbeddingCollection), all
     Adagrad with learning rate ``lr``, named ``{prefix}/...``."""
     variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
                                              optimizer="adagrad",
                                              optimizer_params={"learning_rate": lr})
                  for n, v in M.init_params(seed).items()}
+    if tables == "per-feature":
+        return variables, EmbeddingCollection(strategy, f"{prefix}/emb",
+                                              feature_configs(seed, lr))
     table = strategy.create_embedding_table(
         f"{prefix}/emb", M.DIM, seed=seed, optimizer="adagrad",
         initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05, seed=seed),
@@ -120,11 +163,12 @@ def evaluate(table, variables: dict, seed: int, batches: int, size: int) -> dict
     """AUC and loss on held-out batches (stream seed + 1): nothing admitted."""
     names = list(variables)
     params = dict(zip(names, read_variables([variables[n] for n in names])))
-    return held_out(params, lambda ids: table.lookup(ids, admit=False), seed, batches, size)
+    return held_out(params, lambda ids: rows_of(table, read_variables(
+        [lookup_item(table, ids, admit=False)])[0]), seed, batches, size)
 
 
 def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches: int = 20,
-                        size: int = 512) -> dict:
+                        size: int = 512, tables: str = "shared", lr: float = 0.1) -> dict:
     """The side evaluator's function (reads no parameter server):
 
         python -m coordinator evaluate DIR --fn examples.ctr:evaluate_checkpoint --logdir LOGS
@@ -133,8 +177,26 @@ def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches:
     DIR``, defaults of ``main``) on the held-out batches, its rows read from
     the checkpoint's files as a look-up without admission reads them."""
     params = {n: checkpoint.variables[f"{prefix}/{n}"] for n in M.init_params(seed)}
-    return held_out(params, lambda ids: checkpoint.lookup(f"{prefix}/emb", ids), seed,
+    return held_out(params, reader_lookup(checkpoint, prefix, seed, tables, lr), seed,
                     batches, size)
+
+
+def evaluate_per_feature_checkpoint(checkpoint) -> dict:
+    """evaluate_checkpoint of a ``--tables per-feature`` run (defaults of ``main``):
+    ``coordinator evaluate DIR --fn examples.ctr:evaluate_per_feature_checkpoint``."""
+    return evaluate_checkpoint(checkpoint, tables="per-feature")
+
+
+def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "shared",
+                  lr: float = 0.1):
+    """ids (n, 26) -> rows (n, 26, DIM) from a checkpoint or a serving copy
+    (its ``lookup(table, keys)``); per-feature tables found from their
+    declarations (``tables``, and the run's ``seed`` and ``lr``)."""
+    if tables != "per-feature":
+        return lambda ids: reader.lookup(f"{prefix}/emb", ids)
+    configs = feature_configs(seed, lr)
+    return lambda ids: np.stack([reader.lookup(*keys_in(f"{prefix}/emb", configs, f, ids[:, i]))
+                                 for i, f in enumerate(FEATURES)], axis=1)
 
 
 def held_out(params: dict, lookup, seed: int, batches: int, size: int) -> dict:
@@ -162,6 +224,9 @@ def main(argv=None) -> dict:
                    help="async (default); sync: dense and table averaged over a step's "
                         "replicas and applied once; hybrid: dense as sync, table as async")
     p.add_argument("--lr", type=float, default=0.1, help="Adagrad's learning rate")
+    p.add_argument("--tables", choices=("shared", "per-feature"), default="shared",
+                   help="shared (default): the 26 features' ids in one table; per-feature: a "
+                        "table per feature (an EmbeddingCollection), looked up together")
     p.add_argument("--num-ps", type=int, default=2)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -190,15 +255,16 @@ def main(argv=None) -> dict:
         spec = resolver.cluster_spec()
         strategy = ParameterServerStrategy(resolver, mode=args.mode)
         replicas = strategy.num_replicas_in_sync
-        print(f"ctr: DLRM ({M.num_params()} dense parameters, embeddings of {M.DIM} in a "
-              f"dynamic table), {spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
+        where = "a dynamic table" if args.tables == "shared" else "a table per feature"
+        print(f"ctr: DLRM ({M.num_params()} dense parameters, embeddings of {M.DIM} in "
+              f"{where}), {spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
               f"{args.mode}, "
               f"batch {args.batch_size}" + (f" x {replicas} replicas" if replicas > 1 else "")
               + f"; the planted model's AUC: {ceiling:.4f}", flush=True)
-        variables, table = build(strategy, args.seed, args.lr)
+        variables, table = build(strategy, args.seed, args.lr, tables=args.tables)
         if args.cluster == "tf_config":   # leave the shared servers as we found them
             stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
-            stack.callback(lambda: strategy.delete_embedding_table(table))
+            stack.callback(lambda: [strategy.delete_embedding_table(t) for t in strategy.tables])
         seed, size = args.seed, args.batch_size
 
         def dataset_fn(ctx):   # on every worker: its own batches of the stream
@@ -233,13 +299,15 @@ def main(argv=None) -> dict:
           f"look-ups not admitted yet, {stats.evicted_capacity + stats.evicted_age:,} evicted, "
           f"hit rate {stats.hit_rate:.3f}", flush=True)
     print(f"test AUC: {aucs[-1]:.4f} (the planted model: {ceiling:.4f})", flush=True)
+    fn, more = ("evaluate_checkpoint", "") if args.tables == "shared" else \
+        ("evaluate_per_feature_checkpoint", " --tables per-feature")
     if args.incremental_checkpoints:
         print(f"checkpoints: {dirs[0]} (`python -m coordinator checkpoint list {dirs[0]}`; "
               f"score them: `python -m coordinator evaluate {dirs[0]} --fn "
-              "examples.ctr:evaluate_checkpoint --logdir LOGS --once`)", flush=True)
+              f"examples.ctr:{fn} --logdir LOGS --once`)", flush=True)
     if args.export:
         print(f"serving exports: {dirs[-1]} (`python examples/serve_ctr.py --export "
-              f"{dirs[-1]}`)", flush=True)
+              f"{dirs[-1]}{more}`)", flush=True)
     return {"mode": args.mode, "auc": aucs[-1], "aucs": aucs, "ceiling": ceiling,
             "samples_per_second": float(np.median(rates)), "rows": stats.rows,
             "history": history.history}

@@ -22,13 +22,14 @@ if __package__ in (None, ""):   # run as a script: make the repo importable
 
 from coordinator.local import description, run_main
 from coordinator.serving import Snapshot
-from examples.ctr import held_out
+from examples.ctr import held_out, reader_lookup
 
 
-def score(snap: Snapshot, seed: int, batches: int, size: int) -> dict:
+def score(snap: Snapshot, seed: int, batches: int, size: int, tables: str = "shared",
+          lr: float = 0.1) -> dict:
     """AUC and loss of the export the Snapshot serves now."""
     params = {n[4:]: snap.read(n) for n in snap.variables if n.startswith("ctr/")}
-    return held_out(params, lambda ids: snap.lookup("ctr/emb", ids), seed, batches, size)
+    return held_out(params, reader_lookup(snap, "ctr", seed, tables, lr), seed, batches, size)
 
 
 def main(argv=None) -> dict:
@@ -37,6 +38,10 @@ def main(argv=None) -> dict:
     p.add_argument("--follow", type=float, default=0.0, metavar="SECONDS",
                    help="follow the export this long, scoring each new one (default: once)")
     p.add_argument("--seed", type=int, default=0, help="the training run's --seed")
+    p.add_argument("--tables", choices=("shared", "per-feature"), default="shared",
+                   help="the training run's --tables")
+    p.add_argument("--lr", type=float, default=0.1,
+                   help="the training run's --lr (per-feature tables are found by it)")
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=512)
     args = p.parse_args(argv)
@@ -48,7 +53,8 @@ def main(argv=None) -> dict:
         while True:
             if snap.generation != generation:
                 generation = snap.generation
-                out = {**score(snap, args.seed, args.eval_batches, args.batch_size),
+                out = {**score(snap, args.seed, args.eval_batches, args.batch_size,
+                               args.tables, args.lr),
                        "path": snap.path}
                 print(f"serving {os.path.basename(snap.path)}: AUC {out['auc']:.4f}, "
                       f"loss {out['loss']:.4f}", flush=True)

@@ -227,8 +227,9 @@ def test_the_ctr_example_learns_on_dynamic_tables(mode, steps):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("tables", ["shared", "per-feature"])
 def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_the_same(
-        tmp_path, capsys):
+        tmp_path, capsys, tables):
     """examples/ctr.py --incremental-checkpoints --export: a base and a delta
     checkpoint, a serving copy exported beside training; examples/serve_ctr.py
     scores the last export (from memory, no parameter server) with the
@@ -241,7 +242,7 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
     ckpt, export = str(tmp_path / "ckpt"), str(tmp_path / "export")
     out = ctr.main(["--epochs", "2", "--steps-per-epoch", "30", "--batch-size", "256",
                     "--eval-batches", "5", "--verbose", "0", "--incremental-checkpoints", ckpt,
-                    "--export", export, "--export-every", "0.5"])
+                    "--export", export, "--export-every", "0.5", "--tables", tables])
     said = capsys.readouterr().out   # where its checkpoints and exports went (issue 35 item 8)
     assert f"checkpoints: {ckpt} " in said and f"serving exports: {export} " in said, said
     latest = sorted(os.listdir(ckpt))[-1]
@@ -250,22 +251,26 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
     exports = sorted(os.listdir(export))
     assert any("chain" in json.load(open(os.path.join(export, e, "manifest.json")))
                for e in exports), exports
-    served = serve_ctr.main(["--export", export, "--eval-batches", "5", "--batch-size", "256"])
+    served = serve_ctr.main(["--export", export, "--eval-batches", "5", "--batch-size", "256",
+                             "--tables", tables])
     assert served["auc"] == out["auc"] and served["path"].endswith(exports[-1])
     # The side evaluator scores the last checkpoint (a delta on its base; an
     # Adagrad table read from the files) as training's own last validation.
     from coordinator import cli
     from coordinator.evaluation import read_checkpoint
     checkpoint = read_checkpoint(os.path.join(ckpt, latest))
-    got = ctr.evaluate_checkpoint(checkpoint, batches=5, size=256)
+    got = ctr.evaluate_checkpoint(checkpoint, batches=5, size=256, tables=tables)
     assert got["auc"] == out["auc"], (got, out["auc"])
-    from coordinator.serving import Snapshot   # a checkpoint directory reads as an export does
+    # a checkpoint directory reads as an export does
+    from coordinator.serving import Snapshot
     ids = np.concatenate([D.batch(1, i, 256).sparse for i in range(3)])
-    rows = checkpoint.lookup("ctr/emb", ids)
+    rows = ctr.reader_lookup(checkpoint, tables=tables)(ids)
     assert (rows != 0).any(axis=-1).mean() > 0.5
-    np.testing.assert_array_equal(Snapshot(ckpt).lookup("ctr/emb", ids), rows)
+    np.testing.assert_array_equal(ctr.reader_lookup(Snapshot(ckpt), tables=tables)(ids), rows)
     logs = tmp_path / "logs"
-    assert cli.main(["evaluate", ckpt, "--fn", "examples.ctr:evaluate_checkpoint", "--logdir",
+    fn = "evaluate_checkpoint" if tables == "shared" else "evaluate_per_feature_checkpoint"
+    assert f"--fn examples.ctr:{fn} " in said
+    assert cli.main(["evaluate", ckpt, "--fn", f"examples.ctr:{fn}", "--logdir",
                      str(logs), "--once"]) == 0
     assert json.loads((logs / "evaluator_state.json").read_text())["last_step"] == 60
     assert any(f.name.endswith(".step60." + str(os.getpid()))
@@ -274,9 +279,11 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("route", ["same host", "data port"])
-def test_a_ctr_step_is_one_round_trip_per_server_each_way(route, monkeypatch):
-    """examples/ctr.py's step (a dynamic table looked up with the dense
-    layers, its row gradients pushed with theirs): per step, one
+@pytest.mark.parametrize("tables", ["shared", "per-feature"])
+def test_a_ctr_step_is_one_round_trip_per_server_each_way(route, tables, monkeypatch):
+    """examples/ctr.py's step (a dynamic table, or 26 per-feature tables of an
+    EmbeddingCollection, looked up with the dense layers, its row gradients
+    pushed with theirs): per step, one
     ParameterServerBulk.Read and one ParameterServerBulk.Push on each
     parameter server, and no other data call (no DynamicTables.Lookup or
     Update, no Gather, no SharedMemory call: the dense values come
@@ -293,7 +300,7 @@ def test_a_ctr_step_is_one_round_trip_per_server_each_way(route, monkeypatch):
         with LocalCluster(num_ps=2, num_workers=0, tls=False,
                           ps_args=("--metrics-port", "0")) as cluster:
             strategy = ParameterServerStrategy(cluster.spec)
-            variables, table = ctr.build(strategy, seed=0, lr=0.1)
+            variables, table = ctr.build(strategy, seed=0, lr=0.1, tables=tables)
             step = ctr.make_train_step(table, variables)
             batches = D.shard(0, 0, 1, 256)
             for _ in range(2):   # warm: routes planned, values mapped

@@ -1,0 +1,225 @@
+"""Embedding tables declared together, one per feature, looked up and
+updated together: one call per parameter server for all of them.
+
+A recommendation model usually has a table per categorical feature, each
+with its own dimension, initializer, optimizer, admission and eviction (as
+TorchRec's ``EmbeddingCollection`` of ``EmbeddingConfig``s, or one Keras
+``Embedding`` per feature)::
+
+    emb = EmbeddingCollection(strategy, "ctr", {
+        "user": EmbeddingConfig(dim=32, optimizer="adagrad", min_count=2, capacity=10_000_000),
+        "item": EmbeddingConfig(dim=32, optimizer="adagrad", min_count=2, capacity=1_000_000),
+        "country": EmbeddingConfig(dim=8)})
+
+    def step(it):                                     # on a worker
+        ids = next(it)                                # {"user": (n,), "item": (n,), ...}
+        rows, w = read_variables([emb.lookup(ids), w_var])   # rows: {feature: (n, dim)}
+        ...
+        push_gradients([(emb, {f: IndexedSlices(grads[f], ids[f]) for f in ids}),
+                        (w_var, dw)])
+
+How: features whose configurations are equal but for ``capacity`` share
+one dynamic table on the servers (a *group*, named ``NAME/d<dim>-<hash of
+the configuration>``), and each feature's keys are qualified by the library:
+XORed with a 64-bit hash of the feature's name (``qualify``). That is a
+bijection per feature, so one feature's keys never collide with each other;
+two features' keys meet only where ``k1 ^ k2`` equals the XOR of their two
+hashes, which ids of the usual kinds (small integers, hashes of strings:
+about n^2 / 2^64 pairs) do not. A step's look-ups of every feature of a
+group are one look-up of the group's table (each distinct qualified key
+once), riding the same call to each server as the step's dense reads; its
+row gradients likewise. A group's capacity is the sum of its features'
+(0, unbounded, if any feature's is): rows are evicted over the group by its
+policy, whichever feature they belong to. Everything a dynamic table has,
+a group has: checkpoints, exports, replication, sync steps, the operator
+tools (which list the groups); ``keys_in`` finds a feature's rows in a
+checkpoint or a serving copy from the declarations alone
+(``snapshot.lookup(*keys_in("ctr", features, "user", ids))``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from coordinator.embedding import DynamicEmbedding, TableStats
+from coordinator.step_calls import IndexedSlices, Lookup
+from psserver.contract import Initializer
+from psserver.contract.keys import check_keys, mix64
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """One feature's table (the arguments of
+    ``ParameterServerStrategy.create_embedding_table``, which says what each does)."""
+    dim: int
+    dtype: str = "float32"
+    initializer: Initializer | str | None = None
+    optimizer: str = "sgd"
+    optimizer_params: Mapping[str, float] | None = None
+    min_count: int = 1
+    probability: float = 1.0
+    capacity: int = 0
+    policy: str = "lru"
+    max_age_steps: int = 0
+    max_age_seconds: float = 0.0
+    seed: int = 0
+
+    def table_args(self) -> dict:
+        """create_embedding_table's keyword arguments but capacity, normalized
+        (what features must share to share a table)."""
+        init = self.initializer
+        if init is None or isinstance(init, str):
+            init = Initializer(kind=init or "zeros", seed=self.seed)
+        return dict(dtype=np.dtype(self.dtype).name, initializer=init,
+                    optimizer=self.optimizer,
+                    optimizer_params=dict(sorted((self.optimizer_params or {}).items())),
+                    min_count=self.min_count, probability=self.probability,
+                    policy=self.policy, max_age_steps=self.max_age_steps,
+                    max_age_seconds=self.max_age_seconds, seed=self.seed)
+
+
+def feature_salt(feature: str) -> np.int64:
+    """The 64 bits a feature's keys are XORed with (a function of its name alone)."""
+    digest = hashlib.blake2b(feature.encode(), digest_size=8).digest()
+    return mix64(np.frombuffer(digest, np.uint64))[0].view(np.int64)
+
+
+def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, tuple[dict, list]]:
+    """group label -> (create_embedding_table's arguments but capacity, its
+    features): features with equal arguments share a group; the table is
+    ``NAME/<label>``. A function of the declarations alone, so a reader of a
+    checkpoint finds a feature's table without a cluster (``keys_in``)."""
+    if not features:
+        raise ValueError(f"embedding collection {name!r} has no features")
+    out: dict[str, tuple[dict, list[str]]] = {}
+    for feature, config in features.items():
+        if not isinstance(config, EmbeddingConfig):
+            raise TypeError(f"feature {feature!r}: an EmbeddingConfig, got {config!r}")
+        if not isinstance(config.dim, int) or config.dim < 1:
+            raise ValueError(f"feature {feature!r}: dim must be an int >= 1, got "
+                             f"{config.dim!r}")
+        args = config.table_args()
+        label = f"d{config.dim}-" + hashlib.blake2b(
+            json.dumps({**args, "dim": config.dim,
+                        "initializer": dataclasses.asdict(args["initializer"])},
+                       sort_keys=True).encode(), digest_size=4).hexdigest()
+        out.setdefault(label, (args, []))[1].append(feature)
+    salts = [feature_salt(f) for f in features]
+    if len(set(salts)) != len(salts):   # two names of one 64-bit hash: refuse, never mix
+        raise ValueError(f"embedding collection {name!r}: two feature names hash alike; "
+                         "rename one")
+    return out
+
+
+def keys_in(name: str, features: Mapping[str, EmbeddingConfig], feature: str,
+            keys) -> tuple[str, np.ndarray]:
+    """(table name, keys there) of ``feature``'s ``keys``: where a checkpoint
+    or a serving copy holds their rows (``snapshot.lookup(*keys_in(...))``)."""
+    for label, (_, members) in groups(name, features).items():
+        if feature in members:
+            return f"{name}/{label}", check_keys(keys) ^ feature_salt(feature)
+    raise KeyError(f"embedding collection {name!r} has no feature {feature!r}")
+
+
+class EmbeddingCollection:
+    """See the module. ``features``: feature name -> EmbeddingConfig. The
+    group tables are created on the strategy's servers (or adopted, as
+    create_embedding_table adopts a table made with the same arguments)."""
+
+    def __init__(self, strategy, name: str, features: Mapping[str, EmbeddingConfig]):
+        self.name = name
+        self.tables: dict[str, DynamicEmbedding] = {}   # group label -> its table
+        self._where: dict[str, tuple[str, np.int64]] = {}   # feature -> (group, salt)
+        for label, (args, members) in groups(name, features).items():
+            caps = [features[f].capacity for f in members]
+            self.tables[label] = strategy.create_embedding_table(
+                f"{name}/{label}", features[members[0]].dim,
+                capacity=0 if 0 in caps else sum(caps), **args)
+            for f in members:
+                self._where[f] = (label, feature_salt(f))
+
+    @property
+    def features(self) -> list[str]:
+        return list(self._where)
+
+    def table_of(self, feature: str) -> DynamicEmbedding:
+        """The table holding ``feature``'s rows (its group's)."""
+        return self.tables[self._group(feature)]
+
+    def qualify(self, feature: str, keys) -> np.ndarray:
+        """``feature``'s keys as its group's table holds them (int64)."""
+        self._group(feature)
+        return check_keys(keys) ^ self._where[feature][1]
+
+    def lookup(self, ids: Mapping[str, Any], *, admit: bool = True) -> "CollectionLookup":
+        """An item for read_variables, whose value is {feature: rows of
+        ``ids[feature]``, shape ids.shape + (dim,)}, for the features given
+        (any subset). ``admit=False`` (evaluation): nothing counted, created
+        or evicted."""
+        return CollectionLookup(self, self._by_group(ids, lambda f, k: k.shape), admit)
+
+    def gradients(self, grads: Mapping[str, IndexedSlices]) -> list[tuple]:
+        """push_gradients' pairs for row gradients by feature
+        (``IndexedSlices(values, keys)``): one (group table, IndexedSlices) per group."""
+        out = []
+        for label, members in self._by_group(
+                {f: g.indices for f, g in grads.items()},
+                lambda f, k: np.asarray(grads[f].values).reshape(k.size, -1)).items():
+            keys = np.concatenate([k.reshape(-1) for _, k, _ in members])
+            values = np.concatenate([v for _, _, v in members])
+            out.append((self.tables[label], IndexedSlices(values, keys)))
+        return out
+
+    #: push_gradients expands ``(collection, {feature: IndexedSlices})`` with this.
+    expand_push = gradients
+
+    def stats(self) -> TableStats:
+        """Counters summed over the group tables (features of a group share
+        theirs: ``{label: t.stats() for label, t in emb.tables.items()}``)."""
+        each = [t.stats() for t in self.tables.values()]
+        return TableStats(**{f.name: sum(getattr(x, f.name) for x in each)
+                             for f in dataclasses.fields(TableStats)})
+
+    def _group(self, feature: str) -> str:
+        try:
+            return self._where[feature][0]
+        except KeyError:
+            raise KeyError(f"embedding collection {self.name!r} has no feature {feature!r}; "
+                           f"it has {sorted(self._where)}") from None
+
+    def _by_group(self, ids: Mapping[str, Any], extra) -> dict[str, list[tuple]]:
+        """group label -> [(feature, its qualified keys, extra(feature, keys))]."""
+        if not ids:
+            raise ValueError("no features given")
+        out: dict[str, list[tuple]] = {}
+        for feature, keys in ids.items():
+            label = self._group(feature)
+            q = self.qualify(feature, keys)
+            out.setdefault(label, []).append((feature, q, extra(feature, q)))
+        return out
+
+
+class CollectionLookup:
+    """A collection's look-up as read_variables takes it: ``parts``, one
+    Lookup per group table (its features' qualified keys in one array), and
+    ``fold`` (their rows -> {feature: rows})."""
+
+    def __init__(self, collection: EmbeddingCollection, groups: dict[str, list[tuple]],
+                 admit: bool):
+        self._groups = list(groups.items())
+        self.parts = [Lookup(collection.tables[label],
+                             np.concatenate([q.reshape(-1) for _, q, _ in members]), admit)
+                      for label, members in self._groups]
+
+    def fold(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+        out = {}
+        for (_, members), got in zip(self._groups, rows):
+            at = 0
+            for feature, q, shape in members:
+                out[feature] = got[at:at + q.size].reshape(shape + got.shape[1:])
+                at += q.size
+        return out

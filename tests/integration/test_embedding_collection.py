@@ -1,0 +1,127 @@
+"""EmbeddingCollection: a table per feature, declared together, looked up and
+updated together (coordinator/embedding_collection.py), on real clusters."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import (
+    CheckpointManager,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    IndexedSlices,
+    LocalCluster,
+    ParameterServerStrategy,
+    push_gradients,
+    read_variables,
+)
+from coordinator.embedding_collection import feature_salt, groups, keys_in
+
+pytestmark = pytest.mark.timeout(120)
+
+SGD = dict(optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+FEATURES = {"user": EmbeddingConfig(dim=4, capacity=100, **SGD),
+            "item": EmbeddingConfig(dim=4, capacity=50, **SGD),
+            "country": EmbeddingConfig(dim=2, initializer="ones", **SGD)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_ps=2, num_workers=0) as c:
+        yield c
+
+
+def test_features_of_one_configuration_share_a_table_and_never_each_others_rows(cluster):
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, "c1", FEATURES)
+    assert sorted(emb.features) == ["country", "item", "user"]
+    assert len(emb.tables) == 2                       # user + item share one, country its own
+    assert emb.table_of("user") is emb.table_of("item")
+    assert emb.table_of("user").name.startswith("c1/d4-")
+    assert emb.table_of("country").dim == 2
+    assert {t.name for t in strategy.tables} == {t.name for t in emb.tables.values()}
+    ids = {"user": np.array([1, 2, 1]), "item": np.array([[1, 7]]), "country": np.array([1])}
+    w = strategy.create_variable("c1/w", initial_value=np.zeros(3, np.float32), **SGD)
+    rows, wv = read_variables([emb.lookup(ids), w])
+    assert rows["user"].shape == (3, 4) and rows["item"].shape == (1, 2, 4)
+    np.testing.assert_array_equal(rows["country"], np.ones((1, 2), np.float32))
+    np.testing.assert_array_equal(wv, np.zeros(3, np.float32))
+    # user 1 twice (summed), item 1 once: the same raw id, two features, two rows
+    push_gradients([(emb, {"user": IndexedSlices(np.ones((3, 4), np.float32), ids["user"]),
+                           "item": IndexedSlices(np.full((1, 2, 4), 3, np.float32),
+                                                 ids["item"])}),
+                    (w, np.ones(3, np.float32))])
+    rows = read_variables([emb.lookup({"user": [1, 2], "item": [1, 7], "country": [1]})])[0]
+    np.testing.assert_array_equal(rows["user"], [[-2] * 4, [-1] * 4])
+    np.testing.assert_array_equal(rows["item"], [[-3] * 4, [-3] * 4])
+    np.testing.assert_array_equal(rows["country"], [[1, 1]])   # no gradient, unchanged
+    np.testing.assert_array_equal(w.read(), -np.ones(3, np.float32))
+    # where the rows are: the group table, under the feature's qualified keys
+    name, keys = keys_in("c1", FEATURES, "item", [1, 7])
+    assert name == emb.table_of("item").name
+    np.testing.assert_array_equal(keys, np.array([1, 7]) ^ feature_salt("item"))
+    np.testing.assert_array_equal(emb.table_of("item").lookup(keys, admit=False), rows["item"])
+    # the group's capacity is its features' together; stats sum the groups
+    assert _capacities(emb.table_of("user")) == [75, 75]   # 150, per shard
+    assert _capacities(emb.table_of("country")) == [0, 0]
+    assert emb.stats().rows == 2 + 2 + 1
+
+
+def _capacities(table):
+    from coordinator import ps_pool
+    return [ps_pool.servers().client(c.address).table_info(c.table).spec.capacity
+            for c in table.primaries()]
+
+
+def test_admit_false_makes_no_row_and_bad_input_says_what_to_do(cluster):
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, "c2", FEATURES)
+    rows = read_variables([emb.lookup({"user": [5, 6]}, admit=False)])[0]
+    np.testing.assert_array_equal(rows["user"], np.zeros((2, 4), np.float32))
+    assert emb.stats().rows == 0
+    with pytest.raises(KeyError, match="no feature 'age'.*'country', 'item', 'user'"):
+        emb.lookup({"age": [1]})
+    with pytest.raises(ValueError, match="no features given"):
+        emb.lookup({})
+    with pytest.raises(ValueError, match="int64"):
+        emb.lookup({"user": np.array([1.5])})
+    with pytest.raises(TypeError, match="EmbeddingConfig"):
+        EmbeddingCollection(strategy, "c3", {"user": 4})
+    with pytest.raises(ValueError, match="dim must be an int >= 1"):
+        EmbeddingCollection(strategy, "c3", {"user": EmbeddingConfig(dim=0)})
+    with pytest.raises(ValueError, match="has no features"):
+        EmbeddingCollection(strategy, "c3", {})
+    assert not [t for t in strategy.tables if t.name.startswith("c3/")]
+
+
+def test_groups_are_a_function_of_the_declarations():
+    """A reader of a checkpoint (no cluster) finds the same tables, and a
+    change of anything but capacity makes another group."""
+    a = {k: sorted(v[1]) for k, v in groups("x", FEATURES).items()}
+    b = {k: sorted(v[1]) for k, v in groups("x", dict(reversed(FEATURES.items()))).items()}
+    assert a == b and sorted(a.values()) == [["country"], ["item", "user"]]
+    other = {**FEATURES, "item": EmbeddingConfig(dim=4, capacity=50, optimizer="sgd",
+                                                 optimizer_params={"learning_rate": 0.5})}
+    assert len(groups("x", other)) == 3
+    assert len(groups("x", {**FEATURES, "item": EmbeddingConfig(dim=4, capacity=7, **SGD)})) == 2
+
+
+def test_a_collection_checkpoints_and_restores_into_another_number_of_servers(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    ids = {"user": np.arange(20), "item": np.arange(10), "country": np.arange(3)}
+    with LocalCluster(num_ps=2, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as c:
+        strategy = ParameterServerStrategy(c.spec)
+        emb = EmbeddingCollection(strategy, "ck", FEATURES)
+        rows = read_variables([emb.lookup(ids)])[0]
+        push_gradients([(emb, {f: IndexedSlices(np.random.default_rng(1).normal(
+            size=r.shape).astype(np.float32), ids[f]) for f, r in rows.items()})])
+        before = read_variables([emb.lookup(ids, admit=False)])[0]
+        CheckpointManager(strategy, ckpt).save(step=1)
+    with LocalCluster(num_ps=3, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as c:
+        strategy = ParameterServerStrategy(c.spec)
+        emb = EmbeddingCollection(strategy, "ck", FEATURES)
+        CheckpointManager(strategy, ckpt).restore()
+        after = read_variables([emb.lookup(ids, admit=False)])[0]
+    for f in ids:
+        np.testing.assert_array_equal(after[f], before[f])
+        assert (before[f] != 0).any()
