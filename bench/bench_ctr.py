@@ -78,12 +78,13 @@ def ctr_dataset(n_batches: int, ctx):
     return itertools.cycle([D.batch(SEED, i + 2 * k, BATCH) for k in range(n_batches)])
 
 
-def ours(steps: int, warmup: int, n_batches: int, placement=None) -> dict:
+def ours(steps: int, warmup: int, n_batches: int, placement=None,
+         tables: str = "shared") -> dict:
     from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
     with LocalCluster(num_ps=2, num_workers=2, placement=placement) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
-            w = OursCTR(strategy, coord, n_batches)
+            w = OursCTR(strategy, coord, n_batches, tables=tables)
             w.run(warmup)
             seconds = w.run(steps)
         return {"samples_per_s": steps * BATCH / seconds, "auc": w.auc(),
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer steps")
     ap.add_argument("--hosts", action="store_true",
                     help="every task on a test host of its own (root)")
+    ap.add_argument("--tables", choices=("shared", "per-feature"), default="shared",
+                    help="ours: the 26 features in one table, or a table per feature "
+                         "(an EmbeddingCollection, examples/ctr.py --tables per-feature)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     steps, warmup, n_batches = (150, 30, 60) if args.quick else (600, 60, 120)
@@ -126,13 +130,14 @@ def main(argv=None) -> int:
             tf_place = hosts.placement(ps=[4, 5], worker=[6, 7])
             tf_at = (lambda job, i: (hosts.addresses[8], hosts.run(8)) if job == "chief"
                      else tf_place(job, i))
-        res["ours"] = ours(steps, warmup, n_batches, ours_at)
+        res["ours"] = ours(steps, warmup, n_batches, ours_at, args.tables)
         res["tf"] = tensorflow(steps, warmup, n_batches, tf_at)
     o, t = res["ours"], res["tf"]
     where = "across hosts" if args.hosts else "same host"
     print_table(["CTR, DLRM, 2 ps + 2 workers, " + where, "samples/s", "AUC after "
                  f"{warmup + steps} steps of {BATCH}"], [
-        ["ours (one dynamic table)", f"{o['samples_per_s']:,.0f} "
+        ["ours (one dynamic table)" if args.tables == "shared" else
+         "ours (26 per-feature tables)", f"{o['samples_per_s']:,.0f} "
          f"({o['samples_per_s'] / t['samples_per_s']:.2f}x TF)", f"{o['auc']:.4f}"],
         [f"TensorFlow {t.get('version', '')} (26 tables of id % {BUCKETS:,})",
          f"{t['samples_per_s']:,.0f}", f"{t['auc']:.4f}"],

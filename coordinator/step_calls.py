@@ -41,7 +41,7 @@ from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
 from psserver.client.results import TableGradient, TableLookup
 from psserver.contract.keys import check_keys
-from psserver.contract.rows import put_rows, take_rows
+from psserver.contract.rows import sum_rows, take_rows
 from psserver.errors import InvalidArgument
 
 
@@ -117,29 +117,16 @@ def known_order(variable, ids: np.ndarray) -> np.ndarray | None:
 def last_lookup(table, keys: np.ndarray) -> tuple | None:
     """(keys distinct and put shard by shard, where each of ``keys`` lands
     among them, [(shard, lo, hi)]) from this thread's last look-up of
-    ``table`` when it was of these 1-D ``keys``; else None."""
-    last = getattr(_last, "keys", None)
+    ``table`` (one per table, for the last _KEPT tables: a step's several
+    tables) when it was of these 1-D ``keys``; else None."""
+    last = getattr(_last, "keys", {}).get(table.name)
     if last is not None and last[0] is table and last[1].shape == keys.shape \
             and np.array_equal(last[1], keys):
         return last[2:]
     return None
 
 
-def sum_rows(inverse: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
-    """out[j] = the sum of rows[i] with inverse[i] == j (n rows; summed in
-    float64 in order of i, one np.bincount per column: faster than a sort
-    and np.add.reduceat, or np.add.at), in rows' dtype. ``inverse`` takes
-    every value below n (as np.unique's does)."""
-    if rows.dtype.kind != "f":
-        raise ValueError(f"gradient rows must be floating, got {rows.dtype}")
-    if inverse.size == n:   # nothing to sum: each row to its place
-        out = np.empty((n,) + rows.shape[1:], rows.dtype)
-        put_rows(out, inverse, np.ascontiguousarray(rows))
-        return out
-    out = np.empty((rows.shape[1], n), rows.dtype)
-    for j, col in enumerate(np.ascontiguousarray(rows.T)):
-        out[j] = np.bincount(inverse, weights=col, minlength=n)
-    return np.ascontiguousarray(out.T)
+_KEPT = 16
 
 
 def shard_order(table, keys: np.ndarray, with_counts: bool = False) -> tuple:
@@ -312,7 +299,11 @@ class _Read:
         flat = keys.reshape(-1)
         sorted_keys, where, runs, counts = shard_order(t, flat, with_counts=v.admit)
         # The push of this step's row gradients sums them in this order (_table_parts).
-        _last.keys = (t, flat.copy(), sorted_keys, where, runs)
+        kept = _last.__dict__.setdefault("keys", {})
+        kept.pop(t.name, None)
+        kept[t.name] = (t, flat.copy(), sorted_keys, where, runs)
+        if len(kept) > _KEPT:
+            del kept[next(iter(kept))]
         rows = np.empty((sorted_keys.size, t.dim), np.dtype(t.dtype))
         parts = [(i, slice(lo, hi), sorted_keys[lo:hi],
                   None if counts is None else counts[lo:hi]) for i, lo, hi in runs]

@@ -221,7 +221,7 @@ def test_a_table_that_cannot_be_made_everywhere_is_made_nowhere(cluster):
 
 def test_sum_rows_sums_each_keys_gradient_rows():
     """The worker sums a batch's duplicate keys' gradient rows before sending."""
-    from coordinator.step_calls import sum_rows
+    from psserver.contract.rows import sum_rows
     rng = np.random.default_rng(2)
     inverse = rng.integers(0, 7, 50)
     rows = rng.normal(size=(50, 3)).astype(np.float32)

@@ -125,3 +125,28 @@ def test_a_collection_checkpoints_and_restores_into_another_number_of_servers(tm
     for f in ids:
         np.testing.assert_array_equal(after[f], before[f])
         assert (before[f] != 0).any()
+
+
+def test_a_push_reuses_the_sort_of_every_group_its_step_looked_up(cluster, monkeypatch):
+    """The push of a step's row gradients sums them in the order its look-up
+    sorted the keys in, for each of the step's tables (not only the last
+    looked up): no key is sorted twice in a step of two group tables."""
+    from coordinator import step_calls
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, "c4", FEATURES)
+    ids = {"user": np.array([3, 1, 3]), "item": np.array([9, 9]), "country": np.array([2, 7])}
+    rows = read_variables([emb.lookup(ids)])[0]
+    sorts = []
+    real = step_calls.shard_order
+    monkeypatch.setattr(step_calls, "shard_order",
+                        lambda *a, **k: sorts.append(a[0].name) or real(*a, **k))
+    push_gradients([(emb, {f: IndexedSlices(np.ones_like(r), ids[f]) for f, r in rows.items()})])
+    assert sorts == []
+    after = read_variables([emb.lookup(ids, admit=False)])[0]
+    np.testing.assert_array_equal(after["user"][0], rows["user"][0] - 2)   # 3 twice: summed
+    np.testing.assert_array_equal(after["item"][0], rows["item"][0] - 2)
+    np.testing.assert_array_equal(after["country"], rows["country"] - 1)
+    # other keys than those looked up: sorted afresh (and right)
+    sorts.clear()
+    push_gradients([(emb, {"user": IndexedSlices(np.ones((1, 4), np.float32), [1])})])
+    assert sorts == [emb.table_of("user").name]
