@@ -33,6 +33,12 @@ AUC (the ceiling) is printed first::
     python -m examples.ctr --epochs 3 --steps-per-epoch 200 --num-workers 2
     python examples/ctr.py --mode hybrid
 
+``--tables per-feature`` gives each feature a table of its own (an
+EmbeddingCollection, coordinator/embedding_collection.py) instead of one
+shared table. ``--data DIR`` trains on Criteo-format files (the Kaggle or
+1TB click logs, plain or gzip: coordinator/criteo.py), each example once
+per epoch, the last file by name held out for AUC.
+
 ``--incremental-checkpoints DIR`` saves an incremental checkpoint after
 each epoch (a base, then deltas); ``--export DIR`` writes a serving copy
 beside training (the weights, a delta every ``--export-every`` seconds),
@@ -159,12 +165,12 @@ def build(strategy, seed: int, lr: float, prefix: str = "ctr", tables: str = "sh
     return variables, table
 
 
-def evaluate(table, variables: dict, seed: int, batches: int, size: int) -> dict:
+def evaluate(table, variables: dict, seed: int, batches: int, size: int, data=None) -> dict:
     """AUC and loss on held-out batches (stream seed + 1): nothing admitted."""
     names = list(variables)
     params = dict(zip(names, read_variables([variables[n] for n in names])))
     return held_out(params, lambda ids: rows_of(table, read_variables(
-        [lookup_item(table, ids, admit=False)])[0]), seed, batches, size)
+        [lookup_item(table, ids, admit=False)])[0]), seed, batches, size, data)
 
 
 def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches: int = 20,
@@ -199,18 +205,33 @@ def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "sha
                                  for i, f in enumerate(FEATURES)], axis=1)
 
 
-def held_out(params: dict, lookup, seed: int, batches: int, size: int) -> dict:
+def held_out(params: dict, lookup, seed: int, batches: int, size: int, data=None) -> dict:
     """AUC and loss of ``params`` (the dense layers) and ``lookup`` (ids ->
-    embedding rows) on the held-out batches (also examples/serve_ctr.py)."""
+    embedding rows) on the held-out batches (also examples/serve_ctr.py):
+    the generated stream ``seed + 1``'s, or ``data`` (Batches) when given."""
     labels, scores, losses = [], [], []
-    for i in range(batches):
-        b = D.batch(seed + 1, i, size)
+    for b in data if data is not None else (D.batch(seed + 1, i, size) for i in range(batches)):
         rows = lookup(b.sparse)
         losses.append(M.loss_and_grads(params, b.dense, rows, b.labels)[0])
         labels.append(b.labels)
         scores.append(M.forward(params, b.dense, rows)[0])
     return {"auc": D.auc(np.concatenate(labels), np.concatenate(scores)),
             "loss": float(np.mean(losses))}
+
+
+def criteo_data(directory: str, size: int, batches: int):
+    """(a CriteoSource of every file in ``directory`` but the last by name,
+    the held-out Batches: the first ``batches`` of ``size`` of the last)."""
+    from coordinator.criteo import CriteoSource
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                   if not f.startswith("."))
+    if len(files) < 2:
+        raise SystemExit(f"--data {directory}: give two or more Criteo files (the last by "
+                         f"name is held out for AUC); found {len(files)}")
+    held = CriteoSource(files[-1:])
+    n = min(held.shard_sizes[0], batches * size)
+    return CriteoSource(files[:-1]), [held.read(0, lo, min(size, n - lo))
+                                      for lo in range(0, n, size)]
 
 
 def main(argv=None) -> dict:
@@ -224,6 +245,10 @@ def main(argv=None) -> dict:
                    help="async (default); sync: dense and table averaged over a step's "
                         "replicas and applied once; hybrid: dense as sync, table as async")
     p.add_argument("--lr", type=float, default=0.1, help="Adagrad's learning rate")
+    p.add_argument("--data", metavar="DIR",
+                   help="train on the Criteo-format files in DIR (plain or gzip; every file "
+                        "but the last by name, each example once per epoch; the last is held "
+                        "out for AUC) instead of generated data (async mode)")
     p.add_argument("--tables", choices=("shared", "per-feature"), default="shared",
                    help="shared (default): the 26 features' ids in one table; per-feature: a "
                         "table per feature (an EmbeddingCollection), looked up together")
@@ -242,7 +267,10 @@ def main(argv=None) -> dict:
     p.add_argument("--export-every", type=float, default=5.0, metavar="SECONDS")
     args = p.parse_args(argv)
     dirs = [os.path.abspath(d) for d in (args.incremental_checkpoints, args.export) if d]
-    ceiling = D.bayes_auc(args.seed + 1, 50_000)
+    ceiling = None if args.data else D.bayes_auc(args.seed + 1, 50_000)   # generated data's
+    train = held = None
+    if args.data:   # files: the last held out, the others trained on once per epoch
+        train, held = criteo_data(args.data, args.batch_size, args.eval_batches)
 
     with contextlib.ExitStack() as stack:
         if args.cluster == "local":
@@ -260,7 +288,8 @@ def main(argv=None) -> dict:
               f"{where}), {spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
               f"{args.mode}, "
               f"batch {args.batch_size}" + (f" x {replicas} replicas" if replicas > 1 else "")
-              + f"; the planted model's AUC: {ceiling:.4f}", flush=True)
+              + ("" if ceiling is None else f"; the planted model's AUC: {ceiling:.4f}"),
+              flush=True)
         variables, table = build(strategy, args.seed, args.lr, tables=args.tables)
         if args.cluster == "tf_config":   # leave the shared servers as we found them
             stack.callback(lambda: [strategy.delete_variable(v) for v in strategy.variables])
@@ -271,12 +300,14 @@ def main(argv=None) -> dict:
             return D.shard(seed, ctx.input_pipeline_id, ctx.num_input_pipelines, size)
 
         samples = args.steps_per_epoch * size * replicas
+        if args.data:   # an epoch: each example of the files once
+            samples = sum(train.shard_sizes)
         batch_of = functools.partial(D.batch, seed, size=size) if args.mode != "async" else None
         seconds: list[float] = []
 
         def validate(epoch):
             seconds.append(time.perf_counter())
-            return evaluate(table, variables, seed, args.eval_batches, size)
+            return evaluate(table, variables, seed, args.eval_batches, size, held)
 
         callbacks = [CheckpointCallback(CheckpointManager(
             strategy, args.incremental_checkpoints, incremental=True, max_to_keep=3))] \
@@ -285,9 +316,13 @@ def main(argv=None) -> dict:
             from coordinator.serving import Exporter
             stack.enter_context(Exporter(strategy, args.export, every_seconds=args.export_every))
         with ClusterCoordinator(strategy) as coord:
+            data = dataset_fn
+            if args.data:   # steps per epoch: the files' batches
+                data = coord.create_sharded_dataset(train, batch_size=size)
             t0 = time.perf_counter()
-            history = fit(coord, make_train_step(table, variables, batch_of), dataset_fn,
-                          epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
+            history = fit(coord, make_train_step(table, variables, batch_of), data,
+                          epochs=args.epochs,
+                          steps_per_epoch=None if args.data else args.steps_per_epoch,
                           validation_fn=validate, verbose=args.verbose, callbacks=callbacks)
         stats = table.stats()
     marks = [t0] + seconds
@@ -298,7 +333,8 @@ def main(argv=None) -> dict:
     print(f"table: {stats.rows:,} rows, {stats.admitted:,} admitted, {stats.not_admitted:,} "
           f"look-ups not admitted yet, {stats.evicted_capacity + stats.evicted_age:,} evicted, "
           f"hit rate {stats.hit_rate:.3f}", flush=True)
-    print(f"test AUC: {aucs[-1]:.4f} (the planted model: {ceiling:.4f})", flush=True)
+    print(f"test AUC: {aucs[-1]:.4f}"
+          + ("" if ceiling is None else f" (the planted model: {ceiling:.4f})"), flush=True)
     fn, more = ("evaluate_checkpoint", "") if args.tables == "shared" else \
         ("evaluate_per_feature_checkpoint", " --tables per-feature")
     if args.incremental_checkpoints:
