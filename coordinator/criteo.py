@@ -130,6 +130,36 @@ def parse(lines: Sequence[str], path: str = "<lines>", first_line: int = 1) -> D
     return D.Batch(np.log1p(counts).astype(np.float32), D.ids_of(ranks), labels)
 
 
+#: Criteo's columns by name, as a Parquet copy of the data has them.
+COLUMNS = ["label", *(f"I{j + 1}" for j in range(D.NUM_DENSE)),
+           *(f"C{j + 1}" for j in range(D.NUM_SPARSE))]
+
+
+def from_columns(columns: dict) -> D.Batch:
+    """A Batch from Criteo's columns ({name: array}, as ParquetSource reads
+    them): ``label`` 0/1, ``I1``..``I13`` numbers (NaN or negative: 0),
+    ``C1``..``C26`` hexadecimal strings (None or empty: missing) or integers."""
+    missing = [c for c in COLUMNS if c not in columns]
+    if missing:
+        raise ValueError(f"Criteo columns missing: {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    labels = np.asarray(columns["label"], np.float64)
+    if not np.isin(labels, (0, 1)).all():
+        raise ValueError("Criteo labels must be 0 or 1")
+    counts = np.stack([np.asarray(columns[f"I{j + 1}"], np.float64)
+                       for j in range(D.NUM_DENSE)], axis=1)
+    counts = np.where(np.isnan(counts) | (counts < 0), 0.0, counts)
+    ranks = np.zeros((labels.size, D.NUM_SPARSE), np.uint64)
+    for j in range(D.NUM_SPARSE):
+        col = np.asarray(columns[f"C{j + 1}"])
+        if col.dtype.kind in "iu":
+            ranks[:, j] = (col.astype(np.int64).view(np.uint64) & np.uint64(0x7FFF_FFFF_FFFF_FFFF)) \
+                + np.uint64(1)
+        else:
+            ranks[:, j] = [(int(v, 16) & 0x7FFF_FFFF_FFFF_FFFF) + 1 if v else 0 for v in col]
+    return D.Batch(np.log1p(counts).astype(np.float32), D.ids_of(ranks),
+                   labels.astype(np.float32))
+
+
 def write_criteo(path: str, batches: Iterable[D.Batch], *, compress: bool | None = None,
                  missing: float = 0.0, seed: int = 0) -> int:
     """Write ``batches`` (generated: coordinator.ctr_data.batch) in Criteo's

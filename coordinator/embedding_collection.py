@@ -19,8 +19,8 @@ TorchRec's ``EmbeddingCollection`` of ``EmbeddingConfig``s, or one Keras
                         (w_var, dw)])
 
 How: features whose configurations are equal but for ``capacity`` share
-one dynamic table on the servers (a *group*, named ``NAME/d<dim>-<hash of
-the configuration>``), and each feature's keys are qualified by the library:
+one dynamic table on the servers (a *group*, named ``NAME/<its first
+feature by name>``), and each feature's keys are qualified by the library:
 XORed with a 64-bit hash of the feature's name (``qualify``). That is a
 bijection per feature, so one feature's keys never collide with each other;
 two features' keys meet only where ``k1 ^ k2`` equals the XOR of their two
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from typing import Any, Mapping
 
 import numpy as np
@@ -90,12 +89,15 @@ def feature_salt(feature: str) -> np.int64:
 
 def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, tuple[dict, list]]:
     """group label -> (create_embedding_table's arguments but capacity, its
-    features): features with equal arguments share a group; the table is
-    ``NAME/<label>``. A function of the declarations alone, so a reader of a
-    checkpoint finds a feature's table without a cluster (``keys_in``)."""
+    features): features with equal dims and arguments share a group, whose
+    table is ``NAME/<label>``, the label being its first feature by name
+    (so a change of settings that keeps the grouping, a learning rate of
+    every feature, keeps the table's name: a restore or a restart finds it).
+    A function of the declarations alone, so a reader of a checkpoint finds
+    a feature's table without a cluster (``keys_in``)."""
     if not features:
         raise ValueError(f"embedding collection {name!r} has no features")
-    out: dict[str, tuple[dict, list[str]]] = {}
+    found: list[tuple[int, dict, list[str]]] = []
     for feature, config in features.items():
         if not isinstance(config, EmbeddingConfig):
             raise TypeError(f"feature {feature!r}: an EmbeddingConfig, got {config!r}")
@@ -103,16 +105,17 @@ def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, tupl
             raise ValueError(f"feature {feature!r}: dim must be an int >= 1, got "
                              f"{config.dim!r}")
         args = config.table_args()
-        label = f"d{config.dim}-" + hashlib.blake2b(
-            json.dumps({**args, "dim": config.dim,
-                        "initializer": dataclasses.asdict(args["initializer"])},
-                       sort_keys=True).encode(), digest_size=4).hexdigest()
-        out.setdefault(label, (args, []))[1].append(feature)
+        for dim, other, members in found:
+            if dim == config.dim and other == args:
+                members.append(feature)
+                break
+        else:
+            found.append((config.dim, args, [feature]))
     salts = [feature_salt(f) for f in features]
     if len(set(salts)) != len(salts):   # two names of one 64-bit hash: refuse, never mix
         raise ValueError(f"embedding collection {name!r}: two feature names hash alike; "
                          "rename one")
-    return out
+    return {min(members): (args, members) for _, args, members in found}
 
 
 def keys_in(name: str, features: Mapping[str, EmbeddingConfig], feature: str,
@@ -164,14 +167,31 @@ class EmbeddingCollection:
 
     def gradients(self, grads: Mapping[str, IndexedSlices]) -> list[tuple]:
         """push_gradients' pairs for row gradients by feature
-        (``IndexedSlices(values, keys)``): one (group table, IndexedSlices) per group."""
+        (``IndexedSlices(values, keys)``, values of shape keys.shape + (dim,)):
+        one (group table, IndexedSlices) per group."""
+        if not isinstance(grads, Mapping):
+            raise TypeError(f"the gradients of embedding collection {self.name!r} are "
+                            "{feature: IndexedSlices(values, ids)}, got "
+                            f"{type(grads).__name__}")
+        for f, g in grads.items():
+            if not isinstance(g, IndexedSlices):
+                raise TypeError(f"feature {f!r}: its gradient must be IndexedSlices(values, "
+                                f"ids), got {type(g).__name__}")
+
+        def values(f: str, q: np.ndarray) -> np.ndarray:
+            v = np.asarray(grads[f].values)
+            dim = self.tables[self._group(f)].dim
+            if v.shape != q.shape + (dim,):
+                raise ValueError(f"feature {f!r}: gradient of shape {v.shape} for ids of shape "
+                                 f"{q.shape}; it must be ids.shape + (dim,) = "
+                                 f"{q.shape + (dim,)}")
+            return v.reshape(-1, dim)
         out = []
-        for label, members in self._by_group(
-                {f: g.indices for f, g in grads.items()},
-                lambda f, k: np.asarray(grads[f].values).reshape(k.size, -1)).items():
+        for label, members in self._by_group({f: g.indices for f, g in grads.items()},
+                                             values).items():
             keys = np.concatenate([k.reshape(-1) for _, k, _ in members])
-            values = np.concatenate([v for _, _, v in members])
-            out.append((self.tables[label], IndexedSlices(values, keys)))
+            rows = np.concatenate([v for _, _, v in members])
+            out.append((self.tables[label], IndexedSlices(rows, keys)))
         return out
 
     #: push_gradients expands ``(collection, {feature: IndexedSlices})`` with this.

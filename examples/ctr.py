@@ -37,7 +37,8 @@ AUC (the ceiling) is printed first::
 EmbeddingCollection, coordinator/embedding_collection.py) instead of one
 shared table. ``--data DIR`` trains on Criteo-format files (the Kaggle or
 1TB click logs, plain or gzip: coordinator/criteo.py), each example once
-per epoch, the last file by name held out for AUC.
+per epoch, the last file by name held out for AUC (``*.parquet`` files with
+Criteo's columns too: coordinator/parquet.py).
 
 ``--incremental-checkpoints DIR`` saves an incremental checkpoint after
 each epoch (a base, then deltas); ``--export DIR`` writes a serving copy
@@ -174,7 +175,7 @@ def evaluate(table, variables: dict, seed: int, batches: int, size: int, data=No
 
 
 def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches: int = 20,
-                        size: int = 512, tables: str = "shared", lr: float = 0.1) -> dict:
+                        size: int = 512, tables: str = "shared") -> dict:
     """The side evaluator's function (reads no parameter server):
 
         python -m coordinator evaluate DIR --fn examples.ctr:evaluate_checkpoint --logdir LOGS
@@ -183,7 +184,7 @@ def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches:
     DIR``, defaults of ``main``) on the held-out batches, its rows read from
     the checkpoint's files as a look-up without admission reads them."""
     params = {n: checkpoint.variables[f"{prefix}/{n}"] for n in M.init_params(seed)}
-    return held_out(params, reader_lookup(checkpoint, prefix, seed, tables, lr), seed,
+    return held_out(params, reader_lookup(checkpoint, prefix, seed, tables), seed,
                     batches, size)
 
 
@@ -193,14 +194,13 @@ def evaluate_per_feature_checkpoint(checkpoint) -> dict:
     return evaluate_checkpoint(checkpoint, tables="per-feature")
 
 
-def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "shared",
-                  lr: float = 0.1):
+def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "shared"):
     """ids (n, 26) -> rows (n, 26, DIM) from a checkpoint or a serving copy
     (its ``lookup(table, keys)``); per-feature tables found from their
-    declarations (``tables``, and the run's ``seed`` and ``lr``)."""
+    declarations (``tables``; any learning rate: all features share it)."""
     if tables != "per-feature":
         return lambda ids: reader.lookup(f"{prefix}/emb", ids)
-    configs = feature_configs(seed, lr)
+    configs = feature_configs(seed, 0.1)
     return lambda ids: np.stack([reader.lookup(*keys_in(f"{prefix}/emb", configs, f, ids[:, i]))
                                  for i, f in enumerate(FEATURES)], axis=1)
 
@@ -220,18 +220,25 @@ def held_out(params: dict, lookup, seed: int, batches: int, size: int, data=None
 
 
 def criteo_data(directory: str, size: int, batches: int):
-    """(a CriteoSource of every file in ``directory`` but the last by name,
-    the held-out Batches: the first ``batches`` of ``size`` of the last)."""
-    from coordinator.criteo import CriteoSource
+    """(a source of every file in ``directory`` but the last by name, the
+    held-out Batches: the first ``batches`` of ``size`` examples of the
+    last). Criteo's text format (coordinator/criteo.py), or Parquet files
+    with Criteo's columns (``*.parquet``: coordinator/parquet.py)."""
+    from coordinator.criteo import CriteoSource, from_columns
+    from coordinator.parquet import ParquetSource
     files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
                    if not f.startswith("."))
     if len(files) < 2:
         raise SystemExit(f"--data {directory}: give two or more Criteo files (the last by "
                          f"name is held out for AUC); found {len(files)}")
-    held = CriteoSource(files[-1:])
-    n = min(held.shard_sizes[0], batches * size)
-    return CriteoSource(files[:-1]), [held.read(0, lo, min(size, n - lo))
-                                      for lo in range(0, n, size)]
+    source = (lambda paths: ParquetSource(paths, convert=from_columns)) \
+        if all(f.endswith(".parquet") for f in files) else CriteoSource
+    held, out, left = source(files[-1:]), [], batches * size
+    for shard, rows in enumerate(held.shard_sizes):
+        for lo in range(0, min(rows, left), size):
+            out.append(held.read(shard, lo, min(size, rows - lo, left)))
+            left -= len(out[-1].labels)
+    return source(files[:-1]), out
 
 
 def main(argv=None) -> dict:

@@ -25,11 +25,10 @@ from coordinator.serving import Snapshot
 from examples.ctr import held_out, reader_lookup
 
 
-def score(snap: Snapshot, seed: int, batches: int, size: int, tables: str = "shared",
-          lr: float = 0.1) -> dict:
+def score(snap: Snapshot, seed: int, batches: int, size: int, tables: str = "shared") -> dict:
     """AUC and loss of the export the Snapshot serves now."""
     params = {n[4:]: snap.read(n) for n in snap.variables if n.startswith("ctr/")}
-    return held_out(params, reader_lookup(snap, "ctr", seed, tables, lr), seed, batches, size)
+    return held_out(params, reader_lookup(snap, "ctr", seed, tables), seed, batches, size)
 
 
 def main(argv=None) -> dict:
@@ -40,8 +39,6 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0, help="the training run's --seed")
     p.add_argument("--tables", choices=("shared", "per-feature"), default="shared",
                    help="the training run's --tables")
-    p.add_argument("--lr", type=float, default=0.1,
-                   help="the training run's --lr (per-feature tables are found by it)")
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=512)
     args = p.parse_args(argv)
@@ -54,7 +51,7 @@ def main(argv=None) -> dict:
             if snap.generation != generation:
                 generation = snap.generation
                 out = {**score(snap, args.seed, args.eval_batches, args.batch_size,
-                               args.tables, args.lr),
+                               args.tables),
                        "path": snap.path}
                 print(f"serving {os.path.basename(snap.path)}: AUC {out['auc']:.4f}, "
                       f"loss {out['loss']:.4f}", flush=True)

@@ -41,6 +41,8 @@ def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
 def check_keys(keys) -> np.ndarray:
     """``keys`` as int64; InvalidArgument (a ValueError) for any other kind."""
     a = np.asarray(keys)
+    if a.size == 0 and a.dtype.kind in "fiub":   # an empty list: no keys, whatever numpy guessed
+        return a.astype(np.int64)
     if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
         raise InvalidArgument(
             f"dynamic table keys must be int64 (or a narrower integer type), got {a.dtype}; "

@@ -2,6 +2,8 @@
 updated together (coordinator/embedding_collection.py), on real clusters."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -37,7 +39,8 @@ def test_features_of_one_configuration_share_a_table_and_never_each_others_rows(
     assert sorted(emb.features) == ["country", "item", "user"]
     assert len(emb.tables) == 2                       # user + item share one, country its own
     assert emb.table_of("user") is emb.table_of("item")
-    assert emb.table_of("user").name.startswith("c1/d4-")
+    assert emb.table_of("user").name == "c1/item"          # a group: its first feature's name
+    assert emb.table_of("country").name == "c1/country"
     assert emb.table_of("country").dim == 2
     assert {t.name for t in strategy.tables} == {t.name for t in emb.tables.values()}
     ids = {"user": np.array([1, 2, 1]), "item": np.array([[1, 7]]), "country": np.array([1])}
@@ -85,6 +88,18 @@ def test_admit_false_makes_no_row_and_bad_input_says_what_to_do(cluster):
         emb.lookup({})
     with pytest.raises(ValueError, match="int64"):
         emb.lookup({"user": np.array([1.5])})
+    # gradients: a feature's values must be its ids' shape + (dim,), as a table's are
+    ids = np.arange(6).reshape(2, 3)
+    with pytest.raises(ValueError, match=r"feature 'user': gradient of shape \(3, 2, 4\) for "
+                                         r"ids of shape \(2, 3\); .* \(2, 3, 4\)"):
+        push_gradients([(emb, {"user": IndexedSlices(np.ones((3, 2, 4), np.float32), ids)})])
+    with pytest.raises(TypeError, match="feature 'user': its gradient must be IndexedSlices"):
+        push_gradients([(emb, {"user": np.ones((2, 4), np.float32)})])
+    with pytest.raises(TypeError, match=r"\{feature: IndexedSlices\(values, ids\)\}"):
+        push_gradients([(emb, IndexedSlices(np.ones((2, 4), np.float32), [1, 2]))])
+    assert emb.stats().rows == 0                      # nothing of those was applied
+    push_gradients([(emb, {"user": IndexedSlices(np.zeros((0, 4), np.float32), []),
+                           "country": IndexedSlices(np.ones((1, 2), np.float32), [3])})])
     with pytest.raises(TypeError, match="EmbeddingConfig"):
         EmbeddingCollection(strategy, "c3", {"user": 4})
     with pytest.raises(ValueError, match="dim must be an int >= 1"):
@@ -104,6 +119,10 @@ def test_groups_are_a_function_of_the_declarations():
                                                  optimizer_params={"learning_rate": 0.5})}
     assert len(groups("x", other)) == 3
     assert len(groups("x", {**FEATURES, "item": EmbeddingConfig(dim=4, capacity=7, **SGD)})) == 2
+    # the same settings changed for every feature (a new learning rate): the same tables
+    slower = {f: dataclasses.replace(c, optimizer_params={"learning_rate": 1})
+              for f, c in FEATURES.items()}
+    assert set(groups("x", slower)) == set(groups("x", FEATURES)) == {"country", "item"}
 
 
 def test_a_collection_checkpoints_and_restores_into_another_number_of_servers(tmp_path):
