@@ -350,7 +350,8 @@ def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill(
     a longer run whose ps1 server process is SIGKILLed mid-job (inside the
     container: `docker kill` would not trigger its restart policy) finishes,
     the coordinator failing over to the replicas (nothing re-created from an
-    initializer, nothing lost), and `down -v` removes it all.
+    initializer, nothing lost); then one whose ps1 container is killed for
+    good (`compose kill`) finishes on ps0 and exits 0; `down -v` removes it all.
     PSTRAIN_REQUIRE_DOCKER=1 (CI): fail instead of skipping without Docker."""
     why = _docker_usable()
     if why:
@@ -381,28 +382,43 @@ def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill(
         assert there.stdout == here, "the image's packages differ from this source tree"
         # 2. A longer run, with ps1's server process SIGKILLed after the first epoch.
         assert compose("up", "-d", "--scale", "worker=3", "ps0", "ps1", "worker").returncode == 0
-        run = subprocess.Popen(project + ["run", "--rm", "coordinator", "coordinator", "run",
-                                          "--wait-ready", "180", "--worker-dns", "worker:2222",
-                                          "examples/digits.py", "--cluster", "tf_config",
-                                          "--replication", "--epochs", "30"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-        lines = []
-        for line in run.stdout:
-            lines.append(line)
-            if line.startswith("epoch 2/"):
-                killed = compose("exec", "-T", "ps1", "python", "-c", KILL_PSSERVER)
-                assert killed.returncode in (0, 137), killed.stderr
-                break
-        lines += run.stdout.readlines()
-        assert run.wait(timeout=900) == 0, "".join(lines)[-5000:]
-        out = "".join(lines)
+        out = _run_killing(project, env,
+                           lambda: compose("exec", "-T", "ps1", "python", "-c", KILL_PSSERVER))
         assert "epoch 30/30" in out, out[-5000:]
         assert "failing over" in out, out[-5000:]          # the replicas took over
         assert "no checkpoint holds its shards" not in out and "re-creat" not in out, out[-5000:]
         assert _accuracy(out) >= 0.90
+        # 3. ps1's whole container killed for good (`kill`: its restart policy does not
+        # bring it back, a node lost): training goes on from the replicas on ps0 and the
+        # job, clean-up included (its deletes follow the routes), exits 0 (issue 33 item 10).
+        assert compose("up", "-d", "--scale", "worker=3", "ps0", "ps1", "worker").returncode == 0
+        out = _run_killing(project, env, lambda: compose("kill", "ps1"))
+        assert "epoch 30/30" in out and "failing over" in out, out[-5000:]
+        assert "Traceback" not in out, out[-5000:]
+        assert _accuracy(out) >= 0.90
     finally:
         compose("down", "-v", "--remove-orphans", timeout=120)
+
+
+def _run_killing(project: list[str], env: dict, kill) -> str:
+    """The compose job's coordinator, 30 epochs with replication; ``kill()``
+    once its second epoch starts. Its output (it must exit 0)."""
+    run = subprocess.Popen(project + ["run", "--rm", "coordinator", "coordinator", "run",
+                                      "--wait-ready", "180", "--worker-dns", "worker:2222",
+                                      "examples/digits.py", "--cluster", "tf_config",
+                                      "--replication", "--epochs", "30"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if line.startswith("epoch 2/"):
+            killed = kill()
+            assert killed.returncode in (0, 137), killed.stderr
+            break
+    lines += run.stdout.readlines()
+    assert run.wait(timeout=900) == 0, "".join(lines)[-5000:]
+    return "".join(lines)
 
 
 # -- coordinator CLI: pieces -----------------------------------------------------------------
