@@ -46,8 +46,10 @@ class FakeResolver:
 class FakeStrategy:
     """What the Cluster reads of a ParameterServerStrategy."""
 
-    def __init__(self, workers=("w0:1", "w1:1"), mode="async", staleness=None, num_replicas=1):
+    def __init__(self, workers=("w0:1", "w1:1"), mode="async", staleness=None, num_replicas=1,
+                 steps_done=0):
         self.mode, self.staleness, self.num_replicas = mode, staleness, num_replicas
+        self.steps_done = steps_done   # sync steps its servers applied already
         self.token = self.tls = None
         self.replication = False
         self.connect_timeout = 10.0
@@ -56,6 +58,9 @@ class FakeStrategy:
 
     def sync_spec(self, step, replica):
         return SyncSpec(step, replica, self.num_replicas, self.num_replicas)
+
+    def sync_steps_done(self) -> int:
+        return self.steps_done
 
 
 class FakeWorker:
@@ -406,6 +411,10 @@ def test_an_async_step_is_one_closure_and_a_sync_step_one_per_replica():
     assert [(t.sync.step, t.sync.replica) for t in taken] == [(0, 0), (0, 1), (0, 2)]
     sync.schedule(add, (1, 2))
     assert sync.queue.get().sync.step == 1
+    # a coordinator that restarted on servers that applied 5 steps goes on from step 5
+    again = make(FakeStrategy(mode="sync", num_replicas=2, steps_done=5))
+    again.schedule(add, (1, 2))
+    assert [again.queue.get().sync.step for _ in range(2)] == [5, 5]
 
 
 def test_schedule_refuses_what_cannot_be_sent_and_a_stopped_cluster():
