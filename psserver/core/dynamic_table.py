@@ -55,6 +55,7 @@ import numpy as np
 
 from psserver.contract.checkpoint_format import check_rows, slot_layout
 from psserver.contract.keys import check_keys, initial_rows
+from psserver.contract.memory import give_back_memory
 from psserver.contract.rows import sum_duplicates
 from psserver.core import eviction
 from psserver.core.key_index import KeyCounter, KeyIndex
@@ -283,13 +284,19 @@ class DynamicTable:
             b = np.empty((size,) + a.shape[1:], a.dtype)
             b[:self._n] = a[:self._n]
             return b
+        # One array at a time, its old one's pages given back before the next
+        # grows (tasks keep freed memory otherwise): resident memory passes
+        # what the table holds by one array's old rows at most while it grows.
         self.value = grown(self.value)
+        give_back_memory()
         for n in self._row_slots:
             self.slots[n] = grown(self.slots[n])
+            give_back_memory()
         for name in ("row_key", "updated_step", "updated_time", "used_step", "freq"):
             setattr(self, name, grown(getattr(self, name)))
         if self.tracker is not None:
             self.tracker.grow(size)
+        give_back_memory()
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict_rows(self, rows: np.ndarray) -> None:

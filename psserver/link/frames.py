@@ -216,13 +216,3 @@ def tune_tcp(sock: socket.socket) -> None:
 def unix_address(name: str) -> str:
     """An abstract Unix socket's name as bind/connect take it."""
     return "\0" + name.lstrip("@")
-
-
-def give_back_memory() -> None:
-    """Return freed heap memory to the system (glibc; tasks run with a high
-    trim threshold, MALLOC_ENV, so a large frame's pages would stay)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

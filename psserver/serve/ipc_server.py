@@ -39,6 +39,7 @@ import time
 from typing import Callable
 
 from psserver import profiling
+from psserver.contract.memory import give_back_memory
 from psserver.errors import Code, Internal, InvalidArgument, Unimplemented, as_error
 from psserver.link import buffers
 from psserver.link.frames import (
@@ -53,7 +54,6 @@ from psserver.link.frames import (
     REPLY,
     REPLY_SECONDS,
     REQUEST,
-    give_back_memory,
     recv_exact,
     send_frame,
     shut,

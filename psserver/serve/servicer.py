@@ -549,8 +549,8 @@ class SharedMemoryServicer(ps_pb2_grpc.SharedMemoryServicer):
                 reply.gathered.add(name=name, dtype=T.dtype_name(rows.dtype), shape=rows.shape,
                                    offset=place(rows, f"the rows of {name!r}"),
                                    version=version)
-        finally:
-            del seg
+        finally:   # the array over the segment goes before the segment is unmapped
+            seg = None  # noqa: F841 (the closure's cell: place() holds it too)
         return reply
 
     def Push(self, request, context):
