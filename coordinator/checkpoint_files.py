@@ -25,7 +25,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinator.shard_files import CheckpointError, check_checksums, load_shard
+from coordinator.shard_files import (
+    CheckpointError,
+    check_checksums,
+    load_shard,
+    read_small,
+)
 
 FORMAT_VERSION = 2   # 1: full checkpoints; 2: incremental (chains, delta and unchanged shards)
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
@@ -35,8 +40,7 @@ MAX_CHAIN = 10_000   # the longest chain followed (a loop of parents is refused 
 def read_manifest(path: str) -> dict:
     """The manifest of checkpoint ``path``, checked to be one this version reads."""
     try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_small(os.path.join(path, "manifest.json")))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read the manifest of {path}: {exc}") from None
     saved = manifest.get("variables") if isinstance(manifest, dict) else None

@@ -32,7 +32,7 @@ from coordinator.checkpoint_files import (  # noqa: F401
     load_variable,
     read_manifest,
 )
-from coordinator.shard_files import crc32_of_path
+from coordinator.shard_files import crc32_of_path, write_new
 from psserver.contract.checkpoint_format import CHECKSUM
 from psserver.contract.checkpoint_format import fsync_dir as _fsync_dir
 from psserver.errors import (
@@ -298,10 +298,7 @@ def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, c
 
 
 def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_new(path, json.dumps(obj, indent=1).encode())   # a new file, no link followed
 
 
 

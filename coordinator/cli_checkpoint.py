@@ -30,6 +30,7 @@ from coordinator.cli_ops import (
     target_from_args,
 )
 from coordinator.cluster_spec import ClusterConfigError
+from coordinator.shard_files import read_small
 from psserver.client import PSClient
 from psserver.errors import PSError
 
@@ -225,8 +226,7 @@ def _ckpt_list(args) -> int:
     out = []
     for path in find_checkpoints(directory):
         try:
-            with open(os.path.join(path, "manifest.json")) as f:
-                m = json.load(f)
+            m = json.loads(read_small(os.path.join(path, "manifest.json")))
             shards = [s for v in m["variables"].values() for s in v["shards"]]
             tables = [s for t in m.get("tables", {}).values() for s in t["shards"]]
             link = m.get("chain")

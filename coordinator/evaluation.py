@@ -36,6 +36,7 @@ import json
 import logging
 import numbers
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -46,6 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from coordinator import metrics as _metrics
+from coordinator.shard_files import read_small, write_new
 
 log = logging.getLogger("coordinator.evaluation")
 
@@ -265,8 +267,7 @@ class Sidecar:
 
     def _read_state(self) -> int:
         try:
-            with open(self.state_path) as f:
-                return int(json.load(f)["last_step"])
+            return int(json.loads(read_small(self.state_path))["last_step"])
         except FileNotFoundError:
             return -1
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -274,11 +275,8 @@ class Sidecar:
                              "every checkpoint again") from None
 
     def _write_state(self) -> None:
-        tmp = f"{self.state_path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"last_step": self.last_step, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = f"{self.state_path}.tmp-{secrets.token_hex(8)}"   # new, no link followed
+        write_new(tmp, json.dumps({"last_step": self.last_step, "time": time.time()}).encode())
         os.replace(tmp, self.state_path)
 
     def pending(self) -> list[str]:

@@ -1,5 +1,8 @@
 """Reading one checkpoint or export file (the coordinator's restores,
-Snapshot, the side evaluator: coordinator/checkpoint_files.py): opened
+Snapshot, the side evaluator: coordinator/checkpoint_files.py), and the
+manifests and state files the coordinator reads and writes (``read_small``,
+``write_new``: no link followed, regular files only, a new file created
+exclusively): opened
 without blocking and without following a link, read only if it is a
 regular file of the size its manifest says and, where its manifest gives
 one, of its checksum (issue 33: a FIFO in an export froze every thread of
@@ -137,3 +140,41 @@ def check_checksums(path: str, manifest: dict) -> None:
 
 def _is_crc32(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
+
+
+#: The largest manifest or state file read (a manifest lists every shard of
+#: every variable and table: 64 MiB is millions of entries).
+MAX_SMALL_FILE = 64 << 20
+
+
+def read_small(path: str, limit: int = MAX_SMALL_FILE) -> bytes:
+    """The bytes of a manifest or state file: opened without blocking and
+    without following a link, a regular file of at most ``limit`` bytes
+    (OSError otherwise, saying which), as load_shard opens a shard file."""
+    fd = os.open(path, _OPEN)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{path} has {st.st_size} bytes, more than the "
+                                       f"{limit} a manifest or state file may have")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
+def write_new(path: str, data: bytes) -> None:
+    """Write ``data`` to a new file at ``path`` (created exclusively, 0644, no
+    link followed: a name planted there beforehand, a symbolic link to a file
+    elsewhere included, is an OSError, never written through), fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)

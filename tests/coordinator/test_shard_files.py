@@ -120,3 +120,47 @@ def test_the_coordinator_checksums_a_file_a_server_sent_none_for(shard):
     assert _crc32(ps_pb2.SavedFile(file="w.safetensors"), path) == crc
     assert _crc32(tables_pb2.SaveTableReply(file="w", crc32=0), path) == 0   # (0 is a CRC)
     assert _crc32(ps_pb2.SavedFile(file="w.safetensors", crc32=7), "/nonexistent") == 7
+
+
+# -- manifests and state files: read_small, write_new ------------------------------------------
+def test_a_small_file_is_read_only_if_regular_and_not_a_link(tmp_path):
+    from coordinator.shard_files import read_small
+    (tmp_path / "m.json").write_bytes(b'{"a": 1}')
+    assert read_small(str(tmp_path / "m.json")) == b'{"a": 1}'
+    (tmp_path / "secret").write_bytes(b"outside")
+    os.symlink(tmp_path / "secret", tmp_path / "link.json")
+    with pytest.raises(OSError):
+        read_small(str(tmp_path / "link.json"))
+    os.mkfifo(tmp_path / "fifo.json")   # would block a plain open() for good
+    with pytest.raises(OSError, match="not a regular file"):
+        read_small(str(tmp_path / "fifo.json"))
+    with pytest.raises(OSError, match="more than the 4"):
+        read_small(str(tmp_path / "m.json"), limit=4)
+
+
+def test_a_new_file_is_never_written_through_a_planted_name(tmp_path):
+    from coordinator.shard_files import write_new
+    write_new(str(tmp_path / "new.json"), b"x" * 10)
+    assert (tmp_path / "new.json").read_bytes() == b"x" * 10
+    assert oct((tmp_path / "new.json").stat().st_mode & 0o777) == "0o644"
+    (tmp_path / "target").write_bytes(b"keep")
+    os.symlink(tmp_path / "target", tmp_path / "planted")
+    with pytest.raises(OSError):
+        write_new(str(tmp_path / "planted"), b"evil")
+    with pytest.raises(FileExistsError):
+        write_new(str(tmp_path / "new.json"), b"again")
+    assert (tmp_path / "target").read_bytes() == b"keep"
+    assert (tmp_path / "new.json").read_bytes() == b"x" * 10
+
+
+def test_a_manifest_that_is_a_link_or_a_fifo_is_refused_not_followed(tmp_path):
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"step": 1, "variables": {}}))
+    for kind in ("link", "fifo"):
+        ckpt = tmp_path / f"ckpt-{kind}"
+        ckpt.mkdir()
+        if kind == "link":
+            os.symlink(tmp_path / "elsewhere.json", ckpt / "manifest.json")
+        else:
+            os.mkfifo(ckpt / "manifest.json")
+        with pytest.raises(CheckpointError, match="cannot read the manifest"):
+            read_manifest(str(ckpt))
