@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -164,6 +164,26 @@ class EmbeddingCollection:
         (any subset). ``admit=False`` (evaluation): nothing counted, created
         or evicted."""
         return CollectionLookup(self, self._by_group(ids, lambda f, k: k.shape), admit)
+
+    def columns(self, features: Sequence[str], ids) -> tuple[DynamicEmbedding, np.ndarray]:
+        """For ids that come as a matrix, a column per feature (``ids[..., j]``
+        of ``features[j]``, as a Criteo batch's (n, 26)) whose features share
+        one group: (that table, the keys there, of ids' shape). Read and push
+        them as that one table's, with no copy per feature:
+        ``read_variables([Lookup(table, keys), ...])`` gives rows of
+        ids.shape + (dim,); ``push_gradients([(table, IndexedSlices(
+        grads.reshape(-1, dim), keys.reshape(-1)))])``. ValueError if the
+        features are of several groups."""
+        labels = {self._group(f) for f in features}
+        if len(labels) != 1:
+            raise ValueError(f"columns() takes features of one group table; {list(features)} "
+                             f"are in {sorted(labels)}: use lookup() with a dict")
+        keys = check_keys(ids)
+        if keys.ndim < 1 or keys.shape[-1] != len(features):
+            raise ValueError(f"ids of shape {keys.shape} for {len(features)} features: the "
+                             f"last axis must be the features'")
+        salts = np.array([self._where[f][1] for f in features], np.int64)
+        return self.tables[labels.pop()], keys ^ salts
 
     def gradients(self, grads: Mapping[str, IndexedSlices]) -> list[tuple]:
         """push_gradients' pairs for row gradients by feature

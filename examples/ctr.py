@@ -100,10 +100,10 @@ def make_train_step(table, variables: dict, batch_of=None):
         else:
             b = batch_of(ctx.step * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group)
         # The table's rows and the dense layers: one call per server.
-        got, *values = read_variables([lookup_item(table, b.sparse),
-                                       *(variables[n] for n in names)])
-        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense,
-                                                  rows_of(table, got), b.labels)
+        rows, *values = read_variables([lookup_item(table, b.sparse),
+                                        *(variables[n] for n in names)])   # rows (n, 26, DIM)
+        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense, rows,
+                                                  b.labels)
         # Their gradients: one call per server (the keys, looked up just now, not sorted again).
         push_gradients([row_gradients(table, b.sparse, row_grads),
                         *((variables[n], grads[n]) for n in names)])
@@ -128,23 +128,18 @@ def feature_configs(seed: int, lr: float) -> dict:
 
 
 def lookup_item(table, sparse: np.ndarray, admit: bool = True):
-    """read_variables' item for a batch's ids (n, 26): one table, or a table per feature."""
+    """read_variables' item for a batch's ids (n, 26): one table, or a table
+    per feature (the features' columns, EmbeddingCollection.columns: their
+    rows come as (n, 26, DIM), no copy per feature)."""
     if isinstance(table, EmbeddingCollection):
-        return table.lookup({f: sparse[:, i] for i, f in enumerate(FEATURES)}, admit=admit)
+        return Lookup(*table.columns(FEATURES, sparse), admit)
     return Lookup(table, sparse, admit)
-
-
-def rows_of(table, got) -> np.ndarray:
-    """The rows lookup_item's read gave, (n, 26, DIM)."""
-    return np.stack([got[f] for f in FEATURES], axis=1) \
-        if isinstance(table, EmbeddingCollection) else got
 
 
 def row_gradients(table, sparse: np.ndarray, row_grads: np.ndarray) -> tuple:
     """push_gradients' pair for the rows' gradients (n, 26, DIM)."""
     if isinstance(table, EmbeddingCollection):
-        return table, {f: IndexedSlices(row_grads[:, i], sparse[:, i])
-                       for i, f in enumerate(FEATURES)}
+        table, sparse = table.columns(FEATURES, sparse)
     return table, IndexedSlices(row_grads.reshape(-1, M.DIM), sparse.reshape(-1))
 
 
@@ -170,8 +165,8 @@ def evaluate(table, variables: dict, seed: int, batches: int, size: int, data=No
     """AUC and loss on held-out batches (stream seed + 1): nothing admitted."""
     names = list(variables)
     params = dict(zip(names, read_variables([variables[n] for n in names])))
-    return held_out(params, lambda ids: rows_of(table, read_variables(
-        [lookup_item(table, ids, admit=False)])[0]), seed, batches, size, data)
+    return held_out(params, lambda ids: read_variables(
+        [lookup_item(table, ids, admit=False)])[0], seed, batches, size, data)
 
 
 def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches: int = 20,

@@ -169,3 +169,27 @@ def test_a_push_reuses_the_sort_of_every_group_its_step_looked_up(cluster, monke
     sorts.clear()
     push_gradients([(emb, {"user": IndexedSlices(np.ones((1, 4), np.float32), [1])})])
     assert sorts == [emb.table_of("user").name]
+
+
+def test_features_given_as_the_columns_of_one_matrix_read_and_push_as_one_table(cluster):
+    """columns(): a batch's (n, k) ids of k features of one group are that
+    table's keys (each column qualified as its feature), rows (n, k, dim)
+    with no copy per feature: the same rows as the dict look-up gives."""
+    from coordinator import Lookup
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, "c5", FEATURES)
+    ids = np.array([[1, 1], [2, 9], [1, 3]])
+    table, keys = emb.columns(["user", "item"], ids)
+    assert table is emb.table_of("user") and keys.shape == (3, 2)
+    np.testing.assert_array_equal(keys[:, 1], emb.qualify("item", ids[:, 1]))
+    rows = read_variables([Lookup(table, keys)])[0]
+    assert rows.shape == (3, 2, 4)
+    push_gradients([(table, IndexedSlices(np.ones((6, 4), np.float32), keys.reshape(-1)))])
+    by_dict = read_variables([emb.lookup({"user": ids[:, 0], "item": ids[:, 1]})])[0]
+    np.testing.assert_array_equal(by_dict["user"], rows[:, 0] - [[2], [1], [2]])   # 1 twice
+    np.testing.assert_array_equal(by_dict["item"], rows[:, 1] - 1)
+    with pytest.raises(ValueError, match="one group table.*use lookup"):
+        emb.columns(["user", "country"], ids)
+    with pytest.raises(ValueError, match="the last axis must be the features'"):
+        emb.columns(["user", "item"], ids.T)
+
