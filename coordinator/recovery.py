@@ -313,7 +313,15 @@ class _PSRecovery:
                 restarted = info.server_id != strategy.server_ids.get(address)
                 outcome = "unchanged"
                 if restarted:
-                    outcome = self._refill(address)
+                    try:
+                        outcome = self._refill(address)
+                    except PSError as exc:   # did it fail again mid-refill? then wait again
+                        if time.monotonic() > deadline or cluster.closed or \
+                                not self._gone_since(address, info.server_id):
+                            raise
+                        log.warning("parameter server %s went away again while its shards "
+                                    "were being restored (%s); waiting for it", address, exc)
+                        continue
                     strategy.server_ids[address] = info.server_id
                     self.recoveries += 1
                 _metrics.PS_RECOVERIES.labels(outcome).inc()
@@ -340,6 +348,14 @@ class _PSRecovery:
             self.away_since.pop(address, None)
             self._decide(address, restarted, error)
             cluster.clocks_changed()
+
+    def _gone_since(self, address: str, server_id: str) -> bool:
+        """Whether the server at address is down, or another process than
+        ``server_id`` (it restarted again)."""
+        try:
+            return self._probe(address).server_id != server_id
+        except PSError:
+            return True
 
     def _refill(self, address: str) -> str:
         """A restarted server's shards, from the latest checkpoint or (when the
