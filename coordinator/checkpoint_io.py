@@ -22,6 +22,7 @@ import numpy as np
 from coordinator import metrics as _metrics
 from coordinator import variables as V
 from coordinator.checkpoint_files import (  # noqa: F401
+    CHAIN_VERSION,
     FORMAT_VERSION,
     CheckpointError,
     chain_of,
@@ -35,6 +36,7 @@ from coordinator.checkpoint_files import (  # noqa: F401
 from coordinator.shard_files import crc32_of_path, write_new
 from psserver.contract.checkpoint_format import CHECKSUM
 from psserver.contract.checkpoint_format import fsync_dir as _fsync_dir
+from psserver.contract.keys import split_capacity
 from psserver.errors import (
     PSError,
 )
@@ -151,9 +153,11 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                 "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
                             **files[c.name]} for s, c in zip(v.shards, chosen[v.name])]}
                 for v in variables},
-            "tables": {t.name: {"dim": t.dim, "dtype": t.dtype, "shards": table_files[t.name]}
-                       for t in tables},
+            "tables": {t.name: {"dim": t.dim, "dtype": t.dtype, "buckets": t.buckets.ranges(),
+                                "shards": table_files[t.name]} for t in tables},
         }
+        if tables:   # keys by bucket: readers before buckets must not read it
+            manifest["format_version"] = FORMAT_VERSION
         if inc.save_id:
             manifest.update(save_id=inc.save_id, stream=inc.stream, servers=servers)
             if inc.weights_only:
@@ -162,10 +166,11 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                 [e["kind"] for es in table_files.values() for e in es]
             if inc.parent and any(k != "full" for k in kinds):   # else it stands alone: a base
                 link = parent.get("chain", {})
-                manifest.update(format_version=FORMAT_VERSION, chain={
+                manifest["format_version"] = max(manifest["format_version"], CHAIN_VERSION)
+                manifest["chain"] = {
                     "parent": os.path.basename(inc.parent[0]), "parent_id": parent["save_id"],
                     "base": link.get("base", os.path.basename(inc.parent[0])),
-                    "depth": link.get("depth", 0) + 1})
+                    "depth": link.get("depth", 0) + 1}
         _write_json(os.path.join(tmp, "manifest.json"), manifest)
         _fsync_dir(tmp)   # its entries (manifest, ps-N/) on disk before it is renamed into
         replaced = None   # place (the servers fsynced each ps-N/ after their files)
@@ -248,21 +253,53 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
 def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
                  address: str | None = None) -> list[futures.Future]:
     """Each current shard of ``t`` emptied and given the saved rows its keys
-    send it now (psserver.core.dynamic_table.shard_of: any number of servers)."""
-    from psserver.contract.keys import shard_of
+    send it now (``t.shard_of``: any number of servers), with its part of
+    the table's capacity (table_capacities)."""
     keys = state.get("keys", np.zeros(0, np.int64))
-    which = shard_of(keys, len(t.addresses))
+    which = t.shard_of(keys)
+    copies = t.primaries()   # (replication: each primary copies itself to its backup)
+    limits = table_capacities(t, np.bincount(which, minlength=len(copies)), copies,
+                              client_for, address)
     handles = []
-    for i, copy in enumerate(t.primaries()):   # (replication: each primary copies
-        if address is not None and copy.address != address:   # itself to its backup)
+    for i, copy in enumerate(copies):
+        if address is not None and copy.address != address:
             continue
         mine = which == i
         part = {k: (a if a.ndim == 0 else a[mine]) for k, a in state.items()}
         if not part:
             part = {"keys": keys}
         handles.append(pool.submit(client_for(copy.address).import_table, copy.table,
-                                   _full(part, t), step, reset=True))
+                                   _full(part, t), step, reset=True, capacity=limits[i]))
     return handles
+
+
+def table_capacities(t, rows, copies, client_for, address: str | None) -> list:
+    """Each shard's capacity after a restore of ``rows[i]`` rows into shard
+    i: room for all of them, the rest of ``t.capacity`` shared by buckets,
+    the parts summing to it; restored rows beyond it (a smaller capacity)
+    are evicted by the policy from each shard's bucket share. Restoring one
+    server's shards (``address``): what the other shards' parts leave, as
+    their servers have them (None, unchanged, if one cannot say)."""
+    if not t.capacity:   # none (or a handle that does not know it): each as it is
+        return [None] * len(copies)
+    shares = t.buckets.counts()
+    total = int(rows.sum())
+    if address is None:
+        if total > t.capacity:
+            log.warning("restoring %d rows of table %r into a capacity of %d: each server "
+                        "evicts its share by the table's policy", total, t.name, t.capacity)
+            return split_capacity(t.capacity, shares)
+        return (rows + split_capacity(t.capacity - total, shares)).tolist()
+    mine = [i for i, c in enumerate(copies) if c.address == address]
+    try:
+        others = sum(client_for(c.address).table_info(c.table).spec.capacity
+                     for i, c in enumerate(copies) if i not in mine)
+    except PSError:
+        return [None] * len(copies)
+    limits: list = [None] * len(copies)
+    for i, part in zip(mine, split_capacity(max(len(mine), t.capacity - others), shares[mine])):
+        limits[i] = max(1, part)   # (0 would be no limit)
+    return limits
 
 
 def _full(part: dict, t) -> dict:

@@ -164,7 +164,7 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
     names = sorted(n for n in every if not n.startswith(BACKUP_PREFIX))
     out, problems = [], []
     for name in names:
-        specs = {}
+        specs, caps = {}, []
         for address in ps:
             info = next((t for t in listing.get(address, ()) if t.name == name), None)
             if info is None:
@@ -172,12 +172,14 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
                 continue
             specs[address] = (int(info.spec.dim), info.spec.dtype or "float32",
                               info.spec.optimizer.name or "sgd")
+            caps.append(int(info.spec.capacity))
         if len(set(specs.values())) > 1:
             problems.append(f"dynamic table {name!r} differs between servers: {specs}")
         elif specs and len(specs) == len(ps):
             dim, dtype, optimizer = next(iter(specs.values()))
             out.append(DynamicEmbedding(name, dim, dtype, tuple(ps), optimizer,
-                                        replicated=BACKUP_PREFIX + name in every))
+                                        replicated=BACKUP_PREFIX + name in every,
+                                        capacity=0 if 0 in caps else sum(caps)))
     if problems:
         raise CheckpointError("; ".join(problems))
     return out

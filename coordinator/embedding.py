@@ -2,7 +2,7 @@
 
 A table keyed by any int64 (hashes of feature strings), its keys spread
 over every parameter server by a hash of the key
-(psserver.contract.keys.shard_of), each server holding its shard
+(psserver.contract.keys: a bucket of its hash, and each bucket's shard), each server holding its shard
 (psserver/core/table_store.py: admission, eviction, the optimizer's slots).
 ``ParameterServerStrategy.create_embedding_table`` makes one.
 
@@ -39,10 +39,17 @@ import dataclasses
 
 import numpy as np
 
-from coordinator.ps_pool import servers
+from coordinator.ps_pool import client_for, servers
 from coordinator.step_calls import IndexedSlices, Lookup, _Push, _Read
-from psserver.contract import BACKUP_PREFIX, TABLE_PREFIX
-from psserver.contract.keys import shard_of
+from psserver.contract import (
+    BACKUP_PREFIX,
+    ROLE_PRIMARY,
+    SET_BACKUP,
+    TABLE_PREFIX,
+    Peer,
+)
+from psserver.contract.keys import BucketMap
+from psserver.errors import AlreadyExists, PSError
 from psserver.link.pending import Pending
 
 
@@ -83,7 +90,10 @@ class TableStats:
 @dataclasses.dataclass(frozen=True)
 class DynamicEmbedding:
     """Table ``name`` with rows of ``dim`` values of ``dtype``, sharded over
-    ``addresses`` (key k lives on addresses[shard_of(k, len(addresses))])."""
+    ``addresses``: key k lives on addresses[buckets.shard_of(k)]
+    (psserver.contract.keys: a bucket of its hash, each bucket a shard's;
+    ``BucketMap.even`` unless given). ``capacity``: the whole table's (0:
+    none), each shard holding its part (create_embedding_table)."""
 
     name: str
     dim: int
@@ -91,6 +101,15 @@ class DynamicEmbedding:
     addresses: tuple[str, ...]
     optimizer: str = "sgd"
     replicated: bool = False
+    capacity: int = 0
+    buckets: BucketMap | None = None
+
+    def __post_init__(self):
+        if self.buckets is None:
+            object.__setattr__(self, "buckets", BucketMap.even(len(self.addresses)))
+        elif self.buckets.num_shards != len(self.addresses):
+            raise ValueError(f"table {self.name!r}: a bucket map of {self.buckets.num_shards} "
+                             f"shard(s) for {len(self.addresses)} address(es)")
 
     @property
     def num_shards(self) -> int:
@@ -122,7 +141,7 @@ class DynamicEmbedding:
 
     def shard_of(self, keys: np.ndarray) -> np.ndarray:
         """The shard of each int64 key."""
-        return shard_of(keys, len(self.addresses))
+        return self.buckets.shard_of(keys)
 
     @property
     def row_bytes(self) -> int:
@@ -169,3 +188,47 @@ class DynamicEmbedding:
 
     def __len__(self) -> int:
         return self.stats().rows
+
+
+def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_server) -> None:
+    """Each server's shard of ``table`` made, or adopted where it exists with
+    the same spec (its capacity aside: parts a restore moved between the
+    shards are the table's as long as they sum to ``table.capacity``;
+    AlreadyExists otherwise). ``creations``: (address, create_table's
+    keywords) per shard; ``parts``: the capacities asked; ``note_server``
+    is told each address (watched from then on). With replication each
+    primary copies itself to its backup. All or nothing: a call that fails
+    deletes the shards (and backups) it made."""
+    made = []   # indices of the shards this call made
+    held = []   # each shard's capacity as its server has it
+    try:
+        for i, (addr, kw) in enumerate(creations):
+            try:
+                info = client_for(addr).create_table(table.name, table.dim, **kw)
+                made.append(i)
+            except AlreadyExists:   # adopted (same spec), or an error saying it differs
+                info = client_for(addr).create_table(table.name, table.dim,
+                                                             exist_ok=True, **kw)
+            held.append(info.spec.capacity)
+            note_server(addr)   # watched: a restart or a loss is noticed
+        if held != parts and (0 in held or sum(held) != table.capacity):
+            raise AlreadyExists(
+                f"dynamic table {table.name!r} exists with capacity "
+                f"{0 if 0 in held else sum(held)} over its servers, not {table.capacity}; "
+                "delete it first, or create it with the capacity it has")
+        if table.replicated:   # each primary copies itself to its backup on the next server
+            for c, b in zip(table.shards, table.backups):
+                meta = client_for(c.address).get_meta(c.name)
+                if meta.role == ROLE_PRIMARY and meta.epoch == 0 and meta.backup is None:
+                    client_for(c.address).reconfigure(
+                        [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
+            # adopted: it may have failed over
+            servers().refresh([(table, k) for k in range(table.num_shards)])
+    except BaseException:   # each made shard, and its backup if one was copied yet
+        for i in made:
+            for copy in (table.shards[i], *table.backups[i:i + 1]):
+                try:
+                    client_for(copy.address).delete_table(copy.table)
+                except PSError:
+                    pass
+        raise

@@ -48,6 +48,7 @@ from coordinator.checkpoint_files import (
     find_checkpoints,
     load_table_shards,
     load_variable,
+    table_router,
 )
 
 log = logging.getLogger("coordinator.serving")
@@ -281,8 +282,10 @@ class Snapshot:
         path, manifest = chain[-1]
         if old is not None and start and (
                 set(manifest["variables"]) != set(old.values)
-                or set(manifest.get("tables", {})) != set(old.table_shards)):
-            start = 0   # other variables or tables: composed anew
+                or set(manifest.get("tables", {})) != set(old.table_shards)
+                or any(_layout(info) != _layout(old.manifest["tables"][name])
+                       for name, info in manifest.get("tables", {}).items())):
+            start = 0   # other variables or tables, or tables laid out anew: composed anew
         if start == 0:   # a new chain: composed from its base, as a restore composes it
             values = {name: load_variable(_spec(name, info), chain)["value"]
                       for name, info in manifest["variables"].items()}
@@ -306,7 +309,7 @@ class Snapshot:
             for state, _, _ in shards:
                 for a in (state["keys"], state["values"]):
                     a.setflags(write=False)
-            tables[name] = _served(shards, manifest["tables"][name])
+            tables[name] = _served(shards, manifest["tables"][name], path, name)
         return _State(path, manifest, tuple(chain), values, tables, table_shards)
 
     def _follow(self) -> None:
@@ -336,17 +339,18 @@ class Snapshot:
 def lookup_rows(values: Mapping[str, np.ndarray], tables: Mapping[str, tuple], name: str,
                 keys, where: str) -> np.ndarray:
     """Snapshot.lookup over ``values`` (variable -> value) and ``tables``
-    (table -> ((sorted keys, rows) per shard, dim)) read from ``where``."""
-    from psserver.contract.keys import check_keys, shard_of
+    (table -> ((sorted keys, rows) per shard, dim, keys -> their shard)) read
+    from ``where``."""
+    from psserver.contract.keys import check_keys
     try:
         keys = check_keys(keys)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
     if name in tables:
-        shards, dim = tables[name]
+        shards, dim, route = tables[name]
         flat = keys.reshape(-1)
         out = np.zeros((flat.size, dim), shards[0][1].dtype if shards else np.float32)
-        which = shard_of(flat, len(shards))
+        which = route(flat)
         for i, (skeys, svalues) in enumerate(shards):
             sel = np.flatnonzero(which == i)
             if not sel.size or not skeys.size:
@@ -367,13 +371,19 @@ def lookup_rows(values: Mapping[str, np.ndarray], tables: Mapping[str, tuple], n
 
 def table_rows(chain: list, name: str, info: dict) -> tuple[list, int]:
     """A table of the chain's last checkpoint or export as lookup_rows takes
-    it: ((sorted keys, rows) per shard, dim)."""
-    return _served(load_table_shards(_table_spec(name, info), chain), info)
+    it: ((sorted keys, rows) per shard, dim, keys -> their shard)."""
+    return _served(load_table_shards(_table_spec(name, info), chain), info, chain[-1][0], name)
 
 
-def _served(shards: list, info: dict) -> tuple[list, int]:
+def _layout(info: dict) -> tuple:
+    """A table's shards and their keys as a manifest gives them."""
+    return len(info.get("shards") or ()), info.get("buckets")
+
+
+def _served(shards: list, info: dict, path: str, name: str) -> tuple[list, int, Callable]:
     """load_table_shards' shards as lookup_rows takes a table."""
-    return [(s["keys"], s["values"]) for s, _, _ in shards], int(info["dim"])
+    return ([(s["keys"], s["values"]) for s, _, _ in shards], int(info["dim"]),
+            table_router(path, name, info))
 
 
 def _weights(manifest: dict) -> bool:

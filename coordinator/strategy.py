@@ -24,17 +24,16 @@ from coordinator.cluster_spec import (
     TFConfigClusterResolver,
 )
 from coordinator.diagnose import CONNECT_SECONDS
-from coordinator.embedding import DynamicEmbedding
+from coordinator.embedding import DynamicEmbedding, make_shards
 from coordinator.partitioners import Partitioner, num_shards_of, shard_row_offsets
 from psserver.contract import (
     BACKUP_PREFIX,  # backup shards: "_backup/<shard name>"
-    ROLE_PRIMARY,
-    SET_BACKUP,
     TOKEN_ENV,
     Initializer,
     Peer,
     SyncSpec,
 )
+from psserver.contract.keys import BucketMap, split_capacity
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.link.diagnose import not_answering
 from psserver.tls import TLSConfig
@@ -455,8 +454,13 @@ class ParameterServerStrategy:
         psserver/core/dynamic_table.py). A key gets a row on its ``min_count``-th
         look-up, then with ``probability`` per look-up; until then it reads as
         zeros and its gradients are dropped. ``capacity`` (0: none) bounds
-        the rows of the whole table (each server holds capacity / servers,
-        rounded up), evicting by ``policy`` ("lru" or "lfu"); rows not
+        the rows of the whole table: each server holds its share of the
+        key buckets (psserver.contract.keys) and that share of the capacity,
+        the shares summing to it exactly, so a server whose share is full
+        evicts although another may have room (the imbalance of a hash:
+        about 1/sqrt(rows per server)); it evicts by ``policy`` ("lru" or
+        "lfu"). A restore into another number of servers gives each server
+        room for the rows it restores, still summing to ``capacity``. Rows not
         updated for ``max_age_steps`` updates of their shard or
         ``max_age_seconds`` are evicted too. New rows come from
         ``initializer`` as a function of (``seed``, key) alone.
@@ -475,42 +479,21 @@ class ParameterServerStrategy:
                              "copies replication makes; choose another name")
         self._check_servers()
         n = len(self._ps)
-        per_shard = -(-capacity // n) if capacity else 0
+        buckets = BucketMap.even(n)
+        parts = split_capacity(capacity, buckets.counts())
         if initializer is None or isinstance(initializer, str):
             initializer = Initializer(kind=initializer or "zeros", seed=seed)
         creations = [(addr, dict(
             dtype=dtype, initializer=initializer, optimizer=optimizer,
             optimizer_params=optimizer_params, min_count=min_count, probability=probability,
-            capacity=per_shard, policy=policy, max_age_steps=max_age_steps,
+            capacity=parts[i], policy=policy, max_age_steps=max_age_steps,
             max_age_seconds=max_age_seconds,
             seed=seed * n + i))   # each shard its own admission draws; rows: the same
             for i, addr in enumerate(self._ps)]
         table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer,
-                                 replicated=self.replication)
-        made = []   # indices of the shards this call made
-        try:   # all or nothing: shards this call made go again if one fails
-            for i, (addr, kw) in enumerate(creations):
-                try:
-                    ps_pool.client_for(addr).create_table(name, dim, **kw)
-                    made.append(i)
-                except AlreadyExists:   # adopted (same spec), or an error saying it differs
-                    ps_pool.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
-                self._note_server(addr)   # watched: a restart or a loss is noticed
-            if self.replication:   # each primary copies itself to its backup on the next server
-                for c, b in zip(table.shards, table.backups):
-                    meta = ps_pool.client_for(c.address).get_meta(c.name)
-                    if meta.role == ROLE_PRIMARY and meta.epoch == 0 and meta.backup is None:
-                        ps_pool.client_for(c.address).reconfigure(
-                            [(c.name, SET_BACKUP, 0, Peer(b.address, b.name))])
-                ps_pool.servers().refresh([(table, k) for k in range(n)])   # adopted: may have failed over
-        except BaseException:   # each made shard, and its backup if one was copied yet
-            for i in made:
-                for copy in (table.shards[i], *table.backups[i:i + 1]):
-                    try:
-                        ps_pool.client_for(copy.address).delete_table(copy.table)
-                    except PSError:
-                        pass
-            raise
+                                 replicated=self.replication, capacity=capacity,
+                                 buckets=buckets)
+        make_shards(table, creations, parts, self._note_server)
         self._table_creation[name] = (dim, creations)
         self._tables[name] = table
         return table

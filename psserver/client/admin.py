@@ -346,13 +346,14 @@ class PSAdmin:
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
-                     timeout: float | None = None) -> int:
+                     capacity: int | None = None, timeout: float | None = None) -> int:
         """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
         pieces that fit a message. Returns the rows the shard holds.
         ``replica`` (a primary's server copying its state to its backup:
         spec, epoch, version, applied_ids): make or replace the copy as a
-        backup (tables.proto ReplicaCopy)."""
+        backup (tables.proto ReplicaCopy). ``capacity`` (with ``reset``): the
+        shard's capacity from then on (its part of the whole table's)."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -361,6 +362,8 @@ class PSAdmin:
         for i, lo in enumerate(range(0, max(1, keys.size), per_call)):
             hi = lo + per_call
             req = tables_pb2.ImportTableRequest(name=name, reset=reset and i == 0, step=step)
+            if capacity is not None and i == 0:
+                req.capacity = capacity
             if replica is not None:
                 req.replica.CopyFrom(tables_pb2.ReplicaCopy(complete=hi >= keys.size, **replica))
             for field in ("keys", "values", "age_steps", "age_seconds", "freq"):

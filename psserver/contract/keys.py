@@ -1,7 +1,17 @@
-"""What a dynamic-table key maps to wherever it is held: the shard that owns
-it (``shard_of``) and its first row (``initial_rows``) are functions of the
-key alone (and the table's initializer), so clients, servers and checkpoint
+"""What a dynamic-table key maps to wherever it is held: its bucket
+(``bucket_of``) and its first row (``initial_rows``) are functions of the key
+alone (and the table's initializer), so clients, servers and checkpoint
 readers agree, and a table resharded or re-created gives the same rows.
+
+Keys map to shards in two steps, as Redis Cluster's hash slots do: a key's
+hash picks one of ``BUCKETS`` buckets, the same for every table and cluster
+size, and a table's ``BucketMap`` gives each bucket its shard (contiguous
+ranges, as even as 4,096 divides: ``BucketMap.even``). A shard's share of
+the table (its capacity: ``split_capacity``) is its share of the buckets; a
+checkpoint records the map of each table (``ranges``), and a table moved to
+more or fewer servers can move whole buckets, not rows one by one. Manifests
+written before buckets (no "buckets" entry) used ``hash % shards``:
+``legacy_shard_of`` reads them.
 
 Pure numpy (no grpc, no protobuf, no server state): the coordinator's
 embedding, serving and checkpoint code import it without the parameter
@@ -9,6 +19,8 @@ server's table (psserver/core/dynamic_table.py), whose hash index
 (psserver/core/key_index.py) hashes with ``mix64`` too.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -31,11 +43,124 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return z
 
 
-def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
-    """Which of ``num_shards`` shards owns each key (by hash, not by value:
-    keys that are small integers or share low bits still spread)."""
-    h = mix64(np.asarray(keys, np.int64).view(np.uint64) ^ _GOLDEN)
-    return (h % np.uint64(num_shards)).astype(np.int64)
+#: Buckets of every table's key space (a power of two: a bucket is the top
+#: bits of the key's hash; the low bits index psserver.core.key_index).
+BUCKET_BITS = 12
+BUCKETS = 1 << BUCKET_BITS
+
+
+def _key_hash(keys) -> np.ndarray:
+    """By hash, not by value: keys that are small integers or share low bits still spread."""
+    return mix64(np.asarray(keys, np.int64).view(np.uint64) ^ _GOLDEN)
+
+
+def bucket_of(keys) -> np.ndarray:
+    """The bucket (0 .. BUCKETS-1) of each int64 key."""
+    return (_key_hash(keys) >> np.uint64(64 - BUCKET_BITS)).astype(np.intp)
+
+
+def legacy_shard_of(keys, num_shards: int) -> np.ndarray:
+    """The shard of each key in checkpoints written before buckets (``hash % shards``)."""
+    return (_key_hash(keys) % np.uint64(num_shards)).astype(np.int64)
+
+
+class BucketMap:
+    """Which shard of a table holds each bucket: ``owner[b]`` for b in
+    0 .. BUCKETS-1, every shard from 0 to ``num_shards``-1 given at least one.
+    Immutable; equal maps compare equal."""
+
+    __slots__ = ("owner", "num_shards")
+
+    def __init__(self, owner, num_shards: int):
+        owner = np.array(owner, np.int64)
+        if owner.shape != (BUCKETS,) or num_shards < 1 or owner.min() < 0 or \
+                owner.max() >= num_shards or not np.bincount(owner, minlength=num_shards).all():
+            raise InvalidArgument(f"a bucket map gives each of {BUCKETS} buckets one of "
+                                  f"{num_shards} shard(s), each shard at least one bucket")
+        owner = owner.astype(np.int16 if num_shards <= 1 << 15 else np.int32)
+        owner.setflags(write=False)
+        self.owner, self.num_shards = owner, int(num_shards)
+
+    @classmethod
+    def even(cls, num_shards: int) -> "BucketMap":
+        """Shard i holds buckets [i*B//n, (i+1)*B//n): contiguous, as even as B allows."""
+        if not isinstance(num_shards, (int, np.integer)) or not 1 <= num_shards <= BUCKETS:
+            raise InvalidArgument(f"a table has 1 to {BUCKETS} shards, got {num_shards!r}")
+        return _even(int(num_shards))
+
+    @classmethod
+    def from_ranges(cls, ranges, num_shards: int) -> "BucketMap":
+        """The map ``ranges()`` wrote ([first, end, shard] runs covering
+        0 .. BUCKETS in order); InvalidArgument for anything else."""
+        owner = np.full(BUCKETS, -1, np.int64)
+        at = 0
+        try:
+            for first, end, shard in ranges:
+                if not all(isinstance(x, int) and not isinstance(x, bool)
+                           for x in (first, end, shard)) or first != at or not at < end <= BUCKETS:
+                    raise ValueError
+                owner[first:end] = shard
+                at = end
+        except (TypeError, ValueError):
+            at = -1
+        if at != BUCKETS:
+            raise InvalidArgument(f"a bucket map is a list of [first, end, shard] runs covering "
+                                  f"buckets 0 to {BUCKETS} in order, got {ranges!r:.200}")
+        return cls(owner, num_shards)
+
+    def ranges(self) -> list[list[int]]:
+        """[first, end, shard] runs of equal owners, in bucket order (JSON-able)."""
+        cut = np.flatnonzero(np.diff(self.owner)) + 1
+        starts = [0, *cut.tolist()]
+        ends = [*cut.tolist(), BUCKETS]
+        return [[a, b, int(self.owner[a])] for a, b in zip(starts, ends)]
+
+    def shard_of(self, keys) -> np.ndarray:
+        """The shard of each int64 key."""
+        return self.owner[bucket_of(keys)].astype(np.int64)
+
+    def counts(self) -> np.ndarray:
+        """Buckets per shard."""
+        return np.bincount(self.owner, minlength=self.num_shards)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BucketMap) and self.num_shards == other.num_shards and \
+            bool((self.owner == other.owner).all())
+
+    def __hash__(self) -> int:
+        return hash((self.num_shards, self.owner.tobytes()))
+
+    def __repr__(self) -> str:
+        return f"BucketMap({self.num_shards} shards, {len(self.ranges())} runs)"
+
+    def __reduce__(self):   # small in a pickled step closure: its runs, not 4,096 owners
+        if self is _even(self.num_shards):
+            return BucketMap.even, (self.num_shards,)
+        return BucketMap.from_ranges, (self.ranges(), self.num_shards)
+
+
+@functools.lru_cache(maxsize=64)
+def _even(n: int) -> BucketMap:
+    return BucketMap(np.arange(BUCKETS) * n // BUCKETS, n)
+
+
+def shard_of(keys, num_shards: int) -> np.ndarray:
+    """The shard of each key in a table spread evenly over ``num_shards`` (BucketMap.even)."""
+    return BucketMap.even(num_shards).shard_of(keys)
+
+
+def split_capacity(capacity: int, weights) -> list[int]:
+    """``capacity`` cut in proportion to ``weights`` (a shard's buckets, or
+    room), whole numbers summing to it exactly (largest remainders first,
+    ties to the first); 0 (no limit) stays 0 for every part."""
+    w = np.asarray(weights, np.float64)
+    if not capacity:
+        return [0] * w.size
+    exact = capacity * w / w.sum()
+    part = np.floor(exact).astype(np.int64)
+    short = capacity - int(part.sum())
+    part[np.argsort(-(exact - part), kind="stable")[:short]] += 1
+    return part.tolist()
 
 
 def check_keys(keys) -> np.ndarray:

@@ -104,6 +104,10 @@ class TableSpec:
             given, dtype=dtype, initializer=init, min_count=given.min_count or 1,
             probability=given.probability or 1.0, policy=given.policy or "lru").check()
 
+    def with_capacity(self, capacity: int) -> "TableSpec":
+        """This spec with another capacity (a shard's part of the table's)."""
+        return dataclasses.replace(self, given=dataclasses.replace(self.given, capacity=capacity))
+
     def make_optimizer(self):
         """The optimizer of the table's rows; InvalidArgument for a bad one."""
         try:
@@ -205,7 +209,9 @@ class TableStore:
     # -- calls ---------------------------------------------------------------------------------
     def create(self, name: str, spec: TableSpec, exist_ok: bool = False) -> TableStatus:
         """Make this server's shard of table ``name``. An existing one is
-        returned with ``exist_ok`` and the same spec; else AlreadyExists.
+        returned with ``exist_ok`` and the same spec but for its capacity (a
+        restore may have moved capacity between shards: the coordinator
+        checks their sum); else AlreadyExists.
         InvalidArgument (a bad spec, a backup copy's name), ResourceExhausted."""
         check_name(name)
         if name.startswith(BACKUP_PREFIX):
@@ -224,7 +230,7 @@ class TableStore:
             if copy is made:
                 with copy.lock:
                     return self._status(copy)
-        if exist_ok and copy.spec == spec:
+        if exist_ok and copy.spec.with_capacity(0) == spec.with_capacity(0):
             with copy.lock:
                 return self._status(copy)
         raise AlreadyExists(f"dynamic table {name!r} exists"
@@ -482,17 +488,31 @@ class TableStore:
                           int(state["evicted"].size) if "evicted" in state else 0,
                           self._saver.incarnation, crc)
 
-    def import_rows(self, name: str, state: dict, step: int, reset: bool) -> int:
+    def import_rows(self, name: str, state: dict, step: int, reset: bool,
+                    capacity: int | None = None) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied
         first with ``reset`` (a primary only: a backup takes its primary's
-        state only, NotPrimary). Returns the rows held. The backup, if any,
-        copies the new state whole."""
+        state only, NotPrimary); ``capacity`` (with ``reset`` only): the
+        shard's capacity from now on, set before the rows go in. Returns the
+        rows held. The backup, if any, copies the new state whole."""
+        if capacity is not None and not (reset and 0 <= capacity < 1 << 40):
+            raise InvalidArgument("an import's capacity is an integer in [0, 2**40) given with "
+                                  "reset (the first piece of a restore)")
         copy = self.registry.table(name)
         with copy.lock:
             copy.check_primary()
             t = copy.table
             self._check_room(name, state["keys"].size, t.row_bytes)
-            rows = t.import_rows(state, step, reset=reset)
+            config = t.config
+            if capacity is not None:
+                t.config = dataclasses.replace(config, capacity=capacity)
+            try:
+                rows = t.import_rows(state, step, reset=reset)
+            except BaseException:   # refused whole: the capacity as it was
+                t.config = config
+                raise
+            if capacity is not None:
+                copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1
             if reset:   # a restored shard: no sync step applied or pending
                 copy.acc, copy.sync_steps = None, 0

@@ -141,5 +141,7 @@ class TableServicer:
                 spec_of(r.spec), r.epoch, r.version, r.complete, list(r.applied_ids),
                 r.sync_steps))
         else:
-            rows = self.store.import_rows(request.name, state, step, request.reset)
+            rows = self.store.import_rows(
+                request.name, state, step, request.reset,
+                request.capacity if request.HasField("capacity") else None)
         return tables_pb2.ImportTableReply(rows=rows)

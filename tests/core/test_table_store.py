@@ -222,6 +222,39 @@ def test_a_replicated_shard_and_its_backup_hold_the_same_rows():
     np.testing.assert_array_equal(_rows_of(tb, "_t", [1]), _rows_of(ta, "t", [1]))
 
 
+def test_an_import_can_give_the_shard_its_part_of_the_tables_capacity():
+    """A restore into another layout gives each shard room for the rows it
+    restores (its part of the whole table's capacity): set before the rows
+    go in (none evicted), reported, copied to the backup, kept by an
+    exist_ok create; a refused import leaves the capacity as it was."""
+    stores = {"a": _stores(), "b": _stores()}
+    fwd = Loopback(stores)
+    for store, _ in stores.values():
+        store.replicator.forwarding = fwd
+    (a, ta), (b, tb) = stores["a"], stores["b"]
+    spec = TableSpec(TableConfig(dim=2, capacity=4), **SGD1)
+    ta.create("t", spec)
+    a.replicator.set_backup("~table~t", Peer("b", "~table~_t"), epoch=0)
+    ta.lookup("t", np.arange(4))
+    state = ta.registry.table("t").table.export()
+    state = {k: (v if np.ndim(v) == 0 else np.concatenate([v, v])) for k, v in state.items()}
+    state["keys"] = np.arange(8)
+    assert ta.import_rows("t", state, 0, True, capacity=8) == 8   # none evicted
+    assert ta.info("t").spec.given.capacity == 8 == tb.info("_t").spec.given.capacity
+    assert ta.create("t", spec, exist_ok=True).spec.given.capacity == 8
+    bad = dict(state, values=np.full((8, 2), np.nan, np.float32))
+    for call, error in ((lambda: ta.import_rows("t", bad, 0, True, capacity=3), InvalidArgument),
+                        (lambda: ta.import_rows("t", state, 0, False, capacity=3),
+                         InvalidArgument),   # only with reset
+                        (lambda: ta.import_rows("t", state, 0, True, capacity=-1),
+                         InvalidArgument)):
+        with pytest.raises(error):
+            call()
+        assert ta.info("t").spec.given.capacity == 8 and len(ta.registry.table("t").table) == 8
+        assert ta.registry.table("t").table.config.capacity == 8
+    assert ta.import_rows("t", state, 0, True, capacity=5) == 5   # fewer: the policy evicts
+
+
 def test_a_state_copy_arrives_in_pieces_and_an_incomplete_one_cannot_be_promoted():
     store, tables = _stores()
     spec = TableSpec(TableConfig(dim=1), **SGD1)

@@ -58,10 +58,14 @@ def test_look_up_admit_and_update_over_each_transport(start_ps, route):
 
 
 def test_create_is_idempotent_only_with_the_same_spec(ps):
+    """The same spec adopts; a shard's capacity is its part of the table's,
+    which a restore may have moved: an exist_ok create keeps the shard's (the
+    coordinator checks the parts' sum); any other difference is refused."""
     with PSClient(ps.address) as c:
         c.create_table("t", 8, capacity=100)
         assert c.create_table("t", 8, capacity=100, exist_ok=True).spec.capacity == 100
-        for kw in ({"exist_ok": False, "capacity": 100}, {"exist_ok": True, "capacity": 5}):
+        assert c.create_table("t", 8, capacity=5, exist_ok=True).spec.capacity == 100
+        for kw in ({"exist_ok": False, "capacity": 100}, {"exist_ok": True, "policy": "lfu"}):
             with pytest.raises(PSError) as e:
                 c.create_table("t", 8, **kw)
             assert e.value.code == Code.ALREADY_EXISTS
@@ -156,6 +160,11 @@ def test_malformed_requests_get_invalid_argument_not_internal(ps):
                 grads={"dtype": "float32", "shape": [1, 4], "data": one})),
             ("Lookup", tables_pb2.LookupRequest(   # a shape of 2**62 keys
                 name="t", keys={"dtype": "int64", "shape": [1 << 31, 1 << 31], "data": b""})),
+            *[("Import", tables_pb2.ImportTableRequest(   # a capacity: negative, too large,
+                name="t", reset=reset, capacity=cap,      # or on a later piece
+                keys={"dtype": "int64", "shape": [0], "data": b""},
+                values={"dtype": "float32", "shape": [0, 4], "data": b""}))
+              for reset, cap in ((True, -1), (True, 1 << 62), (False, 5))],
         ]:
             raw = c.channel.grpc.channel.unary_unary(f"/pstrain.v1.DynamicTables/{method}",
                                              request_serializer=None,
@@ -166,7 +175,7 @@ def test_malformed_requests_get_invalid_argument_not_internal(ps):
                 raw(payload, timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         info = c.table_info("t")
-        assert (info.lookups, info.step, info.rows) == (0, 0, 0)
+        assert (info.lookups, info.step, info.rows, info.spec.capacity) == (0, 0, 0, 0)
 
 
 def test_every_table_call_needs_the_token(start_ps):

@@ -186,7 +186,7 @@ class SaveTableReply(_message.Message):
     def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
-    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica")
+    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica", "capacity")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class ImportTableRequest(_message.Message):
     FREQ_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     reset: bool
     keys: _ps_pb2.Tensor
@@ -207,7 +208,8 @@ class ImportTableRequest(_message.Message):
     freq: _ps_pb2.Tensor
     step: int
     replica: ReplicaCopy
-    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ...) -> None: ...
+    capacity: int
+    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class ReplicaCopy(_message.Message):
     __slots__ = ("spec", "epoch", "version", "complete", "applied_ids", "sync_steps")
