@@ -65,6 +65,12 @@ embedding variables are; everything else is dense (``push_gradients``).
 * A table whose weight is shared with a non-embedding module (tied weights)
   is treated as a dense parameter.
 
+A dynamic table (int64 ids of any size, rows made on first sight) is a
+``DynamicEmbeddingModule`` (coordinator/torch_tables.py) in the model: the
+bridge finds it, ``pull(m, embedding_ids={path: ids})`` fetches its rows in
+the dense parameters' read, and ``push`` sends its row gradients in the
+dense push (one call per server each way).
+
 Sync mode works unchanged: ``pull`` and ``push`` run on the step's thread and
 carry its replica context (so they must not be moved to other threads). A
 trainable parameter with no gradient in a step is pushed as zeros in sync
@@ -100,7 +106,8 @@ except ImportError as exc:   # pragma: no cover - exercised only without torch
                       f"({exc})") from exc
 
 from coordinator.replica import current_sync
-from coordinator.step_calls import push_gradients, read_variables
+from coordinator.step_calls import IndexedSlices, push_gradients, read_variables
+from coordinator.torch_tables import DynamicEmbeddingModule
 from coordinator.variables import ShardedVariable
 
 __all__ = ["TorchModelBridge", "EMBEDDING_TYPES"]
@@ -269,7 +276,11 @@ class TorchModelBridge:
                 with contextlib.suppress(Exception):
                     strategy.delete_variable(var)
             raise
-        if not specs:
+        #: Module path -> its dynamic table (DynamicEmbeddingModule, coordinator/torch_tables.py).
+        self.dynamic: dict[str, Any] = {
+            path: mod.table for path, mod in module.named_modules()
+            if isinstance(mod, DynamicEmbeddingModule)}
+        if not specs and not self.dynamic:
             raise ValueError("the module has no parameters")
         self.params: tuple[ParamSpec, ...] = tuple(specs)
         self._table_keys: dict[str, str] = {}
@@ -370,22 +381,34 @@ class TorchModelBridge:
 
         Returns {key: ids remapped into the local table} (int64 tensors, same
         shapes; a tuple for a tuple of id tensors). Feed those to the module.
+        A ``DynamicEmbeddingModule`` named in ``embedding_ids`` (by its path)
+        gets the rows of its ids in the same read; its ids come back as given.
         """
         params = dict(module.named_parameters())
         wanted: dict[str, tuple[str, Any]] = {}   # table name -> (key, ids)
+        lookups: dict[str, tuple] = {}   # dynamic tables: path -> (module, Lookup, ids flat)
+        remapped: dict[str, Any] = {}
         for key, ids in (embedding_ids or {}).items():
+            if key in self.dynamic:   # its rows come in the dense parameters' read
+                mod = module.get_submodule(key)
+                lookups[key] = (mod, *mod.lookup_item(ids))
+                remapped[key] = ids   # a dynamic table's forward takes the ids themselves
+                continue
             name = self._table_name(key)
             if name in wanted:
                 raise ValueError(f"table {name!r} named twice in embedding_ids "
                                  f"({wanted[name][0]!r} and {key!r})")
             wanted[name] = (key, ids)
         whole = [s for s in self.params if s.name not in wanted]
-        for s, value in zip(whole, read_variables([s.variable for s in whole])):
+        values = read_variables([s.variable for s in whole]
+                                + [item for _, item, _ in lookups.values()])
+        for s, value in zip(whole, values):
             _install(params[s.name], value)
             for path, pad in s.owners:                 # a whole table: global padding_idx
                 module.get_submodule(path).padding_idx = pad
+        for (mod, _, flat), rows in zip(lookups.values(), values[len(whole):]):
+            mod.pulled(flat, rows)
         pulled: dict[str, np.ndarray] = {}
-        remapped: dict[str, Any] = {}
         by_name = {s.name: s for s in self.params}
         for name, (key, ids) in wanted.items():
             s = by_name[name]
@@ -414,9 +437,10 @@ class TorchModelBridge:
 
     # -- push ------------------------------------------------------------------------
     def push(self, module: nn.Module) -> None:
-        """Send ``module``'s gradients: dense ones in one call per parameter
-        server (``push_gradients``), tables' as unique row ids + row gradients
-        (``push_sparse``). Call after ``loss.backward()``."""
+        """Send ``module``'s gradients: dense ones and the rows' of its
+        ``DynamicEmbeddingModule``s in one call per parameter server
+        (``push_gradients``), ``nn.Embedding`` tables' as unique row ids + row
+        gradients (``push_sparse``). Call after ``loss.backward()``."""
         params = dict(module.named_parameters())
         pulled = module.__dict__.get(_PULLED_ATTR, {}).get(self.uid, {})
         sync = current_sync() is not None
@@ -433,6 +457,14 @@ class TorchModelBridge:
                     dense.append((s.variable, np.zeros(s.variable.shape, np.float32)))
                 continue
             sparse.append((s.variable, *self._table_grad(s, g, pulled.get(s.name))))
+        rows: dict[str, list] = {}   # dynamic tables, in the same call: their rows' gradients
+        for path in self.dynamic:
+            for table, update in module.get_submodule(path).gradients(empty_too=sync):
+                rows.setdefault(table.name, [table]).append(update)
+        for table, *updates in rows.values():   # two modules over one table: one update
+            dense.append((table, updates[0] if len(updates) == 1 else IndexedSlices(
+                np.concatenate([u.values for u in updates]),
+                np.concatenate([u.indices for u in updates]))))
         if dense:
             push_gradients(dense)
         for var, ids, rows in sparse:

@@ -154,11 +154,16 @@ def build(strategy, seed: int, lr: float, prefix: str = "ctr", tables: str = "sh
     if tables == "per-feature":
         return variables, EmbeddingCollection(strategy, f"{prefix}/emb",
                                               feature_configs(seed, lr))
-    table = strategy.create_embedding_table(
+    return variables, shared_table(strategy, seed, lr, prefix)
+
+
+def shared_table(strategy, seed: int, lr: float, prefix: str = "ctr"):
+    """The 26 features' one dynamic table: rows of DIM, admitted on a key's
+    2nd look-up, at most 4M (LRU), Adagrad at ``lr`` (also examples/torch_ctr.py)."""
+    return strategy.create_embedding_table(
         f"{prefix}/emb", M.DIM, seed=seed, optimizer="adagrad",
         initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05, seed=seed),
         optimizer_params={"learning_rate": lr}, min_count=2, capacity=4_000_000)
-    return variables, table
 
 
 def evaluate(table, variables: dict, seed: int, batches: int, size: int, data=None) -> dict:
