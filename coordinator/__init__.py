@@ -23,7 +23,7 @@ from coordinator.coordinator import ClusterCoordinator, RemoteValue, RemoteValue
 from coordinator.datasets import InputContext, batches
 from coordinator.docker_cluster import DockerCluster
 from coordinator.embedding import DynamicEmbedding, TableStats
-from coordinator.embedding_collection import EmbeddingCollection, EmbeddingConfig
+from coordinator.embedding_collection import Bags, EmbeddingCollection, EmbeddingConfig
 from coordinator.errors import (
                                 ClosureCancelled,
                                 CoordinatorError,
@@ -56,7 +56,7 @@ __all__ = [
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner",
     "ParameterServerStrategy", "ShardedVariable", "push_gradients", "read_variables",
     "IndexedSlices", "Lookup", "DynamicEmbedding", "TableStats", "EmbeddingCollection",
-    "EmbeddingConfig",
+    "EmbeddingConfig", "Bags",
     "Initializer", "CheckpointManager", "FitState", "fit", "Callback", "CheckpointCallback",
     "EarlyStopping", "History", "LambdaCallback", "PlotHistory", "TensorBoard",
     "TerminateOnNaN", "Progress", "plot_history", "ReplicaContext", "get_replica_context",

@@ -158,12 +158,24 @@ class EmbeddingCollection:
         self._group(feature)
         return check_keys(keys) ^ self._where[feature][1]
 
-    def lookup(self, ids: Mapping[str, Any], *, admit: bool = True) -> "CollectionLookup":
+    def lookup(self, ids: Mapping[str, Any], *, admit: bool = True,
+               pooling: str | None = None) -> "CollectionLookup":
         """An item for read_variables, whose value is {feature: rows of
         ``ids[feature]``, shape ids.shape + (dim,)}, for the features given
         (any subset). ``admit=False`` (evaluation): nothing counted, created
-        or evicted."""
-        return CollectionLookup(self, self._by_group(ids, lambda f, k: k.shape), admit)
+        or evicted. ``pooling`` "sum" or "mean": each feature's ids are bags
+        (``Bags(ids, offsets, weights)``, or ids (B, n): B bags of n), and
+        its value is the bags' rows pooled, (B, dim), as TorchRec's
+        EmbeddingBagCollection gives them; ``lookup.gradients({feature:
+        (B, dim)})`` turns the bags' gradients into the rows' for
+        push_gradients. Each distinct key's row crosses the wire once
+        either way (pooled here, on the worker)."""
+        if pooling not in (None, "sum", "mean"):
+            raise ValueError(f"pooling must be None, 'sum' or 'mean', got {pooling!r}")
+        bags = {f: Bags.of(v, f) for f, v in ids.items()} if pooling else None
+        groups = self._by_group({f: b.ids for f, b in bags.items()} if bags else ids,
+                                lambda f, k: k.shape)
+        return CollectionLookup(self, groups, admit, bags, pooling)
 
     def columns(self, features: Sequence[str], ids) -> tuple[DynamicEmbedding, np.ndarray]:
         """For ids that come as a matrix, a column per feature (``ids[..., j]``
@@ -243,13 +255,68 @@ class EmbeddingCollection:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Bags:
+    """A feature's bags for a pooled look-up: ``ids`` 1-D, bag i being
+    ``ids[offsets[i]:offsets[i + 1]]`` (the last to the end; an empty bag
+    pools to zeros), each id's row times ``weights`` (same length, optional),
+    as ``nn.EmbeddingBag`` takes them. ``Bags.of`` also takes ids (B, n)."""
+    ids: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, value, feature: str = "") -> "Bags":
+        """``value`` as Bags (a Bags, or ids (B, n): B bags of n); ValueError
+        saying what is wrong (``feature`` names it)."""
+        if not isinstance(value, Bags):
+            ids = check_keys(value)
+            if ids.ndim != 2:
+                raise ValueError(f"feature {feature!r}: pooled ids are Bags(ids, offsets) or "
+                                 f"a matrix (bags, ids per bag); got shape {ids.shape}")
+            return cls(ids.reshape(-1), np.arange(0, ids.size, max(1, ids.shape[1]))
+                       if ids.shape[1] else np.zeros(ids.shape[0], np.int64))
+        ids, offsets = check_keys(value.ids), np.asarray(value.offsets)
+        weights = None if value.weights is None else np.asarray(value.weights, np.float32)
+        if ids.ndim != 1 or offsets.ndim != 1 or offsets.dtype.kind not in "iu" or (
+                offsets.size and (offsets[0] != 0 or (np.diff(offsets) < 0).any()
+                                  or offsets[-1] > ids.size)) or (
+                weights is not None and weights.shape != ids.shape):
+            raise ValueError(f"feature {feature!r}: Bags take ids 1-D, offsets 1-D integers "
+                             "from 0, non-decreasing, within the ids, and weights (optional) "
+                             "one per id")
+        return cls(ids, offsets.astype(np.int64), weights)
+
+    def segments(self) -> np.ndarray:
+        """The bag of each id."""
+        return np.repeat(np.arange(self.offsets.size),
+                         np.diff(np.append(self.offsets, self.ids.size)))
+
+    def pool(self, rows: np.ndarray, mode: str) -> np.ndarray:
+        """Rows (one per id) pooled per bag: (bags, dim)."""
+        w = self.scale(mode)
+        out = np.zeros((self.offsets.size, rows.shape[-1]), rows.dtype)
+        np.add.at(out, self.segments(), rows if w is None else rows * w[:, None])
+        return out
+
+    def scale(self, mode: str) -> np.ndarray | None:
+        """Each id's factor in its bag's pool (weights; "mean": over the bag's size)."""
+        if mode != "mean":
+            return self.weights
+        sizes = np.diff(np.append(self.offsets, self.ids.size))
+        per = (1.0 / np.maximum(sizes, 1))[self.segments()].astype(np.float32)
+        return per if self.weights is None else per * self.weights
+
+
 class CollectionLookup:
     """A collection's look-up as read_variables takes it: ``parts``, one
     Lookup per group table (its features' qualified keys in one array), and
-    ``fold`` (their rows -> {feature: rows})."""
+    ``fold`` (their rows -> {feature: rows}, pooled per bag with ``pooling``)."""
 
     def __init__(self, collection: EmbeddingCollection, groups: dict[str, list[tuple]],
-                 admit: bool):
+                 admit: bool, bags: "dict[str, Bags] | None" = None,
+                 pooling: str | None = None):
+        self._collection, self._bags, self._pooling = collection, bags, pooling
         self._groups = list(groups.items())
         self.parts = [Lookup(collection.tables[label],
                              np.concatenate([q.reshape(-1) for _, q, _ in members]), admit)
@@ -260,6 +327,32 @@ class CollectionLookup:
         for (_, members), got in zip(self._groups, rows):
             at = 0
             for feature, q, shape in members:
-                out[feature] = got[at:at + q.size].reshape(shape + got.shape[1:])
+                mine = got[at:at + q.size].reshape(shape + got.shape[1:])
+                out[feature] = mine if self._bags is None else \
+                    self._bags[feature].pool(mine, self._pooling)
                 at += q.size
         return out
+
+    def gradients(self, grads: Mapping[str, Any]) -> list[tuple]:
+        """push_gradients' pairs for the gradients of this look-up's values
+        ({feature: array of the value's shape}): pooled, each bag's gradient
+        given to its ids (times their weights; "mean": over the bag's size)."""
+        looked = {f: q for _, members in self._groups for f, q, _ in members}
+        out = {}
+        for f, g in grads.items():
+            if f not in looked:
+                raise KeyError(f"feature {f!r} was not looked up here; these were: "
+                               f"{sorted(looked)}")
+            g = np.asarray(g)
+            if self._bags is None:   # (the collection qualifies the ids again)
+                out[f] = IndexedSlices(g, looked[f] ^ feature_salt(f))
+                continue
+            b = self._bags[f]
+            dim = self._collection.table_of(f).dim
+            if g.shape != (b.offsets.size, dim):
+                raise ValueError(f"feature {f!r}: gradient of shape {g.shape} for "
+                                 f"{b.offsets.size} bags of dim {dim}")
+            w = b.scale(self._pooling)
+            rows = g[b.segments()]
+            out[f] = IndexedSlices(rows if w is None else rows * w[:, None], b.ids)
+        return self._collection.gradients(out)

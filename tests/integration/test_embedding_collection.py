@@ -193,3 +193,65 @@ def test_features_given_as_the_columns_of_one_matrix_read_and_push_as_one_table(
     with pytest.raises(ValueError, match="the last axis must be the features'"):
         emb.columns(["user", "item"], ids.T)
 
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_pooled_look_ups_give_each_bag_its_rows_pooled_and_its_gradient_to_its_ids(
+        cluster, pooling):
+    """lookup(..., pooling=) gives (bags, dim) per feature (Bags with offsets
+    and weights, or a matrix of fixed-size bags) in the same read as a
+    per-id look-up; the lookup's gradients() give each id its bag's gradient
+    (times its weight, over the bag's size for "mean"), applied by the
+    servers as SGD at 1 would."""
+    from coordinator import Bags
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, f"pool-{pooling}", {
+        "item": EmbeddingConfig(dim=3, initializer="random_normal", seed=4, **SGD),
+        "tag": EmbeddingConfig(dim=2, initializer="random_uniform", seed=5, **SGD)})
+    items = Bags(np.array([7, 8, 8, 9, 3]), np.array([0, 3, 3]), np.array([1, 2, 3, 4, 5.0]))
+    tags = np.array([[1, 2], [2, 2]])
+    read_variables([emb.lookup({"item": items.ids, "tag": tags.reshape(-1)})])   # admitted
+    rows = read_variables([emb.lookup({"item": items.ids, "tag": tags}, admit=False)])[0]
+    item_rows, tag_rows = rows["item"], rows["tag"]           # per id, before
+    look = emb.lookup({"item": items, "tag": tags}, pooling=pooling, admit=False)
+    pooled = read_variables([look])[0]
+    w = items.weights
+    mean = pooling == "mean"
+    want_items = np.stack([(w[:3, None] * item_rows[:3]).sum(0) / (3 if mean else 1),
+                           np.zeros(3), (w[3:, None] * item_rows[3:]).sum(0) / (2 if mean else 1)])
+    np.testing.assert_allclose(pooled["item"], want_items, rtol=1e-5)   # bag 1 empty: zeros
+    np.testing.assert_allclose(pooled["tag"], tag_rows.reshape(2, 2, 2).sum(1) / (
+        2 if mean else 1), rtol=1e-5)
+    g_item = np.arange(9, dtype=np.float32).reshape(3, 3)
+    g_tag = np.ones((2, 2), np.float32)
+    push_gradients(look.gradients({"item": g_item, "tag": g_tag}))
+    after = read_variables([emb.lookup({"item": np.array([7, 8, 9, 3]),
+                                        "tag": np.array([1, 2])}, admit=False)])[0]
+    s = (lambda n: 1 / n) if mean else (lambda n: 1)
+    np.testing.assert_allclose(after["item"], np.stack([
+        item_rows[0] - g_item[0] * w[0] * s(3),
+        item_rows[1] - g_item[0] * (w[1] + w[2]) * s(3),   # 8 twice in bag 0
+        item_rows[3] - g_item[2] * w[3] * s(2),
+        item_rows[4] - g_item[2] * w[4] * s(2)]), rtol=1e-5)
+    np.testing.assert_allclose(after["tag"], np.stack([
+        tag_rows[0, 0] - g_tag[0] * s(2), tag_rows[0, 1] - (g_tag[0] + 2 * g_tag[1]) * s(2)]),
+        rtol=1e-5)
+
+
+def test_pooled_look_ups_refuse_what_is_not_bags(cluster):
+    from coordinator import Bags
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, "pool-bad", {"item": EmbeddingConfig(dim=2, **SGD)})
+    for bad, words in ((np.array([1, 2]), "matrix"),
+                       (Bags(np.array([1, 2]), np.array([1])), "offsets"),
+                       (Bags(np.array([1, 2]), np.array([0, 3])), "offsets"),
+                       (Bags(np.array([1, 2]), np.array([0]), np.ones(3)), "weights")):
+        with pytest.raises(ValueError, match=words):
+            emb.lookup({"item": bad}, pooling="sum")
+    with pytest.raises(ValueError, match="pooling"):
+        emb.lookup({"item": np.array([[1]])}, pooling="max")
+    look = emb.lookup({"item": np.array([[1, 2]])}, pooling="sum")
+    with pytest.raises(ValueError, match="1 bags of dim 2"):
+        look.gradients({"item": np.ones((2, 2))})
+    with pytest.raises(KeyError, match="not looked up"):
+        look.gradients({"user": np.ones((1, 2))})
