@@ -58,6 +58,16 @@ def _fans(shape: Sequence[int]) -> tuple[float, float]:
     return float(max(1, shape[-2] * receptive)), float(max(1, shape[-1] * receptive))
 
 
+def one_seed(init: Initializer, seed: int) -> Initializer:
+    """``init`` with the call's seed: a ``seed=`` argument and an
+    Initializer's own seed are one seed (whichever is given; 0: not given),
+    and two different ones are a ValueError, not one silently ignored."""
+    if seed and init.seed and seed != init.seed:
+        raise ValueError(f"two seeds given, seed={seed} and Initializer(seed={init.seed}): they "
+                         "are one seed; give it once (or the same value twice)")
+    return dataclasses.replace(init, seed=seed) if seed and not init.seed else init
+
+
 def resolve_initializer(init: Initializer | str | None, shape: Sequence[int],
                         seed: int = 0) -> Initializer:
     """A server-side Initializer for ``init`` (a kind name or an Initializer).
@@ -69,7 +79,7 @@ def resolve_initializer(init: Initializer | str | None, shape: Sequence[int],
     if init is None:
         return Initializer("zeros")
     if isinstance(init, Initializer):
-        return init
+        return one_seed(init, seed)
     fan_in, fan_out = _fans(shape)
     if init == "glorot_uniform":
         limit = math.sqrt(6.0 / (fan_in + fan_out))
@@ -349,7 +359,9 @@ class ParameterServerStrategy:
         or ``initializer``: a server-side kind ("zeros", "ones",
         "random_normal", "truncated_normal", "random_uniform"), a shape-aware
         kind ("glorot_uniform", "he_normal"), or an ``Initializer``. Random
-        kinds use ``seed + shard index`` on each shard.
+        kinds use ``seed + shard index`` on each shard (``seed`` and an
+        Initializer's own seed are one: give either; both, different, is a
+        ValueError).
 
         ``optimizer`` is "sgd", "momentum", "adagrad", "adam" or "ftrl", with
         tf.keras.optimizers' hyper-parameter names and defaults.
@@ -463,7 +475,9 @@ class ParameterServerStrategy:
         room for the rows it restores, still summing to ``capacity``. Rows not
         updated for ``max_age_steps`` updates of their shard or
         ``max_age_seconds`` are evicted too. New rows come from
-        ``initializer`` as a function of (``seed``, key) alone.
+        ``initializer`` as a function of (``seed``, key) alone; ``seed`` also
+        draws admission by ``probability``. It is one seed with an
+        Initializer's own: give either (both, different: ValueError).
 
         Made again with the same arguments (a coordinator that restarts), the
         existing table is used; a call that fails leaves no shard it made.
@@ -483,6 +497,8 @@ class ParameterServerStrategy:
         parts = split_capacity(capacity, buckets.counts())
         if initializer is None or isinstance(initializer, str):
             initializer = Initializer(kind=initializer or "zeros", seed=seed)
+        initializer = one_seed(initializer, seed)
+        seed = initializer.seed   # one seed: the rows' and admission's
         creations = [(addr, dict(
             dtype=dtype, initializer=initializer, optimizer=optimizer,
             optimizer_params=optimizer_params, min_count=min_count, probability=probability,

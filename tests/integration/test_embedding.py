@@ -96,6 +96,37 @@ def test_made_again_with_the_same_arguments_the_table_is_reused(cluster):
         ParameterServerStrategy(cluster.spec).create_embedding_table("again", 5)
 
 
+def test_a_table_and_a_variable_have_one_seed_whichever_way_it_is_given(cluster):
+    """``seed=`` and an Initializer's own seed are one seed (issue 32): given
+    either way the rows (and the shards' spec: admission draws too) are the
+    same; two different ones are refused, not one silently ignored."""
+    from coordinator import Initializer
+    strategy = ParameterServerStrategy(cluster.spec)
+    a = strategy.create_embedding_table("seed-a", 3, initializer="random_normal", seed=7,
+                                        probability=0.5)
+    b = strategy.create_embedding_table("seed-b", 3, probability=0.5,
+                                        initializer=Initializer("random_normal", seed=7))
+    keys = np.arange(200, dtype=np.int64)
+    for t in (a, b):
+        for _ in range(8):
+            t.lookup(keys)
+    np.testing.assert_array_equal(a.lookup(keys, admit=False), b.lookup(keys, admit=False))
+    assert a.lookup(keys, admit=False).any()
+    from coordinator.ps_pool import client_for
+    specs = [client_for(cluster.spec.ps[0]).table_info(n).spec for n in ("seed-a", "seed-b")]
+    assert specs[0].seed == specs[1].seed and specs[0].initializer.seed == 7
+    for make in (lambda: strategy.create_embedding_table(
+                     "seed-c", 3, initializer=Initializer("random_normal", seed=7), seed=8),
+                 lambda: strategy.create_variable(
+                     "seed-v", (4, 2), initializer=Initializer("random_normal", seed=1), seed=2)):
+        with pytest.raises(ValueError, match="two seeds"):
+            make()
+    v = strategy.create_variable("seed-w", (4, 2), seed=3,
+                                 initializer=Initializer("random_normal"))
+    w = strategy.create_variable("seed-x", (4, 2), initializer=Initializer("random_normal", seed=3))
+    np.testing.assert_array_equal(v.read(), w.read())
+
+
 def test_bad_keys_and_gradients_are_refused_before_any_call(cluster):
     table = ParameterServerStrategy(cluster.spec).create_embedding_table("strict", 3)
     with pytest.raises(ValueError, match="int64"):
