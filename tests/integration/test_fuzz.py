@@ -122,7 +122,13 @@ def templates(tmp: str) -> dict[str, list]:
             name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32))),
             tables_pb2.TableUpdateRequest(   # a sync step of one replica
                 name="d", keys=_t(ids), grads=_t(np.ones((2, 4), np.float32)),
-                sync=ps_pb2.SyncInfo(step=0, replica=0, num_replicas=2, required=1))],
+                sync=ps_pb2.SyncInfo(step=0, replica=0, num_replicas=2, required=1)),
+            tables_pb2.TableUpdateRequest(   # finite float64, beyond float32 (issue 33)
+                name="d", keys=_t(ids), grads=_t(np.full((2, 4), 1e300))),
+            tables_pb2.TableUpdateRequest(   # a sync step that never completes
+                name="d", keys=_t(np.arange(4096, dtype=np.int64)),
+                grads=_t(np.ones((4096, 4), np.float32)),
+                sync=ps_pb2.SyncInfo(step=1, replica=0, num_replicas=1000, required=1000))],
         "DynamicTables/Info": [tables_pb2.TableRef(name="d")],
         "DynamicTables/List": [tables_pb2.ListTablesRequest()],
         "DynamicTables/Delete": [tables_pb2.TableRef(name="fzt")],
@@ -133,7 +139,11 @@ def templates(tmp: str) -> dict[str, list]:
         "DynamicTables/Import": [tables_pb2.ImportTableRequest(
             name="d", keys=_t(ids), values=_t(np.ones((2, 4), np.float32)),
             age_steps=_t(np.zeros(2, np.int64)), age_seconds=_t(np.zeros(2)),
-            freq=_t(np.ones(2, np.int64)), step=3)],
+            freq=_t(np.ones(2, np.int64)), step=3),
+            tables_pb2.ImportTableRequest(   # a restore giving the shard its capacity
+                name="d", reset=True, capacity=3, keys=_t(ids),
+                values=_t(np.ones((2, 4), np.float32)), age_steps=_t(np.zeros(2, np.int64)),
+                age_seconds=_t(np.zeros(2)), freq=_t(np.ones(2, np.int64)), step=3)],
     }
 
 
@@ -256,6 +266,8 @@ class Target:
 def check(target: Target, before, refused: bool, code, what: str):
     assert code not in BAD, f"{what}: {code}"
     after = target.state()   # also: the server still serves
+    for raw in after[3]:   # no request makes a table row that is not finite
+        assert np.isfinite(np.frombuffer(raw, np.float32)).all(), f"{what} wrote Inf/NaN rows"
     if refused:
         assert after == before, f"{what} was refused ({code}) but changed the state"
     target.ensure()
@@ -361,3 +373,126 @@ def test_fuzz_sockets(start_ps, tmp_path, path):
     assert n > 50
     assert rss_mib(target.ps.pid) - warm < 64 + 2 * MEMORY / 2**20, "memory grew under fuzzing"
     target.good.close()
+
+
+def _damage(rng: random.Random, root: str, outside: str) -> str:
+    """Damage one file of the checkpoints under ``root`` at random; what was done."""
+    import json
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+    path = rng.choice(files)
+    kind = rng.choice(["flip", "cut", "link", "fifo", "manifest"] if path.endswith(".json")
+                      else ["flip", "flip", "cut", "link", "fifo"])
+    os.chmod(path, 0o644)
+    if kind == "flip":
+        data = bytearray(open(path, "rb").read())
+        if data:
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+        open(path, "wb").write(bytes(data))
+    elif kind == "cut":
+        os.truncate(path, rng.randrange(max(1, os.path.getsize(path))))
+    elif kind in ("link", "fifo"):   # the same bytes outside, or a FIFO no one writes
+        copy = os.path.join(outside, f"{rng.random()}")
+        os.rename(path, copy)
+        os.symlink(copy, path) if kind == "link" else os.mkfifo(path)
+    else:   # a field of the manifest changed, dropped, or given another type
+        m = json.load(open(path))
+        node, key = m, None
+        for _ in range(rng.randrange(1, 6)):
+            keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+            if not keys:
+                break
+            key = rng.choice(keys)
+            inner = node[key]
+            if not isinstance(inner, (dict, list)) or not inner or rng.random() < 0.3:
+                break
+            node, key = inner, None
+        if key is not None:
+            value = rng.choice([None, -1, 0, 2**63, 1e300, "x", "../../etc", [], {}, True,
+                                [[0, 4096, 1]], [[0, 2048, 0], [2048, 4096, 0]]])
+            if isinstance(node, dict) and rng.random() < 0.3:
+                del node[key]
+            else:
+                node[key] = value
+        open(path, "w").write(json.dumps(m))
+    return f"{kind} {os.path.relpath(path, root)}"
+
+
+def test_fuzz_checkpoint_files(tmp_path):
+    """Checkpoints (variables, a dynamic table, a base and a delta) and a
+    serving export, damaged at random (issue 33: flipped bits, files cut
+    short, a file swapped for a link to the same bytes outside or for a FIFO,
+    manifest fields changed, dropped or retyped, bucket maps included): a
+    restore either refuses it (CheckpointError, and the servers hold what they
+    held) or restores exactly the values saved; a Snapshot either refuses it
+    (SnapshotError) or serves exactly the values of an export (the last, or
+    the one before when the last one's manifest is unreadable: unfinished).
+    Never another error, a hang, or a wrong value."""
+    import shutil
+
+    from coordinator import (
+        CheckpointManager,
+        IndexedSlices,
+        LocalCluster,
+        ParameterServerStrategy,
+        push_gradients,
+    )
+    from coordinator.checkpoint_files import CheckpointError
+    from coordinator.serving import Snapshot, SnapshotError
+    rng = random.Random(SEED + 7)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    keys = np.arange(-5, 60, dtype=np.int64)
+    with LocalCluster(num_ps=2, num_workers=0, checkpoint_dirs=[str(tmp_path)]) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        w = strategy.create_variable("w", initial_value=np.ones((6, 3), np.float32),
+                                     optimizer="adam")
+        t = strategy.create_embedding_table("t", 4, optimizer="adagrad", seed=3,
+                                            initializer="random_normal", capacity=50)
+
+        def step(k):
+            t.lookup(keys[k % 7:])
+            push_gradients([(w, np.full((6, 3), 0.1 * k, np.float32)),
+                            (t, IndexedSlices(np.full((20, 4), 0.01 * k, np.float32),
+                                              keys[:20]))])
+
+        def values():
+            return w.read().tobytes(), t.lookup(keys, admit=False).tobytes()
+        manager = CheckpointManager(strategy, str(tmp_path / "ckpt"), incremental=True)
+        exporter = CheckpointManager(strategy, str(tmp_path / "export"), incremental=True,
+                                     weights_only=True)
+        def served(snap):
+            return snap.lookup("t", keys).tobytes(), snap.read("w").tobytes()
+        step(1)
+        manager.save(1), exporter.save(1)
+        exported = [values()[::-1]]
+        step(2)
+        saved = manager.save(2)
+        exporter.save(2)
+        expected = values()
+        exported.append(expected[::-1])
+        assert served(Snapshot(str(tmp_path / "export"))) == exported[-1]
+        step(3)
+        end, n, refused = time.monotonic() + SECONDS, 0, 0
+        while time.monotonic() < end or n < 20:
+            case = tmp_path / f"case{n}"
+            shutil.copytree(tmp_path / "ckpt", case / "ckpt", symlinks=True)
+            shutil.copytree(tmp_path / "export", case / "export", symlinks=True)
+            what = _damage(rng, str(case), str(outside))
+            before = values()
+            try:
+                CheckpointManager(strategy, str(case / "ckpt")).restore(
+                    str(case / "ckpt" / os.path.basename(saved)))
+                assert values() == expected, f"{what}: restored, but not the values saved"
+                step(4)   # the next case starts from other values
+            except CheckpointError:
+                refused += 1
+                assert values() == before, f"{what}: refused, but the servers changed"
+            try:   # (the last export whole, or the one before it: one whose
+                got = served(Snapshot(str(case / "export")))   # manifest is gone is unfinished)
+                assert got in exported, f"{what}: served, but not the values exported"
+            except SnapshotError:
+                pass
+            shutil.rmtree(case)
+            n += 1
+    assert refused > 0 and n >= 20
