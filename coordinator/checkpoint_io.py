@@ -36,7 +36,7 @@ from coordinator.checkpoint_files import (  # noqa: F401
 from coordinator.shard_files import crc32_of_path, write_new
 from psserver.contract.checkpoint_format import CHECKSUM
 from psserver.contract.checkpoint_format import fsync_dir as _fsync_dir
-from psserver.contract.keys import split_capacity
+from psserver.contract.keys import fill_capacity, split_capacity
 from psserver.errors import (
     PSError,
 )
@@ -275,21 +275,19 @@ def _write_table(t, state: dict, step: int, pool: futures.Executor, client_for,
 
 def table_capacities(t, rows, copies, client_for, address: str | None) -> list:
     """Each shard's capacity after a restore of ``rows[i]`` rows into shard
-    i: room for all of them, the rest of ``t.capacity`` shared by buckets,
-    the parts summing to it; restored rows beyond it (a smaller capacity)
-    are evicted by the policy from each shard's bucket share. Restoring one
+    i (psserver.contract.keys.fill_capacity: room for all of them and the
+    rest of ``t.capacity`` by buckets, the parts summing to it; more rows
+    than that: as near the shares as the rows allow). Restoring one
     server's shards (``address``): what the other shards' parts leave, as
     their servers have them (None, unchanged, if one cannot say)."""
     if not t.capacity:   # none (or a handle that does not know it): each as it is
         return [None] * len(copies)
     shares = t.buckets.counts()
-    total = int(rows.sum())
     if address is None:
-        if total > t.capacity:
-            log.warning("restoring %d rows of table %r into a capacity of %d: each server "
-                        "evicts its share by the table's policy", total, t.name, t.capacity)
-            return split_capacity(t.capacity, shares)
-        return (rows + split_capacity(t.capacity - total, shares)).tolist()
+        if rows.sum() > t.capacity:
+            log.warning("restoring %d rows of table %r into a capacity of %d: the servers "
+                        "evict the rest by the table's policy", rows.sum(), t.name, t.capacity)
+        return fill_capacity(t.capacity, shares, rows)
     mine = [i for i, c in enumerate(copies) if c.address == address]
     try:
         others = sum(client_for(c.address).table_info(c.table).spec.capacity

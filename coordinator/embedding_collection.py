@@ -277,14 +277,17 @@ class Bags:
             return cls(ids.reshape(-1), np.arange(0, ids.size, max(1, ids.shape[1]))
                        if ids.shape[1] else np.zeros(ids.shape[0], np.int64))
         ids, offsets = check_keys(value.ids), np.asarray(value.offsets)
+        if offsets.size == 0 and offsets.dtype.kind == "f":   # [] : no bags
+            offsets = offsets.astype(np.int64)
         weights = None if value.weights is None else np.asarray(value.weights, np.float32)
         if ids.ndim != 1 or offsets.ndim != 1 or offsets.dtype.kind not in "iu" or (
                 offsets.size and (offsets[0] != 0 or (np.diff(offsets) < 0).any()
                                   or offsets[-1] > ids.size)) or (
+                not offsets.size and ids.size) or (
                 weights is not None and weights.shape != ids.shape):
             raise ValueError(f"feature {feature!r}: Bags take ids 1-D, offsets 1-D integers "
-                             "from 0, non-decreasing, within the ids, and weights (optional) "
-                             "one per id")
+                             "from 0 (a bag per offset; ids need one), non-decreasing, within "
+                             "the ids, and weights (optional) one per id")
         return cls(ids, offsets.astype(np.int64), weights)
 
     def segments(self) -> np.ndarray:

@@ -493,6 +493,9 @@ class ParameterServerStrategy:
                              "copies replication makes; choose another name")
         self._check_servers()
         n = len(self._ps)
+        if 0 < capacity < n:   # each server holds at least one row (a part of 0: no limit)
+            raise ValueError(f"capacity {capacity} is below the {n} parameter servers the "
+                             f"table spreads over; give at least {n} (or 0: no limit)")
         buckets = BucketMap.even(n)
         parts = split_capacity(capacity, buckets.counts())
         if initializer is None or isinstance(initializer, str):

@@ -33,7 +33,8 @@ rows of ``ids`` in the same call to each server as the dense parameters
 (``read_variables``), and ``bridge.push(m)`` sends the rows' gradients in
 the same call as the dense gradients; forward then looks up nothing. A
 forward given ids that were not pulled fetches their rows itself (one more
-call). In ``eval()`` mode look-ups admit, count and evict nothing (zeros for
+call). Pulled rows serve forwards until the push, the next pull or a
+change of mode, as the bridge's pulled dense parameters do. In ``eval()`` mode look-ups admit, count and evict nothing (zeros for
 ids without a row) and nothing is kept for a push.
 
 Nothing in the core packages imports this module or torch.
@@ -90,7 +91,7 @@ class DynamicEmbeddingModule(nn.Module):
 
     def _reset(self) -> None:
         self._looked: list[tuple[np.ndarray, torch.Tensor]] = []   # this step's (ids, rows)
-        self._pulled: tuple[np.ndarray, np.ndarray] | None = None  # (sorted distinct ids, rows)
+        self._pulled: tuple | None = None   # (sorted distinct ids, rows, training) of a pull
 
     def __getstate__(self) -> dict:   # a copy (the bridge's skeleton) carries no step's rows
         state = self.__dict__.copy()
@@ -108,9 +109,16 @@ class DynamicEmbeddingModule(nn.Module):
         return Lookup(self.table, flat, self.training), flat
 
     def pulled(self, flat: np.ndarray, rows: np.ndarray) -> None:
-        """The rows (one per id of ``flat``) fetched for this step."""
+        """The rows (one per id of ``flat``) fetched for this step (in this
+        mode: a pull made in eval() does not serve a training forward, whose
+        look-up must count and admit)."""
         distinct, first = np.unique(flat, return_index=True)
-        self._looked, self._pulled = [], (distinct, rows[first])
+        self._looked, self._pulled = [], (distinct, rows[first], self.training)
+
+    def train(self, mode: bool = True):
+        if mode != self.training:
+            self._pulled = None
+        return super().train(mode)
 
     def gradients(self, empty_too: bool = False) -> list[tuple[DynamicEmbedding, IndexedSlices]]:
         """[(table, IndexedSlices(row gradients, ids))] of the rows fetched
@@ -134,8 +142,8 @@ class DynamicEmbeddingModule(nn.Module):
         """Rows of the sorted ``distinct`` ids of ``flat`` (``first``: where
         each occurs first there): pulled, or looked up now (every occurrence
         counted, as a pull counts them)."""
-        if self._pulled is not None:
-            have, rows = self._pulled
+        if self._pulled is not None and self._pulled[2] == self.training:
+            have, rows, _ = self._pulled
             at = np.minimum(np.searchsorted(have, distinct), max(0, have.size - 1))
             if have.size and (have[at] == distinct).all():
                 return rows[at]

@@ -149,6 +149,43 @@ def shard_of(keys, num_shards: int) -> np.ndarray:
     return BucketMap.even(num_shards).shard_of(keys)
 
 
+def fill_capacity(capacity: int, shares, rows) -> list[int]:
+    """Each shard's part of ``capacity`` after a restore of ``rows[i]`` rows
+    into shard i (``shares``: its buckets): room for every restored row and
+    the rest by shares when they fit; else each shard keeps at most its rows,
+    the parts as near the shares as that allows (water-filling). Every part
+    at least 1 (0 would mean no limit) where ``capacity`` >= the shards, and
+    the parts sum to ``capacity`` exactly. 0 (no limit) stays 0."""
+    rows = np.asarray(rows, np.int64)
+    n = rows.size
+    if not capacity:
+        return [0] * n
+    shares = np.asarray(shares, np.float64)
+    if rows.sum() <= capacity:
+        parts = rows + np.asarray(split_capacity(capacity - int(rows.sum()), shares), np.int64)
+    else:
+        parts = np.zeros(n, np.int64)
+        open_ = np.ones(n, bool)
+        left = capacity
+        while left and open_.any():   # each round: the shares of what is left, capped at rows
+            give = np.zeros(n, np.int64)
+            give[open_] = split_capacity(left, shares[open_])
+            give = np.minimum(give, rows - parts)
+            if not give.any():   # rounding gave nothing to the shards with room: one each
+                give[np.flatnonzero(open_ & (rows > parts))[:left]] = 1
+            parts += give
+            left -= int(give.sum())
+            open_ &= parts < rows
+    for i in np.flatnonzero(parts == 0):   # at least one each: from room left, else the largest
+        room = parts - rows
+        j = int(np.argmax(room)) if room.max() > 0 and parts[np.argmax(room)] > 1 \
+            else int(np.argmax(parts))
+        if parts[j] > 1:
+            parts[j] -= 1
+            parts[i] = 1
+    return parts.tolist()
+
+
 def split_capacity(capacity: int, weights) -> list[int]:
     """``capacity`` cut in proportion to ``weights`` (a shard's buckets, or
     room), whole numbers summing to it exactly (largest remainders first,

@@ -14,6 +14,7 @@ from psserver.contract.keys import (
     BUCKETS,
     BucketMap,
     bucket_of,
+    fill_capacity,
     legacy_shard_of,
     mix64,
     shard_of,
@@ -103,3 +104,28 @@ def test_capacity_parts_of_an_even_map():
     assert split_capacity(30, BucketMap.even(3).counts()) == [10, 10, 10]
     assert split_capacity(3, BucketMap.even(2).counts()) == [2, 1]
     assert sum(split_capacity(10**9 + 7, BucketMap.even(7).counts())) == 10**9 + 7
+
+
+@given(st.integers(0, 10_000), st.lists(st.tuples(st.integers(1, BUCKETS), st.integers(0, 5000)),
+                                        min_size=1, max_size=12))
+def test_a_restores_parts_keep_every_row_that_fits_and_sum_to_the_capacity(capacity, shards):
+    shares, rows = [s for s, _ in shards], np.array([r for _, r in shards])
+    parts = np.array(fill_capacity(capacity, shares, rows))
+    if capacity == 0:
+        assert not parts.any()
+        return
+    if capacity < len(shards):   # (a table is made with at least a row per server)
+        return
+    assert parts.sum() == capacity and parts.min() >= 1
+    if rows.sum() <= capacity:
+        assert (parts >= rows).all() or (rows.sum() == capacity and (parts == 1).any())
+    else:   # as many restored rows kept as the capacity allows
+        assert np.minimum(parts, rows).sum() >= capacity - (rows == 0).sum()
+
+
+def test_restores_parts_by_example():
+    assert fill_capacity(30, [1, 1], [18, 12]) == [18, 12]    # full: nothing evicted
+    assert fill_capacity(30, [1, 1], [10, 6]) == [17, 13]     # room shared by buckets
+    assert fill_capacity(30, [1, 1], [30, 10]) == [20, 10]    # too many: water-filled
+    assert fill_capacity(30, [1, 1], [40, 0]) == [29, 1]      # never a part of 0 (no limit)
+    assert fill_capacity(0, [1, 1], [5, 5]) == [0, 0]

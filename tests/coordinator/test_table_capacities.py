@@ -37,6 +37,7 @@ def test_a_whole_restore_makes_room_for_every_restored_row_and_sums_to_the_capac
     assert table_capacities(t, np.array([10, 6]), copies, clients({}), None) == [17, 13]
     parts = table_capacities(t, np.array([25, 20]), copies, clients({}), None)
     assert parts == [15, 15]   # more rows than capacity: the shares, the policy evicts
+    assert table_capacities(t, np.array([30, 10]), copies, clients({}), None) == [20, 10]
 
 
 def test_a_table_without_capacity_keeps_its_shards_as_they_are():
@@ -61,8 +62,15 @@ def test_one_servers_refill_gets_what_the_other_shards_leave():
                             clients({"a:1": 20, "b:1": 9, "c:1": 15}), "b:1") == [None, 1, None]
 
 
-@pytest.mark.parametrize("rows", [[0, 0, 0], [30, 0, 0], [1, 2, 3]])
+@pytest.mark.parametrize("rows", [[0, 0, 0], [28, 0, 0], [1, 2, 3]])
 def test_parts_always_sum_to_the_capacity_when_the_rows_fit(rows):
     t = table(30)
     parts = table_capacities(t, np.array(rows), t.shards, clients({}), None)
-    assert sum(parts) == 30 and all(p >= r for p, r in zip(parts, rows))
+    assert sum(parts) == 30 and all(p >= max(r, 1) for p, r in zip(parts, rows))
+
+
+def test_a_part_is_never_0_which_would_mean_no_limit():
+    """A full table restored into one of three servers: the others get a
+    row each (0 would be no limit), the first evicts two."""
+    t = table(30)
+    assert table_capacities(t, np.array([30, 0, 0]), t.shards, clients({}), None) == [28, 1, 1]

@@ -245,11 +245,15 @@ def test_pooled_look_ups_refuse_what_is_not_bags(cluster):
     for bad, words in ((np.array([1, 2]), "matrix"),
                        (Bags(np.array([1, 2]), np.array([1])), "offsets"),
                        (Bags(np.array([1, 2]), np.array([0, 3])), "offsets"),
-                       (Bags(np.array([1, 2]), np.array([0]), np.ones(3)), "weights")):
+                       (Bags(np.array([1, 2]), np.array([0]), np.ones(3)), "weights"),
+                       (Bags(np.array([1, 2]), np.array([], np.int64)), "ids need one")):
         with pytest.raises(ValueError, match=words):
             emb.lookup({"item": bad}, pooling="sum")
+    assert emb.stats().lookups == 0   # refused before anything was sent
     with pytest.raises(ValueError, match="pooling"):
         emb.lookup({"item": np.array([[1]])}, pooling="max")
+    empty = read_variables([emb.lookup({"item": Bags([], [])}, pooling="mean")])[0]
+    assert empty["item"].shape == (0, 2)
     look = emb.lookup({"item": np.array([[1, 2]])}, pooling="sum")
     with pytest.raises(ValueError, match="1 bags of dim 2"):
         look.gradients({"item": np.ones((2, 2))})

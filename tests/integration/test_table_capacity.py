@@ -75,6 +75,8 @@ def test_the_whole_table_never_holds_more_than_its_capacity(num_ps, capacity):
             t.lookup(np.arange(lo, lo + 20, dtype=np.int64))
             assert len(t) <= capacity
         assert len(t) == capacity
+        with pytest.raises(ValueError, match=f"at least {num_ps}"):   # a part of 0: no limit
+            table(ParameterServerStrategy(cluster.spec), num_ps - 1)
 
 
 def test_a_checkpoints_bucket_map_is_checked_by_its_readers(tmp_path):

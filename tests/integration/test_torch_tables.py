@@ -210,3 +210,16 @@ def test_the_pytorch_ctr_example_reaches_the_numpy_models_auc():
         numpy_model.append(ctr.main(common + ["--seed", seed])["auc"])
     assert min(ours) > 0.55   # learnt something (0.5: chance)
     assert abs(np.median(ours) - np.median(numpy_model)) <= 0.005, (ours, numpy_model)
+
+
+def test_rows_pulled_in_eval_mode_do_not_serve_a_training_forward(strategy):
+    """A training forward's look-up counts and admits: rows an eval() pull
+    fetched (nothing admitted) are not reused for it."""
+    t = strategy.create_embedding_table("t", 2, **SGD1)
+    bridge = TorchModelBridge(strategy, CTRish(t, make_table(strategy, "i", 3)), **SGD1)
+    m = bridge.build_module().eval()
+    bridge.pull(m, embedding_ids={"user": np.array([7])})
+    assert len(t) == 0
+    m.train()
+    m.user(torch.tensor([7]))
+    assert len(t) == 1
