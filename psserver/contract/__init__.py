@@ -27,9 +27,12 @@ from psserver import errors as _errors
 #: client updates), so a version-1 peer would break it. 3: dynamic-table
 #: look-ups and updates ride the bulk Read and Push (ReadRequest.table_lookups,
 #: PushRequest.table_updates); ServerInfo.data_port, WorkerInfo.ipc_socket and
-#: data_port, ShmAttachReply.ipc_socket are gone (HostInfo says them). Peers
-#: of different versions refuse each other, saying which is older.
-PROTOCOL_VERSION = 3
+#: data_port, ShmAttachReply.ipc_socket are gone (HostInfo says them). 4:
+#: dynamic-table keys go to shards by bucket (psserver.contract.keys), not
+#: hash % shards: a version-3 coordinator and a version-4 one would look for
+#: a key's row on different servers of one table. Peers of different
+#: versions refuse each other, saying which is older.
+PROTOCOL_VERSION = 4
 
 #: Largest message either side accepts, and so the most tensor bytes one unary
 #: call carries. Larger tensors go over ReadStream / Upload in frames of
