@@ -273,7 +273,9 @@ def _value_prefix(buf: memoryview, a: int, end: int, have: int, fields=_VALUE_FI
             elif field == name_field and wt == _LEN:
                 need(d)
                 name = _text(buf, c, d, "a variable name")
-            elif field == tensor_field and wt == _LEN:   # (data ending at end: so does the tensor)
+            elif field == tensor_field and wt == _LEN:
+                if d != end:   # the tensor is not the value's last field (or lies about
+                    return None   # its length): received whole, decoded (and refused) as ever
                 dtype, shape = "", []
                 for f2, wt2, s, e in _partial_fields(buf, c, end, have):
                     if wt2 == _VARINT:

@@ -476,3 +476,23 @@ def test_a_read_reply_value_without_its_tensor_is_invalid_argument():
                 c._snapshots(wire_decode.decode_read_reply(raw), remember)
     finally:
         c.close()
+
+
+def test_a_value_whose_tensor_ends_before_its_data_is_refused_by_both_readers():
+    """Found by the test above's random draw: a reply whose value's Tensor
+    declares a length that ends inside its data (the data field running on
+    to the value's end). protobuf and decode_read_reply refuse it; the
+    socket reader took the data's own length and accepted it."""
+    raw = bytearray(wire.encode_read_reply([("v0", 0, np.arange(3000, dtype=np.int64))]))
+    at = raw.index(b"\x1a", 6)   # the VariableValue's tensor field, after its name
+    length, end = wire_decode._read_varint(memoryview(bytes(raw)), at + 1, len(raw))
+    shorter = wire._len_field(3, length - 116)[1:]   # the same varint size, 116 bytes less
+    assert len(shorter) == end - at - 1
+    raw[at + 1:end] = shorter
+    raw = bytes(raw)
+    with pytest.raises(InvalidArgument):
+        wire_decode.decode_read_reply(raw)
+    with pytest.raises(Exception):
+        ps_pb2.ReadReply.FromString(raw).values[0].value.data
+    with pytest.raises(InvalidArgument):
+        _receive(raw, [("v0", None)])
