@@ -198,7 +198,15 @@ class CheckpointCallback(Callback):
 
     ``save_best_only``: save only when ``monitor`` improved (mode "min",
     "max", or "auto": max for accuracy-like names). ``saved`` lists the
-    checkpoint paths written.
+    checkpoint paths written (and kept).
+
+    With ``fit(..., background_validation=True)`` a ``val_`` monitor comes
+    after the epoch has ended and training has gone on: each epoch's end is
+    saved as a candidate (the state its validation reads), kept if its
+    validation improved the monitor and removed otherwise (or when its
+    validation was skipped); the best so far is never removed by the
+    manager's ``max_to_keep`` meanwhile. (An incremental manager keeps a
+    removed candidate that a later checkpoint's chain needs.)
     """
 
     def __init__(self, manager, every_epochs: int = 1, *, save_best_only: bool = False,
@@ -210,10 +218,17 @@ class CheckpointCallback(Callback):
         self._better = _comparator(monitor, mode, 0.0)
         self.best: float | None = None
         self.saved: list[str] = []
+        self._candidates: dict[int, str] = {}   # background validation: epoch -> its save
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         if (epoch + 1) % self.every_epochs:
+            return
+        if self.save_best_only and self.monitor not in logs and \
+                self.monitor.startswith("val_") and \
+                getattr(self.fit_state, "background_validation", False):
+            self._candidates[epoch] = self.manager.save(   # judged by on_validation_end
+                step=self.fit_state.step, extra={"epoch": epoch + 1, "logs": dict(logs)})
             return
         if self.save_best_only:
             value = logs.get(self.monitor)
@@ -228,6 +243,32 @@ class CheckpointCallback(Callback):
         self.saved.append(path)
         if self.verbose:
             print(f"epoch {epoch + 1}: saved checkpoint {path}", flush=True)
+
+    def on_validation_end(self, epoch, logs=None):
+        """Background validation: keep ``epoch``'s candidate if it improved the
+        monitor, else remove it; candidates of epochs never validated go too."""
+        value = (logs or {}).get(self.monitor)
+        path = self._candidates.pop(epoch, None)
+        for skipped in [e for e in self._candidates if e < epoch]:
+            self.manager.remove(self._candidates.pop(skipped))
+        if path is None:
+            return
+        if value is None:
+            _warn_missing(self, self.monitor, logs or {})
+        if value is None or (self.best is not None and not self._better(value, self.best)):
+            self.manager.remove(path)
+            return
+        self.best = value
+        self.manager.pinned = {path}   # the best, whatever max_to_keep removes
+        self.saved.append(path)
+        if self.verbose:
+            print(f"epoch {epoch + 1}: {self.monitor} improved to {value:.6g}; kept its "
+                  f"checkpoint {path}", flush=True)
+
+    def on_train_end(self, logs=None):
+        for path in self._candidates.values():   # never validated
+            self.manager.remove(path)
+        self._candidates.clear()
 
 
 class EarlyStopping(Callback):

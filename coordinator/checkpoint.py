@@ -148,6 +148,9 @@ class CheckpointManager:
         self._force_full = False
         self._last_step: int | None = None
         self._last_time = time.monotonic()
+        #: Checkpoints max_to_keep never removes (with what their chains need):
+        #: CheckpointCallback's best while a candidate awaits its validation.
+        self.pinned: set[str] = set()
         os.makedirs(self.directory, exist_ok=True)
 
     # -- listing -----------------------------------------------------------------------
@@ -233,6 +236,22 @@ class CheckpointManager:
         _metrics.checkpoint_bytes("save", nbytes)
         return final
 
+    def remove(self, path: str) -> bool:
+        """Remove checkpoint ``path`` unless another checkpoint's chain needs
+        it (then False: it goes when they do)."""
+        others = [p for p in self.checkpoints() if p != path]
+        for other in others:
+            try:
+                if path in (p for p, _ in chain_of(other)):
+                    return False
+            except CheckpointError:
+                pass
+        self.pinned.discard(path)
+        if self._parent == path:
+            self._parent = None   # the next save does not follow it
+        remove_checkpoint(path)
+        return True
+
     def _parent_for_next(self) -> tuple[str, dict] | None:
         """(path, manifest) the next save is a delta of, or None: a full base
         is due (none yet, full_every reached, the layout changed, restored)."""
@@ -256,7 +275,7 @@ class CheckpointManager:
         """Remove all but the newest max_to_keep checkpoints and what their
         chains need."""
         ckpts = self.checkpoints()
-        keep = set(ckpts[-self.max_to_keep:])
+        keep = set(ckpts[-self.max_to_keep:]) | (self.pinned & set(ckpts))
         for path in list(keep):
             try:
                 keep.update(p for p, _ in chain_of(path))

@@ -138,6 +138,31 @@ def test_a_hung_validation_is_abandoned_and_a_failing_one_does_not_stop_training
         BackgroundValidation(validate, 0)
 
 
+def test_save_best_only_with_background_validation_keeps_each_improving_epochs_checkpoint(
+        cluster, tmp_path):
+    """Issue 33 item 11: with background validation a val_ monitor comes after
+    the epoch; CheckpointCallback(save_best_only) used to warn and never save.
+    Each epoch's end is saved as a candidate, kept if its validation improved
+    val_loss (5 -> 7 -> 3: epochs 0 and 2), removed otherwise; the best
+    survives max_to_keep=1 meanwhile, and holds the state its epoch ended at."""
+    strategy = ParameterServerStrategy(cluster.spec)
+    w, step, source = counting(strategy, "best_w")
+    manager = CheckpointManager(strategy, str(tmp_path / "best"), max_to_keep=1)
+    cb = CheckpointCallback(manager, save_best_only=True, monitor="val_loss")
+    with ClusterCoordinator(strategy) as coord, warnings.catch_warnings():
+        warnings.simplefilter("error")   # no "not in the epoch logs"
+        ds = coord.create_sharded_dataset(source, BATCH)
+        fit(coord, step, ds, epochs=3, verbose=0, background_validation=True,
+            validation_fn=lambda epoch: {"loss": [5.0, 7.0, 3.0][epoch]}, callbacks=[cb])
+    assert cb.best == 3.0 and len(cb.saved) == 2
+    epochs = [read_manifest(p)["extra"]["epoch"] for p in manager.checkpoints()]
+    assert epochs == [1, 3]   # epoch 1's (val_loss 7) was removed
+    assert [read_manifest(p)["extra"]["epoch"] for p in cb.saved] == [1, 3]
+    for path, value in zip(cb.saved, (1.0, 3.0)):
+        manager.restore(path)
+        np.testing.assert_array_equal(w.read(), np.full((N, 1), value))
+
+
 def test_early_stopping_watches_background_validations_as_they_come():
     import types
 

@@ -302,6 +302,29 @@ def test_retention_keeps_chains_whole_and_the_cli_lists_restores_and_exports(
         assert cli.main(["export", export_dir, "--every", "0", *ps]) == 2
 
 
+def test_a_checkpoint_is_removed_only_once_no_chain_needs_it_and_pins_survive_retention(
+        tmp_path):
+    """CheckpointManager.remove (CheckpointCallback's candidates): a base a
+    delta needs stays until the delta goes; a pinned checkpoint survives
+    max_to_keep, and the next delta does not follow a removed one."""
+    with LocalCluster(num_ps=1, num_workers=0, checkpoint_dirs=(str(tmp_path),)) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        w = strategy.create_variable("w", shape=(4, 2), optimizer="sgd")
+        inc = CheckpointManager(strategy, str(tmp_path / "c"), incremental=True,
+                                max_to_keep=1)
+        base = inc.save(1)
+        inc.pinned = {base}
+        w.push_sparse(np.array([1]), np.ones((1, 2), np.float32))
+        delta = inc.save(2)
+        assert inc.checkpoints() == [base, delta]   # pinned, and the delta's base anyway
+        assert not inc.remove(base) and inc.checkpoints() == [base, delta]
+        assert inc.remove(delta) and inc.remove(base) and inc.checkpoints() == []
+        w.push_sparse(np.array([2]), np.ones((1, 2), np.float32))
+        third = inc.save(3)   # a base: what it would have followed is gone
+        assert [p for p, _ in chain_of(third)] == [third]
+        inc.restore(third)
+
+
 def test_unknown_save_ids_are_refused_over_the_wire_with_nothing_written(start_ps, tmp_path):
     from psserver.client import PSClient
 
