@@ -48,6 +48,7 @@ The file format of a shard's rows (export/import) is psserver/contract/checkpoin
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Callable
 
@@ -500,6 +501,13 @@ class DynamicTable:
         if self.tracker is None:
             self.tracker = TableTracker(self.value.shape[0])
         return self.tracker.take(save_id, stream, since, self.row_key)
+
+    def set_capacity(self, capacity: int) -> None:
+        """The shard's capacity from now on (its part of the table's, which a
+        restore sets); the admission counter's default bound (4x) follows it."""
+        self.config = dataclasses.replace(self.config, capacity=capacity)
+        if not self.config.admission_capacity:
+            self.pending.limit = 4 * capacity if capacity else 1 << 20
 
     def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool) -> int:
         """Put rows ``state`` (export()'s arrays, any subset of keys) into this

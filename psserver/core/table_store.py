@@ -503,13 +503,13 @@ class TableStore:
             copy.check_primary()
             t = copy.table
             self._check_room(name, state["keys"].size, t.row_bytes)
-            config = t.config
+            before = t.config.capacity
             if capacity is not None:
-                t.config = dataclasses.replace(config, capacity=capacity)
+                t.set_capacity(capacity)
             try:
                 rows = t.import_rows(state, step, reset=reset)
             except BaseException:   # refused whole: the capacity as it was
-                t.config = config
+                t.set_capacity(before)
                 raise
             if capacity is not None:
                 copy.spec = copy.spec.with_capacity(capacity)

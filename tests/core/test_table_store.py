@@ -231,7 +231,7 @@ def test_an_import_can_give_the_shard_its_part_of_the_tables_capacity():
     fwd = Loopback(stores)
     for store, _ in stores.values():
         store.replicator.forwarding = fwd
-    (a, ta), (b, tb) = stores["a"], stores["b"]
+    (a, ta), (_, tb) = stores["a"], stores["b"]
     spec = TableSpec(TableConfig(dim=2, capacity=4), **SGD1)
     ta.create("t", spec)
     a.replicator.set_backup("~table~t", Peer("b", "~table~_t"), epoch=0)
@@ -241,6 +241,7 @@ def test_an_import_can_give_the_shard_its_part_of_the_tables_capacity():
     state["keys"] = np.arange(8)
     assert ta.import_rows("t", state, 0, True, capacity=8) == 8   # none evicted
     assert ta.info("t").spec.given.capacity == 8 == tb.info("_t").spec.given.capacity
+    assert ta.registry.table("t").table.pending.limit == 32   # admission's default: 4x
     assert ta.create("t", spec, exist_ok=True).spec.given.capacity == 8
     bad = dict(state, values=np.full((8, 2), np.nan, np.float32))
     for call, error in ((lambda: ta.import_rows("t", bad, 0, True, capacity=3), InvalidArgument),
