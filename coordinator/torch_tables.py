@@ -22,8 +22,7 @@ B bags of n, or ids 1-D with ``offsets`` (B,) where each bag starts, and
 ``per_sample_weights`` (``"sum"`` only), as ``nn.EmbeddingBag`` takes them.
 Each distinct id's row is fetched once (every occurrence counted, for
 admission and LFU, as ``table.lookup`` counts them), as a tensor that takes
-gradients;
-``gradients()`` after ``loss.backward()`` gives ``[(table,
+gradients; ``gradients()`` after ``loss.backward()`` gives ``[(table,
 IndexedSlices(row gradients, ids))]`` for ``push_gradients``, and forgets
 the step's rows.
 
@@ -34,8 +33,9 @@ rows of ``ids`` in the same call to each server as the dense parameters
 the same call as the dense gradients; forward then looks up nothing. A
 forward given ids that were not pulled fetches their rows itself (one more
 call). Pulled rows serve forwards until the push, the next pull or a
-change of mode, as the bridge's pulled dense parameters do. In ``eval()`` mode look-ups admit, count and evict nothing (zeros for
-ids without a row) and nothing is kept for a push.
+change of mode, as the bridge's pulled dense parameters do. In ``eval()``
+mode look-ups admit, count and evict nothing (zeros for ids without a row)
+and nothing is kept for a push.
 
 Nothing in the core packages imports this module or torch.
 """
