@@ -6,8 +6,62 @@ reader, psserver/serve/ipc_server.py) and after a dynamic table's arrays
 grew (the old arrays, psserver/core/dynamic_table.py), so that a server's
 resident memory follows what it holds (``--max-memory-bytes``). Free of
 grpc and protobuf.
+
+Arrays that grow (a dynamic table's rows, slots and bookkeeping) live in
+mappings of their own (``mapped``): ``grow_rows`` enlarges one in place
+(Linux's mremap moves the page tables, not the data), so while a table grows
+its old rows are never resident twice; where that cannot be done (another
+view of the array is alive, or no mremap) the rows are copied, as before.
 """
 from __future__ import annotations
+
+import math
+import mmap
+from typing import MutableMapping
+
+import numpy as np
+
+#: Arrays smaller than this are ordinary heap arrays (a mapping costs a page
+#: and a kernel map entry at least).
+MAPPED_BYTES = 1 << 20
+_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
+def mapped(shape: tuple, dtype) -> np.ndarray:
+    """A new zeroed array, in a private anonymous mapping of its own when it
+    is large (pages not resident until written), else on the heap."""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    if count * dtype.itemsize < MAPPED_BYTES or not _FLAGS or \
+            not hasattr(mmap.mmap, "resize"):
+        return np.zeros(shape, dtype)
+    mm = mmap.mmap(-1, count * dtype.itemsize, flags=_FLAGS)
+    return np.frombuffer(mm, dtype, count=count).reshape(shape)
+
+
+def grow_rows(holder: MutableMapping, name: str, rows: int, keep: int) -> None:
+    """``holder[name]`` made ``rows`` rows long, its first ``keep`` rows
+    kept (the rest zeros): remapped in place when it is a mapping's only
+    array (no copy: its rows are never resident twice), else copied into a
+    new array (``mapped``). The caller holds no other reference to it."""
+    a = holder.pop(name)
+    dtype, tail = a.dtype, a.shape[1:]
+    width = math.prod(tail)
+    base = a.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    mm = base.obj if isinstance(base, memoryview) else None
+    if isinstance(mm, mmap.mmap) and a.size == len(mm) // dtype.itemsize:
+        del a, base   # the mapping's only export goes with them
+        try:
+            mm.resize(rows * width * dtype.itemsize)
+            holder[name] = np.frombuffer(mm, dtype, count=rows * width).reshape((rows,) + tail)
+            return
+        except (BufferError, OSError, ValueError):   # another view is alive: copied
+            a = np.frombuffer(mm, dtype).reshape((-1,) + tail)
+    grown = mapped((rows,) + tail, dtype)
+    grown[:keep] = a[:keep]
+    holder[name] = grown
 
 
 def give_back_memory() -> None:

@@ -56,7 +56,7 @@ import numpy as np
 
 from psserver.contract.checkpoint_format import check_rows, slot_layout
 from psserver.contract.keys import check_keys, initial_rows
-from psserver.contract.memory import give_back_memory
+from psserver.contract.memory import give_back_memory, grow_rows, mapped
 from psserver.contract.rows import sum_duplicates
 from psserver.core import eviction
 from psserver.core.key_index import KeyCounter, KeyIndex
@@ -92,8 +92,7 @@ class DynamicTable:
                                       # row (zeros), never handed out, so a look-up is one gather
         self._free: list[np.ndarray] = []   # freed row numbers, reused first
         cap = max(16, initial_rows_hint)
-        self.value = np.empty((cap, config.dim), self.dtype)
-        self.value[0] = 0
+        self.value = mapped((cap, config.dim), self.dtype)   # (grown in place: _grow)
         # The optimizer's slots: a row per table row for its per-element
         # slots, and as they are for the others (Adam's step count).
         self._slot_init, self._row_slots = slot_layout(optimizer, config.dim, self.dtype)
@@ -101,12 +100,12 @@ class DynamicTable:
         self.row_bytes = row_bytes(config.dim, self.dtype, len(self._row_slots))
         self.slots = dict(self._slot_init)
         for n in self._row_slots:
-            self.slots[n] = np.empty((cap, config.dim), self.dtype)
-        self.row_key = np.zeros(cap, np.int64)
-        self.updated_step = np.zeros(cap, np.int64)
-        self.updated_time = np.zeros(cap, np.float64)
-        self.used_step = np.zeros(cap, np.int64)
-        self.freq = np.zeros(cap, np.int64)
+            self.slots[n] = mapped((cap, config.dim), self.dtype)
+        self.row_key = mapped((cap,), np.int64)
+        self.updated_step = mapped((cap,), np.int64)
+        self.updated_time = mapped((cap,), np.float64)
+        self.used_step = mapped((cap,), np.int64)
+        self.freq = mapped((cap,), np.int64)
         self._tick = 0                # look-up batches (LRU's clock)
         # Admission: keys seen but not admitted, and how often.
         self.pending = KeyCounter(config.admission_capacity or (
@@ -280,21 +279,17 @@ class DynamicTable:
 
     def _grow(self, need: int) -> None:
         size = max(need, int(self.value.shape[0] * _GROW) + 1)
-
-        def grown(a):
-            b = np.empty((size,) + a.shape[1:], a.dtype)
-            b[:self._n] = a[:self._n]
-            return b
-        # One array at a time, its old one's pages given back before the next
-        # grows (tasks keep freed memory otherwise): resident memory passes
-        # what the table holds by one array's old rows at most while it grows.
-        self.value = grown(self.value)
-        give_back_memory()
-        for n in self._row_slots:
-            self.slots[n] = grown(self.slots[n])
-            give_back_memory()
-        for name in ("row_key", "updated_step", "updated_time", "used_step", "freq"):
-            setattr(self, name, grown(getattr(self, name)))
+        # Each array enlarged in place where it has a mapping of its own
+        # (psserver.contract.memory.grow_rows: no copy), else copied one at a
+        # time, the old one's pages given back before the next grows (tasks
+        # keep freed memory otherwise): resident memory passes what the table
+        # holds by one small array's old rows at most while it grows.
+        for holder, names in ((self.__dict__, ("value",)), (self.slots, self._row_slots),
+                              (self.__dict__, ("row_key", "updated_step", "updated_time",
+                                               "used_step", "freq"))):
+            for name in names:
+                grow_rows(holder, name, size, self._n)
+                give_back_memory()
         if self.tracker is not None:
             self.tracker.grow(size)
         give_back_memory()
