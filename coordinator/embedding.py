@@ -1,9 +1,10 @@
 """Dynamic embedding tables over the parameter servers: ``DynamicEmbedding``.
 
 A table keyed by any int64 (hashes of feature strings), its keys spread
-over every parameter server by a hash of the key
-(psserver.contract.keys: a bucket of its hash, and each bucket's shard), each server holding its shard
-(psserver/core/table_store.py: admission, eviction, the optimizer's slots).
+over every parameter server by a hash of the key (psserver.contract.keys:
+a bucket of its hash, and each bucket's shard), each server holding its
+shard (psserver/core/table_store.py: admission, eviction, the optimizer's
+slots).
 ``ParameterServerStrategy.create_embedding_table`` makes one.
 
 Like a ShardedVariable, a ``DynamicEmbedding`` is a small picklable
