@@ -69,7 +69,7 @@ class BucketMap:
     0 .. BUCKETS-1, every shard from 0 to ``num_shards``-1 given at least one.
     Immutable; equal maps compare equal."""
 
-    __slots__ = ("owner", "num_shards")
+    __slots__ = ("owner", "num_shards", "_hash")
 
     def __init__(self, owner, num_shards: int):
         owner = np.array(owner, np.int64)
@@ -80,6 +80,7 @@ class BucketMap:
         owner = owner.astype(np.int16 if num_shards <= 1 << 15 else np.int32)
         owner.setflags(write=False)
         self.owner, self.num_shards = owner, int(num_shards)
+        self._hash = hash((self.num_shards, owner.tobytes()))   # (tables are dict keys)
 
     @classmethod
     def even(cls, num_shards: int) -> "BucketMap":
@@ -124,11 +125,11 @@ class BucketMap:
         return np.bincount(self.owner, minlength=self.num_shards)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, BucketMap) and self.num_shards == other.num_shards and \
-            bool((self.owner == other.owner).all())
+        return self is other or isinstance(other, BucketMap) and self._hash == other._hash \
+            and self.num_shards == other.num_shards and bool((self.owner == other.owner).all())
 
     def __hash__(self) -> int:
-        return hash((self.num_shards, self.owner.tobytes()))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"BucketMap({self.num_shards} shards, {len(self.ranges())} runs)"
