@@ -219,6 +219,7 @@ class CheckpointCallback(Callback):
         self.best: float | None = None
         self.saved: list[str] = []
         self._candidates: dict[int, str] = {}   # background validation: epoch -> its save
+        self._best_path: str | None = None
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
@@ -227,8 +228,10 @@ class CheckpointCallback(Callback):
         if self.save_best_only and self.monitor not in logs and \
                 self.monitor.startswith("val_") and \
                 getattr(self.fit_state, "background_validation", False):
-            self._candidates[epoch] = self.manager.save(   # judged by on_validation_end
-                step=self.fit_state.step, extra={"epoch": epoch + 1, "logs": dict(logs)})
+            path = self.manager.save(step=self.fit_state.step, candidate=True,
+                                     extra={"epoch": epoch + 1, "logs": dict(logs)})
+            self._candidates[epoch] = path   # judged by on_validation_end; kept till then
+            self.manager.pinned.add(path)
             return
         if self.save_best_only:
             value = logs.get(self.monitor)
@@ -250,16 +253,19 @@ class CheckpointCallback(Callback):
         value = (logs or {}).get(self.monitor)
         path = self._candidates.pop(epoch, None)
         for skipped in [e for e in self._candidates if e < epoch]:
-            self.manager.remove(self._candidates.pop(skipped))
+            self._drop(self._candidates.pop(skipped))
         if path is None:
             return
         if value is None:
             _warn_missing(self, self.monitor, logs or {})
-        if value is None or (self.best is not None and not self._better(value, self.best)):
-            self.manager.remove(path)
+        if value is None or (self.best is not None and not self._better(value, self.best)) \
+                or not os.path.isdir(path):
+            self._drop(path)
             return
         self.best = value
-        self.manager.pinned = {path}   # the best, whatever max_to_keep removes
+        if self._best_path is not None and self._best_path != path:
+            self.manager.pinned.discard(self._best_path)   # retention may take it now
+        self._best_path = path   # (pinned: the best, whatever max_to_keep removes)
         self.saved.append(path)
         if self.verbose:
             print(f"epoch {epoch + 1}: {self.monitor} improved to {value:.6g}; kept its "
@@ -267,8 +273,13 @@ class CheckpointCallback(Callback):
 
     def on_train_end(self, logs=None):
         for path in self._candidates.values():   # never validated
-            self.manager.remove(path)
+            self._drop(path)
         self._candidates.clear()
+
+    def _drop(self, path: str) -> None:
+        if path != self._best_path:
+            self.manager.pinned.discard(path)
+            self.manager.remove(path)   # (kept if another save of its step wants it)
 
 
 class EarlyStopping(Callback):

@@ -149,8 +149,9 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         #: Checkpoints max_to_keep never removes (with what their chains need):
-        #: CheckpointCallback's best while a candidate awaits its validation.
+        #: CheckpointCallback's best, and its candidates awaiting validation.
         self.pinned: set[str] = set()
+        self._candidates: set[str] = set()   # saved as candidates since (remove)
         os.makedirs(self.directory, exist_ok=True)
 
     # -- listing -----------------------------------------------------------------------
@@ -191,8 +192,10 @@ class CheckpointManager:
             return None
 
     @_metrics.timed_checkpoint("save")
-    def save(self, step: int, extra: dict | None = None) -> str:
+    def save(self, step: int, extra: dict | None = None, *, candidate: bool = False) -> str:
         """Write a checkpoint of every variable; return its directory.
+        ``candidate``: one that ``remove`` may take back (CheckpointCallback's
+        save_best_only), until a save of the same step that is not one.
 
         ``extra`` (JSON-serialisable: epoch, data positions...) is stored in
         the manifest and returned by ``restore``. Saving a step again
@@ -228,6 +231,7 @@ class CheckpointManager:
                                               self.weights_only))
         self._last_step, self._last_time = step, time.monotonic()
         self._parent, self._force_full = final, False
+        (self._candidates.add if candidate else self._candidates.discard)(final)
         for orphan in orphans:
             log.warning("removing %s: it was a delta of %s, which was just saved again",
                         orphan, final)
@@ -237,8 +241,12 @@ class CheckpointManager:
         return final
 
     def remove(self, path: str) -> bool:
-        """Remove checkpoint ``path`` unless another checkpoint's chain needs
-        it (then False: it goes when they do)."""
+        """Remove checkpoint ``path``, saved as a candidate, unless a save of
+        its step since was not one (another caller wants it) or another
+        checkpoint's chain needs it (False: then it stays, and retention
+        removes it in time)."""
+        if path not in self._candidates:
+            return False
         others = [p for p in self.checkpoints() if p != path]
         for other in others:
             try:
@@ -247,6 +255,7 @@ class CheckpointManager:
             except CheckpointError:
                 pass
         self.pinned.discard(path)
+        self._candidates.discard(path)
         if self._parent == path:
             self._parent = None   # the next save does not follow it
         remove_checkpoint(path)

@@ -25,15 +25,29 @@ import numpy as np
 #: and a kernel map entry at least).
 MAPPED_BYTES = 1 << 20
 _FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_remaps: bool | None = None   # whether this system can enlarge a mapping (mremap)
+
+
+def _can_remap() -> bool:
+    global _remaps
+    if _remaps is None:
+        try:
+            probe = mmap.mmap(-1, mmap.PAGESIZE, flags=_FLAGS)
+            probe.resize(2 * mmap.PAGESIZE)
+            probe.close()
+            _remaps = True
+        except (AttributeError, OSError, SystemError, ValueError, TypeError):
+            _remaps = False
+    return _remaps
 
 
 def mapped(shape: tuple, dtype) -> np.ndarray:
     """A new zeroed array, in a private anonymous mapping of its own when it
-    is large (pages not resident until written), else on the heap."""
+    is large and the system can enlarge mappings (pages not resident until
+    written), else on the heap."""
     dtype = np.dtype(dtype)
     count = math.prod(shape)
-    if count * dtype.itemsize < MAPPED_BYTES or not _FLAGS or \
-            not hasattr(mmap.mmap, "resize"):
+    if count * dtype.itemsize < MAPPED_BYTES or not _FLAGS or not _can_remap():
         return np.zeros(shape, dtype)
     mm = mmap.mmap(-1, count * dtype.itemsize, flags=_FLAGS)
     return np.frombuffer(mm, dtype, count=count).reshape(shape)
@@ -43,23 +57,30 @@ def grow_rows(holder: MutableMapping, name: str, rows: int, keep: int) -> None:
     """``holder[name]`` made ``rows`` rows long, its first ``keep`` rows
     kept (the rest zeros): remapped in place when it is a mapping's only
     array (no copy: its rows are never resident twice), else copied into a
-    new array (``mapped``). The caller holds no other reference to it."""
-    a = holder.pop(name)
+    new array (``mapped``). The caller holds no other reference to it.
+    ``holder[name]`` is never missing: a 0-row stand-in while it is
+    remapped, and the array as it was if growing fails (MemoryError)."""
+    a = holder[name]
     dtype, tail = a.dtype, a.shape[1:]
-    width = math.prod(tail)
+    width, old = math.prod(tail), a.shape[0]
     base = a.base
     while isinstance(base, np.ndarray):
         base = base.base
     mm = base.obj if isinstance(base, memoryview) else None
     if isinstance(mm, mmap.mmap) and a.size == len(mm) // dtype.itemsize:
-        del a, base   # the mapping's only export goes with them
+        holder[name] = np.zeros((0,) + tail, dtype)   # the mapping's only export goes
+        del a, base
         try:
             mm.resize(rows * width * dtype.itemsize)
+        except BaseException as exc:   # as it was; then copied, or the error raised
+            holder[name] = a = np.frombuffer(mm, dtype, count=old * width).reshape(
+                (old,) + tail)
+            if not isinstance(exc, (BufferError, OSError, SystemError, ValueError)):
+                raise
+        else:
             holder[name] = np.frombuffer(mm, dtype, count=rows * width).reshape((rows,) + tail)
             return
-        except (BufferError, OSError, ValueError):   # another view is alive: copied
-            a = np.frombuffer(mm, dtype).reshape((-1,) + tail)
-    grown = mapped((rows,) + tail, dtype)
+    grown = mapped((rows,) + tail, dtype)   # (a MemoryError here leaves the array as it was)
     grown[:keep] = a[:keep]
     holder[name] = grown
 

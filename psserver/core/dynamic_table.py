@@ -101,6 +101,10 @@ class DynamicTable:
         self.slots = dict(self._slot_init)
         for n in self._row_slots:
             self.slots[n] = mapped((cap, config.dim), self.dtype)
+        #: Bytes a row takes in the arrays above and below (nbytes).
+        self._array_row_bytes = config.dim * self.dtype.itemsize * (1 + len(self._row_slots)) \
+            + 5 * 8
+        self._rows = cap
         self.row_key = mapped((cap,), np.int64)
         self.updated_step = mapped((cap,), np.int64)
         self.updated_time = mapped((cap,), np.float64)
@@ -134,10 +138,11 @@ class DynamicTable:
     def nbytes(self) -> int:
         """Bytes of every array this shard holds (resident or not), its
         change tracking's included."""
-        arrays = [self.value, *(self.slots[n] for n in self._row_slots), self.row_key,
-                  self.updated_step, self.updated_time, self.used_step, self.freq]
+        # From the row count, not the arrays: read without the shard's lock
+        # (MemoryBudget.held), while _grow may be swapping them.
         tracking = 0 if self.tracker is None else self.tracker.nbytes
-        return sum(a.nbytes for a in arrays) + self.index.nbytes + self.pending.nbytes + tracking
+        return self._rows * self._array_row_bytes + self.index.nbytes + \
+            self.pending.nbytes + tracking
 
     # -- look-ups ----------------------------------------------------------------------------
     def lookup(self, keys, *, admit: bool = True, counts: np.ndarray | None = None) -> np.ndarray:
@@ -271,25 +276,28 @@ class DynamicTable:
             have += a.size
         more = n - have
         if more:
-            if self._n + more > self.value.shape[0]:
+            if self._n + more > self._rows:   # (every array has _rows rows at least)
                 self._grow(self._n + more)
             got.append(np.arange(self._n, self._n + more))
             self._n += more
         return np.concatenate(got) if got else np.zeros(0, np.int64)
 
     def _grow(self, need: int) -> None:
-        size = max(need, int(self.value.shape[0] * _GROW) + 1)
+        size = max(need, int(self._rows * _GROW) + 1)
         # Each array enlarged in place where it has a mapping of its own
         # (psserver.contract.memory.grow_rows: no copy), else copied one at a
         # time, the old one's pages given back before the next grows (tasks
         # keep freed memory otherwise): resident memory passes what the table
-        # holds by one small array's old rows at most while it grows.
+        # holds by one small array's old rows at most while it grows. One that
+        # fails (MemoryError) leaves each array with _rows rows at least, and
+        # _rows as it was: the table as before, the call refused.
         for holder, names in ((self.__dict__, ("value",)), (self.slots, self._row_slots),
                               (self.__dict__, ("row_key", "updated_step", "updated_time",
                                                "used_step", "freq"))):
             for name in names:
                 grow_rows(holder, name, size, self._n)
                 give_back_memory()
+        self._rows = size
         if self.tracker is not None:
             self.tracker.grow(size)
         give_back_memory()
@@ -494,7 +502,7 @@ class DynamicTable:
         Interval marked ``whole`` (unknown, or too many evictions kept: save
         it whole). Starts tracking on the first call."""
         if self.tracker is None:
-            self.tracker = TableTracker(self.value.shape[0])
+            self.tracker = TableTracker(self._rows)
         return self.tracker.take(save_id, stream, since, self.row_key)
 
     def set_capacity(self, capacity: int) -> None:

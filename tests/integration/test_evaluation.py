@@ -163,6 +163,49 @@ def test_save_best_only_with_background_validation_keeps_each_improving_epochs_c
         np.testing.assert_array_equal(w.read(), np.full((N, 1), value))
 
 
+def test_save_best_only_keeps_a_slow_validations_candidate_and_another_callbacks_saves(
+        cluster, tmp_path):
+    """A candidate whose validation outlasts the next epoch is not removed by
+    max_to_keep meanwhile (epoch 0's, the best, validated during epoch 1,
+    whose own validation is skipped); a plain CheckpointCallback on the same
+    manager keeps every checkpoint it saved, though the save_best_only one
+    rejects the same steps' candidates."""
+    strategy = ParameterServerStrategy(cluster.spec)
+    w, step, source = counting(strategy, "slow_w")
+    release = threading.Event()
+
+    def validate(epoch):
+        if epoch == 0:
+            assert release.wait(60)
+        return {"loss": [3.0, 9.0, 5.0][epoch]}
+
+    class Release(Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                release.set()
+    manager = CheckpointManager(strategy, str(tmp_path / "m"), max_to_keep=1)
+    best = CheckpointCallback(manager, save_best_only=True, monitor="val_loss")
+    with ClusterCoordinator(strategy) as coord:
+        ds = coord.create_sharded_dataset(source, BATCH)
+        fit(coord, step, ds, epochs=3, verbose=0, background_validation=True,
+            validation_fn=validate, callbacks=[best, Release()])
+    assert best.best == 3.0 and [read_manifest(p)["extra"]["epoch"] for p in best.saved] == [1]
+    assert os.path.isdir(best.saved[0])
+    manager.restore(best.saved[0])
+    np.testing.assert_array_equal(w.read(), np.full((N, 1), 1.0))
+
+    shared = CheckpointManager(strategy, str(tmp_path / "shared"), max_to_keep=5)
+    plain = CheckpointCallback(shared)
+    best = CheckpointCallback(shared, save_best_only=True, monitor="val_loss")
+    with ClusterCoordinator(strategy) as coord:
+        ds = coord.create_sharded_dataset(source, BATCH)
+        fit(coord, step, ds, epochs=3, verbose=0, background_validation=True,
+            validation_fn=lambda epoch: {"loss": [5.0, 7.0, 3.0][epoch]},
+            callbacks=[best, plain])
+    assert len(plain.saved) == 3 and all(os.path.isdir(p) for p in plain.saved)
+    assert len(best.saved) == 2
+
+
 def test_early_stopping_watches_background_validations_as_they_come():
     import types
 

@@ -312,10 +312,10 @@ def test_a_checkpoint_is_removed_only_once_no_chain_needs_it_and_pins_survive_re
         w = strategy.create_variable("w", shape=(4, 2), optimizer="sgd")
         inc = CheckpointManager(strategy, str(tmp_path / "c"), incremental=True,
                                 max_to_keep=1)
-        base = inc.save(1)
+        base = inc.save(1, candidate=True)
         inc.pinned = {base}
         w.push_sparse(np.array([1]), np.ones((1, 2), np.float32))
-        delta = inc.save(2)
+        delta = inc.save(2, candidate=True)
         assert inc.checkpoints() == [base, delta]   # pinned, and the delta's base anyway
         assert not inc.remove(base) and inc.checkpoints() == [base, delta]
         assert inc.remove(delta) and inc.remove(base) and inc.checkpoints() == []
@@ -323,6 +323,10 @@ def test_a_checkpoint_is_removed_only_once_no_chain_needs_it_and_pins_survive_re
         third = inc.save(3)   # a base: what it would have followed is gone
         assert [p for p, _ in chain_of(third)] == [third]
         inc.restore(third)
+        assert not inc.remove(third)   # not a candidate: only retention removes it
+        fourth = inc.save(4, candidate=True)
+        assert inc.save(4) == fourth   # saved again, not as a candidate: someone wants it
+        assert not inc.remove(fourth) and fourth in inc.checkpoints()
 
 
 def test_unknown_save_ids_are_refused_over_the_wire_with_nothing_written(start_ps, tmp_path):
