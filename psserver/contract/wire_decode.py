@@ -9,7 +9,8 @@ client its read replies, the server its push requests.
 The decoders accept exactly what protobuf's own parser accepts for these
 messages, and read the same content (tests/contract/test_wire.py checks it against
 the generated parser on random and mutated encodings): field numbers 1 to
-2**29 - 1; every wire type, groups matched, none running past its end;
+2**29 - 1 (0 too inside a group, as protobuf's parser skips one); every
+wire type, groups matched, none running past its end;
 fields of a wrong wire type skipped as unknown; strings UTF-8; a message
 field seen twice merged (its scalars: the last wins; repeated ones: joined),
 as parsing the two encodings one after the other would.
@@ -62,9 +63,9 @@ def _skip(buf: memoryview, pos: int, end: int, field: int, wt: int) -> int:
         if size > end - pos:
             raise InvalidArgument("truncated message (a fixed-size field runs past its end)")
         return pos + size
-    if wt == 3:   # a group: fields until its matching end
-        while True:
-            f, w, pos = _read_key(buf, pos, end)
+    if wt == 3:   # a group: fields until its matching end (protobuf's parser
+        while True:   # takes field number 0 in a group it skips: so do we)
+            f, w, pos = _read_key(buf, pos, end, lowest=0)
             if w == 4:
                 if f != field:
                     raise InvalidArgument("malformed message (a group ends with another number)")
@@ -73,10 +74,10 @@ def _skip(buf: memoryview, pos: int, end: int, field: int, wt: int) -> int:
     raise InvalidArgument(f"malformed message (wire type {wt} where a field starts)")
 
 
-def _read_key(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
+def _read_key(buf: memoryview, pos: int, end: int, lowest: int = 1) -> tuple[int, int, int]:
     key, pos = _read_varint(buf, pos, end)
     field, wt = key >> 3, key & 7
-    if key >> 32 or not 1 <= field <= _MAX_FIELD:
+    if key >> 32 or not lowest <= field <= _MAX_FIELD:
         raise InvalidArgument(f"malformed message (field number {field})")
     return field, wt, pos
 

@@ -224,6 +224,9 @@ def _mutated_push(draw) -> bytes:
 @given(st.one_of(_mutated_push(), st.binary(max_size=40)))
 @example(b'\x12\x03\x08\x01"\x12\x02\x01\x00')   # a sync cut short (field 4, no length), and
                                               # a second one that would complete it if joined
+@example(b'\n\x0b\n\x010\x12\x06\n\x01x\x1a\x01\x00\x12\x02 \x01"$\n\x010\x12\n\n\x05int64'
+         b'\x1a\x01\x1a\x13\n\x05int64\x12\x01\x00\x01\x1a\x07\x00\x00\x00\x00\x00\x00\x14')
+#   ^ an unknown group (field 2 with wire type 3) holding a field number 0: protobuf skips it
 def test_push_decoder_agrees_with_protobuf_on_every_input(raw):
     """Field 0, numbers out of range, fixed-size fields and groups running
     past the end, bad UTF-8, repeated message fields (merged): whatever
