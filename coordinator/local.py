@@ -107,6 +107,28 @@ def description(doc: str) -> str:
     return " ".join((doc or "").strip().split("\n\n")[0].split())
 
 
+#: How to install what the torch examples need (docs/checkpoints.md says the
+#: same: tests/integration/test_examples.py).
+TORCH_INSTALL = ('pip install torch --index-url https://download.pytorch.org/whl/cpu && '
+                 'pip install -e ".[torch,examples]"')
+
+
+def import_torch(script: str, as_main: bool):
+    """``torch``, for an example that needs it. Without it a script run as
+    itself (``as_main``) exits saying how to install it; an import raises
+    ModuleNotFoundError saying the same."""
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        message = f"{script} needs PyTorch (its CPU build is enough): {TORCH_INSTALL}"
+        if as_main:
+            sys.exit(message)
+        raise ModuleNotFoundError(message, name="torch") from exc
+    return torch
+
+
 def run_main(main: Callable[..., Any], *args: Any) -> int:
     """Run ``main(*args)``, a program's entry point; return its exit status.
 

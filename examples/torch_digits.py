@@ -35,19 +35,9 @@ if __package__ in (None, ""):   # run as a script: make the repo importable (her
 
 import numpy as np
 
-#: How to install what this example needs (also in docs/checkpoints.md; a test checks
-#: both name extras that pyproject.toml has).
-INSTALL = ('pip install torch --index-url https://download.pytorch.org/whl/cpu && '
-           'pip install -e ".[torch,examples]"')
-try:
-    import torch
-except ModuleNotFoundError as exc:
-    if exc.name != "torch":
-        raise
-    message = f"examples/torch_digits.py needs PyTorch (its CPU build is enough): {INSTALL}"
-    if __name__ == "__main__":
-        sys.exit(message)
-    raise ModuleNotFoundError(message, name="torch") from exc
+from coordinator.local import import_torch
+
+torch = import_torch("examples/torch_digits.py", __name__ == "__main__")
 import torch.nn.functional as F
 from torch import nn
 

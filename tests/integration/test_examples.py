@@ -161,7 +161,8 @@ def test_digits_runs_as_a_script_from_another_directory(tmp_path):
 
 # -- installing the torch example -------------------------------------------------------------
 def test_torch_example_and_readme_name_the_same_extras_and_the_cpu_build():
-    """docs/checkpoints.md and examples/torch_digits.py say the same `pip install -e ".[...]"`
+    """docs/checkpoints.md, examples/torch_digits.py and the torch examples'
+    message without torch say the same `pip install -e ".[...]"`
     for the torch example, every extra in it exists, and both install
     PyTorch's CPU build first (PyPI's default Linux torch is GBs of CUDA)."""
     import tomllib
@@ -179,6 +180,8 @@ def test_torch_example_and_readme_name_the_same_extras_and_the_cpu_build():
         assert set(named.split(",")) <= set(extras), (named, sorted(extras))
     cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
     assert cpu in example and cpu in readme
+    from coordinator.local import TORCH_INSTALL
+    assert set(install.findall(TORCH_INSTALL)) == in_example and cpu in TORCH_INSTALL
 
 
 def _cmdline(pid: int) -> str:
