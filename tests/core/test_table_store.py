@@ -191,15 +191,21 @@ class Loopback(R.Forwarding):
             replicator.acknowledged(var, link, link.generation, version, status)
 
 
-def test_a_replicated_shard_and_its_backup_hold_the_same_rows():
-    """The variables' Replicator runs a table shard's replication too: its
-    state copy, then one record per call that changed rows (look-ups that
-    made rows, updates), applied on the backup as the primary did."""
+def _replicating() -> tuple[tuple, tuple]:
+    """Two stores, "a" and "b", that hand each other records and state
+    copies in process (Loopback): ((store a, its tables), (store b, ...))."""
     stores = {"a": _stores(), "b": _stores()}
     fwd = Loopback(stores)
     for store, _ in stores.values():
         store.replicator.forwarding = fwd
-    (a, ta), (b, tb) = stores["a"], stores["b"]
+    return stores["a"], stores["b"]
+
+
+def test_a_replicated_shard_and_its_backup_hold_the_same_rows():
+    """The variables' Replicator runs a table shard's replication too: its
+    state copy, then one record per call that changed rows (look-ups that
+    made rows, updates), applied on the backup as the primary did."""
+    (a, ta), (b, tb) = _replicating()
     spec = TableSpec(TableConfig(dim=2, capacity=4), **SGD1)
     ta.create("t", spec)
     ta.lookup("t", np.array([1, 2]))
@@ -227,11 +233,7 @@ def test_an_import_can_give_the_shard_its_part_of_the_tables_capacity():
     restores (its part of the whole table's capacity): set before the rows
     go in (none evicted), reported, copied to the backup, kept by an
     exist_ok create; a refused import leaves the capacity as it was."""
-    stores = {"a": _stores(), "b": _stores()}
-    fwd = Loopback(stores)
-    for store, _ in stores.values():
-        store.replicator.forwarding = fwd
-    (a, ta), (_, tb) = stores["a"], stores["b"]
+    (a, ta), (_, tb) = _replicating()
     spec = TableSpec(TableConfig(dim=2, capacity=4), **SGD1)
     ta.create("t", spec)
     a.replicator.set_backup("~table~t", Peer("b", "~table~_t"), epoch=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_ps_service import sync_pushes_until_refused
 
 from psserver.client import PSClient
 from psserver.errors import ResourceExhausted
@@ -48,7 +49,6 @@ def test_sync_steps_gathered_until_refused_stay_within_the_limit_in_resident_mem
     """Row-wise sync updates of a step that never completes (required 1000),
     pushed until refused: the server's resident memory stays within 1.25x
     the limit (what a step gathers counts against it)."""
-    from psserver.contract import SyncSpec
     ps = start_ps("--max-memory-bytes", str(LIMIT))
     rows = 64 * 1024                             # 64k rows of 32 float32: 8 MiB a push
     with PSClient(ps.address) as c:
@@ -57,16 +57,9 @@ def test_sync_steps_gathered_until_refused_stay_within_the_limit_in_resident_mem
         else:
             c.create_variable("w", (rows, 32), "float32")
         base = _memory(ps.proc.pid)["VmRSS"]
-        grads, ids = np.ones((rows, 32), np.float32), np.arange(rows)
-        accepted = 0
-        with pytest.raises(ResourceExhausted):
-            for replica in range(100):
-                spec = SyncSpec(0, replica, 1000, 1000)
-                if what == "table":
-                    c.update_table("t", ids, grads, sync=spec)
-                else:
-                    c.push_sparse("w", ids, grads, sync=spec)
-                accepted += 1
+        with pytest.raises(ResourceExhausted) as refused:
+            sync_pushes_until_refused(c, what, rows, 100)
+        accepted = refused.value.accepted
         mem = _memory(ps.proc.pid)
     assert accepted >= 8, accepted
     assert mem["VmHWM"] - base <= 1.25 * LIMIT, (mem, base, accepted)

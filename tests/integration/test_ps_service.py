@@ -28,6 +28,7 @@ from psserver.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
+    PSError,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
@@ -696,6 +697,28 @@ def test_max_memory_bytes_limits_creates(start_ps):
     assert ps.alive()
 
 
+def sync_pushes_until_refused(c: PSClient, what: str, rows: int, tries: int) -> int:
+    """Replicas of a sync step that never completes (step 0, required 1000),
+    each ``rows`` rows of 32 float32, pushed to table "t" (``what`` "table")
+    or to variable "w" ("variable rows") until one is refused: raises that
+    refusal, its ``accepted`` attribute the pushes taken before it."""
+    from psserver.contract import SyncSpec
+    grads, ids = np.ones((rows, 32), F32), np.arange(rows)
+    accepted = 0
+    try:
+        for replica in range(tries):
+            spec = SyncSpec(0, replica, 1000, 1000)
+            if what == "table":
+                c.update_table("t", ids, grads, sync=spec)
+            else:
+                c.push_sparse("w", ids, grads, sync=spec)
+            accepted += 1
+    except PSError as exc:
+        exc.accepted = accepted
+        raise
+    return accepted
+
+
 @pytest.mark.parametrize("what", ["table", "variable rows"])
 def test_sync_steps_that_never_complete_count_against_max_memory_bytes(start_ps, what):
     """Issue 33 item 2: row-wise sync updates of a step that never completes
@@ -703,7 +726,6 @@ def test_sync_steps_that_never_complete_count_against_max_memory_bytes(start_ps,
     it held almost nothing. What a step gathers now counts: past the limit
     a push is refused (ResourceExhausted, nothing gathered), and the server
     reports the bytes it holds for the step."""
-    from psserver.contract import SyncSpec
     limit, rows = 16 * MiB, 16 * 1024           # 16k rows of 32 float32: 2 MiB a push
     ps = start_ps("--max-memory-bytes", str(limit))
     with PSClient(ps.address) as c:
@@ -712,16 +734,9 @@ def test_sync_steps_that_never_complete_count_against_max_memory_bytes(start_ps,
         else:
             c.create_variable("w", (rows, 32), "float32")
         held0 = c.server_info().total_bytes
-        grads, ids = np.ones((rows, 32), F32), np.arange(rows)
-        accepted = 0
-        with pytest.raises(ResourceExhausted, match="sync step 0's gradient"):
-            for replica in range(20):           # 40 MiB if nothing stopped it
-                spec = SyncSpec(0, replica, 1000, 1000)
-                if what == "table":
-                    c.update_table("t", ids, grads, sync=spec)
-                else:
-                    c.push_sparse("w", ids, grads, sync=spec)
-                accepted += 1
+        with pytest.raises(ResourceExhausted, match="sync step 0's gradient") as refused:
+            sync_pushes_until_refused(c, what, rows, 20)   # 40 MiB unless stopped
+        accepted = refused.value.accepted
         assert 3 <= accepted <= 8, accepted     # the limit, less what the server holds
         info = [t for t in c.list_tables()] if what == "table" else c.list_variables()
         assert info   # still serving
