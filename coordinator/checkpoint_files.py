@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -31,10 +31,9 @@ from coordinator.shard_files import (
     load_shard,
     read_small,
 )
-from psserver.contract.keys import BucketMap, legacy_shard_of
 
 #: 1: full checkpoints; 2: chains (delta, unchanged shards); 3: any with tables,
-#: keyed by bucket (table_router: an older reader would look in the wrong shard).
+#: keyed by bucket (serving.table_router: an older reader would look in the wrong shard).
 FORMAT_VERSION, CHAIN_VERSION = 3, 2
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 MAX_CHAIN = 10_000   # the longest chain followed (a loop of parents is refused before that)
@@ -189,23 +188,10 @@ def _same_variable_shard(a: dict, b: dict, i: int) -> bool:
         all(a["shards"][i].get(k) == b["shards"][i].get(k) for k in cut)
 
 
-def _same_table(a: dict, b: dict, i: int) -> bool:
+def same_table(a: dict, b: dict, i: int = 0) -> bool:
+    """Two manifests' entries of a table laid out alike: one's delta builds on the other."""
     return a.get("dim") == b.get("dim") and a.get("dtype") == b.get("dtype") and \
         len(a["shards"]) == len(b["shards"]) and a.get("buckets") == b.get("buckets")
-
-
-def table_router(path: str, name: str, info: Mapping[str, Any]) -> Callable:
-    """keys -> the index of the shard file holding each, for table ``name`` of
-    checkpoint ``path``: its "buckets" runs (psserver.contract.keys), or
-    ``hash % shards`` before buckets. CheckpointError for a map that does not fit."""
-    n = len(info.get("shards") or ())
-    if "buckets" not in info:
-        return lambda keys: legacy_shard_of(keys, n)
-    try:
-        return BucketMap.from_ranges(info["buckets"], n).shard_of
-    except ValueError as exc:
-        raise CheckpointError(f"the manifest of {path} gives table {name!r} a bucket map that "
-                              f"does not fit its {n} shard(s) ({exc}); it is damaged") from None
 
 
 def load_variable(v, chain: list[tuple[str, dict]]) -> dict:
@@ -470,7 +456,7 @@ def _load_table_shards(t, chain: list[tuple[str, dict]]) -> list[tuple]:
     out = []
     for i in range(len(entries)):
         shard = None
-        for p, e in _shard_history(chain, "tables", t.name, i, _same_table):
+        for p, e in _shard_history(chain, "tables", t.name, i, same_table):
             shard = advance_table_shard(shard, p, e, t, weights_only)
         out.append(shard)
     return out

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import types
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -48,8 +48,9 @@ from coordinator.checkpoint_files import (
     find_checkpoints,
     load_table_shards,
     load_variable,
-    table_router,
+    same_table,
 )
+from psserver.contract.keys import BucketMap, legacy_shard_of
 
 log = logging.getLogger("coordinator.serving")
 
@@ -283,8 +284,8 @@ class Snapshot:
         if old is not None and start and (
                 set(manifest["variables"]) != set(old.values)
                 or set(manifest.get("tables", {})) != set(old.table_shards)
-                or any(_layout(info) != _layout(old.manifest["tables"][name])
-                       for name, info in manifest.get("tables", {}).items())):
+                or not all(same_table(info, old.manifest["tables"][name])
+                           for name, info in manifest.get("tables", {}).items())):
             start = 0   # other variables or tables, or tables laid out anew: composed anew
         if start == 0:   # a new chain: composed from its base, as a restore composes it
             values = {name: load_variable(_spec(name, info), chain)["value"]
@@ -375,15 +376,24 @@ def table_rows(chain: list, name: str, info: dict) -> tuple[list, int]:
     return _served(load_table_shards(_table_spec(name, info), chain), info, chain[-1][0], name)
 
 
-def _layout(info: dict) -> tuple:
-    """A table's shards and their keys as a manifest gives them."""
-    return len(info.get("shards") or ()), info.get("buckets")
-
-
 def _served(shards: list, info: dict, path: str, name: str) -> tuple[list, int, Callable]:
     """load_table_shards' shards as lookup_rows takes a table."""
     return ([(s["keys"], s["values"]) for s, _, _ in shards], int(info["dim"]),
             table_router(path, name, info))
+
+
+def table_router(path: str, name: str, info: Mapping[str, Any]) -> Callable:
+    """keys -> the index of the shard file holding each, for table ``name`` of
+    checkpoint ``path``: its "buckets" runs (psserver.contract.keys), or
+    ``hash % shards`` before buckets. CheckpointError for a map that does not fit."""
+    n = len(info.get("shards") or ())
+    if "buckets" not in info:
+        return lambda keys: legacy_shard_of(keys, n)
+    try:
+        return BucketMap.from_ranges(info["buckets"], n).shard_of
+    except ValueError as exc:
+        raise CheckpointError(f"the manifest of {path} gives table {name!r} a bucket map that "
+                              f"does not fit its {n} shard(s) ({exc}); it is damaged") from None
 
 
 def _weights(manifest: dict) -> bool:

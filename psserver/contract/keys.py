@@ -145,11 +145,6 @@ def _even(n: int) -> BucketMap:
     return BucketMap(np.arange(BUCKETS) * n // BUCKETS, n)
 
 
-def shard_of(keys, num_shards: int) -> np.ndarray:
-    """The shard of each key in a table spread evenly over ``num_shards`` (BucketMap.even)."""
-    return BucketMap.even(num_shards).shard_of(keys)
-
-
 def fill_capacity(capacity: int, shares, rows) -> list[int]:
     """Each shard's part of ``capacity`` after a restore of ``rows[i]`` rows
     into shard i (``shares``: its buckets): room for every restored row and

@@ -2,7 +2,7 @@
 first sight (subject to admission), evicted by capacity or age.
 
 A parameter server shard holds one ``DynamicTable`` per table (the keys it
-owns by hash: psserver.contract.keys.shard_of). It is the data structure only; the server's
+owns by bucket: psserver.contract.keys.BucketMap). It is the data structure only; the server's
 store wraps calls to it in its locks, and the optimizer updates its rows
 through the same ``apply_sparse`` as a fixed table's.
 

@@ -17,7 +17,6 @@ from psserver.contract.keys import (
     fill_capacity,
     legacy_shard_of,
     mix64,
-    shard_of,
     split_capacity,
 )
 from psserver.errors import InvalidArgument
@@ -43,7 +42,6 @@ def test_even_maps_give_contiguous_runs_as_even_as_the_buckets_allow(n):
     assert m.counts().max() - m.counts().min() <= 1
     rows = np.bincount(m.shard_of(KEYS), minlength=n)
     assert rows.sum() == KEYS.size and (np.abs(rows / KEYS.size - 1 / n) < 0.01).all()
-    assert (shard_of(KEYS, n) == m.shard_of(KEYS)).all()
 
 
 def test_a_map_reads_back_from_its_runs_and_pickles_small():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from psserver.contract import Initializer
-from psserver.contract.keys import initial_rows, mix64, shard_of
+from psserver.contract.keys import BucketMap, initial_rows, mix64
 from psserver.contract.optimizers import make_optimizer
 from psserver.contract.rows import sum_duplicates
 from psserver.core import eviction
@@ -77,9 +77,9 @@ def test_the_index_agrees_with_a_dict_through_inserts_deletes_and_rebuilds(span)
 
 def test_keys_spread_over_shards_by_hash_not_by_value():
     keys = np.arange(0, 8000, 8, dtype=np.int64)   # all share their low bits
-    counts = np.bincount(shard_of(keys, 3), minlength=3)
+    counts = np.bincount(BucketMap.even(3).shard_of(keys), minlength=3)
     assert counts.min() > 0.28 * keys.size
-    assert (shard_of(keys, 3) == shard_of(keys.copy(), 3)).all()
+    assert (BucketMap.even(3).shard_of(keys) == BucketMap.even(3).shard_of(keys.copy())).all()
     assert mix64(k(1))[0] != mix64(k(2))[0]
 
 
@@ -340,7 +340,7 @@ def test_export_then_import_into_other_shards_gives_the_same_rows(optimizer):
     saved = src.export()
     shards = [table(dim=3, optimizer=optimizer, params={"learning_rate": 0.1}, clock=clock,
                     initializer=Initializer(kind="random_normal", seed=4)) for _ in range(3)]
-    which = shard_of(saved["keys"], 3)
+    which = BucketMap.even(3).shard_of(saved["keys"])
     for i, t in enumerate(shards):
         part = {k: (v if v.ndim == 0 else v[which == i]) for k, v in saved.items()}
         assert t.import_rows(part, src.step, reset=True) == int((which == i).sum())
@@ -352,7 +352,7 @@ def test_export_then_import_into_other_shards_gives_the_same_rows(optimizer):
         np.testing.assert_array_equal(got, want, err_msg=name)
     g = np.ones((4, 3), np.float32)   # one update of the source, one per shard it touches
     src.apply_gradients(keys[:4], g)
-    w = shard_of(keys[:4], 3)
+    w = BucketMap.even(3).shard_of(keys[:4])
     for i, t in enumerate(shards):
         if (w == i).any():
             t.apply_gradients(keys[:4][w == i], g[w == i])

@@ -35,7 +35,7 @@ from coordinator.replica import get_replica_context, replica_scope
 from coordinator.step_calls import push_gradients, read_variables
 from psserver.client import PSClient
 from psserver.contract import SyncSpec
-from psserver.contract.keys import shard_of
+from psserver.contract.keys import BucketMap
 from psserver.core.store import VariableStore
 from psserver.errors import DeadlineExceeded
 
@@ -134,7 +134,7 @@ def test_hybrid_dense_equals_the_large_batch_run_and_tables_take_each_push():
         n = 2 * STEPS if key == 102 else STEPS
         np.testing.assert_allclose(dyn_value[i], adagrad_times(one, row_grads([key])[0], n),
                                    rtol=1e-6)
-    shards_hit = sum(len(set(shard_of(np.array(KEYS[r]), 2).tolist())) for r in (0, 1))
+    shards_hit = sum(len(set(BucketMap.even(2).shard_of(np.array(KEYS[r])).tolist())) for r in (0, 1))
     assert sum(i.step for i in infos) == STEPS * shards_hit   # one table step per push
     assert all(i.sync_steps == 0 and i.late == 0 for i in infos)
 
