@@ -9,7 +9,10 @@ its own shuffled order),
 2 parameter servers and 2 workers, plain SGD, async:
 
 * ours: the 26 features' ids in one dynamic embedding table (rows made on
-  first sight), the dense layers as variables;
+  first sight), the dense layers as variables; ``--tables per-feature``:
+  a table per feature, of examples/ctr.py's widths (4, 8, 16), the
+  narrower rows projected to 16 (TensorFlow's tables then take the same
+  widths and projections);
 * TensorFlow 2's ParameterServerStrategy + ClusterCoordinator: 26 fixed
   tables of ``id % buckets`` rows each (the usual workaround for unbounded
   ids; at most the feature's vocabulary), tf.function steps.
@@ -43,18 +46,18 @@ class OursCTR:
 
     def __init__(self, strategy, coord, n_batches: int, prefix: str = "ctr",
                  tables: str = "shared"):
-        from coordinator import EmbeddingCollection, EmbeddingConfig, Initializer
+        from coordinator import EmbeddingCollection, Initializer
         from examples import ctr
         from examples import dlrm as M
         self.variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
                                                       optimizer="sgd",
                                                       optimizer_params={"learning_rate": LR})
-                          for n, v in M.init_params(SEED).items()}
+                          for n, v in ctr.dense_params(SEED, tables).items()}
         config = dict(optimizer="sgd", optimizer_params={"learning_rate": LR},
                       initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05))
-        if tables == "per-feature":   # a table per feature: examples/ctr.py --tables per-feature
-            self.table = EmbeddingCollection(strategy, f"{prefix}/emb", {
-                f: EmbeddingConfig(dim=M.DIM, **config) for f in ctr.FEATURES})
+        if tables == "per-feature":   # examples/ctr.py --tables per-feature: widths 4, 8, 16
+            self.table = EmbeddingCollection(strategy, f"{prefix}/emb", ctr.feature_configs(
+                SEED, LR, "sgd", min_count=1, capacity=0))
         else:
             self.table = strategy.create_embedding_table(f"{prefix}/emb", M.DIM, **config)
         self.coord = coord
@@ -91,13 +94,18 @@ def ours(steps: int, warmup: int, n_batches: int, placement=None,
                 "rows": w.table.stats().rows}
 
 
-def tensorflow(steps: int, warmup: int, n_batches: int, placement=None) -> dict:
+def tensorflow(steps: int, warmup: int, n_batches: int, placement=None,
+               tables: str = "shared") -> dict:
+    """TensorFlow's run; ``tables="per-feature"``: its 26 tables of ours'
+    per-feature widths (examples/ctr.py's FEATURE_DIMS, projected alike)."""
     from bench.tf_reference import TFCluster
+    from examples import ctr
     log = os.path.join(tempfile.gettempdir(), f"bench-ctr-tf-{os.getpid()}.log")
     with TFCluster(2, 2, log_path=log, placement=placement,
                    inter_op={"ps": 1, "worker": 2, "chief": 1}) as tf:
         tf.chief.call("setup_ctr", buckets=BUCKETS, batch=BATCH, lr=LR, seed=SEED,
-                      n_batches=n_batches, workers=2, timeout=600)
+                      n_batches=n_batches, workers=2, timeout=600,
+                      dims=list(ctr.FEATURE_DIMS) if tables == "per-feature" else None)
         tf.chief.call("run", workload="ctr", steps=warmup, timeout=600)
         out = tf.chief.call("run", workload="ctr", steps=steps, timeout=1200)
         auc = tf.chief.call("ctr_auc", seed=SEED, batches=20, size=BATCH, timeout=600)["auc"]
@@ -131,7 +139,7 @@ def main(argv=None) -> int:
             tf_at = (lambda job, i: (hosts.addresses[8], hosts.run(8)) if job == "chief"
                      else tf_place(job, i))
         res["ours"] = ours(steps, warmup, n_batches, ours_at, args.tables)
-        res["tf"] = tensorflow(steps, warmup, n_batches, tf_at)
+        res["tf"] = tensorflow(steps, warmup, n_batches, tf_at, args.tables)
     o, t = res["ours"], res["tf"]
     where = "across hosts" if args.hosts else "same host"
     print_table(["CTR, DLRM, 2 ps + 2 workers, " + where, "samples/s", "AUC after "
@@ -139,7 +147,8 @@ def main(argv=None) -> int:
         ["ours (one dynamic table)" if args.tables == "shared" else
          "ours (26 per-feature tables)", f"{o['samples_per_s']:,.0f} "
          f"({o['samples_per_s'] / t['samples_per_s']:.2f}x TF)", f"{o['auc']:.4f}"],
-        [f"TensorFlow {t.get('version', '')} (26 tables of id % {BUCKETS:,})",
+        [f"TensorFlow {t.get('version', '')} (26 tables of id % {BUCKETS:,}"
+         + (", our widths)" if args.tables == "per-feature" else ")"),
          f"{t['samples_per_s']:,.0f}", f"{t['auc']:.4f}"],
         ["the planted model (ceiling)", "", f"{res['ceiling_auc']:.4f}"]])
     if args.json:

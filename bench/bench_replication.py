@@ -68,11 +68,11 @@ def ctr_job(cluster, replication: bool):
 
     def step(k):
         b = D.batch(0, k, CTR_BATCH)
-        rows, *values = read_variables([ctr.lookup_item(table, b.sparse),
-                                        *(variables[n] for n in names)])
-        _, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense, rows,
-                                               b.labels)
-        push_gradients([ctr.row_gradients(table, b.sparse, row_grads),
+        look = ctr.lookup_item(table, b.sparse)
+        rows, *values = read_variables([look, *(variables[n] for n in names)])
+        _, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense,
+                                               ctr.as_rows(rows), b.labels)
+        push_gradients([*ctr.row_gradients(look, row_grads),
                         *((variables[n], grads[n]) for n in names)])
     return strategy, list(variables.values()), [table], step
 

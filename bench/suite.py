@@ -35,8 +35,9 @@ task its own process on 127.0.0.1):
   tables of ``id % 100,000`` rows (the usual workaround). Samples/s, and the
   held-out AUC of each model after the run (the same held-out batches). A
   second variant of ours has a table per feature (an EmbeddingCollection of
-  26, examples/ctr.py --tables per-feature), against TensorFlow and against
-  the shared table.
+  26, examples/ctr.py --tables per-feature: widths 4, 8 and 16 by
+  vocabulary, the narrower rows projected to 16), against TensorFlow's
+  model of the same widths and projections, and against the shared table.
 * (d) ``digits``, with ``--hosts`` only: every test host's link shaped to
   1 Gbit/s (tbf; plus 0.5 ms each way where the kernel has netem), an MLP
   64-1024-1024-10 (4.5 MB of float32 weights, about 3 ms of numpy per
@@ -612,14 +613,19 @@ class TF:
                         dists=list(EMB_DISTS))
 
     def setup_ctr(self) -> None:
+        """Its CTR model twice: ``ctr`` (widths of 16, against our shared
+        table) and ``ctr_features`` (our per-feature tables' widths)."""
         from bench import bench_ctr as C
-        self.chief.call("setup_ctr", buckets=C.BUCKETS, batch=C.BATCH, lr=C.LR, seed=C.SEED,
-                        n_batches=CTR_BATCHES, workers=NUM_WORKERS, timeout=600)
+        from examples.ctr import FEATURE_DIMS
+        for workload, dims in (("ctr", None), ("ctr_features", list(FEATURE_DIMS))):
+            self.chief.call("setup_ctr", buckets=C.BUCKETS, batch=C.BATCH, lr=C.LR,
+                            seed=C.SEED, n_batches=CTR_BATCHES, workers=NUM_WORKERS,
+                            dims=dims, workload=workload, timeout=600)
 
-    def ctr_auc(self) -> float:
+    def ctr_auc(self, workload: str = "ctr") -> float:
         from bench import bench_ctr as C
         return self.chief.call("ctr_auc", seed=C.SEED, batches=20, size=C.BATCH,
-                               timeout=600)["auc"]
+                               workload=workload, timeout=600)["auc"]
 
     def setup_digits(self) -> None:
         self.chief.call("setup_mlp", sizes=list(DIGITS_SIZES), batch=DIGITS_BATCH, lr=DIGITS_LR,
@@ -727,8 +733,10 @@ def build_rows(res: dict) -> list[dict]:
                         None if "tf_ctr" not in e else sps(e, "tf_ctr") * per, "samples/s", note))
         feats = None if "ours_ctr_features" not in e else sps(e, "ours_ctr_features") * per
         rows.append(row("ctr_features_vs_tf", "(e) CTR, DLRM, 26 per-feature tables "
-                        "(EmbeddingCollection)", feats, "TF, 26 tables of id % 100,000",
-                        None if "tf_ctr" not in e else sps(e, "tf_ctr") * per, "samples/s"))
+                        "(EmbeddingCollection, widths 4/8/16)", feats,
+                        "TF, 26 tables of id % 100,000, same widths",
+                        None if "tf_ctr_features" not in e else
+                        sps(e, "tf_ctr_features") * per, "samples/s"))
         rows.append(row("ctr_features_vs_shared", "(e) CTR, 26 per-feature tables", feats,
                         "ours, one shared table",
                         None if "ours_ctr" not in e else sps(e, "ours_ctr") * per, "samples/s"))
@@ -919,26 +927,29 @@ def run_ctr(plan: Plan, ours: "Ours", tf: "TF | None") -> dict:
     out = _race(plan, [Variant("ours_ctr", ours.run_ctr, plan.ctr_steps, ours.meter),
                        Variant("ours_ctr_features", ours.run_ctr_features, plan.ctr_steps,
                                ours.meter)],
-                tf, "tf_ctr", "ctr", "(e) ctr")
+                tf, "tf_ctr", "ctr", "(e) ctr", tf_also={"tf_ctr_features": "ctr_features"})
     out["ours_ctr"]["auc"] = ours.ctr.auc()
     out["ours_ctr_features"]["auc"] = ours.ctr_features.auc()
     if tf:
         out["tf_ctr"]["auc"] = tf.ctr_auc()
+        out["tf_ctr_features"]["auc"] = tf.ctr_auc("ctr_features")
     out.update(batch=C.BATCH, ceiling_auc=D.bayes_auc(C.SEED + 1, 20 * C.BATCH),
                steps_trained=_steps_trained(plan, plan.ctr_steps))
     return out
 
 
 def _race(plan: Plan, ours: list[Variant], tf: "TF | None", tf_key: str, workload: str,
-          what: str) -> dict:
+          what: str, tf_also: dict[str, str] | None = None) -> dict:
     """Our variants and, where TensorFlow runs, its ``workload`` (made by
-    ``tf.setup_<workload>()``) as ``tf_key``, in interleaved blocks:
+    ``tf.setup_<workload>()``) as ``tf_key`` (and the other workloads that
+    setup made, ``tf_also``: key -> workload), in interleaved blocks:
     {key: Variant.result()}."""
     variants = list(ours)
     if tf:
         getattr(tf, f"setup_{workload}")()
-        variants.append(Variant(tf_key, functools.partial(tf.run, workload), ours[0].steps,
-                                tf.meter))
+        for key, name in {tf_key: workload, **(tf_also or {})}.items():
+            variants.append(Variant(key, functools.partial(tf.run, name), ours[0].steps,
+                                    tf.meter))
     run_interleaved(variants, plan.rounds, plan.warmup_blocks, what)
     return {v.key: v.result() for v in variants}
 

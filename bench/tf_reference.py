@@ -109,6 +109,7 @@ class _Chief:
             resolver, variable_partitioner=partitioner)
         self.coord = tf.distribute.experimental.coordinator.ClusterCoordinator(self.strategy)
         self.steps: dict[str, tuple] = {}   # workload -> (tf.function, per-worker iterator)
+        self.ctr: dict[str, tuple] = {}     # CTR workload -> (dense, tables, sizes)
         self.params: dict[str, list] = {}   # MLP workload -> per-shard variables of each
         self.variables: list = []
 
@@ -233,22 +234,27 @@ class _Chief:
             ds = self.coord.create_per_worker_dataset(dataset_fn)
             self.steps[f"emb_{dist}"] = (train_step, iter(ds))
 
-    def setup_ctr(self, buckets, batch, lr, seed, n_batches, workers):
+    def setup_ctr(self, buckets, batch, lr, seed, n_batches, workers, dims=None,
+                  workload="ctr"):
         """The DLRM of examples/dlrm.py on coordinator/ctr_data.py's batches
         (the same ones ours trains on), embeddings as TensorFlow users do
         with unbounded ids: 26 fixed tables, id % buckets rows each (at most
-        the feature's vocabulary). Plain SGD, as ours in bench/bench_ctr.py."""
+        the feature's vocabulary). Plain SGD, as ours in bench/bench_ctr.py.
+        ``dims``: the tables' widths (examples/ctr.py's FEATURE_DIMS), the
+        narrower rows projected to DIM as examples/dlrm.py does; the model
+        is run as ``workload``."""
         tf = self.tf
         from coordinator import ctr_data as D
         from examples import dlrm as M
         sizes = [min(buckets, v) for v in D.VOCABS]
-        init = M.init_params(seed)
+        widths = list(dims) if dims else [M.DIM] * M.NUM_SPARSE
+        init = M.init_params(seed, dims=dims)
         with self.strategy.scope():
-            dense = {n: tf.Variable(v, name=f"ctr/{n}") for n, v in init.items()}
-            tables = [self._variable(f"ctr/emb_{f}", (rows, M.DIM), "uniform", seed + f)
-                      for f, rows in enumerate(sizes)]
+            dense = {n: tf.Variable(v, name=f"{workload}/{n}") for n, v in init.items()}
+            tables = [self._variable(f"{workload}/emb_{f}", (rows, d), "uniform", seed + f)
+                      for f, (rows, d) in enumerate(zip(sizes, widths))]
         self.variables += list(dense.values())
-        self.ctr = (dense, tables, sizes)
+        self.ctr[workload] = (dense, tables, sizes)
         names = list(dense)
         pairs = np.triu_indices(M.NUM_SPARSE + 1, k=1)
         flat_pairs = tf.constant(pairs[0] * (M.NUM_SPARSE + 1) + pairs[1], tf.int32)
@@ -261,12 +267,17 @@ class _Chief:
                     x = tf.nn.relu(x)
             return x
 
+        def project(f, rows):   # the j-th feature of width d < DIM: proj{d}/w[j], as ours
+            d = widths[f]
+            return rows if d == M.DIM else \
+                tf.matmul(rows, dense[f"proj{d}/w"][widths[:f].count(d)])
+
         @tf.function
         def train_step(iterator):
             def step_fn(x, ids, y):
                 rows_idx = tf.math.floormod(ids, buckets_t)          # (n, 26)
                 with tf.GradientTape() as tape:
-                    emb = tf.stack([tf.nn.embedding_lookup(tables[f], rows_idx[:, f])
+                    emb = tf.stack([project(f, tf.nn.embedding_lookup(tables[f], rows_idx[:, f]))
                                     for f in range(M.NUM_SPARSE)], axis=1)
                     bottom = mlp(x, "bottom", len(M.BOTTOM) - 1, True)
                     z = tf.concat([bottom[:, None, :], emb], axis=1)
@@ -299,21 +310,20 @@ class _Chief:
                     .batch(batch, drop_remainder=True).cache()
                     .shuffle(workers * n_batches).repeat())
         ds = self.coord.create_per_worker_dataset(dataset_fn)
-        self.steps["ctr"] = (train_step, iter(ds))
+        self.steps[workload] = (train_step, iter(ds))
 
-    def ctr_auc(self, seed, batches, size) -> float:
+    def ctr_auc(self, seed, batches, size, workload="ctr") -> float:
         """AUC of the CTR model's current weights on held-out batches (numpy,
         examples/dlrm.py's forward, as ours is measured)."""
         from coordinator import ctr_data as D
         from examples import dlrm as M
-        dense, tables, sizes = self.ctr
+        dense, tables, sizes = self.ctr[workload]
         params = {n: v.numpy() for n, v in dense.items()}
         weights = [np.concatenate([s.numpy() for s in self._parts(t)], 0) for t in tables]
         labels, scores = [], []
         for i in range(batches):
             b = D.batch(seed + 1, i, size)
-            rows = np.stack([weights[f][b.sparse[:, f] % sizes[f]]
-                             for f in range(M.NUM_SPARSE)], axis=1)
+            rows = [weights[f][b.sparse[:, f] % sizes[f]] for f in range(M.NUM_SPARSE)]
             labels.append(b.labels)
             scores.append(M.forward(params, b.dense, rows)[0])
         return D.auc(np.concatenate(labels), np.concatenate(scores))

@@ -341,14 +341,18 @@ class CollectionLookup:
         ({feature: array of the value's shape}): pooled, each bag's gradient
         given to its ids (times their weights; "mean": over the bag's size)."""
         looked = {f: q for _, members in self._groups for f, q, _ in members}
-        out = {}
-        for f, g in grads.items():
+        for f in grads:
             if f not in looked:
                 raise KeyError(f"feature {f!r} was not looked up here; these were: "
                                f"{sorted(looked)}")
+        if self._bags is None and len(grads) == len(looked):
+            return self._rows_gradients(grads)
+        salt = {f: w[1] for f, w in self._collection._where.items()}
+        out = {}
+        for f, g in grads.items():
             g = np.asarray(g)
             if self._bags is None:   # (the collection qualifies the ids again)
-                out[f] = IndexedSlices(g, looked[f] ^ feature_salt(f))
+                out[f] = IndexedSlices(g, looked[f] ^ salt[f])
                 continue
             b = self._bags[f]
             dim = self._collection.table_of(f).dim
@@ -359,3 +363,22 @@ class CollectionLookup:
             rows = g[b.segments()]
             out[f] = IndexedSlices(rows if w is None else rows * w[:, None], b.ids)
         return self._collection.gradients(out)
+
+    def _rows_gradients(self, grads: Mapping[str, Any]) -> list[tuple]:
+        """gradients() of every feature looked up, per id: each group's rows in
+        the order of its look-up's keys, which are the keys pushed."""
+        out = []
+        for (label, members), part in zip(self._groups, self.parts):
+            dim = self._collection.tables[label].dim
+            rows = []
+            for f, q, shape in members:
+                g = np.asarray(grads[f])
+                if g.shape != shape + (dim,):
+                    raise ValueError(f"feature {f!r}: gradient of shape {g.shape} for ids of "
+                                     f"shape {shape}; it must be ids.shape + (dim,) = "
+                                     f"{shape + (dim,)}")
+                rows.append(g.reshape(-1, dim))
+            out.append((self._collection.tables[label],
+                        IndexedSlices(rows[0] if len(rows) == 1 else np.concatenate(rows),
+                                      part.ids)))
+        return out

@@ -35,10 +35,12 @@ AUC (the ceiling) is printed first::
 
 ``--tables per-feature`` gives each feature a table of its own (an
 EmbeddingCollection, coordinator/embedding_collection.py) instead of one
-shared table. ``--data DIR`` trains on Criteo-format files (the Kaggle or
-1TB click logs, plain or gzip: coordinator/criteo.py), each example once
-per epoch, the last file by name held out for AUC (``*.parquet`` files with
-Criteo's columns too: coordinator/parquet.py).
+shared table, each of a width by its vocabulary (4, 8 or 16:
+``FEATURE_DIMS``), the narrower rows projected to 16 by the model.
+``--data DIR`` trains on Criteo-format files (the Kaggle or 1TB click
+logs, plain or gzip: coordinator/criteo.py), each example once per epoch,
+the last file by name held out for AUC (``*.parquet`` files with Criteo's
+columns too: coordinator/parquet.py).
 
 ``--incremental-checkpoints DIR`` saves an incremental checkpoint after
 each epoch (a base, then deltas); ``--export DIR`` writes a serving copy
@@ -76,7 +78,7 @@ from coordinator import (
     read_variables,
 )
 from coordinator import ctr_data as D
-from coordinator.embedding_collection import keys_in
+from coordinator.embedding_collection import CollectionLookup, keys_in
 from coordinator.fit import fit
 from coordinator.local import description, plural, run_main
 from coordinator.replica import get_replica_context
@@ -100,12 +102,12 @@ def make_train_step(table, variables: dict, batch_of=None):
         else:
             b = batch_of(ctx.step * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group)
         # The table's rows and the dense layers: one call per server.
-        rows, *values = read_variables([lookup_item(table, b.sparse),
-                                        *(variables[n] for n in names)])   # rows (n, 26, DIM)
-        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense, rows,
-                                                  b.labels)
+        look = lookup_item(table, b.sparse)
+        rows, *values = read_variables([look, *(variables[n] for n in names)])
+        loss, grads, row_grads = M.loss_and_grads(dict(zip(names, values)), b.dense,
+                                                  as_rows(rows), b.labels)
         # Their gradients: one call per server (the keys, looked up just now, not sorted again).
-        push_gradients([row_gradients(table, b.sparse, row_grads),
+        push_gradients([*row_gradients(look, row_grads),
                         *((variables[n], grads[n]) for n in names)])
         return loss
     return train_step
@@ -115,32 +117,55 @@ def make_train_step(table, variables: dict, batch_of=None):
 FEATURES = [f"C{i + 1}" for i in range(M.NUM_SPARSE)]
 
 
-def feature_configs(seed: int, lr: float) -> dict:
-    """``--tables per-feature``: a table per feature (an EmbeddingCollection),
-    each as the shared table is made but with a share of its 4M rows by the
-    feature's vocabulary (the DLRM's dot interactions take one dimension, so
-    the 26 tables share one group table on the servers: coordinator/embedding_collection.py)."""
+#: Their rows' widths with ``--tables per-feature``, by vocabulary as the
+#: usual rule of thumb has it (a feature of few values needs few
+#: dimensions): 4 up to 30 values, 8 up to 5,000, DIM (16) above. The
+#: narrower rows are projected to DIM for the dot interactions
+#: (examples/dlrm.py's ``proj{f}/w``, as DLRM's mixed-dimension embeddings).
+FEATURE_DIMS = tuple(4 if v <= 30 else 8 if v <= 5_000 else M.DIM for v in D.VOCABS)
+
+
+def feature_configs(seed: int, lr: float, optimizer: str = "adagrad",
+                    **extra) -> dict:
+    """``--tables per-feature``: a table per feature (an EmbeddingCollection)
+    of its FEATURE_DIMS width, each as the shared table is made but with a
+    share of its 4M rows by the feature's vocabulary (features of one width
+    share a group table on the servers: coordinator/embedding_collection.py).
+    ``extra``: other EmbeddingConfig fields (bench/bench_ctr.py's)."""
     init = Initializer(kind="random_uniform", minval=-0.05, maxval=0.05, seed=seed)
-    return {f: EmbeddingConfig(dim=M.DIM, seed=seed, optimizer="adagrad", initializer=init,
-                               optimizer_params={"learning_rate": lr}, min_count=2,
-                               capacity=max(1_000, 4_000_000 * v // sum(D.VOCABS)))
-            for f, v in zip(FEATURES, D.VOCABS)}
+    args = dict(seed=seed, optimizer=optimizer, initializer=init,
+                optimizer_params={"learning_rate": lr}, min_count=2)
+    return {f: EmbeddingConfig(**{"dim": d, **args, "capacity": max(
+                1_000, 4_000_000 * v // sum(D.VOCABS)), **extra})
+            for f, d, v in zip(FEATURES, FEATURE_DIMS, D.VOCABS)}
+
+
+def dense_params(seed: int, tables: str = "shared") -> dict:
+    """The dense layers' initial values (with the projections of narrower
+    rows for ``tables="per-feature"``)."""
+    return M.init_params(seed, dims=FEATURE_DIMS if tables == "per-feature" else None)
 
 
 def lookup_item(table, sparse: np.ndarray, admit: bool = True):
-    """read_variables' item for a batch's ids (n, 26): one table, or a table
-    per feature (the features' columns, EmbeddingCollection.columns: their
-    rows come as (n, 26, DIM), no copy per feature)."""
+    """read_variables' item for a batch's ids (n, 26): the one table's
+    rows (n, 26, DIM), or with a table per feature {feature: rows (n, its width)}."""
     if isinstance(table, EmbeddingCollection):
-        return Lookup(*table.columns(FEATURES, sparse), admit)
+        return table.lookup(dict(zip(FEATURES, sparse.T)), admit=admit)
     return Lookup(table, sparse, admit)
 
 
-def row_gradients(table, sparse: np.ndarray, row_grads: np.ndarray) -> tuple:
-    """push_gradients' pair for the rows' gradients (n, 26, DIM)."""
-    if isinstance(table, EmbeddingCollection):
-        table, sparse = table.columns(FEATURES, sparse)
-    return table, IndexedSlices(row_grads.reshape(-1, M.DIM), sparse.reshape(-1))
+def as_rows(value):
+    """The model's rows from lookup_item's value: the array, or the features'
+    blocks in order."""
+    return [value[f] for f in FEATURES] if isinstance(value, dict) else value
+
+
+def row_gradients(item, row_grads) -> list:
+    """push_gradients' pairs for the rows' gradients (``lookup_item``'s item;
+    the gradients as the model gives them for its rows)."""
+    if isinstance(item, CollectionLookup):
+        return item.gradients(dict(zip(FEATURES, row_grads)))
+    return [(item.variable, IndexedSlices(row_grads.reshape(-1, M.DIM), item.ids.reshape(-1)))]
 
 
 def build(strategy, seed: int, lr: float, prefix: str = "ctr", tables: str = "shared"):
@@ -150,7 +175,7 @@ def build(strategy, seed: int, lr: float, prefix: str = "ctr", tables: str = "sh
     variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
                                              optimizer="adagrad",
                                              optimizer_params={"learning_rate": lr})
-                 for n, v in M.init_params(seed).items()}
+                 for n, v in dense_params(seed, tables).items()}
     if tables == "per-feature":
         return variables, EmbeddingCollection(strategy, f"{prefix}/emb",
                                               feature_configs(seed, lr))
@@ -170,8 +195,8 @@ def evaluate(table, variables: dict, seed: int, batches: int, size: int, data=No
     """AUC and loss on held-out batches (stream seed + 1): nothing admitted."""
     names = list(variables)
     params = dict(zip(names, read_variables([variables[n] for n in names])))
-    return held_out(params, lambda ids: read_variables(
-        [lookup_item(table, ids, admit=False)])[0], seed, batches, size, data)
+    return held_out(params, lambda ids: as_rows(read_variables(
+        [lookup_item(table, ids, admit=False)])[0]), seed, batches, size, data)
 
 
 def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches: int = 20,
@@ -183,7 +208,7 @@ def evaluate_checkpoint(checkpoint, prefix: str = "ctr", seed: int = 0, batches:
     AUC and loss of a checkpoint of this model (``--incremental-checkpoints
     DIR``, defaults of ``main``) on the held-out batches, its rows read from
     the checkpoint's files as a look-up without admission reads them."""
-    params = {n: checkpoint.variables[f"{prefix}/{n}"] for n in M.init_params(seed)}
+    params = {n: checkpoint.variables[f"{prefix}/{n}"] for n in dense_params(seed, tables)}
     return held_out(params, reader_lookup(checkpoint, prefix, seed, tables), seed,
                     batches, size)
 
@@ -195,14 +220,15 @@ def evaluate_per_feature_checkpoint(checkpoint) -> dict:
 
 
 def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "shared"):
-    """ids (n, 26) -> rows (n, 26, DIM) from a checkpoint or a serving copy
-    (its ``lookup(table, keys)``); per-feature tables found from their
-    declarations (``tables``; any learning rate: all features share it)."""
+    """ids (n, 26) -> rows from a checkpoint or a serving copy (its
+    ``lookup(table, keys)``): (n, 26, DIM), or per-feature tables' blocks
+    (n, width) found from their declarations (``tables``; any learning
+    rate: all features share it)."""
     if tables != "per-feature":
         return lambda ids: reader.lookup(f"{prefix}/emb", ids)
     configs = feature_configs(seed, 0.1)
-    return lambda ids: np.stack([reader.lookup(*keys_in(f"{prefix}/emb", configs, f, ids[:, i]))
-                                 for i, f in enumerate(FEATURES)], axis=1)
+    return lambda ids: [reader.lookup(*keys_in(f"{prefix}/emb", configs, f, ids[:, i]))
+                        for i, f in enumerate(FEATURES)]
 
 
 def held_out(params: dict, lookup, seed: int, batches: int, size: int, data=None) -> dict:
@@ -290,9 +316,11 @@ def main(argv=None) -> dict:
         spec = resolver.cluster_spec()
         strategy = ParameterServerStrategy(resolver, mode=args.mode)
         replicas = strategy.num_replicas_in_sync
-        where = "a dynamic table" if args.tables == "shared" else "a table per feature"
-        print(f"ctr: DLRM ({M.num_params()} dense parameters, embeddings of {M.DIM} in "
-              f"{where}), {spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
+        dims = FEATURE_DIMS if args.tables == "per-feature" else None
+        where = f"embeddings of {M.DIM} in a dynamic table" if dims is None else \
+            f"embeddings of {sorted(set(FEATURE_DIMS))} in a table per feature"
+        print(f"ctr: DLRM ({M.num_params(dims)} dense parameters, {where}), "
+              f"{spec.num_ps} ps, {plural(spec.num_workers, 'worker')}, "
               f"{args.mode}, "
               f"batch {args.batch_size}" + (f" x {replicas} replicas" if replicas > 1 else "")
               + ("" if ceiling is None else f"; the planted model's AUC: {ceiling:.4f}"),

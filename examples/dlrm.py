@@ -1,7 +1,13 @@
 """A DLRM-style click-through-rate model in numpy: forward and backward.
 
     bottom MLP   13 dense features -> 64 -> DIM (relu, relu)
-    embeddings   26 rows of DIM, looked up elsewhere (dynamic tables)
+    embeddings   26 rows of DIM, looked up elsewhere (dynamic tables); or
+                 rows of their own widths (``dims``), each row narrower
+                 than DIM projected to DIM by a matrix of its feature's
+                 (no bias), as DLRM's mixed-dimension embeddings do
+                 (facebookresearch/dlrm, ``--md-flag``): the matrices of
+                 the k features of width d are one variable ``proj{d}/w``
+                 (k, d, DIM), in the features' order
     interaction  pairwise dot products of the 27 vectors (bottom output and
                  the 26 rows), upper triangle: 351 values, with the bottom
                  output appended (DIM)
@@ -11,7 +17,8 @@
 The dense parameters are a dict of arrays (``init_params``), as
 examples/nn.py's; ``loss_and_grads`` returns their gradients and the
 gradient of every embedding row it was given, in the form given: an array
-(n, 26, DIM) or a list of 26 blocks (n, DIM). The caller pushes those as
+(n, 26, DIM) or a list of 26 blocks (n, DIM), or (n, dims[f]) with
+``init_params(seed, dims=...)``'s projections. The caller pushes those as
 sparse updates; the servers sum duplicate keys, and ``sum_rows`` does it on
 the caller's side (unique ids, summed rows).
 
@@ -37,8 +44,11 @@ def layer_names() -> list[str]:
             for i in range(len(sizes) - 1) for kind in ("w", "b")]
 
 
-def init_params(seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Glorot-uniform weights, zero biases (Keras' Dense defaults)."""
+def init_params(seed: int = 0, dtype=np.float32, dims=None) -> dict[str, np.ndarray]:
+    """Glorot-uniform weights, zero biases (Keras' Dense defaults). ``dims``
+    (26 embedding widths, each 1 to DIM): also ``proj{d}/w`` (k, d, DIM)
+    for each width d < DIM that k features have (the other weights are the
+    same with or without)."""
     rng = np.random.default_rng(seed)
     out = {}
     for part, sizes in (("bottom", BOTTOM), ("top", TOP)):
@@ -46,6 +56,14 @@ def init_params(seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
             limit = np.sqrt(6.0 / (n_in + n_out))
             out[f"{part}{i}/w"] = rng.uniform(-limit, limit, (n_in, n_out)).astype(dtype)
             out[f"{part}{i}/b"] = np.zeros(n_out, dtype)
+    if dims is not None:
+        dims = list(dims)
+        if len(dims) != NUM_SPARSE or any(not 1 <= int(d) <= DIM for d in dims):
+            raise ValueError(f"dims: {NUM_SPARSE} widths from 1 to {DIM}, got {dims}")
+        for d in sorted(set(int(d) for d in dims) - {DIM}):
+            limit = np.sqrt(6.0 / (d + DIM))
+            out[f"proj{d}/w"] = rng.uniform(-limit, limit,
+                                            (dims.count(d), d, DIM)).astype(dtype)
     return out
 
 
@@ -70,15 +88,51 @@ def _mlp_back(params, part: str, cache, grad: np.ndarray, relu_last: bool, grads
     return grad
 
 
-def _rows(rows) -> np.ndarray:
-    """(n, 26, DIM) from an array of that shape or a list of 26 (n, DIM) blocks."""
+def _rows(rows, params=None) -> np.ndarray:
+    """(n, 26, DIM) from an array of that shape or a list of 26 blocks
+    (n, DIM), or (n, d) where ``params`` have projections of width d."""
     if isinstance(rows, (list, tuple)):
         if len(rows) != NUM_SPARSE:
             raise ValueError(f"{len(rows)} row blocks given, the model takes {NUM_SPARSE}")
-        rows = np.stack(rows, axis=1)
+        if params is None:
+            return _rows(np.stack(rows, axis=1))
+        n = rows[0].shape[0] if rows[0].ndim == 2 else -1
+        out = np.empty((max(n, 0), NUM_SPARSE, DIM), np.result_type(*rows, np.float32))
+        for f, (block, w) in enumerate(zip(rows, _projections(params, rows))):
+            if block.shape[0] != n:
+                raise ValueError(f"feature {f}: {block.shape[0]} rows, feature 0 has {n}")
+            if w is None:   # each into its place: no stack of 26 copies
+                out[:, f] = block
+            else:
+                np.matmul(block, w, out=out[:, f])
+        return out
+    if params is not None and any(k.startswith("proj") for k in params):
+        raise ValueError("a model with projections takes its rows as a list of 26 blocks")
     if rows.ndim != 3 or rows.shape[1:] != (NUM_SPARSE, DIM):
         raise ValueError(f"rows of shape {rows.shape}, the model takes (n, {NUM_SPARSE}, {DIM})")
     return rows
+
+
+def _projections(params, blocks) -> list:
+    """Each feature's projection (d, DIM), a view of ``proj{d}/w`` (the j-th
+    feature of width d has its j-th matrix), or None for rows of DIM."""
+    out, seen = [], {}
+    for f, block in enumerate(blocks):
+        d = block.shape[1] if block.ndim == 2 else -1
+        w = params.get(f"proj{d}/w")
+        if d != DIM and w is None:
+            raise ValueError(f"feature {f}: rows of shape {block.shape}; the model takes "
+                             f"(n, {DIM}) or a width it has projections for")
+        j = seen[d] = seen.get(d, -1) + 1
+        if d != DIM and j >= w.shape[0]:
+            raise ValueError(f"feature {f}: more features of width {d} than the model's "
+                             f"{w.shape[0]}")
+        out.append(None if d == DIM else w[j])
+    for name, w in params.items():
+        if name.startswith("proj") and seen.get(w.shape[1], -1) + 1 != w.shape[0]:
+            raise ValueError(f"{name} projects {w.shape[0]} features of width {w.shape[1]}; "
+                             f"{seen.get(w.shape[1], -1) + 1} given")
+    return out
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -87,8 +141,9 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def forward(params, dense: np.ndarray, rows):
     """Logits (n,) of examples: ``dense`` (n, 13), ``rows`` (n, 26, DIM) or
-    a list of 26 (n, DIM) blocks."""
-    rows = _rows(rows)
+    a list of 26 (n, DIM) blocks (or (n, d) where ``params`` project d to DIM)."""
+    blocks = rows
+    rows = _rows(rows, params)
     bottom, bcache = _mlp(params, "bottom", dense, len(BOTTOM) - 1, relu_last=True)
     z = np.concatenate([bottom[:, None, :], rows], axis=1)          # (n, 27, DIM)
     # Every pair's dot product (a contiguous transpose: BLAS's fast layout),
@@ -97,7 +152,7 @@ def forward(params, dense: np.ndarray, rows):
     dots = np.take(zz.reshape(len(z), -1), _UPPER, axis=1)           # (n, 351)
     top_in = np.concatenate([dots, bottom], axis=1)
     logits, tcache = _mlp(params, "top", top_in, len(TOP) - 1, relu_last=False)
-    return logits[:, 0], (bcache, z, tcache)
+    return logits[:, 0], (bcache, z, tcache, blocks)
 
 
 def predict(params, dense: np.ndarray, rows) -> np.ndarray:
@@ -107,9 +162,10 @@ def predict(params, dense: np.ndarray, rows) -> np.ndarray:
 
 def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
     """(mean sigmoid cross-entropy, {name: gradient}, gradient of ``rows``
-    in the form given: an array (n, 26, DIM) or a list of 26 (n, DIM))."""
+    in the form given: an array (n, 26, DIM) or a list of 26 blocks (n, d),
+    with the gradients of the projections among the others)."""
     as_list = isinstance(rows, (list, tuple))
-    logits, (bcache, z, tcache) = forward(params, dense, rows)
+    logits, (bcache, z, tcache, blocks) = forward(params, dense, rows)
     n = labels.shape[0]
     y = labels.astype(logits.dtype)
     # log(1 + e^x) - y x, stable for either sign of x
@@ -127,7 +183,22 @@ def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
     g_bottom = g_bottom + g_z[:, 0, :]
     _mlp_back(params, "bottom", bcache, g_bottom, relu_last=True, grads=grads)
     g_rows = g_z[:, 1:, :]
-    return loss, grads, ([g_rows[:, f] for f in range(NUM_SPARSE)] if as_list else g_rows)
+    if not as_list:
+        return loss, grads, g_rows
+    out = []
+    for name, w in params.items():
+        if name.startswith("proj"):
+            grads[name] = np.empty_like(w)
+    seen: dict[int, int] = {}
+    for f, w in enumerate(_projections(params, blocks)):
+        g = g_rows[:, f]
+        if w is not None:   # rows @ w: d rows = g @ w.T, d w = rows.T @ g
+            d = w.shape[0]
+            j = seen[d] = seen.get(d, -1) + 1
+            np.matmul(blocks[f].T, g, out=grads[f"proj{d}/w"][j])
+            g = g @ w.T
+        out.append(g)
+    return loss, grads, out
 
 
 def sum_rows(ids: np.ndarray, row_grads) -> tuple[np.ndarray, np.ndarray]:
@@ -138,5 +209,5 @@ def sum_rows(ids: np.ndarray, row_grads) -> tuple[np.ndarray, np.ndarray]:
     return sum_duplicates(np.asarray(ids).reshape(-1), _rows(row_grads).reshape(-1, DIM))
 
 
-def num_params() -> int:
-    return sum(a.size for a in init_params().values())
+def num_params(dims=None) -> int:
+    return sum(a.size for a in init_params(dims=dims).values())

@@ -136,6 +136,61 @@ def test_dlrm_gradients_are_the_losss_derivatives():
         M.forward(params, dense, rows[:, :25])
 
 
+def test_dlrm_rows_of_several_widths_are_projected_and_their_gradients_are_derivatives():
+    """Mixed-dimension rows (examples/ctr.py's FEATURE_DIMS): each narrower
+    feature's rows times its projection; the projections' and the rows'
+    gradients are the loss's derivatives; the other weights are as without."""
+    from examples import ctr
+    rng = np.random.default_rng(3)
+    dims = ctr.FEATURE_DIMS
+    assert sorted(set(dims)) == [4, 8, M.DIM]
+    params = M.init_params(2, np.float64, dims=dims)
+    plain = M.init_params(2, np.float64)
+    for name in plain:
+        np.testing.assert_array_equal(params[name], plain[name])
+    assert {k: v.shape for k, v in params.items() if k not in plain} == {
+        "proj4/w": (dims.count(4), 4, M.DIM), "proj8/w": (dims.count(8), 8, M.DIM)}
+    n = 4
+    dense = rng.normal(size=(n, 13))
+    blocks = [rng.normal(size=(n, d)) * 0.3 for d in dims]
+    labels = (rng.random(n) < 0.5).astype(np.float64)
+    loss, grads, row_grads = M.loss_and_grads(params, dense, blocks, labels)
+    assert set(grads) == set(params) and [g.shape for g in row_grads] == [b.shape for b in blocks]
+    # the same as full-width rows made by the projections
+    nth = [dims[:f].count(d) for f, d in enumerate(dims)]   # its place among its width's
+    wide = np.stack([b if d == M.DIM else b @ params[f"proj{d}/w"][j]
+                     for b, d, j in zip(blocks, dims, nth)], axis=1)
+    assert M.loss_and_grads(plain, dense, wide, labels)[0] == pytest.approx(loss, rel=1e-12)
+
+    def numeric(at):
+        return (at(1e-6) - at(-1e-6)) / 2e-6
+    for name in [k for k in params if k.startswith("proj")] * 4:
+        idx = tuple(int(rng.integers(0, s)) for s in params[name].shape)
+
+        def at(eps, name=name, idx=idx):
+            p = {k: v.copy() for k, v in params.items()}
+            p[name][idx] += eps
+            return M.loss_and_grads(p, dense, blocks, labels)[0]
+        assert numeric(at) == pytest.approx(grads[name][idx], rel=1e-5, abs=1e-9), name
+    for f in (0, 4, 8, 20):   # widths 16, 8, 4, 16
+        i, j = int(rng.integers(0, n)), int(rng.integers(0, dims[f]))
+
+        def at_row(eps, f=f, i=i, j=j):
+            b = [x.copy() for x in blocks]
+            b[f][i, j] += eps
+            return M.loss_and_grads(params, dense, b, labels)[0]
+        assert numeric(at_row) == pytest.approx(row_grads[f][i, j], rel=1e-5, abs=1e-9)
+    assert M.num_params(dims) == M.num_params() + sum(d * M.DIM for d in dims if d < M.DIM)
+    with pytest.raises(ValueError, match="proj4/w projects 7 features of width 4; 6 given"):
+        M.forward(params, dense, blocks[:8] + [rng.normal(size=(n, M.DIM))] + blocks[9:])
+    with pytest.raises(ValueError, match="feature 0: rows of shape .4, 5.; the model takes"):
+        M.forward(params, dense, [rng.normal(size=(n, 5))] + blocks[1:])
+    with pytest.raises(ValueError, match="list of 26"):
+        M.forward(params, dense, wide)
+    with pytest.raises(ValueError, match="widths"):
+        M.init_params(0, dims=[32] * 26)
+
+
 def test_sum_rows_gives_unique_ids_and_summed_gradients():
     rng = np.random.default_rng(3)
     ids = rng.integers(-5, 5, (6, 26)) * (2**60)                  # many duplicates
@@ -265,8 +320,14 @@ def test_the_ctr_example_checkpoints_incrementally_and_its_serving_copy_scores_t
     from coordinator.serving import Snapshot
     ids = np.concatenate([D.batch(1, i, 256).sparse for i in range(3)])
     rows = ctr.reader_lookup(checkpoint, tables=tables)(ids)
-    assert (rows != 0).any(axis=-1).mean() > 0.5
-    np.testing.assert_array_equal(ctr.reader_lookup(Snapshot(ckpt), tables=tables)(ids), rows)
+    blocks = rows if tables == "per-feature" else list(rows.transpose(1, 0, 2))
+    if tables == "per-feature":   # each feature's rows of its own width
+        assert [b.shape for b in blocks] == [(len(ids), d) for d in ctr.FEATURE_DIMS]
+    assert np.mean([(b != 0).any(axis=-1).mean() for b in blocks]) > 0.5
+    again = ctr.reader_lookup(Snapshot(ckpt), tables=tables)(ids)
+    for a, b in zip(again if tables == "per-feature" else list(again.transpose(1, 0, 2)),
+                    blocks):
+        np.testing.assert_array_equal(a, b)
     logs = tmp_path / "logs"
     fn = "evaluate_checkpoint" if tables == "shared" else "evaluate_per_feature_checkpoint"
     assert f"--fn examples.ctr:{fn} " in said
