@@ -195,6 +195,43 @@ def test_features_given_as_the_columns_of_one_matrix_read_and_push_as_one_table(
 
 
 
+def test_a_look_ups_gradients_per_id_reach_each_features_rows(cluster):
+    """look.gradients({feature: (n, dim)}) of a per-id look-up: every
+    feature's gradients pushed under its own keys, duplicates summed, whether
+    all the features looked up are given (their look-up's keys reused) or
+    some; a gradient of another shape is a ValueError and pushes nothing."""
+    strategy = ParameterServerStrategy(cluster.spec)
+    emb = EmbeddingCollection(strategy, "grads", {
+        "user": EmbeddingConfig(dim=2, initializer="random_normal", seed=1, **SGD),
+        "item": EmbeddingConfig(dim=2, initializer="random_normal", seed=1, **SGD),
+        "tag": EmbeddingConfig(dim=3, initializer="random_uniform", seed=2, **SGD)})
+    assert len(emb.tables) == 2   # user and item share a group
+    ids = {"user": np.array([[5, 6], [5, 7]]), "item": np.array([5, 9]),
+           "tag": np.array([1, 1, 2])}
+    look = emb.lookup(ids)
+    before = read_variables([look])[0]
+    g = {f: np.arange(before[f].size, dtype=np.float32).reshape(before[f].shape) / 10
+         for f in ids}
+
+    def want(f, grads):
+        out = before[f].copy()
+        for j, k in enumerate(ids[f].reshape(-1)):   # every occurrence of a key: summed
+            out[(ids[f] == k)] -= grads.reshape(-1, before[f].shape[-1])[j]
+        return out
+    with pytest.raises(ValueError, match="feature 'tag': gradient of shape"):
+        look.gradients({**g, "tag": g["tag"][:2]})
+    push_gradients(look.gradients(g))   # all of them
+    now = read_variables([emb.lookup(ids, admit=False)])[0]
+    for f in ids:
+        np.testing.assert_allclose(now[f], want(f, g[f]), rtol=1e-6)
+    before = now
+    push_gradients(look.gradients({"item": g["item"]}))   # one of them
+    now = read_variables([emb.lookup(ids, admit=False)])[0]
+    np.testing.assert_allclose(now["item"], want("item", g["item"]), rtol=1e-6)
+    for f in ("user", "tag"):
+        np.testing.assert_array_equal(now[f], before[f])
+
+
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_pooled_look_ups_give_each_bag_its_rows_pooled_and_its_gradient_to_its_ids(
         cluster, pooling):
