@@ -34,12 +34,12 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer over uint64 (a new array): a key's hash."""
     z = np.asarray(x).astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= _C1
-        z ^= z >> np.uint64(27)
-        z *= _C2
-        z ^= z >> np.uint64(31)
+    # (in place on an array, 0-d too: numpy wraps unsigned products silently)
+    z ^= z >> np.uint64(30)
+    z *= _C1
+    z ^= z >> np.uint64(27)
+    z *= _C2
+    z ^= z >> np.uint64(31)
     return z
 
 

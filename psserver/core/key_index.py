@@ -63,10 +63,8 @@ class KeyIndex:
         the next _TAIL buckets at once, and so on."""
         keys = np.ascontiguousarray(keys, np.int64)
         n = keys.size
-        bucket, slot, row = (np.full(n, -1, np.int64), np.zeros(n, np.int64),
-                             np.full(n, -1, np.int64))
         if not n or not self.size:
-            return bucket, slot, row
+            return np.full(n, -1, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64)
         mask = self.keys.shape[0] - 1
         home = self._home(keys)
         kb = np.take(self.keys, home, axis=0)
@@ -74,10 +72,13 @@ class KeyIndex:
         hit = kb == keys[:, None]
         hit &= rb >= 0
         found = _any4(hit)
-        at = hit.argmax(axis=1)
-        bucket[found] = home[found]
-        slot[found] = at[found]
-        row[found] = np.take_along_axis(rb, at[:, None], axis=1)[found, 0]
+        at = hit.argmax(axis=1)   # (a key is in one slot at most)
+        # the rows of the slots found, by flat position (np.take: several
+        # times faster than take_along_axis or fancy indexing)
+        row = np.take(rb.reshape(-1), at + np.arange(0, n * _BUCKET, _BUCKET))
+        row[~found] = -1
+        bucket = np.where(found, home, -1)
+        slot = np.where(found, at, 0)
         active = np.flatnonzero(~found & ~_any4(rb == EMPTY))   # full, and not there
         step = np.arange(1, _TAIL + 1)
         start = home[active]
