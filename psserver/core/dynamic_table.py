@@ -383,11 +383,13 @@ class DynamicTable:
                 "applied. Lower the learning rate or clip gradients")
         return keys, grads
 
-    def apply_gradients(self, keys, grads) -> int:
+    def apply_gradients(self, keys, grads, *, checked: bool = False) -> int:
         """Apply row gradients (duplicate keys summed) with the optimizer, to
         the keys that have rows (not past their age); the rest are dropped
-        and counted. One table step. Returns how many rows changed."""
-        keys, grads = self.check_gradients(keys, grads)
+        and counted. One table step. Returns how many rows changed.
+        ``checked``: keys and grads are what ``check_gradients`` returned."""
+        if not checked:
+            keys, grads = self.check_gradients(keys, grads)
         with np.errstate(over="ignore"):   # (a DynamicEmbedding sends them summed)
             ukeys, summed = sum_duplicates(keys, grads)
         if ukeys.size < keys.size and not np.isfinite(summed).all():

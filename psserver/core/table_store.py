@@ -407,7 +407,10 @@ class TableStore:
             dropped = t.stats.dropped
             # it checks the gradient whole first: a refusal changes nothing
             with copy.changing(refused=InvalidArgument) as journaled:
-                updated = t.apply_gradients(keys, grads)
+                # _plan_write checked them: again only if the shard was
+                # replaced since by one of another shape (a restore)
+                updated = t.apply_gradients(keys, grads, checked=grads.dtype == t.dtype
+                                            and grads.shape[1:] == (t.config.dim,))
             copy.changed(journaled, update_id, update=True)
             return TableUpdate(updated, t.stats.dropped - dropped, t.step), copy.version
 
