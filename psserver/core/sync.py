@@ -59,8 +59,9 @@ class Accumulation:
 
     @property
     def nbytes(self) -> int:
-        """Bytes gathered so far (row-wise parts; a dense step's sum buffer)."""
-        return sum(i.nbytes + r.nbytes for i, r in self.parts) + \
+        """Bytes gathered so far: the buffers the row-wise parts keep
+        (``buffer_bytes``); a dense step's sum buffer."""
+        return buffer_bytes(a for part in self.parts for a in part) + \
             (self.total.nbytes if self.total is not None else 0)
 
     def scale(self) -> float | None:
@@ -154,10 +155,43 @@ def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
     return False
 
 
+def buffer_bytes(arrays) -> int:
+    """Bytes the arrays keep alive: each one's whole buffer, each buffer
+    once. A row-wise part as received is a view of its request's buffer,
+    which may be larger than the part: a large frame's buffer is rounded up
+    to its size class (psserver/link/buffers.py), up to 1.4x a part of 8
+    MiB, and resident memory passed what the parts alone counted (issue 33
+    item 3)."""
+    seen: set[int] = set()
+    total = 0
+    for a in arrays:
+        root = a
+        while True:
+            if isinstance(root, np.ndarray) and root.base is not None:
+                root = root.base
+            elif isinstance(root, memoryview) and root.obj is not None:
+                root = root.obj
+            else:
+                break
+        if id(root) in seen:
+            continue
+        seen.add(id(root))
+        if isinstance(root, np.ndarray):
+            total += root.nbytes
+        else:
+            try:
+                total += memoryview(root).nbytes
+            except TypeError:   # (not a buffer: the array's own bytes)
+                total += np.asarray(a).nbytes
+    return total
+
+
 def _adds(acc: Accumulation, grad) -> int:
-    """Bytes ``acc.add(grad)`` takes: a row-wise part, or a dense sum buffer made."""
+    """Bytes ``acc.add(grad)`` takes: a row-wise part (the buffers it keeps
+    that the step does not keep already), or a dense sum buffer made."""
     if acc.sparse:
-        return sum(np.asarray(a).nbytes for a in grad)
+        have = [a for part in acc.parts for a in part]
+        return buffer_bytes(have + [np.asarray(a) for a in grad]) - buffer_bytes(have)
     if not acc.replicas and (acc.total is None or acc.total.shape != grad.shape):
         return grad.nbytes
     return 0

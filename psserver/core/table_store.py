@@ -202,8 +202,9 @@ class TableStore:
     @staticmethod
     def _status(copy: TableShardCopy) -> TableStatus:
         t = copy.table
+        # (its bytes: the arrays, and what a sync step gathered, as a variable's)
         return TableStatus(copy.table_name, copy.spec, len(t), t.step,
-                           dataclasses.replace(t.stats), t.nbytes, copy.sync_steps,
+                           dataclasses.replace(t.stats), copy.held_bytes, copy.sync_steps,
                            copy.dropped)
 
     # -- calls ---------------------------------------------------------------------------------

@@ -274,7 +274,8 @@ class TablesCollector(Collector):
         rows = GaugeMetricFamily("pstrain_ps_table_rows", "Rows held, by dynamic table.",
                                  labels=["table"])
         held = GaugeMetricFamily("pstrain_ps_table_bytes",
-                                 "Bytes a dynamic table's shard holds (rows, slots, index).",
+                                 "Bytes a dynamic table's shard holds (rows, slots, index, "
+                                 "a sync step's gathered rows).",
                                  labels=["table"])
         counters = {k: CounterMetricFamily(f"pstrain_ps_table_{k}", text, labels=["table"])
                     for k, text in self._COUNTERS}

@@ -277,3 +277,49 @@ def test_a_state_copy_arrives_in_pieces_and_an_incomplete_one_cannot_be_promoted
     assert store.registry.table("c").applied == collections.OrderedDict({4: 0})
     store.replicator.promote("~table~c", epoch=3)
     np.testing.assert_array_equal(_rows_of(tables, "c", [1, 2]), [[1.0], [1.0]])
+
+
+@pytest.mark.parametrize("kind", ["table", "variable"])
+def test_a_sync_step_counts_the_whole_buffers_its_gathered_rows_keep(kind):
+    """Issue 33 item 3: a sync update's rows as received are views of their
+    request's buffer, which can be larger than they are (a large frame's
+    buffer is rounded up to its size class: psserver/link/buffers.py). The
+    step keeps the whole buffer, so the whole buffer counts against
+    --max-memory-bytes and in the bytes reported, each buffer once (keys
+    and rows of one request share theirs)."""
+    from psserver.contract import SyncSpec
+    store, tables = _stores(max_bytes=8 << 20)
+    if kind == "table":
+        tables.create("t", TableSpec(TableConfig(dim=4), **SGD1))
+    else:
+        store.create("w", "float32", (100, 4))
+
+    def request(n: int, room: int) -> tuple[np.ndarray, np.ndarray]:
+        """n keys and their rows, views of one buffer with ``room`` bytes more."""
+        buf = np.zeros(n * 8 + n * 16 + room, np.uint8)
+        keys = buf[:n * 8].view(np.int64)
+        keys[:] = np.arange(n)
+        return keys, buf[n * 8:n * 24].view(np.float32).reshape(n, 4)
+    keys, rows = request(50, 3 << 20)               # 1,200 bytes of rows in a 3 MiB buffer
+
+    def push(replica: int, keys, rows) -> None:
+        spec = SyncSpec(0, replica, 100, 100)
+        if kind == "table":
+            tables.update("t", keys, rows, sync=spec)
+        else:
+            store.steps.push_rows("w", keys, rows, spec)
+
+    def held() -> int:
+        return tables.info("t").bytes if kind == "table" else store.total_bytes()
+    before = held()
+    push(0, keys, rows)
+    assert held() - before >= 3 << 20               # the buffer, once
+    push(1, *request(50, 3 << 20))
+    assert held() - before >= 6 << 20
+    with pytest.raises(ResourceExhausted, match="sync step 0"):   # 9 MiB > 8
+        push(2, *request(50, 3 << 20))
+    small = request(50, 0)
+    push(3, *small)                                 # a buffer of its own size still fits
+    from psserver.core.sync import buffer_bytes
+    assert buffer_bytes([keys, rows]) == 1200 + (3 << 20)
+    assert buffer_bytes(list(small)) == 1200
