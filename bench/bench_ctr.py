@@ -45,19 +45,20 @@ class OursCTR:
     (e) workload of bench/suite.py."""
 
     def __init__(self, strategy, coord, n_batches: int, prefix: str = "ctr",
-                 tables: str = "shared"):
+                 tables: str = "shared", init_seed: int = SEED):
         from coordinator import EmbeddingCollection, Initializer
         from examples import ctr
         from examples import dlrm as M
         self.variables = {n: strategy.create_variable(f"{prefix}/{n}", initial_value=v,
                                                       optimizer="sgd",
                                                       optimizer_params={"learning_rate": LR})
-                          for n, v in ctr.dense_params(SEED, tables).items()}
+                          for n, v in ctr.dense_params(init_seed, tables).items()}
         config = dict(optimizer="sgd", optimizer_params={"learning_rate": LR},
-                      initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05))
+                      initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05,
+                                              seed=init_seed))
         if tables == "per-feature":   # examples/ctr.py --tables per-feature: widths 4, 8, 16
             self.table = EmbeddingCollection(strategy, f"{prefix}/emb", ctr.feature_configs(
-                SEED, LR, "sgd", min_count=1, capacity=0))
+                init_seed, LR, "sgd", min_count=1, capacity=0))
         else:
             self.table = strategy.create_embedding_table(f"{prefix}/emb", M.DIM, **config)
         self.coord = coord
@@ -82,12 +83,12 @@ def ctr_dataset(n_batches: int, ctx):
 
 
 def ours(steps: int, warmup: int, n_batches: int, placement=None,
-         tables: str = "shared") -> dict:
+         tables: str = "shared", init_seed: int = SEED) -> dict:
     from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
     with LocalCluster(num_ps=2, num_workers=2, placement=placement) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
-            w = OursCTR(strategy, coord, n_batches, tables=tables)
+            w = OursCTR(strategy, coord, n_batches, tables=tables, init_seed=init_seed)
             w.run(warmup)
             seconds = w.run(steps)
         return {"samples_per_s": steps * BATCH / seconds, "auc": w.auc(),
@@ -95,7 +96,7 @@ def ours(steps: int, warmup: int, n_batches: int, placement=None,
 
 
 def tensorflow(steps: int, warmup: int, n_batches: int, placement=None,
-               tables: str = "shared") -> dict:
+               tables: str = "shared", init_seed: int = SEED) -> dict:
     """TensorFlow's run; ``tables="per-feature"``: its 26 tables of ours'
     per-feature widths (examples/ctr.py's FEATURE_DIMS, projected alike)."""
     from bench.tf_reference import TFCluster
@@ -104,7 +105,7 @@ def tensorflow(steps: int, warmup: int, n_batches: int, placement=None,
     with TFCluster(2, 2, log_path=log, placement=placement,
                    inter_op={"ps": 1, "worker": 2, "chief": 1}) as tf:
         tf.chief.call("setup_ctr", buckets=BUCKETS, batch=BATCH, lr=LR, seed=SEED,
-                      n_batches=n_batches, workers=2, timeout=600,
+                      n_batches=n_batches, workers=2, timeout=600, init_seed=init_seed,
                       dims=list(ctr.FEATURE_DIMS) if tables == "per-feature" else None)
         tf.chief.call("run", workload="ctr", steps=warmup, timeout=600)
         out = tf.chief.call("run", workload="ctr", steps=steps, timeout=1200)
@@ -121,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tables", choices=("shared", "per-feature"), default="shared",
                     help="ours: the 26 features in one table, or a table per feature "
                          "(an EmbeddingCollection, examples/ctr.py --tables per-feature)")
+    ap.add_argument("--init-seed", type=int, default=SEED,
+                    help="the seed of both models' initial weights and rows (the data and "
+                         "held-out batches stay those of seed 0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     steps, warmup, n_batches = (150, 30, 60) if args.quick else (600, 60, 120)
@@ -138,8 +142,8 @@ def main(argv=None) -> int:
             tf_place = hosts.placement(ps=[4, 5], worker=[6, 7])
             tf_at = (lambda job, i: (hosts.addresses[8], hosts.run(8)) if job == "chief"
                      else tf_place(job, i))
-        res["ours"] = ours(steps, warmup, n_batches, ours_at, args.tables)
-        res["tf"] = tensorflow(steps, warmup, n_batches, tf_at, args.tables)
+        res["ours"] = ours(steps, warmup, n_batches, ours_at, args.tables, args.init_seed)
+        res["tf"] = tensorflow(steps, warmup, n_batches, tf_at, args.tables, args.init_seed)
     o, t = res["ours"], res["tf"]
     where = "across hosts" if args.hosts else "same host"
     print_table(["CTR, DLRM, 2 ps + 2 workers, " + where, "samples/s", "AUC after "

@@ -235,23 +235,25 @@ class _Chief:
             self.steps[f"emb_{dist}"] = (train_step, iter(ds))
 
     def setup_ctr(self, buckets, batch, lr, seed, n_batches, workers, dims=None,
-                  workload="ctr"):
+                  workload="ctr", init_seed=None):
         """The DLRM of examples/dlrm.py on coordinator/ctr_data.py's batches
         (the same ones ours trains on), embeddings as TensorFlow users do
         with unbounded ids: 26 fixed tables, id % buckets rows each (at most
         the feature's vocabulary). Plain SGD, as ours in bench/bench_ctr.py.
         ``dims``: the tables' widths (examples/ctr.py's FEATURE_DIMS), the
         narrower rows projected to DIM as examples/dlrm.py does; the model
-        is run as ``workload``."""
+        is run as ``workload``. ``init_seed``: the weights' and tables' seed
+        (default ``seed``, the data's)."""
         tf = self.tf
         from coordinator import ctr_data as D
         from examples import dlrm as M
         sizes = [min(buckets, v) for v in D.VOCABS]
         widths = list(dims) if dims else [M.DIM] * M.NUM_SPARSE
-        init = M.init_params(seed, dims=dims)
+        w_seed = seed if init_seed is None else init_seed
+        init = M.init_params(w_seed, dims=dims)
         with self.strategy.scope():
             dense = {n: tf.Variable(v, name=f"{workload}/{n}") for n, v in init.items()}
-            tables = [self._variable(f"{workload}/emb_{f}", (rows, d), "uniform", seed + f)
+            tables = [self._variable(f"{workload}/emb_{f}", (rows, d), "uniform", w_seed + f)
                       for f, (rows, d) in enumerate(zip(sizes, widths))]
         self.variables += list(dense.values())
         self.ctr[workload] = (dense, tables, sizes)

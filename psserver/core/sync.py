@@ -29,6 +29,7 @@ from typing import Iterable
 import numpy as np
 
 from psserver.contract import MAX_COUNT, ROLE_PRIMARY, SyncSpec
+from psserver.contract.memory import mapped
 from psserver.contract.rows import sum_duplicates
 from psserver.errors import DeadlineExceeded, InvalidArgument
 
@@ -144,6 +145,8 @@ def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
     if spec.replica in acc.replicas:   # a re-run of the same replica: first one wins
         var.dropped += 1
         return True
+    if sparse:
+        grad = _kept(grad)
     if budget is not None:   # (checked before the step is begun: a refusal changes nothing)
         budget.check(_adds(acc, grad), f"sync step {spec.step}'s gradient for {var.name!r}",
                      "the step has not completed (a replica missing?): lower the step's "
@@ -184,6 +187,23 @@ def buffer_bytes(arrays) -> int:
             except TypeError:   # (not a buffer: the array's own bytes)
                 total += np.asarray(a).nbytes
     return total
+
+
+def _kept(part: tuple) -> tuple:
+    """A row-wise part as a step keeps it: as received (views of the
+    request's buffer), or copied when that buffer is over twice the part
+    (a small table update that came with a large dense gradient): the step
+    then keeps its rows, not the whole request."""
+    arrays = tuple(np.asarray(a) for a in part)
+    own = sum(a.nbytes for a in arrays)
+    if buffer_bytes(arrays) <= 2 * own:
+        return arrays
+    out = []
+    for a in arrays:
+        copy = mapped(a.shape, a.dtype)
+        np.copyto(copy, a)
+        out.append(copy)
+    return tuple(out)
 
 
 def _adds(acc: Accumulation, grad) -> int:

@@ -286,7 +286,9 @@ def test_a_sync_step_counts_the_whole_buffers_its_gathered_rows_keep(kind):
     buffer is rounded up to its size class: psserver/link/buffers.py). The
     step keeps the whole buffer, so the whole buffer counts against
     --max-memory-bytes and in the bytes reported, each buffer once (keys
-    and rows of one request share theirs)."""
+    and rows of one request share theirs); rows in a buffer over twice
+    their size (a small update beside a large dense gradient) are copied
+    out, and count as themselves."""
     from psserver.contract import SyncSpec
     store, tables = _stores(max_bytes=8 << 20)
     if kind == "table":
@@ -298,9 +300,8 @@ def test_a_sync_step_counts_the_whole_buffers_its_gathered_rows_keep(kind):
         """n keys and their rows, views of one buffer with ``room`` bytes more."""
         buf = np.zeros(n * 8 + n * 16 + room, np.uint8)
         keys = buf[:n * 8].view(np.int64)
-        keys[:] = np.arange(n)
+        keys[:] = np.arange(n) % 100
         return keys, buf[n * 8:n * 24].view(np.float32).reshape(n, 4)
-    keys, rows = request(50, 3 << 20)               # 1,200 bytes of rows in a 3 MiB buffer
 
     def push(replica: int, keys, rows) -> None:
         spec = SyncSpec(0, replica, 100, 100)
@@ -312,14 +313,19 @@ def test_a_sync_step_counts_the_whole_buffers_its_gathered_rows_keep(kind):
     def held() -> int:
         return tables.info("t").bytes if kind == "table" else store.total_bytes()
     before = held()
-    push(0, keys, rows)
-    assert held() - before >= 3 << 20               # the buffer, once
-    push(1, *request(50, 3 << 20))
-    assert held() - before >= 6 << 20
-    with pytest.raises(ResourceExhausted, match="sync step 0"):   # 9 MiB > 8
-        push(2, *request(50, 3 << 20))
-    small = request(50, 0)
-    push(3, *small)                                 # a buffer of its own size still fits
+    big = 2_400_000 + (1 << 20)                     # 2.4 MB of keys and rows, 1 MiB more
+    push(0, *request(100_000, 1 << 20))
+    assert held() - before >= big                   # the buffer, once
+    push(1, *request(100_000, 1 << 20))
+    assert held() - before >= 2 * big
+    with pytest.raises(ResourceExhausted, match="sync step 0"):   # 3 buffers > 8 MiB
+        push(2, *request(100_000, 1 << 20))
+    was = held()
+    small = request(50, 6 << 20)                    # 1,200 bytes in a 6 MiB request: copied
+    push(3, *small)
+    assert held() - was <= 64 << 10
+    acc = (tables.registry.table("t") if kind == "table" else store.registry.variable("w")).acc
+    assert not any(np.shares_memory(a, b) for a in acc.parts[-1] for b in small)
     from psserver.core.sync import buffer_bytes
-    assert buffer_bytes([keys, rows]) == 1200 + (3 << 20)
-    assert buffer_bytes(list(small)) == 1200
+    assert buffer_bytes(list(small)) == 1200 + (6 << 20)
+    assert buffer_bytes(list(request(50, 0))) == 1200
