@@ -85,6 +85,23 @@ def grow_rows(holder: MutableMapping, name: str, rows: int, keep: int) -> None:
     holder[name] = grown
 
 
+def bound_heap(limit: int) -> bool:
+    """A server with a memory limit: allocations of 1 MiB and more from
+    mappings of their own (given back whole when freed), and freed heap
+    above ``limit // 8`` trimmed (glibc's mallopt; the tasks' defaults,
+    psserver.process.MALLOC_ENV, keep freed message buffers for speed,
+    which a bounded server cannot afford: freed reply buffers stayed
+    resident after large reads at once). Whether it was applied."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, MAPPED_BYTES)) and \
+            bool(libc.mallopt(m_trim_threshold, max(MAPPED_BYTES, int(limit) // 8)))
+    except (OSError, AttributeError):
+        return False
+
+
 def give_back_memory() -> None:
     """Return freed heap memory to the system (glibc's malloc_trim; a no-op
     where there is none)."""

@@ -47,6 +47,7 @@ from psserver.contract import (
 )
 from psserver.contract import optimizers as optim
 from psserver.contract import tensor as T
+from psserver.contract.memory import MAPPED_BYTES, give_back_memory
 from psserver.contract.rows import sum_duplicates, take_rows
 from psserver.contract.tensor import (
     VALUE_DTYPES,
@@ -322,7 +323,7 @@ class VariableStore:
         shape) for each, or None where it cannot be shared (too many shared
         already, no memory). Raises NotFound."""
         from psserver.contract import shm
-        out = []
+        out, moved = [], False
         for var in [self._get(n) for n in names]:
             with var.lock:
                 if self.registry.find(var.name) is not var:   # deleted meanwhile
@@ -335,10 +336,13 @@ class VariableStore:
                         except OSError:
                             shared = None
                         if shared is not None:
+                            moved = moved or var.value.nbytes >= MAPPED_BYTES
                             var.value, var.shared = shared.value, shared
                 s = var.shared
                 out.append(None if s is None else
                            (s.path, s.nbytes, var.value.dtype.name, var.value.shape, s.tag))
+        if moved:   # the values' old arrays are free: their pages go back
+            give_back_memory()
         return out
 
     def nbytes(self, name: str) -> int:

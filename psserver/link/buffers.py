@@ -17,10 +17,15 @@ import weakref
 
 import numpy as np
 
+from psserver.contract.memory import give_back_memory
+
 #: Sizes below this come from np.empty each time.
 MIN_BYTES = 4 << 20
-#: The most bytes of free buffers the pool keeps (per process).
+#: The most bytes of free buffers the pool keeps (per process; a
+#: psserver with --max-memory-bytes keeps at most an eighth of its limit:
+#: ``keep_at_most``).
 MAX_FREE_BYTES = 512 << 20
+_max_free: int | None = None   # keep_at_most's bound
 
 _lock = threading.Lock()
 _free: list[np.ndarray] = []   # whole buffers nobody uses, smallest first
@@ -53,12 +58,34 @@ def take(n: int) -> np.ndarray:
     return view
 
 
+def keep_at_most(n: int) -> None:
+    """Keep at most ``n`` bytes of free buffers from now on (a server's
+    memory limit bounds its resident memory: free buffers count nowhere
+    else). Buffers over it are let go now."""
+    global _max_free
+    with _lock:
+        _max_free = max(0, int(n))
+        dropped = _trim()
+    if dropped:
+        give_back_memory()
+
+
+def _trim() -> int:
+    """Drop the largest free buffers until the rest fit (lock held); how many."""
+    dropped, most = 0, MAX_FREE_BYTES if _max_free is None else min(_max_free, MAX_FREE_BYTES)
+    while _free and sum(b.size for b in _free) > most:
+        _free.pop()   # the largest goes
+        dropped += 1
+    return dropped
+
+
 def _give(buf: np.ndarray) -> None:
     with _lock:
         _free.append(buf)
         _free.sort(key=lambda b: b.size)
-        while sum(b.size for b in _free) > MAX_FREE_BYTES:
-            _free.pop()   # the largest goes
+        dropped = _trim()
+    if dropped and _max_free is not None:   # a bounded server: the pages go back
+        give_back_memory()
 
 
 def free_bytes() -> int:

@@ -41,8 +41,9 @@ from psserver.contract import (
     routing,
     shm,
 )
+from psserver.contract.memory import bound_heap
 from psserver.core.store import VariableStore
-from psserver.link import methods
+from psserver.link import buffers, methods
 from psserver.link.grpc_common import grpc_options
 from psserver.serve import ipc_server, rpc, task, task_metrics
 from psserver.serve.servicer import ParameterServerServicer
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         observer = task_metrics.StoreMetrics(start.served[0])
         rpc_metrics = task_metrics.RpcMetrics(start.served[0])
     store = VariableStore(args.max_memory_bytes, observer, checkpoint_dirs=args.checkpoint_dir)
+    if args.max_memory_bytes is not None:   # freed buffers are resident memory too
+        buffers.keep_at_most(args.max_memory_bytes // 8)
+        bound_heap(args.max_memory_bytes)
     if observer is not None:
         observer.watch(store)
     try:

@@ -67,3 +67,42 @@ def test_sync_steps_gathered_until_refused_stay_within_the_limit_in_resident_mem
     assert accepted >= 8, accepted
     assert mem["VmHWM"] - base <= 1.25 * LIMIT, (mem, base, accepted)
     assert mem["VmRSS"] - base <= 1.25 * LIMIT, (mem, base, accepted)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same host", "grpc"])
+def test_large_reads_at_once_leave_no_more_resident_than_the_limit_allows(start_ps,
+                                                                          shared_memory):
+    """Reads of large variables by several clients at once: their reply
+    buffers went back to the frame-buffer pool, which kept up to 512 MiB of
+    them whatever --max-memory-bytes said (96 MiB of variables under a
+    128 MiB limit, 6 readers: 2.8x the limit after). A bounded server keeps
+    at most an eighth of its limit free (psserver.link.buffers.keep_at_most)."""
+    import threading
+    ps = start_ps("--max-memory-bytes", str(LIMIT))
+    n = 8 << 20                                   # 32 MiB of float32 each
+    with PSClient(ps.address) as c:
+        base = _memory(ps.proc.pid)["VmRSS"]
+        for i in range(3):
+            c.create_variable(f"v{i}", (n,), "float32",
+                              initial_value=np.full(n, i + 1, np.float32))   # resident
+    errors = []
+
+    def reader(k: int) -> None:
+        try:
+            with PSClient(ps.address, shared_memory=shared_memory) as c:
+                for r in range(6):
+                    got = c.read(f"v{(k + r) % 3}")
+                    assert got[0] == (k + r) % 3 + 1
+        except BaseException as exc:   # (reported below)
+            errors.append(exc)
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    mem = _memory(ps.proc.pid)
+    print(f"resident above the baseline: {(mem['VmRSS'] - base) / LIMIT:.2f}x the limit "
+          f"(peak {(mem['VmHWM'] - base) / LIMIT:.2f}x)")
+    assert mem["VmRSS"] - base <= 1.25 * LIMIT, (mem, base)
