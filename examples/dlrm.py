@@ -94,7 +94,11 @@ def _rows(rows, params=None) -> np.ndarray:
     if isinstance(rows, (list, tuple)):
         if len(rows) != NUM_SPARSE:
             raise ValueError(f"{len(rows)} row blocks given, the model takes {NUM_SPARSE}")
-        if params is None:
+        if params is None:   # (sum_rows: one width)
+            if any(np.shape(b)[1:] != (DIM,) for b in rows):
+                raise ValueError(f"row blocks of shapes {sorted({np.shape(b) for b in rows})}: "
+                                 f"this takes blocks (n, {DIM}) (rows of other widths: sum "
+                                 "each width's alone)")
             return _rows(np.stack(rows, axis=1))
         n = rows[0].shape[0] if rows[0].ndim == 2 else -1
         out = np.empty((max(n, 0), NUM_SPARSE, DIM), np.result_type(*rows, np.float32))

@@ -24,6 +24,8 @@ import numpy as np
 #: Arrays smaller than this are ordinary heap arrays (a mapping costs a page
 #: and a kernel map entry at least).
 MAPPED_BYTES = 1 << 20
+#: bound_heap's largest trim threshold (mallopt takes a C int).
+MAX_TRIM_THRESHOLD = 256 << 20
 _FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _remaps: bool | None = None   # whether this system can enlarge a mapping (mremap)
 
@@ -91,15 +93,20 @@ def bound_heap(limit: int) -> bool:
     above ``limit // 8`` trimmed (glibc's mallopt; the tasks' defaults,
     psserver.process.MALLOC_ENV, keep freed message buffers for speed,
     which a bounded server cannot afford: freed reply buffers stayed
-    resident after large reads at once). Whether it was applied."""
+    resident after large reads at once), at most MAX_TRIM_THRESHOLD.
+    Whether it was applied."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, MAPPED_BYTES)) and \
-            bool(libc.mallopt(m_trim_threshold, max(MAPPED_BYTES, int(limit) // 8)))
+        mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     except (OSError, AttributeError):
         return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # (a C int: a limit of 32 GiB and more trims at 256 MiB, not at a wrapped value)
+    trim = min(max(MAPPED_BYTES, int(limit) // 8), MAX_TRIM_THRESHOLD)
+    return bool(mallopt(m_mmap_threshold, MAPPED_BYTES)) and \
+        bool(mallopt(m_trim_threshold, trim))
 
 
 def give_back_memory() -> None:

@@ -45,10 +45,13 @@ class Accumulation:
         # variable from step to step (no allocation per step).
         self.total = buffer
         self.parts: list[tuple[np.ndarray, np.ndarray]] = []   # sparse: (ids, rows)
+        # The buffers the parts keep (id -> bytes; the parts keep them alive).
+        self.buffers: dict[int, int] = {}
 
     def add(self, replica: int, grad) -> None:
         if self.sparse:
             self.parts.append(grad)
+            self.buffers.update(_buffers(grad))
         elif not self.replicas:   # the first gradient: copy it in (no zeroing, no add)
             if self.total is None or self.total.shape != grad.shape:
                 self.total = np.array(grad, copy=True)
@@ -62,7 +65,7 @@ class Accumulation:
     def nbytes(self) -> int:
         """Bytes gathered so far: the buffers the row-wise parts keep
         (``buffer_bytes``); a dense step's sum buffer."""
-        return buffer_bytes(a for part in self.parts for a in part) + \
+        return sum(self.buffers.values()) + \
             (self.total.nbytes if self.total is not None else 0)
 
     def scale(self) -> float | None:
@@ -158,15 +161,9 @@ def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
     return False
 
 
-def buffer_bytes(arrays) -> int:
-    """Bytes the arrays keep alive: each one's whole buffer, each buffer
-    once. A row-wise part as received is a view of its request's buffer,
-    which may be larger than the part: a large frame's buffer is rounded up
-    to its size class (psserver/link/buffers.py), up to 1.4x a part of 8
-    MiB, and resident memory passed what the parts alone counted (issue 33
-    item 3)."""
-    seen: set[int] = set()
-    total = 0
+def _buffers(arrays) -> dict[int, int]:
+    """id -> bytes of the buffer each array keeps alive (its base's base...)."""
+    out = {}
     for a in arrays:
         root = a
         while True:
@@ -176,27 +173,39 @@ def buffer_bytes(arrays) -> int:
                 root = root.obj
             else:
                 break
-        if id(root) in seen:
-            continue
-        seen.add(id(root))
         if isinstance(root, np.ndarray):
-            total += root.nbytes
+            out[id(root)] = root.nbytes
         else:
             try:
-                total += memoryview(root).nbytes
+                out[id(root)] = memoryview(root).nbytes
             except TypeError:   # (not a buffer: the array's own bytes)
-                total += np.asarray(a).nbytes
-    return total
+                out[id(root)] = np.asarray(a).nbytes
+    return out
+
+
+def buffer_bytes(arrays) -> int:
+    """Bytes the arrays keep alive: each one's whole buffer, each buffer once."""
+    return sum(_buffers(arrays).values())
+
+
+#: A row-wise part is kept as received only if it is at least this share of
+#: the buffer it views; else copied out (``_kept``).
+KEEP_SHARE = 0.8
 
 
 def _kept(part: tuple) -> tuple:
-    """A row-wise part as a step keeps it: as received (views of the
-    request's buffer), or copied when that buffer is over twice the part
-    (a small table update that came with a large dense gradient): the step
-    then keeps its rows, not the whole request."""
+    """A row-wise part as a step keeps it until applied. As received, its
+    arrays view their request's buffer, which may hold more: a large
+    frame's buffer is rounded up to its size class (psserver/link/buffers.py,
+    up to 1.4x a part of 8 MiB: resident memory passed what the parts
+    counted, issue 33 item 3), or the request also carried a dense gradient
+    or other tables' updates (each table would count the shared buffer).
+    A part that fills nearly all of its buffer is kept as it is (the buffer
+    counted whole: ``Accumulation.buffers``); any other is copied into
+    arrays of its own (in mappings of their own when large), and the
+    request's buffer is freed."""
     arrays = tuple(np.asarray(a) for a in part)
-    own = sum(a.nbytes for a in arrays)
-    if buffer_bytes(arrays) <= 2 * own:
+    if sum(a.nbytes for a in arrays) >= KEEP_SHARE * buffer_bytes(arrays):
         return arrays
     out = []
     for a in arrays:
@@ -210,8 +219,7 @@ def _adds(acc: Accumulation, grad) -> int:
     """Bytes ``acc.add(grad)`` takes: a row-wise part (the buffers it keeps
     that the step does not keep already), or a dense sum buffer made."""
     if acc.sparse:
-        have = [a for part in acc.parts for a in part]
-        return buffer_bytes(have + [np.asarray(a) for a in grad]) - buffer_bytes(have)
+        return sum(n for k, n in _buffers(grad).items() if k not in acc.buffers)
     if not acc.replicas and (acc.total is None or acc.total.shape != grad.shape):
         return grad.nbytes
     return 0

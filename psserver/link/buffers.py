@@ -17,8 +17,6 @@ import weakref
 
 import numpy as np
 
-from psserver.contract.memory import give_back_memory
-
 #: Sizes below this come from np.empty each time.
 MIN_BYTES = 4 << 20
 #: The most bytes of free buffers the pool keeps (per process; a
@@ -65,27 +63,23 @@ def keep_at_most(n: int) -> None:
     global _max_free
     with _lock:
         _max_free = max(0, int(n))
-        dropped = _trim()
-    if dropped:
-        give_back_memory()
+        _trim()
 
 
-def _trim() -> int:
-    """Drop the largest free buffers until the rest fit (lock held); how many."""
-    dropped, most = 0, MAX_FREE_BYTES if _max_free is None else min(_max_free, MAX_FREE_BYTES)
+def _trim() -> None:
+    """Drop the largest free buffers until the rest fit (lock held). (A
+    bounded server takes such buffers from mappings of their own,
+    psserver.contract.memory.bound_heap: dropped, their pages go back.)"""
+    most = MAX_FREE_BYTES if _max_free is None else min(_max_free, MAX_FREE_BYTES)
     while _free and sum(b.size for b in _free) > most:
         _free.pop()   # the largest goes
-        dropped += 1
-    return dropped
 
 
 def _give(buf: np.ndarray) -> None:
     with _lock:
         _free.append(buf)
         _free.sort(key=lambda b: b.size)
-        dropped = _trim()
-    if dropped and _max_free is not None:   # a bounded server: the pages go back
-        give_back_memory()
+        _trim()
 
 
 def free_bytes() -> int:

@@ -115,3 +115,40 @@ def test_an_array_being_remapped_is_never_missing_to_a_reader_without_the_lock()
         stop.set()
         t.join()
     assert not missing
+
+
+_HEAP_PROBE = r"""
+import ctypes, sys
+from psserver.contract.memory import bound_heap
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+                .split()]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+assert bound_heap(int(sys.argv[1]))
+blocks = [libc.malloc(900_000) for _ in range(40)]   # 36 MB of heap, each under 1 MiB
+for b in blocks:
+    libc.free(b)
+print(libc.mallinfo2().arena >> 20)
+"""
+
+
+@pytest.mark.parametrize("limit, kept", [(64 << 20, False), (1 << 30, True), (64 << 30, True)])
+def test_a_bounded_servers_heap_is_trimmed_at_an_eighth_of_its_limit(limit, kept):
+    """bound_heap: freed heap above limit // 8 goes back, at most 256 MiB kept
+    (mallopt takes a C int: a 64 GiB limit wrapped to a threshold of 0, and
+    every free trimmed the heap, 14x slower). Run in a process of its own."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+    if not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("no glibc mallinfo2 here")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, str(limit)], capture_output=True,
+                         text=True, timeout=60, check=True, cwd=root)
+    heap_mib = int(out.stdout.split()[-1])
+    assert (heap_mib >= 30) == kept, (limit, heap_mib)

@@ -283,13 +283,13 @@ def test_a_state_copy_arrives_in_pieces_and_an_incomplete_one_cannot_be_promoted
 def test_a_sync_step_counts_the_whole_buffers_its_gathered_rows_keep(kind):
     """Issue 33 item 3: a sync update's rows as received are views of their
     request's buffer, which can be larger than they are (a large frame's
-    buffer is rounded up to its size class: psserver/link/buffers.py). The
-    step keeps the whole buffer, so the whole buffer counts against
-    --max-memory-bytes and in the bytes reported, each buffer once (keys
-    and rows of one request share theirs); rows in a buffer over twice
-    their size (a small update beside a large dense gradient) are copied
-    out, and count as themselves."""
+    buffer is rounded up to its size class: psserver/link/buffers.py). Rows
+    that fill nearly all of their buffer (sync.KEEP_SHARE) are kept as they
+    are and the whole buffer counts, against --max-memory-bytes and in the
+    bytes reported, each buffer once (keys and rows of one request share
+    theirs); any others are copied out and count as themselves."""
     from psserver.contract import SyncSpec
+    from psserver.core.sync import buffer_bytes
     store, tables = _stores(max_bytes=8 << 20)
     if kind == "table":
         tables.create("t", TableSpec(TableConfig(dim=4), **SGD1))
@@ -312,20 +312,51 @@ def test_a_sync_step_counts_the_whole_buffers_its_gathered_rows_keep(kind):
 
     def held() -> int:
         return tables.info("t").bytes if kind == "table" else store.total_bytes()
+
+    def parts() -> list:
+        copy = tables.registry.table("t") if kind == "table" else store.registry.variable("w")
+        return copy.acc.parts
     before = held()
-    big = 2_400_000 + (1 << 20)                     # 2.4 MB of keys and rows, 1 MiB more
-    push(0, *request(100_000, 1 << 20))
-    assert held() - before >= big                   # the buffer, once
-    push(1, *request(100_000, 1 << 20))
-    assert held() - before >= 2 * big
+    whole = 2_640_000 + (256 << 10)                 # 2.64 MB of keys and rows, 256 KiB more
+    first = request(110_000, 256 << 10)
+    assert buffer_bytes(first) == whole
+    push(0, *first)
+    assert held() - before == whole                 # kept as it came: the buffer, once
+    assert all(np.shares_memory(a, b) for a, b in zip(parts()[-1], first))
+    push(1, *request(110_000, 256 << 10))
+    assert held() - before == 2 * whole
     with pytest.raises(ResourceExhausted, match="sync step 0"):   # 3 buffers > 8 MiB
-        push(2, *request(100_000, 1 << 20))
+        push(2, *request(110_000, 256 << 10))
+    assert len(parts()) == 2 and held() - before == 2 * whole     # nothing changed
     was = held()
     small = request(50, 6 << 20)                    # 1,200 bytes in a 6 MiB request: copied
     push(3, *small)
-    assert held() - was <= 64 << 10
-    acc = (tables.registry.table("t") if kind == "table" else store.registry.variable("w")).acc
-    assert not any(np.shares_memory(a, b) for a in acc.parts[-1] for b in small)
-    from psserver.core.sync import buffer_bytes
-    assert buffer_bytes(list(small)) == 1200 + (6 << 20)
+    assert held() - was == 1200
+    assert not any(np.shares_memory(a, b) for a in parts()[-1] for b in small)
+    loose = request(50_000, 600_000)                # 1.2 MB in 1.8 MB: copied too
+    push(4, *loose)
+    assert held() - was == 1200 + 1_200_000
     assert buffer_bytes(list(request(50, 0))) == 1200
+
+
+def test_two_tables_updated_by_one_request_count_its_buffer_once():
+    """Sync updates of two tables in one request's buffer (the data port's
+    frames carry a whole push): each table's rows are copied out, so the
+    server counts what it keeps, not the buffer once per table (a review
+    found 2x: the second table refused at half the limit)."""
+    from psserver.contract import SyncSpec, TableWrite
+    store, tables = _stores(max_bytes=8 << 20)
+    for name in ("a", "b"):
+        tables.create(name, TableSpec(TableConfig(dim=4), **SGD1))
+    n = 100_000
+    buf = np.zeros(2 * n * 24, np.uint8)            # 4.8 MB: both tables' keys and rows
+    writes = []
+    for i, name in enumerate(("a", "b")):
+        at = i * n * 24
+        keys = buf[at:at + n * 8].view(np.int64)
+        keys[:] = np.arange(n)
+        rows = buf[at + n * 8:at + n * 24].view(np.float32).reshape(n, 4)
+        writes.append(TableWrite(name, keys, rows, sync=SyncSpec(0, 0, 2, 2)))
+    before = sum(tables.info(t).bytes for t in ("a", "b"))
+    tables.update_all(writes)                       # 4.8 MB gathered, under the 8 MiB limit
+    assert sum(tables.info(t).bytes for t in ("a", "b")) - before == 2 * n * 24
