@@ -119,7 +119,8 @@ FEATURES = [f"C{i + 1}" for i in range(M.NUM_SPARSE)]
 
 #: Their rows' widths with ``--tables per-feature``, by vocabulary as the
 #: usual rule of thumb has it (a feature of few values needs few
-#: dimensions): 4 up to 30 values, 8 up to 5,000, DIM (16) above. The
+#: dimensions): 4 up to 30 values, 8 up to 5,000, DIM (16) above (the
+#: generated data's vocabularies, Criteo-like; the same with ``--data``). The
 #: narrower rows are projected to DIM for the dot interactions
 #: (examples/dlrm.py's ``proj{f}/w``, as DLRM's mixed-dimension embeddings).
 FEATURE_DIMS = tuple(4 if v <= 30 else 8 if v <= 5_000 else M.DIM for v in D.VOCABS)
