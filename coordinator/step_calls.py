@@ -197,13 +197,14 @@ def _copies(routes, v, k: int, entry_of, sync: bool) -> list:
     """The copies shard k of v goes to now (its primary; with ``sync`` both
     copies of a replicated shard), each with its server's entry, the shard's
     route noted there (a changed route plans the step again)."""
+    shard = v.shards[k]   # (a table's are made on each access: once here)
     if not v.backups:
-        return [(v.shards[k], entry_of(v.shards[k].address))]
+        return [(shard, entry_of(shard.address))]
     r = routes.route(v, k)
     out = []
     for t in routes.targets_of(v, k, r, sync):
         e = entry_of(t.address)
-        e[3].append((routes_key(v.shards[k]), r))
+        e[3].append((routes_key(shard), r))
         e[4].append((v, k))
         out.append((t, e))
     return out

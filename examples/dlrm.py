@@ -88,9 +88,10 @@ def _mlp_back(params, part: str, cache, grad: np.ndarray, relu_last: bool, grads
     return grad
 
 
-def _rows(rows, params=None) -> np.ndarray:
+def _rows(rows, params=None, projections=None) -> np.ndarray:
     """(n, 26, DIM) from an array of that shape or a list of 26 blocks
-    (n, DIM), or (n, d) where ``params`` have projections of width d."""
+    (n, DIM), or (n, d) where ``params`` have projections of width d
+    (``projections``: _projections(params, rows), when made already)."""
     if isinstance(rows, (list, tuple)):
         if len(rows) != NUM_SPARSE:
             raise ValueError(f"{len(rows)} row blocks given, the model takes {NUM_SPARSE}")
@@ -102,7 +103,9 @@ def _rows(rows, params=None) -> np.ndarray:
             return _rows(np.stack(rows, axis=1))
         n = rows[0].shape[0] if rows[0].ndim == 2 else -1
         out = np.empty((max(n, 0), NUM_SPARSE, DIM), np.result_type(*rows, np.float32))
-        for f, (block, w) in enumerate(zip(rows, _projections(params, rows))):
+        if projections is None:
+            projections = _projections(params, rows)
+        for f, (block, w) in enumerate(zip(rows, projections)):
             if block.shape[0] != n:
                 raise ValueError(f"feature {f}: {block.shape[0]} rows, feature 0 has {n}")
             if w is None:   # each into its place: no stack of 26 copies
@@ -146,8 +149,10 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 def forward(params, dense: np.ndarray, rows):
     """Logits (n,) of examples: ``dense`` (n, 13), ``rows`` (n, 26, DIM) or
     a list of 26 (n, DIM) blocks (or (n, d) where ``params`` project d to DIM)."""
-    blocks = rows
-    rows = _rows(rows, params)
+    blocks, projections = rows, None
+    if isinstance(rows, (list, tuple)) and len(rows) == NUM_SPARSE:
+        projections = _projections(params, rows)   # (once: the backward pass takes them too)
+    rows = _rows(rows, params, projections)
     bottom, bcache = _mlp(params, "bottom", dense, len(BOTTOM) - 1, relu_last=True)
     z = np.concatenate([bottom[:, None, :], rows], axis=1)          # (n, 27, DIM)
     # Every pair's dot product (a contiguous transpose: BLAS's fast layout),
@@ -156,7 +161,7 @@ def forward(params, dense: np.ndarray, rows):
     dots = np.take(zz.reshape(len(z), -1), _UPPER, axis=1)           # (n, 351)
     top_in = np.concatenate([dots, bottom], axis=1)
     logits, tcache = _mlp(params, "top", top_in, len(TOP) - 1, relu_last=False)
-    return logits[:, 0], (bcache, z, tcache, blocks)
+    return logits[:, 0], (bcache, z, tcache, blocks, projections)
 
 
 def predict(params, dense: np.ndarray, rows) -> np.ndarray:
@@ -169,7 +174,7 @@ def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
     in the form given: an array (n, 26, DIM) or a list of 26 blocks (n, d),
     with the gradients of the projections among the others)."""
     as_list = isinstance(rows, (list, tuple))
-    logits, (bcache, z, tcache, blocks) = forward(params, dense, rows)
+    logits, (bcache, z, tcache, blocks, projections) = forward(params, dense, rows)
     n = labels.shape[0]
     y = labels.astype(logits.dtype)
     # log(1 + e^x) - y x, stable for either sign of x
@@ -194,7 +199,7 @@ def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
         if name.startswith("proj"):
             grads[name] = np.empty_like(w)
     seen: dict[int, int] = {}
-    for f, w in enumerate(_projections(params, blocks)):
+    for f, w in enumerate(projections):
         g = g_rows[:, f]
         if w is not None:   # rows @ w: d rows = g @ w.T, d w = rows.T @ g
             d = w.shape[0]
