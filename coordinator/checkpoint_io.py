@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from concurrent import futures
@@ -39,6 +40,7 @@ from psserver.contract.checkpoint_format import fsync_dir as _fsync_dir
 from psserver.contract.keys import fill_capacity, split_capacity
 from psserver.errors import (
     PSError,
+    Unavailable,
 )
 
 log = logging.getLogger("coordinator.checkpoint")
@@ -108,40 +110,46 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     try:
         os.makedirs(tmp)
         addresses = set(by_ps) | {a for t in tables for a in t.addresses}
-        with futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
-            subs = {}
-            for addr in addresses:
-                subs[addr] = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
-                os.makedirs(subs[addr])
-            jobs = {addr: pool.submit(client_for(addr).save_incremental, subs[addr], names,
-                                      **fields(addr))
-                    for addr, names in by_ps.items()}
-            copies = {t.name: t.primaries() for t in tables}   # (replication: primaries)
-            table_jobs = {t.name: [pool.submit(client_for(c.address).save_table, c.table,
-                                               subs[c.address], **fields(c.address))
-                                   for c in copies[t.name]]
-                          for t in tables}
-            for addr, job in jobs.items():
-                reply = job.result()
-                servers[addr] = reply.incarnation
-                for f in reply.files:
-                    entry = {"version": f.version, "bytes": f.bytes, "kind": _kind(f.kind)}
-                    if f.file:
-                        entry["file"] = os.path.relpath(os.path.join(subs[addr], f.file), tmp)
-                        entry["crc32"] = _crc32(f, os.path.join(subs[addr], f.file))
-                    if f.kind == 1:
-                        entry["delta_rows"] = f.rows
-                    files[f.name] = entry
-            for t in table_jobs:
-                table_files[t] = []
-                for c, job in zip(copies[t], table_jobs[t]):
-                    r = job.result()
-                    servers[c.address] = r.incarnation
-                    table_files[t].append(
-                        {"file": os.path.relpath(os.path.join(subs[c.address], r.file), tmp),
-                         "rows": r.rows, "bytes": r.bytes, "step": r.step,
-                         "crc32": _crc32(r, os.path.join(subs[c.address], r.file)),
-                         "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
+        subs = {}
+        for addr in addresses:
+            subs[addr] = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
+            os.makedirs(subs[addr])
+        jobs = {addr: _spawn(client_for(addr).save_incremental, subs[addr], names,
+                             **fields(addr))
+                for addr, names in by_ps.items()}
+        copies = {t.name: t.primaries() for t in tables}   # (replication: primaries)
+        table_jobs = {t.name: [_spawn(client_for(c.address).save_table, c.table,
+                                      subs[c.address], **fields(c.address))
+                               for c in copies[t.name]]
+                      for t in tables}
+        watched: dict[str, list] = {}
+        for addr, job in jobs.items():
+            watched.setdefault(addr, []).append(job)
+        for t in tables:
+            for c, job in zip(copies[t.name], table_jobs[t.name]):
+                watched.setdefault(c.address, []).append(job)
+        _await_saves(watched, client_for)
+        for addr, job in jobs.items():
+            reply = job.result()
+            servers[addr] = reply.incarnation
+            for f in reply.files:
+                entry = {"version": f.version, "bytes": f.bytes, "kind": _kind(f.kind)}
+                if f.file:
+                    entry["file"] = os.path.relpath(os.path.join(subs[addr], f.file), tmp)
+                    entry["crc32"] = _crc32(f, os.path.join(subs[addr], f.file))
+                if f.kind == 1:
+                    entry["delta_rows"] = f.rows
+                files[f.name] = entry
+        for t in table_jobs:
+            table_files[t] = []
+            for c, job in zip(copies[t], table_jobs[t]):
+                r = job.result()
+                servers[c.address] = r.incarnation
+                table_files[t].append(
+                    {"file": os.path.relpath(os.path.join(subs[c.address], r.file), tmp),
+                     "rows": r.rows, "bytes": r.bytes, "step": r.step,
+                     "crc32": _crc32(r, os.path.join(subs[c.address], r.file)),
+                     "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
@@ -189,6 +197,60 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
         _commit(inc, servers, client_for)
     return final, (sum(f["bytes"] for f in files.values())
                    + sum(f["bytes"] for fs in table_files.values() for f in fs))
+
+
+#: While servers save, each one still saving is asked for its ServerInfo
+#: every PROBE_EVERY seconds (a PROBE_SECONDS deadline); PROBE_MISSES
+#: unanswered in a row fail the save then (within about 20 s), saying which
+#: server and why. A hung server, or a host whose packets are dropped,
+#: answers nothing, where a busy one still answers. Before, such a save
+#: ended when gRPC's keepalive gave up on the stream (about 60 s here:
+#: "Stream removed (ping timeout)"), or at the call's deadline.
+PROBE_EVERY, PROBE_SECONDS, PROBE_MISSES = 2.0, 5.0, 3
+
+
+def _spawn(fn, *args, **kwargs) -> futures.Future:
+    """fn(*args, **kwargs) in a daemon thread of its own: a save abandoned
+    because its server hangs must not keep the process from exiting."""
+    done: futures.Future = futures.Future()
+
+    def run() -> None:
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as exc:   # (raised where the result is asked for)
+                done.set_exception(exc)
+    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
+    return done
+
+
+def _await_saves(jobs: Mapping[str, list], client_for: Callable[[str], Any]) -> None:
+    """Wait for every server's save calls (``jobs``: address -> futures); a
+    failed one ends the wait (its error is raised where its result is read).
+    A server that answers no ServerInfo PROBE_MISSES times in a row while it
+    has saves outstanding fails the save: Unavailable naming it."""
+    missed: dict[str, int] = {}
+    while True:
+        pending = [f for fs in jobs.values() for f in fs if not f.done()]
+        if not pending or any(f.done() and f.exception() is not None
+                              for fs in jobs.values() for f in fs):
+            return
+        futures.wait(pending, timeout=PROBE_EVERY, return_when=futures.FIRST_EXCEPTION)
+        for addr, fs in jobs.items():
+            if all(f.done() for f in fs):
+                continue
+            try:
+                client_for(addr).server_info(timeout=PROBE_SECONDS)
+                missed[addr] = 0
+            except PSError as exc:
+                missed[addr] = missed.get(addr, 0) + 1
+                if missed[addr] >= PROBE_MISSES:
+                    raise Unavailable(
+                        f"parameter server {addr} answered nothing for "
+                        f"{missed[addr] * (PROBE_EVERY + PROBE_SECONDS):.0f} s while it was "
+                        f"saving (last: {type(exc).__name__}): it hangs, or its host is "
+                        "unreachable. The save is abandoned and nothing was listed; check "
+                        "or restart that server, then save again") from None
 
 
 def _crc32(reply, path: str) -> int:

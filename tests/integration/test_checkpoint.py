@@ -445,3 +445,42 @@ def test_a_checkpoint_directory_is_on_disk_before_it_is_renamed_into_place(tmp_p
     at, tmp = disk.renamed(path)
     assert ("fsync", tmp) in disk.events[:at]
     assert ("fsync", str(tmp_path)) in disk.events[at:]
+
+
+def test_a_hung_server_fails_a_save_in_seconds_and_nothing_is_listed(tmp_path, monkeypatch):
+    """Issue 33 item 11: a server that is alive but answers nothing (stopped
+    here with SIGSTOP; a host that drops packets looks the same) kept a save
+    waiting until gRPC's keepalive gave up on the stream (61 s here, "Stream
+    removed (ping timeout)"), or the call's deadline. While servers
+    save, each one still saving is probed (ServerInfo); one that answers no
+    probe PROBE_MISSES times in a row fails the save with Unavailable naming
+    it, nothing listed; the other servers' saves are unaffected, and the
+    next save, once it answers again, succeeds."""
+    import signal
+    import time
+
+    from coordinator import checkpoint_io
+    from psserver.errors import Unavailable
+    monkeypatch.setattr(checkpoint_io, "PROBE_EVERY", 0.2)
+    monkeypatch.setattr(checkpoint_io, "PROBE_SECONDS", 0.5)
+    monkeypatch.setattr(checkpoint_io, "PROBE_MISSES", 2)
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec,
+                                           variable_partitioner=FixedShardsPartitioner(2))
+        w = strategy.create_variable("w", shape=(8, 2), initializer="ones")
+        strategy.create_embedding_table("t", 2, initializer="ones")
+        manager = CheckpointManager(strategy, str(tmp_path))
+        manager.save(1)
+        hung = cluster.ps[1]
+        os.kill(hung.task_pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match=f"{hung.address} answered nothing .* hangs"):
+                manager.save(2)
+            assert time.monotonic() - start < 30
+            assert [os.path.basename(p) for p in manager.checkpoints()] == ["ckpt-00000001"]
+            assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001"]
+        finally:
+            os.kill(hung.task_pid, signal.SIGCONT)
+        assert os.path.basename(manager.save(3)) == "ckpt-00000003"
+        np.testing.assert_array_equal(w.read(), np.ones((8, 2), np.float32))
