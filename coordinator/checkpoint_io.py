@@ -225,17 +225,21 @@ def _spawn(fn, *args, **kwargs) -> futures.Future:
 
 
 def _await_saves(jobs: Mapping[str, list], client_for: Callable[[str], Any]) -> None:
-    """Wait for every server's save calls (``jobs``: address -> futures); a
-    failed one ends the wait (its error is raised where its result is read).
-    A server that answers no ServerInfo PROBE_MISSES times in a row while it
-    has saves outstanding fails the save: Unavailable naming it."""
+    """Wait for every server's save calls (``jobs``: address -> futures). A
+    failed one ends the wait with its error (the others may still be
+    running). A server that answers no ServerInfo PROBE_MISSES times in a
+    row while it has saves outstanding fails the save: Unavailable naming it."""
     missed: dict[str, int] = {}
+    every = [f for fs in jobs.values() for f in fs]
     while True:
-        pending = [f for fs in jobs.values() for f in fs if not f.done()]
-        if not pending or any(f.done() and f.exception() is not None
-                              for fs in jobs.values() for f in fs):
+        pending = [f for f in every if not f.done()]
+        if pending:
+            futures.wait(pending, timeout=PROBE_EVERY, return_when=futures.FIRST_EXCEPTION)
+        for f in every:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        if all(f.done() for f in every):
             return
-        futures.wait(pending, timeout=PROBE_EVERY, return_when=futures.FIRST_EXCEPTION)
         for addr, fs in jobs.items():
             if all(f.done() for f in fs):
                 continue

@@ -484,3 +484,39 @@ def test_a_hung_server_fails_a_save_in_seconds_and_nothing_is_listed(tmp_path, m
             os.kill(hung.task_pid, signal.SIGCONT)
         assert os.path.basename(manager.save(3)) == "ckpt-00000003"
         np.testing.assert_array_equal(w.read(), np.ones((8, 2), np.float32))
+
+
+def test_a_save_that_fails_on_one_server_fails_at_once_while_another_hangs(tmp_path,
+                                                                           monkeypatch):
+    """The first save call to fail ends the save with its error, whichever
+    server's reply would have been read first (here the hung one's: waiting
+    on it would have taken until gRPC gave up)."""
+    import signal
+    import time
+
+    from coordinator import checkpoint_io
+    from psserver.client.admin import PSAdmin
+    from psserver.errors import ResourceExhausted
+    monkeypatch.setattr(checkpoint_io, "PROBE_MISSES", 1000)   # no probe ends it
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec,
+                                           variable_partitioner=FixedShardsPartitioner(2))
+        strategy.create_variable("w", shape=(8, 2), initializer="ones")
+        manager = CheckpointManager(strategy, str(tmp_path))
+        hung, failing = cluster.ps[0], cluster.ps[1]
+        real = PSAdmin.save_incremental
+
+        def save_incremental(self, *args, **kwargs):
+            if self.address == failing.address:
+                raise ResourceExhausted("no room left on the device (a test)")
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(PSAdmin, "save_incremental", save_incremental)
+        os.kill(hung.task_pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(ResourceExhausted, match="no room left"):
+                manager.save(1)
+            assert time.monotonic() - start < 20
+            assert manager.checkpoints() == []
+        finally:
+            os.kill(hung.task_pid, signal.SIGCONT)
