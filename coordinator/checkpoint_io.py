@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -39,6 +40,7 @@ from psserver.contract.checkpoint_format import CHECKSUM
 from psserver.contract.checkpoint_format import fsync_dir as _fsync_dir
 from psserver.contract.keys import fill_capacity, split_capacity
 from psserver.errors import (
+    DeadlineExceeded,
     PSError,
     Unavailable,
 )
@@ -107,6 +109,7 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     files: dict[str, Any] = {}
     table_files: dict[str, list] = {}
     servers: dict[str, str] = {}
+    saves = _Saves()
     try:
         os.makedirs(tmp)
         addresses = set(by_ps) | {a for t in tables for a in t.addresses}
@@ -114,12 +117,12 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
         for addr in addresses:
             subs[addr] = os.path.join(tmp, f"ps-{ps_index.get(addr, addr)}")
             os.makedirs(subs[addr])
-        jobs = {addr: _spawn(client_for(addr).save_incremental, subs[addr], names,
-                             **fields(addr))
+        jobs = {addr: saves.submit(addr, client_for(addr).save_incremental, subs[addr],
+                                   names, **fields(addr))
                 for addr, names in by_ps.items()}
         copies = {t.name: t.primaries() for t in tables}   # (replication: primaries)
-        table_jobs = {t.name: [_spawn(client_for(c.address).save_table, c.table,
-                                      subs[c.address], **fields(c.address))
+        table_jobs = {t.name: [saves.submit(c.address, client_for(c.address).save_table,
+                                            c.table, subs[c.address], **fields(c.address))
                                for c in copies[t.name]]
                       for t in tables}
         watched: dict[str, list] = {}
@@ -191,8 +194,11 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:
+        saves.close()   # the calls not started never start; then the files go
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        saves.close()
     if inc.save_id:
         _commit(inc, servers, client_for)
     return final, (sum(f["bytes"] for f in files.values())
@@ -209,52 +215,86 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
 PROBE_EVERY, PROBE_SECONDS, PROBE_MISSES = 2.0, 5.0, 3
 
 
-def _spawn(fn, *args, **kwargs) -> futures.Future:
-    """fn(*args, **kwargs) in a daemon thread of its own: a save abandoned
-    because its server hangs must not keep the process from exiting."""
-    done: futures.Future = futures.Future()
+class _Saves:
+    """The save calls of one checkpoint: each server's one after another (as
+    many at once would each copy a shard under its lock and fill the
+    server's request threads), in a daemon thread per server, so a save
+    abandoned because its server hangs keeps no process from exiting.
+    ``submit`` gives a future; ``close`` cancels the calls not started and
+    lets the threads end."""
 
-    def run() -> None:
-        if done.set_running_or_notify_cancel():
-            try:
-                done.set_result(fn(*args, **kwargs))
-            except BaseException as exc:   # (raised where the result is asked for)
-                done.set_exception(exc)
-    threading.Thread(target=run, name="checkpoint-save", daemon=True).start()
-    return done
+    def __init__(self):
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self.submitted: list[futures.Future] = []
+
+    def submit(self, address: str, fn, *args, **kwargs) -> futures.Future:
+        q = self._queues.get(address)
+        if q is None:
+            q = self._queues[address] = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(q,), daemon=True,
+                             name=f"checkpoint-save-{address}").start()
+        done: futures.Future = futures.Future()
+        q.put((done, fn, args, kwargs))
+        self.submitted.append(done)
+        return done
+
+    def close(self) -> None:
+        for f in self.submitted:
+            f.cancel()   # (only those not started)
+        for q in self._queues.values():
+            q.put(None)
+        self._queues.clear()
+
+    @staticmethod
+    def _run(q: queue.SimpleQueue) -> None:
+        while (item := q.get()) is not None:
+            done, fn, args, kwargs = item
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(*args, **kwargs))
+                except BaseException as exc:   # (raised where the result is asked for)
+                    done.set_exception(exc)
 
 
 def _await_saves(jobs: Mapping[str, list], client_for: Callable[[str], Any]) -> None:
     """Wait for every server's save calls (``jobs``: address -> futures). A
     failed one ends the wait with its error (the others may still be
-    running). A server that answers no ServerInfo PROBE_MISSES times in a
-    row while it has saves outstanding fails the save: Unavailable naming it."""
+    running). A server with calls outstanding that answers no ServerInfo
+    PROBE_MISSES times in a row (no reply in time, or no connection: an
+    error reply means it is alive) fails the save: Unavailable naming it."""
     missed: dict[str, int] = {}
+    since: dict[str, float] = {}
     every = [f for fs in jobs.values() for f in fs]
     while True:
         pending = [f for f in every if not f.done()]
         if pending:
             futures.wait(pending, timeout=PROBE_EVERY, return_when=futures.FIRST_EXCEPTION)
         for f in every:
-            if f.done() and f.exception() is not None:
+            if f.done() and not f.cancelled() and f.exception() is not None:
                 raise f.exception()
         if all(f.done() for f in every):
             return
         for addr, fs in jobs.items():
             if all(f.done() for f in fs):
                 continue
+            asked = time.monotonic()
             try:
                 client_for(addr).server_info(timeout=PROBE_SECONDS)
-                missed[addr] = 0
-            except PSError as exc:
+            except (Unavailable, DeadlineExceeded) as exc:
+                since.setdefault(addr, asked)
                 missed[addr] = missed.get(addr, 0) + 1
                 if missed[addr] >= PROBE_MISSES:
                     raise Unavailable(
                         f"parameter server {addr} answered nothing for "
-                        f"{missed[addr] * (PROBE_EVERY + PROBE_SECONDS):.0f} s while it was "
-                        f"saving (last: {type(exc).__name__}): it hangs, or its host is "
-                        "unreachable. The save is abandoned and nothing was listed; check "
-                        "or restart that server, then save again") from None
+                        f"{time.monotonic() - since[addr]:.0f} s while it was saving (last: "
+                        f"{type(exc).__name__}): it hangs, or its host is unreachable. The "
+                        "save is abandoned and nothing was listed; check or restart that "
+                        "server, then save again") from None
+                continue
+            except PSError:   # it answered (an error): alive
+                pass
+            missed.pop(addr, None)
+            since.pop(addr, None)
 
 
 def _crc32(reply, path: str) -> int:
