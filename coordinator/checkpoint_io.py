@@ -194,7 +194,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:
-        saves.close()   # the calls not started never start; then the files go
+        saves.close()   # the calls not started never start; those running end;
+        saves.settle(PROBE_SECONDS)   # then the files go
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
@@ -244,6 +245,13 @@ class _Saves:
         for q in self._queues.values():
             q.put(None)
         self._queues.clear()
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the calls running now (after
+        close: no other will start), so that a failed save's files are
+        removed after its servers stopped writing them (a hung server's call
+        is not waited for past the timeout)."""
+        futures.wait([f for f in self.submitted if not f.done()], timeout=timeout)
 
     @staticmethod
     def _run(q: queue.SimpleQueue) -> None:

@@ -145,9 +145,11 @@ def test_base_and_ten_deltas_restore_to_a_full_save_bit_for_bit_and_reshard(tmp_
 
 
 def test_a_crash_while_writing_a_delta_keeps_the_previous_chain_restorable(tmp_path):
-    """Both servers die in the middle of writing a delta (fault switch):
-    the save fails, nothing partial is listed, and the previous delta
-    restores (with its chain) into a fresh cluster as it was saved."""
+    """The servers die in the middle of writing a delta (fault switch): the
+    save fails, nothing partial is listed, and the previous delta restores
+    (with its chain) into a fresh cluster as it was saved. (The first
+    failure ends the save and cancels the calls not yet sent: a server may
+    never get its delta, and live on.)"""
     rng = np.random.default_rng(1)
     with LocalCluster(num_ps=2, num_workers=0, restart=(),
                       env={"PSTRAIN_FAULT_CRASH_IN_SAVE": "delta"}) as cluster:
@@ -164,9 +166,10 @@ def test_a_crash_while_writing_a_delta_keeps_the_previous_chain_restorable(tmp_p
         with pytest.raises(PSError):
             train(model, rng)
             inc.save(2)                     # a delta: the servers die writing it
-        for p in cluster.ps:   # their sockets close while they exit
-            p.proc.wait(timeout=30)
-        assert not any(p.alive() for p in cluster.ps)
+        deadline = time.monotonic() + 30    # (their sockets close while they exit)
+        while all(p.alive() for p in cluster.ps):
+            assert time.monotonic() < deadline, "no server crashed writing its delta"
+            time.sleep(0.05)
         assert inc.checkpoints() == [base] and os.listdir(tmp_path) == ["ckpt-00000001"]
     with LocalCluster(num_ps=2, num_workers=0) as fresh:
         strategy = ParameterServerStrategy(fresh.spec,
