@@ -91,6 +91,24 @@ def test_the_planted_model_is_learnable_but_not_trivial():
     assert 0.55 < D.auc(b.labels, b.dense @ D.DENSE_WEIGHTS) < ceiling - 0.1   # dense alone
 
 
+def _central(at) -> float:
+    """The central difference of ``at(eps)`` at eps = 1e-6."""
+    return (at(1e-6) - at(-1e-6)) / (2 * 1e-6)
+
+
+def _check_param_grads(params, grads, names, rng, loss_of) -> None:
+    """Each of ``names`` (repeats: more entries), at a random entry: its
+    gradient equals the central difference of ``loss_of(params)``."""
+    for name in names:
+        idx = tuple(int(rng.integers(0, s)) for s in params[name].shape)
+
+        def at(eps, name=name, idx=idx):
+            p = {k: v.copy() for k, v in params.items()}
+            p[name][idx] += eps
+            return loss_of(p)
+        assert _central(at) == pytest.approx(grads[name][idx], rel=1e-5, abs=1e-9), name
+
+
 def test_dlrm_gradients_are_the_losss_derivatives():
     rng = np.random.default_rng(1)
     params = M.init_params(2, np.float64)
@@ -101,20 +119,8 @@ def test_dlrm_gradients_are_the_losss_derivatives():
     loss, grads, row_grads = M.loss_and_grads(params, dense, rows, labels)
     assert set(grads) == set(params) and row_grads.shape == rows.shape
 
-    def numeric(change):
-        eps = 1e-6
-        plus = change(eps)
-        minus = change(-eps)
-        return (plus - minus) / (2 * eps)
-    for name in params:
-        for _ in range(3):
-            idx = tuple(int(rng.integers(0, s)) for s in params[name].shape)
-
-            def at(eps, name=name, idx=idx):
-                p = {k: v.copy() for k, v in params.items()}
-                p[name][idx] += eps
-                return M.loss_and_grads(p, dense, rows, labels)[0]
-            assert numeric(at) == pytest.approx(grads[name][idx], rel=1e-5, abs=1e-9), name
+    _check_param_grads(params, grads, [n for n in params for _ in range(3)], rng,
+                       lambda p: M.loss_and_grads(p, dense, rows, labels)[0])
     for _ in range(5):
         idx = tuple(int(rng.integers(0, s)) for s in rows.shape)
 
@@ -122,7 +128,7 @@ def test_dlrm_gradients_are_the_losss_derivatives():
             r = rows.copy()
             r[idx] += eps
             return M.loss_and_grads(params, dense, r, labels)[0]
-        assert numeric(at_row) == pytest.approx(row_grads[idx], rel=1e-5, abs=1e-9)
+        assert _central(at_row) == pytest.approx(row_grads[idx], rel=1e-5, abs=1e-9)
     # The same rows as a list of 26 blocks (n, DIM): gradients as a list too.
     loss_l, grads_l, rows_l = M.loss_and_grads(params, dense, list(rows.transpose(1, 0, 2)), labels)
     assert loss_l == loss and isinstance(rows_l, list) and len(rows_l) == 26
@@ -162,16 +168,8 @@ def test_dlrm_rows_of_several_widths_are_projected_and_their_gradients_are_deriv
                      for b, d, j in zip(blocks, dims, nth)], axis=1)
     assert M.loss_and_grads(plain, dense, wide, labels)[0] == pytest.approx(loss, rel=1e-12)
 
-    def numeric(at):
-        return (at(1e-6) - at(-1e-6)) / 2e-6
-    for name in [k for k in params if k.startswith("proj")] * 4:
-        idx = tuple(int(rng.integers(0, s)) for s in params[name].shape)
-
-        def at(eps, name=name, idx=idx):
-            p = {k: v.copy() for k, v in params.items()}
-            p[name][idx] += eps
-            return M.loss_and_grads(p, dense, blocks, labels)[0]
-        assert numeric(at) == pytest.approx(grads[name][idx], rel=1e-5, abs=1e-9), name
+    _check_param_grads(params, grads, [k for k in params if k.startswith("proj")] * 4, rng,
+                       lambda p: M.loss_and_grads(p, dense, blocks, labels)[0])
     for f in (0, 4, 8, 20):   # widths 16, 8, 4, 16
         i, j = int(rng.integers(0, n)), int(rng.integers(0, dims[f]))
 
@@ -179,7 +177,7 @@ def test_dlrm_rows_of_several_widths_are_projected_and_their_gradients_are_deriv
             b = [x.copy() for x in blocks]
             b[f][i, j] += eps
             return M.loss_and_grads(params, dense, b, labels)[0]
-        assert numeric(at_row) == pytest.approx(row_grads[f][i, j], rel=1e-5, abs=1e-9)
+        assert _central(at_row) == pytest.approx(row_grads[f][i, j], rel=1e-5, abs=1e-9)
     assert M.num_params(dims) == M.num_params() + sum(d * M.DIM for d in dims if d < M.DIM)
     with pytest.raises(ValueError, match="proj4/w projects 7 features of width 4; 6 given"):
         M.forward(params, dense, blocks[:8] + [rng.normal(size=(n, M.DIM))] + blocks[9:])
