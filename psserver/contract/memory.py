@@ -55,6 +55,20 @@ def mapped(shape: tuple, dtype) -> np.ndarray:
     return np.frombuffer(mm, dtype, count=count).reshape(shape)
 
 
+def owner(a):
+    """What finally holds an array's memory: its base's base..., through
+    memoryviews to what they view (an mmap, a bytes, a bytearray), or the
+    array itself when it owns its data."""
+    root = a
+    while True:
+        if isinstance(root, np.ndarray) and root.base is not None:
+            root = root.base
+        elif isinstance(root, memoryview) and root.obj is not None:
+            root = root.obj
+        else:
+            return root
+
+
 def grow_rows(holder: MutableMapping, name: str, rows: int, keep: int) -> None:
     """``holder[name]`` made ``rows`` rows long, its first ``keep`` rows
     kept (the rest zeros): remapped in place when it is a mapping's only
@@ -65,13 +79,10 @@ def grow_rows(holder: MutableMapping, name: str, rows: int, keep: int) -> None:
     a = holder[name]
     dtype, tail = a.dtype, a.shape[1:]
     width, old = math.prod(tail), a.shape[0]
-    base = a.base
-    while isinstance(base, np.ndarray):
-        base = base.base
-    mm = base.obj if isinstance(base, memoryview) else None
+    mm = owner(a)
     if isinstance(mm, mmap.mmap) and a.size == len(mm) // dtype.itemsize:
         holder[name] = np.zeros((0,) + tail, dtype)   # the mapping's only export goes
-        del a, base
+        del a
         try:
             mm.resize(rows * width * dtype.itemsize)
         except BaseException as exc:   # as it was; then copied, or the error raised

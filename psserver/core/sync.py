@@ -29,7 +29,7 @@ from typing import Iterable
 import numpy as np
 
 from psserver.contract import MAX_COUNT, ROLE_PRIMARY, SyncSpec
-from psserver.contract.memory import mapped
+from psserver.contract.memory import mapped, owner
 from psserver.contract.rows import sum_duplicates
 from psserver.errors import DeadlineExceeded, InvalidArgument
 
@@ -165,14 +165,7 @@ def _buffers(arrays) -> dict[int, int]:
     """id -> bytes of the buffer each array keeps alive (its base's base...)."""
     out = {}
     for a in arrays:
-        root = a
-        while True:
-            if isinstance(root, np.ndarray) and root.base is not None:
-                root = root.base
-            elif isinstance(root, memoryview) and root.obj is not None:
-                root = root.obj
-            else:
-                break
+        root = owner(a)
         if isinstance(root, np.ndarray):
             out[id(root)] = root.nbytes
         else:
