@@ -161,25 +161,34 @@ class DynamicTable:
             rows = self.index.find(flat)
             rows[self._stale(rows)] = -1
         else:
-            now = self.clock()
-            self._sweep(now)
+            if self._ages:
+                now = self.clock()
+                self._sweep(now)
             rows = self.index.find(flat)
-            old = self._stale(rows, now)
-            if old.any():   # past its age, not swept yet: gone now
-                self._expire_rows(np.unique(rows[old]))
-                rows[old] = -1
+            if self._ages:
+                old = self._stale(rows, now)
+                if old.any():   # past its age, not swept yet: gone now
+                    self._expire_rows(np.unique(rows[old]))
+                    rows[old] = -1
             self._tick += 1
             found = rows >= 0
+            every = bool(found.all())   # (the usual case: hit and counts whole, no copies)
+            hit = rows if every else rows[found]
+            seen = 1 if counts is None else counts if every else counts[found]
             self.stats.lookups += flat.size if counts is None else int(counts.sum())
-            self.stats.hits += int(found.sum()) if counts is None else int(counts[found].sum())
-            hit = rows[found]
+            self.stats.hits += hit.size if counts is None else int(seen.sum())
             self.used_step[hit] = self._tick   # (also: _create evicts none of them)
             if self.tracker is not None:   # (their look-up counts change)
                 self.tracker.dirty[hit] = True
-            np.add.at(self.freq, hit, 1 if counts is None else counts[found])
-            self.freq[hit] = np.minimum(self.freq[hit], MAX_FREQ)
-            missing = ~found
-            if missing.any():
+            if hit.size < 2 or bool((flat[1:] > flat[:-1]).all()):
+                # distinct keys (a client sends its batch's keys sorted and
+                # unique): one row each, so a plain sum (np.add.at: ~40x slower)
+                self.freq[hit] = np.minimum(self.freq[hit] + seen, MAX_FREQ)
+            else:
+                np.add.at(self.freq, hit, seen)
+                self.freq[hit] = np.minimum(self.freq[hit], MAX_FREQ)
+            if not every:
+                missing = ~found
                 new_keys, inverse = np.unique(flat[missing], return_inverse=True)
                 evicted = self.stats.evicted_capacity
                 times = np.bincount(inverse, minlength=new_keys.size) if counts is None else \
@@ -328,6 +337,11 @@ class DynamicTable:
         self.stats.evicted_age += int(stale[order].sum())
         self.stats.evicted_capacity += int(order.size - stale[order].sum())
 
+    @property
+    def _ages(self) -> bool:
+        """Whether rows expire by age (else _stale is all False)."""
+        return bool(self.config.max_age_steps or self.config.max_age_seconds)
+
     def _stale(self, rows: np.ndarray, now: float | None = None) -> np.ndarray:
         """Which of ``rows`` (-1: none) are past their age (absent, till evicted)."""
         c = self.config
@@ -397,7 +411,8 @@ class DynamicTable:
                 f"dynamic table: a repeated key's gradients sum beyond {self.dtype.name}'s "
                 "range; nothing applied. Lower the learning rate or clip gradients")
         rows = self._rows_of(ukeys)
-        rows[self._stale(rows)] = -1   # past its age: as good as evicted, its gradient dropped
+        if self._ages:   # past its age: as good as evicted, its gradient dropped
+            rows[self._stale(rows)] = -1
         have = rows >= 0
         n_have = int(have.sum())
         self.stats.dropped += ukeys.size - n_have

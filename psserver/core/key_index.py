@@ -76,6 +76,8 @@ class KeyIndex:
         # the rows of the slots found, by flat position (np.take: several
         # times faster than take_along_axis or fancy indexing)
         row = np.take(rb.reshape(-1), at + np.arange(0, n * _BUCKET, _BUCKET))
+        if found.all():   # (the usual case: every key in its home bucket)
+            return home, at, row
         row[~found] = -1
         bucket = np.where(found, home, -1)
         slot = np.where(found, at, 0)
