@@ -26,7 +26,7 @@ import time
 import traceback
 import uuid
 
-from coordinator import datasets, serialization, sources
+from coordinator import collective, datasets, serialization, sources
 from coordinator.replica import replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.contract import (
@@ -178,10 +178,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._count += 1
         return reply
 
+    def Collective(self, request, context):
+        """A chunk of a collective operation (coordinator/collective.py),
+        kept in this process's inbox until the member it is for takes it."""
+        if not self.trusted:   # (it changes what a step here computes)
+            raise PermissionDenied(
+                "this worker has no auth token configured, so it takes no collective "
+                f"chunks: set ${TOKEN_ENV} on every task (or start it with {INSECURE_FLAG} "
+                "on an isolated network)")
+        collective.INBOX.deliver_bytes(request)
+        return worker_pb2.CollectiveReply()
+
 
 def _add_worker(servicer: WorkerServicer, server) -> None:
     """The Worker service, its requests parsed by its handlers (psserver/serve/rpc.py)."""
-    rpc.add_service(server, worker_pb2.DESCRIPTOR.services_by_name["Worker"], servicer)
+    rpc.add_service(server, worker_pb2.DESCRIPTOR.services_by_name["Worker"], servicer,
+                    {"Collective": servicer.Collective})   # (framed by hand: its bytes)
 
 
 def _ps_failure(exc: BaseException) -> dict:

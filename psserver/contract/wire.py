@@ -268,6 +268,16 @@ def _tensor_field(field: int, arr: np.ndarray) -> list:
     return [_len_field(field, len(head) + len(data)), head, data]
 
 
+def encode_collective_chunk(group: bytes, op: int, step: int, sender: int,
+                            data: np.ndarray) -> Scattered:
+    """CollectiveChunk{group, op, step, sender, data} (worker.proto) as its
+    parts: ``data``'s memory is sent as it is (not copied), so it must not
+    change until the call is answered."""
+    head = b"".join((_len_field(1, len(group)), group, _key(2, _VARINT), _varint(op),
+                     _key(3, _VARINT), _varint(step), _key(4, _VARINT), _varint(sender)))
+    return Scattered(p for p in (head, *_tensor_field(5, data)) if len(p))
+
+
 def _gather_reply_parts(version: int, rows: np.ndarray) -> list:
     """GatherReply{version, rows}'s parts (the rows' memory not copied)."""
     return [_key(1, _VARINT) + _varint(version) if version else b"", *_tensor_field(2, rows)]

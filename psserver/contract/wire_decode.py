@@ -523,3 +523,38 @@ def decode_push_request(raw: bytes):
             arrays[f] = _decode_tensor(raw, buf, spans, f"{what} of table {name!r}", parts)
         done.append((name, arrays[2], arrays[3], uid, own_sync, arrays[6], arrays[7]))
     return out, sync, rows, done
+
+
+#: A collective group's id (CollectiveChunk.group): bytes.
+COLLECTIVE_GROUP_BYTES = 16
+_CHUNK_DTYPES = ("float16", "float32", "float64")
+
+
+def decode_collective_chunk(raw) -> tuple[bytes, int, int, int, np.ndarray]:
+    """(group, op, step, sender, data) of CollectiveChunk bytes (worker.proto),
+    ``data`` a 1-D float array viewing ``raw``; InvalidArgument for anything
+    else (a group id not of 16 bytes, a step or sender past uint32, data
+    not one dimension of float16/32/64)."""
+    buf = memoryview(raw).cast("B")
+    group, op, step, sender, spans = b"", 0, 0, 0, []
+    for field, wt, a, b in _fields(buf, 0, len(buf)):
+        if field == 1 and wt == _LEN:
+            group = bytes(buf[a:b])
+        elif field == 2 and wt == _VARINT:
+            op = a
+        elif field in (3, 4) and wt == _VARINT:
+            if a >> 32:
+                raise InvalidArgument(f"a collective chunk's {'step' if field == 3 else 'sender'} "
+                                      f"must fit in 32 bits, got {a}")
+            step, sender = (a, sender) if field == 3 else (step, a)
+        elif field == 5 and wt == _LEN:
+            spans.append((a, b))
+    if len(group) != COLLECTIVE_GROUP_BYTES:
+        raise InvalidArgument(f"a collective chunk's group id must be {COLLECTIVE_GROUP_BYTES} "
+                              f"bytes, got {len(group)}")
+    parts = _tensor_parts(buf, spans, "the chunk")
+    if parts[0] not in _CHUNK_DTYPES or len(parts[1]) != 1:
+        raise InvalidArgument(f"a collective chunk holds one dimension of {', '.join(_CHUNK_DTYPES)}"
+                              f", got {parts[0] or 'no dtype'} of shape {parts[1]}")
+    return group, op, step, sender, _decode_tensor(raw, buf, spans, "the chunk", parts)
+

@@ -67,9 +67,10 @@ TABLE_LOOKUP = Method(10, TABLES, "Lookup", tables_pb2.LookupRequest, tables_pb2
                       "Lookup")
 TABLE_UPDATE = Method(11, TABLES, "Update", tables_pb2.TableUpdateRequest,
                       tables_pb2.TableUpdateReply, "Update")
+COLLECTIVE = Method(12, WORKER, "Collective", None, worker_pb2.CollectiveReply, "Collective")
 
 SOCKET = (SHM_READ, SHM_PUSH, GATHER, PUSH_SPARSE, RUN_CLOSURE, BULK_READ, BULK_PUSH, REPLICATE,
-          TABLE_LOOKUP, TABLE_UPDATE)
+          TABLE_LOOKUP, TABLE_UPDATE, COLLECTIVE)
 BY_ID: dict[int, Method] = {m.id: m for m in SOCKET}
 assert len(BY_ID) == len(SOCKET) and not {HELLO, IDENTITY} & set(BY_ID), "socket ids collide"
 

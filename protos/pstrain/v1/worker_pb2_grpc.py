@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.ClosureRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.ClosureReply.FromString,
                 _registered_method=True)
+        self.Collective = channel.unary_unary(
+                '/pstrain.v1.Worker/Collective',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.CollectiveChunk.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.CollectiveReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -72,6 +77,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Collective(self, request, context):
+        """Delivers a chunk into the worker's inbox, where the member's operation
+        takes it (it may arrive before that member starts the operation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +102,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunClosure,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.ClosureRequest.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.ClosureReply.SerializeToString,
+            ),
+            'Collective': grpc.unary_unary_rpc_method_handler(
+                    servicer.Collective,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.CollectiveChunk.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_worker__pb2.CollectiveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +190,33 @@ class Worker:
             '/pstrain.v1.Worker/RunClosure',
             protos_dot_pstrain_dot_v1_dot_worker__pb2.ClosureRequest.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_worker__pb2.ClosureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Collective(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.Worker/Collective',
+            protos_dot_pstrain_dot_v1_dot_worker__pb2.CollectiveChunk.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_worker__pb2.CollectiveReply.FromString,
             options,
             channel_credentials,
             insecure,

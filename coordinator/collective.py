@@ -1,0 +1,246 @@
+"""Collective operations among workers: all-reduce over a ring.
+
+A group is a fixed list of workers, their addresses in rank order, each
+member running the group's operations in the same order, each on a thread
+of its own worker (a step closure)::
+
+    group = CollectiveGroup("job-7/step-3", addresses, rank)
+    total = group.all_reduce(grad)                # the sum over the members
+    mean = group.all_reduce(grad, average=True)
+
+Every member gets the same bits. This is the first part of issue 36 (the
+all-reduce strategy, its failures and its benchmarks build on it).
+
+The ring (Patarasuk and Yuan's bandwidth-optimal all-reduce, as Baidu's
+ring-allreduce, Horovod and NCCL run it): the flat array is cut into n
+chunks. In n - 1 reduce-scatter steps member r sends chunk (r - s) mod n to
+the next member and adds the chunk (r - s - 1) mod n it receives from the
+previous one into its own; member r then holds the whole sum of chunk
+(r + 1) mod n. In n - 1 all-gather steps those sums go round, each copied
+as it arrives. Each member sends 2(n - 1)/n of the array's bytes (and each
+chunk's framing, under 64 bytes), whatever n. Each chunk's sum is made by
+one chain of additions in ring order and then copied: the members' results
+are bit-identical.
+
+Chunks travel as ``Worker.Collective`` calls on the link layer (the
+worker's Unix socket, data port or gRPC, planned as for any call; the
+cluster's token and TLS), answered once the receiving worker holds the
+chunk in its inbox (``Inbox.deliver``), so a member sends without waiting
+for the next one to reach that step. An inbox holds at most INBOX_BYTES
+(a chunk that does not fit waits for room, then ResourceExhausted), and
+drops chunks nobody took within KEEP_SECONDS (an operation abandoned
+half-way). A chunk's call is not made again when its connection breaks
+(it is not idempotent): the operation fails (Unavailable) on that member
+and times out on the others, and the group is formed anew.
+
+A chunk is keyed by (group, operation, step, sender) until it is taken: a
+group's name must not be used by two groups at once (a name used again
+later, once the first group's operations are over, is fine).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from psserver.contract import wire, wire_decode
+from psserver.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from psserver.link import methods
+from psserver.link.channel import TaskChannel
+
+#: Bytes of chunks a worker's inbox holds at most (one larger chunk is
+#: taken when the inbox is empty).
+INBOX_BYTES = 256 << 20
+#: Seconds a delivered chunk waits for room before ResourceExhausted.
+ROOM_SECONDS = 30.0
+#: Seconds a chunk nobody takes is kept.
+KEEP_SECONDS = 600.0
+#: Array dtypes an all-reduce takes.
+DTYPES = (np.float16, np.float32, np.float64)
+
+
+class Inbox:
+    """The chunks delivered to this worker, until its members take them."""
+
+    def __init__(self, max_bytes: int = INBOX_BYTES, keep_seconds: float = KEEP_SECONDS,
+                 clock=time.monotonic):
+        self.max_bytes, self.keep_seconds, self._clock = max_bytes, keep_seconds, clock
+        self._chunks: dict[tuple, tuple[np.ndarray, float]] = {}
+        self._bytes = 0
+        self._cond = threading.Condition()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def deliver_bytes(self, raw, room_seconds: float = ROOM_SECONDS) -> None:
+        """A Worker.Collective request (InvalidArgument if malformed)."""
+        self.deliver(*wire_decode.decode_collective_chunk(raw), room_seconds=room_seconds)
+
+    def deliver(self, group: bytes, op: int, step: int, sender: int, data: np.ndarray,
+                room_seconds: float = ROOM_SECONDS) -> None:
+        """Keep a chunk (a copy) until ``take`` asks for it. The same chunk
+        again while held is dropped; another with the same key is
+        InvalidArgument (and changes nothing); ResourceExhausted if no room
+        comes within ``room_seconds``."""
+        key = (group, op, step, sender)
+        with self._cond:
+            deadline = self._clock() + room_seconds
+            while True:
+                if self._same(key, data):
+                    return
+                self._expire()
+                if not self._bytes or self._bytes + data.nbytes <= self.max_bytes:
+                    break
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise ResourceExhausted(
+                        f"this worker's collective inbox holds {self._bytes} bytes of chunks "
+                        f"not taken yet (at most {self.max_bytes}): its members are behind or "
+                        "gone. Retry the operation, with smaller arrays or fewer at once")
+                self._cond.wait(left)
+            self._chunks[key] = (np.array(data), self._clock())
+            self._bytes += data.nbytes
+            self._cond.notify_all()
+
+    def _same(self, key: tuple, data: np.ndarray) -> bool:
+        held = self._chunks.get(key)
+        if held is None:
+            return False
+        if held[0].dtype == data.dtype and np.array_equal(held[0], data):
+            return True   # sent again
+        raise InvalidArgument(
+            f"collective chunk (op {key[1]}, step {key[2]}, sender {key[3]}) arrived twice "
+            "with different contents: two groups share an id, or a member runs other "
+            "operations than the others")
+
+    def _expire(self) -> None:
+        old = self._clock() - self.keep_seconds
+        for key in [k for k, (_, at) in self._chunks.items() if at < old]:
+            self._bytes -= self._chunks.pop(key)[0].nbytes
+
+    def take(self, group: bytes, op: int, step: int, sender: int, deadline: float,
+             what: str) -> np.ndarray:
+        """The chunk of that key, once delivered; DeadlineExceeded (saying
+        ``what`` it waited for) if it does not come by ``deadline``."""
+        key = (group, op, step, sender)
+        with self._cond:
+            while key not in self._chunks:
+                left = deadline - self._clock()
+                if left <= 0:
+                    raise DeadlineExceeded(
+                        f"no chunk came from {what} in time: that worker is slow, stopped, "
+                        "or not running this group's operations in the same order")
+                self._cond.wait(left)
+            data, _ = self._chunks.pop(key)
+            self._bytes -= data.nbytes
+            self._cond.notify_all()
+            return data
+
+
+#: This process's inbox: the worker's Collective handler delivers into it,
+#: its groups take from it.
+INBOX = Inbox()
+
+
+def group_id(name: str) -> bytes:
+    """The 16-byte id every member derives from a group's name."""
+    return hashlib.blake2b(name.encode(), digest_size=wire_decode.COLLECTIVE_GROUP_BYTES).digest()
+
+
+def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
+    """n contiguous chunks of ``size`` elements, sizes differing by one at most."""
+    edges = [size * i // n for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class CollectiveGroup:
+    """This worker's membership of a group: ``addresses`` in rank order (every
+    member gives the same list), ``rank`` its own place. ``timeout``:
+    seconds an operation may take. Token and TLS: the worker's own (its
+    environment), as for its calls to the parameter servers."""
+
+    def __init__(self, name: str, addresses: Sequence[str], rank: int, *,
+                 timeout: float = 60.0, token: str | None = None, tls=None,
+                 inbox: Inbox | None = None):
+        addresses = list(addresses)
+        if not addresses or len(set(addresses)) != len(addresses) or \
+                not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError(f"a group needs distinct worker addresses, got {addresses}")
+        if not 0 <= rank < len(addresses):
+            raise ValueError(f"rank {rank} is not in [0, {len(addresses)})")
+        self.name, self.addresses, self.rank, self.size = name, addresses, rank, len(addresses)
+        self.id = group_id(name)
+        self.timeout = timeout
+        self._inbox = INBOX if inbox is None else inbox
+        self._op = 0
+        self.bytes_sent = 0   # request bytes this member sent (chunks and their framing)
+        self._next = None if self.size == 1 else TaskChannel(
+            addresses[(rank + 1) % self.size], role="worker", token=token, tls=tls,
+            timeout=timeout)
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.close()
+
+    def __enter__(self) -> "CollectiveGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def all_reduce(self, array, average: bool = False) -> np.ndarray:
+        """The element-wise sum (``average``: mean) of every member's
+        ``array`` (same shape and dtype on each: float16, float32 or
+        float64), a new array of its shape, the same bits on every member."""
+        a = np.asarray(array)
+        if a.dtype not in DTYPES:
+            raise InvalidArgument(f"all_reduce takes float16, float32 or float64 arrays, "
+                                  f"got {a.dtype}")
+        out = np.array(a, copy=True, order="C")
+        op, self._op = self._op, self._op + 1
+        if self.size > 1:
+            self._ring(op, out.reshape(-1))
+        if average:
+            out /= out.dtype.type(self.size)
+        return out
+
+    def _ring(self, op: int, flat: np.ndarray) -> None:
+        n, r = self.size, self.rank
+        chunks = [flat[a:b] for a, b in chunk_bounds(flat.size, n)]
+        deadline = time.monotonic() + self.timeout
+        prev = f"worker {self.addresses[(r - 1) % n]} (rank {(r - 1) % n} of group {self.name!r})"
+        sent = []
+        for s in range(n - 1):   # reduce-scatter
+            sent.append(self._send(op, s, chunks[(r - s) % n], deadline))
+            got = self._inbox.take(self.id, op, s, (r - 1) % n, deadline, prev)
+            into = chunks[(r - s - 1) % n]
+            _check(got, into, prev)
+            into += got
+        for p in sent:   # (the chunks they send change below)
+            p.result()
+        sent = []
+        for s in range(n - 1):   # all-gather
+            step = n - 1 + s
+            sent.append(self._send(op, step, chunks[(r + 1 - s) % n], deadline))
+            got = self._inbox.take(self.id, op, step, (r - 1) % n, deadline, prev)
+            into = chunks[(r - s) % n]
+            _check(got, into, prev)
+            into[...] = got
+        for p in sent:
+            p.result()
+
+    def _send(self, op: int, step: int, chunk: np.ndarray, deadline: float):
+        msg = wire.encode_collective_chunk(self.id, op, step, self.rank, chunk)
+        self.bytes_sent += msg.nbytes
+        return self._next.send(methods.COLLECTIVE, msg, max(0.001, deadline - time.monotonic()))
+
+
+def _check(got: np.ndarray, into: np.ndarray, sender: str) -> None:
+    if got.dtype != into.dtype or got.shape != into.shape:
+        raise InvalidArgument(
+            f"{sender} sent a chunk of {got.dtype} {list(got.shape)} where this member has "
+            f"{into.dtype} {list(into.shape)}: the members' arrays differ in shape or dtype")

@@ -1,0 +1,253 @@
+"""coordinator/collective.py between real psworker processes: the ring
+all-reduce over Worker.Collective (sockets, data port and gRPC, the
+cluster's token and TLS), its bytes, its errors, and what a worker does
+with chunks it should refuse."""
+from __future__ import annotations
+
+import concurrent.futures as futures
+
+import numpy as np
+import pytest
+
+from coordinator import LocalCluster, serialization
+from coordinator.collective import chunk_bounds
+from protos.pstrain.v1 import ps_pb2, worker_pb2
+from psserver.contract import routing, wire
+from psserver.errors import Code, PSError
+from psserver.link import methods
+from psserver.link.channel import TaskChannel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# -- run on the workers (imported there by name) -----------------------------------------
+def _data(seed: int, rank: int, size: int, dtype: str, exact: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if exact:   # integers: every order of additions gives the same sum
+        return rng.integers(-1000, 1000, size).astype(dtype)
+    return rng.standard_normal(size).astype(dtype)
+
+
+def member(name, addresses, rank, size, dtype, exact, average=False, timeout=60.0):
+    """One member's all-reduce of its rank's array: (result, bytes it sent)."""
+    from coordinator.collective import CollectiveGroup
+    with CollectiveGroup(name, addresses, rank, timeout=timeout) as group:
+        out = group.all_reduce(_data(7, rank, size, dtype, exact), average=average)
+        return out, group.bytes_sent
+
+
+def members_in_order(name, addresses, rank, sizes):
+    """Several all-reduces in a row in one group (ops 0, 1, ...)."""
+    from coordinator.collective import CollectiveGroup
+    with CollectiveGroup(name, addresses, rank) as group:
+        return [group.all_reduce(_data(k, rank, s, "float32", True)) for k, s in enumerate(sizes)]
+
+
+def member_of_size(name, addresses, rank, sizes):
+    """An all-reduce where each rank gives an array of its own size (a mistake)."""
+    from coordinator.collective import CollectiveGroup
+    with CollectiveGroup(name, addresses, rank, timeout=3.0) as group:
+        return group.all_reduce(np.ones(sizes[rank], np.float32))
+
+
+def inbox_bytes():
+    from coordinator.collective import INBOX
+    return INBOX.held_bytes
+
+
+# -- the test side ----------------------------------------------------------------------
+def _run(cluster, index: int, fn, *args):
+    """fn(*args) as a closure on worker ``index``: its result, or PSError."""
+    w = cluster.workers[index]
+    with TaskChannel(w.address, role="worker", token=cluster.token, tls=cluster.tls) as ch:
+        reply = ch.call(methods.RUN_CLOSURE, worker_pb2.ClosureRequest(
+            fn=serialization.encode_function(fn), args=serialization.dumps((args, {}))), 120)
+    if reply.HasField("error"):
+        raise RuntimeError(f"{reply.error.type}: {reply.error.message}")
+    return serialization.loads(reply.result, trusted=True)
+
+
+def _on_all(cluster, fn, *args, ranks=None):
+    """fn(name, addresses, rank, *args) on each worker at once (worker i is rank i)."""
+    addresses = [w.address for w in cluster.workers]
+    ranks = range(len(addresses)) if ranks is None else ranks
+    with futures.ThreadPoolExecutor(len(addresses)) as pool:
+        runs = [pool.submit(_run, cluster, r, fn, f"test-{fn.__name__}-{args}", addresses, r,
+                            *args) for r in ranks]
+        return [f.result() for f in runs]
+
+
+@pytest.fixture(scope="module")
+def three():
+    with LocalCluster(num_ps=1, num_workers=3) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("size,dtype", [(1_000_003, "float32"), (4099, "float64"),
+                                        (257, "float16"), (2, "float32"), (0, "float32")])
+def test_an_all_reduce_sums_every_members_array_the_same_bits_on_each(three, size, dtype):
+    got = _on_all(three, member, size, dtype, True)
+    want = sum(_data(7, r, size, dtype, True) for r in range(3))
+    for out, _ in got:
+        assert out.dtype == np.dtype(dtype) and out.shape == (size,)
+        np.testing.assert_array_equal(out, want)
+    # random values: the order of additions matters, and every member has the same bits
+    got = _on_all(three, member, size, dtype, False)
+    want = sum(_data(7, r, size, dtype, False).astype(np.float64) for r in range(3))
+    assert all(out.tobytes() == got[0][0].tobytes() for out, _ in got)
+    np.testing.assert_allclose(got[0][0], want, rtol=1e-2 if dtype == "float16" else 1e-5,
+                               atol=1e-2 if dtype == "float16" else 1e-5)
+
+
+def test_each_member_sends_2_n_minus_1_over_n_of_the_bytes(three):
+    """The ring's cost: each member sends n - 1 chunks in each phase, framing
+    aside (under 64 bytes a chunk), whatever n."""
+    size, n = 1_000_003, 3
+    sizes = [b - a for a, b in chunk_bounds(size, n)]
+    for rank, (_, sent) in enumerate(_on_all(three, member, size, "float32", True)):
+        data = 4 * (sum(sizes[(rank - s) % n] for s in range(n - 1))
+                    + sum(sizes[(rank + 1 - s) % n] for s in range(n - 1)))
+        assert data <= sent <= data + 64 * 2 * (n - 1)
+        assert abs(data / (4 * size) - 2 * (n - 1) / n) < 1e-5
+
+
+def test_mean_and_several_operations_in_order(three):
+    got = _on_all(three, member, 1000, "float64", True, True)
+    want = sum(_data(7, r, 1000, "float64", True) for r in range(3)) / 3.0
+    for out, _ in got:
+        np.testing.assert_array_equal(out, want)
+    sizes = [10, 100_000, 3, 7777]
+    for outs in _on_all(three, members_in_order, sizes):
+        for k, (out, s) in enumerate(zip(outs, sizes)):
+            np.testing.assert_array_equal(out, sum(_data(k, r, s, "float32", True)
+                                                   for r in range(3)))
+    assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
+
+
+def test_a_member_that_never_comes_is_named_after_the_groups_timeout(three):
+    """Ranks 0 and 1 of a group of 3 run; rank 2 never does. Rank 0 waits for
+    rank 2's chunk and says which worker it waited for."""
+    addresses = [w.address for w in three.workers]
+    with futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_run, three, r, member, "lonely", addresses, r, 100, "float32",
+                            True, False, 2.0) for r in (0, 1)]
+        errors = []
+        for f in runs:
+            with pytest.raises(RuntimeError) as info:
+                f.result()
+            errors.append(str(info.value))
+    assert "DeadlineExceeded" in errors[0] and addresses[2] in errors[0] and "rank 2" in errors[0]
+    # the workers still serve, and a new group all-reduces
+    got = _on_all(three, member, 10, "float32", True)
+    np.testing.assert_array_equal(got[1][0], sum(_data(7, r, 10, "float32", True)
+                                                 for r in range(3)))
+
+
+def test_members_with_arrays_of_other_shapes_get_an_error_not_a_wrong_sum(three):
+    """Rank 1's array is longer: a member that receives a chunk of another
+    size says so; none returns a result."""
+    addresses = [w.address for w in three.workers]
+    with futures.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(_run, three, r, member_of_size, "mismatch", addresses, r,
+                            [30, 31, 30]) for r in range(3)]
+        errors = []
+        for f in runs:
+            with pytest.raises(RuntimeError) as info:
+                f.result()
+            errors.append(str(info.value))
+    assert any("the members' arrays differ in shape or dtype" in e for e in errors), errors
+    assert all("InvalidArgument" in e or "DeadlineExceeded" in e for e in errors), errors
+
+
+def _chunk(**over) -> bytes:
+    fields = dict(group=bytes(16), op=0, step=0, sender=0,
+                  data=ps_pb2.Tensor(dtype="float32", shape=[2],
+                                                 data=np.ones(2, np.float32).tobytes()))
+    fields.update(over)
+    return worker_pb2.CollectiveChunk(**fields).SerializeToString()
+
+
+BAD_CHUNKS = {
+    "not a message": b"\xff\xff\xff",
+    "short group id": _chunk(group=b"abc"),
+    "integer data": _chunk(data=ps_pb2.Tensor(dtype="int64", shape=[1],
+                                                           data=bytes(8))),
+    "two dimensions": _chunk(data=ps_pb2.Tensor(dtype="float32", shape=[1, 2],
+                                                             data=bytes(8))),
+    "data of another size": _chunk(data=ps_pb2.Tensor(dtype="float32", shape=[3],
+                                                                   data=bytes(8))),
+    "no data": _chunk(data=None),
+    # CollectiveChunk{group: 16 zero bytes, step: 2**32} (protobuf's parser would cut it to 0)
+    "step past 32 bits": bytes([0x0A, 16, *bytes(16), 0x18, 0x80, 0x80, 0x80, 0x80, 0x10]),
+}
+
+
+@pytest.mark.parametrize("route", ["data port", "grpc"])
+def test_malformed_chunks_are_refused_and_change_nothing(three, route):
+    w = three.workers[0]
+    with TaskChannel(w.address, role="worker", token=three.token, tls=three.tls,
+                     shared_memory=False, data_port=route == "data port") as ch:
+        for what, raw in BAD_CHUNKS.items():
+            with pytest.raises(PSError) as info:
+                ch.call(methods.COLLECTIVE, raw, 10)
+            assert info.value.code == Code.INVALID_ARGUMENT, what
+        # the same key again with other contents: refused, the first kept
+        first = wire.encode_collective_chunk(bytes(range(16)), 5, 0, 1, np.ones(3, np.float32))
+        ch.call(methods.COLLECTIVE, first, 10)
+        ch.call(methods.COLLECTIVE, first, 10)   # sent again: dropped
+        held = _run(three, 0, inbox_bytes)
+        assert held == 12
+        with pytest.raises(PSError) as info:
+            ch.call(methods.COLLECTIVE, wire.encode_collective_chunk(
+                bytes(range(16)), 5, 0, 1, np.zeros(3, np.float32)), 10)
+        assert info.value.code == Code.INVALID_ARGUMENT and "twice" in str(info.value)
+        assert _run(three, 0, inbox_bytes) == 12
+        if route == "data port":
+            assert ch.socket is not None and ch.socket.kind == routing.TCP
+
+
+@pytest.mark.parametrize("route", ["data port", "grpc"])
+def test_a_chunk_without_the_token_is_refused(three, route):
+    w = three.workers[1]
+    chunk = wire.joined(wire.encode_collective_chunk(bytes(16), 0, 0, 0, np.ones(2, np.float32)))
+    before = _run(three, 1, inbox_bytes)
+    for token in ("wrong", ""):
+        with TaskChannel(w.address, role="worker", token=token, tls=three.tls,
+                         shared_memory=False, data_port=route == "data port") as ch:
+            with pytest.raises(PSError) as info:
+                ch.call(methods.COLLECTIVE, chunk, 10)
+            assert info.value.code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED), token
+    assert _run(three, 1, inbox_bytes) == before
+
+
+@pytest.mark.parametrize("route", ["data port", "grpc"])
+def test_fuzzed_chunks_get_an_answer_never_internal_and_the_worker_goes_on(three, route):
+    """Mutants of a valid chunk (fields perturbed, bytes flipped, cut,
+    spliced, random): each is kept or refused with InvalidArgument, none
+    gets INTERNAL or kills the worker, and an all-reduce works afterwards."""
+    import random
+
+    from test_fuzz import mutate
+
+    rng = random.Random(36 + (route == "grpc"))
+    templates = [worker_pb2.CollectiveChunk.FromString(wire.joined(wire.encode_collective_chunk(
+        bytes(range(16)), op, step, sender, np.arange(k, dtype=dt))))
+        for op, step, sender, k, dt in ((0, 0, 1, 3, np.float32), (2**40, 5, 2, 0, np.float64),
+                                        (7, 1, 0, 17, np.float16))]
+    codes = {}
+    w = three.workers[2]
+    with TaskChannel(w.address, role="worker", token=three.token, tls=three.tls,
+                     shared_memory=False, data_port=route == "data port") as ch:
+        for i in range(600):
+            raw = mutate(rng, rng.choice(templates).SerializeToString(), worker_pb2.CollectiveChunk)
+            try:
+                ch.call(methods.COLLECTIVE, raw, 10)
+                code = Code.OK
+            except PSError as exc:
+                code = exc.code
+            codes[code] = codes.get(code, 0) + 1
+    assert set(codes) <= {Code.OK, Code.INVALID_ARGUMENT}, codes
+    assert codes.get(Code.INVALID_ARGUMENT, 0) > 100 and codes.get(Code.OK, 0) > 10, codes
+    got = _on_all(three, member, 1000, "float32", True)
+    np.testing.assert_array_equal(got[2][0], sum(_data(7, r, 1000, "float32", True)
+                                                 for r in range(3)))
