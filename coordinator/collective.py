@@ -40,6 +40,7 @@ later, once the first group's operations are over, is fine).
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 import time
 from typing import Sequence
@@ -58,6 +59,10 @@ INBOX_BYTES = 256 << 20
 ROOM_SECONDS = 30.0
 #: Seconds a chunk nobody takes is kept.
 KEEP_SECONDS = 600.0
+#: Bytes of a piece: a ring step's chunk goes in pieces of this size, each
+#: sent on while the next arrives (pipelining: the additions overlap the
+#: transfers).
+PIECE_BYTES = 4 << 20
 #: Array dtypes an all-reduce takes.
 DTYPES = (np.float16, np.float32, np.float64)
 
@@ -82,7 +87,8 @@ class Inbox:
 
     def deliver(self, group: bytes, op: int, step: int, sender: int, data: np.ndarray,
                 room_seconds: float = ROOM_SECONDS) -> None:
-        """Keep a chunk (a copy) until ``take`` asks for it. The same chunk
+        """Keep a chunk (the array given, not a copy: a view of the
+        request, which nothing changes) until ``take`` asks for it. The same chunk
         again while held is dropped; another with the same key is
         InvalidArgument (and changes nothing); ResourceExhausted if no room
         comes within ``room_seconds``."""
@@ -102,7 +108,7 @@ class Inbox:
                         f"not taken yet (at most {self.max_bytes}): its members are behind or "
                         "gone. Retry the operation, with smaller arrays or fewer at once")
                 self._cond.wait(left)
-            self._chunks[key] = (np.array(data), self._clock())
+            self._chunks[key] = (data, self._clock())
             self._bytes += data.nbytes
             self._cond.notify_all()
 
@@ -211,32 +217,83 @@ class CollectiveGroup:
     def _ring(self, op: int, flat: np.ndarray) -> None:
         n, r = self.size, self.rank
         chunks = [flat[a:b] for a, b in chunk_bounds(flat.size, n)]
+        per = max(1, PIECE_BYTES // flat.itemsize)   # elements a piece
+        pieces = max(1, -(-max(c.size for c in chunks) // per))   # per chunk at most: keys' stride
+        split = (lambda c: [c[a:a + per] for a in range(0, c.size, per)] or [c])
         deadline = time.monotonic() + self.timeout
         prev = f"worker {self.addresses[(r - 1) % n]} (rank {(r - 1) % n} of group {self.name!r})"
-        sent = []
-        for s in range(n - 1):   # reduce-scatter
-            sent.append(self._send(op, s, chunks[(r - s) % n], deadline))
-            got = self._inbox.take(self.id, op, s, (r - 1) % n, deadline, prev)
-            into = chunks[(r - s - 1) % n]
-            _check(got, into, prev)
-            into += got
-        for p in sent:   # (the chunks they send change below)
-            p.result()
-        sent = []
-        for s in range(n - 1):   # all-gather
-            step = n - 1 + s
-            sent.append(self._send(op, step, chunks[(r + 1 - s) % n], deadline))
-            got = self._inbox.take(self.id, op, step, (r - 1) % n, deadline, prev)
-            into = chunks[(r - s) % n]
-            _check(got, into, prev)
-            into[...] = got
-        for p in sent:
-            p.result()
+        with _Sender(self, op, deadline) as sender:
+            for p, piece in enumerate(split(chunks[r])):
+                sender.put(p, piece)
+            # Steps 0 .. n-2 reduce (their chunks added into ours), n-1 .. 2n-3
+            # gather (copied); each piece goes on to the next member as soon
+            # as it is final for the step (while the next piece arrives).
+            for s in range(2 * (n - 1)):
+                reducing = s < n - 1
+                into = chunks[(r - s - 1) % n]   # (in both phases)
+                for p, piece in enumerate(split(into)):
+                    got = self._inbox.take(self.id, op, s * pieces + p, (r - 1) % n,
+                                           deadline, prev)
+                    _check(got, piece, prev)
+                    if reducing:
+                        piece += got
+                    else:
+                        piece[...] = got
+                    if s < 2 * (n - 1) - 1:
+                        sender.put((s + 1) * pieces + p, piece)
 
-    def _send(self, op: int, step: int, chunk: np.ndarray, deadline: float):
-        msg = wire.encode_collective_chunk(self.id, op, step, self.rank, chunk)
-        self.bytes_sent += msg.nbytes
-        return self._next.send(methods.COLLECTIVE, msg, max(0.001, deadline - time.monotonic()))
+
+class _Sender:
+    """Sends a group's pieces to the next member in order, on a thread of
+    its own (so that sending one piece overlaps adding the next); leaving
+    the ``with`` waits for every answer and raises the first error. A piece's memory is
+    not changed until the next member has it (a piece is changed again only
+    once the ring brings it back, which needs this send first)."""
+
+    def __init__(self, group: CollectiveGroup, op: int, deadline: float):
+        self._group, self._op, self._deadline = group, op, deadline
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"collective-{group.name}")
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    def put(self, step: int, piece: np.ndarray) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put((step, piece))
+
+    def _run(self) -> None:
+        g, sent = self._group, []
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    break
+                msg = wire.encode_collective_chunk(g.id, self._op, item[0], g.rank, item[1])
+                g.bytes_sent += msg.nbytes
+                sent.append(g._next.send(methods.COLLECTIVE, msg,
+                                         max(0.001, self._deadline - time.monotonic())))
+                while sent and sent[0].done():
+                    sent.pop(0).result()
+            for p in sent:
+                p.result()
+        except BaseException as exc:   # the member's next put or close raises it
+            self._error = exc
+
+    def __enter__(self) -> "_Sender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._queue.put(None)
+        self._thread.join(max(0.0, self._deadline - time.monotonic()) + 5.0)
+        if exc[0] is None:
+            if self._thread.is_alive():
+                g = self._group
+                raise DeadlineExceeded(f"sending to worker {g.addresses[(g.rank + 1) % g.size]} "
+                                       f"(group {g.name!r}) did not finish in time")
+            if self._error is not None:
+                raise self._error
 
 
 def _check(got: np.ndarray, into: np.ndarray, sender: str) -> None:

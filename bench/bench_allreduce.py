@@ -1,0 +1,208 @@
+"""Our ring all-reduce among workers against torch.distributed's gloo, measured in the same run.
+
+    python -m bench.bench_allreduce [--hosts] [--mib 64] [--members 2 4] [--rounds 3] [--json F]
+
+Ours: ``coordinator.collective.CollectiveGroup.all_reduce`` of a float32
+array, run on n psworker processes of a LocalCluster (plaintext, as gloo's
+TCP is; the token checked as always), each member timing its own calls in
+its step function. gloo: n processes of ``torch.distributed`` (init over
+TCP), ``dist.all_reduce`` of a tensor of the same bytes. Each side does a
+warm-up call and then ``--reps`` timed ones per block; an all-reduce
+takes as long as its slowest member; blocks alternate ours, gloo, ours...
+(``--rounds`` each) and the ratio is gloo's median time over ours (above
+1: ours is faster). ``--hosts``: each member of either side on a test host
+of its own (bench/hosts.py; root), so the chunks cross veth links as
+between machines. Also reported: the bus bandwidth, 2(n-1)/n of the bytes
+over the time (the figure NCCL's and Horovod's benchmarks give).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from bench.common import machine_info, print_table, write_json
+
+MiB = 1 << 20
+
+
+# -- ours: a step function on each worker ------------------------------------------------
+def timed_all_reduce(name: str, addresses: list, rank: int, nbytes: int, reps: int) -> list:
+    """On a worker: one warm-up all-reduce, then ``reps`` timed ones (seconds each)."""
+    from coordinator.collective import CollectiveGroup
+    x = np.full(nbytes // 4, rank + 1, np.float32)
+    out = []
+    with CollectiveGroup(name, addresses, rank, timeout=300) as group:
+        group.all_reduce(x)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            y = group.all_reduce(x)
+            out.append(time.perf_counter() - t0)
+    n = len(addresses)
+    if y[0] != n * (n + 1) / 2:
+        raise AssertionError(f"wrong sum {y[0]}")
+    return out
+
+
+def _on_workers(cluster, fn, *args) -> list:
+    from coordinator import serialization
+    from protos.pstrain.v1 import worker_pb2
+    from psserver.link import methods
+    from psserver.link.channel import TaskChannel
+    addresses = [w.address for w in cluster.workers]
+
+    def run(rank: int):
+        with TaskChannel(addresses[rank], role="worker", token=cluster.token,
+                         tls=cluster.tls or False) as ch:
+            reply = ch.call(methods.RUN_CLOSURE, worker_pb2.ClosureRequest(
+                fn=serialization.encode_function(fn),
+                args=serialization.dumps(((addresses, rank, *args), {}))), 600)
+        if reply.HasField("error"):
+            raise RuntimeError(f"{reply.error.type}: {reply.error.message}")
+        return serialization.loads(reply.result, trusted=True)
+    with futures.ThreadPoolExecutor(len(addresses)) as pool:
+        return list(pool.map(run, range(len(addresses))))
+
+
+class Ours:
+    def __init__(self, stack, n: int, placement):
+        from coordinator import LocalCluster
+        self.cluster = stack.enter_context(LocalCluster(num_ps=1, num_workers=n, tls=False,
+                                                        placement=placement))
+        self.blocks = 0
+
+    def block(self, nbytes: int, reps: int) -> list[float]:
+        self.blocks += 1
+        per_member = _on_workers(self.cluster, _named_timed, f"bench-{self.blocks}",
+                                 nbytes, reps)
+        return [max(ts) for ts in zip(*per_member)]
+
+
+def _named_timed(addresses, rank, name, nbytes, reps):
+    return timed_all_reduce(name, addresses, rank, nbytes, reps)
+
+
+# -- gloo: n processes of torch.distributed ----------------------------------------------
+def gloo_member(rank: int, n: int, host: str, port: int, nbytes: int, reps: int,
+                my_address: str) -> None:
+    """One gloo process: prints its timed all-reduces as JSON."""
+    os.environ["GLOO_SOCKET_IFNAME"] = _ifname(my_address)
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=n)
+    x = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32)
+    times = []
+    for i in range(reps + 1):
+        y = x.clone()
+        t0 = time.perf_counter()
+        dist.all_reduce(y)
+        if i:
+            times.append(time.perf_counter() - t0)
+    if float(y[0]) != n * (n + 1) / 2:
+        raise AssertionError(f"wrong sum {float(y[0])}")
+    dist.destroy_process_group()
+    print(json.dumps(times), flush=True)
+
+
+def _ifname(address: str) -> str:
+    """The interface that holds ``address`` (gloo binds to an interface by name)."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if parts[3].split("/")[0] == address:
+            return parts[1].split("@")[0]
+    return "lo"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Gloo:
+    def __init__(self, n: int, hosts=None):
+        self.n, self.hosts = n, hosts
+
+    def block(self, nbytes: int, reps: int) -> list[float]:
+        where = [(self.hosts.addresses[i], self.hosts.run(i)) if self.hosts else
+                 ("127.0.0.1", []) for i in range(self.n)]
+        host = where[0][0]
+        port = 29500 + os.getpid() % 1000 if self.hosts else _free_port(host)
+        procs = [subprocess.Popen(
+            [*prefix, sys.executable, "-m", "bench.bench_allreduce", "--gloo-member",
+             json.dumps([r, self.n, host, port, nbytes, reps, addr])],
+            stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(
+                os.path.abspath(__file__))))
+            for r, (addr, prefix) in enumerate(where)]
+        try:
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a gloo member failed: {[p.returncode for p in procs]}")
+        per_member = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+        return [max(ts) for ts in zip(*per_member)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", action="store_true", help="each member on a test host (root)")
+    ap.add_argument("--mib", type=float, default=64.0, help="MiB all-reduced per call")
+    ap.add_argument("--members", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rounds", type=int, default=3, help="blocks of each side")
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per block")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--gloo-member", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.gloo_member:
+        gloo_member(*json.loads(args.gloo_member))
+        return 0
+    nbytes = int(args.mib * MiB) // 4 * 4
+    res = {"machine": machine_info(), "bytes": nbytes, "hosts": args.hosts, "members": {}}
+    rows = []
+    for n in args.members:
+        with contextlib.ExitStack() as stack:
+            hosts = None
+            if args.hosts:
+                from bench.hosts import TestHosts
+                hosts = stack.enter_context(TestHosts(n + 1))
+            ours = Ours(stack, n, None if hosts is None else hosts.placement([n], range(n)))
+            gloo = Gloo(n, hosts)
+            times = {"ours": [], "gloo": []}
+            for _ in range(args.rounds):
+                times["ours"] += ours.block(nbytes, args.reps)
+                times["gloo"] += gloo.block(nbytes, args.reps)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        bus = {k: 2 * (n - 1) / n * nbytes / v / 1e9 for k, v in med.items()}
+        res["members"][n] = {"seconds": times, "median": med, "bus_GBps": bus,
+                             "gloo_over_ours": med["gloo"] / med["ours"]}
+        rows.append([n, f"{med['ours'] * 1e3:.1f}", f"{med['gloo'] * 1e3:.1f}",
+                     f"{bus['ours']:.2f}", f"{bus['gloo']:.2f}",
+                     f"{med['gloo'] / med['ours']:.2f}"])
+    print_table(["members", "ours ms", "gloo ms", "ours bus GB/s", "gloo bus GB/s",
+                 "speed ours/gloo"], rows,
+                title=f"All-reduce of {nbytes / MiB:.0f} MiB float32 "
+                      f"({'test hosts' if args.hosts else 'one host'}; medians of "
+                      f"{args.rounds} x {args.reps} calls, each the slowest member's)")
+    if args.json:
+        write_json(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
