@@ -84,6 +84,8 @@ def three():
 
 
 @pytest.mark.parametrize("size,dtype", [(1_000_003, "float32"), (4099, "float64"),
+                                        # chunks of 2, 2 and 1 pieces of PIECE_BYTES
+                                        (3 * (PIECE_BYTES // 4) + 2, "float32"),
                                         (257, "float16"), (2, "float32"), (0, "float32")])
 def test_an_all_reduce_sums_every_members_array_the_same_bits_on_each(three, size, dtype):
     got = _on_all(three, member, size, dtype, True)
