@@ -65,6 +65,11 @@ KEEP_SECONDS = 600.0
 PIECE_BYTES = 4 << 20
 #: Array dtypes an all-reduce takes.
 DTYPES = (np.float16, np.float32, np.float64)
+#: all_reduce's compressions: the dtype chunks travel in (None: the array's).
+COMPRESSIONS = {None: None, "fp16": np.dtype(np.float16)}
+#: Bytes of arrays all_reduce_many fuses into one buffer at most (Horovod's
+#: default fusion threshold).
+FUSION_BYTES = 64 << 20
 
 
 class Inbox:
@@ -188,6 +193,11 @@ class CollectiveGroup:
             addresses[(rank + 1) % self.size], role="worker", token=token, tls=tls,
             timeout=timeout)
 
+    @property
+    def operations(self) -> int:
+        """Operations this member ran in the group (rings made, fused ones once)."""
+        return self._op
+
     def close(self) -> None:
         if self._next is not None:
             self._next.close()
@@ -198,31 +208,64 @@ class CollectiveGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def all_reduce(self, array, average: bool = False) -> np.ndarray:
+    def all_reduce(self, array, average: bool = False,
+                   compression: str | None = None) -> np.ndarray:
         """The element-wise sum (``average``: mean) of every member's
         ``array`` (same shape and dtype on each: float16, float32 or
-        float64), a new array of its shape, the same bits on every member."""
+        float64), a new array of its shape, the same bits on every member.
+
+        ``compression="fp16"``: the chunks travel as float16 (half the
+        bytes of float32), summed in the array's dtype; each hop's value is
+        rounded to float16 (finite values beyond +-65504 clipped to it, NaN
+        and Inf kept), the result too, on every member alike."""
         a = np.asarray(array)
         if a.dtype not in DTYPES:
             raise InvalidArgument(f"all_reduce takes float16, float32 or float64 arrays, "
                                   f"got {a.dtype}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, "
+                             f"got {compression!r}")
         out = np.array(a, copy=True, order="C")
         op, self._op = self._op, self._op + 1
         if self.size > 1:
-            self._ring(op, out.reshape(-1))
+            self._ring(op, out.reshape(-1), COMPRESSIONS[compression] or out.dtype)
         if average:
             out /= out.dtype.type(self.size)
         return out
 
-    def _ring(self, op: int, flat: np.ndarray) -> None:
+    def all_reduce_many(self, arrays: Sequence, average: bool = False,
+                        compression: str | None = None) -> list[np.ndarray]:
+        """``all_reduce`` of each array, fused (as Horovod's fusion buffer):
+        arrays of one dtype go end to end in buffers of up to FUSION_BYTES
+        (a larger array alone), one ring each, so many small gradients make
+        few collective calls. Every member passes arrays of the same shapes
+        and dtypes in the same order."""
+        arrays = [np.asarray(a) for a in arrays]
+        for a in arrays:
+            if a.dtype not in DTYPES:
+                raise InvalidArgument(f"all_reduce_many takes float16, float32 or float64 "
+                                      f"arrays, got {a.dtype}")
+        out: list = [None] * len(arrays)
+        for batch in _fusion_batches(arrays):
+            flat = self.all_reduce(np.concatenate([arrays[i].reshape(-1) for i in batch]),
+                                   average, compression)
+            at = 0
+            for i in batch:
+                out[i] = flat[at:at + arrays[i].size].reshape(arrays[i].shape)
+                at += arrays[i].size
+        return out
+
+    def _ring(self, op: int, flat: np.ndarray, wire_dtype) -> None:
         n, r = self.size, self.rank
+        wire_dtype = np.dtype(wire_dtype)
+        lossy = wire_dtype != flat.dtype
         chunks = [flat[a:b] for a, b in chunk_bounds(flat.size, n)]
         per = max(1, PIECE_BYTES // flat.itemsize)   # elements a piece
         pieces = max(1, -(-max(c.size for c in chunks) // per))   # per chunk at most: keys' stride
         split = (lambda c: [c[a:a + per] for a in range(0, c.size, per)] or [c])
         deadline = time.monotonic() + self.timeout
         prev = f"worker {self.addresses[(r - 1) % n]} (rank {(r - 1) % n} of group {self.name!r})"
-        with _Sender(self, op, deadline) as sender:
+        with _Sender(self, op, deadline, wire_dtype) as sender:
             for p, piece in enumerate(split(chunks[r])):
                 sender.put(p, piece)
             # Steps 0 .. n-2 reduce (their chunks added into ours), n-1 .. 2n-3
@@ -234,9 +277,11 @@ class CollectiveGroup:
                 for p, piece in enumerate(split(into)):
                     got = self._inbox.take(self.id, op, s * pieces + p, (r - 1) % n,
                                            deadline, prev)
-                    _check(got, piece, prev)
+                    _check(got, piece, wire_dtype, prev)
                     if reducing:
                         piece += got
+                        if lossy and s == n - 2:   # its sum is made: as the others will have it
+                            piece[...] = _narrow(piece, wire_dtype)
                     else:
                         piece[...] = got
                     if s < 2 * (n - 1) - 1:
@@ -250,8 +295,9 @@ class _Sender:
     not changed until the next member has it (a piece is changed again only
     once the ring brings it back, which needs this send first)."""
 
-    def __init__(self, group: CollectiveGroup, op: int, deadline: float):
+    def __init__(self, group: CollectiveGroup, op: int, deadline: float, wire_dtype):
         self._group, self._op, self._deadline = group, op, deadline
+        self._wire = wire_dtype
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"collective-{group.name}")
@@ -270,7 +316,8 @@ class _Sender:
                 item = self._queue.get()
                 if item is None:
                     break
-                msg = wire.encode_collective_chunk(g.id, self._op, item[0], g.rank, item[1])
+                piece = item[1] if item[1].dtype == self._wire else _narrow(item[1], self._wire)
+                msg = wire.encode_collective_chunk(g.id, self._op, item[0], g.rank, piece)
                 g.bytes_sent += msg.nbytes
                 sent.append(g._next.send(methods.COLLECTIVE, msg,
                                          max(0.001, self._deadline - time.monotonic())))
@@ -296,8 +343,37 @@ class _Sender:
                 raise self._error
 
 
-def _check(got: np.ndarray, into: np.ndarray, sender: str) -> None:
-    if got.dtype != into.dtype or got.shape != into.shape:
+def _check(got: np.ndarray, into: np.ndarray, wire_dtype, sender: str) -> None:
+    if got.dtype != wire_dtype or got.shape != into.shape:
         raise InvalidArgument(
-            f"{sender} sent a chunk of {got.dtype} {list(got.shape)} where this member has "
-            f"{into.dtype} {list(into.shape)}: the members' arrays differ in shape or dtype")
+            f"{sender} sent a chunk of {got.dtype} {list(got.shape)} where this member expects "
+            f"{wire_dtype} {list(into.shape)}: the members' arrays (or compressions) differ in "
+            "shape or dtype")
+
+
+def _narrow(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as ``dtype`` (float16), finite values beyond its range clipped
+    to its largest (not turned into Inf), NaN and Inf kept."""
+    with np.errstate(over="ignore"):
+        out = a.astype(dtype)
+    over = np.isinf(out) & np.isfinite(a)
+    if over.any():
+        out[over] = np.copysign(np.finfo(dtype).max, a[over])
+    return out
+
+
+def _fusion_batches(arrays: list) -> list[list[int]]:
+    """Indexes of ``arrays`` in fusion buffers: one dtype each, in order,
+    at most FUSION_BYTES (an array larger than that alone)."""
+    out, open_ = [], {}   # dtype -> (indexes, bytes) of its buffer being filled
+    for i, a in enumerate(arrays):
+        batch = open_.get(a.dtype)
+        if batch is not None and batch[1] + a.nbytes > FUSION_BYTES:
+            out.append(batch[0])
+            batch = None
+        if batch is None:
+            batch = open_[a.dtype] = ([], 0)
+        batch[0].append(i)
+        open_[a.dtype] = (batch[0], batch[1] + a.nbytes)
+    out += [b for b, _ in open_.values()]
+    return out

@@ -43,6 +43,24 @@ def members_in_order(name, addresses, rank, sizes):
         return [group.all_reduce(_data(k, rank, s, "float32", True)) for k, s in enumerate(sizes)]
 
 
+def member_fp16(name, addresses, rank, size):
+    """A float32 all-reduce with chunks sent as float16: (result, bytes sent)."""
+    from coordinator.collective import CollectiveGroup
+    with CollectiveGroup(name, addresses, rank) as group:
+        x = _data(7, rank, size, "float32", False)
+        x[:3] = [np.nan, np.inf, 30000.0 * (rank + 1)]   # kept, kept, past float16: clipped
+        return group.all_reduce(x, compression="fp16"), group.bytes_sent
+
+
+def member_many(name, addresses, rank, shapes):
+    """all_reduce_many of arrays of these (shape, dtype): (results, rings made)."""
+    from coordinator.collective import CollectiveGroup
+    with CollectiveGroup(name, addresses, rank) as group:
+        arrays = [_data(k, rank, int(np.prod(shape)), dt, True).reshape(shape)
+                  for k, (shape, dt) in enumerate(shapes)]
+        return group.all_reduce_many(arrays), group.operations
+
+
 def member_of_size(name, addresses, rank, sizes):
     """An all-reduce where each rank gives an array of its own size (a mistake)."""
     from coordinator.collective import CollectiveGroup
@@ -126,6 +144,37 @@ def test_mean_and_several_operations_in_order(three):
             np.testing.assert_array_equal(out, sum(_data(k, r, s, "float32", True)
                                                    for r in range(3)))
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
+
+
+def test_fp16_compression_halves_the_bytes_and_every_member_has_the_same_bits(three):
+    size = 300_001
+    got = _on_all(three, member_fp16, size)
+    _, sent32 = _on_all(three, member, size, "float32", False)[0]
+    for out, sent in got:
+        assert out.dtype == np.float32 and out.tobytes() == got[0][0].tobytes()
+        assert sent < 0.51 * sent32
+    out = got[0][0]
+    assert np.isnan(out[0]) and np.isinf(out[1])
+    assert out[2] == np.float16(65504)   # 30000 + 60000 + 90000, clipped on the way
+    want = sum(_data(7, r, size, "float32", False).astype(np.float64) for r in range(3))
+    np.testing.assert_allclose(out[3:], want[3:], rtol=2e-3, atol=2e-3)
+
+
+def test_many_arrays_fuse_into_few_rings_by_dtype(three):
+    """Small gradients of two dtypes, one larger than the fusion buffer: a
+    ring per dtype's buffer, each array's sum in its own shape."""
+    from coordinator.collective import FUSION_BYTES
+    big = FUSION_BYTES // 4 + 10
+    shapes = [((3, 4), "float32"), ((5,), "float64"), ((), "float32"), ((7, 2), "float32"),
+              ((big,), "float32"), ((1,), "float64")]
+    got = _on_all(three, member_many, shapes)
+    for outs, rings in got:
+        assert rings == 3   # float32 up to the big one, then the big one (with what follows), float64
+        for k, ((shape, dt), out) in enumerate(zip(shapes, outs)):
+            size = int(np.prod(shape))
+            assert out.shape == shape and out.dtype == np.dtype(dt)
+            np.testing.assert_array_equal(
+                out, sum(_data(k, r, size, dt, True) for r in range(3)).reshape(shape))
 
 
 def test_a_member_that_never_comes_is_named_after_the_groups_timeout(three):
