@@ -1,0 +1,60 @@
+"""The ring all-reduce across test hosts (bench/hosts.py): each worker on a
+host of its own, the chunks over the data port with mutual TLS and the
+token, and the bytes each member's socket sent to the next member read from
+the kernel (``ss``: tcp_info's bytes_sent)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+from test_collective import _data, _on_all
+
+from bench import hosts
+from coordinator import LocalCluster
+
+ok, why = hosts.available()
+if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a failure, not a skip
+    pytest.fail(f"PSTRAIN_REQUIRE_HOSTS=1, but {why}", pytrace=False)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not ok, reason=why)]
+
+SIZE = 3_000_001   # float32: 12 MB, chunks of several pieces for n = 2
+
+
+def socket_bytes_to(address: str) -> int:
+    """TCP payload bytes this host's sockets sent to ``address``'s host (all
+    connections; tcp_info's bytes_sent, retransmissions included)."""
+    ip = address.rsplit(":", 1)[0]
+    out = subprocess.run(["ss", "-tinH", "state", "established", "dst", ip],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(m) for m in re.findall(r"bytes_sent:(\d+)", out))
+
+
+def member_on_host(name, addresses, rank, size):
+    """Rank's all-reduce: (its result's checksum bits, bytes the group
+    framed, bytes its sockets sent to the next member's host)."""
+    from coordinator.collective import CollectiveGroup
+    nxt = addresses[(rank + 1) % len(addresses)]
+    before = socket_bytes_to(nxt)   # (no connection to it yet: 0)
+    with CollectiveGroup(name, addresses, rank) as group:
+        out = group.all_reduce(_data(7, rank, size, "float32", True))
+        sent = socket_bytes_to(nxt) - before
+        return out, group.bytes_sent, sent
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_across_hosts_each_member_sends_2_n_minus_1_over_n_at_its_socket(n):
+    with hosts.TestHosts(n + 1) as h, \
+            LocalCluster(1, n, placement=h.placement(ps=[n], worker=range(n))) as cluster:
+        assert cluster.tls is not None and all(w.address.startswith("198.18.")
+                                               for w in cluster.workers)
+        got = _on_all(cluster, member_on_host, SIZE)
+    want = sum(_data(7, r, SIZE, "float32", True) for r in range(n))
+    payload = 4 * SIZE * 2 * (n - 1) / n
+    for rank, (out, framed, sent) in enumerate(got):
+        np.testing.assert_array_equal(out, want)
+        # the chunks, each piece's few bytes of framing, TLS's records and
+        # handshake, and the next worker's WorkerInfo call (the route's plan)
+        assert payload <= framed <= sent <= payload * 1.01 + (64 << 10), (rank, framed, sent)
