@@ -4,9 +4,9 @@ A group is a fixed list of workers, their addresses in rank order, each
 member running the group's operations in the same order, each on a thread
 of its own worker (a step closure)::
 
-    group = CollectiveGroup("job-7/step-3", addresses, rank)
-    total = group.all_reduce(grad)                # the sum over the members
-    mean = group.all_reduce(grad, average=True)
+    with CollectiveGroup("job-7/ring-3", addresses, rank) as group:
+        total = group.all_reduce(grad)                # the sum over the members
+        mean = group.all_reduce(grad, average=True)
 
 Every member gets the same bits. This is the first part of issue 36 (the
 all-reduce strategy, its failures and its benchmarks build on it).
@@ -18,51 +18,71 @@ the next member and adds the chunk (r - s - 1) mod n it receives from the
 previous one into its own; member r then holds the whole sum of chunk
 (r + 1) mod n. In n - 1 all-gather steps those sums go round, each copied
 as it arrives. Each member sends 2(n - 1)/n of the array's bytes (and each
-chunk's framing, under 64 bytes), whatever n. Each chunk's sum is made by
+piece's framing, under 100 bytes), whatever n. Each chunk's sum is made by
 one chain of additions in ring order and then copied: the members' results
-are bit-identical.
+are bit-identical. A step's chunk goes in pieces of PIECE_BYTES, each sent
+on (by a thread of the member's) while the next arrives.
 
 Chunks travel as ``Worker.Collective`` calls on the link layer (the
 worker's Unix socket, data port or gRPC, planned as for any call; the
-cluster's token and TLS), answered once the receiving worker holds the
-chunk in its inbox (``Inbox.deliver``), so a member sends without waiting
-for the next one to reach that step. An inbox holds at most INBOX_BYTES
-(a chunk that does not fit waits for room, then ResourceExhausted), and
-drops chunks nobody took within KEEP_SECONDS (an operation abandoned
-half-way). A chunk's call is not made again when its connection breaks
-(it is not idempotent): the operation fails (Unavailable) on that member
-and times out on the others, and the group is formed anew.
+cluster's token and TLS), one at a time to the next member, in order, each
+answered once the receiving worker holds it in its inbox (``Inbox``).
 
-A chunk is keyed by (group, operation, step, sender) until it is taken: a
-group's name must not be used by two groups at once (a name used again
-later, once the first group's operations are over, is fine).
+Membership. Forming a group on a worker registers a member id, new each
+time, in that worker's inbox; before its first chunk a member asks the next
+worker for its id (waiting until that member is formed) and every chunk
+names both ids. The inbox keeps a chunk only for the member it names, and
+from one sender's id only (the first it saw): a chunk from an earlier group
+of the same name, from a member that re-formed alone, or for no group at
+all is refused (FailedPrecondition), so it can never be summed into
+another group's result. A member drops its chunks when it leaves the group
+(``close``) or one of its operations fails (the group is then over: form a
+new one, under the same name if you like). Each chunk also carries a hash
+of its operation's shape, dtype and compression, so that members calling
+with different arrays get InvalidArgument, not a sum of misaligned data.
+An inbox holds at most INBOX_BYTES (counting what really holds each
+chunk's memory) and MAX_CHUNKS chunks; a chunk past that waits up to
+ROOM_SECONDS (and its call's deadline) for its member to take others,
+then ResourceExhausted. Each member sends one chunk at a time, so a
+member behind its predecessor holds up one call of it at most.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from psserver.contract import wire, wire_decode
-from psserver.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from psserver.contract import memory, wire, wire_decode
+from psserver.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from psserver.link import methods
 from psserver.link.channel import TaskChannel
 
-#: Bytes of chunks a worker's inbox holds at most (one larger chunk is
-#: taken when the inbox is empty).
+#: Bytes of chunks a worker's inbox holds at most (counting each chunk's
+#: whole request buffer; one larger chunk is taken when the inbox is empty).
 INBOX_BYTES = 256 << 20
-#: Seconds a delivered chunk waits for room before ResourceExhausted.
-ROOM_SECONDS = 30.0
-#: Seconds a chunk nobody takes is kept.
-KEEP_SECONDS = 600.0
+#: Chunks an inbox holds at most; each counts as at least CHUNK_BYTES_MIN.
+MAX_CHUNKS = 4096
+CHUNK_BYTES_MIN = 1024
 #: Bytes of a piece: a ring step's chunk goes in pieces of this size, each
 #: sent on while the next arrives (pipelining: the additions overlap the
-#: transfers).
-PIECE_BYTES = 4 << 20
+#: transfers). Just under a socket's 4 MiB eager frame, so that a piece's
+#: frame is received into a buffer of its own size.
+PIECE_BYTES = (4 << 20) - (4 << 10)
+#: Seconds between a member's asks for the next member's id while it is not formed.
+PROBE_SECONDS = 0.02
+#: Seconds a chunk waits for room in a full inbox (at most the call's own
+#: deadline) before ResourceExhausted: a member is behind its predecessor.
+ROOM_SECONDS = 10.0
 #: Array dtypes an all-reduce takes.
 DTYPES = (np.float16, np.float32, np.float64)
 #: all_reduce's compressions: the dtype chunks travel in (None: the array's).
@@ -73,12 +93,12 @@ FUSION_BYTES = 64 << 20
 
 
 class Inbox:
-    """The chunks delivered to this worker, until its members take them."""
+    """The chunks delivered to this worker's members, until they take them."""
 
-    def __init__(self, max_bytes: int = INBOX_BYTES, keep_seconds: float = KEEP_SECONDS,
-                 clock=time.monotonic):
-        self.max_bytes, self.keep_seconds, self._clock = max_bytes, keep_seconds, clock
-        self._chunks: dict[tuple, tuple[np.ndarray, float]] = {}
+    def __init__(self, max_bytes: int = INBOX_BYTES, max_chunks: int = MAX_CHUNKS):
+        self.max_bytes, self.max_chunks = max_bytes, max_chunks
+        self._members: dict[bytes, list] = {}   # group -> [member id, the sender's id or None]
+        self._chunks: dict[tuple, tuple[np.ndarray, int, int]] = {}   # -> (data, signature, bytes)
         self._bytes = 0
         self._cond = threading.Condition()
 
@@ -86,70 +106,124 @@ class Inbox:
     def held_bytes(self) -> int:
         return self._bytes
 
-    def deliver_bytes(self, raw, room_seconds: float = ROOM_SECONDS) -> None:
-        """A Worker.Collective request (InvalidArgument if malformed)."""
-        self.deliver(*wire_decode.decode_collective_chunk(raw), room_seconds=room_seconds)
-
-    def deliver(self, group: bytes, op: int, step: int, sender: int, data: np.ndarray,
-                room_seconds: float = ROOM_SECONDS) -> None:
-        """Keep a chunk (the array given, not a copy: a view of the
-        request, which nothing changes) until ``take`` asks for it. The same chunk
-        again while held is dropped; another with the same key is
-        InvalidArgument (and changes nothing); ResourceExhausted if no room
-        comes within ``room_seconds``."""
-        key = (group, op, step, sender)
+    # -- membership ----------------------------------------------------------------------
+    def join(self, group: bytes) -> bytes:
+        """A new member id for ``group`` here. ValueError while one is formed."""
         with self._cond:
-            deadline = self._clock() + room_seconds
-            while True:
-                if self._same(key, data):
-                    return
-                self._expire()
-                if not self._bytes or self._bytes + data.nbytes <= self.max_bytes:
-                    break
-                left = deadline - self._clock()
-                if left <= 0:
-                    raise ResourceExhausted(
-                        f"this worker's collective inbox holds {self._bytes} bytes of chunks "
-                        f"not taken yet (at most {self.max_bytes}): its members are behind or "
-                        "gone. Retry the operation, with smaller arrays or fewer at once")
-                self._cond.wait(left)
-            self._chunks[key] = (data, self._clock())
-            self._bytes += data.nbytes
+            if group in self._members:
+                raise ValueError("a member of a group of this name is formed on this worker "
+                                 "already: close it first (or name the new group otherwise)")
+            member = os.urandom(wire_decode.COLLECTIVE_GROUP_BYTES)
+            self._members[group] = [member, None]
+            return member
+
+    def leave(self, group: bytes, member: bytes) -> None:
+        """The member is gone: its chunks dropped, later ones refused."""
+        with self._cond:
+            if self._members.get(group, [None])[0] == member:
+                del self._members[group]
+            self._drop(group)
             self._cond.notify_all()
 
-    def _same(self, key: tuple, data: np.ndarray) -> bool:
-        held = self._chunks.get(key)
-        if held is None:
-            return False
-        if held[0].dtype == data.dtype and np.array_equal(held[0], data):
-            return True   # sent again
-        raise InvalidArgument(
-            f"collective chunk (op {key[1]}, step {key[2]}, sender {key[3]}) arrived twice "
-            "with different contents: two groups share an id, or a member runs other "
-            "operations than the others")
+    def _drop(self, group: bytes) -> None:
+        for key in [k for k in self._chunks if k[0] == group]:
+            self._bytes -= self._chunks.pop(key)[2]
 
-    def _expire(self) -> None:
-        old = self._clock() - self.keep_seconds
-        for key in [k for k, (_, at) in self._chunks.items() if at < old]:
-            self._bytes -= self._chunks.pop(key)[0].nbytes
+    def member(self, group: bytes) -> bytes:
+        """This worker's member id for ``group`` (b"": none formed)."""
+        with self._cond:
+            return self._members.get(group, [b""])[0]
 
-    def take(self, group: bytes, op: int, step: int, sender: int, deadline: float,
-             what: str) -> np.ndarray:
-        """The chunk of that key, once delivered; DeadlineExceeded (saying
-        ``what`` it waited for) if it does not come by ``deadline``."""
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- chunks --------------------------------------------------------------------------
+    def deliver_bytes(self, raw, room_seconds: float = ROOM_SECONDS) -> bytes:
+        """A Worker.Collective request (InvalidArgument if malformed): kept,
+        or a probe answered; this worker's member id for the group."""
+        group, op, step, sender, data, receiver, member, signature = \
+            wire_decode.decode_collective_chunk(raw)
+        if data is not None:
+            held = memory.owner(data)
+            held = held.nbytes if isinstance(held, (np.ndarray, memoryview)) else len(held)
+            self.deliver(group, op, step, sender, data, receiver, member, signature, held,
+                         room_seconds)
+        return self.member(group)
+
+    def deliver(self, group: bytes, op: int, step: int, sender: int, data: np.ndarray,
+                receiver: bytes, member: bytes, signature: int = 0,
+                held: int | None = None, room_seconds: float = 0.0) -> None:
+        """Keep a chunk (the array given, not a copy: a view of the request,
+        which nothing changes) for member ``receiver`` until it takes it.
+        FailedPrecondition if that member is not formed here or the chunk
+        comes from another sender id than the first; the same chunk again
+        is dropped, another under its key is InvalidArgument; past the
+        bounds it waits up to ``room_seconds`` for a take to make room, then
+        ResourceExhausted. A refusal changes nothing."""
+        key = (group, op, step, sender)
+        held = max(CHUNK_BYTES_MIN, data.nbytes if held is None else held)
+        deadline = time.monotonic() + room_seconds
+        with self._cond:
+            while self._full(held) and self._members.get(group, [None])[0] == receiver and \
+                    key not in self._chunks and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            mine = self._members.get(group)
+            if mine is None or mine[0] != receiver:
+                raise FailedPrecondition(
+                    "no member of this collective group is formed on this worker now (it "
+                    "left, failed, or was formed anew): chunks of an earlier group are not kept")
+            if mine[1] is not None and mine[1] != member:
+                raise FailedPrecondition(
+                    "this chunk comes from another member than this group's previous one (a "
+                    "member re-formed the group alone): form the group anew on every member")
+            got = self._chunks.get(key)
+            if got is not None:
+                if got[0].dtype == data.dtype and got[0].tobytes() == data.tobytes() \
+                        and got[1] == signature:
+                    return   # sent again
+                raise InvalidArgument(
+                    f"collective chunk (op {op}, step {step}, sender {sender}) arrived twice "
+                    "with different contents")
+            if self._full(held):
+                raise ResourceExhausted(
+                    f"this worker's collective inbox holds {self._bytes} bytes in "
+                    f"{len(self._chunks)} chunks not taken yet (at most {self.max_bytes} bytes, "
+                    f"{self.max_chunks} chunks): its members are behind. Retry the operation "
+                    "with fewer groups at once")
+            mine[1] = member
+            self._chunks[key] = (data, signature, held)
+            self._bytes += held
+            self._cond.notify_all()
+
+    def _full(self, held: int) -> bool:
+        return len(self._chunks) >= self.max_chunks or \
+            bool(self._bytes and self._bytes + held > self.max_bytes)
+
+    def take(self, group: bytes, op: int, step: int, sender: int, deadline: float, what: str,
+             abort: Callable[[], BaseException | None] = lambda: None
+             ) -> tuple[np.ndarray, int]:
+        """(data, signature) of the chunk of that key once delivered;
+        DeadlineExceeded (saying ``what`` it waited for) if it does not come
+        by ``deadline``; ``abort()``'s error as soon as it has one (checked
+        whenever the inbox is woken)."""
         key = (group, op, step, sender)
         with self._cond:
             while key not in self._chunks:
-                left = deadline - self._clock()
+                err = abort()
+                if err is not None:
+                    raise err
+                left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(
-                        f"no chunk came from {what} in time: that worker is slow, stopped, "
-                        "or not running this group's operations in the same order")
+                        f"no chunk came from {what} in time: that worker, or one further "
+                        "back round the ring, is slow or stopped, or runs this group's "
+                        "operations in another order")
                 self._cond.wait(left)
-            data, _ = self._chunks.pop(key)
-            self._bytes -= data.nbytes
-            self._cond.notify_all()
-            return data
+            data, signature, held = self._chunks.pop(key)
+            self._bytes -= held
+            self._cond.notify_all()   # (a delivery waiting for room)
+            return data, signature
 
 
 #: This process's inbox: the worker's Collective handler delivers into it,
@@ -168,11 +242,18 @@ def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype) -> int:
+    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
 class CollectiveGroup:
     """This worker's membership of a group: ``addresses`` in rank order (every
     member gives the same list), ``rank`` its own place. ``timeout``:
-    seconds an operation may take. Token and TLS: the worker's own (its
-    environment), as for its calls to the parameter servers."""
+    seconds an operation may take (the first one also waits that long for
+    the next member to be formed). Token and TLS: the worker's own (its
+    environment), as for its calls to the parameter servers. A failed
+    operation ends the group (form a new one)."""
 
     def __init__(self, name: str, addresses: Sequence[str], rank: int, *,
                  timeout: float = 60.0, token: str | None = None, tls=None,
@@ -188,7 +269,10 @@ class CollectiveGroup:
         self.timeout = timeout
         self._inbox = INBOX if inbox is None else inbox
         self._op = 0
+        self._failed: BaseException | None = None
         self.bytes_sent = 0   # request bytes this member sent (chunks and their framing)
+        self._next_member = b""   # the next member's id, once asked
+        self._member = self._inbox.join(self.id) if self.size > 1 else b""
         self._next = None if self.size == 1 else TaskChannel(
             addresses[(rank + 1) % self.size], role="worker", token=token, tls=tls,
             timeout=timeout)
@@ -199,8 +283,11 @@ class CollectiveGroup:
         return self._op
 
     def close(self) -> None:
+        """Leave the group: this member's chunks dropped, later ones refused."""
         if self._next is not None:
+            self._inbox.leave(self.id, self._member)
             self._next.close()
+            self._next = None
 
     def __enter__(self) -> "CollectiveGroup":
         return self
@@ -225,10 +312,22 @@ class CollectiveGroup:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, "
                              f"got {compression!r}")
+        if self._failed is not None:
+            raise FailedPrecondition(f"an operation of group {self.name!r} failed here "
+                                     f"({type(self._failed).__name__}): form the group anew")
+        if self.size > 1 and self._next is None:
+            raise FailedPrecondition(f"group {self.name!r} is closed here")
         out = np.array(a, copy=True, order="C")
         op, self._op = self._op, self._op + 1
         if self.size > 1:
-            self._ring(op, out.reshape(-1), COMPRESSIONS[compression] or out.dtype)
+            wire_dtype = COMPRESSIONS[compression] or out.dtype
+            try:
+                self._ring(op, out.reshape(-1), wire_dtype,
+                           _signature(a.shape, a.dtype, wire_dtype))
+            except BaseException as exc:   # the group is over: its chunks go, later ones refused
+                self._failed = exc
+                self._inbox.leave(self.id, self._member)
+                raise
         if average:
             out /= out.dtype.type(self.size)
         return out
@@ -255,9 +354,8 @@ class CollectiveGroup:
                 at += arrays[i].size
         return out
 
-    def _ring(self, op: int, flat: np.ndarray, wire_dtype) -> None:
+    def _ring(self, op: int, flat: np.ndarray, wire_dtype: np.dtype, signature: int) -> None:
         n, r = self.size, self.rank
-        wire_dtype = np.dtype(wire_dtype)
         lossy = wire_dtype != flat.dtype
         chunks = [flat[a:b] for a, b in chunk_bounds(flat.size, n)]
         per = max(1, PIECE_BYTES // flat.itemsize)   # elements a piece
@@ -265,7 +363,7 @@ class CollectiveGroup:
         split = (lambda c: [c[a:a + per] for a in range(0, c.size, per)] or [c])
         deadline = time.monotonic() + self.timeout
         prev = f"worker {self.addresses[(r - 1) % n]} (rank {(r - 1) % n} of group {self.name!r})"
-        with _Sender(self, op, deadline, wire_dtype) as sender:
+        with _Sender(self, op, deadline, wire_dtype, signature) as sender:
             for p, piece in enumerate(split(chunks[r])):
                 sender.put(p, piece)
             # Steps 0 .. n-2 reduce (their chunks added into ours), n-1 .. 2n-3
@@ -275,9 +373,9 @@ class CollectiveGroup:
                 reducing = s < n - 1
                 into = chunks[(r - s - 1) % n]   # (in both phases)
                 for p, piece in enumerate(split(into)):
-                    got = self._inbox.take(self.id, op, s * pieces + p, (r - 1) % n,
-                                           deadline, prev)
-                    _check(got, piece, wire_dtype, prev)
+                    got, sig = self._inbox.take(self.id, op, s * pieces + p, (r - 1) % n,
+                                                deadline, prev, sender.error)
+                    _check(got, sig, piece, wire_dtype, signature, prev)
                     if reducing:
                         piece += got
                         if lossy and s == n - 2:   # its sum is made: as the others will have it
@@ -287,22 +385,47 @@ class CollectiveGroup:
                     if s < 2 * (n - 1) - 1:
                         sender.put((s + 1) * pieces + p, piece)
 
+    def _next_id(self, deadline: float, stop: threading.Event) -> bytes:
+        """The next member's id, asked of its worker until it is formed."""
+        while not self._next_member and not stop.is_set():
+            probe = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None)
+            reply = self._next.call(methods.COLLECTIVE, probe,
+                                    max(0.001, deadline - time.monotonic()))
+            self._next_member = reply.member
+            if not reply.member:
+                if time.monotonic() + PROBE_SECONDS > deadline:
+                    raise DeadlineExceeded(
+                        f"worker {self.addresses[(self.rank + 1) % self.size]} (rank "
+                        f"{(self.rank + 1) % self.size}) did not form group {self.name!r} in "
+                        "time")
+                stop.wait(PROBE_SECONDS)   # (polling that worker: nothing to wait on here)
+        if not self._next_member:
+            raise FailedPrecondition("the operation failed on this member")
+        return self._next_member
+
 
 class _Sender:
-    """Sends a group's pieces to the next member in order, on a thread of
-    its own (so that sending one piece overlaps adding the next); leaving
-    the ``with`` waits for every answer and raises the first error. A piece's memory is
-    not changed until the next member has it (a piece is changed again only
-    once the ring brings it back, which needs this send first)."""
+    """Sends a member's pieces to the next member, one call at a time in
+    order, on a thread of its own (so that sending one piece overlaps adding
+    the next); leaving the ``with`` waits for the last answer and raises
+    the first error (``error()`` says it as soon as there is one, and the
+    inbox is woken for it). A piece's memory is not changed until the next
+    member has it (a piece is changed again only once the ring brings it
+    back, which needs this send first)."""
 
-    def __init__(self, group: CollectiveGroup, op: int, deadline: float, wire_dtype):
+    def __init__(self, group: CollectiveGroup, op: int, deadline: float, wire_dtype,
+                 signature: int):
         self._group, self._op, self._deadline = group, op, deadline
-        self._wire = wire_dtype
+        self._wire, self._signature = wire_dtype, signature
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()   # the member failed: stop asking for the next id
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"collective-{group.name}")
-        self._error: BaseException | None = None
         self._thread.start()
+
+    def error(self) -> BaseException | None:
+        return self._error
 
     def put(self, step: int, piece: np.ndarray) -> None:
         if self._error is not None:
@@ -310,45 +433,47 @@ class _Sender:
         self._queue.put((step, piece))
 
     def _run(self) -> None:
-        g, sent = self._group, []
+        g = self._group
         try:
+            receiver = g._next_id(self._deadline, self._stop)
             while True:
                 item = self._queue.get()
                 if item is None:
-                    break
-                piece = item[1] if item[1].dtype == self._wire else _narrow(item[1], self._wire)
-                msg = wire.encode_collective_chunk(g.id, self._op, item[0], g.rank, piece)
+                    return
+                step, piece = item
+                if piece.dtype != self._wire:
+                    piece = _narrow(piece, self._wire)
+                msg = wire.encode_collective_chunk(g.id, self._op, step, g.rank, piece,
+                                                   receiver, g._member, self._signature)
                 g.bytes_sent += msg.nbytes
-                sent.append(g._next.send(methods.COLLECTIVE, msg,
-                                         max(0.001, self._deadline - time.monotonic())))
-                while sent and sent[0].done():
-                    sent.pop(0).result()
-            for p in sent:
-                p.result()
-        except BaseException as exc:   # the member's next put or close raises it
+                g._next.call(methods.COLLECTIVE, msg, max(0.001, self._deadline - time.monotonic()))
+        except BaseException as exc:   # the member's take, put and exit raise it
             self._error = exc
+            g._inbox.wake()
 
     def __enter__(self) -> "_Sender":
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is not None:
+            self._stop.set()
         self._queue.put(None)
         self._thread.join(max(0.0, self._deadline - time.monotonic()) + 5.0)
-        if exc[0] is None:
-            if self._thread.is_alive():
-                g = self._group
-                raise DeadlineExceeded(f"sending to worker {g.addresses[(g.rank + 1) % g.size]} "
-                                       f"(group {g.name!r}) did not finish in time")
-            if self._error is not None:
-                raise self._error
+        if self._error is not None and exc[1] is not self._error:
+            raise self._error from exc[1]   # (this side's cause first)
+        if exc[0] is None and self._thread.is_alive():
+            g = self._group
+            raise DeadlineExceeded(f"sending to worker {g.addresses[(g.rank + 1) % g.size]} "
+                                   f"(group {g.name!r}) did not finish in time")
 
 
-def _check(got: np.ndarray, into: np.ndarray, wire_dtype, sender: str) -> None:
-    if got.dtype != wire_dtype or got.shape != into.shape:
+def _check(got: np.ndarray, signature: int, into: np.ndarray, wire_dtype, want: int,
+           sender: str) -> None:
+    if signature != want or got.dtype != wire_dtype or got.shape != into.shape:
         raise InvalidArgument(
-            f"{sender} sent a chunk of {got.dtype} {list(got.shape)} where this member expects "
-            f"{wire_dtype} {list(into.shape)}: the members' arrays (or compressions) differ in "
-            "shape or dtype")
+            f"{sender} sent a chunk of an operation on another array than this member's: the "
+            "members' arrays (or compressions) differ in shape or dtype, or they call the "
+            "group's operations in another order")
 
 
 def _narrow(a: np.ndarray, dtype) -> np.ndarray:
@@ -372,7 +497,7 @@ def _fusion_batches(arrays: list) -> list[list[int]]:
             out.append(batch[0])
             batch = None
         if batch is None:
-            batch = open_[a.dtype] = ([], 0)
+            batch = ([], 0)
         batch[0].append(i)
         open_[a.dtype] = (batch[0], batch[1] + a.nbytes)
     out += [b for b, _ in open_.values()]

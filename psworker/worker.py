@@ -186,8 +186,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "this worker has no auth token configured, so it takes no collective "
                 f"chunks: set ${TOKEN_ENV} on every task (or start it with {INSECURE_FLAG} "
                 "on an isolated network)")
-        collective.INBOX.deliver_bytes(request)
-        return worker_pb2.CollectiveReply()
+        left = context.time_remaining()
+        member = collective.INBOX.deliver_bytes(request, collective.ROOM_SECONDS if left is None
+                                                else min(collective.ROOM_SECONDS, left))
+        return worker_pb2.CollectiveReply(member=member)
 
 
 def _add_worker(servicer: WorkerServicer, server) -> None:

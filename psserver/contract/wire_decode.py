@@ -530,18 +530,26 @@ COLLECTIVE_GROUP_BYTES = 16
 _CHUNK_DTYPES = ("float16", "float32", "float64")
 
 
-def decode_collective_chunk(raw) -> tuple[bytes, int, int, int, np.ndarray]:
-    """(group, op, step, sender, data) of CollectiveChunk bytes (worker.proto),
-    ``data`` a 1-D float array viewing ``raw``; InvalidArgument for anything
-    else (a group id not of 16 bytes, a step or sender past uint32, data
-    not one dimension of float16/32/64)."""
+def decode_collective_chunk(raw) -> tuple:
+    """(group, op, step, sender, data, receiver, member, signature) of
+    CollectiveChunk bytes (worker.proto): ``data`` a 1-D float array viewing
+    ``raw``, or None in a probe (no receiver). InvalidArgument for anything
+    else: ids not of 16 bytes, a step or sender past uint32, a chunk
+    without data, data not one dimension of float16/32/64."""
     buf = memoryview(raw).cast("B")
     group, op, step, sender, spans = b"", 0, 0, 0, []
+    receiver, member, signature = b"", b"", 0
     for field, wt, a, b in _fields(buf, 0, len(buf)):
         if field == 1 and wt == _LEN:
             group = bytes(buf[a:b])
+        elif field == 6 and wt == _LEN:
+            receiver = bytes(buf[a:b])
+        elif field == 7 and wt == _LEN:
+            member = bytes(buf[a:b])
         elif field == 2 and wt == _VARINT:
             op = a
+        elif field == 8 and wt == _VARINT:
+            signature = a
         elif field in (3, 4) and wt == _VARINT:
             if a >> 32:
                 raise InvalidArgument(f"a collective chunk's {'step' if field == 3 else 'sender'} "
@@ -549,12 +557,19 @@ def decode_collective_chunk(raw) -> tuple[bytes, int, int, int, np.ndarray]:
             step, sender = (a, sender) if field == 3 else (step, a)
         elif field == 5 and wt == _LEN:
             spans.append((a, b))
-    if len(group) != COLLECTIVE_GROUP_BYTES:
-        raise InvalidArgument(f"a collective chunk's group id must be {COLLECTIVE_GROUP_BYTES} "
-                              f"bytes, got {len(group)}")
+    n = COLLECTIVE_GROUP_BYTES
+    if len(group) != n:
+        raise InvalidArgument(f"a collective chunk's group id must be {n} bytes, got {len(group)}")
+    if not receiver:   # a probe: what the receiver's member id is
+        return group, op, step, sender, None, b"", member, signature
+    if len(receiver) != n or len(member) != n:
+        raise InvalidArgument(f"a collective chunk's receiver and member ids must be {n} bytes, "
+                              f"got {len(receiver)} and {len(member)}")
+    if not spans:
+        raise InvalidArgument("a collective chunk (one with a receiver) needs its data")
     parts = _tensor_parts(buf, spans, "the chunk")
     if parts[0] not in _CHUNK_DTYPES or len(parts[1]) != 1:
         raise InvalidArgument(f"a collective chunk holds one dimension of {', '.join(_CHUNK_DTYPES)}"
                               f", got {parts[0] or 'no dtype'} of shape {parts[1]}")
-    return group, op, step, sender, _decode_tensor(raw, buf, spans, "the chunk", parts)
-
+    data = _decode_tensor(raw, buf, spans, "the chunk", parts)
+    return group, op, step, sender, data, receiver, member, signature

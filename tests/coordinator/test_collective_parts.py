@@ -13,77 +13,124 @@ import pytest
 from coordinator.collective import CollectiveGroup, Inbox, chunk_bounds, group_id
 from protos.pstrain.v1 import worker_pb2
 from psserver.contract import wire, wire_decode
-from psserver.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from psserver.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 
 G = bytes(range(16))
+SOON = 30.0   # seconds a take may wait where its chunk is there or comes from this test
 
 
-def test_a_chunk_is_kept_until_taken_and_a_take_waits_for_it():
-    inbox = Inbox()
-    inbox.deliver(G, 0, 0, 1, np.arange(3, dtype=np.float32))
-    assert inbox.held_bytes == 12
-    np.testing.assert_array_equal(inbox.take(G, 0, 0, 1, time.monotonic() + 30, "x"), [0, 1, 2])
-    assert inbox.held_bytes == 0
+def _formed(**kw) -> tuple[Inbox, bytes, bytes]:
+    """An inbox with a member of G formed, and a sender's member id."""
+    inbox = Inbox(**kw)
+    return inbox, inbox.join(G), b"s" * 16
+
+
+def _take(inbox, op, step, sender, wait=SOON):
+    return inbox.take(G, op, step, sender, time.monotonic() + wait, "worker w:1 (rank 1)")
+
+
+def test_a_chunk_is_kept_for_its_member_until_taken_and_a_take_waits_for_it():
+    inbox, me, them = _formed()
+    inbox.deliver(G, 0, 0, 1, np.arange(3, dtype=np.float32), me, them, 77)
+    assert inbox.held_bytes == 1024   # (each chunk counts as CHUNK_BYTES_MIN at least)
+    data, sig = _take(inbox, 0, 0, 1)
+    assert data.tolist() == [0, 1, 2] and sig == 77 and inbox.held_bytes == 0
     got = []
-    taker = threading.Thread(target=lambda: got.append(inbox.take(G, 0, 1, 1, time.monotonic() + 30, "x")))
+    taker = threading.Thread(target=lambda: got.append(_take(inbox, 0, 1, 1)))
     taker.start()
-    inbox.deliver(G, 0, 1, 1, np.ones(2, np.float64))
+    inbox.deliver(G, 0, 1, 1, np.ones(2, np.float64), me, them)
     taker.join(10)
-    assert not taker.is_alive() and got[0].dtype == np.float64 and got[0].tolist() == [1, 1]
+    assert not taker.is_alive() and got[0][0].dtype == np.float64
 
 
-def test_a_take_that_waits_too_long_names_what_it_waited_for():
+def test_chunks_for_no_member_here_or_from_another_sender_are_refused_and_kept_nowhere():
     inbox = Inbox()
-    inbox.deliver(G, 0, 0, 2, np.ones(1, np.float32))   # another sender's
-    with pytest.raises(DeadlineExceeded, match="worker w:1 .rank 1"):
-        inbox.take(G, 0, 0, 1, 0.0, "worker w:1 (rank 1)")
-    assert inbox.held_bytes == 4
+    with pytest.raises(FailedPrecondition, match="no member of this collective group"):
+        inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), b"m" * 16, b"s" * 16)
+    me = inbox.join(G)
+    assert inbox.member(G) == me and inbox.member(b"x" * 16) == b""
+    with pytest.raises(ValueError, match="formed on this worker already"):
+        inbox.join(G)
+    with pytest.raises(FailedPrecondition, match="no member"):   # an earlier member's id
+        inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), b"m" * 16, b"s" * 16)
+    inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), me, b"s" * 16)
+    with pytest.raises(FailedPrecondition, match="re-formed the group alone"):
+        inbox.deliver(G, 0, 1, 1, np.ones(2, np.float32), me, b"t" * 16)
+    assert inbox.held_bytes == 1024
+    inbox.leave(G, me)   # its chunks go, later ones are refused
+    assert inbox.held_bytes == 0 and inbox.member(G) == b""
+    with pytest.raises(FailedPrecondition):
+        inbox.deliver(G, 0, 1, 1, np.ones(2, np.float32), me, b"s" * 16)
+    again = inbox.join(G)   # formed anew: a new id
+    assert again != me
 
 
 def test_the_same_chunk_twice_is_kept_once_and_another_under_its_key_is_refused():
-    inbox = Inbox()
-    inbox.deliver(G, 3, 0, 1, np.ones(4, np.float32))
-    inbox.deliver(G, 3, 0, 1, np.ones(4, np.float32))
-    assert inbox.held_bytes == 16
-    with pytest.raises(InvalidArgument, match="arrived twice with different contents"):
-        inbox.deliver(G, 3, 0, 1, np.zeros(4, np.float32))
-    with pytest.raises(InvalidArgument, match="different contents"):
-        inbox.deliver(G, 3, 0, 1, np.ones(4, np.float64))
-    np.testing.assert_array_equal(inbox.take(G, 3, 0, 1, 0.0, "x"), np.ones(4))
-    # taken: the key is free again (a group's name used again later)
-    inbox.deliver(G, 3, 0, 1, np.zeros(4, np.float32))
-    assert inbox.held_bytes == 16
+    inbox, me, them = _formed()
+    inbox.deliver(G, 3, 0, 1, np.ones(4, np.float32), me, them)
+    inbox.deliver(G, 3, 0, 1, np.ones(4, np.float32), me, them)
+    assert inbox.held_bytes == 1024
+    for other in (np.zeros(4, np.float32), np.ones(4, np.float64)):
+        with pytest.raises(InvalidArgument, match="arrived twice with different contents"):
+            inbox.deliver(G, 3, 0, 1, other, me, them)
+    np.testing.assert_array_equal(_take(inbox, 3, 0, 1, 0.0)[0], np.ones(4))
 
 
-def test_a_full_inbox_refuses_after_waiting_and_keeps_what_it_has():
-    inbox = Inbox(max_bytes=16)
-    inbox.deliver(G, 0, 0, 1, np.ones(3, np.float32))
-    with pytest.raises(ResourceExhausted, match="inbox holds 12 bytes"):
-        inbox.deliver(G, 0, 1, 1, np.ones(3, np.float32), room_seconds=0.0)
-    assert inbox.held_bytes == 12
-    inbox.take(G, 0, 0, 1, 0.0, "x")
-    big = np.ones(100, np.float32)   # larger than the inbox: taken when it is empty
-    inbox.deliver(G, 0, 1, 1, big, room_seconds=0.0)
-    assert inbox.held_bytes == 400
-    # room made by a take wakes a waiting delivery
+def test_a_full_inbox_waits_for_room_then_refuses_and_keeps_what_it_has():
+    inbox, me, them = _formed(max_bytes=4096, max_chunks=3)
+    inbox.deliver(G, 0, 0, 1, np.ones(600, np.float32), me, them)   # 2,400 bytes
+    with pytest.raises(ResourceExhausted, match="inbox holds 2400 bytes in 1 chunks"):
+        inbox.deliver(G, 0, 1, 1, np.ones(600, np.float32), me, them, room_seconds=0.05)
+    assert inbox.held_bytes == 2400
+    # a take makes room for a delivery waiting for it
     done = threading.Event()
-    t = threading.Thread(target=lambda: (inbox.deliver(G, 0, 2, 1, np.ones(1, np.float32)),
-                                         done.set()))
+    t = threading.Thread(target=lambda: (inbox.deliver(G, 0, 1, 1, np.ones(600, np.float32),
+                                                       me, them, room_seconds=SOON), done.set()))
     t.start()
-    inbox.take(G, 0, 1, 1, 0.0, "x")
+    _take(inbox, 0, 0, 1)
     t.join(10)
-    assert done.is_set() and inbox.held_bytes == 4
+    assert done.is_set() and inbox.held_bytes == 2400
+    _take(inbox, 0, 1, 1)
+    big = np.ones(5000, np.float32)   # larger than the inbox: taken when it is empty
+    inbox.deliver(G, 0, 2, 1, big, me, them)
+    assert inbox.held_bytes == 20000
+    _take(inbox, 0, 2, 1)
+    for step in range(3):   # empty chunks count too: at most max_chunks of them
+        inbox.deliver(G, 1, step, 1, np.zeros(0, np.float32), me, them)
+    with pytest.raises(ResourceExhausted, match="3 chunks"):
+        inbox.deliver(G, 1, 3, 1, np.zeros(0, np.float32), me, them)
 
 
-def test_chunks_nobody_takes_are_dropped_after_keep_seconds():
-    now = [0.0]
-    inbox = Inbox(keep_seconds=10.0, clock=lambda: now[0])
-    inbox.deliver(G, 0, 0, 1, np.ones(3, np.float32))
-    now[0] = 10.5
-    inbox.deliver(G, 1, 0, 1, np.ones(1, np.float32))
-    assert inbox.held_bytes == 4
-    with pytest.raises(DeadlineExceeded):
-        inbox.take(G, 0, 0, 1, 0.0, "x")
+def test_a_take_names_what_it_waited_for_or_says_the_senders_error_at_once():
+    inbox, me, them = _formed()
+    inbox.deliver(G, 0, 0, 2, np.ones(1, np.float32), me, them)   # another sender's
+    with pytest.raises(DeadlineExceeded, match="worker w:1 .rank 1.*further back round the ring"):
+        _take(inbox, 0, 0, 1, 0.0)
+    failed = []
+    t = threading.Thread(target=lambda: (failed.append(ResourceExhausted("next is full")),
+                                         inbox.wake()))
+    with pytest.raises(ResourceExhausted, match="next is full"):
+        t.start()
+        inbox.take(G, 0, 0, 1, time.monotonic() + SOON, "x",
+                   lambda: failed[0] if failed else None)
+    t.join(10)
+
+
+def test_a_request_counts_the_whole_buffer_that_holds_it():
+    """A chunk padded with an unknown field holds its whole request: counted so."""
+    inbox, me, them = _formed()
+    raw = wire.joined(wire.encode_collective_chunk(G, 0, 0, 1, np.ones(1, np.float32), me, them))
+    padded = raw + bytes([0x7A]) + bytes([0x80, 0x80, 0x04]) + bytes(65536)   # field 15, 64 KiB
+    assert inbox.deliver_bytes(padded, 0.0) == me
+    assert inbox.held_bytes >= len(padded)
+    # a probe (no receiver) is answered with the member id and keeps nothing
+    probe = wire.joined(wire.encode_collective_chunk(G, 0, 0, 1, None))
+    assert inbox.deliver_bytes(probe) == me and inbox.held_bytes >= len(padded)
 
 
 @pytest.mark.parametrize("size,n", [(0, 3), (2, 3), (10, 3), (1_000_003, 4), (7, 7)])
@@ -115,16 +162,27 @@ def test_a_group_of_one_returns_a_copy_and_checks_what_it_is_given():
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_a_chunk_by_hand_reads_back_and_protobuf_reads_it_the_same(dtype):
     data = np.arange(5, dtype=dtype)
-    raw = wire.joined(wire.encode_collective_chunk(G, 2**40 + 1, 3, 2, data))
-    group, op, step, sender, got = wire_decode.decode_collective_chunk(raw)
-    assert (group, op, step, sender) == (G, 2**40 + 1, 3, 2)
+    ids = (b"r" * 16, b"m" * 16, 2**63 + 5)
+    raw = wire.joined(wire.encode_collective_chunk(G, 2**40 + 1, 3, 2, data, *ids))
+    group, op, step, sender, got, *rest = wire_decode.decode_collective_chunk(raw)
+    assert (group, op, step, sender, *rest) == (G, 2**40 + 1, 3, 2, *ids)
     assert got.dtype == dtype and got.tolist() == data.tolist()
     msg = worker_pb2.CollectiveChunk.FromString(raw)
     assert (msg.group, msg.op, msg.step, msg.sender) == (G, 2**40 + 1, 3, 2)
+    assert (msg.receiver, msg.member, msg.signature) == ids
     assert msg.data.dtype == np.dtype(dtype).name and list(msg.data.shape) == [5]
     # and what protobuf writes reads back by hand
     again = wire_decode.decode_collective_chunk(msg.SerializeToString())
     assert again[:4] == (G, 2**40 + 1, 3, 2) and again[4].tolist() == data.tolist()
+    assert again[5:] == ids
+    # a probe: no receiver, no data
+    probe = wire_decode.decode_collective_chunk(wire.joined(
+        wire.encode_collective_chunk(G, 0, 0, 1, None)))
+    assert probe[4] is None and probe[5] == b""
+    for bad, match in (((G, 0, 0, 1, data, b"r" * 3, b"m" * 16), "receiver and member ids"),
+                       ((G, 0, 0, 1, None, b"r" * 16, b"m" * 16), "needs its data")):
+        with pytest.raises(InvalidArgument, match=match):
+            wire_decode.decode_collective_chunk(wire.joined(wire.encode_collective_chunk(*bad)))
 
 
 def test_narrowing_to_float16_clips_finite_values_and_keeps_nan_and_inf():

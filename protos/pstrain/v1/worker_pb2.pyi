@@ -106,19 +106,27 @@ class WorkerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ..., host: _Optional[_Union[_ps_pb2.HostInfo, _Mapping]] = ...) -> None: ...
 
 class CollectiveChunk(_message.Message):
-    __slots__ = ("group", "op", "step", "sender", "data")
+    __slots__ = ("group", "op", "step", "sender", "data", "receiver", "member", "signature")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group: bytes
     op: int
     step: int
     sender: int
     data: _ps_pb2.Tensor
-    def __init__(self, group: _Optional[bytes] = ..., op: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[int] = ..., data: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    receiver: bytes
+    member: bytes
+    signature: int
+    def __init__(self, group: _Optional[bytes] = ..., op: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[int] = ..., data: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., receiver: _Optional[bytes] = ..., member: _Optional[bytes] = ..., signature: _Optional[int] = ...) -> None: ...
 
 class CollectiveReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("member",)
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    member: bytes
+    def __init__(self, member: _Optional[bytes] = ...) -> None: ...
