@@ -295,8 +295,8 @@ class CollectiveGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def all_reduce(self, array, average: bool = False,
-                   compression: str | None = None) -> np.ndarray:
+    def all_reduce(self, array, average: bool = False, compression: str | None = None,
+                   *, _shapes: tuple | None = None) -> np.ndarray:
         """The element-wise sum (``average``: mean) of every member's
         ``array`` (same shape and dtype on each: float16, float32 or
         float64), a new array of its shape, the same bits on every member.
@@ -323,7 +323,7 @@ class CollectiveGroup:
             wire_dtype = COMPRESSIONS[compression] or out.dtype
             try:
                 self._ring(op, out.reshape(-1), wire_dtype,
-                           _signature(a.shape, a.dtype, wire_dtype))
+                           _signature(_shapes or a.shape, a.dtype, wire_dtype))
             except BaseException as exc:   # the group is over: its chunks go, later ones refused
                 self._failed = exc
                 self._inbox.leave(self.id, self._member)
@@ -347,7 +347,8 @@ class CollectiveGroup:
         out: list = [None] * len(arrays)
         for batch in _fusion_batches(arrays):
             flat = self.all_reduce(np.concatenate([arrays[i].reshape(-1) for i in batch]),
-                                   average, compression)
+                                   average, compression,
+                                   _shapes=tuple(arrays[i].shape for i in batch))
             at = 0
             for i in batch:
                 out[i] = flat[at:at + arrays[i].size].reshape(arrays[i].shape)
@@ -408,8 +409,8 @@ class _Sender:
     """Sends a member's pieces to the next member, one call at a time in
     order, on a thread of its own (so that sending one piece overlaps adding
     the next); leaving the ``with`` waits for the last answer and raises
-    the first error (``error()`` says it as soon as there is one, and the
-    inbox is woken for it). A piece's memory is not changed until the next
+    its error where the member had none or only timed out waiting (``error()``
+    says it as soon as there is one, and the inbox is woken for it). A piece's memory is not changed until the next
     member has it (a piece is changed again only once the ring brings it
     back, which needs this send first)."""
 
@@ -459,8 +460,9 @@ class _Sender:
             self._stop.set()
         self._queue.put(None)
         self._thread.join(max(0.0, self._deadline - time.monotonic()) + 5.0)
-        if self._error is not None and exc[1] is not self._error:
-            raise self._error from exc[1]   # (this side's cause first)
+        if self._error is not None and exc[1] is not self._error and \
+                (exc[1] is None or isinstance(exc[1], DeadlineExceeded)):
+            raise self._error from exc[1]   # (why this member waited in vain: its own send)
         if exc[0] is None and self._thread.is_alive():
             g = self._group
             raise DeadlineExceeded(f"sending to worker {g.addresses[(g.rank + 1) % g.size]} "

@@ -68,11 +68,14 @@ def member_of_size(name, addresses, rank, sizes):
         return group.all_reduce(np.ones(sizes[rank], np.float32))
 
 
-def member_of_shape(name, addresses, rank, shapes):
-    """An all-reduce where each rank gives an array of its own shape (a mistake)."""
+def member_of_shape(name, addresses, rank, shapes, many=False):
+    """An all-reduce where each rank gives an array of its own shape (a
+    mistake); ``many``: all_reduce_many of it and a scalar."""
     from coordinator.collective import CollectiveGroup
     with CollectiveGroup(name, addresses, rank, timeout=5.0) as group:
-        return group.all_reduce(np.ones(shapes[rank], np.float32))
+        x = np.ones(shapes[rank], np.float32)
+        return group.all_reduce_many([x, np.ones((), np.float32)]) if many else \
+            group.all_reduce(x)
 
 
 def inbox_bytes():
@@ -239,11 +242,12 @@ def test_a_group_formed_again_after_a_failure_gets_the_right_sum(three):
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
 
 
-def test_arrays_of_one_size_and_other_shapes_are_refused_not_summed(three):
+@pytest.mark.parametrize("many", [False, True])
+def test_arrays_of_one_size_and_other_shapes_are_refused_not_summed(three, many):
     addresses = [w.address for w in three.workers]
     with futures.ThreadPoolExecutor(3) as pool:
-        runs = [pool.submit(_run, three, r, member_of_shape, "shapes", addresses, r,
-                            [(2, 3), (3, 2), (2, 3)]) for r in range(3)]
+        runs = [pool.submit(_run, three, r, member_of_shape, f"shapes-{many}", addresses, r,
+                            [(2, 3), (3, 2), (2, 3)], many) for r in range(3)]
         errors = []
         for f in runs:
             with pytest.raises(RuntimeError) as info:
