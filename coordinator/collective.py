@@ -29,17 +29,21 @@ cluster's token and TLS), one at a time to the next member, in order, each
 answered once the receiving worker holds it in its inbox (``Inbox``).
 
 Membership. Forming a group on a worker registers a member id, new each
-time, in that worker's inbox; before its first chunk a member asks the next
-worker for its id (waiting until that member is formed) and every chunk
-names both ids. The inbox keeps a chunk only for the member it names, and
-from one sender's id only (the first it saw): a chunk from an earlier group
-of the same name, from a member that re-formed alone, or for no group at
-all is refused (FailedPrecondition), so it can never be summed into
-another group's result. A member drops its chunks when it leaves the group
-(``close``) or one of its operations fails (the group is then over: form a
-new one, under the same name if you like). Each chunk also carries a hash
-of its operation's shape, dtype and compression, so that members calling
-with different arrays get InvalidArgument, not a sum of misaligned data.
+time, in that worker's inbox. Before its first chunk a member asks the next
+worker for its id, sending its own; the inbox answers the first member to
+ask and no other (an earlier group's member still there answers none but
+its own sender: the asker asks again until the new one is formed). Every
+chunk names both ids, and the inbox keeps it only for the member it names
+from the sender that member answered: a chunk from an earlier group of the
+same name, from a member that re-formed alone, or for no group at all is
+refused (FailedPrecondition), so it can never be summed into another
+group's result. A member whose operation fails tells the next member (whose
+operation fails at once and tells its own next: the failure goes round the
+ring), drops its chunks and is out: the group is over, form it anew (under
+the same name if you like). ``close`` (or a group collected unclosed) leaves
+too. Each chunk carries a hash of its operation's shapes, dtype,
+compression and mean, so that members calling with different arrays get
+InvalidArgument, not a sum of misaligned data.
 An inbox holds at most INBOX_BYTES (counting what really holds each
 chunk's memory) and MAX_CHUNKS chunks; a chunk past that waits up to
 ROOM_SECONDS (and its call's deadline) for its member to take others,
@@ -53,6 +57,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -83,6 +88,8 @@ PROBE_SECONDS = 0.02
 #: Seconds a chunk waits for room in a full inbox (at most the call's own
 #: deadline) before ResourceExhausted: a member is behind its predecessor.
 ROOM_SECONDS = 10.0
+#: Seconds a failed member gives telling the next one, and its own send thread to stop.
+ABORT_SECONDS = 2.0
 #: Array dtypes an all-reduce takes.
 DTYPES = (np.float16, np.float32, np.float64)
 #: all_reduce's compressions: the dtype chunks travel in (None: the array's).
@@ -97,9 +104,12 @@ class Inbox:
 
     def __init__(self, max_bytes: int = INBOX_BYTES, max_chunks: int = MAX_CHUNKS):
         self.max_bytes, self.max_chunks = max_bytes, max_chunks
-        self._members: dict[bytes, list] = {}   # group -> [member id, the sender's id or None]
+        # group -> [member id, the sender's id (pinned by its first probe) or None,
+        #           why the sender failed (an abort) or None]
+        self._members: dict[bytes, list] = {}
         self._chunks: dict[tuple, tuple[np.ndarray, int, int]] = {}   # -> (data, signature, bytes)
         self._bytes = 0
+        self._waiting = 0   # bytes of deliveries waiting for room (their requests alive)
         self._cond = threading.Condition()
 
     @property
@@ -114,15 +124,16 @@ class Inbox:
                 raise ValueError("a member of a group of this name is formed on this worker "
                                  "already: close it first (or name the new group otherwise)")
             member = os.urandom(wire_decode.COLLECTIVE_GROUP_BYTES)
-            self._members[group] = [member, None]
+            self._members[group] = [member, None, None]
             return member
 
     def leave(self, group: bytes, member: bytes) -> None:
-        """The member is gone: its chunks dropped, later ones refused."""
+        """The member is gone: its chunks dropped, later ones refused (a
+        newer member of the group, formed since, keeps its own)."""
         with self._cond:
             if self._members.get(group, [None])[0] == member:
                 del self._members[group]
-            self._drop(group)
+                self._drop(group)   # (every chunk of the group here is that member's)
             self._cond.notify_all()
 
     def _drop(self, group: bytes) -> None:
@@ -134,6 +145,28 @@ class Inbox:
         with self._cond:
             return self._members.get(group, [b""])[0]
 
+    def answer(self, group: bytes, asker: bytes) -> bytes:
+        """A probe from member ``asker``: this worker's member id for
+        ``group`` if it takes chunks from that asker: the first to ask
+        (pinned now), none other (b"": not formed for it, ask again; an
+        earlier group's member about to leave, say)."""
+        with self._cond:
+            mine = self._members.get(group)
+            if mine is None or not asker:
+                return b""
+            if mine[1] is None:
+                mine[1] = asker
+            return mine[0] if mine[1] == asker else b""
+
+    def abort(self, group: bytes, receiver: bytes, sender: bytes, reason: str) -> None:
+        """The member's previous member failed: its take raises (an abort
+        for no member formed here, or from another sender, is ignored)."""
+        with self._cond:
+            mine = self._members.get(group)
+            if mine is not None and mine[0] == receiver and mine[1] == sender:
+                mine[2] = reason or "(no reason given)"
+                self._cond.notify_all()
+
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
@@ -142,41 +175,45 @@ class Inbox:
     def deliver_bytes(self, raw, room_seconds: float = ROOM_SECONDS) -> bytes:
         """A Worker.Collective request (InvalidArgument if malformed): kept,
         or a probe answered; this worker's member id for the group."""
-        group, op, step, sender, data, receiver, member, signature = \
+        group, op, step, sender, data, receiver, member, signature, abort = \
             wire_decode.decode_collective_chunk(raw)
-        if data is not None:
-            held = memory.owner(data)
-            held = held.nbytes if isinstance(held, (np.ndarray, memoryview)) else len(held)
-            self.deliver(group, op, step, sender, data, receiver, member, signature, held,
-                         room_seconds)
-        return self.member(group)
+        if not receiver:
+            return self.answer(group, member)
+        if abort:
+            self.abort(group, receiver, member, abort)
+            return b""
+        held = memory.owner(data)
+        held = held.nbytes if isinstance(held, (np.ndarray, memoryview)) else len(held)
+        self.deliver(group, op, step, sender, data, receiver, member, signature, held,
+                     room_seconds)
+        return receiver
 
     def deliver(self, group: bytes, op: int, step: int, sender: int, data: np.ndarray,
                 receiver: bytes, member: bytes, signature: int = 0,
                 held: int | None = None, room_seconds: float = 0.0) -> None:
         """Keep a chunk (the array given, not a copy: a view of the request,
         which nothing changes) for member ``receiver`` until it takes it.
-        FailedPrecondition if that member is not formed here or the chunk
-        comes from another sender id than the first; the same chunk again
+        FailedPrecondition if that member is not formed here or takes chunks
+        from another sender (``answer``) or failed; the same chunk again
         is dropped, another under its key is InvalidArgument; past the
-        bounds it waits up to ``room_seconds`` for a take to make room, then
+        bounds it waits up to ``room_seconds`` for a take to make room (while
+        the chunks waiting so hold at most max_bytes more), then
         ResourceExhausted. A refusal changes nothing."""
         key = (group, op, step, sender)
         held = max(CHUNK_BYTES_MIN, data.nbytes if held is None else held)
         deadline = time.monotonic() + room_seconds
         with self._cond:
-            while self._full(held) and self._members.get(group, [None])[0] == receiver and \
-                    key not in self._chunks and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-            mine = self._members.get(group)
-            if mine is None or mine[0] != receiver:
-                raise FailedPrecondition(
-                    "no member of this collective group is formed on this worker now (it "
-                    "left, failed, or was formed anew): chunks of an earlier group are not kept")
-            if mine[1] is not None and mine[1] != member:
-                raise FailedPrecondition(
-                    "this chunk comes from another member than this group's previous one (a "
-                    "member re-formed the group alone): form the group anew on every member")
+            self._check_member(group, receiver, member)
+            if self._full(held) and self._waiting + held <= self.max_bytes:
+                self._waiting += held
+                try:
+                    while self._full(held) and key not in self._chunks and \
+                            self._members.get(group, [None])[0] == receiver and \
+                            time.monotonic() < deadline:
+                        self._cond.wait(deadline - time.monotonic())
+                finally:
+                    self._waiting -= held
+                self._check_member(group, receiver, member)   # (it may have left meanwhile)
             got = self._chunks.get(key)
             if got is not None:
                 if got[0].dtype == data.dtype and got[0].tobytes() == data.tobytes() \
@@ -191,10 +228,22 @@ class Inbox:
                     f"{len(self._chunks)} chunks not taken yet (at most {self.max_bytes} bytes, "
                     f"{self.max_chunks} chunks): its members are behind. Retry the operation "
                     "with fewer groups at once")
-            mine[1] = member
             self._chunks[key] = (data, signature, held)
             self._bytes += held
             self._cond.notify_all()
+
+    def _check_member(self, group: bytes, receiver: bytes, sender: bytes) -> None:
+        mine = self._members.get(group)
+        if mine is None or mine[0] != receiver:
+            raise FailedPrecondition(
+                "no member of this collective group is formed on this worker now (it "
+                "left, failed, or was formed anew): chunks of an earlier group are not kept")
+        if mine[1] != sender:
+            raise FailedPrecondition(
+                "this member takes chunks from another member of its group (the one that "
+                "asked first): form the group anew on every member")
+        if mine[2] is not None:
+            raise FailedPrecondition(f"this member's operation failed: {mine[2]}")
 
     def _full(self, held: int) -> bool:
         return len(self._chunks) >= self.max_chunks or \
@@ -213,6 +262,9 @@ class Inbox:
                 err = abort()
                 if err is not None:
                     raise err
+                failed = self._members.get(group, [None, None, None])[2]
+                if failed is not None:
+                    raise FailedPrecondition(f"{what} failed, so this operation does: {failed}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(
@@ -242,8 +294,13 @@ def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype) -> int:
-    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}".encode()
+def _leave(inbox: Inbox, group: bytes, member: bytes, channel: TaskChannel) -> None:
+    inbox.leave(group, member)
+    channel.close()
+
+
+def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype, average: bool) -> int:
+    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}/{bool(average)}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
@@ -272,10 +329,14 @@ class CollectiveGroup:
         self._failed: BaseException | None = None
         self.bytes_sent = 0   # request bytes this member sent (chunks and their framing)
         self._next_member = b""   # the next member's id, once asked
-        self._member = self._inbox.join(self.id) if self.size > 1 else b""
-        self._next = None if self.size == 1 else TaskChannel(
-            addresses[(rank + 1) % self.size], role="worker", token=token, tls=tls,
-            timeout=timeout)
+        self._member, self._next = b"", None
+        if self.size > 1:   # (joined last: nothing after it can fail)
+            self._next = TaskChannel(addresses[(rank + 1) % self.size], role="worker",
+                                     token=token, tls=tls, timeout=timeout)
+            self._member = self._inbox.join(self.id)
+            # a group dropped without close() leaves too, once collected
+            self._leave = weakref.finalize(self, _leave, self._inbox, self.id, self._member,
+                                           self._next)
 
     @property
     def operations(self) -> int:
@@ -285,8 +346,7 @@ class CollectiveGroup:
     def close(self) -> None:
         """Leave the group: this member's chunks dropped, later ones refused."""
         if self._next is not None:
-            self._inbox.leave(self.id, self._member)
-            self._next.close()
+            self._leave()
             self._next = None
 
     def __enter__(self) -> "CollectiveGroup":
@@ -323,9 +383,10 @@ class CollectiveGroup:
             wire_dtype = COMPRESSIONS[compression] or out.dtype
             try:
                 self._ring(op, out.reshape(-1), wire_dtype,
-                           _signature(_shapes or a.shape, a.dtype, wire_dtype))
-            except BaseException as exc:   # the group is over: its chunks go, later ones refused
-                self._failed = exc
+                           _signature(_shapes or a.shape, a.dtype, wire_dtype, average))
+            except BaseException as exc:   # the group is over: the next member is told, this
+                self._failed = exc            # member's chunks go, later ones are refused
+                self._abort_next(f"{type(exc).__name__}: {exc}")
                 self._inbox.leave(self.id, self._member)
                 raise
         if average:
@@ -386,10 +447,25 @@ class CollectiveGroup:
                     if s < 2 * (n - 1) - 1:
                         sender.put((s + 1) * pieces + p, piece)
 
+    def _abort_next(self, reason: str) -> None:
+        """Tell the next member this one failed (its operation fails at
+        once, and it tells its own next), if it was reached at all."""
+        if not self._next_member:
+            return
+        rank = f"worker {self.addresses[self.rank]} (rank {self.rank})"
+        msg = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, self._next_member,
+                                           self._member, 0, f"{rank}: {reason}"[:900])
+        try:
+            self._next.call(methods.COLLECTIVE, msg, ABORT_SECONDS)
+        except Exception:   # (it gone too: its own next times out, as without this)
+            pass
+
     def _next_id(self, deadline: float, stop: threading.Event) -> bytes:
-        """The next member's id, asked of its worker until it is formed."""
+        """The next member's id, asked of its worker until it is formed
+        there and takes chunks from this member."""
         while not self._next_member and not stop.is_set():
-            probe = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None)
+            probe = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, b"",
+                                                 self._member)
             reply = self._next.call(methods.COLLECTIVE, probe,
                                     max(0.001, deadline - time.monotonic()))
             self._next_member = reply.member
@@ -439,7 +515,7 @@ class _Sender:
             receiver = g._next_id(self._deadline, self._stop)
             while True:
                 item = self._queue.get()
-                if item is None:
+                if item is None or self._stop.is_set():   # (failed: the rest is not sent)
                     return
                 step, piece = item
                 if piece.dtype != self._wire:
@@ -456,10 +532,11 @@ class _Sender:
         return self
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is not None:
+        if exc[0] is not None:   # the member failed: no more sends, and no long wait
             self._stop.set()
         self._queue.put(None)
-        self._thread.join(max(0.0, self._deadline - time.monotonic()) + 5.0)
+        self._thread.join(ABORT_SECONDS if exc[0] is not None else
+                          max(0.0, self._deadline - time.monotonic()) + 5.0)
         if self._error is not None and exc[1] is not self._error and \
                 (exc[1] is None or isinstance(exc[1], DeadlineExceeded)):
             raise self._error from exc[1]   # (why this member waited in vain: its own send)

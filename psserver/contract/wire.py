@@ -270,15 +270,18 @@ def _tensor_field(field: int, arr: np.ndarray) -> list:
 
 def encode_collective_chunk(group: bytes, op: int, step: int, sender: int,
                             data: np.ndarray | None, receiver: bytes = b"",
-                            member: bytes = b"", signature: int = 0) -> Scattered:
+                            member: bytes = b"", signature: int = 0,
+                            abort: str = "") -> Scattered:
     """CollectiveChunk{group, op, step, sender, data, receiver, member,
-    signature} (worker.proto) as its parts (``data`` None: a probe, no
-    data): ``data``'s memory is sent as it is (not copied), so it must not
-    change until the call is answered."""
+    signature, abort} (worker.proto) as its parts (``data`` None: a probe
+    or an abort, no data): ``data``'s memory is sent as it is (not copied),
+    so it must not change until the call is answered."""
+    reason = abort.encode()
     head = b"".join((_len_field(1, len(group)), group, _key(2, _VARINT), _varint(op),
                      _key(3, _VARINT), _varint(step), _key(4, _VARINT), _varint(sender),
                      _len_field(6, len(receiver)), receiver, _len_field(7, len(member)), member,
-                     _key(8, _VARINT), _varint(signature)))
+                     _key(8, _VARINT), _varint(signature),
+                     _len_field(9, len(reason)) + reason if reason else b""))
     tensor = () if data is None else _tensor_field(5, data)
     return Scattered(p for p in (head, *tensor) if len(p))
 

@@ -531,14 +531,16 @@ _CHUNK_DTYPES = ("float16", "float32", "float64")
 
 
 def decode_collective_chunk(raw) -> tuple:
-    """(group, op, step, sender, data, receiver, member, signature) of
-    CollectiveChunk bytes (worker.proto): ``data`` a 1-D float array viewing
-    ``raw``, or None in a probe (no receiver). InvalidArgument for anything
-    else: ids not of 16 bytes, a step or sender past uint32, a chunk
-    without data, data not one dimension of float16/32/64."""
+    """(group, op, step, sender, data, receiver, member, signature, abort)
+    of CollectiveChunk bytes (worker.proto): ``data`` a 1-D float array
+    viewing ``raw``, or None in a probe (no receiver) and an abort.
+    InvalidArgument for anything else: ids not of 16 bytes (the member's
+    may be empty in a probe), a step or sender past uint32, a chunk without
+    data, data not one dimension of float16/32/64, an abort of more than
+    1,000 bytes or not UTF-8."""
     buf = memoryview(raw).cast("B")
     group, op, step, sender, spans = b"", 0, 0, 0, []
-    receiver, member, signature = b"", b"", 0
+    receiver, member, signature, abort = b"", b"", 0, ""
     for field, wt, a, b in _fields(buf, 0, len(buf)):
         if field == 1 and wt == _LEN:
             group = bytes(buf[a:b])
@@ -557,14 +559,19 @@ def decode_collective_chunk(raw) -> tuple:
             step, sender = (a, sender) if field == 3 else (step, a)
         elif field == 5 and wt == _LEN:
             spans.append((a, b))
+        elif field == 9 and wt == _LEN:
+            if b - a > 1000:
+                raise InvalidArgument(f"a collective abort's reason has {b - a} bytes; at most 1000")
+            abort = _text(buf, a, b, "a collective abort's reason")
     n = COLLECTIVE_GROUP_BYTES
     if len(group) != n:
         raise InvalidArgument(f"a collective chunk's group id must be {n} bytes, got {len(group)}")
-    if not receiver:   # a probe: what the receiver's member id is
-        return group, op, step, sender, None, b"", member, signature
-    if len(receiver) != n or len(member) != n:
+    if len(member) not in (0, n) or (receiver and len(receiver) != n) or \
+            (receiver and not member):
         raise InvalidArgument(f"a collective chunk's receiver and member ids must be {n} bytes, "
                               f"got {len(receiver)} and {len(member)}")
+    if not receiver or abort:   # a probe (what the receiver's member id is), or an abort
+        return group, op, step, sender, None, receiver, member, signature, abort
     if not spans:
         raise InvalidArgument("a collective chunk (one with a receiver) needs its data")
     parts = _tensor_parts(buf, spans, "the chunk")
@@ -572,4 +579,4 @@ def decode_collective_chunk(raw) -> tuple:
         raise InvalidArgument(f"a collective chunk holds one dimension of {', '.join(_CHUNK_DTYPES)}"
                               f", got {parts[0] or 'no dtype'} of shape {parts[1]}")
     data = _decode_tensor(raw, buf, spans, "the chunk", parts)
-    return group, op, step, sender, data, receiver, member, signature
+    return group, op, step, sender, data, receiver, member, signature, ""

@@ -25,9 +25,12 @@ SOON = 30.0   # seconds a take may wait where its chunk is there or comes from t
 
 
 def _formed(**kw) -> tuple[Inbox, bytes, bytes]:
-    """An inbox with a member of G formed, and a sender's member id."""
+    """An inbox with a member of G formed, and the member id of the sender it
+    takes chunks from (which asked first)."""
     inbox = Inbox(**kw)
-    return inbox, inbox.join(G), b"s" * 16
+    me = inbox.join(G)
+    assert inbox.answer(G, b"s" * 16) == me
+    return inbox, me, b"s" * 16
 
 
 def _take(inbox, op, step, sender, wait=SOON):
@@ -52,22 +55,50 @@ def test_chunks_for_no_member_here_or_from_another_sender_are_refused_and_kept_n
     inbox = Inbox()
     with pytest.raises(FailedPrecondition, match="no member of this collective group"):
         inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), b"m" * 16, b"s" * 16)
+    assert inbox.answer(G, b"s" * 16) == b""   # not formed: ask again
     me = inbox.join(G)
     assert inbox.member(G) == me and inbox.member(b"x" * 16) == b""
     with pytest.raises(ValueError, match="formed on this worker already"):
         inbox.join(G)
+    with pytest.raises(FailedPrecondition, match="another member"):   # nobody asked yet
+        inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), me, b"s" * 16)
+    # the first to ask is the one it takes chunks from; another asker is not answered
+    assert inbox.answer(G, b"s" * 16) == me and inbox.answer(G, b"s" * 16) == me
+    assert inbox.answer(G, b"t" * 16) == b"" and inbox.answer(G, b"") == b""
     with pytest.raises(FailedPrecondition, match="no member"):   # an earlier member's id
         inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), b"m" * 16, b"s" * 16)
     inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), me, b"s" * 16)
-    with pytest.raises(FailedPrecondition, match="re-formed the group alone"):
+    with pytest.raises(FailedPrecondition, match="another member"):
         inbox.deliver(G, 0, 1, 1, np.ones(2, np.float32), me, b"t" * 16)
     assert inbox.held_bytes == 1024
     inbox.leave(G, me)   # its chunks go, later ones are refused
     assert inbox.held_bytes == 0 and inbox.member(G) == b""
     with pytest.raises(FailedPrecondition):
         inbox.deliver(G, 0, 1, 1, np.ones(2, np.float32), me, b"s" * 16)
-    again = inbox.join(G)   # formed anew: a new id
-    assert again != me
+    again = inbox.join(G)   # formed anew: a new id, which any first asker may pin
+    assert again != me and inbox.answer(G, b"t" * 16) == again
+    # the old member closing late drops nothing of the new one's
+    inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), again, b"t" * 16)
+    inbox.leave(G, me)
+    assert inbox.member(G) == again and inbox.held_bytes == 1024
+
+
+def test_an_abort_from_the_previous_member_fails_the_take_at_once_and_later_chunks():
+    inbox, me, them = _formed()
+    inbox.abort(G, me, b"x" * 16, "not its sender: ignored")
+    inbox.abort(G, b"y" * 16, them, "not this member: ignored")
+    with pytest.raises(DeadlineExceeded):
+        _take(inbox, 0, 0, 1, 0.0)
+    t = threading.Thread(target=lambda: inbox.abort(G, me, them, "rank 0: InvalidArgument: x"))
+    with pytest.raises(FailedPrecondition, match="worker w:1 .rank 1. failed, so this "
+                                                 "operation does: rank 0: InvalidArgument"):
+        t.start()
+        _take(inbox, 0, 0, 1)
+    t.join(10)
+    with pytest.raises(FailedPrecondition, match="operation failed"):
+        inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), me, them)
+    raw = wire.joined(wire.encode_collective_chunk(G, 0, 0, 1, None, me, them, 0, "why"))
+    assert inbox.deliver_bytes(raw) == b""
 
 
 def test_the_same_chunk_twice_is_kept_once_and_another_under_its_key_is_refused():
@@ -100,6 +131,16 @@ def test_a_full_inbox_waits_for_room_then_refuses_and_keeps_what_it_has():
     inbox.deliver(G, 0, 2, 1, big, me, them)
     assert inbox.held_bytes == 20000
     _take(inbox, 0, 2, 1)
+    # deliveries waiting for room hold at most max_bytes more: past that, refused at once
+    inbox.deliver(G, 0, 3, 1, np.ones(900, np.float32), me, them)   # 3,600 bytes held
+    waiting = threading.Thread(target=lambda: pytest.raises(
+        ResourceExhausted, inbox.deliver, G, 0, 4, 1, np.ones(900, np.float32), me, them,
+        room_seconds=2.0))
+    waiting.start()
+    with pytest.raises(ResourceExhausted):   # 3,600 waiting already: no room to wait in
+        inbox.deliver(G, 0, 5, 1, np.ones(900, np.float32), me, them, room_seconds=SOON)
+    waiting.join(10)
+    _take(inbox, 0, 3, 1)
     for step in range(3):   # empty chunks count too: at most max_chunks of them
         inbox.deliver(G, 1, step, 1, np.zeros(0, np.float32), me, them)
     with pytest.raises(ResourceExhausted, match="3 chunks"):
@@ -128,8 +169,8 @@ def test_a_request_counts_the_whole_buffer_that_holds_it():
     padded = raw + bytes([0x7A]) + bytes([0x80, 0x80, 0x04]) + bytes(65536)   # field 15, 64 KiB
     assert inbox.deliver_bytes(padded, 0.0) == me
     assert inbox.held_bytes >= len(padded)
-    # a probe (no receiver) is answered with the member id and keeps nothing
-    probe = wire.joined(wire.encode_collective_chunk(G, 0, 0, 1, None))
+    # a probe (no receiver) from the sender is answered with the member id, keeps nothing
+    probe = wire.joined(wire.encode_collective_chunk(G, 0, 0, 1, None, b"", them))
     assert inbox.deliver_bytes(probe) == me and inbox.held_bytes >= len(padded)
 
 
@@ -140,6 +181,22 @@ def test_chunk_bounds_cover_the_array_in_near_equal_pieces(size, n):
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     sizes = [b - a for a, b in bounds]
     assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_group_that_cannot_be_made_or_is_dropped_unclosed_leaves_no_member():
+    import gc
+    inbox = Inbox()
+    with pytest.raises(TypeError):   # its channel cannot be made: not joined either
+        CollectiveGroup("g", ["a:1", "b:1"], 0, tls="not a config", inbox=inbox)
+    assert inbox.member(group_id("g")) == b""
+    g = CollectiveGroup("g", ["a:1", "b:1"], 0, tls=False, inbox=inbox)
+    assert inbox.member(group_id("g")) != b""
+    del g
+    gc.collect()
+    assert inbox.member(group_id("g")) == b""
+    with CollectiveGroup("g", ["a:1", "b:1"], 1, tls=False, inbox=inbox) as g:
+        assert inbox.member(group_id("g")) == g._member
+    assert inbox.member(group_id("g")) == b""
 
 
 def test_a_group_of_one_returns_a_copy_and_checks_what_it_is_given():
@@ -165,7 +222,7 @@ def test_a_chunk_by_hand_reads_back_and_protobuf_reads_it_the_same(dtype):
     ids = (b"r" * 16, b"m" * 16, 2**63 + 5)
     raw = wire.joined(wire.encode_collective_chunk(G, 2**40 + 1, 3, 2, data, *ids))
     group, op, step, sender, got, *rest = wire_decode.decode_collective_chunk(raw)
-    assert (group, op, step, sender, *rest) == (G, 2**40 + 1, 3, 2, *ids)
+    assert (group, op, step, sender, *rest) == (G, 2**40 + 1, 3, 2, *ids, "")
     assert got.dtype == dtype and got.tolist() == data.tolist()
     msg = worker_pb2.CollectiveChunk.FromString(raw)
     assert (msg.group, msg.op, msg.step, msg.sender) == (G, 2**40 + 1, 3, 2)
@@ -174,13 +231,18 @@ def test_a_chunk_by_hand_reads_back_and_protobuf_reads_it_the_same(dtype):
     # and what protobuf writes reads back by hand
     again = wire_decode.decode_collective_chunk(msg.SerializeToString())
     assert again[:4] == (G, 2**40 + 1, 3, 2) and again[4].tolist() == data.tolist()
-    assert again[5:] == ids
+    assert again[5:] == (*ids, "")
     # a probe: no receiver, no data
     probe = wire_decode.decode_collective_chunk(wire.joined(
         wire.encode_collective_chunk(G, 0, 0, 1, None)))
     assert probe[4] is None and probe[5] == b""
+    abort = wire_decode.decode_collective_chunk(wire.joined(
+        wire.encode_collective_chunk(G, 0, 0, 1, None, b"r" * 16, b"m" * 16, 0, "why")))
+    assert abort[4] is None and abort[8] == "why"
     for bad, match in (((G, 0, 0, 1, data, b"r" * 3, b"m" * 16), "receiver and member ids"),
-                       ((G, 0, 0, 1, None, b"r" * 16, b"m" * 16), "needs its data")):
+                       ((G, 0, 0, 1, data, b"r" * 16, b""), "receiver and member ids"),
+                       ((G, 0, 0, 1, None, b"r" * 16, b"m" * 16), "needs its data"),
+                       ((G, 0, 0, 1, None, b"r" * 16, b"m" * 16, 0, "x" * 1001), "at most 1000")):
         with pytest.raises(InvalidArgument, match=match):
             wire_decode.decode_collective_chunk(wire.joined(wire.encode_collective_chunk(*bad)))
 

@@ -1,7 +1,8 @@
 """The ring all-reduce across test hosts (bench/hosts.py): each worker on a
 host of its own, the chunks over the data port with mutual TLS and the
 token, and the bytes each member's socket sent to the next member read from
-the kernel (``ss``: tcp_info's bytes_sent)."""
+the kernel (``ss``: tcp_info's bytes_acked, the payload the next host
+took, counted once however often TCP sent it)."""
 from __future__ import annotations
 
 import os
@@ -24,12 +25,13 @@ SIZE = 3_000_001   # float32: 12 MB, chunks of several pieces for n = 2
 
 
 def socket_bytes_to(address: str) -> int:
-    """TCP payload bytes this host's sockets sent to ``address``'s host (all
-    connections; tcp_info's bytes_sent, retransmissions included)."""
+    """TCP payload bytes this host's sockets delivered to ``address``'s host
+    (all connections; tcp_info's bytes_acked: a segment sent again, as TCP
+    does when the two busy cores drop one, counts once)."""
     ip = address.rsplit(":", 1)[0]
     out = subprocess.run(["ss", "-tinH", "state", "established", "dst", ip],
                          capture_output=True, text=True, check=True).stdout
-    return sum(int(m) for m in re.findall(r"bytes_sent:(\d+)", out))
+    return sum(int(m) for m in re.findall(r"bytes_acked:(\d+)", out))
 
 
 def member_on_host(name, addresses, rank, size):

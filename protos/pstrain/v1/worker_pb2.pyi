@@ -106,7 +106,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., closures_run: _Optional[int] = ..., host: _Optional[_Union[_ps_pb2.HostInfo, _Mapping]] = ...) -> None: ...
 
 class CollectiveChunk(_message.Message):
-    __slots__ = ("group", "op", "step", "sender", "data", "receiver", "member", "signature")
+    __slots__ = ("group", "op", "step", "sender", "data", "receiver", "member", "signature", "abort")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class CollectiveChunk(_message.Message):
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     group: bytes
     op: int
     step: int
@@ -123,7 +124,8 @@ class CollectiveChunk(_message.Message):
     receiver: bytes
     member: bytes
     signature: int
-    def __init__(self, group: _Optional[bytes] = ..., op: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[int] = ..., data: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., receiver: _Optional[bytes] = ..., member: _Optional[bytes] = ..., signature: _Optional[int] = ...) -> None: ...
+    abort: str
+    def __init__(self, group: _Optional[bytes] = ..., op: _Optional[int] = ..., step: _Optional[int] = ..., sender: _Optional[int] = ..., data: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., receiver: _Optional[bytes] = ..., member: _Optional[bytes] = ..., signature: _Optional[int] = ..., abort: _Optional[str] = ...) -> None: ...
 
 class CollectiveReply(_message.Message):
     __slots__ = ("member",)
