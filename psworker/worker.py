@@ -26,7 +26,7 @@ import time
 import traceback
 import uuid
 
-from coordinator import collective, datasets, serialization, sources
+from coordinator import collective_inbox, datasets, serialization, sources
 from coordinator.replica import replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.contract import (
@@ -187,8 +187,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 f"chunks: set ${TOKEN_ENV} on every task (or start it with {INSECURE_FLAG} "
                 "on an isolated network)")
         left = context.time_remaining()
-        member = collective.INBOX.deliver_bytes(request, collective.ROOM_SECONDS if left is None
-                                                else min(collective.ROOM_SECONDS, left))
+        room = collective_inbox.ROOM_SECONDS
+        member = collective_inbox.INBOX.deliver_bytes(request, room if left is None
+                                                      else min(room, left))
         return worker_pb2.CollectiveReply(member=member)
 
 

@@ -1,4 +1,4 @@
-"""coordinator/collective.py's pure parts, in process: the inbox (keep,
+"""coordinator/collective.py's and collective_inbox.py's pure parts, in process: the inbox (keep,
 take, room, expiry, a chunk sent twice), chunk bounds, a group of one, and
 the chunk's wire form against protobuf's parser. The ring between real
 workers: tests/integration/test_collective.py."""
@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.collective import CollectiveGroup, Inbox, chunk_bounds, group_id
+from coordinator.collective import CollectiveGroup, chunk_bounds, group_id
+from coordinator.collective_inbox import Inbox
 from protos.pstrain.v1 import worker_pb2
 from psserver.contract import wire, wire_decode
 from psserver.errors import (

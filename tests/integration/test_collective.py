@@ -95,7 +95,7 @@ def member_of_shape(name, addresses, rank, shapes, many=False):
 
 
 def inbox_bytes():
-    from coordinator.collective import INBOX
+    from coordinator.collective_inbox import INBOX
     return INBOX.held_bytes
 
 
