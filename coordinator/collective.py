@@ -289,11 +289,12 @@ class CollectiveGroup:
 class _Sender:
     """Sends a member's pieces to the next member, one call at a time in
     order, on a thread of its own (so that sending one piece overlaps adding
-    the next); leaving the ``with`` waits for the last answer and raises
-    its error where the member had none or only timed out waiting (``error()``
-    says it as soon as there is one, and the inbox is woken for it). A piece's memory is not changed until the next
-    member has it (a piece is changed again only once the ring brings it
-    back, which needs this send first)."""
+    the next). Leaving the ``with`` waits for the last answer and raises
+    its error where the member had none or only timed out waiting
+    (``error()`` says it as soon as there is one, and the inbox is woken for
+    it). A piece's memory is not changed until the next member has it (a
+    piece is changed again only once the ring brings it back, which needs
+    this send first)."""
 
     def __init__(self, group: CollectiveGroup, op: int, deadline: float, wire_dtype,
                  signature: int):
@@ -328,7 +329,8 @@ class _Sender:
                 msg = wire.encode_collective_chunk(g.id, self._op, step, g.rank, piece,
                                                    receiver, g._member, self._signature)
                 g.bytes_sent += msg.nbytes
-                g._next.call(methods.COLLECTIVE, msg, max(0.001, self._deadline - time.monotonic()))
+                g._next.call(methods.COLLECTIVE, msg,
+                             max(0.001, self._deadline - time.monotonic()))
         except BaseException as exc:   # the member's take, put and exit raise it
             self._error = exc
             g._inbox.wake()
