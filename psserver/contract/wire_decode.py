@@ -561,7 +561,8 @@ def decode_collective_chunk(raw) -> tuple:
             spans.append((a, b))
         elif field == 9 and wt == _LEN:
             if b - a > 1000:
-                raise InvalidArgument(f"a collective abort's reason has {b - a} bytes; at most 1000")
+                raise InvalidArgument(
+                    f"a collective abort's reason has {b - a} bytes; at most 1000")
             abort = _text(buf, a, b, "a collective abort's reason")
     n = COLLECTIVE_GROUP_BYTES
     if len(group) != n:
@@ -576,7 +577,8 @@ def decode_collective_chunk(raw) -> tuple:
         raise InvalidArgument("a collective chunk (one with a receiver) needs its data")
     parts = _tensor_parts(buf, spans, "the chunk")
     if parts[0] not in _CHUNK_DTYPES or len(parts[1]) != 1:
-        raise InvalidArgument(f"a collective chunk holds one dimension of {', '.join(_CHUNK_DTYPES)}"
-                              f", got {parts[0] or 'no dtype'} of shape {parts[1]}")
+        raise InvalidArgument(f"a collective chunk holds one dimension of "
+                              f"{', '.join(_CHUNK_DTYPES)}, got {parts[0] or 'no dtype'} of "
+                              f"shape {parts[1]}")
     data = _decode_tensor(raw, buf, spans, "the chunk", parts)
     return group, op, step, sender, data, receiver, member, signature, ""

@@ -198,7 +198,8 @@ def test_many_arrays_fuse_into_few_rings_by_dtype(three):
               ((big,), "float32"), ((1,), "float64")]
     got = _on_all(three, member_many, shapes)
     for outs, rings in got:
-        assert rings == 3   # float32 up to the big one, then the big one (with what follows), float64
+        # float32 up to the big one, then the big one (with what follows), float64
+        assert rings == 3
         for k, ((shape, dt), out) in enumerate(zip(shapes, outs)):
             size = int(np.prod(shape))
             assert out.shape == shape and out.dtype == np.dtype(dt)
