@@ -5,6 +5,8 @@ with chunks it should refuse."""
 from __future__ import annotations
 
 import concurrent.futures as futures
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -92,6 +94,28 @@ def member_of_shape(name, addresses, rank, shapes, many=False):
         x = np.ones(shapes[rank], np.float32)
         return group.all_reduce_many([x, np.ones((), np.float32)]) if many else \
             group.all_reduce(x)
+
+
+def socket_bytes_to(address: str) -> int:
+    """TCP payload bytes this host's sockets delivered to ``address``'s host
+    (all connections; tcp_info's bytes_acked: a segment sent again, as TCP
+    does when the two busy cores drop one, counts once)."""
+    ip = address.rsplit(":", 1)[0]
+    out = subprocess.run(["ss", "-tinH", "state", "established", "dst", ip],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(m) for m in re.findall(r"bytes_acked:(\d+)", out))
+
+
+def member_on_host(name, addresses, rank, size):
+    """Rank's all-reduce: (its result's checksum bits, bytes the group
+    framed, bytes its sockets sent to the next member's host)."""
+    from coordinator.collective import CollectiveGroup
+    nxt = addresses[(rank + 1) % len(addresses)]
+    before = socket_bytes_to(nxt)   # (no connection to it yet: 0)
+    with CollectiveGroup(name, addresses, rank) as group:
+        out = group.all_reduce(_data(7, rank, size, "float32", True))
+        sent = socket_bytes_to(nxt) - before
+        return out, group.bytes_sent, sent
 
 
 def inbox_bytes():

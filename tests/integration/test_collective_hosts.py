@@ -6,12 +6,10 @@ took, counted once however often TCP sent it)."""
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 
 import numpy as np
 import pytest
-from test_collective import _data, _on_all
+from test_collective import _data, _on_all, member_on_host
 
 from bench import hosts
 from coordinator import LocalCluster
@@ -22,28 +20,8 @@ if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a fai
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not ok, reason=why)]
 
 SIZE = 3_000_001   # float32: 12 MB, chunks of several pieces for n = 2
-
-
-def socket_bytes_to(address: str) -> int:
-    """TCP payload bytes this host's sockets delivered to ``address``'s host
-    (all connections; tcp_info's bytes_acked: a segment sent again, as TCP
-    does when the two busy cores drop one, counts once)."""
-    ip = address.rsplit(":", 1)[0]
-    out = subprocess.run(["ss", "-tinH", "state", "established", "dst", ip],
-                         capture_output=True, text=True, check=True).stdout
-    return sum(int(m) for m in re.findall(r"bytes_acked:(\d+)", out))
-
-
-def member_on_host(name, addresses, rank, size):
-    """Rank's all-reduce: (its result's checksum bits, bytes the group
-    framed, bytes its sockets sent to the next member's host)."""
-    from coordinator.collective import CollectiveGroup
-    nxt = addresses[(rank + 1) % len(addresses)]
-    before = socket_bytes_to(nxt)   # (no connection to it yet: 0)
-    with CollectiveGroup(name, addresses, rank) as group:
-        out = group.all_reduce(_data(7, rank, size, "float32", True))
-        sent = socket_bytes_to(nxt) - before
-        return out, group.bytes_sent, sent
+# (member_on_host lives in test_collective: the workers import the module of
+# the function they run, and this one makes test hosts at import.)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
