@@ -40,9 +40,12 @@ same name, from a member that re-formed alone, or for no group at all is
 refused (FailedPrecondition), so it can never be summed into another
 group's result. A member whose operation fails tells the next member (whose
 operation fails at once and tells its own next: the failure goes round the
-ring), drops its chunks and is out: the group is over, form it anew (under
-the same name if you like). ``close`` (or a group collected unclosed) leaves
-too. Each chunk carries a hash of its operation's shapes, dtype,
+ring), drops its chunks and is out: the group is over, form it anew.
+``close`` (or a group collected unclosed) leaves too. A name used again is
+safe against everything an earlier group left behind, but not against a
+member of an earlier forming that is still running late: if it asks first,
+the new member takes its chunks. Give each forming a name of its own where
+members can start that late (a job's membership epoch in the name). Each chunk carries a hash of its operation's shapes, dtype,
 compression and mean, so that members calling with different arrays get
 InvalidArgument, not a sum of misaligned data.
 An inbox holds at most INBOX_BYTES (counting what really holds each
