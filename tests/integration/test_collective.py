@@ -419,3 +419,25 @@ def test_fuzzed_chunks_get_an_answer_never_internal_and_the_worker_goes_on(three
     got = _on_all(three, member, 1000, "float32", True)
     np.testing.assert_array_equal(got[2][0], sum(_data(7, r, 1000, "float32", True)
                                                  for r in range(3)))
+
+
+@pytest.mark.parametrize("route", ["data port", "grpc"])
+def test_a_worker_without_a_token_takes_no_chunks(route):
+    """A worker started with no token (and not --insecure-no-auth) runs no
+    code and takes no chunks either: PermissionDenied saying what to set."""
+    from psserver.process import start_task
+    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": ""})
+    try:
+        with TaskChannel(w.address, role="worker", token="", tls=False, shared_memory=False,
+                         data_port=route == "data port") as ch:
+            for chunk in (wire.encode_collective_chunk(bytes(16), 0, 0, 1, None, b"",
+                                                       b"m" * 16),
+                          wire.encode_collective_chunk(bytes(16), 0, 0, 1,
+                                                       np.ones(2, np.float32), b"r" * 16,
+                                                       b"m" * 16)):
+                with pytest.raises(PSError) as info:
+                    ch.call(methods.COLLECTIVE, chunk, 10)
+                assert info.value.code == Code.PERMISSION_DENIED
+                assert "PSTRAIN_AUTH_TOKEN" in str(info.value)
+    finally:
+        w.kill()
