@@ -123,10 +123,8 @@ class Inbox:
         if abort:
             self.abort(group, receiver, member, abort)
             return b""
-        held = memory.owner(data)
-        held = held.nbytes if isinstance(held, (np.ndarray, memoryview)) else len(held)
-        self.deliver(group, op, step, sender, data, receiver, member, signature, held,
-                     room_seconds)
+        self.deliver(group, op, step, sender, data, receiver, member, signature,
+                     memory.owner_bytes(data)[1], room_seconds)
         return receiver
 
     def deliver(self, group: bytes, op: int, step: int, sender: int, data: np.ndarray,

@@ -69,6 +69,19 @@ def owner(a):
             return root
 
 
+def owner_bytes(a) -> tuple[int, int]:
+    """(id, bytes) of the buffer an array keeps alive (``owner``): its whole
+    size, however little of it the array views; an owner that is no buffer
+    counts as the array's own bytes."""
+    root = owner(a)
+    if isinstance(root, np.ndarray):
+        return id(root), root.nbytes
+    try:
+        return id(root), memoryview(root).nbytes
+    except TypeError:
+        return id(root), np.asarray(a).nbytes
+
+
 def grow_rows(holder: MutableMapping, name: str, rows: int, keep: int) -> None:
     """``holder[name]`` made ``rows`` rows long, its first ``keep`` rows
     kept (the rest zeros): remapped in place when it is a mapping's only

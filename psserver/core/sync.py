@@ -29,7 +29,7 @@ from typing import Iterable
 import numpy as np
 
 from psserver.contract import MAX_COUNT, ROLE_PRIMARY, SyncSpec
-from psserver.contract.memory import mapped, owner
+from psserver.contract.memory import mapped, owner_bytes
 from psserver.contract.rows import sum_duplicates
 from psserver.errors import DeadlineExceeded, InvalidArgument
 
@@ -163,17 +163,7 @@ def push(var, spec: SyncSpec, grad, sparse: bool, abandoned: set[int],
 
 def _buffers(arrays) -> dict[int, int]:
     """id -> bytes of the buffer each array keeps alive (its base's base...)."""
-    out = {}
-    for a in arrays:
-        root = owner(a)
-        if isinstance(root, np.ndarray):
-            out[id(root)] = root.nbytes
-        else:
-            try:
-                out[id(root)] = memoryview(root).nbytes
-            except TypeError:   # (not a buffer: the array's own bytes)
-                out[id(root)] = np.asarray(a).nbytes
-    return out
+    return dict(owner_bytes(a) for a in arrays)
 
 
 def buffer_bytes(arrays) -> int:
