@@ -36,7 +36,7 @@ MiB = 1 << 20
 
 
 # -- ours: a step function on each worker ------------------------------------------------
-def timed_all_reduce(name: str, addresses: list, rank: int, nbytes: int, reps: int) -> list:
+def timed_all_reduce(addresses: list, rank: int, name: str, nbytes: int, reps: int) -> list:
     """On a worker: one warm-up all-reduce, then ``reps`` timed ones (seconds each)."""
     from coordinator.collective import CollectiveGroup
     x = np.full(nbytes // 4, rank + 1, np.float32)
@@ -82,13 +82,9 @@ class Ours:
 
     def block(self, nbytes: int, reps: int) -> list[float]:
         self.blocks += 1
-        per_member = _on_workers(self.cluster, _named_timed, f"bench-{self.blocks}",
+        per_member = _on_workers(self.cluster, timed_all_reduce, f"bench-{self.blocks}",
                                  nbytes, reps)
         return [max(ts) for ts in zip(*per_member)]
-
-
-def _named_timed(addresses, rank, name, nbytes, reps):
-    return timed_all_reduce(name, addresses, rank, nbytes, reps)
 
 
 # -- gloo: n processes of torch.distributed ----------------------------------------------

@@ -146,6 +146,21 @@ def _on_all(cluster, fn, *args, ranks=None):
         return [f.result() for f in runs]
 
 
+def _failures(cluster, fn, name: str, ranks, *args) -> list[str]:
+    """fn(name, addresses, rank, *args) on the workers of ``ranks`` at once
+    (addresses: all the cluster's workers), each expected to fail: their
+    errors ("Type: message"), in rank order."""
+    addresses = [w.address for w in cluster.workers]
+    with futures.ThreadPoolExecutor(len(ranks)) as pool:
+        runs = [pool.submit(_run, cluster, r, fn, name, addresses, r, *args) for r in ranks]
+        errors = []
+        for f in runs:
+            with pytest.raises(RuntimeError) as info:
+                f.result()
+            errors.append(str(info.value))
+    return errors
+
+
 @pytest.fixture(scope="module")
 def three():
     with LocalCluster(num_ps=1, num_workers=3) as cluster:
@@ -235,14 +250,7 @@ def test_a_member_that_never_comes_is_named_after_the_groups_timeout(three):
     """Ranks 0 and 1 of a group of 3 run; rank 2 never does. Rank 0 waits for
     rank 2's chunk and says which worker it waited for."""
     addresses = [w.address for w in three.workers]
-    with futures.ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_run, three, r, member, "lonely", addresses, r, 100, "float32",
-                            True, False, 2.0) for r in (0, 1)]
-        errors = []
-        for f in runs:
-            with pytest.raises(RuntimeError) as info:
-                f.result()
-            errors.append(str(info.value))
+    errors = _failures(three, member, "lonely", (0, 1), 100, "float32", True, False, 2.0)
     assert "DeadlineExceeded" in errors[0] and addresses[2] in errors[0] and "rank 2" in errors[0]
     # the workers still serve, and a new group all-reduces
     got = _on_all(three, member, 10, "float32", True)
@@ -257,15 +265,8 @@ def test_members_with_arrays_of_other_shapes_get_an_error_not_a_wrong_sum(three,
     receives a chunk of another operation says so, and the failure goes
     round the ring (no member waits out its 30 s timeout); none returns a
     result, and no chunk is left behind."""
-    addresses = [w.address for w in three.workers]
-    with futures.ThreadPoolExecutor(3) as pool:
-        runs = [pool.submit(_run, three, r, member_of_size, f"mismatch-{averages}", addresses, r,
-                            sizes, averages, 30.0) for r in range(3)]
-        errors = []
-        for f in runs:
-            with pytest.raises(RuntimeError) as info:
-                f.result()
-            errors.append(str(info.value))
+    errors = _failures(three, member_of_size, f"mismatch-{averages}", range(3), sizes,
+                       averages, 30.0)
     assert any("differ in shape or dtype" in e for e in errors), errors
     assert all(e.split(":")[0] in ("InvalidArgument", "FailedPrecondition") for e in errors), errors
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
@@ -308,15 +309,8 @@ def test_a_group_formed_again_after_a_failure_gets_the_right_sum(three):
 
 @pytest.mark.parametrize("many", [False, True])
 def test_arrays_of_one_size_and_other_shapes_are_refused_not_summed(three, many):
-    addresses = [w.address for w in three.workers]
-    with futures.ThreadPoolExecutor(3) as pool:
-        runs = [pool.submit(_run, three, r, member_of_shape, f"shapes-{many}", addresses, r,
-                            [(2, 3), (3, 2), (2, 3)], many) for r in range(3)]
-        errors = []
-        for f in runs:
-            with pytest.raises(RuntimeError) as info:
-                f.result()
-            errors.append(str(info.value))
+    errors = _failures(three, member_of_shape, f"shapes-{many}", range(3),
+                       [(2, 3), (3, 2), (2, 3)], many)
     assert any("differ in shape or dtype" in e for e in errors), errors
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
 
