@@ -257,8 +257,12 @@ class CollectiveGroup:
 
     def _abort_next(self, reason: str) -> None:
         """Tell the next member this one failed (its operation fails at
-        once, and it tells its own next), if it was reached at all."""
-        if not self._next_member:
+        once, and it tells its own next). A member that failed before it had
+        the next one's id asks for it now, for up to ABORT_SECONDS (members
+        started together form within that; one formed later times out)."""
+        try:
+            self._next_id(time.monotonic() + ABORT_SECONDS, threading.Event())
+        except Exception:   # (not formed in time, or gone)
             return
         rank = f"worker {self.addresses[self.rank]} (rank {self.rank})"
         msg = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, self._next_member,
@@ -274,10 +278,9 @@ class CollectiveGroup:
         while not self._next_member and not stop.is_set():
             probe = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, b"",
                                                  self._member)
-            reply = self._next.call(methods.COLLECTIVE, probe,
-                                    max(0.001, deadline - time.monotonic()))
-            self._next_member = reply.member
-            if not reply.member:
+            self._next_member = self._next.call(methods.COLLECTIVE, probe, max(
+                0.001, deadline - time.monotonic())).member
+            if not self._next_member:
                 if time.monotonic() + PROBE_SECONDS > deadline:
                     raise DeadlineExceeded(
                         f"worker {self.addresses[(self.rank + 1) % self.size]} (rank "
