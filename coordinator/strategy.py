@@ -8,7 +8,6 @@ by a ``ClusterCoordinator`` built on the strategy.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 from concurrent import futures
@@ -33,6 +32,7 @@ from psserver.contract import (
     Peer,
     SyncSpec,
 )
+from psserver.contract.initializers import one_seed, resolve_initializer
 from psserver.contract.keys import BucketMap, split_capacity
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
 from psserver.link.diagnose import not_answering
@@ -46,49 +46,6 @@ SYNC_MODES = ("sync", "hybrid")
 #: shard as a server-side kind. Others ("zeros", "random_normal", ...) are
 #: applied by the servers as they are.
 _FAN_INITIALIZERS = ("glorot_uniform", "he_normal")
-
-
-def _fans(shape: Sequence[int]) -> tuple[float, float]:
-    if len(shape) < 1:
-        return 1.0, 1.0
-    if len(shape) == 1:
-        return float(max(1, shape[0])), float(max(1, shape[0]))
-    receptive = math.prod(shape[:-2]) if len(shape) > 2 else 1
-    # An empty dimension makes no fan: count it as 1 (Keras divides by zero).
-    return float(max(1, shape[-2] * receptive)), float(max(1, shape[-1] * receptive))
-
-
-def one_seed(init: Initializer, seed: int) -> Initializer:
-    """``init`` with the call's seed: a ``seed=`` argument and an
-    Initializer's own seed are one seed (whichever is given; 0: not given),
-    and two different ones are a ValueError, not one silently ignored."""
-    if seed and init.seed and seed != init.seed:
-        raise ValueError(f"two seeds given, seed={seed} and Initializer(seed={init.seed}): they "
-                         "are one seed; give it once (or the same value twice)")
-    return dataclasses.replace(init, seed=seed) if seed and not init.seed else init
-
-
-def resolve_initializer(init: Initializer | str | None, shape: Sequence[int],
-                        seed: int = 0) -> Initializer:
-    """A server-side Initializer for ``init`` (a kind name or an Initializer).
-
-    "glorot_uniform" (Keras' default kernel initializer) becomes
-    random_uniform(+-sqrt(6 / (fan_in + fan_out))); "he_normal" becomes
-    truncated_normal(stddev=sqrt(2 / fan_in) / .8796) as Keras computes it.
-    """
-    if init is None:
-        return Initializer("zeros")
-    if isinstance(init, Initializer):
-        return one_seed(init, seed)
-    fan_in, fan_out = _fans(shape)
-    if init == "glorot_uniform":
-        limit = math.sqrt(6.0 / (fan_in + fan_out))
-        return Initializer("random_uniform", minval=-limit, maxval=limit, seed=seed)
-    if init == "he_normal":
-        # Keras: truncated normal, stddev corrected for the truncation at 2 sigma.
-        return Initializer("truncated_normal", stddev=math.sqrt(2.0 / fan_in) / 0.87962566103423978,
-                           seed=seed)
-    return Initializer(init, seed=seed)
 
 
 def _as_resolver(cluster: Any):
