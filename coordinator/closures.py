@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from coordinator import metrics as _metrics
 from coordinator.errors import ClosureCancelled
+from coordinator.replica import CollectiveSpec
 from protos.pstrain.v1 import ps_pb2, worker_pb2
 from psserver.contract import SyncSpec
 
@@ -157,10 +158,15 @@ class Closure:
     _ids = itertools.count()
 
     def __init__(self, fn_ref: worker_pb2.FunctionRef, args_payload: bytes, name: str,
-                 sync: SyncSpec | None = None, datasets: tuple = ()):
+                 sync: SyncSpec | None = None, datasets: tuple = (),
+                 collective: CollectiveSpec | None = None):
         self.closure_id = f"{next(self._ids)}"
         self.fn_ref, self.args_payload, self.name = fn_ref, args_payload, name
         self.sync = sync
+        # All-reduce mode: the step's group; the closure runs on its member
+        # of this rank and no other worker (``target``).
+        self.collective = collective
+        self.target = None if collective is None else collective.members[collective.rank]
         self.remote_value = RemoteValue(self._settled if datasets else None)
         self.attempts = 0
         self.datasets = datasets
@@ -187,6 +193,8 @@ class Closure:
                                         args=self.args_payload, worker_id=worker_id)
         if self.sync is not None:
             req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(self.sync)))
+        if self.collective is not None:
+            req.collective.CopyFrom(worker_pb2.CollectiveInfo(**self.collective.message()))
         for ds in self.datasets:
             req.batches.append(ds.assignment(self.batches[ds.dataset_id]))
         return req
@@ -239,9 +247,11 @@ class _ClosureQueue:
             self._closures_queued.notify()
 
     def get(self, may_take: Callable[[], bool] = _always,
-            give_up: Callable[[], bool] = _never) -> Closure | None:
+            give_up: Callable[[], bool] = _never, taker: str | None = None) -> Closure | None:
         """Take the first queued closure (in flight from now on) once one is
         queued and ``may_take()`` holds; None as soon as ``give_up()`` holds.
+        A closure with a ``target`` (all-reduce mode) goes to the taker of
+        that address only.
 
         Blocks without polling: whoever changes what ``may_take`` or
         ``give_up`` reads calls ``wake``. Both are called with the queue's
@@ -249,8 +259,10 @@ class _ClosureQueue:
         """
         with self._lock:
             while not give_up():
-                if self._queue and may_take():
-                    closure = self._queue.popleft()
+                at = self._first_for(taker) if self._queue else None
+                if at is not None and may_take():
+                    closure = self._queue[at]
+                    del self._queue[at]
                     self._inflight += 1
                     self._free_slot.notify()
                     return closure
@@ -258,6 +270,12 @@ class _ClosureQueue:
             if self._queue:   # a put may have woken this taker, which leaves: pass it on
                 self._queued_locked()
             return None
+
+    def _first_for(self, taker: str | None) -> int | None:
+        for i, c in enumerate(self._queue):
+            if c.target is None or c.target == taker:
+                return i
+        return None
 
     def wake(self) -> None:
         """Make every waiting taker check its ``may_take``/``give_up`` again."""

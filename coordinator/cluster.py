@@ -42,6 +42,7 @@ from coordinator import serialization, sharded
 from coordinator.closures import Closure, RemoteValue, StepRemoteValue, _ClosureQueue
 from coordinator.datasets import PerWorkerDataset
 from coordinator.recovery import _PSRecovery, _PSWatch
+from coordinator.replica import CollectiveSpec
 from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.strategy import SYNC_MODES
 from coordinator.worker_channel import _Membership, _WorkerThread
@@ -96,7 +97,9 @@ class Cluster:
         self.ps_failover_after = ps_failover_after
         self.closed = False
         # In bounded mode workers differ in whether they may take a closure.
-        self.queue = _ClosureQueue(wake_all=strategy.staleness is not None)
+        # (all-reduce mode: a closure is for one worker, so wake them all)
+        self.queue = _ClosureQueue(wake_all=strategy.staleness is not None
+                                   or strategy.mode == "allreduce")
         # Sync mode's global step counter, from the steps the servers applied
         # already (a restarted coordinator's adopted variables: sync_steps_done)
         # when the first step is scheduled.
@@ -149,6 +152,8 @@ class Cluster:
             closure = Closure(ref, payload, _name(fn), datasets=tuple(found.values()))
             self.queue.put(closure)
             return closure.remote_value
+        if self.strategy.mode == "allreduce":
+            return StepRemoteValue([c.remote_value for c in self._gang(ref, payload, _name(fn))])
         if self.strategy.mode in SYNC_MODES:
             with self._steps_lock:
                 if self._steps is None:
@@ -164,10 +169,45 @@ class Cluster:
         self.queue.put(closure)
         return closure.remote_value
 
+    def schedule_on(self, address: str, fn: Callable, args: tuple = ()) -> RemoteValue:
+        """Queue ``fn(*args)`` for the worker at ``address`` and no other."""
+        closure = Closure(self.function_ref(fn), serialization.dumps((tuple(args), {})),
+                          f"{_name(fn)}[on {address}]")
+        closure.target = address
+        self.queue.put(closure)
+        return closure.remote_value
+
+    def _gang(self, ref, payload: bytes, name: str) -> list[Closure]:
+        """All-reduce mode: a step's closures, replica r for worker r of the
+        cluster spec, queued in step order (each worker runs its steps in
+        the order scheduled, so the members of a step meet)."""
+        s = self.strategy
+        members = tuple(s.cluster_spec.worker)
+        if len(members) != s.num_replicas:
+            raise RuntimeError(
+                f"the cluster spec has {len(members)} workers; this all-reduce strategy was made "
+                f"for {s.num_replicas} (workers joining or leaving a running all-reduce job are "
+                "not supported yet)")
+        compression = "fp16" if s.gradient_compression_spec is not None else None
+        with self._steps_lock:
+            if self._steps is None:
+                self._steps = itertools.count()
+            step = next(self._steps)
+            closures = [Closure(ref, payload, f"{name}[step {step} replica {r}]",
+                                collective=CollectiveSpec(
+                                    f"{s.job}/step-{step}", members, r, step,
+                                    s.step_timeout or 86400.0, s.aggregation == "sum",
+                                    compression, s.job))
+                        for r in range(len(members))]
+            for c in closures:   # (under the lock: steps queued whole, in order)
+                self.queue.put(c)
+        return closures
+
     def next_closure(self, worker) -> Closure | None:
         """Block until ``worker`` may start a closure (``may_start``) and one
         is queued, then take it; None once ``worker.stopping``."""
-        closure = self.queue.get(lambda: self.may_start(worker), lambda: worker.stopping)
+        closure = self.queue.get(lambda: self.may_start(worker), lambda: worker.stopping,
+                                 worker.address)
         if closure is not None:
             gap = worker.clock - self.min_clock()
             with self._changes:
@@ -219,7 +259,7 @@ class Cluster:
                              f"got {visitation!r}")
         if not isinstance(drop_remainder, bool):
             raise ValueError(f"drop_remainder must be True or False, got {drop_remainder!r}")
-        if self.strategy.mode in SYNC_MODES:
+        if self.strategy.mode in SYNC_MODES + ("allreduce",):
             raise ValueError(
                 f"sharded datasets run in async and bounded modes, not {self.strategy.mode!r}: "
                 "there a step is one closure per replica, and a replica whose worker dies is "

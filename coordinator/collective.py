@@ -107,8 +107,9 @@ def _leave(inbox: Inbox, group: bytes, member: bytes, channel: TaskChannel) -> N
     channel.close()
 
 
-def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype, average: bool) -> int:
-    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}/{bool(average)}".encode()
+def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype, average: bool,
+               agree: bytes = b"") -> int:
+    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}/{bool(average)}/".encode() + agree
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
@@ -163,8 +164,17 @@ class CollectiveGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def abort(self, reason: str) -> None:
+        """This member will not run the operation the others run: they fail
+        at once (the next member is told, and tells its own next) rather
+        than wait out their timeout; the group is over here."""
+        if self._failed is None and self._next is not None:
+            self._failed = FailedPrecondition(reason)
+            self._abort_next(reason)
+            self._inbox.leave(self.id, self._member)
+
     def all_reduce(self, array, average: bool = False, compression: str | None = None,
-                   *, _shapes: tuple | None = None) -> np.ndarray:
+                   *, agree: bytes = b"", _shapes: tuple | None = None) -> np.ndarray:
         """The element-wise sum (``average``: mean) of every member's
         ``array`` (same shape and dtype on each: float16, float32 or
         float64), a new array of its shape, the same bits on every member.
@@ -172,7 +182,10 @@ class CollectiveGroup:
         ``compression="fp16"``: the chunks travel as float16 (half the
         bytes of float32), summed in the array's dtype; each hop's value is
         rounded to float16 (finite values beyond +-65504 clipped to it, NaN
-        and Inf kept), the result too, on every member alike."""
+        and Inf kept), the result too, on every member alike.
+
+        ``agree``: bytes every member must give alike (a member giving
+        others fails, as for arrays of other shapes: InvalidArgument)."""
         a = np.asarray(array)
         if a.dtype not in DTYPES:
             raise InvalidArgument(f"all_reduce takes float16, float32 or float64 arrays, "
@@ -191,7 +204,7 @@ class CollectiveGroup:
             wire_dtype = COMPRESSIONS[compression] or out.dtype
             try:
                 self._ring(op, out.reshape(-1), wire_dtype,
-                           _signature(_shapes or a.shape, a.dtype, wire_dtype, average))
+                           _signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree))
             except BaseException as exc:   # the group is over: the next member is told, this
                 self._failed = exc            # member's chunks go, later ones are refused
                 self._abort_next(f"{type(exc).__name__}: {exc}")
@@ -202,7 +215,8 @@ class CollectiveGroup:
         return out
 
     def all_reduce_many(self, arrays: Sequence, average: bool = False,
-                        compression: str | None = None) -> list[np.ndarray]:
+                        compression: str | None = None, *,
+                        agree: bytes = b"") -> list[np.ndarray]:
         """``all_reduce`` of each array, fused (as Horovod's fusion buffer):
         arrays of one dtype go end to end in buffers of up to FUSION_BYTES
         (a larger array alone), one ring each, so many small gradients make
@@ -216,7 +230,7 @@ class CollectiveGroup:
         out: list = [None] * len(arrays)
         for batch in _fusion_batches(arrays):
             flat = self.all_reduce(np.concatenate([arrays[i].reshape(-1) for i in batch]),
-                                   average, compression,
+                                   average, compression, agree=agree,
                                    _shapes=tuple(arrays[i].shape for i in batch))
             at = 0
             for i in batch:

@@ -161,6 +161,28 @@ class ClusterCoordinator:
         """
         return self._cluster.schedule(fn, args, kwargs)
 
+    def replica_values(self, variables=None, worker: int | str = 0, *,
+                       with_versions: bool = False, timeout: float | None = None) -> dict:
+        """All-reduce mode: {name: value} of a worker's replicas of
+        ``variables`` (default: every mirrored variable of the strategy),
+        after the steps scheduled before this call ran there; ``worker``: its
+        index in the cluster spec, or its address. With ``with_versions``:
+        (values, {name: updates applied}). The replicas are bit-identical on
+        every worker after each step, so any worker's are the model's."""
+        from coordinator import mirrored
+        variables = (self.strategy.mirrored_variables if variables is None
+                     else list(variables))
+        if not all(isinstance(v, mirrored.MirroredVariable) for v in variables):
+            raise TypeError("replica_values reads mirrored variables (mode=\"allreduce\"); "
+                            "read the others with read_variables")
+        members = list(self.strategy.cluster_spec.worker)
+        address = members[worker] if isinstance(worker, int) else worker
+        if address not in members:
+            raise ValueError(f"{worker!r} is not a worker of the cluster spec: {members}")
+        got = self._cluster.schedule_on(address, mirrored.values, (variables,)).fetch(timeout)
+        values = {n: v for n, (v, _) in got.items()}
+        return (values, {n: k for n, (_, k) in got.items()}) if with_versions else values
+
     def join(self, timeout: float | None = None) -> None:
         """Block until every scheduled function has finished.
 

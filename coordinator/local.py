@@ -158,7 +158,8 @@ def run_main(main: Callable[..., Any], *args: Any) -> int:
 
 class LocalCluster:
     """Args:
-      num_ps, num_workers: how many tasks of each role to start.
+      num_ps, num_workers: how many tasks of each role to start (num_ps 0:
+        workers only, for an all-reduce job).
       token: the auth token (default: a new random one).
       tls: True (default) makes a CA and certificate for mutual TLS; False
         runs plaintext; or a psserver.tls.TLSConfig to use.
@@ -192,8 +193,9 @@ class LocalCluster:
                  tls: bool | TLSConfig = True, restart: tuple[str, ...] = ("ps",),
                  pin_workers: bool = False, checkpoint_dirs: tuple[str, ...] | None = None,
                  placement: Callable[[str, int], tuple[str, Sequence[str]]] | None = None):
-        if num_ps < 1:
-            raise ValueError("a cluster needs at least one parameter server (num_ps >= 1)")
+        if num_ps < 0 or num_ps + num_workers < 1:
+            raise ValueError("a cluster needs num_ps >= 0 and at least one task (0 parameter "
+                             "servers: for ParameterServerStrategy(mode=\"allreduce\"))")
         if num_workers < 0:
             raise ValueError("num_workers must be >= 0")
         self.token = token or secrets.token_hex(16)

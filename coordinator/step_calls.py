@@ -35,7 +35,9 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from coordinator import mirrored
 from coordinator.calls import new_update_id
+from coordinator.mirrored import MirroredVariable
 from coordinator.ps_pool import Op, servers
 from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
@@ -235,6 +237,9 @@ def read_variables(variables: Sequence, *, with_versions: bool = False, compress
     a Lookup of a fixed table: of each shard rows were gathered from; of a
     dynamic table: none).
     """
+    if any(isinstance(v, MirroredVariable) for v in variables):   # all-reduce mode's
+        return mirrored.read_among(variables, with_versions,
+                                   functools.partial(read_variables, compression=compression))
     value_dtype = read_value_dtype(compression)
     # an EmbeddingCollection's look-up is its group tables' (coordinator/embedding_collection.py)
     flat = [p for v in variables for p in getattr(v, "parts", (v,))]
@@ -438,6 +443,9 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
     join the step and ``IndexedSlices`` are applied on arrival (ValueError,
     nothing sent, for a variable that got the other kind before).
     """
+    pairs = mirrored.push_among(pairs)   # all-reduce mode's variables' part: done here
+    if pairs is None:
+        return
     push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
                   for q in (v.expand_push(g) if hasattr(v, "expand_push") else ((v, g),))],
                  compression)

@@ -38,7 +38,7 @@ from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailabl
 from psserver.link.diagnose import not_answering
 from psserver.tls import TLSConfig
 
-MODES = ("async", "sync", "hybrid", "bounded")
+MODES = ("async", "sync", "hybrid", "bounded", "allreduce")
 #: The modes whose scheduled steps run as num_replicas closures of one step.
 SYNC_MODES = ("sync", "hybrid")
 
@@ -110,6 +110,18 @@ class ParameterServerStrategy:
           ``staleness`` steps ahead of the slowest live worker (stale
           synchronous parallel). 0 runs the workers in lock-step; a large
           value is plain async.
+        * ``"allreduce"``: synchronous data parallelism without servers in
+          the path (MultiWorkerMirroredStrategy, Horovod): every variable
+          is mirrored on every worker (coordinator/mirrored.py), each
+          scheduled step runs on all the workers of the cluster spec at
+          once (replica r on worker r), and its push averages the
+          replicas' gradients by a ring all-reduce among them
+          (``aggregation``; ``gradient_compression="fp16"`` halves its
+          bytes), each worker then applying the optimizer itself. The
+          cluster needs no parameter servers. ``step_timeout``: seconds a
+          step's all-reduce may take. Read the trained values with
+          ``ClusterCoordinator.replica_values``. Not yet: embedding
+          tables, sharded datasets, a worker lost or added mid-run.
       num_replicas: sync and hybrid modes: replicas per step (default: the
         number of workers in the cluster spec now). Replicas are slices of
         the global batch, not processes: any worker may run any replica.
@@ -177,7 +189,7 @@ class ParameterServerStrategy:
                  connect_timeout: float | None = None):
         self.cluster_resolver = _as_resolver(cluster_resolver)
         spec = self.cluster_resolver.cluster_spec()
-        if not spec.ps:
+        if not spec.ps and mode != "allreduce":
             raise ClusterConfigError("the cluster has no parameter servers (\"ps\" is empty)")
         self._ps = tuple(spec.ps)
         self.variable_partitioner = variable_partitioner
@@ -215,7 +227,15 @@ class ParameterServerStrategy:
         self.step_timeout = float(step_timeout)
         self.num_replicas = 1
         self.backup_workers = 0
-        if mode in SYNC_MODES:
+        #: Whose mirrored variables a worker's replicas are (all-reduce mode).
+        self.job = os.urandom(8).hex()
+        self._mirrored: dict[str, Any] = {}
+        if mode == "allreduce":
+            if num_replicas is not None or backup_workers:
+                raise ValueError('mode="allreduce" runs a replica on every worker of the cluster '
+                                 "spec: num_replicas and backup_workers do not apply")
+            self.num_replicas = len(spec.worker)
+        elif mode in SYNC_MODES:
             n = num_replicas if num_replicas is not None else max(1, len(spec.worker))
             if n < 1:
                 raise ValueError(f"num_replicas must be >= 1, got {n}")
@@ -233,9 +253,14 @@ class ParameterServerStrategy:
             self.staleness = int(staleness)
         elif staleness is not None:
             raise ValueError('staleness applies to mode="bounded" only')
+        from coordinator.compression import FP16
         from coordinator.compression import resolve as _resolve_compression
         #: What step functions pass to push_gradients(..., compression=...).
         self.gradient_compression_spec = _resolve_compression(gradient_compression)
+        if mode == "allreduce" and not isinstance(self.gradient_compression_spec, (FP16,
+                                                                                   type(None))):
+            raise ValueError('mode="allreduce" takes gradient_compression None or "fp16" (the '
+                             "dtype its all-reduce sends)")
         if self.gradient_compression_spec is not None and mode in SYNC_MODES:
             raise ValueError('gradient_compression applies to mode="async" or "bounded", '
                              f'not "{mode}"')
@@ -251,7 +276,7 @@ class ParameterServerStrategy:
     def num_replicas_in_sync(self) -> int:
         """Replicas whose gradients make one update: num_replicas in sync and
         hybrid modes (dense variables), else 1."""
-        return self.num_replicas if self.mode in SYNC_MODES else 1
+        return self.num_replicas if self.mode in SYNC_MODES + ("allreduce",) else 1
 
     def scale_learning_rate(self, learning_rate: float) -> float:
         """The linear scaling rule (Goyal et al., 2017): when the global batch
@@ -295,6 +320,11 @@ class ParameterServerStrategy:
     def variables(self) -> list[V.ShardedVariable]:
         return list(self._variables.values())
 
+    @property
+    def mirrored_variables(self) -> list:
+        """All-reduce mode's variables (coordinator.mirrored.MirroredVariable)."""
+        return list(self._mirrored.values())
+
     def _place(self, n: int) -> list[str]:
         with self._lock:
             out = [self._ps[(self._next_ps + i) % len(self._ps)] for i in range(n)]
@@ -331,8 +361,16 @@ class ParameterServerStrategy:
         Unavailable, on the first call, naming a parameter server that does
         not answer within ``connect_timeout``).
         """
-        if name in self._variables:
+        if name in self._variables or name in self._mirrored:
             raise ValueError(f"a variable named {name!r} was already created by this strategy")
+        if self.mode == "allreduce":   # a replica on every worker: no server holds it
+            from coordinator import mirrored
+            self._mirrored[name] = var = mirrored.create(
+                self.job, name, shape, dtype, initial_value,
+                None if initializer is None else resolve_initializer(
+                    initializer, shape or np.shape(initial_value), seed),
+                optimizer, optimizer_params, allow_nonfinite)
+            return var
         self._check_servers()
         value = None
         if initial_value is not None:

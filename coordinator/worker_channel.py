@@ -257,6 +257,11 @@ class _WorkerThread:
                         "a failure"))
                 elif closure.sync is not None:
                     self._abandon(closure, exc.code.name)
+                elif closure.collective is not None:   # its step's other members fail too
+                    queue.fail(closure, WorkerCallError(
+                        f"worker {self.address} failed running {closure.name} ({exc.code.name})"
+                        ": an all-reduce step needs every worker, and re-forming the ring "
+                        "without it is not supported yet"))
                 else:
                     log.warning("worker %s failed running closure %s (%s); re-queueing it",
                                 self.address, closure.name, exc.code.name)

@@ -27,7 +27,7 @@ import traceback
 import uuid
 
 from coordinator import collective_inbox, datasets, serialization, sources
-from coordinator.replica import replica_scope
+from coordinator.replica import CollectiveSpec, replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.contract import (
     PROTOCOL_VERSION,
@@ -155,14 +155,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             raise InvalidArgument(
                 f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}") from None
-        sync = None
+        sync = collective = None
         if request.HasField("sync"):
             sync = SyncSpec.of(request.sync)
+        if request.HasField("collective"):
+            try:
+                collective = CollectiveSpec.of(request.collective)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
         m, outcome, start = self.metrics, "error", time.perf_counter()
         if m is not None:
             m.running.inc()
         try:
-            with replica_scope(sync), sources.batch_scope(request.batches):
+            with replica_scope(sync, collective), sources.batch_scope(request.batches):
                 result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"

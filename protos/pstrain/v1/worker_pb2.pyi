@@ -50,20 +50,42 @@ class BatchAssignment(_message.Message):
     def __init__(self, dataset_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., exactly_once: _Optional[bool] = ...) -> None: ...
 
 class ClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches")
+    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches", "collective")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     fn: FunctionRef
     args: bytes
     worker_id: str
     sync: _ps_pb2.SyncInfo
     batches: _containers.RepeatedCompositeFieldContainer[BatchAssignment]
-    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ...) -> None: ...
+    collective: CollectiveInfo
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ..., collective: _Optional[_Union[CollectiveInfo, _Mapping]] = ...) -> None: ...
+
+class CollectiveInfo(_message.Message):
+    __slots__ = ("group", "members", "rank", "step", "timeout", "sum", "compression", "job")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    rank: int
+    step: int
+    timeout: float
+    sum: bool
+    compression: str
+    job: str
+    def __init__(self, group: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., timeout: _Optional[float] = ..., sum: _Optional[bool] = ..., compression: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("type", "message", "traceback", "ps_address", "ps_code")

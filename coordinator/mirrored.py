@@ -1,0 +1,236 @@
+"""All-reduce mode (``ParameterServerStrategy(mode="allreduce")``):
+variables mirrored on every worker, gradients averaged among the workers.
+
+As MultiWorkerMirroredStrategy and Horovod train: each worker holds a copy
+(a *replica*) of every dense variable and its optimizer slots; a scheduled
+step runs as one closure per worker at once (a *gang*: replica r on the
+r-th worker of the cluster spec), each on its own batch; the step's
+``push_gradients`` averages the replicas' gradients by a ring all-reduce
+among the step's workers (coordinator/collective.py: 2(n-1)/n of the
+gradient bytes sent per worker, whatever n, no parameter server in the
+path) and every worker applies the optimizer to the average itself. The
+step functions are the ones the other modes run: ``read_variables`` of a
+mirrored variable gives this worker's replica (a copy), ``push_gradients``
+does the rest.
+
+Why the optimizer runs on every worker (not sharded across them): the
+replicas are then bit-identical by construction (the same average, the same
+arithmetic: psserver/contract/optimizers.py, the servers' own), a worker's
+state is whole (any replica is a checkpoint), and a step costs one
+all-reduce rather than a reduce-scatter and an all-gather with the update
+between. What it costs is the slots' memory on every worker (Adam: 2x the
+model), which at the model sizes a CPU trainer holds is the cheaper side.
+
+Safety: every replica counts the updates it applied (``version``), and a
+step's all-reduce carries the versions of its variables (the collective's
+``agree`` bytes, with the variables' names and the job's id), so replicas
+that differ (a worker that restarted and made its replicas afresh, or one
+that failed in a step the others completed) make the step fail on every
+worker with InvalidArgument, and nothing is applied anywhere: a stale
+replica is never averaged in. Non-finite averages are refused alike on
+every worker (the same bits everywhere decide it).
+
+Replicas live in the worker process (``_REPLICAS``), by the strategy's job
+id and the variable's name: a second job on the same workers has replicas
+of its own.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from coordinator.replica import get_replica_context
+from psserver.contract import Initializer
+from psserver.contract import optimizers as optim
+from psserver.contract.initializers import make_initial_value
+from psserver.contract.tensor import all_finite
+from psserver.errors import InvalidArgument
+
+
+class MirroredVariable:
+    """A dense variable of all-reduce mode: a replica on every worker
+    (``ParameterServerStrategy.create_variable`` makes it). It travels to
+    the workers with the step function (pickled once per worker, its initial
+    value with it); each worker makes its replica from that at first use."""
+
+    def __init__(self, job: str, name: str, initial_value: np.ndarray, optimizer: str,
+                 optimizer_params: Mapping[str, float] | None, allow_nonfinite: bool):
+        optim.make_optimizer(optimizer, optimizer_params)   # ValueError now, not on a worker
+        self.job, self.name = job, name
+        self.initial_value = initial_value
+        self.optimizer = optimizer
+        self.optimizer_params = dict(optimizer_params or {})
+        self.allow_nonfinite = allow_nonfinite
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.initial_value.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.initial_value.dtype
+
+    def __repr__(self) -> str:
+        return (f"MirroredVariable({self.name!r}, shape={self.shape}, dtype={self.dtype.name}, "
+                f"optimizer={self.optimizer!r})")
+
+
+def create(job: str, name: str, shape, dtype, initial_value, initializer: Initializer | None,
+           optimizer: str, optimizer_params, allow_nonfinite: bool) -> MirroredVariable:
+    """A MirroredVariable from create_variable's arguments (``initializer``
+    resolved: contract.initializers.resolve_initializer), its initial value made here as
+    a server makes an unsharded variable's: the same bits."""
+    if initial_value is not None:
+        if initializer is not None:
+            raise ValueError("give initial_value or initializer, not both")
+        value = np.asarray(initial_value)
+        value = value.astype(dtype or (value.dtype if value.dtype.kind == "f" else "float32"))
+        if shape is not None and tuple(shape) != value.shape:
+            raise ValueError(f"shape {tuple(shape)} does not match initial_value's "
+                             f"{value.shape}")
+        if not allow_nonfinite and not all_finite(value):
+            raise ValueError(f"the initial value of {name!r} has NaN or Inf (or create it "
+                             "with allow_nonfinite=True)")
+    else:
+        if shape is None:
+            raise ValueError(f"create_variable({name!r}) needs a shape or an initial_value")
+        value = make_initial_value(tuple(int(d) for d in shape), np.dtype(dtype or "float32"),
+                                   initializer or Initializer(), allow_nonfinite)
+    if value.dtype.kind != "f":
+        raise ValueError(f"a mirrored variable is float16, float32 or float64, got {value.dtype}")
+    return MirroredVariable(job, name, np.ascontiguousarray(value), optimizer,
+                            optimizer_params, allow_nonfinite)
+
+
+class _Replica:
+    """This worker's copy of a mirrored variable: value, slots, updates applied."""
+
+    def __init__(self, var: MirroredVariable):
+        self.value = np.array(var.initial_value, copy=True, order="C")
+        self.optimizer = optim.make_optimizer(var.optimizer, var.optimizer_params)
+        self.slots = self.optimizer.create_slots(self.value)
+        self.version = 0
+        self.lock = threading.Lock()
+
+
+_REPLICAS: dict[tuple[str, str], _Replica] = {}
+_LOCK = threading.Lock()
+
+
+def replica(var: MirroredVariable) -> _Replica:
+    """This process's replica of ``var`` (made from its initial value at first use)."""
+    key = (var.job, var.name)
+    with _LOCK:
+        r = _REPLICAS.get(key)
+        if r is None:
+            r = _REPLICAS[key] = _Replica(var)
+        return r
+
+
+def _state(variables: Sequence[MirroredVariable]) -> list[tuple[np.ndarray, int]]:
+    """(value, version) of this worker's replica of each (copies)."""
+    out = []
+    for v in variables:
+        r = replica(v)
+        with r.lock:
+            out.append((r.value.copy(), r.version))
+    return out
+
+
+def values(variables: Sequence[MirroredVariable]) -> dict[str, tuple[np.ndarray, int]]:
+    """name -> (value, version) of this worker's replicas: what
+    ClusterCoordinator.replica_values runs on a worker."""
+    return {v.name: s for v, s in zip(variables, _state(variables))}
+
+
+def read_among(variables: Sequence, with_versions: bool, read_rest):
+    """read_variables of items some of which are mirrored variables: theirs
+    this worker's replicas (values as they are, version the updates
+    applied), the others' by ``read_rest(items, with_versions=True)``."""
+    mine = [v for v in variables if isinstance(v, MirroredVariable)]
+    state = dict(zip((v.name for v in mine), _state(mine)))
+    rest = [v for v in variables if not isinstance(v, MirroredVariable)]
+    values, versions = (iter(x) for x in (read_rest(rest, with_versions=True) if rest
+                                          else ([], [])))
+    out = [(state[v.name][0], [state[v.name][1]]) if isinstance(v, MirroredVariable)
+           else (next(values), next(versions)) for v in variables]
+    return ([o[0] for o in out], [o[1] for o in out]) if with_versions else [o[0] for o in out]
+
+
+def push_among(pairs) -> list | None:
+    """push_gradients' pairs: the mirrored variables' pushed here (``push``);
+    the others returned, or None if there were only mirrored ones."""
+    pairs = list(pairs)
+    mine = [(v, g) for v, g in pairs if isinstance(v, MirroredVariable)]
+    if not mine:
+        return pairs
+    push(mine)
+    rest = [(v, g) for v, g in pairs if not isinstance(v, MirroredVariable)]
+    return rest or None
+
+
+def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
+    """push_gradients' part for mirrored variables: the step's all-reduce of
+    their gradients (fused), then the optimizer on every replica here."""
+    from coordinator.collective import CollectiveGroup
+    spec = get_replica_context().collective
+    if spec is None:
+        raise RuntimeError(
+            "push_gradients of a mirrored variable runs in a step of all-reduce mode "
+            "(ClusterCoordinator.schedule), where the step's workers average it")
+    names = [v.name for v, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a variable is pushed twice in one call: {sorted(names)}")
+    # Each push of a step is a group of its own (a step may push more than once).
+    group_name = f"{spec.group}/push-{_next_push(spec)}"
+    with CollectiveGroup(group_name, spec.members, spec.rank, timeout=spec.timeout) as group:
+        try:
+            grads, reps = [], []
+            for v, g in pairs:
+                g = np.asarray(g)
+                if g.shape != v.shape:
+                    raise ValueError(f"the gradient of {v.name!r} has shape {g.shape}; the "
+                                     f"variable's is {v.shape}")
+                if g.dtype.kind not in "fiu":
+                    raise ValueError(f"the gradient of {v.name!r} is {g.dtype}, not numbers")
+                grads.append(g.astype(v.dtype, copy=False))
+                reps.append(replica(v))
+        except Exception as exc:   # the other workers are told, not left to time out
+            group.abort(f"{type(exc).__name__}: {exc}")
+            raise
+        versions = [r.version for r in reps]
+        agree = hashlib.blake2b(repr((spec.job, names, versions)).encode(),
+                                digest_size=16).digest()
+        try:
+            mean = group.all_reduce_many(grads, average=not spec.sum,
+                                         compression=spec.compression, agree=agree)
+        except InvalidArgument as exc:
+            raise InvalidArgument(
+                f"the workers of all-reduce step {spec.step} disagree: their gradients differ "
+                "in shape or dtype, or their replicas in the updates applied (a worker "
+                "restarted, or failed in a step the others completed). Nothing was applied. "
+                f"({exc})") from None
+    bad = [v.name for (v, _), g in zip(pairs, mean) if not v.allow_nonfinite
+           and not all_finite(g)]
+    if bad:   # (the same bits on every worker: refused on every one alike)
+        raise InvalidArgument(f"the averaged gradient of {bad} has NaN or Inf; nothing was "
+                              "applied on any worker")
+    for r, g, v in zip(reps, mean, (v for v, _ in pairs)):
+        with r.lock:
+            r.optimizer.apply_dense(r.value, r.slots, g)
+            r.version += 1
+
+
+_pushes = threading.local()
+
+
+def _next_push(spec) -> int:
+    """0, 1, ... for the pushes of one step on this thread."""
+    if getattr(_pushes, "group", None) != (spec.group, spec.rank):
+        _pushes.group, _pushes.count = (spec.group, spec.rank), 0
+    k = _pushes.count
+    _pushes.count += 1
+    return k
