@@ -47,7 +47,11 @@ from psserver.contract import Initializer
 from psserver.contract import optimizers as optim
 from psserver.contract.initializers import make_initial_value
 from psserver.contract.tensor import all_finite
-from psserver.errors import InvalidArgument
+from psserver.errors import InvalidArgument, PSError
+
+
+class AllReduceFailed(RuntimeError):
+    """A step's all-reduce did not complete (a member gone, or too slow)."""
 
 
 class MirroredVariable:
@@ -213,6 +217,13 @@ def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
                 "in shape or dtype, or their replicas in the updates applied (a worker "
                 "restarted, or failed in a step the others completed). Nothing was applied. "
                 f"({exc})") from None
+        except PSError as exc:   # (not a parameter server's failure: no recovery of one)
+            raise AllReduceFailed(
+                f"the all-reduce of step {spec.step} failed on worker "
+                f"{spec.members[spec.rank]} (rank {spec.rank}): {type(exc).__name__}: {exc}. "
+                "A worker of the step is gone, restarting or too slow (step_timeout); the "
+                "replicas may now differ, and later steps refuse to mix them. Re-forming "
+                "the ring without a worker is not supported yet: restart the job") from None
     bad = [v.name for (v, _), g in zip(pairs, mean) if not v.allow_nonfinite
            and not all_finite(g)]
     if bad:   # (the same bits on every worker: refused on every one alike)

@@ -120,8 +120,10 @@ class ParameterServerStrategy:
           bytes), each worker then applying the optimizer itself. The
           cluster needs no parameter servers. ``step_timeout``: seconds a
           step's all-reduce may take. Read the trained values with
-          ``ClusterCoordinator.replica_values``. Not yet: embedding
-          tables, sharded datasets, a worker lost or added mid-run.
+          ``ClusterCoordinator.replica_values``. Embedding tables stay
+          on the parameter servers, their row-wise gradients applied on
+          arrival as in ``"hybrid"``. Not yet: sharded datasets,
+          checkpoints of mirrored variables, a worker lost or added mid-run.
       num_replicas: sync and hybrid modes: replicas per step (default: the
         number of workers in the cluster spec now). Replicas are slices of
         the global batch, not processes: any worker may run any replica.
@@ -483,6 +485,9 @@ class ParameterServerStrategy:
         variables' shards are."""
         if name in self._tables:
             raise ValueError(f"embedding table {name!r} was created already by this strategy")
+        if not self._ps:
+            raise ValueError("embedding tables live on parameter servers, and this cluster has "
+                             "none: add \"ps\" tasks to it (all-reduce mode keeps tables there)")
         if name.startswith(BACKUP_PREFIX):
             raise ValueError(f"table names starting {BACKUP_PREFIX!r} are the backup "
                              "copies replication makes; choose another name")

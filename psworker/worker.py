@@ -209,7 +209,7 @@ def _ps_failure(exc: BaseException) -> dict:
     while exc is not None:
         if isinstance(exc, (Unavailable, DeadlineExceeded, NotFound)) and exc.address:
             return {"ps_address": exc.address, "ps_code": exc.code.name}
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return {}
 
 

@@ -145,3 +145,185 @@ def test_a_restarted_worker_is_refused_not_averaged(cluster):
     assert after[0][1] == after[1][1] == {"w": 1, "b": 1}
     assert after[0][0]["w"].tobytes() == before[0]["w"].tobytes()
     assert after[2][1] == {"w": 0, "b": 0}   # the restarted one: its initial value, untouched
+
+
+def touched(flag_path: str) -> None:
+    """A closure body whose running leaves a trace (it must not run)."""
+    open(flag_path, "w").close()
+
+
+BAD_INFOS = {
+    "rank past the members": dict(rank=3),
+    "negative rank": dict(rank=-1),
+    "no members": dict(members=[]),
+    "a member twice": dict(members=["a:1", "a:1"], rank=0),
+    "no group": dict(group=""),
+    "no job": dict(job=""),
+    "negative step": dict(step=-5),
+    "zero timeout": dict(timeout=0.0),
+    "nan timeout": dict(timeout=float("nan")),
+    "unknown compression": dict(compression="bf16"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_INFOS))
+def test_a_malformed_step_is_refused_before_anything_runs(cluster, tmp_path, what):
+    """A RunClosure whose CollectiveInfo is malformed: INVALID_ARGUMENT, the
+    function not run, the worker serving on."""
+    from coordinator import serialization
+    from protos.pstrain.v1 import worker_pb2
+    from psserver.errors import Code, PSError
+    from psserver.link import methods
+    from psserver.link.channel import TaskChannel
+    members = [w.address for w in cluster.workers]
+    info = dict(group="g", members=members, rank=0, step=0, timeout=10.0, job="j")
+    info.update(BAD_INFOS[what])
+    flag = tmp_path / "ran"
+    w = cluster.workers[0]
+    with TaskChannel(w.address, role="worker", token=cluster.token, tls=cluster.tls) as ch:
+        with pytest.raises(PSError) as raised:
+            ch.call(methods.RUN_CLOSURE, worker_pb2.ClosureRequest(
+                fn=serialization.encode_function(touched),
+                args=serialization.dumps(((str(flag),), {})),
+                collective=worker_pb2.CollectiveInfo(**info)), 30)
+        assert raised.value.code == Code.INVALID_ARGUMENT, raised.value
+        assert "malformed" in str(raised.value)
+        assert not flag.exists()
+        ok = ch.call(methods.RUN_CLOSURE, worker_pb2.ClosureRequest(   # still serving
+            fn=serialization.encode_function(touched),
+            args=serialization.dumps(((str(flag),), {}))), 30)
+        assert not ok.HasField("error") and flag.exists()
+
+
+def test_arguments_that_do_not_apply_are_refused(cluster):
+    for kwargs, words in [(dict(num_replicas=2), "num_replicas"),
+                          (dict(backup_workers=1), "num_replicas and backup_workers"),
+                          (dict(gradient_compression="bf16"), "fp16"),
+                          (dict(staleness=1), "bounded")]:
+        with pytest.raises(ValueError, match=words):
+            ParameterServerStrategy(cluster.spec, mode="allreduce", **kwargs)
+    strategy = ParameterServerStrategy(cluster.spec, mode="allreduce")
+    with pytest.raises(ValueError, match="shape or an initial_value"):
+        strategy.create_variable("v")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        strategy.create_variable("v", initial_value=np.array([np.nan], np.float32))
+    with pytest.raises(ValueError, match="unknown"):
+        strategy.create_variable("v", shape=(2,), optimizer="adam",
+                                 optimizer_params={"lr": 1.0})
+    v = strategy.create_variable("v", shape=(4, 2), initializer="glorot_uniform", seed=5)
+    assert v.shape == (4, 2) and np.abs(v.initial_value).max() > 0
+    with pytest.raises(ValueError, match="already created"):
+        strategy.create_variable("v", shape=(2,))
+    with ClusterCoordinator(strategy) as coord:
+        with pytest.raises(TypeError, match="mirrored"):
+            coord.replica_values([object()])
+        with pytest.raises(ValueError, match="not a worker"):
+            coord.replica_values(worker="10.9.9.9:1")
+
+
+def test_a_push_outside_an_allreduce_step_says_where_it_belongs(cluster):
+    strategy = ParameterServerStrategy(cluster.spec, mode="allreduce")
+    v = strategy.create_variable("v", shape=(2,))
+    with pytest.raises(RuntimeError, match="all-reduce mode"):
+        push_gradients([(v, np.ones(2, np.float32))])
+
+
+def bad_gradient_step(w, b, rank_with_bad_shape: int):
+    def step():
+        from coordinator import get_replica_context
+        ctx = get_replica_context()
+        wv, bv = read_variables([w, b])
+        gw = np.ones(wv.shape, np.float32)
+        if ctx.replica_id_in_sync_group == rank_with_bad_shape:
+            gw = gw[:-1]
+        push_gradients([(w, gw), (b, np.ones(bv.shape, np.float32))])
+    return step
+
+
+def test_one_replica_with_a_bad_gradient_fails_the_step_at_once_everywhere(cluster):
+    """One worker's gradient has the wrong shape: it refuses it and tells
+    the others, whose all-reduce fails at once (not after step_timeout);
+    nothing is applied anywhere."""
+    strategy = ParameterServerStrategy(cluster.spec, mode="allreduce", step_timeout=300)
+    w = strategy.create_variable("w", shape=(IN, OUT))
+    b = strategy.create_variable("b", shape=(OUT,))
+    with ClusterCoordinator(strategy) as coord:
+        step = coord.schedule(bad_gradient_step(w, b, 1))
+        with pytest.raises(StepFunctionError):
+            step.fetch(timeout=60)   # (well within the 300 s an all-reduce may take)
+        assert all(r._done.wait(60) for r in step.replicas)
+        errors = [str(r._error) for r in step.replicas]
+        assert "has shape" in errors[1], errors
+    with ClusterCoordinator(strategy) as coord:
+        versions = [coord.replica_values(worker=i, with_versions=True)[1] for i in range(3)]
+    assert all(v == {"w": 0, "b": 0} for v in versions), versions
+
+
+def hybrid_step(w, table):
+    def step():
+        from coordinator import get_replica_context
+        from coordinator.step_calls import IndexedSlices, Lookup
+        r = get_replica_context().replica_id_in_sync_group
+        keys = np.arange(4, dtype=np.int64) + 100 * r
+        wv, rows = read_variables([w, Lookup(table, keys)])
+        push_gradients([(w, np.full(wv.shape, r + 1.0, np.float32)),
+                        (table, IndexedSlices(np.ones_like(rows), keys))])
+    return step
+
+
+def test_tables_stay_on_the_servers_beside_mirrored_variables():
+    """Dense variables by all-reduce, a dynamic table on a parameter server
+    (row-wise gradients applied on arrival, as in hybrid mode), in one step."""
+    with LocalCluster(num_ps=1, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce")
+        w = strategy.create_variable("w", shape=(3,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 0.5})
+        table = strategy.create_embedding_table("t", 2, optimizer="sgd",
+                                                optimizer_params={"learning_rate": 0.25})
+        steps = 4
+        with ClusterCoordinator(strategy) as coord:
+            for _ in range(steps):
+                coord.schedule(hybrid_step(w, table))
+            coord.join()
+            got = [coord.replica_values(worker=i) for i in range(2)]
+        rows = table.lookup(np.array([0, 3, 100, 103], np.int64), admit=False)
+    np.testing.assert_array_equal(got[0]["w"], np.full(3, -0.5 * 1.5 * steps, np.float32))
+    assert got[1]["w"].tobytes() == got[0]["w"].tobytes()
+    np.testing.assert_allclose(rows, np.full((4, 2), -0.25 * steps, np.float32))
+
+
+def test_a_table_without_parameter_servers_says_what_to_add(cluster):
+    strategy = ParameterServerStrategy(cluster.spec, mode="allreduce")
+    with pytest.raises(ValueError, match="add \"ps\" tasks"):
+        strategy.create_embedding_table("t", 4)
+
+
+def test_a_dead_worker_fails_the_step_with_its_name_not_a_hang():
+    """A worker of the spec that is gone: the step fails, naming it, well
+    within step_timeout (its neighbour cannot reach it), and the closure
+    left for it is cancelled, so join() returns."""
+    with LocalCluster(num_ps=0, num_workers=3) as c:
+        # (a fixed spec, as TF_CONFIG's: the dead worker stays in it)
+        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=120)
+        w = strategy.create_variable("w", shape=(IN, OUT))
+        b = strategy.create_variable("b", shape=(OUT,))
+        gone = c.workers[2].address
+        c.kill_worker(2)
+        with ClusterCoordinator(strategy) as coord:
+            step = coord.schedule(make_step(w, b))
+            with pytest.raises((StepFunctionError, WorkerCallError)) as raised:
+                coord.join(timeout=60)
+            assert gone in str(raised.value) or any(
+                gone in str(r._error) for r in step.replicas if r.done()), raised.value
+
+
+def test_a_worker_leaving_the_spec_is_said_at_schedule():
+    with LocalCluster(num_ps=0, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce")
+        w = strategy.create_variable("w", shape=(IN, OUT))
+        b = strategy.create_variable("b", shape=(OUT,))
+        c.kill_worker(1)
+        with ClusterCoordinator(strategy) as coord:
+            with pytest.raises(RuntimeError, match="has 1 workers; this all-reduce strategy "
+                                                   "was made for 2"):
+                coord.schedule(make_step(w, b))
