@@ -41,6 +41,7 @@ from typing import Callable
 from coordinator import serialization, sharded
 from coordinator.closures import Closure, RemoteValue, StepRemoteValue, _ClosureQueue
 from coordinator.datasets import PerWorkerDataset
+from coordinator.mirrored import MAX_STEP_SECONDS
 from coordinator.recovery import _PSRecovery, _PSWatch
 from coordinator.replica import CollectiveSpec
 from coordinator.sharded import ShardedDataset, ShardedSource
@@ -89,6 +90,11 @@ class Cluster:
                  ps_failover_after: float = 3.0, ps_check_interval: float = 1.0,
                  closures_per_worker: int = 1, make_worker: Callable = _WorkerThread):
         self.closures_per_worker = _closures_per_worker(closures_per_worker, strategy.mode)
+        if strategy.mode == "allreduce" and closure_timeout is not None:
+            raise ValueError(
+                "closure_timeout does not apply to all-reduce mode: a step cut off here would "
+                "go on running on its workers and apply there; the strategy's step_timeout "
+                "bounds a step's all-reduce")
         self.strategy = strategy
         self.closure_timeout = closure_timeout
         self.checkpoint_manager = checkpoint_manager
@@ -104,6 +110,7 @@ class Cluster:
         # already (a restarted coordinator's adopted variables: sync_steps_done)
         # when the first step is scheduled.
         self._steps: itertools.count | None = None
+        self._nonce = uuid.uuid4().hex[:12]
         self._steps_lock = threading.Lock()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
         self._fn_refs: "weakref.WeakKeyDictionary[Callable, worker_pb2.FunctionRef]" = \
@@ -190,13 +197,12 @@ class Cluster:
                 "not supported yet)")
         compression = "fp16" if s.gradient_compression_spec is not None else None
         with self._steps_lock:
-            if self._steps is None:
-                self._steps = itertools.count()
-            step = next(self._steps)
+            step = next(s.allreduce_steps)   # (the strategy's: a new coordinator goes on)
+            # a group's name is this coordinator's own: a late member of another's never meets it
             closures = [Closure(ref, payload, f"{name}[step {step} replica {r}]",
                                 collective=CollectiveSpec(
-                                    f"{s.job}/step-{step}", members, r, step,
-                                    s.step_timeout or 86400.0, s.aggregation == "sum",
+                                    f"{s.job}/{self._nonce}/step-{step}", members, r, step,
+                                    s.step_timeout or MAX_STEP_SECONDS, s.aggregation == "sum",
                                     compression, s.job))
                         for r in range(len(members))]
             for c in closures:   # (under the lock: steps queued whole, in order)

@@ -176,7 +176,8 @@ class ClusterCoordinator:
             raise TypeError("replica_values reads mirrored variables (mode=\"allreduce\"); "
                             "read the others with read_variables")
         members = list(self.strategy.cluster_spec.worker)
-        address = members[worker] if isinstance(worker, int) else worker
+        address = members[worker] if isinstance(worker, int) and 0 <= worker < len(
+            members) else worker
         if address not in members:
             raise ValueError(f"{worker!r} is not a worker of the cluster spec: {members}")
         got = self._cluster.schedule_on(address, mirrored.values, (variables,)).fetch(timeout)

@@ -37,6 +37,7 @@ of its own.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from typing import Mapping, Sequence
 
@@ -47,7 +48,7 @@ from psserver.contract import Initializer
 from psserver.contract import optimizers as optim
 from psserver.contract.initializers import make_initial_value
 from psserver.contract.tensor import all_finite
-from psserver.errors import InvalidArgument, PSError
+from psserver.errors import FailedPrecondition, InvalidArgument, PSError
 
 
 class AllReduceFailed(RuntimeError):
@@ -80,6 +81,23 @@ class MirroredVariable:
     def __repr__(self) -> str:
         return (f"MirroredVariable({self.name!r}, shape={self.shape}, dtype={self.dtype.name}, "
                 f"optimizer={self.optimizer!r})")
+
+
+#: The longest a step's all-reduce may take (step_timeout 0 means this).
+MAX_STEP_SECONDS = 86400.0
+
+
+def configure(strategy, spec, num_replicas, backup_workers) -> None:
+    """ParameterServerStrategy's all-reduce mode settings, checked."""
+    if num_replicas is not None or backup_workers:
+        raise ValueError('mode="allreduce" runs a replica on every worker of the cluster '
+                         "spec: num_replicas and backup_workers do not apply")
+    if not 0 <= strategy.step_timeout <= MAX_STEP_SECONDS:
+        raise ValueError(f'mode="allreduce": step_timeout is the seconds a step\'s all-reduce '
+                         f"may take, from 0 (no limit: {MAX_STEP_SECONDS:.0f}) to "
+                         f"{MAX_STEP_SECONDS:.0f}; got {strategy.step_timeout}")
+    strategy.num_replicas = len(spec.worker)
+    strategy.allreduce_steps = itertools.count()   # steps numbered across coordinators
 
 
 def create(job: str, name: str, shape, dtype, initial_value, initializer: Initializer | None,
@@ -146,7 +164,15 @@ def _state(variables: Sequence[MirroredVariable]) -> list[tuple[np.ndarray, int]
 
 def values(variables: Sequence[MirroredVariable]) -> dict[str, tuple[np.ndarray, int]]:
     """name -> (value, version) of this worker's replicas: what
-    ClusterCoordinator.replica_values runs on a worker."""
+    ClusterCoordinator.replica_values runs on a worker. A replica this
+    worker does not have (it restarted, or ran no step of the job) is an
+    error, never the initial value passed off as the model."""
+    with _LOCK:
+        missing = [v.name for v in variables if (v.job, v.name) not in _REPLICAS]
+    if missing:
+        raise FailedPrecondition(
+            f"this worker has no replica of {missing}: it ran no step of this job since it "
+            "started (a worker that restarted lost its replicas); read another worker's")
     return {v.name: s for v, s in zip(variables, _state(variables))}
 
 
@@ -154,8 +180,15 @@ def read_among(variables: Sequence, with_versions: bool, read_rest):
     """read_variables of items some of which are mirrored variables: theirs
     this worker's replicas (values as they are, version the updates
     applied), the others' by ``read_rest(items, with_versions=True)``."""
+    spec = get_replica_context().collective
+    if spec is None:
+        raise RuntimeError(
+            "read_variables of a mirrored variable runs in a step of all-reduce mode, on a "
+            "worker; on the coordinator, read the trained values with "
+            "ClusterCoordinator.replica_values")
     mine = [v for v in variables if isinstance(v, MirroredVariable)]
     state = dict(zip((v.name for v in mine), _state(mine)))
+    _step_reads(spec).update((n, k) for n, (_, k) in state.items())
     rest = [v for v in variables if not isinstance(v, MirroredVariable)]
     values, versions = (iter(x) for x in (read_rest(rest, with_versions=True) if rest
                                           else ([], [])))
@@ -202,6 +235,12 @@ def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
                     raise ValueError(f"the gradient of {v.name!r} is {g.dtype}, not numbers")
                 grads.append(g.astype(v.dtype, copy=False))
                 reps.append(replica(v))
+                seen = _step_reads(spec).get(v.name)
+                if seen is not None and seen != reps[-1].version:
+                    raise ValueError(
+                        f"{v.name!r} was read at update {seen} and is at {reps[-1].version} "
+                        "now: another step ran on this worker meanwhile, so this gradient is "
+                        "stale")
         except Exception as exc:   # the other workers are told, not left to time out
             group.abort(f"{type(exc).__name__}: {exc}")
             raise
@@ -229,19 +268,31 @@ def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
     if bad:   # (the same bits on every worker: refused on every one alike)
         raise InvalidArgument(f"the averaged gradient of {bad} has NaN or Inf; nothing was "
                               "applied on any worker")
+    reads = _step_reads(spec)
     for r, g, v in zip(reps, mean, (v for v, _ in pairs)):
         with r.lock:
             r.optimizer.apply_dense(r.value, r.slots, g)
             r.version += 1
+            if v.name in reads:   # (a later push of this step builds on this one)
+                reads[v.name] = r.version
 
 
-_pushes = threading.local()
+_step = threading.local()   # this thread's step: its pushes so far, the versions it read
+
+
+def _this_step(spec) -> None:
+    if getattr(_step, "group", None) != (spec.group, spec.rank):
+        _step.group, _step.pushes, _step.reads = (spec.group, spec.rank), 0, {}
 
 
 def _next_push(spec) -> int:
     """0, 1, ... for the pushes of one step on this thread."""
-    if getattr(_pushes, "group", None) != (spec.group, spec.rank):
-        _pushes.group, _pushes.count = (spec.group, spec.rank), 0
-    k = _pushes.count
-    _pushes.count += 1
-    return k
+    _this_step(spec)
+    _step.pushes += 1
+    return _step.pushes - 1
+
+
+def _step_reads(spec) -> dict[str, int]:
+    """name -> the version this step read (and pushed on), on this thread."""
+    _this_step(spec)
+    return _step.reads

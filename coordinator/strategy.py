@@ -232,11 +232,9 @@ class ParameterServerStrategy:
         #: Whose mirrored variables a worker's replicas are (all-reduce mode).
         self.job = os.urandom(8).hex()
         self._mirrored: dict[str, Any] = {}
-        if mode == "allreduce":
-            if num_replicas is not None or backup_workers:
-                raise ValueError('mode="allreduce" runs a replica on every worker of the cluster '
-                                 "spec: num_replicas and backup_workers do not apply")
-            self.num_replicas = len(spec.worker)
+        if mode == "allreduce":   # (its arguments checked there)
+            from coordinator.mirrored import configure
+            configure(self, spec, num_replicas, backup_workers)
         elif mode in SYNC_MODES:
             n = num_replicas if num_replicas is not None else max(1, len(spec.worker))
             if n < 1:

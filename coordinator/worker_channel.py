@@ -257,6 +257,10 @@ class _WorkerThread:
                         "a failure"))
                 elif closure.sync is not None:
                     self._abandon(closure, exc.code.name)
+                elif closure.target is not None and closure.collective is None:
+                    queue.fail(closure, WorkerCallError(   # (for it alone: no other may run it)
+                        f"worker {self.address} failed running {closure.name} "
+                        f"({exc.code.name})"))
                 elif closure.collective is not None:   # its step's other members fail too
                     queue.fail(closure, WorkerCallError(
                         f"worker {self.address} failed running {closure.name} ({exc.code.name})"

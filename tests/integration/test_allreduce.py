@@ -134,9 +134,13 @@ def test_a_restarted_worker_is_refused_not_averaged(cluster):
         assert before[1] == {"w": 1, "b": 1}
     cluster.restart_worker(2)
     with ClusterCoordinator(strategy) as coord:
+        with pytest.raises(StepFunctionError, match="no replica"):   # never the initial value
+            coord.replica_values(worker=2, timeout=60)
+    with ClusterCoordinator(strategy) as coord:
         step = coord.schedule(make_step(w, b))
         with pytest.raises((StepFunctionError, WorkerCallError)):
             coord.join()
+        assert all(r._done.wait(60) for r in step.replicas)   # (join: at the first error)
         errors = [r._error for r in step.replicas]
         assert any(isinstance(e, StepFunctionError) and "disagree" in str(e) for e in errors), \
             errors
@@ -199,7 +203,8 @@ def test_arguments_that_do_not_apply_are_refused(cluster):
     for kwargs, words in [(dict(num_replicas=2), "num_replicas"),
                           (dict(backup_workers=1), "num_replicas and backup_workers"),
                           (dict(gradient_compression="bf16"), "fp16"),
-                          (dict(staleness=1), "bounded")]:
+                          (dict(staleness=1), "bounded"),
+                          (dict(step_timeout=float("inf")), "step_timeout")]:
         with pytest.raises(ValueError, match=words):
             ParameterServerStrategy(cluster.spec, mode="allreduce", **kwargs)
     strategy = ParameterServerStrategy(cluster.spec, mode="allreduce")
@@ -327,3 +332,26 @@ def test_a_worker_leaving_the_spec_is_said_at_schedule():
             with pytest.raises(RuntimeError, match="has 1 workers; this all-reduce strategy "
                                                    "was made for 2"):
                 coord.schedule(make_step(w, b))
+
+
+def step_number():
+    from coordinator import get_replica_context
+    return get_replica_context().step
+
+
+def test_steps_are_numbered_across_coordinators_and_reads_belong_to_steps(cluster):
+    """A second coordinator on the strategy goes on numbering (batches chosen
+    by step do not repeat); closure_timeout is refused (a step cut off would
+    still apply on its workers); a read on the coordinator says where the
+    values are."""
+    strategy = ParameterServerStrategy(cluster.spec, mode="allreduce")
+    w = strategy.create_variable("w", shape=(2,))
+    with pytest.raises(ValueError, match="closure_timeout"):
+        ClusterCoordinator(strategy, closure_timeout=5)
+    with pytest.raises(RuntimeError, match="replica_values"):
+        read_variables([w])
+    numbers = []
+    for _ in range(2):
+        with ClusterCoordinator(strategy) as coord:
+            numbers += [coord.schedule(step_number).fetch() for _ in range(2)]
+    assert numbers == [0, 1, 2, 3]
