@@ -188,8 +188,11 @@ class Closure:
             if b is not None:
                 ds.ack(b) if ok else ds.release(b)
 
-    def request(self, worker_id: str) -> worker_pb2.ClosureRequest:
-        req = worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=self.fn_ref,
+    def request(self, worker_id: str, digest_only: bool = False) -> worker_pb2.ClosureRequest:
+        """The RunClosure request; ``digest_only``: the function by its digest
+        alone (the worker process was sent it by value before)."""
+        fn = worker_pb2.FunctionRef(digest=self.fn_ref.digest) if digest_only else self.fn_ref
+        req = worker_pb2.ClosureRequest(closure_id=self.closure_id, fn=fn,
                                         args=self.args_payload, worker_id=worker_id)
         if self.sync is not None:
             req.sync.CopyFrom(ps_pb2.SyncInfo(**dataclasses.asdict(self.sync)))

@@ -56,6 +56,7 @@ member behind its predecessor holds up one call of it at most.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import queue
 import threading
@@ -102,9 +103,30 @@ def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _leave(inbox: Inbox, group: bytes, member: bytes, channel: TaskChannel) -> None:
+def _leave(inbox: Inbox, group: bytes, member: bytes) -> None:
     inbox.leave(group, member)
-    channel.close()
+
+
+#: Channels to other workers, kept across groups (a step forms its group
+#: anew; a connection's set-up cost more than a small model's all-reduce), at
+#: most CHANNELS of them, the least recently used closed first. A channel
+#: plans its route again when the worker behind its address restarts.
+CHANNELS = 64
+_channels: "collections.OrderedDict[tuple, TaskChannel]" = collections.OrderedDict()
+_channels_lock = threading.Lock()
+
+
+def _channel_to(address: str, token, tls) -> TaskChannel:
+    key = (address, token, repr(tls))
+    with _channels_lock:
+        ch = _channels.get(key)
+        if ch is None:
+            ch = _channels[key] = TaskChannel(address, role="worker", token=token, tls=tls,
+                                              timeout=None)
+            while len(_channels) > CHANNELS:
+                _channels.popitem(last=False)[1].close()
+        _channels.move_to_end(key)
+        return ch
 
 
 def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype, average: bool,
@@ -140,12 +162,10 @@ class CollectiveGroup:
         self._next_member = b""   # the next member's id, once asked
         self._member, self._next = b"", None
         if self.size > 1:   # (joined last: nothing after it can fail)
-            self._next = TaskChannel(addresses[(rank + 1) % self.size], role="worker",
-                                     token=token, tls=tls, timeout=timeout)
+            self._next = _channel_to(addresses[(rank + 1) % self.size], token, tls)
             self._member = self._inbox.join(self.id)
             # a group dropped without close() leaves too, once collected
-            self._leave = weakref.finalize(self, _leave, self._inbox, self.id, self._member,
-                                           self._next)
+            self._leave = weakref.finalize(self, _leave, self._inbox, self.id, self._member)
 
     @property
     def operations(self) -> int:

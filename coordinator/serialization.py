@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
 import pickle
@@ -58,7 +59,13 @@ def encode_function(fn: Callable, by_value: bool | None = None) -> worker_pb2.Fu
     name = None if by_value else qualified_name(fn)
     if name is not None:
         return worker_pb2.FunctionRef(qualified_name=name)
-    return worker_pb2.FunctionRef(pickled=cloudpickle.dumps(fn))
+    data = cloudpickle.dumps(fn)
+    return worker_pb2.FunctionRef(pickled=data, digest=function_digest(data))
+
+
+def function_digest(pickled: bytes) -> bytes:
+    """FunctionRef.digest of a function's pickled bytes."""
+    return hashlib.blake2b(pickled, digest_size=16).digest()
 
 
 def import_function(name: str, worker: str = "(this one)") -> Callable:

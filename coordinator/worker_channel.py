@@ -62,6 +62,8 @@ class _SharedWorker:
         self.lock = threading.Lock()       # created and clock; held briefly
         self.creating = threading.Lock()   # held across CreateDataset calls
         self.created: dict[str, set[str]] = {}
+        # the digests of functions each process was sent by value (then sent by digest alone)
+        self.functions: dict[str, set[bytes]] = {}
         self.clock = 0
         self.slots: list["_WorkerThread"] = []
 
@@ -77,6 +79,15 @@ class _SharedWorker:
     def add(self, worker_id: str, dataset_id: str) -> None:
         with self.lock:
             self.created.setdefault(worker_id, set()).add(dataset_id)
+
+    def has_function(self, worker_id: str | None, digest: bytes) -> bool:
+        with self.lock:
+            return digest in self.functions.get(worker_id, ())
+
+    def note_function(self, worker_id: str, digest: bytes, has: bool) -> None:
+        with self.lock:
+            got = self.functions.setdefault(worker_id, set())
+            got.add(digest) if has else got.discard(digest)
 
     def tick(self) -> None:
         with self.lock:
@@ -207,10 +218,26 @@ class _WorkerThread:
             why = f"{what} at {self.address} refuses to connect: {exc.code.name}: {exc}"
         log.warning("%s; still waiting for it", why)
 
-    def _run_closure(self, request: worker_pb2.ClosureRequest) -> worker_pb2.ClosureReply:
+    def _run_closure(self, closure: Closure) -> worker_pb2.ClosureReply:
         """One closure on the worker's route; a failure raises its typed error
-        (psserver.contract), whichever way it went."""
-        return self._channel.call(methods.RUN_CLOSURE, request, self.cluster.closure_timeout)
+        (psserver.contract), whichever way it went. A function sent by value
+        goes by its digest alone to a worker process that had it (and by
+        value again if that process let it go: NOT_FOUND)."""
+        digest = closure.fn_ref.digest if closure.fn_ref.WhichOneof("kind") == "pickled" \
+            else b""
+        known = bool(digest) and self._shared.has_function(self.worker_id, digest)
+        try:
+            reply = self._channel.call(methods.RUN_CLOSURE, closure.request(
+                self.worker_id, digest_only=known), self.cluster.closure_timeout)
+        except PSError as exc:
+            if not (known and exc.code == Code.NOT_FOUND):
+                raise
+            self._shared.note_function(self.worker_id, digest, False)
+            reply = self._channel.call(methods.RUN_CLOSURE, closure.request(self.worker_id),
+                                       self.cluster.closure_timeout)
+        if digest:
+            self._shared.note_function(self.worker_id, digest, True)
+        return reply
 
     def _ensure_datasets(self) -> None:
         shared, wid = self._shared, self.worker_id
@@ -246,7 +273,7 @@ class _WorkerThread:
         closure.bind(self.address)   # sharded datasets: the batch is chosen now
         try:
             self._ensure_datasets()
-            reply = self._run_closure(closure.request(self.worker_id))
+            reply = self._run_closure(closure)
         except PSError as exc:
             if exc.code in _WORKER_FAILURE_CODES:
                 self.alive = False

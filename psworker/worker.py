@@ -75,8 +75,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.address = "(this one)"   # and where it listens, for error messages
         self._count = 0
         self._count_lock = threading.Lock()
-        # Functions sent by value, unpickled once each (by their bytes: the
-        # coordinator pickles a function once and sends the same bytes).
+        # Functions sent by value, unpickled once each, by their digest (the
+        # coordinator sends a function's bytes once, then its digest alone).
         self._functions: collections.OrderedDict[bytes, object] = collections.OrderedDict()
 
     def _function(self, ref: worker_pb2.FunctionRef, context):
@@ -92,12 +92,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return serialization.import_function(ref.qualified_name, self.address)
             except serialization.FunctionImportError as exc:
                 raise FailedPrecondition(str(exc)) from None
-        if kind == "pickled":
-            data = ref.pickled
-            with self._count_lock:
-                fn = self._functions.get(data)
+        if kind == "pickled" or ref.digest:
+            with self._count_lock:   # (sent by value before: by its digest alone)
+                fn = None if kind == "pickled" else self._functions.get(ref.digest)
                 if fn is not None:
-                    self._functions.move_to_end(data)
+                    self._functions.move_to_end(ref.digest)
+                    return fn
+            if kind != "pickled":
+                raise NotFound("this worker does not have the function sent by value with "
+                               "that digest (it restarted, or let it go): send it by value")
+            data = ref.pickled
+            digest = serialization.function_digest(data)
+            if ref.digest and ref.digest != digest:
+                raise InvalidArgument("the function's digest does not match its bytes")
+            with self._count_lock:
+                fn = self._functions.get(digest)
+                if fn is not None:
+                    self._functions.move_to_end(digest)
                     return fn
             try:
                 fn = serialization.load_function(data, self.address)
@@ -109,7 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     f"{type(exc).__name__}: {exc}. The worker needs the same "
                     "packages (and versions) as the coordinator") from None
             with self._count_lock:
-                self._functions[data] = fn
+                self._functions[digest] = fn
                 while len(self._functions) > FUNCTIONS_KEPT:
                     self._functions.popitem(last=False)
             return fn

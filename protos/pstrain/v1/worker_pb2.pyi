@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FunctionRef(_message.Message):
-    __slots__ = ("qualified_name", "pickled")
+    __slots__ = ("qualified_name", "pickled", "digest")
     QUALIFIED_NAME_FIELD_NUMBER: _ClassVar[int]
     PICKLED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     qualified_name: str
     pickled: bytes
-    def __init__(self, qualified_name: _Optional[str] = ..., pickled: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, qualified_name: _Optional[str] = ..., pickled: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("dataset_id", "fn", "worker_index", "num_workers", "worker_id")
