@@ -212,6 +212,17 @@ def push_among(pairs) -> list | None:
 def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
     """push_gradients' part for mirrored variables: the step's all-reduce of
     their gradients (fused), then the optimizer on every replica here."""
+    try:
+        _push(pairs)
+    except BaseException:
+        spec = get_replica_context().collective
+        if spec is not None:
+            _this_step(spec)
+            _step.failed_push = True
+        raise
+
+
+def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
     from coordinator.collective import CollectiveGroup
     spec = get_replica_context().collective
     if spec is None:
@@ -277,12 +288,30 @@ def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
                 reads[v.name] = r.version
 
 
+def step_failed(spec, reason: str) -> None:
+    """The step function raised on this worker (outside a push): the group
+    of the push it did not make is formed and aborted, so the other workers'
+    all-reduce fails at once rather than after step_timeout (where they
+    formed it within collective.ABORT_SECONDS of this)."""
+    from coordinator.collective import CollectiveGroup
+    _this_step(spec)
+    if _step.failed_push:   # (a push failed: its group was told, and no other is waited on)
+        return
+    name = f"{spec.group}/push-{_next_push(spec)}"
+    try:
+        with CollectiveGroup(name, spec.members, spec.rank, timeout=spec.timeout) as group:
+            group.abort(reason)
+    except Exception:   # (the step's own error is what the coordinator hears)
+        pass
+
+
 _step = threading.local()   # this thread's step: its pushes so far, the versions it read
 
 
 def _this_step(spec) -> None:
     if getattr(_step, "group", None) != (spec.group, spec.rank):
         _step.group, _step.pushes, _step.reads = (spec.group, spec.rank), 0, {}
+        _step.failed_push = False
 
 
 def _next_push(spec) -> int:

@@ -26,7 +26,7 @@ import time
 import traceback
 import uuid
 
-from coordinator import collective_inbox, datasets, serialization, sources
+from coordinator import collective_inbox, datasets, mirrored, serialization, sources
 from coordinator.replica import CollectiveSpec, replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.contract import (
@@ -183,6 +183,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
         except Exception as exc:
+            if collective is not None:   # the step's other workers are told at once
+                with replica_scope(sync, collective):
+                    mirrored.step_failed(collective, f"{type(exc).__name__}: {exc}")
             reply = worker_pb2.ClosureReply(error=worker_pb2.ErrorInfo(
                 type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc(),
                 **_ps_failure(exc)))

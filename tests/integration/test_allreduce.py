@@ -355,3 +355,26 @@ def test_steps_are_numbered_across_coordinators_and_reads_belong_to_steps(cluste
         with ClusterCoordinator(strategy) as coord:
             numbers += [coord.schedule(step_number).fetch() for _ in range(2)]
     assert numbers == [0, 1, 2, 3]
+
+
+def raising_step(w, rank_that_raises: int):
+    def step():
+        from coordinator import get_replica_context
+        (wv,) = read_variables([w])
+        if get_replica_context().replica_id_in_sync_group == rank_that_raises:
+            raise ArithmeticError("this replica's step went wrong before its push")
+        push_gradients([(w, np.ones(wv.shape, np.float32))])
+    return step
+
+
+def test_a_replica_raising_before_its_push_fails_the_others_at_once(cluster):
+    strategy = ParameterServerStrategy(cluster.spec, mode="allreduce", step_timeout=300)
+    w = strategy.create_variable("w", shape=(5,))
+    with ClusterCoordinator(strategy) as coord:
+        step = coord.schedule(raising_step(w, 2))
+        assert all(r._done.wait(60) for r in step.replicas)   # not the 300 s of step_timeout
+        errors = [str(r._error) for r in step.replicas]
+        assert "ArithmeticError" in errors[2], errors
+        assert all(e != "None" for e in errors), errors
+        versions = [coord.replica_values(worker=i, with_versions=True)[1] for i in (0, 1)]
+    assert versions == [{"w": 0}, {"w": 0}]
