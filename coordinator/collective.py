@@ -33,7 +33,9 @@ Membership. Forming a group on a worker registers a member id, new each
 time, in that worker's inbox. Before its first chunk a member asks the next
 worker for its id, sending its own; the inbox answers the first member to
 ask and no other (an earlier group's member still there answers none but
-its own sender: the asker asks again until the new one is formed). Every
+its own sender: the asker asks again until the new one is formed; the
+worker holds an ask up to a quarter of a second until it can answer it,
+so a member is answered the moment the next one forms). Every
 chunk names both ids, and the inbox keeps it only for the member it names
 from the sender that member answered: a chunk from an earlier group of the
 same name, from a member that re-formed alone, or for no group at all is
@@ -77,7 +79,9 @@ from psserver.link.channel import TaskChannel
 #: transfers). Just under a socket's 4 MiB eager frame, so that a piece's
 #: frame is received into a buffer of its own size.
 PIECE_BYTES = (4 << 20) - (4 << 10)
-#: Seconds between a member's asks for the next member's id while it is not formed.
+#: Seconds between a member's asks for the next member's id where the
+#: worker answers an ask at once that it is not formed for it (the worker
+#: holds an ask up to collective_inbox.PROBE_WAIT_SECONDS until it forms).
 PROBE_SECONDS = 0.02
 #: Seconds a failed member gives telling the next one, and its own send thread to stop.
 ABORT_SECONDS = 2.0
@@ -312,15 +316,17 @@ class CollectiveGroup:
         while not self._next_member and not stop.is_set():
             probe = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, b"",
                                                  self._member)
+            asked = time.monotonic()   # (the worker holds a probe until the member forms)
             self._next_member = self._next.call(methods.COLLECTIVE, probe, max(
-                0.001, deadline - time.monotonic())).member
+                0.001, deadline - asked)).member
             if not self._next_member:
                 if time.monotonic() + PROBE_SECONDS > deadline:
                     raise DeadlineExceeded(
                         f"worker {self.addresses[(self.rank + 1) % self.size]} (rank "
                         f"{(self.rank + 1) % self.size}) did not form group {self.name!r} in "
                         "time")
-                stop.wait(PROBE_SECONDS)   # (polling that worker: nothing to wait on here)
+                if time.monotonic() - asked < PROBE_SECONDS:   # (answered at once: a
+                    stop.wait(PROBE_SECONDS)                     # worker that holds no probe)
         if not self._next_member:
             raise FailedPrecondition("the operation failed on this member")
         return self._next_member

@@ -38,6 +38,10 @@ CHUNK_BYTES_MIN = 1024
 #: Seconds a chunk waits for room in a full inbox (at most the call's own
 #: deadline) before ResourceExhausted: a member is behind its predecessor.
 ROOM_SECONDS = 10.0
+#: Seconds a probe waits here for the member it asks for to be formed (a
+#: long poll: it answers the moment the member forms; the asker asks again
+#: after an empty answer).
+PROBE_WAIT_SECONDS = 0.25
 
 
 class Inbox:
@@ -66,6 +70,7 @@ class Inbox:
                                  "already: close it first (or name the new group otherwise)")
             member = os.urandom(wire_decode.COLLECTIVE_GROUP_BYTES)
             self._members[group] = [member, None, None]
+            self._cond.notify_all()   # (a probe waiting for it)
             return member
 
     def leave(self, group: bytes, member: bytes) -> None:
@@ -86,18 +91,25 @@ class Inbox:
         with self._cond:
             return self._members.get(group, [b""])[0]
 
-    def answer(self, group: bytes, asker: bytes) -> bytes:
+    def answer(self, group: bytes, asker: bytes, wait: float = 0.0) -> bytes:
         """A probe from member ``asker``: this worker's member id for
         ``group`` if it takes chunks from that asker: the first to ask
         (pinned now), none other (b"": not formed for it, ask again; an
-        earlier group's member about to leave, say)."""
+        earlier group's member about to leave, say). Waits up to ``wait``
+        seconds for such a member to be formed."""
+        if not asker:
+            return b""
+        deadline = time.monotonic() + wait
         with self._cond:
-            mine = self._members.get(group)
-            if mine is None or not asker:
-                return b""
-            if mine[1] is None:
-                mine[1] = asker
-            return mine[0] if mine[1] == asker else b""
+            while True:
+                mine = self._members.get(group)
+                if mine is not None and mine[1] in (None, asker):
+                    mine[1] = asker
+                    return mine[0]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return b""
+                self._cond.wait(left)
 
     def abort(self, group: bytes, receiver: bytes, sender: bytes, reason: str) -> None:
         """The member's previous member failed: its take raises (an abort
@@ -119,7 +131,7 @@ class Inbox:
         group, op, step, sender, data, receiver, member, signature, abort = \
             wire_decode.decode_collective_chunk(raw)
         if not receiver:
-            return self.answer(group, member)
+            return self.answer(group, member, min(PROBE_WAIT_SECONDS, room_seconds))
         if abort:
             self.abort(group, receiver, member, abort)
             return b""

@@ -271,3 +271,33 @@ def test_fusion_batches_group_by_dtype_in_order_up_to_the_buffer():
     outs = g.all_reduce_many([f32(3).reshape(3, 1), np.ones(2)], average=True)
     assert [o.shape for o in outs] == [(3, 1), (2,)] and outs[1].tolist() == [1.0, 1.0]
     assert g.operations == 2
+
+
+def test_a_probe_is_held_until_its_member_forms():
+    """The long poll: a probe for a member not formed yet is answered the
+    moment it forms (not after the asker's next poll), empty after the wait
+    if it never does; one for a group whose member takes another sender's
+    chunks (an earlier forming's) waits for that one to leave and a new one
+    to form."""
+    inbox = Inbox()
+    got = []
+    asker = threading.Thread(target=lambda: got.append(inbox.answer(G, b"s" * 16, SOON)))
+    asker.start()
+    while not inbox._cond._waiters:   # (the asker is waiting in the inbox)
+        time.sleep(0.001)
+    me = inbox.join(G)
+    asker.join(SOON)
+    assert got == [me]
+    t = time.monotonic()
+    assert inbox.answer(bytes(16), b"s" * 16, 0.05) == b""   # never formed: empty, bounded
+    assert time.monotonic() - t >= 0.05
+    assert inbox.answer(G, b"t" * 16, 0.05) == b""   # G's member takes "s"'s chunks
+    got.clear()
+    asker = threading.Thread(target=lambda: got.append(inbox.answer(G, b"t" * 16, SOON)))
+    asker.start()
+    while not inbox._cond._waiters:
+        time.sleep(0.001)
+    inbox.leave(G, me)
+    again = inbox.join(G)
+    asker.join(SOON)
+    assert got == [again] and again != me
