@@ -167,6 +167,7 @@ class Closure:
         # of this rank and no other worker (``target``).
         self.collective = collective
         self.target = None if collective is None else collective.members[collective.rank]
+        self.quiet = False   # a failure is its caller's alone (ClusterCoordinator's tools)
         self.remote_value = RemoteValue(self._settled if datasets else None)
         self.attempts = 0
         self.datasets = datasets
@@ -306,9 +307,13 @@ class _ClosureQueue:
 
     def fail(self, closure: Closure, error: BaseException) -> None:
         """An in-flight closure failed with ``error``: its RemoteValue raises
-        it, and the queue takes the error state (``_mark_failed``)."""
+        it, and the queue takes the error state (``_mark_failed``), but for
+        a ``quiet`` closure (a tool's: its caller alone hears of it)."""
         closure.remote_value.set_error(error)
-        self._mark_failed(error)
+        if closure.quiet:
+            self._mark_finished()
+        else:
+            self._mark_failed(error)
 
     def cancel(self, closure: Closure, error: BaseException) -> None:
         """An in-flight closure is given up without a result (the

@@ -177,10 +177,11 @@ class Cluster:
         return closure.remote_value
 
     def schedule_on(self, address: str, fn: Callable, args: tuple = ()) -> RemoteValue:
-        """Queue ``fn(*args)`` for the worker at ``address`` and no other."""
+        """Queue ``fn(*args)`` for the worker at ``address`` and no other; its
+        failure is its RemoteValue's alone (the queue goes on)."""
         closure = Closure(self.function_ref(fn), serialization.dumps((tuple(args), {})),
                           f"{_name(fn)}[on {address}]")
-        closure.target = address
+        closure.target, closure.quiet = address, True   # (its failure: the caller's alone)
         self.queue.put(closure)
         return closure.remote_value
 

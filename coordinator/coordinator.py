@@ -67,6 +67,7 @@ from coordinator.closures import (  # noqa: F401  (re-exported)
 )
 from coordinator.cluster import Cluster
 from coordinator.datasets import PerWorkerDataset
+from coordinator.errors import StepFunctionError
 from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.strategy import ParameterServerStrategy
 
@@ -183,6 +184,42 @@ class ClusterCoordinator:
         got = self._cluster.schedule_on(address, mirrored.values, (variables,)).fetch(timeout)
         values = {n: v for n, (v, _) in got.items()}
         return (values, {n: k for n, (_, k) in got.items()}) if with_versions else values
+
+    def sync_replicas(self, source: int | str | None = None, variables=None, *,
+                      timeout: float | None = None) -> str:
+        """All-reduce mode: make every worker's replicas of ``variables``
+        (default: every mirrored variable) those of one worker: values,
+        optimizer slots and update counts, after the steps scheduled before
+        this call. ``source``: that worker (index in the cluster spec, or
+        address); default the one whose replicas applied the most updates.
+        Call it between steps (after ``join``) once replicas differ: a
+        worker restarted, or a step failed on some workers after others had
+        applied it (steps then refuse with InvalidArgument, "disagree").
+        Returns the source's address."""
+        from coordinator import mirrored
+        variables = (self.strategy.mirrored_variables if variables is None
+                     else list(variables))
+        members = list(self.strategy.cluster_spec.worker)
+        if source is None:
+            counts = {}
+            for a in members:
+                try:
+                    counts[a] = sum(self.replica_values(variables, a, with_versions=True,
+                                                        timeout=timeout)[1].values())
+                except StepFunctionError:   # (no replicas there: a restarted worker)
+                    pass
+            if not counts:
+                raise ValueError("no worker has replicas of these variables to copy")
+            source = max(members, key=lambda a: counts.get(a, -1))
+        self.replica_values(variables, source, timeout=timeout)   # (checks the source)
+        source = source if isinstance(source, str) else members[source]
+        states = self._cluster.schedule_on(source, mirrored.whole_state,
+                                           (variables,)).fetch(timeout)
+        sets = [self._cluster.schedule_on(a, mirrored.set_state, (variables, states))
+                for a in members if a != source]
+        for s in sets:
+            s.fetch(timeout)
+        return source
 
     def join(self, timeout: float | None = None) -> None:
         """Block until every scheduled function has finished.

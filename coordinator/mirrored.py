@@ -176,6 +176,40 @@ def values(variables: Sequence[MirroredVariable]) -> dict[str, tuple[np.ndarray,
     return {v.name: s for v, s in zip(variables, _state(variables))}
 
 
+def whole_state(variables: Sequence[MirroredVariable]) -> dict[str, tuple]:
+    """name -> (value, slots, version) of this worker's replicas (copies): what
+    ClusterCoordinator.sync_replicas takes from its source worker."""
+    values(variables)   # (FailedPrecondition where a replica is missing)
+    out = {}
+    for v in variables:
+        r = replica(v)
+        with r.lock:
+            out[v.name] = (r.value.copy(), {k: a.copy() for k, a in r.slots.items()},
+                           r.version)
+    return out
+
+
+def set_state(variables: Sequence[MirroredVariable], states: Mapping[str, tuple]) -> None:
+    """Make this worker's replicas ``states`` (whole_state's), checked first:
+    what ClusterCoordinator.sync_replicas runs on the other workers."""
+    checked = []
+    for v in variables:
+        value, slots, version = states[v.name]
+        value = np.asarray(value)
+        fresh = optim.make_optimizer(v.optimizer, v.optimizer_params).create_slots(
+            np.asarray(v.initial_value))
+        if value.shape != v.shape or value.dtype != v.dtype or set(slots) != set(fresh) or any(
+                np.shape(slots[k]) != np.shape(a) or np.asarray(slots[k]).dtype != a.dtype
+                for k, a in fresh.items()) or not isinstance(version, int) or version < 0:
+            raise InvalidArgument(f"the state given for {v.name!r} does not fit it")
+        checked.append((v, np.array(value, order="C"),
+                        {k: np.array(a, order="C") for k, a in slots.items()}, version))
+    for v, value, slots, version in checked:
+        r = replica(v)
+        with r.lock:
+            r.value, r.slots, r.version = value, slots, version
+
+
 def read_among(variables: Sequence, with_versions: bool, read_rest):
     """read_variables of items some of which are mirrored variables: theirs
     this worker's replicas (values as they are, version the updates
@@ -265,15 +299,17 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
             raise InvalidArgument(
                 f"the workers of all-reduce step {spec.step} disagree: their gradients differ "
                 "in shape or dtype, or their replicas in the updates applied (a worker "
-                "restarted, or failed in a step the others completed). Nothing was applied. "
+                "restarted, or failed in a step the others completed). Nothing was applied; "
+                "ClusterCoordinator.sync_replicas() makes the replicas one again. "
                 f"({exc})") from None
         except PSError as exc:   # (not a parameter server's failure: no recovery of one)
             raise AllReduceFailed(
                 f"the all-reduce of step {spec.step} failed on worker "
                 f"{spec.members[spec.rank]} (rank {spec.rank}): {type(exc).__name__}: {exc}. "
                 "A worker of the step is gone, restarting or too slow (step_timeout); the "
-                "replicas may now differ, and later steps refuse to mix them. Re-forming "
-                "the ring without a worker is not supported yet: restart the job") from None
+                "replicas may now differ, and later steps refuse to mix them until "
+                "ClusterCoordinator.sync_replicas() makes them one again. Re-forming the ring "
+                "without a worker is not supported yet") from None
     bad = [v.name for (v, _), g in zip(pairs, mean) if not v.allow_nonfinite
            and not all_finite(g)]
     if bad:   # (the same bits on every worker: refused on every one alike)

@@ -136,6 +136,7 @@ def test_a_restarted_worker_is_refused_not_averaged(cluster):
     with ClusterCoordinator(strategy) as coord:
         with pytest.raises(StepFunctionError, match="no replica"):   # never the initial value
             coord.replica_values(worker=2, timeout=60)
+        coord.join(timeout=60)   # (a tool's failure is its caller's alone: the queue goes on)
     with ClusterCoordinator(strategy) as coord:
         step = coord.schedule(make_step(w, b))
         with pytest.raises((StepFunctionError, WorkerCallError)):
@@ -149,6 +150,18 @@ def test_a_restarted_worker_is_refused_not_averaged(cluster):
     assert after[0][1] == after[1][1] == {"w": 1, "b": 1}
     assert after[0][0]["w"].tobytes() == before[0]["w"].tobytes()
     assert after[2][1] == {"w": 0, "b": 0}   # the restarted one: its initial value, untouched
+
+    # sync_replicas: the restarted worker gets the others' replicas (slots and
+    # counts too), and steps run again, on identical replicas.
+    with ClusterCoordinator(strategy) as coord:
+        assert coord.sync_replicas() != cluster.workers[2].address
+        coord.schedule(make_step(w, b))
+        coord.join(timeout=60)
+        synced = [coord.replica_values(worker=i, with_versions=True) for i in range(3)]
+    assert all(v == {"w": 2, "b": 2} for _, v in synced), synced
+    assert synced[0][0]["w"].tobytes() == synced[1][0]["w"].tobytes() == \
+        synced[2][0]["w"].tobytes()
+    assert synced[0][0]["w"].tobytes() != before[0]["w"].tobytes()
 
 
 def touched(flag_path: str) -> None:

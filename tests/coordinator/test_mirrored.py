@@ -1,0 +1,73 @@
+"""coordinator/mirrored.py's parts that need no cluster: a worker's replicas
+made, copied whole and set from another's (sync_replicas), refusing a
+state that does not fit and changing nothing then. Training between real
+workers: tests/integration/test_allreduce.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator import mirrored
+from coordinator.replica import CollectiveSpec, replica_scope
+from psserver.errors import FailedPrecondition, InvalidArgument
+
+
+def _var(name: str, optimizer: str = "adam") -> mirrored.MirroredVariable:
+    return mirrored.create(f"job-{name}", name, None, None, np.arange(6, dtype=np.float32)
+                           .reshape(3, 2), None, optimizer, {"learning_rate": 0.1}, False)
+
+
+def test_a_replica_is_copied_whole_and_set_elsewhere():
+    v = _var("copy")
+    with pytest.raises(FailedPrecondition, match="no replica"):
+        mirrored.whole_state([v])   # (none made here yet: never the initial value)
+    r = mirrored.replica(v)
+    r.value += 1
+    r.slots["m"] += 2
+    r.version = 7
+    state = mirrored.whole_state([v])
+    r.value += 100   # a copy, not the replica itself
+    assert state[v.name][2] == 7 and state[v.name][0][0, 0] == 1.0
+    mirrored.set_state([v], state)
+    got = mirrored.whole_state([v])[v.name]
+    assert got[0].tobytes() == state[v.name][0].tobytes() and got[2] == 7
+    assert got[1]["m"].tobytes() == state[v.name][1]["m"].tobytes()
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "slot missing", "slot shape", "version"])
+def test_a_state_that_does_not_fit_is_refused_and_changes_nothing(bad):
+    v, w = _var(f"bad-{bad}"), _var(f"other-{bad}", "sgd")
+    mirrored.replica(v), mirrored.replica(w)
+    before = {**mirrored.whole_state([v]), **mirrored.whole_state([w])}
+    value, slots, version = before[v.name]
+    if bad == "shape":
+        value = value[:2]
+    elif bad == "dtype":
+        value = value.astype(np.float64)
+    elif bad == "slot missing":
+        slots = {k: a for k, a in slots.items() if k != "v"}
+    elif bad == "slot shape":
+        slots = {**slots, "m": slots["m"][:1]}
+    else:
+        version = -1
+    good_w = (before[w.name][0] + 5, before[w.name][1], 3)
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        mirrored.set_state([w, v], {w.name: good_w, v.name: (value, slots, version)})
+    after = {**mirrored.whole_state([v]), **mirrored.whole_state([w])}
+    for name in (v.name, w.name):   # neither changed: checked before anything is set
+        assert after[name][0].tobytes() == before[name][0].tobytes()
+        assert after[name][2] == before[name][2]
+
+
+def test_reads_and_pushes_belong_to_steps():
+    v = _var("outside")
+    with pytest.raises(RuntimeError, match="replica_values"):
+        mirrored.read_among([v], False, None)
+    with pytest.raises(RuntimeError, match="all-reduce mode"):
+        mirrored.push([(v, np.zeros((3, 2), np.float32))])
+    spec = CollectiveSpec("g", ("a:1",), 0, 0, 10.0, job=v.job)
+    with replica_scope(None, spec):   # a group of one: its own mean
+        (before,) = mirrored.read_among([v], False, None)
+        mirrored.push([(v, np.ones((3, 2), np.float32))])
+        (after,) = mirrored.read_among([v], False, None)
+    assert not np.array_equal(before, after) and mirrored.replica(v).version == 1
