@@ -83,6 +83,7 @@ from coordinator.checkpoint_files import (
     CheckpointError,
     chain_of,
     find_checkpoints,
+    load_variable,
     read_manifest,
 )
 from coordinator.checkpoint_io import (
@@ -92,6 +93,7 @@ from coordinator.checkpoint_io import (
     restore_checkpoint,
     write_checkpoint,
 )
+from psserver.contract.tensor import all_finite
 from psserver.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -215,11 +217,14 @@ class CheckpointManager:
             incremental = Incremental(secrets.randbits(63) + 1, self.stream, parent,
                                       self.weights_only)
 
+        mirrored = self._replicas()   # (all-reduce mode: one worker's, after its steps)
+
         def write(incremental):   # with replication: from the copies that are primary now
             return write_checkpoint(self.directory, step, self.strategy.variables,
                                     self._client_for, copies=_primaries,
                                     ps_index=ps_index, extra=extra,
-                                    tables=self.strategy.tables, incremental=incremental)
+                                    tables=self.strategy.tables, incremental=incremental,
+                                    mirrored=mirrored)
         try:
             final, nbytes = write(incremental)
         except FailedPrecondition as exc:
@@ -239,6 +244,24 @@ class CheckpointManager:
         self._prune()
         _metrics.checkpoint_bytes("save", nbytes)
         return final
+
+    def _coordinator(self):
+        coord = getattr(self.strategy, "replicas_from", lambda: None)()
+        if coord is None:
+            raise CheckpointError(
+                "this strategy's variables are mirrored on its workers (mode=\"allreduce\"): "
+                "saving or restoring them needs the ClusterCoordinator that trains them; "
+                "make it first")
+        return coord
+
+    def _replicas(self) -> dict:
+        """name -> (variable, (value, slots, version)) of all-reduce mode's
+        variables, from the worker whose replicas applied the most updates."""
+        variables = getattr(self.strategy, "mirrored_variables", [])
+        if not variables:
+            return {}
+        states = self._coordinator().replica_states(variables)
+        return {v.name: (v, states[v.name]) for v in variables}
 
     def remove(self, path: str) -> bool:
         """Remove checkpoint ``path``, saved as a candidate, unless a save of
@@ -276,7 +299,9 @@ class CheckpointManager:
         depth = manifest.get("chain", {}).get("depth", 0)
         if manifest.get("stream") != self.stream or not manifest.get("save_id") or \
                 depth + 1 >= self.full_every or \
-                not same_layout(manifest, self.strategy.variables, self.strategy.tables):
+                not same_layout(manifest, self.strategy.variables, self.strategy.tables,
+                                [v.name for v in getattr(self.strategy,
+                                                         "mirrored_variables", [])]):
             return None
         return path, manifest
 
@@ -315,21 +340,36 @@ class CheckpointManager:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         chosen = [v for v in self.strategy.variables
                   if address is None or any(s.address == address for s in _primaries(v))]
+        mirrored = getattr(self.strategy, "mirrored_variables", []) if address is None else []
+        if mirrored:   # read and checked before anything is written
+            coord, chain = self._coordinator(), chain_of(path)
+            if chain[-1][1].get("weights_only"):
+                raise CheckpointError(f"{path} is a serving export: restore a checkpoint")
+            loaded = [load_variable(v, chain) for v in mirrored]
+            for v, state in zip(mirrored, loaded):
+                if not v.allow_nonfinite and not all_finite(state["value"]):
+                    raise CheckpointError(f"variable {v.name!r} in {path} holds NaN or Inf, "
+                                          "which it does not allow; nothing was restored")
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/core/replication.py).
         out = restore_checkpoint(path, chosen, self._client_for, copies=_primaries,
                                  address=address, tables=self.strategy.tables)
+        if mirrored:   # onto every worker's replicas
+            coord.set_replicas({v.name: (state["value"], state["slots"], state["version"])
+                                for v, state in zip(mirrored, loaded)}, mirrored)
         if address is None:   # the servers hold that checkpoint now: the next save is a base
             self._force_full = True
         return out
 
 
 def same_layout(manifest: Mapping[str, Any], variables: Sequence[V.ShardedVariable],
-                tables: Sequence = ()) -> bool:
+                tables: Sequence = (), mirrored: Sequence[str] = ()) -> bool:
     """Whether a checkpoint has these variables (shapes, dtypes, optimizers,
-    shards) and dynamic tables (dims, dtypes, number of shards): a delta
+    shards) and dynamic tables (dims, dtypes, number of shards), besides the
+    ``mirrored`` ones (all-reduce mode's, written whole each time): a delta
     can follow it only then."""
     saved, saved_tables = manifest.get("variables", {}), manifest.get("tables", {})
+    saved = {k: v for k, v in saved.items() if k not in mirrored}
     if set(saved) != {v.name for v in variables} or set(saved_tables) != {t.name for t in tables}:
         return False
     for v in variables:

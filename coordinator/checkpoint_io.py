@@ -15,6 +15,7 @@ import queue
 import shutil
 import threading
 import time
+import urllib.parse
 import uuid
 from concurrent import futures
 from typing import Any, Callable, Mapping, Sequence
@@ -74,7 +75,8 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                      copies: Callable[[V.ShardedVariable], Sequence[V.Shard]] = lambda v: v.shards,
                      ps_index: Mapping[str, int] | None = None, extra: dict | None = None,
                      replace: bool = True, tables: Sequence = (),
-                     incremental: Incremental | None = None) -> tuple[str, int]:
+                     incremental: Incremental | None = None,
+                     mirrored: Mapping[str, tuple] | None = None) -> tuple[str, int]:
     """Write checkpoint ``step`` of ``variables`` under ``directory``: each
     server saves its shards (``copies(v)``: the copies to save from, in shard
     order) through ``client_for(address)``, then the manifest is written and
@@ -87,6 +89,9 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     its changes since the parent where its server can tell them; once the
     checkpoint is in place the servers are told (CommitSave: a server that
     cannot be told keeps the changes, and the next save takes them again).
+    ``mirrored``: all-reduce mode's variables, name -> (MirroredVariable,
+    (value, slots, version) of one worker's replica), written here whole
+    (``replicas/``), listed as variables of one shard each.
     """
     final = os.path.join(directory, f"ckpt-{step:08d}")
     if not replace and os.path.exists(final):
@@ -153,17 +158,18 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
                      "rows": r.rows, "bytes": r.bytes, "step": r.step,
                      "crc32": _crc32(r, os.path.join(subs[c.address], r.file)),
                      "kind": _kind(r.kind), **({"evicted": r.evicted} if r.kind else {})})
+        replica_files = _write_replicas(tmp, mirrored or {}, inc.weights_only)
         gone = [c.name for v in variables for c in chosen[v.name] if c.name not in files]
         if gone:
             raise CheckpointError(f"these shards disappeared during the save: {', '.join(gone)}")
+        saved = {v.name: {
+            "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
+            "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
+                        **files[c.name]} for s, c in zip(v.shards, chosen[v.name])]}
+            for v in variables}
         manifest = {   # every file with its checksum (coordinator/shard_files.py)
             "format_version": 1, "checksum": CHECKSUM, "step": step, "time": time.time(),
-            "extra": extra or {},
-            "variables": {v.name: {
-                "shape": list(v.shape), "dtype": v.dtype, "optimizer": v.optimizer,
-                "shards": [{"name": s.name, "offset": s.offset, "rows": s.rows,
-                            **files[c.name]} for s, c in zip(v.shards, chosen[v.name])]}
-                for v in variables},
+            "extra": extra or {}, "variables": {**saved, **replica_files},
             "tables": {t.name: {"dim": t.dim, "dtype": t.dtype, "buckets": t.buckets.ranges(),
                                 "shards": table_files[t.name]} for t in tables},
         }
@@ -203,6 +209,7 @@ def write_checkpoint(directory: str, step: int, variables: Sequence[V.ShardedVar
     if inc.save_id:
         _commit(inc, servers, client_for)
     return final, (sum(f["bytes"] for f in files.values())
+                   + sum(f["shards"][0]["bytes"] for f in replica_files.values())
                    + sum(f["bytes"] for fs in table_files.values() for f in fs))
 
 
@@ -444,6 +451,35 @@ def _write_variable(v: V.ShardedVariable, state: dict, pool: futures.Executor, c
             slots={k: scalars.get(k, cut(a)) for k, a in state["slots"].items()},
             version=version, overwrite=True, applied_ids=applied))
     return handles
+
+
+def _write_replicas(tmp: str, mirrored: Mapping[str, tuple], weights_only: bool) -> dict:
+    """Mirrored variables' files under ``tmp/replicas/``, as a server writes
+    a shard (value, ``slot/<name>`` unless ``weights_only``, the same
+    metadata), each a variable of one shard: their manifest entries, by name."""
+    import zlib
+
+    from safetensors.numpy import save
+    out = {}
+    if not mirrored:
+        return out
+    os.makedirs(os.path.join(tmp, "replicas"))
+    for name, (v, (value, slots, version)) in mirrored.items():
+        meta = {"name": name, "version": str(version), "optimizer": v.optimizer,
+                "optimizer_params": json.dumps(v.optimizer_config()),
+                "allow_nonfinite": json.dumps(v.allow_nonfinite), "kind": "full"}
+        arrays = {"value": value, **{f"slot/{k}": a for k, a in slots.items()
+                                     if not weights_only}}
+        data = save({k: np.ascontiguousarray(a) if np.ndim(a) else np.asarray(a)   # (0-d
+                     for k, a in arrays.items()}, metadata=meta)                   # stays)
+        file = os.path.join("replicas", urllib.parse.quote(name, safe="") + ".safetensors")
+        write_new(os.path.join(tmp, file), data)
+        out[name] = {"shape": list(v.shape), "dtype": v.dtype.name, "optimizer": v.optimizer,
+                     "shards": [{"name": name, "offset": 0, "rows": v.shape[0] if v.shape
+                                 else 0, "version": version, "bytes": len(data),
+                                 "kind": "full", "file": file, "crc32": zlib.crc32(data)}]}
+    _fsync_dir(os.path.join(tmp, "replicas"))
+    return out
 
 
 def _write_json(path: str, obj) -> None:

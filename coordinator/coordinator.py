@@ -55,6 +55,7 @@ Guarantees:
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 from coordinator import metrics as _metrics
@@ -134,6 +135,8 @@ class ClusterCoordinator:
             recreate_lost_shards=recreate_lost_shards, ps_failover_after=ps_failover_after,
             ps_check_interval=ps_check_interval, closures_per_worker=closures_per_worker)
         self._cluster.start()
+        if strategy.mode == "allreduce":   # (checkpoints take the replicas through it)
+            strategy.replicas_from = weakref.ref(self)
         _metrics.track(self._cluster)   # the gauges; serves metrics if $PSTRAIN_METRICS_PORT says
 
     #: The arguments, as given (read and written on the Cluster, which uses them).
@@ -171,19 +174,33 @@ class ClusterCoordinator:
         (values, {name: updates applied}). The replicas are bit-identical on
         every worker after each step, so any worker's are the model's."""
         from coordinator import mirrored
-        variables = (self.strategy.mirrored_variables if variables is None
-                     else list(variables))
-        if not all(isinstance(v, mirrored.MirroredVariable) for v in variables):
-            raise TypeError("replica_values reads mirrored variables (mode=\"allreduce\"); "
-                            "read the others with read_variables")
-        members = list(self.strategy.cluster_spec.worker)
-        address = members[worker] if isinstance(worker, int) and 0 <= worker < len(
-            members) else worker
-        if address not in members:
-            raise ValueError(f"{worker!r} is not a worker of the cluster spec: {members}")
+        variables, address = self._replica_source(variables, worker, timeout)
         got = self._cluster.schedule_on(address, mirrored.values, (variables,)).fetch(timeout)
         values = {n: v for n, (v, _) in got.items()}
         return (values, {n: k for n, (_, k) in got.items()}) if with_versions else values
+
+    def replica_states(self, variables=None, source: int | str | None = None, *,
+                       timeout: float | None = None) -> dict[str, tuple]:
+        """All-reduce mode: {name: (value, slots, update count)} of one
+        worker's replicas (``source``, default the one that applied the most
+        updates) after the steps scheduled before this call: what a
+        checkpoint of the mirrored variables holds."""
+        from coordinator import mirrored
+        variables, source = self._replica_source(variables, source, timeout)
+        return self._cluster.schedule_on(source, mirrored.whole_state,
+                                         (variables,)).fetch(timeout)
+
+    def set_replicas(self, states: dict, variables=None, *,
+                     timeout: float | None = None, skip: str | None = None) -> None:
+        """All-reduce mode: make every worker's replicas ``states``
+        (replica_states'), after the steps scheduled before this call; each
+        worker checks them before it changes anything."""
+        from coordinator import mirrored
+        variables = self._mirrored(variables)
+        sets = [self._cluster.schedule_on(a, mirrored.set_state, (variables, states))
+                for a in self.strategy.cluster_spec.worker if a != skip]
+        for s in sets:
+            s.fetch(timeout)
 
     def sync_replicas(self, source: int | str | None = None, variables=None, *,
                       timeout: float | None = None) -> str:
@@ -196,9 +213,23 @@ class ClusterCoordinator:
         worker restarted, or a step failed on some workers after others had
         applied it (steps then refuse with InvalidArgument, "disagree").
         Returns the source's address."""
+        variables, source = self._replica_source(variables, source, timeout)
+        self.set_replicas(self.replica_states(variables, source, timeout=timeout), variables,
+                          timeout=timeout, skip=source)
+        return source
+
+    def _mirrored(self, variables) -> list:
         from coordinator import mirrored
         variables = (self.strategy.mirrored_variables if variables is None
                      else list(variables))
+        if not all(isinstance(v, mirrored.MirroredVariable) for v in variables):
+            raise TypeError("these tools take mirrored variables (mode=\"allreduce\"); "
+                            "read the others with read_variables")
+        return variables
+
+    def _replica_source(self, variables, source, timeout) -> tuple[list, str]:
+        """(the variables, the address of the worker to take replicas from)."""
+        variables = self._mirrored(variables)
         members = list(self.strategy.cluster_spec.worker)
         if source is None:
             counts = {}
@@ -210,16 +241,12 @@ class ClusterCoordinator:
                     pass
             if not counts:
                 raise ValueError("no worker has replicas of these variables to copy")
-            source = max(members, key=lambda a: counts.get(a, -1))
-        self.replica_values(variables, source, timeout=timeout)   # (checks the source)
-        source = source if isinstance(source, str) else members[source]
-        states = self._cluster.schedule_on(source, mirrored.whole_state,
-                                           (variables,)).fetch(timeout)
-        sets = [self._cluster.schedule_on(a, mirrored.set_state, (variables, states))
-                for a in members if a != source]
-        for s in sets:
-            s.fetch(timeout)
-        return source
+            return variables, max(counts, key=counts.get)
+        address = members[source] if isinstance(source, int) and 0 <= source < len(
+            members) else source
+        if address not in members:
+            raise ValueError(f"{source!r} is not a worker of the cluster spec: {members}")
+        return variables, address
 
     def join(self, timeout: float | None = None) -> None:
         """Block until every scheduled function has finished.

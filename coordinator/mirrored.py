@@ -70,6 +70,10 @@ class MirroredVariable:
         self.optimizer_params = dict(optimizer_params or {})
         self.allow_nonfinite = allow_nonfinite
 
+    def optimizer_config(self) -> dict[str, float]:
+        """Every hyper-parameter of its optimizer, defaults included."""
+        return optim.make_optimizer(self.optimizer, self.optimizer_params).config()
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self.initial_value.shape
