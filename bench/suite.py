@@ -11,9 +11,12 @@ task its own process on 127.0.0.1):
   max_shards=2)`` (both kernels in two shards, so both parameter servers
   carry the load). Ours: ``examples.nn.make_train_step`` (read_variables,
   numpy forward/backward, push_gradients), asynchronous and
-  ``ParameterServerStrategy(mode="sync")``. A step is one closure of batch
-  128 in both modes (sync: one scheduled global step is 2 replica closures,
-  so 2 steps; the JSON also has global steps/s).
+  ``ParameterServerStrategy(mode="sync")``, and ``mode="allreduce"``
+  (the variables mirrored on both workers, gradients averaged by the ring
+  between them: row "all-reduce mode", against our sync mode). A step is
+  one closure of batch 128 in every mode (sync and all-reduce: one
+  scheduled global step is 2 replica closures, so 2 steps; the JSON also
+  has global steps/s).
 * (b) ``emb``: a 1,000,000 x 64 float32 table sharded by the same
   partitioner (two shards of 128 MB, one per server), 128 bags x 20 ids per
   step drawn uniformly or Zipf (a = 1.1 over a fixed random permutation of
@@ -466,7 +469,8 @@ class Ours:
             self.ps_baseline = {t.task_pid: rss_bytes(t.task_pid) for t in self.cluster.ps}
             part = MinSizePartitioner(min_shard_bytes=SHARD_MIN_BYTES, max_shards=SHARD_MAX)
             self.strategy = {m: ParameterServerStrategy(self.cluster.spec, variable_partitioner=part,
-                                                        mode=m) for m in ("async", "sync")}
+                                                        mode=m)
+                             for m in ("async", "sync", "allreduce")}
             self.coord = {m: self.stack.enter_context(ClusterCoordinator(s))
                           for m, s in self.strategy.items()}
             # Two closures at once per worker (async only; TensorFlow runs one).
@@ -700,6 +704,9 @@ def build_rows(res: dict) -> list[dict]:
              tfname, sps(a, "tf_async"), "steps/s", "ClusterCoordinator(closures_per_worker=2)"),
         row("mlp_sync_vs_tf_async", "(a) MLP sync (2 replicas)", sps(a, "ours_sync"), tfname,
              sps(a, "tf_async"), "steps/s", "a step = one replica closure of batch 128"),
+        row("mlp_allreduce_vs_sync", "(a) MLP all-reduce mode (2 replicas)",
+            sps(a, "ours_allreduce"), "ours, PS sync mode", sps(a, "ours_sync"), "steps/s",
+            "mirrored variables, ring all-reduce among the workers (coordinator/mirrored.py)"),
         row("mlp_async_vs_ceiling", "(a) MLP async", sps(a, "ours_async"),
              "ceiling: numpy fwd+bwd x 2", a["ceiling"]["steps_per_s"] if "ceiling" in a else None,
              "steps/s"),
@@ -857,7 +864,9 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
                     Variant("ours_async2", functools.partial(ours.run_mlp, "async2"),
                             plan.mlp_steps, ours.meter),
                     Variant("ours_sync", functools.partial(ours.run_mlp, "sync"), plan.mlp_steps,
-                            ours.meter)]
+                            ours.meter),
+                    Variant("ours_allreduce", functools.partial(ours.run_mlp, "allreduce"),
+                            plan.mlp_steps, ours.meter)]
         if tf:
             variants.append(Variant("tf_async", functools.partial(tf.run, "mlp"), plan.mlp_steps,
                                     tf.meter))
@@ -872,8 +881,8 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
         res["mlp"]["ceiling"] = {"steps_per_s": c["steps_per_s"] * cores,
                                  "steps_per_s_best": c["steps_per_s_best"] * cores,
                                  "processes": cores}
-        sync = res["mlp"]["ours_sync"]
-        sync["global_steps_per_s"] = sync["steps_per_s"] / NUM_WORKERS
+        for k in ("ours_sync", "ours_allreduce"):
+            res["mlp"][k]["global_steps_per_s"] = res["mlp"][k]["steps_per_s"] / NUM_WORKERS
 
         variants = []
         for d in EMB_DISTS:
