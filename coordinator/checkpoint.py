@@ -300,8 +300,7 @@ class CheckpointManager:
         if manifest.get("stream") != self.stream or not manifest.get("save_id") or \
                 depth + 1 >= self.full_every or \
                 not same_layout(manifest, self.strategy.variables, self.strategy.tables,
-                                [v.name for v in getattr(self.strategy,
-                                                         "mirrored_variables", [])]):
+                                getattr(self.strategy, "mirrored_variables", [])):
             return None
         return path, manifest
 
@@ -363,13 +362,20 @@ class CheckpointManager:
 
 
 def same_layout(manifest: Mapping[str, Any], variables: Sequence[V.ShardedVariable],
-                tables: Sequence = (), mirrored: Sequence[str] = ()) -> bool:
+                tables: Sequence = (), mirrored: Sequence = ()) -> bool:
     """Whether a checkpoint has these variables (shapes, dtypes, optimizers,
-    shards) and dynamic tables (dims, dtypes, number of shards), besides the
-    ``mirrored`` ones (all-reduce mode's, written whole each time): a delta
-    can follow it only then."""
+    shards), these ``mirrored`` ones (all-reduce mode's: one shard each,
+    written whole each time) and dynamic tables (dims, dtypes, number of
+    shards): a delta can follow it only then."""
     saved, saved_tables = manifest.get("variables", {}), manifest.get("tables", {})
-    saved = {k: v for k, v in saved.items() if k not in mirrored}
+    for m in mirrored:
+        info = saved.get(m.name, {})
+        if (info.get("shape"), info.get("dtype"), info.get("optimizer")) != (
+                list(m.shape), m.dtype.name, m.optimizer) or \
+                [(s.get("name"), s.get("offset"), s.get("rows"))
+                 for s in info.get("shards", ())] != [(m.name, 0, m.shape[0] if m.shape else 0)]:
+            return False
+    saved = {k: v for k, v in saved.items() if k not in {m.name for m in mirrored}}
     if set(saved) != {v.name for v in variables} or set(saved_tables) != {t.name for t in tables}:
         return False
     for v in variables:

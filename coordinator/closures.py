@@ -286,6 +286,20 @@ class _ClosureQueue:
         with self._lock:
             self._closures_queued.notify_all()
 
+    def withdraw(self, closure: Closure, why: str) -> bool:
+        """Take a closure off the queue if no worker has taken it yet: it
+        ends CANCELLED (``why``); False if it was taken already."""
+        with self._lock:
+            try:
+                self._queue.remove(closure)
+            except ValueError:
+                return False
+            self._free_slot.notify()
+            if not self._queue and self._inflight == 0:
+                self._stop_waiting.notify_all()
+        closure.remote_value.set_error(ClosureCancelled(f"closure {closure.name}: {why}"), True)
+        return True
+
     def put_back(self, closure: Closure) -> None:
         """Re-queue an in-flight closure whose worker failed (at the front)."""
         with self._lock:

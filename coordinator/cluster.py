@@ -41,6 +41,7 @@ from typing import Callable
 from coordinator import serialization, sharded
 from coordinator.closures import Closure, RemoteValue, StepRemoteValue, _ClosureQueue
 from coordinator.datasets import PerWorkerDataset
+from coordinator.errors import WorkerCallError
 from coordinator.mirrored import MAX_STEP_SECONDS
 from coordinator.recovery import _PSRecovery, _PSWatch
 from coordinator.replica import CollectiveSpec
@@ -48,10 +49,14 @@ from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.strategy import SYNC_MODES
 from coordinator.worker_channel import _Membership, _WorkerThread
 from protos.pstrain.v1 import worker_pb2
+from psserver.errors import Unavailable
 
 #: Largest pickled ShardedSource create_sharded_dataset sends (the workers'
 #: gRPC messages are at most 64 MiB; room left for the rest of the call).
 _MAX_SOURCE_BYTES = 48 << 20
+#: Seconds a tool's call on one worker (ClusterCoordinator.replica_values and
+#: the other all-reduce tools) may wait for it by default.
+TOOL_SECONDS = 120.0
 #: Most closures a worker runs at once: a psworker serves 4 gRPC calls at a
 #: time by default (--threads), one left for its other calls; staleness grows
 #: with each.
@@ -176,14 +181,37 @@ class Cluster:
         self.queue.put(closure)
         return closure.remote_value
 
-    def schedule_on(self, address: str, fn: Callable, args: tuple = ()) -> RemoteValue:
+    def schedule_on(self, address: str, fn: Callable, args: tuple = ()) -> Closure:
         """Queue ``fn(*args)`` for the worker at ``address`` and no other; its
         failure is its RemoteValue's alone (the queue goes on)."""
         closure = Closure(self.function_ref(fn), serialization.dumps((tuple(args), {})),
                           f"{_name(fn)}[on {address}]")
         closure.target, closure.quiet = address, True   # (its failure: the caller's alone)
         self.queue.put(closure)
-        return closure.remote_value
+        return closure
+
+    def run_on(self, address: str, fn: Callable, args: tuple = (),
+               timeout: float | None = None):
+        """``fn(*args)`` on the worker at ``address`` (after the closures
+        queued for it before), its value. Unavailable, at once, if that
+        worker is not answering, or if it did not run it within ``timeout``
+        (default TOOL_SECONDS; then it is taken off the queue if it had not
+        started); a worker's failure to run it is Unavailable too, the
+        function's own error its StepFunctionError."""
+        worker = self.membership.workers.get(address)
+        if worker is not None and not worker.worker_alive and worker.worker_id is not None:
+            raise Unavailable(f"worker {address} is not answering (its last call failed); "
+                              "check it, or try again once it is back")
+        closure = self.schedule_on(address, fn, args)
+        wait = TOOL_SECONDS if timeout is None else timeout
+        try:
+            return closure.remote_value.fetch(wait)
+        except TimeoutError:
+            taken = not self.queue.withdraw(closure, f"not run within {wait} s")
+            raise Unavailable(f"worker {address} did not {'finish' if taken else 'start'} "
+                              f"{closure.name} within {wait} s: it is down or busy") from None
+        except WorkerCallError as exc:
+            raise Unavailable(str(exc)) from None
 
     def _gang(self, ref, payload: bytes, name: str) -> list[Closure]:
         """All-reduce mode: a step's closures, replica r for worker r of the

@@ -71,6 +71,7 @@ from coordinator.datasets import PerWorkerDataset
 from coordinator.errors import StepFunctionError
 from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.strategy import ParameterServerStrategy
+from psserver.errors import Unavailable
 
 
 def _setting(name: str) -> property:
@@ -172,35 +173,48 @@ class ClusterCoordinator:
         after the steps scheduled before this call ran there; ``worker``: its
         index in the cluster spec, or its address. With ``with_versions``:
         (values, {name: updates applied}). The replicas are bit-identical on
-        every worker after each step, so any worker's are the model's."""
+        every worker after each step, so any worker's are the model's.
+        Unavailable if that worker is down (or does not run the call within
+        ``timeout``, default cluster.TOOL_SECONDS); StepFunctionError if it
+        has no replicas (it restarted)."""
         from coordinator import mirrored
         variables, address = self._replica_source(variables, worker, timeout)
-        got = self._cluster.schedule_on(address, mirrored.values, (variables,)).fetch(timeout)
+        got = self._cluster.run_on(address, mirrored.values, (variables,), timeout)
         values = {n: v for n, (v, _) in got.items()}
         return (values, {n: k for n, (_, k) in got.items()}) if with_versions else values
 
     def replica_states(self, variables=None, source: int | str | None = None, *,
                        timeout: float | None = None) -> dict[str, tuple]:
         """All-reduce mode: {name: (value, slots, update count)} of one
-        worker's replicas (``source``, default the one that applied the most
-        updates) after the steps scheduled before this call: what a
+        worker's replicas (``source``, default the live one that applied the
+        most updates) after the steps scheduled before this call: what a
         checkpoint of the mirrored variables holds."""
         from coordinator import mirrored
         variables, source = self._replica_source(variables, source, timeout)
-        return self._cluster.schedule_on(source, mirrored.whole_state,
-                                         (variables,)).fetch(timeout)
+        return self._cluster.run_on(source, mirrored.whole_state, (variables,), timeout)
 
     def set_replicas(self, states: dict, variables=None, *,
                      timeout: float | None = None, skip: str | None = None) -> None:
         """All-reduce mode: make every worker's replicas ``states``
         (replica_states'), after the steps scheduled before this call; each
-        worker checks them before it changes anything."""
+        worker checks them before it changes anything. If one fails, the
+        others keep what they set: Unavailable names which did not, and
+        replicas that differ refuse steps until this is run again."""
         from coordinator import mirrored
         variables = self._mirrored(variables)
-        sets = [self._cluster.schedule_on(a, mirrored.set_state, (variables, states))
-                for a in self.strategy.cluster_spec.worker if a != skip]
-        for s in sets:
-            s.fetch(timeout)
+        targets = [a for a in self.strategy.cluster_spec.worker if a != skip]
+        failed = {}
+        for a in targets:   # (one at a time: each worker's copy is sent once)
+            try:
+                self._cluster.run_on(a, mirrored.set_state, (variables, states), timeout)
+            except (Unavailable, StepFunctionError) as exc:
+                failed[a] = exc
+        if failed:
+            raise Unavailable(
+                f"the replicas were set on {[a for a in targets if a not in failed]} but not "
+                f"on {sorted(failed)} ({'; '.join(f'{a}: {e}' for a, e in failed.items())}): "
+                "the replicas now differ and steps refuse; set them again (restore, or "
+                "sync_replicas(source=a worker that was set)) once those are back")
 
     def sync_replicas(self, source: int | str | None = None, variables=None, *,
                       timeout: float | None = None) -> str:
@@ -208,11 +222,12 @@ class ClusterCoordinator:
         (default: every mirrored variable) those of one worker: values,
         optimizer slots and update counts, after the steps scheduled before
         this call. ``source``: that worker (index in the cluster spec, or
-        address); default the one whose replicas applied the most updates.
-        Call it between steps (after ``join``) once replicas differ: a
-        worker restarted, or a step failed on some workers after others had
-        applied it (steps then refuse with InvalidArgument, "disagree").
-        Returns the source's address."""
+        address); default the live one whose replicas applied the most
+        updates (after a restore that did not reach every worker, name a
+        worker it reached). Call it between steps (after ``join``) once
+        replicas differ: a worker restarted, or a step failed on some
+        workers after others had applied it (steps then refuse with
+        InvalidArgument, "disagree"). Returns the source's address."""
         variables, source = self._replica_source(variables, source, timeout)
         self.set_replicas(self.replica_states(variables, source, timeout=timeout), variables,
                           timeout=timeout, skip=source)
@@ -228,19 +243,24 @@ class ClusterCoordinator:
         return variables
 
     def _replica_source(self, variables, source, timeout) -> tuple[list, str]:
-        """(the variables, the address of the worker to take replicas from)."""
+        """(the variables, the address of the worker to take replicas from:
+        ``source``, or the live worker whose replicas applied the most updates)."""
+        from coordinator import mirrored
         variables = self._mirrored(variables)
         members = list(self.strategy.cluster_spec.worker)
         if source is None:
             counts = {}
             for a in members:
-                try:
-                    counts[a] = sum(self.replica_values(variables, a, with_versions=True,
-                                                        timeout=timeout)[1].values())
-                except StepFunctionError:   # (no replicas there: a restarted worker)
+                try:   # (update counts only: no copy of the model from each)
+                    counts[a] = sum(self._cluster.run_on(a, mirrored.versions, (variables,),
+                                                         timeout).values())
+                except (StepFunctionError, Unavailable):   # (none there, or it is down)
                     pass
             if not counts:
-                raise ValueError("no worker has replicas of these variables to copy")
+                raise Unavailable(
+                    f"no live worker has replicas of all of {[v.name for v in variables]}: "
+                    "a mirrored variable gets them at the first step that reads or pushes it "
+                    "(and a worker that restarted has none until sync_replicas)")
             return variables, max(counts, key=counts.get)
         address = members[source] if isinstance(source, int) and 0 <= source < len(
             members) else source

@@ -127,8 +127,8 @@ def create(job: str, name: str, shape, dtype, initial_value, initializer: Initia
                                    initializer or Initializer(), allow_nonfinite)
     if value.dtype.kind != "f":
         raise ValueError(f"a mirrored variable is float16, float32 or float64, got {value.dtype}")
-    return MirroredVariable(job, name, np.ascontiguousarray(value), optimizer,
-                            optimizer_params, allow_nonfinite)
+    return MirroredVariable(job, name, np.array(value, order="C"),   # (0-d stays 0-d)
+                            optimizer, optimizer_params, allow_nonfinite)
 
 
 class _Replica:
@@ -178,6 +178,11 @@ def values(variables: Sequence[MirroredVariable]) -> dict[str, tuple[np.ndarray,
             f"this worker has no replica of {missing}: it ran no step of this job since it "
             "started (a worker that restarted lost its replicas); read another worker's")
     return {v.name: s for v, s in zip(variables, _state(variables))}
+
+
+def versions(variables: Sequence[MirroredVariable]) -> dict[str, int]:
+    """name -> updates applied, of this worker's replicas (values' rules)."""
+    return {n: k for n, (_, k) in values(variables).items()}
 
 
 def whole_state(variables: Sequence[MirroredVariable]) -> dict[str, tuple]:
@@ -329,14 +334,15 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
 
 
 def step_failed(spec, reason: str) -> None:
-    """The step function raised on this worker (outside a push): the group
-    of the push it did not make is formed and aborted, so the other workers'
+    """The step function raised on this worker before its first push: the
+    group of that push is formed and aborted, so the other workers'
     all-reduce fails at once rather than after step_timeout (where they
-    formed it within collective.ABORT_SECONDS of this)."""
+    formed it within collective.ABORT_SECONDS of this). A step that raises
+    between two pushes of its own leaves the others to their timeout."""
     from coordinator.collective import CollectiveGroup
     _this_step(spec)
-    if _step.failed_push:   # (a push failed: its group was told, and no other is waited on)
-        return
+    if _step.failed_push or _step.pushes:   # (a push failed: its group was told; a step
+        return                              # that pushed: no other push is waited on)
     name = f"{spec.group}/push-{_next_push(spec)}"
     try:
         with CollectiveGroup(name, spec.members, spec.rank, timeout=spec.timeout) as group:

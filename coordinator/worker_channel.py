@@ -51,6 +51,11 @@ _CONTROL_TIMEOUT = 30.0
 _FIRST_PROBE_SECONDS = 1.0
 
 
+#: Function digests noted per worker process at most (it keeps 32 functions:
+#: a function past this many goes by value, as one it let go would).
+FUNCTIONS_NOTED = 64
+NO_DIGESTS = b"-"   # noted for a worker process that takes no digests
+
 # -- one thread per worker (per slot) ----------------------------------------------------
 class _SharedWorker:
     """What the slots of one worker share: the datasets made on each of its
@@ -82,12 +87,22 @@ class _SharedWorker:
 
     def has_function(self, worker_id: str | None, digest: bytes) -> bool:
         with self.lock:
-            return digest in self.functions.get(worker_id, ())
+            got = self.functions.get(worker_id, ())
+            return digest in got and NO_DIGESTS not in got
 
     def note_function(self, worker_id: str, digest: bytes, has: bool) -> None:
+        """``worker_id`` has (or not) the function of ``digest``; b"" and not:
+        it takes no digests (a worker from before them)."""
         with self.lock:
+            if worker_id not in self.functions:   # (a process restarted: the old one's go)
+                self.functions.clear()
             got = self.functions.setdefault(worker_id, set())
-            got.add(digest) if has else got.discard(digest)
+            if not digest:
+                got.add(NO_DIGESTS)
+            elif has and len(got) < FUNCTIONS_NOTED:
+                got.add(digest)
+            elif not has:
+                got.discard(digest)
 
     def tick(self) -> None:
         with self.lock:
@@ -230,8 +245,12 @@ class _WorkerThread:
             reply = self._channel.call(methods.RUN_CLOSURE, closure.request(
                 self.worker_id, digest_only=known), self.cluster.closure_timeout)
         except PSError as exc:
-            if not (known and exc.code == Code.NOT_FOUND):
+            # NOT_FOUND: it let the function go; INVALID_ARGUMENT: a worker from
+            # before digests ("no function in the request"): by value from now on
+            if not (known and exc.code in (Code.NOT_FOUND, Code.INVALID_ARGUMENT)):
                 raise
+            if exc.code == Code.INVALID_ARGUMENT:
+                self._shared.note_function(self.worker_id, b"", False)
             self._shared.note_function(self.worker_id, digest, False)
             reply = self._channel.call(methods.RUN_CLOSURE, closure.request(self.worker_id),
                                        self.cluster.closure_timeout)

@@ -16,6 +16,7 @@ from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrateg
 from coordinator.errors import StepFunctionError, WorkerCallError
 from coordinator.step_calls import push_gradients, read_variables
 from psserver.contract.optimizers import make_optimizer
+from psserver.errors import Unavailable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -484,3 +485,60 @@ def test_incremental_checkpoints_keep_the_tables_as_deltas(tmp_path):
             coord.join()
             manager.restore(second)
             assert coord.replica_values()["w"].tobytes() == want.tobytes()
+
+
+def test_a_scalar_and_a_changed_set_of_variables_checkpoint_right(tmp_path):
+    """A 0-d mirrored variable stays 0-d through a checkpoint into PS mode;
+    a variable added between two incremental saves makes the second a
+    base (every variable in it), which restores."""
+    from coordinator import CheckpointManager
+    from coordinator.checkpoint_files import read_manifest
+    with LocalCluster(num_ps=1, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce")
+        s = strategy.create_variable("s", initial_value=np.float32(1.5))
+        table = strategy.create_embedding_table("t", 2)
+        manager = CheckpointManager(strategy, str(tmp_path / "inc"), incremental=True)
+        with ClusterCoordinator(strategy) as coord:
+            coord.schedule(hybrid_step(s, table)).fetch()   # (pushes a 0-d gradient)
+            manager.save(step=1)
+            late = strategy.create_variable("late", shape=(2,))
+            with pytest.raises(Unavailable, match="first step that reads"):
+                manager.save(step=2)   # (no replica of it anywhere yet)
+            coord.schedule(read_all, args=([s, late],)).fetch()
+            second = manager.save(step=2)
+            assert "chain" not in read_manifest(second)
+            manager.restore(second)
+        ps = ParameterServerStrategy(c.spec)
+        v = ps.create_variable("s", initial_value=np.float32(0))
+        ps.create_variable("late", shape=(2,))
+        CheckpointManager(ps, str(tmp_path / "inc")).restore(second)
+        (got,) = read_variables([v])
+        assert got.shape == () and got == np.float32(1.5 - 0.01 * 1.5)
+
+
+def read_all(variables):
+    read_variables(variables)
+
+
+def test_a_dead_worker_neither_blocks_nor_fails_a_save(tmp_path):
+    """With a worker of a fixed spec dead, a save takes a live worker's
+    replicas, the tools answer Unavailable at once for the dead one (never
+    a closure left queued for it), and join() returns."""
+    from coordinator import CheckpointManager
+    with LocalCluster(num_ps=0, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce")
+        w = strategy.create_variable("w", shape=(IN, OUT))
+        b = strategy.create_variable("b", shape=(OUT,))
+        manager = CheckpointManager(strategy, str(tmp_path / "dead"), every_n_steps=1)
+        with ClusterCoordinator(strategy) as coord:
+            coord.schedule(make_step(w, b)).fetch()
+            c.kill_worker(1)
+            assert manager.maybe_save(1) is not None   # from worker 0
+            with pytest.raises(Unavailable):
+                coord.replica_values(worker=1, timeout=60)
+            with pytest.raises(Unavailable, match="not answering"):   # (at once now)
+                coord.replica_values(worker=1, timeout=60)
+            with pytest.raises(Unavailable, match="but not on"):
+                manager.restore()
+            coord.join(timeout=30)
+            assert coord.pending() == (0, 0)
