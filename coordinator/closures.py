@@ -168,6 +168,7 @@ class Closure:
         self.collective = collective
         self.target = None if collective is None else collective.members[collective.rank]
         self.quiet = False   # a failure is its caller's alone (ClusterCoordinator's tools)
+        self.gang = None     # all-reduce mode: its step (coordinator/gang.py)
         self.remote_value = RemoteValue(self._settled if datasets else None)
         self.attempts = 0
         self.datasets = datasets
@@ -263,10 +264,12 @@ class _ClosureQueue:
         """
         with self._lock:
             while not give_up():
-                at = self._first_for(taker) if self._queue else None
-                if at is not None and may_take():
+                at = self._first_for(taker, may_take()) if self._queue else None
+                if at is not None:
                     closure = self._queue[at]
                     del self._queue[at]
+                    if closure.gang is not None:   # (its other members may run in a pause)
+                        closure.gang.started = True
                     self._inflight += 1
                     self._free_slot.notify()
                     return closure
@@ -275,9 +278,13 @@ class _ClosureQueue:
                 self._queued_locked()
             return None
 
-    def _first_for(self, taker: str | None) -> int | None:
+    def _first_for(self, taker: str | None, may: bool) -> int | None:
+        """The first closure ``taker`` may take: any of its own while it may
+        start closures; while it may not (a pause), a tool's, or one of an
+        all-reduce step whose other members started (they wait for it)."""
         for i, c in enumerate(self._queue):
-            if c.target is None or c.target == taker:
+            if (c.target is None or c.target == taker) and (
+                    may or c.quiet or (c.gang is not None and c.gang.started)):
                 return i
         return None
 
@@ -285,6 +292,22 @@ class _ClosureQueue:
         """Make every waiting taker check its ``may_take``/``give_up`` again."""
         with self._lock:
             self._closures_queued.notify_all()
+
+    def take_out(self, which: Callable[[Closure], bool]) -> list[Closure]:
+        """Take the queued closures ``which`` holds for off the queue, in
+        order, their RemoteValues untouched (all-reduce recovery issues
+        them again)."""
+        with self._lock:
+            out = [c for c in self._queue if which(c)]
+            for c in out:
+                self._queue.remove(c)
+            self._free_slot.notify_all()
+            return out
+
+    def release(self, closure: Closure) -> None:
+        """An in-flight closure ends without a result of its own (all-reduce
+        recovery: another closure was issued for it, or it was given up)."""
+        self._mark_finished()
 
     def withdraw(self, closure: Closure, why: str) -> bool:
         """Take a closure off the queue if no worker has taken it yet: it

@@ -42,9 +42,8 @@ from coordinator import serialization, sharded
 from coordinator.closures import Closure, RemoteValue, StepRemoteValue, _ClosureQueue
 from coordinator.datasets import PerWorkerDataset
 from coordinator.errors import WorkerCallError
-from coordinator.mirrored import MAX_STEP_SECONDS
+from coordinator.gang import Gangs
 from coordinator.recovery import _PSRecovery, _PSWatch
-from coordinator.replica import CollectiveSpec
 from coordinator.sharded import ShardedDataset, ShardedSource
 from coordinator.strategy import SYNC_MODES
 from coordinator.worker_channel import _Membership, _WorkerThread
@@ -115,7 +114,8 @@ class Cluster:
         # already (a restarted coordinator's adopted variables: sync_steps_done)
         # when the first step is scheduled.
         self._steps: itertools.count | None = None
-        self._nonce = uuid.uuid4().hex[:12]
+        self.nonce = uuid.uuid4().hex[:12]   # (in all-reduce groups' names: this one's own)
+        self.gangs = Gangs(self)
         self._steps_lock = threading.Lock()
         self._datasets: dict[str, worker_pb2.FunctionRef] = {}
         self._fn_refs: "weakref.WeakKeyDictionary[Callable, worker_pb2.FunctionRef]" = \
@@ -165,7 +165,7 @@ class Cluster:
             self.queue.put(closure)
             return closure.remote_value
         if self.strategy.mode == "allreduce":
-            return StepRemoteValue([c.remote_value for c in self._gang(ref, payload, _name(fn))])
+            return self.gangs.schedule(ref, payload, _name(fn))
         if self.strategy.mode in SYNC_MODES:
             with self._steps_lock:
                 if self._steps is None:
@@ -212,31 +212,6 @@ class Cluster:
                               f"{closure.name} within {wait} s: it is down or busy") from None
         except WorkerCallError as exc:
             raise Unavailable(str(exc)) from None
-
-    def _gang(self, ref, payload: bytes, name: str) -> list[Closure]:
-        """All-reduce mode: a step's closures, replica r for worker r of the
-        cluster spec, queued in step order (each worker runs its steps in
-        the order scheduled, so the members of a step meet)."""
-        s = self.strategy
-        members = tuple(s.cluster_spec.worker)
-        if len(members) != s.num_replicas:
-            raise RuntimeError(
-                f"the cluster spec has {len(members)} workers; this all-reduce strategy was made "
-                f"for {s.num_replicas} (workers joining or leaving a running all-reduce job are "
-                "not supported yet)")
-        compression = "fp16" if s.gradient_compression_spec is not None else None
-        with self._steps_lock:
-            step = next(s.allreduce_steps)   # (the strategy's: a new coordinator goes on)
-            # a group's name is this coordinator's own: a late member of another's never meets it
-            closures = [Closure(ref, payload, f"{name}[step {step} replica {r}]",
-                                collective=CollectiveSpec(
-                                    f"{s.job}/{self._nonce}/step-{step}", members, r, step,
-                                    s.step_timeout or MAX_STEP_SECONDS, s.aggregation == "sum",
-                                    compression, s.job))
-                        for r in range(len(members))]
-            for c in closures:   # (under the lock: steps queued whole, in order)
-                self.queue.put(c)
-        return closures
 
     def next_closure(self, worker) -> Closure | None:
         """Block until ``worker`` may start a closure (``may_start``) and one

@@ -278,6 +278,7 @@ class ClusterCoordinator:
         if not self._cluster.queue.wait(timeout):
             raise TimeoutError(f"scheduled closures still running after {timeout}s")
         self._cluster.recovery.wait(timeout)   # a server being restored is not done yet
+        self._cluster.gangs.wait(timeout)      # nor an all-reduce ring being re-formed
 
     def done(self) -> bool:
         """Whether all scheduled functions finished (raises a pending error)."""

@@ -315,10 +315,10 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
             raise AllReduceFailed(
                 f"the all-reduce of step {spec.step} failed on worker "
                 f"{spec.members[spec.rank]} (rank {spec.rank}): {type(exc).__name__}: {exc}. "
-                "A worker of the step is gone, restarting or too slow (step_timeout); the "
-                "replicas may now differ, and later steps refuse to mix them until "
-                "ClusterCoordinator.sync_replicas() makes them one again. Re-forming the ring "
-                "without a worker is not supported yet") from None
+                "A worker of the step is gone, restarting or too slow (step_timeout), or "
+                "another's step failed: the coordinator re-forms the ring from the workers "
+                "that answer, makes their replicas one and runs the step again (or fails "
+                "the job with that other worker's error)") from None
     bad = [v.name for (v, _), g in zip(pairs, mean) if not v.allow_nonfinite
            and not all_finite(g)]
     if bad:   # (the same bits on every worker: refused on every one alike)

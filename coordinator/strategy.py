@@ -122,8 +122,10 @@ class ParameterServerStrategy:
           step's all-reduce may take. Read the trained values with
           ``ClusterCoordinator.replica_values``. Embedding tables stay
           on the parameter servers, their row-wise gradients applied on
-          arrival as in ``"hybrid"``. Not yet: sharded datasets,
-          checkpoints of mirrored variables, a worker lost or added mid-run.
+          arrival as in ``"hybrid"``. A worker lost mid-run: the ring
+          re-forms from the workers that answer and the step runs again
+          (coordinator/gang.py). Not yet: sharded datasets, workers
+          joining a running job.
       num_replicas: sync and hybrid modes: replicas per step (default: the
         number of workers in the cluster spec now). Replicas are slices of
         the global batch, not processes: any worker may run any replica.

@@ -307,23 +307,30 @@ class _WorkerThread:
                     queue.fail(closure, WorkerCallError(   # (for it alone: no other may run it)
                         f"worker {self.address} failed running {closure.name} "
                         f"({exc.code.name})"))
-                elif closure.collective is not None:   # its step's other members fail too
-                    queue.fail(closure, WorkerCallError(
-                        f"worker {self.address} failed running {closure.name} ({exc.code.name})"
-                        ": an all-reduce step needs every worker, and re-forming the ring "
-                        "without it is not supported yet"))
+                elif closure.gang is not None:   # the ring re-forms without it
+                    self.cluster.gangs.failed(closure, WorkerCallError(
+                        f"worker {self.address} failed running {closure.name} "
+                        f"({exc.code.name})"), lost=True)
                 else:
                     log.warning("worker %s failed running closure %s (%s); re-queueing it",
                                 self.address, closure.name, exc.code.name)
                     queue.put_back(closure)
                 return
-            queue.fail(closure, WorkerCallError(
-                f"worker {self.address} refused closure {closure.name}: "
-                f"{exc.code.name}: {exc}"))
+            err = WorkerCallError(f"worker {self.address} refused closure {closure.name}: "
+                                  f"{exc.code.name}: {exc}")
+            if closure.gang is not None:   # (its step's others are told by the recovery)
+                self.cluster.gangs.failed(closure, err, lost=False)
+            else:
+                queue.fail(closure, err)
             return
         if reply.WhichOneof("outcome") == "error":
             e = reply.error
-            if e.ps_address and closure.sync is None:
+            if closure.gang is not None:   # (AllReduceFailed: a member gone, or told of
+                self.cluster.gangs.failed(closure, StepFunctionError(   # another's error)
+                    e.type, e.message, e.traceback, self.address),
+                    lost=e.type == "AllReduceFailed")
+                return
+            if e.ps_address and closure.sync is None and closure.gang is None:
                 # Said once per server: the recovery reports on the server itself.
                 log.log(logging.DEBUG if self.cluster.recovery.active(e.ps_address)
                         else logging.WARNING,
@@ -337,12 +344,17 @@ class _WorkerThread:
         try:
             value = serialization.loads(reply.result, trusted=True)
         except Exception as exc:   # e.g. a result type the coordinator cannot import
-            queue.fail(closure, WorkerCallError(
-                f"cannot unpickle the result of closure {closure.name}: "
-                f"{type(exc).__name__}: {exc}"))
+            err = WorkerCallError(f"cannot unpickle the result of closure {closure.name}: "
+                                  f"{type(exc).__name__}: {exc}")
+            if closure.gang is not None:
+                self.cluster.gangs.failed(closure, err, lost=False)
+            else:
+                queue.fail(closure, err)
             return
         self._shared.tick()   # before the closure is done: a join() sees the clock
         queue.finish(closure, value)
+        if closure.gang is not None:
+            self.cluster.gangs.succeeded(closure)
         self.cluster.clocks_changed()   # after: a wait_for sees the result
 
     def _abandon(self, closure: Closure, why: str) -> None:

@@ -1,0 +1,237 @@
+"""All-reduce mode's steps (coordinator/mirrored.py): each a *gang* of one
+closure per member worker, run at once, and what happens when a member is
+lost (elastic, as elastic Horovod's driver does it).
+
+A step is issued to the current members (at first the workers of the
+cluster spec), replica r to member r, its closures queued whole and in
+step order (every worker runs its steps in the order scheduled, so the
+members of a step meet). Its RemoteValues are the user's for the step's
+whole life, whatever attempt sets them.
+
+A closure of a step that fails because a member is gone (its worker did
+not answer, or the step's all-reduce failed: AllReduceFailed) does not
+fail the job. The first such failure pauses dispatching, and a recovery
+(on a thread of its own):
+
+1. takes every step's closures not taken yet off the queue (a member
+   already running such a step fails within step_timeout: it is issued
+   again);
+2. waits until no closure of a step is running;
+3. asks every worker of the spec for its replicas' update counts: those
+   that answer are the members from now on (a new epoch in the group names);
+4. copies the replicas of the member that applied the most updates to the
+   others (values, slots, counts: ``mirrored.set_state``), so the replicas
+   are one again whether or not a failed step was applied somewhere;
+5. counts a failed step done where a member completed it (its replicas,
+   copied to all, have it; the failed replicas' values are ABANDONED),
+   and issues it again to the new members otherwise; then the steps taken
+   off the queue, in order;
+6. resumes dispatching.
+
+A step function's own error on any member (the others' all-reduce fails
+too, told of it) still fails the job, as in the other modes: the recovery
+decides once every closure of the failed steps has ended. Workers joining a running all-reduce job are not supported
+yet (the spec growing is refused at ``schedule``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from coordinator.closures import ABANDONED, Closure, RemoteValue, StepRemoteValue
+from coordinator.errors import StepFunctionError, WorkerCallError
+from coordinator.replica import CollectiveSpec
+from psserver.errors import Unavailable
+
+log = logging.getLogger("coordinator")
+
+
+class GangStep:
+    """One all-reduce step: its function and arguments, the user's
+    RemoteValues (one per replica it has had), its current closures."""
+
+    def __init__(self, step: int, ref, payload: bytes, name: str, size: int):
+        self.step, self.ref, self.payload, self.name = step, ref, payload, name
+        self.values = [RemoteValue() for _ in range(size)]
+        self.remote = StepRemoteValue(self.values)
+        self.closures: list[Closure] = []
+        self.started = False        # a closure of this attempt was taken by a worker
+        self.running = 0            # closures of this attempt not ended (queued or running)
+        self.succeeded = 0
+        self.failed: list[tuple[Closure, BaseException]] = []
+
+
+class Gangs:
+    """The all-reduce steps of one Cluster (its ``gangs``)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self._lock = threading.Condition()
+        self._order = threading.Lock()   # steps queued whole, in step order
+        self.members: tuple[str, ...] | None = None
+        self.epoch = 0
+        self._steps: dict[int, GangStep] = {}   # steps not done
+        self._recovering = False
+
+    # -- issuing -------------------------------------------------------------------------
+    def schedule(self, ref, payload: bytes, name: str) -> StepRemoteValue:
+        s = self.cluster.strategy
+        spec = tuple(s.cluster_spec.worker)
+        with self._order:
+            with self._lock:
+                self._lock.wait_for(lambda: not self._recovering)   # (its members, then)
+                if self.members is None:
+                    self.members = spec
+                grown = [a for a in spec if a not in self.members]
+                if grown:
+                    raise RuntimeError(
+                        f"workers {grown} joined the cluster spec; workers joining a running "
+                        "all-reduce job are not supported yet")
+                step = next(s.allreduce_steps)   # (the strategy's: a new coordinator goes on)
+                g = self._steps[step] = GangStep(step, ref, payload, name, len(self.members))
+                closures = self._closures(g)
+            for c in closures:
+                self.cluster.queue.put(c)
+        return g.remote
+
+    def _closures(self, g: GangStep) -> list[Closure]:
+        """g's closures for the current members (lock held); ranks past them ABANDONED."""
+        s, members = self.cluster.strategy, self.members
+        compression = "fp16" if s.gradient_compression_spec is not None else None
+        from coordinator.mirrored import MAX_STEP_SECONDS
+        while len(g.values) < len(members):
+            g.values.append(RemoteValue())
+        for rv in g.values[len(members):]:
+            if not rv.done():
+                rv.set_value(ABANDONED)
+        g.closures = []
+        for r in range(len(members)):
+            c = Closure(g.ref, g.payload, f"{g.name}[step {g.step} replica {r}]",
+                        collective=CollectiveSpec(
+                            f"{s.job}/{self.cluster.nonce}/e{self.epoch}/step-{g.step}",
+                            members, r, g.step, s.step_timeout or MAX_STEP_SECONDS,
+                            s.aggregation == "sum", compression, s.job))
+            c.remote_value, c.gang = g.values[r], g
+            g.closures.append(c)
+        g.running, g.succeeded, g.failed, g.started = len(members), 0, [], False
+        return g.closures
+
+    # -- what the workers' threads report --------------------------------------------------
+    def succeeded(self, closure: Closure) -> None:
+        """A closure of a step returned (its value set by the queue already)."""
+        with self._lock:
+            g = closure.gang
+            if closure in g.closures:
+                g.running -= 1
+                g.succeeded += 1
+                self._settle(g)
+
+    def failed(self, closure: Closure, error: BaseException, lost: bool) -> None:
+        """A closure of a step failed; ``lost``: because a member is gone
+        (its worker did not answer, or its all-reduce failed), else by the
+        step's own error. It stays in flight for the queue until the
+        recovery has decided: issued again, or the job failed."""
+        with self._lock:
+            g = closure.gang
+            g.running -= 1
+            g.failed.append((closure, error, lost))
+            start = not self._recovering
+            self._recovering = True
+            self._lock.notify_all()
+        if start:
+            log.warning("all-reduce step %d failed on a worker (%s); pausing to re-form the "
+                        "ring from the workers that answer", g.step, error)
+            self.cluster.pause()
+            threading.Thread(target=self._recover, name="AllReduceRecovery", daemon=True).start()
+
+    def _settle(self, g: GangStep) -> None:
+        if not g.running and not g.failed and g.succeeded == len(g.closures):
+            self._steps.pop(g.step, None)
+        self._lock.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no recovery is under way."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._recovering, timeout)
+
+    # -- recovery ------------------------------------------------------------------------
+    def _recover(self) -> None:
+        c = self.cluster
+        try:
+            # Every step's closures not taken yet (members running a step that
+            # has one of them fail at step_timeout, and the step is issued again).
+            taken = c.queue.take_out(lambda cl: cl.gang is not None)
+            with self._lock:
+                for cl in taken:
+                    cl.gang.running -= 1
+                self._lock.wait_for(lambda: all(not g.running for g in self._steps.values()))
+                own = [e for g in sorted(self._steps.values(), key=lambda g: g.step)
+                       for _, e, lost in g.failed if not lost]
+            if own:   # a step function's own error (the others' were told of it): as ever
+                raise own[0]
+            members, source = self._live()
+            self._sync(members, source)
+            with self._lock:
+                self.members, self.epoch = members, self.epoch + 1
+                steps = sorted(self._steps.values(), key=lambda g: g.step)
+                again, old = [], []
+                for g in steps:
+                    old += [cl for cl, _, _ in g.failed]
+                    if g.failed and g.succeeded:   # applied where it succeeded: copied to all
+                        for cl, _, _ in g.failed:
+                            cl.remote_value.set_value(ABANDONED)
+                        self._steps.pop(g.step)
+                    else:
+                        again += self._closures(g)
+            log.warning("all-reduce: %d workers go on (%s); %d closures issued again",
+                        len(members), ", ".join(members), len(again))
+            for cl in again:
+                c.queue.put(cl)
+            for cl in old:   # (after the puts: the queue never looks idle meanwhile)
+                c.queue.release(cl)
+        except BaseException as exc:   # a step's own error, or no ring to re-form: the job fails
+            if not isinstance(exc, (StepFunctionError, WorkerCallError)):
+                log.error("all-reduce: cannot re-form the ring: %s", exc)
+            with self._lock:
+                pending = [(g, cl) for g in self._steps.values() for cl, _, _ in g.failed]
+                for g in self._steps.values():
+                    for rv in g.values:
+                        if not rv.done():
+                            rv.set_error(exc)
+                self._steps.clear()
+            for _, cl in pending:
+                c.queue.release(cl)
+            c.queue.mark_failed_external(exc)
+        finally:
+            with self._lock:
+                self._recovering = False
+                self._lock.notify_all()
+            c.resume()
+
+    def _live(self) -> tuple[tuple[str, ...], str]:
+        """(the workers of the spec that answer, in spec order; the one whose
+        replicas applied the most updates). A worker without replicas (it
+        restarted) is a member too: it gets the others'."""
+        from coordinator import mirrored
+        c, variables = self.cluster, self.cluster.strategy.mirrored_variables
+        counts = {}
+        for a in c.strategy.cluster_spec.worker:
+            try:
+                counts[a] = sum(c.run_on(a, mirrored.versions, (variables,)).values())
+            except StepFunctionError:   # no replicas: restarted
+                counts[a] = -1
+            except Unavailable:
+                pass
+        if not counts or max(counts.values()) < 0:
+            raise Unavailable("no worker of the all-reduce job answers with its replicas: "
+                              f"{list(c.strategy.cluster_spec.worker)}")
+        members = tuple(a for a in c.strategy.cluster_spec.worker if a in counts)
+        return members, max(counts, key=counts.get)
+
+    def _sync(self, members: tuple[str, ...], source: str) -> None:
+        from coordinator import mirrored
+        c, variables = self.cluster, self.cluster.strategy.mirrored_variables
+        states = c.run_on(source, mirrored.whole_state, (variables,))
+        for a in members:
+            if a != source:
+                c.run_on(a, mirrored.set_state, (variables, states))
