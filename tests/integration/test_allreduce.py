@@ -320,6 +320,18 @@ def test_a_table_without_parameter_servers_says_what_to_add(cluster):
         strategy.create_embedding_table("t", 4)
 
 
+def _elastic_job(c, seed: int, params: dict):
+    """An all-reduce strategy on a fixed spec of ``c`` (as TF_CONFIG's: a
+    dead worker stays in it), step_timeout 5 s, and its w, b (SGD) with
+    their initial values: (strategy, w, b, w0, b0)."""
+    strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
+    w0 = np.random.default_rng(seed).standard_normal((IN, OUT)).astype(np.float32)
+    b0 = np.zeros(OUT, np.float32)
+    return (strategy, *(strategy.create_variable(n, initial_value=v, optimizer="sgd",
+                                                 optimizer_params=params)
+                        for n, v in (("w", w0), ("b", b0))), w0, b0)
+
+
 def test_a_worker_lost_between_steps_and_training_goes_on_without_it():
     """Elastic: a worker of a fixed spec dies; the step it was in is issued
     again to the two that answer (after the others' all-reduce fails within
@@ -328,15 +340,7 @@ def test_a_worker_lost_between_steps_and_training_goes_on_without_it():
     first steps and of 2 after, on both survivors bit for bit."""
     params = {"learning_rate": 0.05}
     with LocalCluster(num_ps=0, num_workers=3) as c:
-        # (a fixed spec, as TF_CONFIG's: the dead worker stays in it)
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
-        rng = np.random.default_rng(3)
-        w0 = rng.standard_normal((IN, OUT)).astype(np.float32)
-        b0 = np.zeros(OUT, np.float32)
-        w = strategy.create_variable("w", initial_value=w0, optimizer="sgd",
-                                     optimizer_params=params)
-        b = strategy.create_variable("b", initial_value=b0, optimizer="sgd",
-                                     optimizer_params=params)
+        strategy, w, b, w0, b0 = _elastic_job(c, 3, params)
         with ClusterCoordinator(strategy) as coord:
             for _ in range(3):
                 coord.schedule(make_step(w, b))
@@ -583,14 +587,7 @@ def crashing_step(w, b, at_step: int, rank: int):
 def test_a_worker_killed_mid_step_and_the_step_is_run_again_without_it():
     params = {"learning_rate": 0.05}
     with LocalCluster(num_ps=0, num_workers=3) as c:
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
-        rng = np.random.default_rng(4)
-        w0 = rng.standard_normal((IN, OUT)).astype(np.float32)
-        b0 = np.zeros(OUT, np.float32)
-        w = strategy.create_variable("w", initial_value=w0, optimizer="sgd",
-                                     optimizer_params=params)
-        b = strategy.create_variable("b", initial_value=b0, optimizer="sgd",
-                                     optimizer_params=params)
+        strategy, w, b, w0, b0 = _elastic_job(c, 4, params)
         step = crashing_step(w, b, 2, 1)
         with ClusterCoordinator(strategy) as coord:
             losses = [coord.schedule(step) for _ in range(5)]
