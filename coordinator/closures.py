@@ -238,9 +238,12 @@ class _ClosureQueue:
         # Signalled when queued+inflight may have reached 0 or an error arrived (join).
         self._stop_waiting = threading.Condition(self._lock)
 
-    def put(self, closure: Closure) -> None:
+    def put(self, closure: Closure, wait: bool = True) -> None:
+        """Queue a closure, waiting while the queue is full (``wait``: else
+        at once, past the bound: all-reduce recovery issuing steps again)."""
         with self._lock:
-            self._free_slot.wait_for(lambda: len(self._queue) < self._max_size)
+            if wait:
+                self._free_slot.wait_for(lambda: len(self._queue) < self._max_size)
             self._queue.append(closure)
             self._queued_locked()
         _metrics.CLOSURES_SCHEDULED.inc()

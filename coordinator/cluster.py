@@ -309,7 +309,7 @@ class Cluster:
         being recovered, and in bounded mode (staleness s) its clock is at
         most s ahead of the slowest live worker's. Reads no lock (the queue
         calls it under its own)."""
-        if self._paused.is_set():
+        if self._paused.is_set() or self.gangs.paused:   # (a recovery of either kind)
             return False
         s = self.strategy.staleness
         return s is None or worker.clock - self.min_clock() <= s

@@ -278,7 +278,10 @@ class ClusterCoordinator:
         if not self._cluster.queue.wait(timeout):
             raise TimeoutError(f"scheduled closures still running after {timeout}s")
         self._cluster.recovery.wait(timeout)   # a server being restored is not done yet
-        self._cluster.gangs.wait(timeout)      # nor an all-reduce ring being re-formed
+        if not self._cluster.gangs.wait(timeout):   # nor an all-reduce ring being re-formed
+            raise TimeoutError(f"an all-reduce ring was still being re-formed after {timeout}s")
+        if not self._cluster.queue.wait(timeout):   # (the steps it issued again)
+            raise TimeoutError(f"scheduled closures still running after {timeout}s")
 
     def done(self) -> bool:
         """Whether all scheduled functions finished (raises a pending error)."""

@@ -45,6 +45,11 @@ from psserver.errors import Unavailable
 
 log = logging.getLogger("coordinator")
 
+#: Times a step is issued at most: a step whose ring fails again and again
+#: with the same members (a step_timeout too short for it, say) fails the
+#: job with its last error rather than run forever.
+MAX_ATTEMPTS = 4
+
 
 class GangStep:
     """One all-reduce step: its function and arguments, the user's
@@ -55,6 +60,7 @@ class GangStep:
         self.values = [RemoteValue() for _ in range(size)]
         self.remote = StepRemoteValue(self.values)
         self.closures: list[Closure] = []
+        self.attempts = 0
         self.started = False        # a closure of this attempt was taken by a worker
         self.running = 0            # closures of this attempt not ended (queued or running)
         self.succeeded = 0
@@ -69,7 +75,9 @@ class Gangs:
         self._lock = threading.Condition()
         self._order = threading.Lock()   # steps queued whole, in step order
         self.members: tuple[str, ...] | None = None
+        self.known: set[str] = set()   # every worker that was a member: not one joining
         self.epoch = 0
+        self.paused = False   # (Cluster.may_start reads it: no step starts meanwhile)
         self._steps: dict[int, GangStep] = {}   # steps not done
         self._recovering = False
 
@@ -82,7 +90,8 @@ class Gangs:
                 self._lock.wait_for(lambda: not self._recovering)   # (its members, then)
                 if self.members is None:
                     self.members = spec
-                grown = [a for a in spec if a not in self.members]
+                    self.known.update(spec)
+                grown = [a for a in spec if a not in self.known]
                 if grown:
                     raise RuntimeError(
                         f"workers {grown} joined the cluster spec; workers joining a running "
@@ -114,6 +123,7 @@ class Gangs:
             c.remote_value, c.gang = g.values[r], g
             g.closures.append(c)
         g.running, g.succeeded, g.failed, g.started = len(members), 0, [], False
+        g.attempts += 1
         return g.closures
 
     # -- what the workers' threads report --------------------------------------------------
@@ -133,6 +143,9 @@ class Gangs:
         recovery has decided: issued again, or the job failed."""
         with self._lock:
             g = closure.gang
+            if closure not in g.closures:   # (an earlier attempt's: replaced already)
+                self.cluster.queue.release(closure)
+                return
             g.running -= 1
             g.failed.append((closure, error, lost))
             start = not self._recovering
@@ -141,7 +154,7 @@ class Gangs:
         if start:
             log.warning("all-reduce step %d failed on a worker (%s); pausing to re-form the "
                         "ring from the workers that answer", g.step, error)
-            self.cluster.pause()
+            self.paused = True
             threading.Thread(target=self._recover, name="AllReduceRecovery", daemon=True).start()
 
     def _settle(self, g: GangStep) -> None:
@@ -157,56 +170,74 @@ class Gangs:
     # -- recovery ------------------------------------------------------------------------
     def _recover(self) -> None:
         c = self.cluster
+        old: list[Closure] = []
+        again: list[Closure] = []
         try:
-            # Every step's closures not taken yet (members running a step that
-            # has one of them fail at step_timeout, and the step is issued again).
-            taken = c.queue.take_out(lambda cl: cl.gang is not None)
-            with self._lock:
-                for cl in taken:
-                    cl.gang.running -= 1
-                self._lock.wait_for(lambda: all(not g.running for g in self._steps.values()))
-                own = [e for g in sorted(self._steps.values(), key=lambda g: g.step)
-                       for _, e, lost in g.failed if not lost]
-            if own:   # a step function's own error (the others' were told of it): as ever
-                raise own[0]
-            members, source = self._live()
-            self._sync(members, source)
-            with self._lock:
-                self.members, self.epoch = members, self.epoch + 1
-                steps = sorted(self._steps.values(), key=lambda g: g.step)
-                again, old = [], []
-                for g in steps:
-                    old += [cl for cl, _, _ in g.failed]
-                    if g.failed and g.succeeded:   # applied where it succeeded: copied to all
-                        for cl, _, _ in g.failed:
-                            cl.remote_value.set_value(ABANDONED)
-                        self._steps.pop(g.step)
-                    else:
-                        again += self._closures(g)
-            log.warning("all-reduce: %d workers go on (%s); %d closures issued again",
-                        len(members), ", ".join(members), len(again))
-            for cl in again:
-                c.queue.put(cl)
+            # Every step's closures not taken yet come off the queue (a member
+            # running such a step fails within step_timeout: issued again).
+            # First without the order lock (a schedule() blocked on a full
+            # queue finishes its puts), then with it: no step goes in meanwhile.
+            self._take_out()
+            with self._order:
+                self._take_out()
+                with self._lock:
+                    waited = self._lock.wait_for(
+                        lambda: all(not g.running for g in self._steps.values()),
+                        2 * c.strategy.step_timeout + 120)
+                    if not waited:
+                        raise Unavailable("all-reduce: the closures of the failed steps did not "
+                                          "end; the job stops")
+                    steps = sorted(self._steps.values(), key=lambda g: g.step)
+                    own = [e for g in steps for _, e, lost in g.failed if not lost]
+                    tired = [g for g in steps if g.failed and g.attempts >= MAX_ATTEMPTS]
+                if own:   # a step function's own error (the others' were told of it): as ever
+                    raise own[0]
+                if tired:
+                    raise tired[0].failed[-1][1]
+                members, source = self._live()
+                self._sync(members, source)
+                with self._lock:
+                    self.members, self.epoch = members, self.epoch + 1
+                    for g in steps:
+                        old += [cl for cl, _, _ in g.failed]
+                        if g.failed and g.succeeded:   # applied where it succeeded: now all
+                            for cl, _, _ in g.failed:
+                                cl.remote_value.set_value(ABANDONED)
+                            self._steps.pop(g.step)
+                        else:
+                            again += self._closures(g)
+                    self._recovering = self.paused = False   # (a new failure: a new recovery)
+                    self._lock.notify_all()
+                log.warning("all-reduce: %d workers go on (%s); %d closures issued again",
+                            len(members), ", ".join(members), len(again))
+                c.queue.wake()
+                for cl in again:   # (in step order; never waiting: they replace closures
+                    c.queue.put(cl, wait=False)   # the queue held, and workers may be paused)
             for cl in old:   # (after the puts: the queue never looks idle meanwhile)
                 c.queue.release(cl)
         except BaseException as exc:   # a step's own error, or no ring to re-form: the job fails
             if not isinstance(exc, (StepFunctionError, WorkerCallError)):
                 log.error("all-reduce: cannot re-form the ring: %s", exc)
+            c.queue.mark_failed_external(exc)   # (first: a join() wakes to the error)
             with self._lock:
-                pending = [(g, cl) for g in self._steps.values() for cl, _, _ in g.failed]
+                pending = [cl for g in self._steps.values() for cl, _, _ in g.failed]
                 for g in self._steps.values():
                     for rv in g.values:
                         if not rv.done():
                             rv.set_error(exc)
                 self._steps.clear()
-            for _, cl in pending:
-                c.queue.release(cl)
-            c.queue.mark_failed_external(exc)
-        finally:
-            with self._lock:
-                self._recovering = False
+                self._recovering = self.paused = False
                 self._lock.notify_all()
-            c.resume()
+            for cl in pending:
+                c.queue.release(cl)
+            c.queue.wake()
+
+    def _take_out(self) -> None:
+        taken = self.cluster.queue.take_out(lambda cl: cl.gang is not None)
+        with self._lock:
+            for cl in taken:
+                cl.gang.running -= 1
+            self._lock.notify_all()
 
     def _live(self) -> tuple[tuple[str, ...], str]:
         """(the workers of the spec that answer, in spec order; the one whose
