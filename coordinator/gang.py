@@ -64,7 +64,7 @@ class GangStep:
         self.started = False        # a closure of this attempt was taken by a worker
         self.running = 0            # closures of this attempt not ended (queued or running)
         self.succeeded = 0
-        self.failed: list[tuple[Closure, BaseException]] = []
+        self.failed: list[tuple[Closure, BaseException, bool]] = []   # (.., lost)
 
 
 class Gangs:
@@ -85,9 +85,10 @@ class Gangs:
     def schedule(self, ref, payload: bytes, name: str) -> StepRemoteValue:
         s = self.cluster.strategy
         spec = tuple(s.cluster_spec.worker)
-        with self._order:
+        with self._lock:   # (not under the order lock, which the recovery takes)
+            self._lock.wait_for(lambda: not self._recovering)
+        with self._order:   # (a recovery starting now takes these closures off again)
             with self._lock:
-                self._lock.wait_for(lambda: not self._recovering)   # (its members, then)
                 if self.members is None:
                     self.members = spec
                     self.known.update(spec)

@@ -601,3 +601,25 @@ def test_a_worker_killed_mid_step_and_the_step_is_run_again_without_it():
     assert got[0][0]["w"].tobytes() == got[1][0]["w"].tobytes()
     want_w, _ = large_batch(w0, b0, [3, 3, 2, 2, 2], 5, "sgd", params)
     np.testing.assert_allclose(got[0][0]["w"], want_w, rtol=2e-5, atol=2e-6)
+
+
+def test_steps_scheduled_while_the_ring_is_re_formed():
+    """schedule() during a recovery waits for it (it took the order lock
+    before: a deadlock) and its steps run on the new members."""
+    params = {"learning_rate": 0.05}
+    with LocalCluster(num_ps=0, num_workers=3) as c:
+        strategy, w, b, w0, b0 = _elastic_job(c, 5, params)
+        step = crashing_step(w, b, 1, 2)
+        with ClusterCoordinator(strategy) as coord:
+            first = [coord.schedule(step) for _ in range(2)]
+            gangs = coord.cluster.gangs
+            with gangs._lock:   # (the recovery under way: the members wait out step_timeout)
+                assert gangs._lock.wait_for(lambda: gangs._recovering, 60)
+            later = [coord.schedule(step) for _ in range(2)]
+            coord.join(timeout=120)
+            assert [len(s.replicas) for s in later] == [2, 2]
+            assert all(np.isfinite(x.fetch()) for x in first + later)
+            got = coord.replica_values(worker=0, with_versions=True)
+    assert got[1] == {"w": 4, "b": 4}
+    want_w, _ = large_batch(w0, b0, [3, 2, 2, 2], 4, "sgd", params)
+    np.testing.assert_allclose(got[0]["w"], want_w, rtol=2e-5, atol=2e-6)
