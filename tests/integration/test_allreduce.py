@@ -354,10 +354,7 @@ def test_a_worker_lost_between_steps_and_training_goes_on_without_it():
             assert len(coord.schedule(make_step(w, b)).replicas) == 2
             coord.join(timeout=60)
             got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 1)]
-    assert got[0][1] == got[1][1] == {"w": 8, "b": 8}
-    assert got[0][0]["w"].tobytes() == got[1][0]["w"].tobytes()
-    want_w, _ = large_batch(w0, b0, [3, 3, 3, 2, 2, 2, 2, 2], 8, "sgd", params)
-    np.testing.assert_allclose(got[0][0]["w"], want_w, rtol=2e-5, atol=2e-6)
+    _equal_survivors(got, w0, b0, [3, 3, 3, 2, 2, 2, 2, 2], params)
 
 
 def test_a_worker_leaving_the_spec_before_the_first_step():
@@ -597,10 +594,7 @@ def test_a_worker_killed_mid_step_and_the_step_is_run_again_without_it():
             coord.join(timeout=120)
             assert all(np.isfinite(x.fetch()) for x in losses)
             got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 2)]
-    assert got[0][1] == got[1][1] == {"w": 5, "b": 5}
-    assert got[0][0]["w"].tobytes() == got[1][0]["w"].tobytes()
-    want_w, _ = large_batch(w0, b0, [3, 3, 2, 2, 2], 5, "sgd", params)
-    np.testing.assert_allclose(got[0][0]["w"], want_w, rtol=2e-5, atol=2e-6)
+    _equal_survivors(got, w0, b0, [3, 3, 2, 2, 2], params)
 
 
 def test_steps_scheduled_while_the_ring_is_re_formed():
@@ -619,7 +613,14 @@ def test_steps_scheduled_while_the_ring_is_re_formed():
             coord.join(timeout=120)
             assert [len(s.replicas) for s in later] == [2, 2]
             assert all(np.isfinite(x.fetch()) for x in first + later)
-            got = coord.replica_values(worker=0, with_versions=True)
-    assert got[1] == {"w": 4, "b": 4}
-    want_w, _ = large_batch(w0, b0, [3, 2, 2, 2], 4, "sgd", params)
-    np.testing.assert_allclose(got[0]["w"], want_w, rtol=2e-5, atol=2e-6)
+            got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 1)]
+    _equal_survivors(got, w0, b0, [3, 2, 2, 2], params)
+
+
+def _equal_survivors(got: list, w0, b0, replicas: list, params: dict) -> None:
+    """Two survivors' (values, versions): one update per step, bit-identical,
+    equal to the large batch of ``replicas`` per step."""
+    assert got[0][1] == got[1][1] == {"w": len(replicas), "b": len(replicas)}
+    assert got[0][0]["w"].tobytes() == got[1][0]["w"].tobytes()
+    want_w, _ = large_batch(w0, b0, replicas, len(replicas), "sgd", params)
+    np.testing.assert_allclose(got[0][0]["w"], want_w, rtol=2e-5, atol=2e-6)
