@@ -52,6 +52,13 @@ def make_step(w, b):
     return step
 
 
+def _model(strategy, w0, b0, optimizer: str = "sgd", params: dict | None = None):
+    """The model's variables w and b on ``strategy``, from w0 and b0."""
+    return tuple(strategy.create_variable(n, initial_value=v, optimizer=optimizer,
+                                          optimizer_params=params or {"learning_rate": 0.01})
+                 for n, v in (("w", w0), ("b", b0)))
+
+
 # -- the reference: one process, the large batch ------------------------------------------
 def large_batch(w0, b0, replicas, steps: int, optimizer: str, params: dict):
     """``replicas``: per step (a list) or for every step (an int)."""
@@ -80,10 +87,7 @@ def test_training_equals_the_large_batch_and_replicas_are_identical(cluster, opt
     rng = np.random.default_rng(3)
     w0 = rng.standard_normal((IN, OUT)).astype(np.float32)
     b0 = np.zeros(OUT, np.float32)
-    w = strategy.create_variable("w", initial_value=w0, optimizer=optimizer,
-                                 optimizer_params=params)
-    b = strategy.create_variable("b", initial_value=b0, optimizer=optimizer,
-                                 optimizer_params=params)
+    w, b = _model(strategy, w0, b0, optimizer, params)
     steps = 12
     with ClusterCoordinator(strategy) as coord:
         losses = [coord.schedule(make_step(w, b)) for _ in range(steps)]
@@ -108,10 +112,7 @@ def test_fp16_and_sum(cluster):
     replicas still identical; aggregation="sum": the sum, not the mean."""
     strategy = ParameterServerStrategy(cluster.spec, mode="allreduce", aggregation="sum",
                                        gradient_compression="fp16")
-    w = strategy.create_variable("w", initial_value=np.zeros((IN, OUT), np.float32),
-                                 optimizer="sgd", optimizer_params={"learning_rate": 0.01})
-    b = strategy.create_variable("b", initial_value=np.zeros(OUT, np.float32),
-                                 optimizer="sgd", optimizer_params={"learning_rate": 0.01})
+    w, b = _model(strategy, np.zeros((IN, OUT), np.float32), np.zeros(OUT, np.float32))
     with ClusterCoordinator(strategy) as coord:
         coord.schedule(make_step(w, b))
         coord.join()
@@ -127,10 +128,7 @@ def test_a_restarted_worker_is_refused_not_averaged(cluster):
     """A worker that restarts has its replicas afresh (version 0): the next
     step fails on every worker and nothing is applied anywhere."""
     strategy = ParameterServerStrategy(cluster.spec, mode="allreduce", step_timeout=20)
-    w = strategy.create_variable("w", initial_value=np.ones((IN, OUT), np.float32),
-                                 optimizer="sgd", optimizer_params={"learning_rate": 0.01})
-    b = strategy.create_variable("b", initial_value=np.zeros(OUT, np.float32),
-                                 optimizer="sgd", optimizer_params={"learning_rate": 0.01})
+    w, b = _model(strategy, np.ones((IN, OUT), np.float32), np.zeros(OUT, np.float32))
     with ClusterCoordinator(strategy) as coord:
         coord.schedule(make_step(w, b))
         coord.join()
@@ -327,9 +325,7 @@ def _elastic_job(c, seed: int, params: dict):
     strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
     w0 = np.random.default_rng(seed).standard_normal((IN, OUT)).astype(np.float32)
     b0 = np.zeros(OUT, np.float32)
-    return (strategy, *(strategy.create_variable(n, initial_value=v, optimizer="sgd",
-                                                 optimizer_params=params)
-                        for n, v in (("w", w0), ("b", b0))), w0, b0)
+    return (strategy, *_model(strategy, w0, b0, "sgd", params), w0, b0)
 
 
 def test_a_worker_lost_between_steps_and_training_goes_on_without_it():
