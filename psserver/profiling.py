@@ -18,8 +18,11 @@ each other, not with unprofiled speed. Times are wall time on the serving
 thread: a function that released the GIL (numpy's larger copies and
 reductions, BLAS, socket calls) is also charged the wait to take it back
 from the task's other threads, so on a server with several connections a
-numpy call can look several times slower than it is alone. The variable is read once, when the
-task starts; nothing a client sends turns it on or off.
+numpy call can look several times slower than it is alone.
+``PSTRAIN_PROFILE_CLOCK=cpu`` measures each thread's CPU time instead
+(time.thread_time): no waits, for locks, the GIL or the network, are
+counted, so the figures add up to what the task spends. The variables are
+read once, when the task starts; nothing a client sends turns it on or off.
 """
 from __future__ import annotations
 
@@ -33,9 +36,12 @@ import re
 import secrets
 import sys
 import threading
+import time
 from typing import Callable
 
 ENV = "PSTRAIN_PROFILE"
+#: "cpu": profile threads' CPU time; anything else (default): wall time.
+CLOCK_ENV = "PSTRAIN_PROFILE_CLOCK"
 #: A thread's profile is written every this many calls (and at the end).
 EVERY = 500
 
@@ -43,8 +49,9 @@ EVERY = 500
 class CallProfiles:
     """One cProfile.Profile per serving thread, each written to its own file."""
 
-    def __init__(self, directory: str, role: str):
+    def __init__(self, directory: str, role: str, cpu: bool = False):
         self.directory, self.role = directory, role
+        self._clock = (time.thread_time,) if cpu else ()
         self._tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -56,7 +63,7 @@ class CallProfiles:
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", threading.current_thread().name)
             path = os.path.join(self.directory, f"{self.role}-{self._tag}-{name}-"
                                                 f"{threading.get_ident()}.prof")
-            st = self._local.st = {"profile": cProfile.Profile(), "path": path,
+            st = self._local.st = {"profile": cProfile.Profile(*self._clock), "path": path,
                                    "calls": 0, "busy": False}
             with self._lock:
                 self._threads.append(st)
@@ -112,7 +119,10 @@ def start_from_env(role: str) -> CallProfiles | None:
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"{ENV}={directory!r}: this task may not write there; "
                          "name a directory it may write, or unset it")
-    active = CallProfiles(directory, role)
+    clock = os.environ.get(CLOCK_ENV, "wall").lower()
+    if clock not in ("cpu", "wall"):
+        raise ValueError(f"{CLOCK_ENV}={clock!r}: use cpu (threads' CPU time) or wall (default)")
+    active = CallProfiles(directory, role, cpu=clock == "cpu")
     return active
 
 

@@ -106,7 +106,9 @@ class Link:
     ``acked``: the backup's version as last acknowledged (-1 until its state
     was copied). ``pending``: records not acknowledged yet, oldest first.
     ``needs_state``: the whole state must be copied before records can go.
-    ``wake``: tells the forwarder there is work (records or a copy).
+    ``wake``: tells the forwarder there is work (records or a copy);
+    ``wake(False)``, where there is a ``flush``: notes the work without
+    waking the sender's thread (the caller flushes).
     """
 
     def __init__(self, peer: Peer, wake: Callable[[], None]):
@@ -133,10 +135,19 @@ class Link:
         self.needs_state = True
         self.wake()
 
-    def add(self, record: Record) -> None:
+    def add(self, record: Record, deferred: bool = False) -> None:
+        """Queue ``record``. ``deferred``: the caller flushes the link soon
+        (its update waits for the acknowledgement: Replicator.wait_acked), so
+        where a flush can send, the sender's thread is told of the work but
+        not woken: one call then carries all of an update's records, and no
+        other thread takes the send half-way (measured: a push of 6
+        variables made 1.5 Replicate calls and 2 thread switches more)."""
         with self._pending_lock:
             self.pending.append(record)
-        self.wake()
+        if deferred and self.flush is not None:
+            self.wake(False)
+        else:
+            self.wake()
 
     def records(self) -> list[Record]:
         """The pending records, oldest first (a copy)."""
@@ -166,8 +177,10 @@ class Forwarding:
     links, and stopping. Without one no copy can be a replicated primary.
     The sender reports each answer with ``replicator.acknowledged``."""
 
-    def waker(self, replicator, var, peer: Peer) -> Callable[[], None]:   # pragma: no cover
-        """A function that tells the sender to ``peer.address`` that var has work."""
+    def waker(self, replicator, var, peer: Peer) -> Callable[..., None]:   # pragma: no cover
+        """A function that tells the sender to ``peer.address`` that var has
+        work; where ``flusher`` gives a function, it takes ``notify``
+        (default True; False: note the work, a flush follows)."""
         raise NotImplementedError
 
     def flusher(self, replicator, var, peer: Peer) -> Callable[[], None] | None:

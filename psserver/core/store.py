@@ -464,8 +464,12 @@ class VariableStore:
                           for name, ids, rows, uid in sparse]
         for var, *_ in sparse_checked:
             var.check_primary()
-        applied = [(var, self._apply_dense(var, grad, uid)) for var, grad, uid in checked]
-        applied += [(item[0], self._apply_sparse(*item)) for item in sparse_checked]
+        applied: list = []   # (one by one: a failure wakes those applied before it)
+        with _sent_on_failure(applied):
+            for var, grad, uid in checked:
+                applied.append((var, self._apply_dense(var, grad, uid)))
+            for item in sparse_checked:
+                applied.append((item[0], self._apply_sparse(*item)))
         self.replicator.wait_acked([(var, done) for var, (_, done) in applied], deadline)
         return [version for _, (version, _) in applied]
 
@@ -476,7 +480,8 @@ class VariableStore:
             var.check_primary()
             done = var.applied_at(update_id)
             if done is None:
-                var.record(R.DENSE, grad, update_id=update_id, copy=True, ahead=True)
+                var.record(R.DENSE, grad, update_id=update_id, copy=True, ahead=True,
+                           deferred=True)
                 with var.applying():
                     var.optimizer.apply_dense(var.value, var.slots, grad)
                     var.version += 1
@@ -497,18 +502,23 @@ class VariableStore:
             var.check_grad(value, var.value.shape, "assigned value")
             checked.append((var, value))
         done = []
-        for var, value in checked:
-            with var.lock:
-                var.check_primary()
-                var.record(R.ASSIGN, value, copy=True, ahead=True)
-                with var.applying():
-                    np.copyto(var.value, value)
-                    var.version += 1
-                if var.tracker is not None:
-                    var.tracker.mark_all()
-                done.append((var, var.version))
+        with _sent_on_failure(done):
+            for var, value in checked:
+                self._assign_one(var, value, done)
         self.replicator.wait_acked(done, deadline)
         return [v for _, v in done]
+
+    @staticmethod
+    def _assign_one(var: Variable, value: np.ndarray, done: list) -> None:
+        with var.lock:
+            var.check_primary()
+            var.record(R.ASSIGN, value, copy=True, ahead=True, deferred=True)
+            with var.applying():
+                np.copyto(var.value, value)
+                var.version += 1
+            if var.tracker is not None:
+                var.tracker.mark_all()
+            done.append((var, var.version))
 
     def _check_sparse(self, name: str, ids: np.ndarray,
                       rows: np.ndarray) -> tuple[Variable, np.ndarray, np.ndarray]:
@@ -532,7 +542,7 @@ class VariableStore:
             done = var.applied_at(update_id)
             if done is None:
                 # no copy: arrays nothing changes afterwards (see _check_sparse)
-                var.record(R.SPARSE, summed, uniq, update_id, ahead=True)
+                var.record(R.SPARSE, summed, uniq, update_id, ahead=True, deferred=True)
                 with var.applying():
                     var.optimizer.apply_sparse(var.value, var.slots, uniq, summed)
                     var.version += 1
@@ -542,3 +552,19 @@ class VariableStore:
                 self.observer.gradients("sparse", "async")
                 done = var.version
             return var.version, done
+
+
+@contextlib.contextmanager
+def _sent_on_failure(applied: list):
+    """Updates' records are queued deferred (their call flushes them while
+    it waits for the acknowledgements): should the call fail before that,
+    the sender's thread is woken for those already applied (``applied``:
+    (variable, ...) pairs), so their backups do not wait for a next call."""
+    try:
+        yield
+    except BaseException:
+        for var, *_ in applied:
+            link = var.link
+            if link is not None:
+                link.wake()
+        raise

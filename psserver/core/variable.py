@@ -92,16 +92,18 @@ class Variable(CopyState):
         return self.shared.writing(self) if self.shared is not None else contextlib.nullcontext()
 
     def record(self, kind: int, tensor: np.ndarray, ids: np.ndarray | None = None,
-               update_id: int = 0, copy: bool = False, ahead: bool = False) -> None:
+               update_id: int = 0, copy: bool = False, ahead: bool = False,
+               deferred: bool = False) -> None:
         """Hand an update (lock held) to the backup, if any: the one just
-        applied, or with ``ahead`` the one about to be applied (version + 1),
-        so that its forwarding overlaps this copy's own apply (see applying).
-        ``copy``: the tensor may be the caller's memory (a shared segment)."""
+        applied, or with ``ahead`` the one about to be applied (version + 1).
+        ``copy``: the tensor may be the caller's memory (a shared segment).
+        ``deferred``: the caller waits for the acknowledgement, which sends
+        it (Link.add)."""
         link = self.link
         if link is not None:
             link.add(R.Record(link.peer.name, self.epoch, self.version + bool(ahead),
                               update_id, self.sync_steps, kind,
-                              tensor.copy() if copy else tensor, ids))
+                              tensor.copy() if copy else tensor, ids), deferred)
 
     @contextlib.contextmanager
     def applying(self):

@@ -48,7 +48,7 @@ class Forwarder(R.Forwarding):
 
     def waker(self, replicator, var, peer: Peer):
         sender = self._sender(peer.address)
-        return lambda: sender.wake(replicator, var)
+        return lambda notify=True: sender.wake(replicator, var, notify)
 
     def flusher(self, replicator, var, peer: Peer):
         sender = self._sender(peer.address)
@@ -108,10 +108,13 @@ class _PeerSender:
         if self._client is not None:
             self._client.close()
 
-    def wake(self, replicator, var) -> None:
+    def wake(self, replicator, var, notify: bool = True) -> None:
+        """var has work; ``notify``: wake the thread for it (else a flush
+        follows, which sends it with whatever else is noted)."""
         with self._work:
             self._dirty[id(var)] = (replicator, var)
-            self._work.notify()
+            if notify:
+                self._work.notify()
 
     def _loop(self) -> None:
         backoff = MIN_BACKOFF

@@ -318,3 +318,70 @@ def test_a_backup_tracks_the_rows_its_primarys_records_change(pair):
     a.push([("w", grad(1), 13)])
     changes = backup.tracker.take(3, "s", 2)
     assert changes.whole or changes.rows.all()
+
+
+class _PeerStoreClient:
+    """What psserver.serve.forwarder's senders call on a peer, straight on
+    an in-process store; counts the Replicate calls and their records."""
+
+    def __init__(self, store: VariableStore):
+        self.store, self.calls = store, []
+
+    def replicate(self, records, timeout=None):
+        self.calls.append(len(records))
+        return self.store.replicator.replicate(list(records))
+
+    def create_variable(self, name, timeout=None, **state):
+        self.store.create(name, **state)
+
+    def close(self):
+        pass
+
+
+def test_an_updates_records_go_to_its_backup_in_one_call_sent_by_the_waiting_call():
+    """A push of three variables, each with its backup on one peer: one
+    Replicate call carries the three records, sent by the push itself (it
+    waits for the acknowledgement anyway); the sender's thread is not woken
+    for them."""
+    from psserver.serve import forwarder as F
+    stores = {"a": VariableStore(), "b": VariableStore()}
+    client = _PeerStoreClient(stores["b"])
+    fwd = F.Forwarder()
+    fwd._client = lambda address: client
+    stores["a"].replicator.forwarding = fwd
+    try:
+        for n in ("x", "y", "z"):
+            stores["a"].create(n, "float32", (4, 2), optimizer="adam", backup=Peer("b", "_" + n))
+        sender = fwd._senders["b"]
+        woken = []
+        real_notify = sender._work.notify
+        sender._work.notify = lambda *a: (woken.append(1), real_notify(*a))
+        client.calls.clear()
+        for i in range(5):
+            stores["a"].push([(n, grad(10 * i + k), 100 * i + k + 1)
+                              for k, n in enumerate(("x", "y", "z"))])
+        assert client.calls == [3] * 5 and woken == []
+        for n in ("x", "y", "z"):
+            va, vb = stores["a"].snapshot(n), stores["b"].snapshot("_" + n)
+            assert va[0] == vb[0] == 5 and va[1].tobytes() == vb[1].tobytes()
+        # A push that fails after applying x (y was demoted between the
+        # push's checks and its apply) wakes the sender's thread, which
+        # brings x's backup up to date by itself.
+        y = stores["a"].registry.variable("y")
+        checks = []
+
+        def demoted_at_apply():
+            checks.append(1)
+            if len(checks) > 1:
+                raise NotPrimary("y was demoted meanwhile")
+        y.check_primary = demoted_at_apply
+        with pytest.raises(NotPrimary, match="demoted"):
+            stores["a"].push([("x", grad(7), 901), ("y", grad(8), 902)])
+        assert woken
+        x, bx = stores["a"].registry.variable("x"), stores["b"].registry.variable("_x")
+        with bx.lock:
+            assert bx.cond.wait_for(lambda: bx.version == 6, timeout=30)
+        assert stores["a"].snapshot("x")[1].tobytes() == stores["b"].snapshot("_x")[1].tobytes()
+        assert x.version == 6
+    finally:
+        fwd.stop()

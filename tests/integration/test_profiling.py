@@ -82,3 +82,36 @@ def test_profiles_are_per_thread_and_written_every_so_many_calls(tmp_path, monke
     assert len(files) == 2 and any("other_thread" in f for f in files), files
     text = profiling.summary(str(tmp_path), role="psserver", top=50)
     assert "work" in text and "nested" in text
+
+
+def test_the_cpu_clock_counts_work_and_not_waits(tmp_path):
+    import pstats
+    import time
+
+    def wait():
+        time.sleep(0.3)
+
+    def work():
+        t = time.thread_time() + 0.05
+        while time.thread_time() < t:
+            pass
+
+    for cpu in (False, True):
+        out = tmp_path / str(cpu)
+        out.mkdir()
+        p = profiling.CallProfiles(str(out), "psserver", cpu=cpu)
+        p.run(wait)
+        p.run(work)
+        p.write_all()
+        stats = pstats.Stats(*[str(f) for f in out.iterdir()]).stats
+        took = {fn[2]: st[3] for fn, st in stats.items() if fn[2] in ("wait", "work")}
+        if cpu:   # the sleep costs no CPU; the loop its 50 ms
+            assert took["wait"] < 0.02 and took["work"] >= 0.045, took
+        else:     # wall time: the sleep counts
+            assert took["wait"] >= 0.29, took
+
+
+def test_an_unknown_profile_clock_stops_the_task_with_the_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="PSTRAIN_PROFILE_CLOCK='gpu'.*use cpu"):
+        start_task("psserver", ["--port", "0"],
+                   env={profiling.ENV: str(tmp_path), profiling.CLOCK_ENV: "gpu"}, timeout=30)
