@@ -42,6 +42,7 @@ table shard are replicated by the same code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -190,6 +191,23 @@ class Forwarding:
 
     def stop(self) -> None:   # pragma: no cover - interface
         pass
+
+
+@contextlib.contextmanager
+def sent_on_failure(applied: list):
+    """Updates' records are queued deferred (Link.add: their call flushes
+    them while it waits for the acknowledgements); should the call fail
+    before that, the sender's thread is woken for those already applied
+    (``applied``: (copy, ...) pairs, appended as each is applied), so their
+    backups do not wait for a next call."""
+    try:
+        yield
+    except BaseException:
+        for var, *_ in applied:
+            link = var.link
+            if link is not None:
+                link.wake()
+        raise
 
 
 def check_peer(peer: Peer) -> Peer:

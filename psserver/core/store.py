@@ -433,7 +433,7 @@ class VariableStore:
 
     # -- updates -----------------------------------------------------------
     def push(self, dense: Iterable[tuple] = (), sparse: Iterable[tuple] = (),
-             deadline: float | None = None) -> list[int]:
+             deadline: float | None = None, acked: list | None = None) -> list[int]:
         """Apply gradients asynchronously, each with its variable's optimizer:
         ``dense`` (name, grad) or (name, grad, update_id), and row-wise ones
         ``sparse`` (name, ids, rows, update_id): rows[i] is the gradient of
@@ -449,7 +449,9 @@ class VariableStore:
 
         Replication: a backup copy refuses (NotPrimary); a primary returns once
         its backup acknowledged each update (see Replicator.wait_acked for
-        DeadlineExceeded and NotPrimary after ``deadline``).
+        DeadlineExceeded and NotPrimary after ``deadline``), or, given
+        ``acked``, adds there what to wait for (the caller waits once for
+        this and more: one call to each backup).
         """
         checked = []
         for name, grad, *uid in dense:
@@ -464,14 +466,19 @@ class VariableStore:
                           for name, ids, rows, uid in sparse]
         for var, *_ in sparse_checked:
             var.check_primary()
-        applied: list = []   # (one by one: a failure wakes those applied before it)
-        with _sent_on_failure(applied):
+        versions, waits = [], [] if acked is None else acked
+        with R.sent_on_failure(waits):   # (one by one: a failure wakes those applied before it)
             for var, grad, uid in checked:
-                applied.append((var, self._apply_dense(var, grad, uid)))
+                version, done = self._apply_dense(var, grad, uid)
+                versions.append(version)
+                waits.append((var, done))
             for item in sparse_checked:
-                applied.append((item[0], self._apply_sparse(*item)))
-        self.replicator.wait_acked([(var, done) for var, (_, done) in applied], deadline)
-        return [version for _, (version, _) in applied]
+                version, done = self._apply_sparse(*item)
+                versions.append(version)
+                waits.append((item[0], done))
+        if acked is None:
+            self.replicator.wait_acked(waits, deadline)
+        return versions
 
     def _apply_dense(self, var: Variable, grad: np.ndarray,
                      update_id: int) -> tuple[int, int]:
@@ -502,7 +509,7 @@ class VariableStore:
             var.check_grad(value, var.value.shape, "assigned value")
             checked.append((var, value))
         done = []
-        with _sent_on_failure(done):
+        with R.sent_on_failure(done):
             for var, value in checked:
                 self._assign_one(var, value, done)
         self.replicator.wait_acked(done, deadline)
@@ -553,18 +560,3 @@ class VariableStore:
                 done = var.version
             return var.version, done
 
-
-@contextlib.contextmanager
-def _sent_on_failure(applied: list):
-    """Updates' records are queued deferred (their call flushes them while
-    it waits for the acknowledgements): should the call fail before that,
-    the sender's thread is woken for those already applied (``applied``:
-    (variable, ...) pairs), so their backups do not wait for a next call."""
-    try:
-        yield
-    except BaseException:
-        for var, *_ in applied:
-            link = var.link
-            if link is not None:
-                link.wake()
-        raise

@@ -106,9 +106,11 @@ class TableShardCopy(CopyState):
                 self.link.reset()
             raise
 
-    def changed(self, journaled: bool, update_id: int = 0, update: bool = False) -> int | None:
+    def changed(self, journaled: bool, update_id: int = 0, update: bool = False,
+                deferred: bool = False) -> int | None:
         """After a call (lock held): a new version if it changed rows, and its
-        record for the backup. Returns the version the caller waits for its
+        record for the backup (``deferred``: the caller waits for it, which
+        sends it: Link.add). Returns the version the caller waits for its
         backup to have (None: nothing to wait for)."""
         evicted, created, applied = self.table.take_journal() if journaled else (None,) * 3
         if not update and not (journaled and (evicted.size or created.size)):
@@ -125,7 +127,7 @@ class TableShardCopy(CopyState):
                 rec = R.Record(self.link.peer.name, self.epoch, self.version, 0,
                                self.sync_steps, R.TABLE_ROWS, np.zeros(0, self.table.dtype),
                                created, evicted)
-            self.link.add(rec)
+            self.link.add(rec, deferred)
         return self.version
 
     def apply_step(self) -> None:

@@ -56,6 +56,7 @@ from psserver.contract import (
 from psserver.contract.checkpoint_format import slot_layout, table_file
 from psserver.contract.keys import check_keys
 from psserver.contract.optimizers import make_optimizer
+from psserver.core import replication as R
 from psserver.core import sync as S
 from psserver.core.bags import check_bags
 from psserver.core.dynamic_table import DynamicTable
@@ -274,8 +275,24 @@ class TableStore:
 
     def make_reads(self, checked: list[tuple], deadline: float | None = None
                    ) -> list[np.ndarray]:
-        """The look-ups check_reads checked, made one after another."""
-        return [self._read(p, deadline) for p in checked]
+        """The look-ups check_reads checked, made one after another; returns
+        once the backups have the rows they made (one wait for all: their
+        records go in one call)."""
+        made, acked = [], []
+        with R.sent_on_failure(acked):
+            for p in checked:
+                rows, version = self._read(p, deadline)
+                made.append(rows)
+                if version is not None:
+                    acked.append((p[0], version))
+        self._replicator.wait_acked(acked, deadline)
+        out = []
+        for (*_, bags, _, _), rows in zip(checked, made):
+            if bags is not None:
+                found, inverse = bags
+                rows = found.pool(rows[inverse])
+            out.append(rows)
+        return out
 
     def _plan_read(self, r: "TableRead") -> tuple:
         """(copy, keys to look up, counts, bags and their inverse, reply bytes,
@@ -304,8 +321,9 @@ class TableStore:
             rows_out = keys.size
         return copy, keys, counts, bags, rows_out * t.config.dim * t.dtype.itemsize, r
 
-    def _read(self, planned: tuple, deadline: float | None) -> np.ndarray:
-        copy, keys, counts, bags, _, r = planned
+    def _read(self, planned: tuple, deadline: float | None) -> tuple[np.ndarray, int | None]:
+        """(the rows of the keys, the version the backup must have first or None)."""
+        copy, keys, counts, _, _, r = planned
         with copy.lock:
             # A look-up changes the shard (ages, admission): a backup only follows.
             # Checked before a sync look-up waits (a backup would wait for
@@ -320,15 +338,10 @@ class TableStore:
                 self._check_room(r.name, keys.size, t.row_bytes)
             with copy.changing() as journaled:   # (checked first: a failure is a bug)
                 rows = t.lookup(keys, admit=r.admit, counts=counts)
-            version = copy.changed(journaled)
+            version = copy.changed(journaled, deferred=True)
             if version is None and copy.link is not None:
                 version = copy.version   # rows another look-up made may not be there yet
-        if version is not None:
-            self._replicator.wait_acked([(copy, version)], deadline)
-        if bags is not None:
-            found, inverse = bags
-            return found.pool(rows[inverse])
-        return rows
+        return rows, version
 
     def update(self, name: str, keys: np.ndarray, grads: np.ndarray, *, update_id: int = 0,
                sync: SyncSpec | None = None, deadline: float | None = None) -> TableUpdate:
@@ -356,18 +369,23 @@ class TableStore:
                 copy.check_primary()
         return planned
 
-    def apply_writes(self, checked: list[tuple], deadline: float | None = None
-                     ) -> list[TableUpdate]:
-        """The updates check_writes checked, applied one after another."""
-        done, acked = [], []
-        for copy, keys, grads, w in checked:
-            if w.sync is not None:
-                done.append(self._update_sync(copy, keys, grads, w.sync, deadline))
-                continue
-            result, version = self._apply(copy, keys, grads, w.update_id)
-            done.append(result)
-            acked.append((copy, version))
-        self._replicator.wait_acked(acked, deadline)   # once the backups have them
+    def apply_writes(self, checked: list[tuple], deadline: float | None = None,
+                     acked: list | None = None) -> list[TableUpdate]:
+        """The updates check_writes checked, applied one after another;
+        returns once the backups have them, or, given ``acked``, adds there
+        what to wait for (Replicator.wait_acked: the caller waits once for
+        this and more)."""
+        done, waits = [], [] if acked is None else acked
+        with R.sent_on_failure(waits):
+            for copy, keys, grads, w in checked:
+                if w.sync is not None:
+                    done.append(self._update_sync(copy, keys, grads, w.sync, deadline))
+                    continue
+                result, version = self._apply(copy, keys, grads, w.update_id)
+                done.append(result)
+                waits.append((copy, version))
+        if acked is None:
+            self._replicator.wait_acked(waits, deadline)   # once the backups have them
         return done
 
     def _plan_write(self, w: "TableWrite") -> tuple:
@@ -412,7 +430,7 @@ class TableStore:
                 # replaced since by one of another shape (a restore)
                 updated = t.apply_gradients(keys, grads, checked=grads.dtype == t.dtype
                                             and grads.shape[1:] == (t.config.dim,))
-            copy.changed(journaled, update_id, update=True)
+            copy.changed(journaled, update_id, update=True, deferred=True)
             return TableUpdate(updated, t.stats.dropped - dropped, t.step), copy.version
 
     def _update_sync(self, copy: TableShardCopy, keys: np.ndarray, grads: np.ndarray,

@@ -89,7 +89,7 @@ def _sparse_ids(ids: np.ndarray, name: str) -> np.ndarray:
 
 
 def _push_updates(store: VariableStore, dense: list, rows: list, sync: SyncSpec | None,
-                  deadline: float | None) -> ps_pb2.UpdateReply:
+                  deadline: float | None, acked: list | None = None) -> ps_pb2.UpdateReply:
     """A push applied (Push, Upload, the bulk push and the shared-memory push
     all come here): ``dense`` [(name, gradient, update_id)] and row-wise
     ``rows`` [(name, ids, rows, update_id, own_sync)] (``own_sync``: the
@@ -97,7 +97,8 @@ def _push_updates(store: VariableStore, dense: list, rows: list, sync: SyncSpec 
     asynchronous, the one place this rule is kept: a push with ``sync`` set,
     or an entry with its own, that carries them is refused whole
     (InvalidArgument, nothing applied); sync row-wise gradients go in
-    PushSparse, one variable per call."""
+    PushSparse, one variable per call. ``acked``: as VariableStore.push's
+    (asynchronous updates only)."""
     if rows:
         sparse = []
         for name, ids, values, update_id, own_sync in rows:
@@ -107,9 +108,9 @@ def _push_updates(store: VariableStore, dense: list, rows: list, sync: SyncSpec 
                     "gradients in a push are asynchronous; nothing was applied. Send sync "
                     "ones with PushSparse, one variable per call")
             sparse.append((name, _sparse_ids(ids, name), values, update_id))
-        return ps_pb2.UpdateReply(versions=store.push(dense, sparse, deadline))
+        return ps_pb2.UpdateReply(versions=store.push(dense, sparse, deadline, acked))
     if sync is None:
-        return ps_pb2.UpdateReply(versions=store.push(dense, (), deadline))
+        return ps_pb2.UpdateReply(versions=store.push(dense, (), deadline, acked))
     out = store.steps.push([(n, a) for n, a, _ in dense], sync, deadline)
     return ps_pb2.UpdateReply(versions=[v for v, _ in out], dropped=[d for _, d in out])
 
@@ -371,11 +372,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return _push_updates(self.store, updates, rows, sync, deadline)
         tables = self.tables.store
         checked = tables.check_writes([_table_write(*u) for u in table_updates])
-        reply = _push_updates(self.store, updates, rows, sync, deadline) \
-            if updates or rows else ps_pb2.UpdateReply()
-        for done in tables.apply_writes(checked, deadline):
-            reply.tables.add(updated=done.updated, dropped=done.dropped, step=done.step,
-                             late=done.late)
+        acked: list = []   # one wait for the variables' and the tables' backups: one call each
+        with R.sent_on_failure(acked):
+            reply = _push_updates(self.store, updates, rows, sync, deadline, acked) \
+                if updates or rows else ps_pb2.UpdateReply()
+            for done in tables.apply_writes(checked, deadline, acked):
+                reply.tables.add(updated=done.updated, dropped=done.dropped, step=done.step,
+                                 late=done.late)
+        self.store.replicator.wait_acked(acked, deadline)
         return reply
 
     def _read(self, request, context=None):
