@@ -30,8 +30,16 @@ fail the job. The first such failure pauses dispatching, and a recovery
 
 A step function's own error on any member (the others' all-reduce fails
 too, told of it) still fails the job, as in the other modes: the recovery
-decides once every closure of the failed steps has ended. Workers joining a running all-reduce job are not supported
-yet (the spec growing is refused at ``schedule``).
+decides once every closure of the failed steps has ended.
+
+A worker that joins (the cluster spec grew: TF_CONFIG re-read, DNS, a
+LocalCluster.add_worker) enters at a step boundary, by the same re-forming
+with no step failed: the next ``schedule`` after the spec grew pauses
+dispatching, takes the steps not started off the queue, lets the running
+ones end, and then (3 to 6 above) the joiner, which has no replicas yet,
+gets the current model and is a member of every step issued from then on
+(those taken off included). A joiner that does not answer is tried again
+at the next re-forming.
 """
 from __future__ import annotations
 
@@ -80,23 +88,29 @@ class Gangs:
         self.paused = False   # (Cluster.may_start reads it: no step starts meanwhile)
         self._steps: dict[int, GangStep] = {}   # steps not done
         self._recovering = False
+        self.completed = 0   # steps done on every member (none: no replica is needed yet)
 
     # -- issuing -------------------------------------------------------------------------
     def schedule(self, ref, payload: bytes, name: str) -> StepRemoteValue:
         s = self.cluster.strategy
-        spec = tuple(s.cluster_spec.worker)
-        with self._lock:   # (not under the order lock, which the recovery takes)
-            self._lock.wait_for(lambda: not self._recovering)
+        while True:   # (not under the order lock, which the recovery takes)
+            spec = tuple(s.cluster_spec.worker)
+            with self._lock:
+                self._lock.wait_for(lambda: not self._recovering)
+                grown = [a for a in spec if a not in self.known] \
+                    if self.members is not None else []
+                if not grown:
+                    break
+                self.known.update(grown)   # (tried once: one that does not answer waits
+                self._start_recovery()     # for the next re-forming)
+            log.warning("workers %s joined the all-reduce job; they enter at the next step "
+                        "boundary with the current model", ", ".join(grown))
+            self.cluster.membership.refresh()   # (their threads now: the re-forming asks them)
         with self._order:   # (a recovery starting now takes these closures off again)
             with self._lock:
                 if self.members is None:
                     self.members = spec
                     self.known.update(spec)
-                grown = [a for a in spec if a not in self.known]
-                if grown:
-                    raise RuntimeError(
-                        f"workers {grown} joined the cluster spec; workers joining a running "
-                        "all-reduce job are not supported yet")
                 step = next(s.allreduce_steps)   # (the strategy's: a new coordinator goes on)
                 g = self._steps[step] = GangStep(step, ref, payload, name, len(self.members))
                 closures = self._closures(g)
@@ -149,18 +163,23 @@ class Gangs:
                 return
             g.running -= 1
             g.failed.append((closure, error, lost))
-            start = not self._recovering
-            self._recovering = True
-            self._lock.notify_all()
-        if start:
-            log.warning("all-reduce step %d failed on a worker (%s); pausing to re-form the "
-                        "ring from the workers that answer", g.step, error)
-            self.paused = True
-            threading.Thread(target=self._recover, name="AllReduceRecovery", daemon=True).start()
+            if self._recovering:
+                self._lock.notify_all()
+                return
+            self._start_recovery()
+        log.warning("all-reduce step %d failed on a worker (%s); pausing to re-form the "
+                    "ring from the workers that answer", g.step, error)
+
+    def _start_recovery(self) -> None:
+        """Pause dispatching and re-form the ring on a thread of its own (lock held)."""
+        self._recovering = self.paused = True
+        self._lock.notify_all()
+        threading.Thread(target=self._recover, name="AllReduceRecovery", daemon=True).start()
 
     def _settle(self, g: GangStep) -> None:
         if not g.running and not g.failed and g.succeeded == len(g.closures):
             self._steps.pop(g.step, None)
+            self.completed += 1
         self._lock.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -196,7 +215,8 @@ class Gangs:
                 if tired:
                     raise tired[0].failed[-1][1]
                 members, source = self._live()
-                self._sync(members, source)
+                if source is not None:
+                    self._sync(members, source)
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
                     for g in steps:
@@ -240,10 +260,11 @@ class Gangs:
                 cl.gang.running -= 1
             self._lock.notify_all()
 
-    def _live(self) -> tuple[tuple[str, ...], str]:
+    def _live(self) -> tuple[tuple[str, ...], str | None]:
         """(the workers of the spec that answer, in spec order; the one whose
-        replicas applied the most updates). A worker without replicas (it
-        restarted) is a member too: it gets the others'."""
+        replicas applied the most updates, None where no step was done yet
+        and none has replicas). A worker without replicas (it restarted, or
+        joined) is a member too: it gets the others'."""
         from coordinator import mirrored
         c, variables = self.cluster, self.cluster.strategy.mirrored_variables
         counts = {}
@@ -254,10 +275,12 @@ class Gangs:
                 counts[a] = -1
             except Unavailable:
                 pass
+        members = tuple(a for a in c.strategy.cluster_spec.worker if a in counts)
+        if counts and max(counts.values()) < 0 and not self.completed:
+            return members, None   # (each makes its replicas from the initial values)
         if not counts or max(counts.values()) < 0:
             raise Unavailable("no worker of the all-reduce job answers with its replicas: "
                               f"{list(c.strategy.cluster_spec.worker)}")
-        members = tuple(a for a in c.strategy.cluster_spec.worker if a in counts)
         return members, max(counts, key=counts.get)
 
     def _sync(self, members: tuple[str, ...], source: str) -> None:

@@ -613,6 +613,53 @@ def test_steps_scheduled_while_the_ring_is_re_formed():
     _equal_survivors(got, w0, b0, [3, 2, 2, 2], params)
 
 
+def slow_step(w, b):
+    """make_step's, taking 0.2 s more."""
+    inner = make_step(w, b)
+
+    def step():
+        import time
+        time.sleep(0.2)
+        return inner()
+    return step
+
+
+def _replicas_per_step(steps) -> list[int]:
+    """How many replicas each step's update averaged (its RemoteValues not ABANDONED)."""
+    return [len([v for v in s.replicas if v.fetch() is not ABANDONED]) for s in steps]
+
+
+@pytest.mark.parametrize("between_steps", [True, False], ids=["idle", "steps-queued"])
+def test_a_worker_that_joins_enters_at_a_step_boundary_with_the_current_model(between_steps):
+    """The spec grows (LocalCluster.add_worker) while the job runs: the next
+    schedule() gives the joiner the current model at a step boundary and
+    every step from then on has it as a member (steps queued but not started
+    too). The model equals the large batch of the replicas each step had,
+    bit-identical on an old worker and the joiner."""
+    params = {"learning_rate": 0.05}
+    with LocalCluster(num_ps=0, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=10)
+        w0 = np.random.default_rng(6).standard_normal((IN, OUT)).astype(np.float32)
+        b0 = np.zeros(OUT, np.float32)
+        w, b = _model(strategy, w0, b0, "sgd", params)
+        with ClusterCoordinator(strategy) as coord:
+            # (slow steps: some are still queued when the joiner is noticed)
+            first = [coord.schedule(make_step(w, b) if between_steps else slow_step(w, b))
+                     for _ in range(3 if between_steps else 10)]
+            if between_steps:
+                coord.join(timeout=60)
+            c.add_worker()
+            later = [coord.schedule(make_step(w, b)) for _ in range(3)]
+            coord.join(timeout=120)
+            per_step = _replicas_per_step(first + later)
+            assert _replicas_per_step(later) == [3, 3, 3]
+            if between_steps:
+                assert _replicas_per_step(first) == [2, 2, 2]
+            assert all(np.isfinite(x.fetch()) for x in first + later)
+            got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 2)]
+    _equal_survivors(got, w0, b0, per_step, params)
+
+
 def _equal_survivors(got: list, w0, b0, replicas: list, params: dict) -> None:
     """Two survivors' (values, versions): one update per step, bit-identical,
     equal to the large batch of ``replicas`` per step."""
