@@ -224,10 +224,10 @@ class ClusterCoordinator:
         this call. ``source``: that worker (index in the cluster spec, or
         address); default the live one whose replicas applied the most
         updates (after a restore that did not reach every worker, name a
-        worker it reached). Call it between steps (after ``join``) once
-        replicas differ: a worker restarted, or a step failed on some
-        workers after others had applied it (steps then refuse with
-        InvalidArgument, "disagree"). Returns the source's address."""
+        worker it reached). Call it between steps (after ``join``). A
+        step whose replicas differ (a worker restarted) makes the
+        coordinator do this by itself (ReplicasDisagree: the ring is
+        re-formed, coordinator/gang.py). Returns the source's address."""
         variables, source = self._replica_source(variables, source, timeout)
         self.set_replicas(self.replica_states(variables, source, timeout=timeout), variables,
                           timeout=timeout, skip=source)

@@ -9,9 +9,10 @@ members of a step meet). Its RemoteValues are the user's for the step's
 whole life, whatever attempt sets them.
 
 A closure of a step that fails because a member is gone (its worker did
-not answer, or the step's all-reduce failed: AllReduceFailed) does not
-fail the job. The first such failure pauses dispatching, and a recovery
-(on a thread of its own):
+not answer, or the step's all-reduce failed: AllReduceFailed) or out of
+step (the members' replicas disagree: ReplicasDisagree, a worker that
+restarted) does not fail the job. The first such failure pauses
+dispatching, and a recovery (on a thread of its own):
 
 1. takes every step's closures not taken yet off the queue (a member
    already running such a step fails within step_timeout: it is issued
@@ -212,8 +213,10 @@ class Gangs:
                     tired = [g for g in steps if g.failed and g.attempts >= MAX_ATTEMPTS]
                 if own:   # a step function's own error (the others' were told of it): as ever
                     raise own[0]
-                if tired:
-                    raise tired[0].failed[-1][1]
+                if tired:   # (the members' own finding, where one found the replicas differ)
+                    errors = [e for _, e, _ in tired[0].failed]
+                    raise next((e for e in errors if getattr(e, "type_name", "") ==
+                                "ReplicasDisagree"), errors[-1])
                 members, source = self._live()
                 if source is not None:
                     self._sync(members, source)

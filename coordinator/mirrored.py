@@ -52,7 +52,14 @@ from psserver.errors import FailedPrecondition, InvalidArgument, PSError
 
 
 class AllReduceFailed(RuntimeError):
-    """A step's all-reduce did not complete (a member gone, or too slow)."""
+    """A step's all-reduce did not complete (a member gone, or too slow):
+    the coordinator re-forms the ring and runs the step again."""
+
+
+class ReplicasDisagree(AllReduceFailed):
+    """The members of a step's all-reduce found their replicas (or the
+    variables they push) differ; nothing was applied. Re-forming makes the
+    replicas one; the cause where it persists."""
 
 
 class MirroredVariable:
@@ -304,13 +311,15 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
         try:
             mean = group.all_reduce_many(grads, average=not spec.sum,
                                          compression=spec.compression, agree=agree)
-        except InvalidArgument as exc:
-            raise InvalidArgument(
-                f"the workers of all-reduce step {spec.step} disagree: their gradients differ "
-                "in shape or dtype, or their replicas in the updates applied (a worker "
-                "restarted, or failed in a step the others completed). Nothing was applied; "
-                "ClusterCoordinator.sync_replicas() makes the replicas one again. "
-                f"({exc})") from None
+        except InvalidArgument as exc:   # (a member out of step: the ring is re-formed)
+            from coordinator.gang import MAX_ATTEMPTS
+            raise ReplicasDisagree(
+                f"the workers of all-reduce step {spec.step} disagree: their replicas differ "
+                "in the updates applied (a worker restarted, or failed in a step the others "
+                "completed), or they push other variables. Nothing was applied; the "
+                "coordinator makes the replicas one (those of the worker that applied the "
+                "most updates) and runs the step again, and fails the job if they still "
+                f"disagree after {MAX_ATTEMPTS} attempts. ({exc})") from None
         except PSError as exc:   # (not a parameter server's failure: no recovery of one)
             raise AllReduceFailed(
                 f"the all-reduce of step {spec.step} failed on worker "

@@ -328,7 +328,7 @@ class _WorkerThread:
             if closure.gang is not None:   # (AllReduceFailed: a member gone, or told of
                 self.cluster.gangs.failed(closure, StepFunctionError(   # another's error)
                     e.type, e.message, e.traceback, self.address),
-                    lost=e.type == "AllReduceFailed")
+                    lost=e.type in ("AllReduceFailed", "ReplicasDisagree"))
                 return
             if e.ps_address and closure.sync is None and closure.gang is None:
                 # Said once per server: the recovery reports on the server itself.
