@@ -169,7 +169,7 @@ class Closure:
         self.target = None if collective is None else collective.members[collective.rank]
         self.quiet = False   # a failure is its caller's alone (ClusterCoordinator's tools)
         self.gang = None     # all-reduce mode: its step (coordinator/gang.py)
-        self.remote_value = RemoteValue(self._settled if datasets else None)
+        self.remote_value = RemoteValue(self.settle_batches if datasets else None)
         self.attempts = 0
         self.datasets = datasets
         self.batches: dict = {}   # dataset_id -> its Batch, once bound
@@ -184,7 +184,10 @@ class Closure:
             else:
                 ds.again(b, worker)
 
-    def _settled(self, ok: bool) -> None:
+    def settle_batches(self, ok: bool) -> None:
+        """Acknowledge the bound batches (``ok``: trained) or give them back.
+        Called as the RemoteValue is set; an all-reduce step's closures
+        (whose RemoteValues are the step's) by coordinator/gang.py."""
         for ds in self.datasets:
             b = self.batches.get(ds.dataset_id)
             if b is not None:

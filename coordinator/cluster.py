@@ -160,12 +160,12 @@ class Cluster:
         except Exception as exc:
             raise TypeError(f"cannot send the arguments of {_name(fn)} to a worker: "
                             f"{type(exc).__name__}: {exc}") from exc
+        if self.strategy.mode == "allreduce":   # (each closure binds its own batches)
+            return self.gangs.schedule(ref, payload, _name(fn), tuple(found.values()))
         if found:   # sharded datasets refuse sync modes; their closures bind batches
             closure = Closure(ref, payload, _name(fn), datasets=tuple(found.values()))
             self.queue.put(closure)
             return closure.remote_value
-        if self.strategy.mode == "allreduce":
-            return self.gangs.schedule(ref, payload, _name(fn))
         if self.strategy.mode in SYNC_MODES:
             with self._steps_lock:
                 if self._steps is None:
@@ -269,9 +269,10 @@ class Cluster:
                              f"got {visitation!r}")
         if not isinstance(drop_remainder, bool):
             raise ValueError(f"drop_remainder must be True or False, got {drop_remainder!r}")
-        if self.strategy.mode in SYNC_MODES + ("allreduce",):
+        if self.strategy.mode in SYNC_MODES:
             raise ValueError(
-                f"sharded datasets run in async and bounded modes, not {self.strategy.mode!r}: "
+                f"sharded datasets run in async, bounded and allreduce modes, not "
+                f"{self.strategy.mode!r}: "
                 "there a step is one closure per replica, and a replica whose worker dies is "
                 "abandoned rather than re-run, so its batch would be neither trained nor handed "
                 "out again; use create_per_worker_dataset")

@@ -311,8 +311,9 @@ class ClusterCoordinator:
         ShardedSource) goes to every worker once (and to workers that start
         or restart later, before their first closure); each closure that
         takes ``iter(dataset)`` as an argument gets one batch when a worker
-        takes it. ``visitation``: "exactly_once" (async and bounded modes)
-        or "at_least_once"; see coordinator/sharded.py for what each
+        takes it (in all-reduce mode each closure of a step: a batch per
+        worker). ``visitation``: "exactly_once" (async, bounded and
+        all-reduce modes) or "at_least_once"; see coordinator/sharded.py for what each
         guarantees. Raises ValueError for a bad argument, in sync or hybrid mode, or
         for a source too large to send (over 48 MiB pickled: read it on
         the workers instead, e.g. ShardedSource.from_generator)."""

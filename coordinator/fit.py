@@ -99,7 +99,9 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
       epochs: train until this epoch (counting ``initial_epoch``).
       steps_per_epoch: steps scheduled per epoch; required with a per-worker
         dataset; with a sharded one it defaults to its ``batches_per_epoch``
-        (one step per batch: an epoch of fit is an epoch of the data).
+        (one step per batch: an epoch of fit is an epoch of the data), in
+        all-reduce mode divided by the workers in the spec, rounded up (a
+        step takes a batch on each).
       validation_fn: ``validation_fn(epoch)`` (or ``validation_fn()``), run on
         the coordinator after the epoch's join(); returns a dict of metrics,
         recorded with a ``val_`` prefix (kept if already there).
@@ -141,6 +143,10 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
                              "epochs have no end); a sharded dataset "
                              "(coordinator.create_sharded_dataset) gives its own")
         steps_per_epoch = sharded.batches_per_epoch
+        strategy = coordinator.strategy
+        if strategy.mode == "allreduce":   # a step takes a batch on each worker
+            n = max(1, len(strategy.cluster_spec.worker))
+            steps_per_epoch = max(1, -(-steps_per_epoch // n))
     if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
         raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}")
     if validation_freq < 1:

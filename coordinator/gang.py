@@ -64,8 +64,10 @@ class GangStep:
     """One all-reduce step: its function and arguments, the user's
     RemoteValues (one per replica it has had), its current closures."""
 
-    def __init__(self, step: int, ref, payload: bytes, name: str, size: int):
+    def __init__(self, step: int, ref, payload: bytes, name: str, size: int,
+                 datasets: tuple = ()):
         self.step, self.ref, self.payload, self.name = step, ref, payload, name
+        self.datasets = datasets   # sharded datasets: each closure binds a batch of each
         self.values = [RemoteValue() for _ in range(size)]
         self.remote = StepRemoteValue(self.values)
         self.closures: list[Closure] = []
@@ -92,7 +94,7 @@ class Gangs:
         self.completed = 0   # steps done on every member (none: no replica is needed yet)
 
     # -- issuing -------------------------------------------------------------------------
-    def schedule(self, ref, payload: bytes, name: str) -> StepRemoteValue:
+    def schedule(self, ref, payload: bytes, name: str, datasets: tuple = ()) -> StepRemoteValue:
         s = self.cluster.strategy
         while True:   # (not under the order lock, which the recovery takes)
             spec = tuple(s.cluster_spec.worker)
@@ -113,7 +115,8 @@ class Gangs:
                     self.members = spec
                     self.known.update(spec)
                 step = next(s.allreduce_steps)   # (the strategy's: a new coordinator goes on)
-                g = self._steps[step] = GangStep(step, ref, payload, name, len(self.members))
+                g = self._steps[step] = GangStep(step, ref, payload, name, len(self.members),
+                                                 datasets)
                 closures = self._closures(g)
             for c in closures:
                 self.cluster.queue.put(c)
@@ -132,7 +135,7 @@ class Gangs:
         g.closures = []
         for r in range(len(members)):
             c = Closure(g.ref, g.payload, f"{g.name}[step {g.step} replica {r}]",
-                        collective=CollectiveSpec(
+                        datasets=g.datasets, collective=CollectiveSpec(
                             f"{s.job}/{self.cluster.nonce}/e{self.epoch}/step-{g.step}",
                             members, r, g.step, s.step_timeout or MAX_STEP_SECONDS,
                             s.aggregation == "sum", compression, s.job))
@@ -148,6 +151,7 @@ class Gangs:
         with self._lock:
             g = closure.gang
             if closure in g.closures:
+                closure.settle_batches(True)
                 g.running -= 1
                 g.succeeded += 1
                 self._settle(g)
@@ -224,7 +228,13 @@ class Gangs:
                     self.members, self.epoch = members, self.epoch + 1
                     for g in steps:
                         old += [cl for cl, _, _ in g.failed]
-                        if g.failed and g.succeeded:   # applied where it succeeded: now all
+                        # Applied where it succeeded (so every member's gradient,
+                        # batch and all, is in it): now everywhere; else nothing
+                        # was applied: the batches go back, the step again.
+                        done = bool(g.failed and g.succeeded)
+                        for cl, _, _ in g.failed:
+                            cl.settle_batches(done)
+                        if done:
                             for cl, _, _ in g.failed:
                                 cl.remote_value.set_value(ABANDONED)
                             self._steps.pop(g.step)
@@ -245,6 +255,8 @@ class Gangs:
             c.queue.mark_failed_external(exc)   # (first: a join() wakes to the error)
             with self._lock:
                 pending = [cl for g in self._steps.values() for cl, _, _ in g.failed]
+                for cl in pending:
+                    cl.settle_batches(False)
                 for g in self._steps.values():
                     for rv in g.values:
                         if not rv.done():

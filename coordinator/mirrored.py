@@ -247,16 +247,16 @@ def read_among(variables: Sequence, with_versions: bool, read_rest):
     return ([o[0] for o in out], [o[1] for o in out]) if with_versions else [o[0] for o in out]
 
 
-def push_among(pairs) -> list | None:
-    """push_gradients' pairs: the mirrored variables' pushed here (``push``);
-    the others returned, or None if there were only mirrored ones."""
-    pairs = list(pairs)
-    mine = [(v, g) for v, g in pairs if isinstance(v, MirroredVariable)]
-    if not mine:
-        return pairs
-    push(mine)
-    rest = [(v, g) for v, g in pairs if not isinstance(v, MirroredVariable)]
-    return rest or None
+def split(pairs) -> tuple[list, list]:
+    """push_gradients' pairs: (the mirrored variables', the others'). The
+    others go to the parameter servers first, the mirrored ones' all-reduce
+    (``push``) after: a step counted done because a member completed its
+    all-reduce then has every member's table rows applied too (their keys,
+    from an exactly-once batch, drop them if the step runs again)."""
+    mine, rest = [], []
+    for v, g in pairs:
+        (mine if isinstance(v, MirroredVariable) else rest).append((v, g))
+    return mine, rest
 
 
 def push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:

@@ -72,6 +72,17 @@ Visitation, per epoch:
   the keys), not without. Dynamic tables' keys are not in checkpoints.
   Calls made with a PSClient directly carry no such keys.
 
+All-reduce mode: each closure of a step (one per member worker) takes a
+batch, so a step trains one batch per worker. A step that fails where no
+member completed it (nothing applied) gives its batches back and runs
+again with the members left; one that some member completed (every
+member's gradient is in its all-reduce) acknowledges them all. A step
+pushes its tables' rows to the servers before its all-reduce, so in a
+completed step every member's rows are applied, and those of a failed
+attempt (keyed by batch) are not applied again by the re-run
+(coordinator/gang.py, coordinator/mirrored.py). The mirrored variables'
+update is the all-reduce's alone: it is applied once per completed step.
+
 Sync and hybrid modes have neither: a replica whose worker dies is
 abandoned, not re-run, and its gradients are keyed by (step, replica);
 ``create_sharded_dataset`` refuses them (use per-worker datasets there).

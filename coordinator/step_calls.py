@@ -443,14 +443,15 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
     join the step and ``IndexedSlices`` are applied on arrival (ValueError,
     nothing sent, for a variable that got the other kind before).
     """
-    pairs = mirrored.push_among(pairs)   # all-reduce mode's variables' part: done here
-    if pairs is None:
-        return
-    push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
-                  for q in (v.expand_push(g) if hasattr(v, "expand_push") else ((v, g),))],
-                 compression)
-    pool = servers()
-    pool.settle(functools.partial(push.plan, pool.routes))
+    mine, pairs = mirrored.split(pairs)   # all-reduce mode's variables: after the servers'
+    if pairs or not mine:
+        push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
+                      for q in (v.expand_push(g) if hasattr(v, "expand_push") else ((v, g),))],
+                     compression)
+        pool = servers()
+        pool.settle(functools.partial(push.plan, pool.routes))
+    if mine:
+        mirrored.push(mine)
 
 
 class _Push:

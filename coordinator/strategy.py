@@ -124,8 +124,9 @@ class ParameterServerStrategy:
           on the parameter servers, their row-wise gradients applied on
           arrival as in ``"hybrid"``. A worker lost mid-run: the ring
           re-forms from the workers that answer and the step runs again
-          (coordinator/gang.py). Not yet: sharded datasets, workers
-          joining a running job.
+          (coordinator/gang.py); a worker that joins or restarts gets
+          the model at a step boundary. Sharded datasets: a batch per
+          worker and step, exactly once.
       num_replicas: sync and hybrid modes: replicas per step (default: the
         number of workers in the cluster spec now). Replicas are slices of
         the global batch, not processes: any worker may run any replica.

@@ -12,7 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    ParameterServerStrategy,
+    ShardedSource,
+)
 from coordinator.closures import ABANDONED
 from coordinator.errors import StepFunctionError, WorkerCallError
 from coordinator.step_calls import push_gradients, read_variables
@@ -691,6 +696,64 @@ def test_a_worker_that_joins_enters_at_a_step_boundary_with_the_current_model(be
             assert all(np.isfinite(x.fetch()) for x in first + later)
             got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 2)]
     _equal_survivors(got, w0, b0, per_step, params)
+
+
+def counting_step(w, table, die_at_step: int | None):
+    """A step on a sharded dataset of example ids: each example's row of
+    ``table`` (SGD, learning rate 1) gets +1, and w the mean of its
+    replicas' batch sizes (SGD, learning rate 1: -4 a step). With
+    ``die_at_step``, replica 1's process dies in that step, after its
+    read, while the step has 3 replicas."""
+    def step(it):
+        import os
+
+        from coordinator import get_replica_context
+        from coordinator.step_calls import IndexedSlices, Lookup
+        ctx = get_replica_context()
+        ids = np.asarray(next(it), np.int64)   # (a source of one array: batches of it)
+        wv, rows = read_variables([w, Lookup(table, ids)])
+        if ctx.step == die_at_step and ctx.replica_id_in_sync_group == 1 \
+                and ctx.num_replicas_in_sync == 3:
+            os._exit(3)
+        push_gradients([(table, IndexedSlices(-np.ones_like(rows), ids)),
+                        (w, np.full(wv.shape, float(ids.size), np.float32))])
+        return ids.tolist()
+    return step
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["all-workers", "worker-killed-mid-step"])
+def test_a_sharded_dataset_is_trained_exactly_once_with_or_without_a_worker_lost(killed):
+    """Sharded datasets in all-reduce mode: each closure of a step takes a
+    batch; an epoch's every example is trained exactly once (its table row
+    +1), also when a worker dies inside a step: the step's batches go back
+    and the step runs again on the two left (the table pushes of the first
+    attempt, keyed by batch, are not applied twice)."""
+    sgd1 = {"learning_rate": 1.0}
+    batches = 13 if killed else 12   # 3 + 2 x 5 steps, or 3 x 4
+    with LocalCluster(num_ps=1, num_workers=3) as c:
+        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=sgd1)
+        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
+                                                optimizer_params=sgd1)
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(
+                ShardedSource.from_arrays(np.arange(4 * batches), shard_sizes=[24, 4 * batches - 24]),
+                batch_size=4)
+            it = iter(ds)
+            step = counting_step(w, table, 1 if killed else None)
+            steps = [coord.schedule(step, args=(it,)) for _ in range(6 if killed else 4)]
+            coord.join(timeout=120)
+            assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
+            assert _replicas_per_step(steps) == ([3, 2, 2, 2, 2, 2] if killed else [3] * 4)
+            trained = sorted(i for s in steps for v in s.replicas if v.fetch() is not ABANDONED
+                             for i in v.fetch())
+            assert trained == list(range(4 * batches))
+            got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 2)]
+        rows = table.lookup(np.arange(4 * batches, dtype=np.int64), admit=False)
+    np.testing.assert_array_equal(rows, np.ones((4 * batches, 1), np.float32))
+    assert got[0][1] == got[1][1] == {"w": len(steps)}
+    np.testing.assert_array_equal(got[0][0]["w"], got[1][0]["w"])
+    np.testing.assert_array_equal(got[0][0]["w"], np.full(2, -4.0 * len(steps), np.float32))
 
 
 def _equal_survivors(got: list, w0, b0, replicas: list, params: dict) -> None:
