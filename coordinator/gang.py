@@ -58,6 +58,9 @@ log = logging.getLogger("coordinator")
 #: with the same members (a step_timeout too short for it, say) fails the
 #: job with its last error rather than run forever.
 MAX_ATTEMPTS = 4
+#: Seconds a re-forming waits for a worker that is not a member yet (one
+#: joining) to answer; it is tried again at the next re-forming.
+JOIN_SECONDS = 30.0
 
 
 class GangStep:
@@ -284,8 +287,11 @@ class Gangs:
         c, variables = self.cluster, self.cluster.strategy.mirrored_variables
         counts = {}
         for a in c.strategy.cluster_spec.worker:
+            # (a worker that is no member yet may not answer at all, a TLS
+            # mismatch, say: the job waits for it JOIN_SECONDS, not a tool's 120 s)
+            wait = None if self.members is None or a in self.members else JOIN_SECONDS
             try:
-                counts[a] = sum(c.run_on(a, mirrored.versions, (variables,)).values())
+                counts[a] = sum(c.run_on(a, mirrored.versions, (variables,), wait).values())
             except StepFunctionError:   # no replicas: restarted
                 counts[a] = -1
             except Unavailable:
