@@ -51,6 +51,14 @@ task its own process on 127.0.0.1):
   another's read comes down), against
   TensorFlow's (float32: it has no compression), the same steps each;
   steps/s and test accuracy after training.
+* (f) ``allreduce``, with ``--hosts`` only, after the rest (each in a
+  process of its own, on test hosts of its own): bench/bench_allreduce.py,
+  a 64 MiB float32 all-reduce among 2 and among 4 workers against
+  torch.distributed's gloo on the same hosts (bus GB/s: 2(n-1)/n of the
+  bytes over the slowest member's time); and
+  bench/bench_allreduce_training.py, (a)'s MLP synchronous with 4 workers:
+  all-reduce mode against our parameter-server sync mode, and (with
+  TensorFlow) against MultiWorkerMirroredStrategy (RING, bench/tf_mwms.py).
 
 References, measured in the same run:
 
@@ -192,7 +200,10 @@ TARGETS_HOSTS = {**TARGETS, "mlp_sync_vs_tf_async": (">=", 1.5),
                  "emb_uniform_vs_tf": (">=", 2.5), "emb_zipf_vs_tf": (">=", 2.5),
                  "emb_uniform2_vs_tf": (">=", 2.5), "emb_zipf2_vs_tf": (">=", 2.5),
                  "ctr_vs_tf": (">=", 2.0), "shaped_fp16_vs_tf": (">=", 1.8),
-                 "shaped_fp16_2_vs_tf": (">=", 1.8)}
+                 "shaped_fp16_2_vs_tf": (">=", 1.8),
+                 "allreduce_2_vs_gloo": (">=", 0.9), "allreduce_4_vs_gloo": (">=", 0.9),
+                 "mlp_allreduce4_vs_sync": (">=", 1.3),
+                 "mlp_allreduce4_vs_tf_mwms": (">=", 2.0)}
 
 #: (e): bench/bench_ctr.py's settings (batch 512, SGD 0.1, 26 TF tables of
 #: id % 100,000), each worker cycling CTR_BATCHES batches made once.
@@ -760,12 +771,36 @@ def build_rows(res: dict) -> list[dict]:
             rows.append(row("shaped_fp16_2_vs_tf", "(d) the same, 2 closures/worker",
                              sps(d, "ours_fp16_2"), tfname, sps(d, "tf"), "steps/s",
                              f"ours float32 {sps(d, 'ours_fp32_2'):.1f} steps/s"))
+    rows += allreduce_rows(res.get("allreduce"), row)
     mem = res.get("memory")
     if mem:
         worst = max(mem["ours"], key=lambda m: m["ratio"])
         rows.append(row("ps_memory", "PS RSS above empty baseline (worst ps)",
                          worst["rss_bytes"] - worst["baseline_rss_bytes"],
                          "bytes of variables, slots, tables held", worst["held_bytes"], "MB"))
+    return rows
+
+
+def allreduce_rows(f: dict | None, row) -> list[dict]:
+    """(f)'s rows (``row``: _row with the targets) from run_allreduce's results."""
+    if not f:
+        return []
+    rows = []
+    ring = f.get("ring") or {}
+    for n in (2, 4):
+        m = ring.get("members", {}).get(str(n))
+        rows.append(row(f"allreduce_{n}_vs_gloo", f"(f) 64 MiB all-reduce, {n} workers",
+                        None if m is None else m["bus_GBps"]["ours"], "torch.distributed gloo",
+                        None if m is None else m["bus_GBps"]["gloo"], "GB/s",
+                        f.get("ring_skipped", "bus bandwidth, medians")))
+    t = f.get("training") or {}
+    med = t.get("median", {})
+    rows.append(row("mlp_allreduce4_vs_sync", "(f) MLP all-reduce mode, 4 workers",
+                    med.get("allreduce"), "ours, PS sync mode", med.get("sync"),
+                    "steps/s", "global steps (4 replicas of batch 128)"))
+    rows.append(row("mlp_allreduce4_vs_tf_mwms", "(f) MLP all-reduce mode, 4 workers",
+                    med.get("allreduce"), "TF MultiWorkerMirrored (RING)", med.get("tf_mwms"),
+                    "steps/s", "bench/tf_mwms.py"))
     return rows
 
 
@@ -911,6 +946,33 @@ def run_suite(plan: Plan, *, use_tf: bool, tls: bool, tf_log: str,
     return res
 
 
+def run_allreduce(plan: Plan, use_tf: bool) -> dict:
+    """(f), across hosts: bench_allreduce (vs gloo) and bench_allreduce_training
+    (4 workers; with TensorFlow, its MultiWorkerMirroredStrategy), each a
+    process of its own (they make test hosts of their own), their JSON."""
+    import json
+    import subprocess
+    import tempfile
+    out: dict = {}
+    rounds = str(max(2, plan.rounds))
+    with tempfile.TemporaryDirectory() as d:
+        runs = {"training": ["bench.bench_allreduce_training", "--hosts", "--workers", "4",
+                             "--rounds", rounds, *(["--tf"] if use_tf else [])]}
+        if importlib.util.find_spec("torch") is None:
+            out["ring_skipped"] = "torch is not installed: no gloo reference"
+        else:
+            runs["ring"] = ["bench.bench_allreduce", "--hosts", "--members", "2", "4",
+                            "--rounds", rounds]
+        for key, cmd in runs.items():
+            log(f"(f) {key}: python -m {' '.join(cmd)}")
+            path = os.path.join(d, f"{key}.json")
+            subprocess.run([sys.executable, "-m", *cmd, "--json", path], check=True,
+                           stdout=subprocess.DEVNULL)
+            with open(path) as fh:
+                out[key] = json.load(fh)
+    return out
+
+
 def wire_ceiling(ours: "Ours", placement=None):
     """(a)'s step over bare TCP (bench/wire_ceiling.py): the same bytes
     between the same places as our async MLP (its shards on the servers
@@ -1040,6 +1102,9 @@ def main(argv: list[str] | None = None) -> int:
         res = run_suite(plan, use_tf=not args.no_tf, tls=args.tls,
                         tf_log=os.path.join(out_dir, "tf_chief.log"), task_env=task_env,
                         hosts=test_hosts)
+    if args.hosts:   # (f): after the suite's test hosts are gone (they make their own)
+        res["allreduce"] = run_allreduce(plan, use_tf=not args.no_tf and not res.get(
+            "tf_skipped"))
     elapsed = time.perf_counter() - t0
     rows = build_rows(res)
     print_rows(rows)
