@@ -51,6 +51,12 @@ def update_key_scope(seed: bytes | None):
         _keys.scope = previous
 
 
+def keys_derived() -> bool:
+    """Whether this thread's update keys are derived (inside update_key_scope
+    of a seed: an exactly-once batch), so a step run again sends the same."""
+    return getattr(_keys, "scope", None) is not None
+
+
 def new_update_id(label: str = "") -> int:
     """A non-zero 63-bit idempotency key: random, or inside update_key_scope
     derived from its seed, ``label`` (what the key is for: a variable shard

@@ -36,8 +36,8 @@ decides once every closure of the failed steps has ended.
 A worker that joins (the cluster spec grew: TF_CONFIG re-read, DNS, a
 LocalCluster.add_worker) enters at a step boundary, by the same re-forming
 with no step failed: the next ``schedule`` after the spec grew pauses
-dispatching, takes the steps not started off the queue, lets the running
-ones end, and then (3 to 6 above) the joiner, which has no replicas yet,
+dispatching, takes the steps no member started off the queue, lets the
+started ones end, and then (3 to 6 above) the joiner, which has no replicas yet,
 gets the current model and is a member of every step issued from then on
 (those taken off included). A joiner that does not answer is tried again
 at the next re-forming.
@@ -54,9 +54,11 @@ from psserver.errors import Unavailable
 
 log = logging.getLogger("coordinator")
 
-#: Times a step is issued at most: a step whose ring fails again and again
-#: with the same members (a step_timeout too short for it, say) fails the
-#: job with its last error rather than run forever.
+#: Attempts of a step that may fail: a step whose ring fails again and
+#: again (a step_timeout too short for it, say, or workers that push other
+#: variables) fails the job with its error rather than run forever. A step
+#: only taken off the queue and issued again (a re-forming for another
+#: step, or for a joiner) has not failed.
 MAX_ATTEMPTS = 4
 #: Seconds a re-forming waits for a worker that is not a member yet (one
 #: joining) to answer; it is tried again at the next re-forming.
@@ -74,7 +76,7 @@ class GangStep:
         self.values = [RemoteValue() for _ in range(size)]
         self.remote = StepRemoteValue(self.values)
         self.closures: list[Closure] = []
-        self.attempts = 0
+        self.attempts = 0           # attempts that failed
         self.started = False        # a closure of this attempt was taken by a worker
         self.running = 0            # closures of this attempt not ended (queued or running)
         self.succeeded = 0
@@ -108,7 +110,7 @@ class Gangs:
                 if not grown:
                     break
                 self.known.update(grown)   # (tried once: one that does not answer waits
-                self._start_recovery()     # for the next re-forming)
+                self._start_recovery(growth=True)   # for the next re-forming)
             log.warning("workers %s joined the all-reduce job; they enter at the next step "
                         "boundary with the current model", ", ".join(grown))
             self.cluster.membership.refresh()   # (their threads now: the re-forming asks them)
@@ -145,7 +147,6 @@ class Gangs:
             c.remote_value, c.gang = g.values[r], g
             g.closures.append(c)
         g.running, g.succeeded, g.failed, g.started = len(members), 0, [], False
-        g.attempts += 1
         return g.closures
 
     # -- what the workers' threads report --------------------------------------------------
@@ -154,7 +155,6 @@ class Gangs:
         with self._lock:
             g = closure.gang
             if closure in g.closures:
-                closure.settle_batches(True)
                 g.running -= 1
                 g.succeeded += 1
                 self._settle(g)
@@ -178,11 +178,15 @@ class Gangs:
         log.warning("all-reduce step %d failed on a worker (%s); pausing to re-form the "
                     "ring from the workers that answer", g.step, error)
 
-    def _start_recovery(self) -> None:
-        """Pause dispatching and re-form the ring on a thread of its own (lock held)."""
+    def _start_recovery(self, growth: bool = False) -> None:
+        """Pause dispatching and re-form the ring on a thread of its own (lock
+        held). ``growth``: for a worker that joined, none lost: the steps a
+        member started end as they are (their other closures are taken while
+        paused, Cluster.may_start / _ClosureQueue._first_for)."""
         self._recovering = self.paused = True
         self._lock.notify_all()
-        threading.Thread(target=self._recover, name="AllReduceRecovery", daemon=True).start()
+        threading.Thread(target=self._recover, args=(growth,), name="AllReduceRecovery",
+                         daemon=True).start()
 
     def _settle(self, g: GangStep) -> None:
         if not g.running and not g.failed and g.succeeded == len(g.closures):
@@ -196,18 +200,19 @@ class Gangs:
             return self._lock.wait_for(lambda: not self._recovering, timeout)
 
     # -- recovery ------------------------------------------------------------------------
-    def _recover(self) -> None:
+    def _recover(self, growth: bool = False) -> None:
         c = self.cluster
         old: list[Closure] = []
         again: list[Closure] = []
         try:
             # Every step's closures not taken yet come off the queue (a member
-            # running such a step fails within step_timeout: issued again).
-            # First without the order lock (a schedule() blocked on a full
-            # queue finishes its puts), then with it: no step goes in meanwhile.
-            self._take_out()
+            # running such a step fails within step_timeout: issued again), or
+            # for a joiner only those of steps no member started. First
+            # without the order lock (a schedule() blocked on a full queue
+            # finishes its puts), then with it: no step goes in meanwhile.
+            self._take_out(growth)
             with self._order:
-                self._take_out()
+                self._take_out(growth)
                 with self._lock:
                     waited = self._lock.wait_for(
                         lambda: all(not g.running for g in self._steps.values()),
@@ -217,6 +222,8 @@ class Gangs:
                                           "end; the job stops")
                     steps = sorted(self._steps.values(), key=lambda g: g.step)
                     own = [e for g in steps for _, e, lost in g.failed if not lost]
+                    for g in steps:   # (a step only taken off the queue did not fail)
+                        g.attempts += bool(g.failed)
                     tired = [g for g in steps if g.failed and g.attempts >= MAX_ATTEMPTS]
                 if own:   # a step function's own error (the others' were told of it): as ever
                     raise own[0]
@@ -226,7 +233,7 @@ class Gangs:
                                 "ReplicasDisagree"), errors[-1])
                 members, source = self._live()
                 if source is not None:
-                    self._sync(members, source)
+                    members = self._sync(members, source)
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
                     for g in steps:
@@ -241,6 +248,7 @@ class Gangs:
                             for cl, _, _ in g.failed:
                                 cl.remote_value.set_value(ABANDONED)
                             self._steps.pop(g.step)
+                            self.completed += 1
                         else:
                             again += self._closures(g)
                     self._recovering = self.paused = False   # (a new failure: a new recovery)
@@ -271,8 +279,9 @@ class Gangs:
                 c.queue.release(cl)
             c.queue.wake()
 
-    def _take_out(self) -> None:
-        taken = self.cluster.queue.take_out(lambda cl: cl.gang is not None)
+    def _take_out(self, unstarted_only: bool = False) -> None:
+        taken = self.cluster.queue.take_out(
+            lambda cl: cl.gang is not None and not (unstarted_only and cl.gang.started))
         with self._lock:
             for cl in taken:
                 cl.gang.running -= 1
@@ -304,10 +313,19 @@ class Gangs:
                               f"{list(c.strategy.cluster_spec.worker)}")
         return members, max(counts, key=counts.get)
 
-    def _sync(self, members: tuple[str, ...], source: str) -> None:
+    def _sync(self, members: tuple[str, ...], source: str) -> tuple[str, ...]:
+        """The source's replicas copied to the other members; the members
+        that have them (one that stopped answering meanwhile is left out)."""
         from coordinator import mirrored
         c, variables = self.cluster, self.cluster.strategy.mirrored_variables
         states = c.run_on(source, mirrored.whole_state, (variables,))
+        kept = []
         for a in members:
-            if a != source:
-                c.run_on(a, mirrored.set_state, (variables, states))
+            try:
+                if a != source:
+                    c.run_on(a, mirrored.set_state, (variables, states))
+                kept.append(a)
+            except Unavailable as exc:
+                log.warning("all-reduce: worker %s did not take the model (%s); the ring goes "
+                            "on without it", a, exc)
+        return tuple(kept)

@@ -249,10 +249,13 @@ def read_among(variables: Sequence, with_versions: bool, read_rest):
 
 def split(pairs) -> tuple[list, list]:
     """push_gradients' pairs: (the mirrored variables', the others'). The
-    others go to the parameter servers first, the mirrored ones' all-reduce
-    (``push``) after: a step counted done because a member completed its
-    all-reduce then has every member's table rows applied too (their keys,
-    from an exactly-once batch, drop them if the step runs again)."""
+    mirrored ones' all-reduce (``push``) goes first, then the others to the
+    parameter servers: a step whose ring fails sent them nothing, and runs
+    again without applying its rows twice. In a step of an exactly-once
+    batch (derived update keys) the servers' part goes first instead: a step
+    counted done because a member completed its all-reduce then has every
+    member's table rows applied too, and a step run again sends the same
+    keys, which the servers drop."""
     mine, rest = [], []
     for v, g in pairs:
         (mine if isinstance(v, MirroredVariable) else rest).append((v, g))
@@ -316,7 +319,7 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
             raise ReplicasDisagree(
                 f"the workers of all-reduce step {spec.step} disagree: their replicas differ "
                 "in the updates applied (a worker restarted, or failed in a step the others "
-                "completed), or they push other variables. Nothing was applied; the "
+                "completed), or they push other variables. Nothing of this push was applied; the "
                 "coordinator makes the replicas one (those of the worker that applied the "
                 "most updates) and runs the step again, and fails the job if they still "
                 f"disagree after {MAX_ATTEMPTS} attempts. ({exc})") from None

@@ -74,14 +74,19 @@ Visitation, per epoch:
 
 All-reduce mode: each closure of a step (one per member worker) takes a
 batch, so a step trains one batch per worker. A step that fails where no
-member completed it (nothing applied) gives its batches back and runs
-again with the members left; one that some member completed (every
-member's gradient is in its all-reduce) acknowledges them all. A step
-pushes its tables' rows to the servers before its all-reduce, so in a
-completed step every member's rows are applied, and those of a failed
-attempt (keyed by batch) are not applied again by the re-run
-(coordinator/gang.py, coordinator/mirrored.py). The mirrored variables'
+member completed it gives its batches back and runs again with the
+members left; one that some member completed (every member's gradient is
+in its all-reduce) acknowledges them all. In such a step
+``push_gradients`` sends the tables' rows to the servers before the
+all-reduce, so in a completed step every member's rows are applied, and
+those of a failed attempt (keyed by batch) are not applied again by the
+re-run (coordinator/gang.py, mirrored.split). The mirrored variables'
 update is the all-reduce's alone: it is applied once per completed step.
+This holds for a step that pushes once, its rows in the same
+``push_gradients`` call as its mirrored gradients (or in calls before
+it): rows pushed after the all-reduce are lost with a member that dies
+in between, and a step that all-reduces twice and fails in the second has
+its first applied, and applied again by the re-run.
 
 Sync and hybrid modes have neither: a replica whose worker dies is
 abandoned, not re-run, and its gradients are keyed by (step, replica);

@@ -36,7 +36,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from coordinator import mirrored
-from coordinator.calls import new_update_id
+from coordinator.calls import keys_derived, new_update_id
 from coordinator.mirrored import MirroredVariable
 from coordinator.ps_pool import Op, servers
 from coordinator.replica import current_sync, rows_sync
@@ -443,14 +443,20 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
     join the step and ``IndexedSlices`` are applied on arrival (ValueError,
     nothing sent, for a variable that got the other kind before).
     """
-    mine, pairs = mirrored.split(pairs)   # all-reduce mode's variables: after the servers'
+    # All-reduce mode's variables: their all-reduce first, so a step whose
+    # ring fails sent nothing to the servers and runs again cleanly; in an
+    # exactly-once batch after the servers' part instead (mirrored.split).
+    mine, pairs = mirrored.split(pairs)
+    servers_first = bool(mine) and keys_derived()
+    if mine and not servers_first:
+        mirrored.push(mine)
     if pairs or not mine:
         push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
                       for q in (v.expand_push(g) if hasattr(v, "expand_push") else ((v, g),))],
                      compression)
         pool = servers()
         pool.settle(functools.partial(push.plan, pool.routes))
-    if mine:
+    if servers_first:
         mirrored.push(mine)
 
 

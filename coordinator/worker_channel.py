@@ -352,6 +352,8 @@ class _WorkerThread:
                 queue.fail(closure, err)
             return
         self._shared.tick()   # before the closure is done: a join() sees the clock
+        if closure.gang is not None:   # (its batches acknowledged before join() can return)
+            closure.settle_batches(True)
         queue.finish(closure, value)
         if closure.gang is not None:
             self.cluster.gangs.succeeded(closure)

@@ -304,6 +304,8 @@ class Replicator:
                 return
             _fence(var, epoch, allow_same=False)
             var.draining = True
+            if var.link is not None and var.link.acked < var.version:
+                var.link.wake()   # (its records may be queued deferred: Link.add)
             try:
                 while var.link is not None and var.link.acked < var.version:
                     left = deadline - time.monotonic()
@@ -380,10 +382,9 @@ class Replicator:
         either way the update stays applied and queued, and a resend (same
         update keys) is not applied twice."""
         deadline = _deadline_or_default(deadline)
+        pairs = list(pairs)
+        _send_all(pairs)
         for var, version in pairs:
-            link = var.link
-            if link is not None and link.acked < version and link.flush is not None:
-                link.flush()   # this thread waits anyway: it sends (saves two thread switches)
             with var.lock:
                 while True:
                     link = var.link
@@ -471,6 +472,27 @@ class Replicator:
                 and 0 <= rec.sync_steps < MAX_EPOCH):
             raise InvalidArgument(f"{what}: version must be in [1, 2**62), epoch and "
                                   "sync_steps in [0, 2**62)")
+
+
+def _send_all(pairs) -> None:
+    """Before waiting for ``pairs``' backups: every backup server's sender is
+    told to send now (records may be queued deferred, Link.add), before any
+    wait can fail and leave them; one server's on this thread (it waits
+    anyway: two thread switches saved), the others' on their own threads, so
+    the calls to several servers overlap."""
+    by_peer: dict[str, Link] = {}
+    for var, version in pairs:
+        link = var.link
+        if link is not None and link.acked < version:
+            by_peer.setdefault(link.peer.address, link)
+    here = None
+    for link in by_peer.values():
+        if here is None and link.flush is not None:
+            here = link
+        else:
+            link.wake()
+    if here is not None:
+        here.flush()
 
 
 def _fence(var, epoch: int, allow_same: bool) -> None:

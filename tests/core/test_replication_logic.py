@@ -4,6 +4,7 @@ fencing (psserver/core/replication.py), the coordinator's planners
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from psserver.errors import (
     InvalidArgument,
     NotFound,
     NotPrimary,
+    Unavailable,
 )
 
 
@@ -353,6 +355,7 @@ def test_an_updates_records_go_to_its_backup_in_one_call_sent_by_the_waiting_cal
         for n in ("x", "y", "z"):
             stores["a"].create(n, "float32", (4, 2), optimizer="adam", backup=Peer("b", "_" + n))
         sender = fwd._senders["b"]
+        _parked(sender)   # (the backups' state copies woke it: it waits again now)
         woken = []
         real_notify = sender._work.notify
         sender._work.notify = lambda *a: (woken.append(1), real_notify(*a))
@@ -383,5 +386,51 @@ def test_an_updates_records_go_to_its_backup_in_one_call_sent_by_the_waiting_cal
             assert bx.cond.wait_for(lambda: bx.version == 6, timeout=30)
         assert stores["a"].snapshot("x")[1].tobytes() == stores["b"].snapshot("_x")[1].tobytes()
         assert x.version == 6
+    finally:
+        fwd.stop()
+
+
+def _parked(sender) -> None:
+    """Wait until a forwarder's sender thread waits for work (nothing noted):
+    from then on only a notify wakes it."""
+    end = time.monotonic() + 30
+    while True:
+        with sender._work:
+            if sender._work._waiters and not sender._dirty:
+                return
+        assert time.monotonic() < end, "the sender's thread did not go idle"
+        time.sleep(0.001)
+
+
+class _AwayClient(_PeerStoreClient):
+    """A peer that takes state copies but then stops answering records."""
+
+    def replicate(self, records, timeout=None):
+        raise Unavailable("peer away")
+
+
+def test_a_backup_on_another_server_gets_its_records_when_the_wait_for_the_first_fails():
+    """x's backup is on b, y's on c. b stops answering: the push times out
+    waiting for x's, but y's record was sent to c all the same (every
+    backup server's sender is told before any wait)."""
+    from psserver.serve import forwarder as F
+    stores = {k: VariableStore() for k in "abc"}
+    clients = {"b": _PeerStoreClient(stores["b"]), "c": _PeerStoreClient(stores["c"])}
+    fwd = F.Forwarder()
+    fwd._client = lambda address: clients[address]
+    stores["a"].replicator.forwarding = fwd
+    try:
+        stores["a"].create("x", "float32", (4, 2), optimizer="sgd", backup=Peer("b", "_x"))
+        stores["a"].create("y", "float32", (4, 2), optimizer="sgd", backup=Peer("c", "_y"))
+        for k in "bc":
+            _parked(fwd._senders[k])
+        clients["b"].__class__ = _AwayClient
+        with pytest.raises(DeadlineExceeded):
+            stores["a"].push([("x", grad(1), 1), ("y", grad(2), 2)],
+                             deadline=time.monotonic() + 1.0)
+        by = stores["c"].registry.variable("_y")
+        with by.lock:
+            assert by.cond.wait_for(lambda: by.version == 1, timeout=30)
+        assert stores["c"].snapshot("_y")[1].tobytes() == stores["a"].snapshot("y")[1].tobytes()
     finally:
         fwd.stop()

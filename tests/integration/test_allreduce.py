@@ -350,6 +350,31 @@ def test_tables_stay_on_the_servers_beside_mirrored_variables():
     np.testing.assert_allclose(rows, np.full((4, 2), -0.25 * steps, np.float32))
 
 
+def test_a_step_run_again_after_its_ring_failed_applies_its_table_rows_once():
+    """A worker restarts between steps: its next step's all-reduce finds the
+    replicas out of step and the step runs again after the re-forming. Its
+    rows (random update keys: no exactly-once batch) were not sent by the
+    failed attempt, so each member's rows get one update a step."""
+    with LocalCluster(num_ps=1, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=20)
+        w = strategy.create_variable("w", shape=(3,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 0.5})
+        table = strategy.create_embedding_table("t", 2, optimizer="sgd",
+                                                optimizer_params={"learning_rate": 0.25})
+        with ClusterCoordinator(strategy) as coord:
+            coord.schedule(hybrid_step(w, table))
+            coord.join(timeout=60)
+        c.restart_worker(1)
+        with ClusterCoordinator(strategy) as coord:
+            coord.schedule(hybrid_step(w, table))
+            coord.join(timeout=120)
+            got = [coord.replica_values(worker=i, with_versions=True) for i in range(2)]
+        rows = table.lookup(np.array([0, 3, 100, 103], np.int64), admit=False)
+    np.testing.assert_allclose(rows, np.full((4, 2), -0.25 * 2, np.float32))
+    assert got[0][1] == got[1][1] == {"w": 2}
+    np.testing.assert_array_equal(got[1][0]["w"], np.full(3, -0.5 * 1.5 * 2, np.float32))
+
+
 def test_a_table_without_parameter_servers_says_what_to_add(cluster):
     strategy = ParameterServerStrategy(cluster.spec, mode="allreduce")
     with pytest.raises(ValueError, match="add \"ps\" tasks"):
