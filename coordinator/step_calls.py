@@ -443,12 +443,8 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
     join the step and ``IndexedSlices`` are applied on arrival (ValueError,
     nothing sent, for a variable that got the other kind before).
     """
-    # All-reduce mode's variables: their all-reduce first, so a step whose
-    # ring fails sent nothing to the servers and runs again cleanly; in an
-    # exactly-once batch after the servers' part instead (mirrored.split).
-    mine, pairs = mirrored.split(pairs)
-    servers_first = bool(mine) and keys_derived()
-    if mine and not servers_first:
+    mine, pairs = mirrored.split(pairs)   # all-reduce mode's: which goes first, its docstring
+    if mine and not keys_derived():
         mirrored.push(mine)
     if pairs or not mine:
         push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
@@ -456,7 +452,7 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
                      compression)
         pool = servers()
         pool.settle(functools.partial(push.plan, pool.routes))
-    if servers_first:
+    if mine and keys_derived():
         mirrored.push(mine)
 
 

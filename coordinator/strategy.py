@@ -122,11 +122,9 @@ class ParameterServerStrategy:
           step's all-reduce may take. Read the trained values with
           ``ClusterCoordinator.replica_values``. Embedding tables stay
           on the parameter servers, their row-wise gradients applied on
-          arrival as in ``"hybrid"``. A worker lost mid-run: the ring
-          re-forms from the workers that answer and the step runs again
-          (coordinator/gang.py); a worker that joins or restarts gets
-          the model at a step boundary. Sharded datasets: a batch per
-          worker and step, exactly once.
+          arrival as in ``"hybrid"``. Elastic (coordinator/gang.py): a
+          worker lost, joining or restarted re-forms the ring (lost:
+          the step runs again). Sharded datasets: a batch a worker.
       num_replicas: sync and hybrid modes: replicas per step (default: the
         number of workers in the cluster spec now). Replicas are slices of
         the global batch, not processes: any worker may run any replica.
