@@ -20,6 +20,7 @@ from coordinator import (
 )
 from coordinator.closures import ABANDONED
 from coordinator.errors import StepFunctionError, WorkerCallError
+from coordinator.fit import fit
 from coordinator.step_calls import push_gradients, read_variables
 from psserver.contract.optimizers import make_optimizer
 from psserver.errors import Unavailable
@@ -784,6 +785,36 @@ def test_a_sharded_dataset_is_trained_exactly_once_with_or_without_a_worker_lost
     assert got[0][1] == got[1][1] == {"w": len(steps)}
     np.testing.assert_array_equal(got[0][0]["w"], got[1][0]["w"])
     np.testing.assert_array_equal(got[0][0]["w"], np.full(2, -4.0 * len(steps), np.float32))
+
+
+def loss_of(step):
+    """``step``, returning a float (fit logs it) in place of its value."""
+    def with_loss(it):
+        return float(len(step(it)))
+    return with_loss
+
+
+def test_fit_on_a_sharded_dataset_makes_an_epoch_of_the_data():
+    """fit's default steps per epoch in all-reduce mode: the batches over the
+    workers (a step takes one on each), so 2 epochs of fit train every
+    example twice: each table row +2, 2 epochs acknowledged."""
+    sgd1 = {"learning_rate": 1.0}
+    with LocalCluster(num_ps=1, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=20)
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=sgd1)
+        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
+                                                optimizer_params=sgd1)
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(
+                ShardedSource.from_arrays(np.arange(48), shard_sizes=[24, 24]), batch_size=4)
+            history = fit(coord, loss_of(counting_step(w, table, None)), ds, epochs=2,
+                          verbose=0)
+            assert ds.wait_epoch(1, timeout=30) and ds.epochs_completed == 2
+            assert len(history.steps) == 2 * 6
+            got = coord.replica_values(worker=1, with_versions=True)
+        rows = table.lookup(np.arange(48, dtype=np.int64), admit=False)
+    np.testing.assert_array_equal(rows, np.full((48, 1), 2.0, np.float32))
+    assert got[1] == {"w": 12}
 
 
 def _equal_survivors(got: list, w0, b0, replicas: list, params: dict) -> None:
