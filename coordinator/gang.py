@@ -166,7 +166,9 @@ class Gangs:
         recovery has decided: issued again, or the job failed."""
         with self._lock:
             g = closure.gang
-            if closure not in g.closures:   # (an earlier attempt's: replaced already)
+            if closure not in g.closures or self._steps.get(g.step) is not g:
+                # an earlier attempt's (replaced already), or a step no
+                # longer followed (the job failed): nothing to re-form for
                 self.cluster.queue.release(closure)
                 return
             g.running -= 1
@@ -213,6 +215,12 @@ class Gangs:
             self._take_out(growth)
             with self._order:
                 self._take_out(growth)
+                if growth:   # a step failing meanwhile: every step's closures off, as for a loss
+                    with self._lock:
+                        self._lock.wait_for(lambda: all(
+                            not g.running or g.failed for g in self._steps.values()),
+                            2 * c.strategy.step_timeout + 120)
+                    self._take_out()
                 with self._lock:
                     waited = self._lock.wait_for(
                         lambda: all(not g.running for g in self._steps.values()),
