@@ -752,6 +752,26 @@ def counting_step(w, table, die_at_step: int | None):
     return step
 
 
+SGD1 = {"learning_rate": 1.0}
+
+
+def counting_job(spec):
+    """counting_step's strategy (all-reduce, step_timeout 5 s), its w and its
+    table (SGD 1, rows from zeros): (strategy, w, table)."""
+    strategy = ParameterServerStrategy(spec, mode="allreduce", step_timeout=5)
+    w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=SGD1)
+    table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
+                                            optimizer_params=SGD1)
+    return strategy, w, table
+
+
+def counting_dataset(coord, batches: int):
+    """Example ids 0 .. 4 x batches - 1 in batches of 4, over 2 shards (24
+    ids, the rest)."""
+    return coord.create_sharded_dataset(ShardedSource.from_arrays(
+        np.arange(4 * batches), shard_sizes=[24, 4 * batches - 24]), batch_size=4)
+
+
 @pytest.mark.parametrize("killed", [False, True], ids=["all-workers", "worker-killed-mid-step"])
 def test_a_sharded_dataset_is_trained_exactly_once_with_or_without_a_worker_lost(killed):
     """Sharded datasets in all-reduce mode: each closure of a step takes a
@@ -759,17 +779,11 @@ def test_a_sharded_dataset_is_trained_exactly_once_with_or_without_a_worker_lost
     +1), also when a worker dies inside a step: the step's batches go back
     and the step runs again on the two left (the table pushes of the first
     attempt, keyed by batch, are not applied twice)."""
-    sgd1 = {"learning_rate": 1.0}
     batches = 13 if killed else 12   # 3 + 2 x 5 steps, or 3 x 4
     with LocalCluster(num_ps=1, num_workers=3) as c:
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
-        w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=sgd1)
-        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
-                                                optimizer_params=sgd1)
+        strategy, w, table = counting_job(c.snapshot())
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(
-                ShardedSource.from_arrays(np.arange(4 * batches), shard_sizes=[24, 4 * batches - 24]),
-                batch_size=4)
+            ds = counting_dataset(coord, batches)
             it = iter(ds)
             step = counting_step(w, table, 1 if killed else None)
             steps = [coord.schedule(step, args=(it,)) for _ in range(6 if killed else 4)]
@@ -798,15 +812,10 @@ def test_fit_on_a_sharded_dataset_makes_an_epoch_of_the_data():
     """fit's default steps per epoch in all-reduce mode: the batches over the
     workers (a step takes one on each), so 2 epochs of fit train every
     example twice: each table row +2, 2 epochs acknowledged."""
-    sgd1 = {"learning_rate": 1.0}
     with LocalCluster(num_ps=1, num_workers=2) as c:
-        strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=20)
-        w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=sgd1)
-        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
-                                                optimizer_params=sgd1)
+        strategy, w, table = counting_job(c.spec)
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(
-                ShardedSource.from_arrays(np.arange(48), shard_sizes=[24, 24]), batch_size=4)
+            ds = counting_dataset(coord, 12)
             history = fit(coord, loss_of(counting_step(w, table, None)), ds, epochs=2,
                           verbose=0)
             assert ds.wait_epoch(1, timeout=30) and ds.epochs_completed == 2

@@ -6,16 +6,16 @@ a worker killed inside a step, and one that joins, as on one host
 import: this module makes test hosts at import)."""
 from __future__ import annotations
 
-import os
-
+import host_gate
 import numpy as np
-import pytest
 from test_allreduce import (
     IN,
     OUT,
     _equal_survivors,
     _model,
     _replicas_per_step,
+    counting_dataset,
+    counting_job,
     counting_step,
     crashing_step,
     make_step,
@@ -26,13 +26,9 @@ from coordinator import (
     ClusterCoordinator,
     LocalCluster,
     ParameterServerStrategy,
-    ShardedSource,
 )
 
-ok, why = hosts.available()
-if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a failure, not a skip
-    pytest.fail(f"PSTRAIN_REQUIRE_HOSTS=1, but {why}", pytrace=False)
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not ok, reason=why)]
+pytestmark = host_gate.marks(240)
 
 
 def test_across_hosts_a_worker_killed_mid_step_and_one_that_joins():
@@ -64,16 +60,11 @@ def test_across_hosts_a_worker_killed_mid_step_and_one_that_joins():
 def test_across_hosts_a_sharded_dataset_and_a_table_exactly_once_under_a_worker_loss():
     """The table on a parameter server of a host of its own; each example's
     row +1 exactly once although replica 1 dies inside step 1."""
-    sgd1 = {"learning_rate": 1.0}
     with hosts.TestHosts(4) as h, \
             LocalCluster(1, 3, placement=h.placement(ps=[3], worker=[0, 1, 2])) as c:
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
-        w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=sgd1)
-        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
-                                                optimizer_params=sgd1)
+        strategy, w, table = counting_job(c.snapshot())
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(
-                ShardedSource.from_arrays(np.arange(52), shard_sizes=[24, 28]), batch_size=4)
+            ds = counting_dataset(coord, 13)
             it = iter(ds)
             steps = [coord.schedule(counting_step(w, table, 1), args=(it,)) for _ in range(6)]
             coord.join(timeout=120)

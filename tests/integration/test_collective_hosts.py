@@ -5,8 +5,7 @@ the kernel (``ss``: tcp_info's bytes_acked, the payload the next host
 took, counted once however often TCP sent it)."""
 from __future__ import annotations
 
-import os
-
+import host_gate
 import numpy as np
 import pytest
 from test_collective import _data, _on_all, member_on_host
@@ -14,10 +13,7 @@ from test_collective import _data, _on_all, member_on_host
 from bench import hosts
 from coordinator import LocalCluster
 
-ok, why = hosts.available()
-if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a failure, not a skip
-    pytest.fail(f"PSTRAIN_REQUIRE_HOSTS=1, but {why}", pytrace=False)
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not ok, reason=why)]
+pytestmark = host_gate.marks(240)
 
 SIZE = 3_000_001   # float32: 12 MB, chunks of several pieces for n = 2
 # (member_on_host lives in test_collective: the workers import the module of

@@ -1,7 +1,7 @@
 """Routes across test hosts (network namespaces, bench/hosts.py): a client
 picks its transport from what the server announced, with no failed call."""
-import os
 
+import host_gate
 import numpy as np
 import pytest
 from test_metrics import metrics_address, scrape
@@ -11,10 +11,7 @@ from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV
 from psserver.process import start_task
 
-ok, why = hosts.available()
-if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a failure, not a skip
-    pytest.fail(f"PSTRAIN_REQUIRE_HOSTS=1, but {why}", pytrace=False)
-pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not ok, reason=why)]
+pytestmark = host_gate.marks(120)
 
 TOKEN = "test-hosts-token"
 PS, SHM = "pstrain.v1.ParameterServer", "pstrain.v1.SharedMemory"

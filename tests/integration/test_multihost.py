@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import host_gate
 import numpy as np
 import pytest
 
@@ -31,10 +32,7 @@ from psserver.errors import Unavailable
 from psserver.process import child_env, start_task
 from psserver.tls import generate_self_signed
 
-ok, why = hosts.available()
-if not ok and os.environ.get("PSTRAIN_REQUIRE_HOSTS") == "1":   # .ci/run: a failure, not a skip
-    pytest.fail(f"PSTRAIN_REQUIRE_HOSTS=1, but {why}", pytrace=False)
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not ok, reason=why)]
+pytestmark = host_gate.marks(240)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = 8
