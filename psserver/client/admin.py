@@ -346,14 +346,17 @@ class PSAdmin:
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
-                     capacity: int | None = None, timeout: float | None = None) -> int:
+                     capacity: int | None = None, applied_ids: Sequence[int] = (),
+                     timeout: float | None = None) -> int:
         """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
         pieces that fit a message. Returns the rows the shard holds.
         ``replica`` (a primary's server copying its state to its backup:
         spec, epoch, version, applied_ids): make or replace the copy as a
         backup (tables.proto ReplicaCopy). ``capacity`` (with ``reset``): the
-        shard's capacity from then on (its part of the whole table's)."""
+        shard's capacity from then on (its part of the whole table's).
+        ``applied_ids``: update keys the rows' earlier shard applied (a
+        move of buckets), remembered there too."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -364,6 +367,8 @@ class PSAdmin:
             req = tables_pb2.ImportTableRequest(name=name, reset=reset and i == 0, step=step)
             if capacity is not None and i == 0:
                 req.capacity = capacity
+            if i == 0:
+                req.applied_ids.extend(applied_ids)
             if replica is not None:
                 req.replica.CopyFrom(tables_pb2.ReplicaCopy(complete=hi >= keys.size, **replica))
             for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
@@ -375,3 +380,16 @@ class PSAdmin:
                            a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
+
+    def move_table_buckets(self, name: str, buckets: bytes, destination: str, *,
+                           capacity: int | None = None, layout_epoch: int = 0,
+                           timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
+        """This server's shard of ``name`` hands the rows of ``buckets`` (a
+        bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
+        ``destination`` and refuses their keys from then on (tables.proto
+        MoveBuckets); ``capacity``: its part of the table's afterwards."""
+        req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
+                                            layout_epoch=layout_epoch)
+        if capacity is not None:
+            req.capacity = capacity
+        return self._call(methods.TABLE_MOVE, req, timeout)

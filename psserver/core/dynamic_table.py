@@ -513,6 +513,15 @@ class DynamicTable:
             out[f"slot/{name}"] = slot[rows] if name in self._row_slots else np.array(slot)
         return out
 
+    def drop(self, keys: np.ndarray) -> None:
+        """Remove the rows of ``keys`` (those that have one), not counted as
+        evictions: they moved to another server (psserver/core/table_moves.py).
+        Change tracking notes them gone."""
+        rows = self.index.find(keys)
+        rows = rows[rows >= 0]
+        if rows.size:
+            self._evict_rows(rows)
+
     def take_changes(self, save_id: int, stream: str, since: int):
         """Save point ``save_id`` of this shard (see psserver.core.tracking): the
         keys changed since point ``since`` (an Interval), or None or an

@@ -21,11 +21,12 @@ import threading
 import numpy as np
 
 from psserver.contract import ROLE_PRIMARY, TABLE_PREFIX, VariableMeta
+from psserver.contract.keys import bucket_of
 from psserver.core import replication as R
 from psserver.core import sync as S
 from psserver.core.dynamic_table import DynamicTable
 from psserver.core.shards import CopyState
-from psserver.errors import InvalidArgument
+from psserver.errors import FailedPrecondition, InvalidArgument
 
 
 class TableShardCopy(CopyState):
@@ -55,6 +56,12 @@ class TableShardCopy(CopyState):
         self.step_counts = (0, 0)
         # A state copy arriving in pieces: (epoch, spec, table) until its last.
         self.staging: tuple | None = None
+        # Elastic servers (psserver/core/table_moves.py): the buckets of the
+        # key space this shard handed to other servers (bool per bucket; their
+        # keys refused here from then on) and the table's layout epoch after
+        # the last move; None: it handed none over since it was made or reset.
+        self.moved: np.ndarray | None = None
+        self.moved_epoch = 0
 
     @property
     def tracker(self):
@@ -79,6 +86,22 @@ class TableShardCopy(CopyState):
 
     def forget_changes(self) -> None:
         self.table.tracker = None
+
+    def check_here(self, keys: np.ndarray) -> None:
+        """FailedPrecondition (lock held; nothing changed) if one of ``keys``
+        is of a bucket this shard handed to another server: the caller's
+        description of the table is older than the move, and a row served or
+        made here would be a wrong one."""
+        if self.moved is not None and keys.size:
+            gone = self.moved[bucket_of(keys.reshape(-1))]
+            if gone.any():
+                raise FailedPrecondition(
+                    f"table {self.table_name!r}: {int(gone.sum())} of these keys are of "
+                    f"buckets this server's shard handed to another server (the table's "
+                    f"layout epoch {self.moved_epoch}); nothing was read or changed here. The "
+                    "caller's description of the table is older than the move: a job's "
+                    "closures get the current one from the coordinator; elsewhere take the "
+                    "table from the strategy again (strategy.tables)")
 
     # -- the primary ---------------------------------------------------------------------------
     @contextlib.contextmanager

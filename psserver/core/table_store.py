@@ -25,15 +25,13 @@ Guarantees:
   (psserver.core.replication: DeadlineExceeded or NotPrimary otherwise, the
   change staying applied and queued).
 
-Sync mode (an update with a SyncSpec, a look-up with a sync step): a shard
+Sync mode (psserver/core/sync.py, shared with the variables): a shard
 gathers a step's updates, one per replica, and applies their sum (or mean)
-once, as one table step, when enough replicas sent theirs or were
-abandoned; a look-up for step s waits while an earlier step is being
-gathered (psserver/core/sync.py, shared with the variables; a late update is
-dropped whole and counted in ``late``). The applied step is journaled and
-replicated as any update; sync updates go to both copies of a replicated
-shard (the backup gathers too, and drops what its primary's record
-applied), so a promoted backup can finish the step.
+once, as one table step; a look-up for step s waits while an earlier step
+is gathered; a late update is dropped whole (``late``). Sync updates go to
+both copies of a replicated shard, so a promoted backup can finish a step.
+Keys of buckets a shard handed to another server are refused
+(psserver/core/table_moves.py).
 """
 from __future__ import annotations
 
@@ -187,14 +185,12 @@ class TableStore:
 
     @classmethod
     def beside(cls, store, **kwargs) -> "TableStore":
-        """The table store sharing ``store``'s (a psserver.core.store.VariableStore)
-        registry, budget, replication, sync steps and saves."""
+        """The table store sharing a VariableStore's registry, budget, replication and saves."""
         return cls(store.registry, store.budget, replicator=store.replicator,
                    steps=store.steps, saver=store.saver, **kwargs)
 
     def _check_room(self, name: str, rows: int, row_bytes: int) -> None:
-        """ResourceExhausted, before anything changes, when ``rows`` more rows
-        of ``row_bytes`` could take the server past --max-memory-bytes."""
+        """ResourceExhausted, nothing changed, if ``rows`` more rows pass --max-memory-bytes."""
         if rows:
             self.budget.check(rows * row_bytes, f"table {name!r} ({rows} new rows)",
                                "give the table a capacity, spread it over more parameter "
@@ -333,6 +329,7 @@ class TableStore:
             if r.sync_step is not None:   # the rows after step sync_step - 1 (psserver/core/sync.py)
                 S.wait_for_earlier_steps(copy, r.sync_step, deadline)
                 copy.check_primary()
+            copy.check_here(keys)   # (not a bucket handed to another server)
             t = copy.table
             if r.admit:   # at most every key new: room for that first
                 self._check_room(r.name, keys.size, t.row_bytes)
@@ -423,6 +420,7 @@ class TableStore:
             version = copy.applied_at(update_id)
             if version is not None:   # a resend: applied once already
                 return TableUpdate(0, 0, t.step), version
+            copy.check_here(keys)
             dropped = t.stats.dropped
             # it checks the gradient whole first: a refusal changes nothing
             with copy.changing(refused=InvalidArgument) as journaled:
@@ -444,6 +442,7 @@ class TableStore:
             if copy.draining:
                 copy.check_primary()
             keys, grads = copy.table.check_gradients(keys, grads)   # now, not at the apply
+            copy.check_here(keys)
             late = S.push(copy, spec, (keys, grads), True, abandoned, deadline, self.budget)
             completed = not late and copy.sync_steps > spec.step   # by this update
             updated, dropped = copy.step_counts if completed else (0, 0)
@@ -511,12 +510,14 @@ class TableStore:
                           self._saver.incarnation, crc)
 
     def import_rows(self, name: str, state: dict, step: int, reset: bool,
-                    capacity: int | None = None) -> int:
+                    capacity: int | None = None, applied_ids: Sequence[int] = ()) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied
         first with ``reset`` (a primary only: a backup takes its primary's
         state only, NotPrimary); ``capacity`` (with ``reset`` only): the
-        shard's capacity from now on, set before the rows go in. Returns the
-        rows held. The backup, if any, copies the new state whole."""
+        shard's capacity from now on, set before the rows go in;
+        ``applied_ids``: update keys the rows' earlier shard applied (a
+        move), remembered here too. Returns the rows held. The backup, if
+        any, copies the new state whole."""
         if capacity is not None and not (reset and 0 <= capacity < 1 << 40):
             raise InvalidArgument("an import's capacity is an integer in [0, 2**40) given with "
                                   "reset (the first piece of a restore)")
@@ -536,8 +537,10 @@ class TableStore:
             if capacity is not None:
                 copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1
-            if reset:   # a restored shard: no sync step applied or pending
-                copy.acc, copy.sync_steps = None, 0
+            for i in applied_ids:
+                copy.remember(i)
+            if reset:   # a restored shard: no sync step applied or pending, no bucket moved
+                copy.acc, copy.sync_steps, copy.moved = None, 0, None
                 copy.cond.notify_all()
             if copy.link is not None:   # the backup copies the new state whole
                 copy.link.reset()

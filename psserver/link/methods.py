@@ -107,10 +107,13 @@ TABLE_DELETE = _grpc_only(TABLES, "Delete", tables_pb2.TableRef, tables_pb2.Dele
 TABLE_SAVE = _grpc_only(TABLES, "Save", tables_pb2.SaveTableRequest, tables_pb2.SaveTableReply)
 TABLE_IMPORT = _grpc_only(TABLES, "Import", tables_pb2.ImportTableRequest,
                           tables_pb2.ImportTableReply)
+TABLE_MOVE = _grpc_only(TABLES, "MoveBuckets", tables_pb2.MoveBucketsRequest,
+                        tables_pb2.MoveBucketsReply)
 
 ALL = SOCKET + (SERVER_INFO, CREATE, DELETE, META, LIST, READ, PUSH, ASSIGN, ABANDON, SAVE,
                 COMMIT_SAVE, RECONFIGURE, SHM_SHARE, SHM_ATTACH, SHM_DETACH, WORKER_INFO, CREATE_DATASET,
-                TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE, TABLE_SAVE, TABLE_IMPORT)
+                TABLE_CREATE, TABLE_INFO, TABLE_LIST, TABLE_DELETE, TABLE_SAVE, TABLE_IMPORT,
+                TABLE_MOVE)
 #: Calls that change nothing: made again, over gRPC, after a socket broke
 #: under them, and retried by gRPC itself on UNAVAILABLE (the channel's
 #: service config is built from this set: psserver/link/grpc_common.py).

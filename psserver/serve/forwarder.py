@@ -63,6 +63,11 @@ class Forwarder(R.Forwarding):
                     s.start()
             return s
 
+    def peer_client(self, address: str):
+        """A new client of the server at ``address`` with this server's token
+        and TLS (a table shard's move sends its rows with it; close it)."""
+        return self._client(address)
+
     def _client(self, address: str):
         from psserver.client.data import (
             PSClient,  # the server process only: it imports grpc

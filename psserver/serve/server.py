@@ -264,6 +264,9 @@ def create_server(address: str = "127.0.0.1:0", *, store: VariableStore | None =
     replicator = servicer.store.replicator
     if replicator.forwarding is None:   # replicated primaries reach their backups
         replicator.forwarding = Forwarder(token, tls)
+    if isinstance(replicator.forwarding, Forwarder):   # and table shards' moves their destination
+        servicer.tables.peer = replicator.forwarding.peer_client
+        servicer.tables.server_id = servicer.server_id
     handle = make_server(address, servicer, _add_parameter_server, SERVICE_NAME, token=token,
                          tls=tls, max_message_bytes=max_message_bytes,
                          max_workers=max_workers, thread_name_prefix="psserver-rpc",

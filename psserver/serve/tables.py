@@ -11,19 +11,25 @@ its message (TableSpec) and the store's plain ``TableSpec``, field for field.
 from __future__ import annotations
 
 import dataclasses
+import re
+import time
+from typing import Callable
 
 from google.protobuf import json_format
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver.contract import MAX_COUNT, Initializer
 from psserver.contract import tensor as T
+from psserver.core import table_moves as M
 from psserver.core.table_config import TableConfig
 from psserver.core.table_store import StateCopy, TableSpec, TableStatus, TableStore
-from psserver.errors import InvalidArgument
+from psserver.errors import FailedPrecondition, InvalidArgument
 from psserver.link import tensor_proto as TP
 from psserver.serve.handling import deadline_of, save_fields, sync_spec_of
 
 _INT64_MAX = (1 << 63) - 1
+#: A server's address: host (a name, IPv4, or [IPv6]) and port.
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
 
 #: TableSpec's fields that are TableConfig's (of the same names), but the initializer.
@@ -82,6 +88,10 @@ class TableServicer:
     def __init__(self, store: TableStore, max_message_bytes: int):
         self.store = store
         self.max_message_bytes = max_message_bytes
+        # address -> a client of that server (with this server's token and
+        # TLS): where MoveBuckets sends rows (psserver/serve/server.py sets it)
+        self.peer: Callable[[str], object] | None = None
+        self.server_id = ""   # this server's (ServerInfo.server_id)
 
     def Create(self, request, context):
         return _info(self.store.create(request.name, spec_of(request.spec), request.exist_ok))
@@ -143,5 +153,29 @@ class TableServicer:
         else:
             rows = self.store.import_rows(
                 request.name, state, step, request.reset,
-                request.capacity if request.HasField("capacity") else None)
+                request.capacity if request.HasField("capacity") else None,
+                [int(i) for i in request.applied_ids])
         return tables_pb2.ImportTableReply(rows=rows)
+
+    def MoveBuckets(self, request, context):
+        mask = M.buckets_of_bitmap(request.buckets)
+        dest = request.destination
+        if not _ADDRESS.fullmatch(dest):
+            raise InvalidArgument(f"a move's destination is host:port, got {dest[:100]!r}")
+        if self.peer is None:
+            raise FailedPrecondition("this server sends no rows to other servers")
+        copy = self.store.registry.table(request.name)
+        deadline = deadline_of(context)
+        left = (lambda: None if deadline is None else max(0.001, deadline - time.monotonic()))
+        client = self.peer(dest)
+        try:   # (the shard's lock is held while it sends: never to itself)
+            if client.server_info(timeout=left()).server_id == self.server_id:
+                raise InvalidArgument(f"a move's destination {dest!r} is this server")
+            rows, nbytes, held = M.move_buckets(
+                copy, mask, lambda state, step, ids: client.import_table(
+                    request.name, state, step, reset=False, applied_ids=ids, timeout=left()),
+                request.capacity if request.HasField("capacity") else None,
+                int(request.layout_epoch))
+        finally:
+            client.close()
+        return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes, held=held)

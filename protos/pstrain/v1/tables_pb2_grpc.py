@@ -74,6 +74,11 @@ class DynamicTablesStub:
                 request_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableRequest.SerializeToString,
                 response_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableReply.FromString,
                 _registered_method=True)
+        self.MoveBuckets = channel.unary_unary(
+                '/pstrain.v1.DynamicTables/MoveBuckets',
+                request_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.MoveBucketsRequest.SerializeToString,
+                response_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.MoveBucketsReply.FromString,
+                _registered_method=True)
 
 
 class DynamicTablesServicer:
@@ -127,6 +132,12 @@ class DynamicTablesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveBuckets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DynamicTablesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_DynamicTablesServicer_to_server(servicer, server):
                     servicer.Import,
                     request_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableRequest.FromString,
                     response_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableReply.SerializeToString,
+            ),
+            'MoveBuckets': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveBuckets,
+                    request_deserializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.MoveBucketsRequest.FromString,
+                    response_serializer=protos_dot_pstrain_dot_v1_dot_tables__pb2.MoveBucketsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class DynamicTables:
             '/pstrain.v1.DynamicTables/Import',
             protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableRequest.SerializeToString,
             protos_dot_pstrain_dot_v1_dot_tables__pb2.ImportTableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveBuckets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.DynamicTables/MoveBuckets',
+            protos_dot_pstrain_dot_v1_dot_tables__pb2.MoveBucketsRequest.SerializeToString,
+            protos_dot_pstrain_dot_v1_dot_tables__pb2.MoveBucketsReply.FromString,
             options,
             channel_credentials,
             insecure,

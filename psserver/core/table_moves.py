@@ -1,0 +1,91 @@
+"""Elastic servers: a table shard hands the rows of some buckets of its key
+space to the shard of the same table on another server (tables.proto
+MoveBuckets; the coordinator's side is coordinator/elastic.py).
+
+Under the shard's lock, so that no look-up or update of this shard runs
+meanwhile: the rows of the buckets (their values, per-row slots, look-up
+counts and ages, psserver.core.dynamic_table.DynamicTable.export) and the
+shard's memory of applied update keys go to the destination (its Import, in
+pieces); only once it has them all are they dropped here, and the shard
+refuses keys of those buckets from then on (TableShardCopy.check_here). A
+copy that fails changes nothing here (the destination may hold some of the
+rows: the coordinator deletes its shard, which took no calls yet). The
+rows are dropped as evicted for the shard's change tracking, so the next
+incremental save records them gone; the shard's statistics do not count
+them as evictions. Not for a replicated shard (its backup would have to
+follow the move: refused, FailedPrecondition).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from psserver.contract.keys import BUCKETS, bucket_of
+from psserver.errors import FailedPrecondition, InvalidArgument
+
+#: A move request's bitmap of buckets: one bit per bucket.
+BITMAP_BYTES = BUCKETS // 8
+
+
+def buckets_of_bitmap(raw: bytes) -> np.ndarray:
+    """The bool mask of the buckets a bitmap names (bucket b: bit b % 8 of
+    byte b // 8); InvalidArgument for another length or no bucket."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != BITMAP_BYTES:
+        raise InvalidArgument(f"a move names its buckets as a bitmap of {BITMAP_BYTES} bytes "
+                              f"({BUCKETS} buckets), got {len(raw)} bytes")
+    mask = np.unpackbits(np.frombuffer(bytes(raw), np.uint8), bitorder="little").astype(bool)
+    if not mask.any():
+        raise InvalidArgument("a move names no bucket: name at least one")
+    return mask
+
+
+def bitmap_of_buckets(mask) -> bytes:
+    """The bitmap of a bool mask of BUCKETS buckets (buckets_of_bitmap's inverse)."""
+    mask = np.asarray(mask, bool)
+    if mask.shape != (BUCKETS,):
+        raise ValueError(f"a bucket mask has {BUCKETS} entries, got shape {mask.shape}")
+    return np.packbits(mask, bitorder="little").tobytes()
+
+
+def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None],
+                 capacity: int | None, epoch: int) -> tuple[int, int, int]:
+    """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
+    step, applied_ids)`` puts them there (raising if it could not: nothing
+    changes here). ``capacity``: this shard's part of the table's capacity
+    afterwards (None: unchanged); ``epoch``: the table's layout epoch
+    after the move, named in refusals. Returns (rows, bytes, rows held)."""
+    if capacity is not None and not 0 <= capacity < 1 << 40:
+        raise InvalidArgument(f"a move's capacity is an integer in [0, 2**40), got {capacity}")
+    if not 0 <= epoch < 1 << 62:
+        raise InvalidArgument(f"a move's layout epoch is in [0, 2**62), got {epoch}")
+    with copy.lock:
+        copy.check_primary()
+        if copy.link is not None:
+            raise FailedPrecondition(
+                f"table {copy.table_name!r}: this shard is replicated (it has a backup copy); "
+                "moving its buckets to another server is not supported with replication yet. "
+                "Nothing was moved")
+        if copy.acc is not None:
+            raise FailedPrecondition(
+                f"table {copy.table_name!r}: a sync step is being gathered on this shard; move "
+                "its buckets between steps (nothing was moved)")
+        if copy.moved is not None and (copy.moved & mask).any():
+            raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets were "
+                                  "handed to another server already; nothing was moved")
+        t = copy.table
+        keys, _ = t.index.items()
+        keys = np.sort(keys[mask[bucket_of(keys)]])
+        state = t.export(keys)
+        state.pop("evicted", None)
+        send(state, t.step, list(copy.applied))
+        nbytes = sum(a.nbytes for k, a in state.items()
+                     if k == "values" or (k.startswith("slot/") and np.ndim(a)))
+        t.drop(keys)
+        copy.moved = mask.copy() if copy.moved is None else copy.moved | mask
+        copy.moved_epoch = epoch
+        if capacity is not None:
+            t.set_capacity(capacity)
+            copy.spec = copy.spec.with_capacity(capacity)
+        copy.version += 1
+        return int(keys.size), int(nbytes), len(t)

@@ -1,0 +1,185 @@
+"""A table shard hands buckets of its key space to another server
+(DynamicTables.MoveBuckets, psserver/core/table_moves.py), on real server
+processes: the rows arrive whole (values, optimizer slots, look-up counts,
+ages) with the memory of applied update keys; the source refuses their
+keys from then on; a refused or failed move changes nothing; the call
+needs the token and refuses malformed input with INVALID_ARGUMENT."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protos.pstrain.v1 import tables_pb2
+from psserver.client import PSClient
+from psserver.contract import TOKEN_ENV
+from psserver.contract.keys import BUCKETS, bucket_of
+from psserver.core.table_moves import BITMAP_BYTES, bitmap_of_buckets
+from psserver.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PSError,
+    Unauthenticated,
+    Unavailable,
+)
+from psserver.link import methods
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "move-token"
+KEYS = np.arange(1, 2001, dtype=np.int64) * 7919
+
+
+def _two(start_ps):
+    a, b = start_ps(env={TOKEN_ENV: TOKEN}), start_ps(env={TOKEN_ENV: TOKEN})
+    return PSClient(a.address, token=TOKEN), PSClient(b.address, token=TOKEN)
+
+
+def _make(c: PSClient, capacity: int = 0, optimizer: str = "adam") -> None:
+    c.create_table("emb", 4, initializer="ones", optimizer=optimizer,
+                   optimizer_params={"learning_rate": 0.1}, capacity=capacity)
+
+
+def _trained(c: PSClient) -> None:
+    """Rows for KEYS, updated twice (Adam: its slots and count move too), one
+    update with a known key."""
+    c.lookup("emb", KEYS)
+    c.lookup("emb", KEYS[:500])   # counts: 2 for the first 500
+    grads = np.linspace(-1, 1, KEYS.size * 4, dtype=np.float32).reshape(-1, 4)
+    c.update_table("emb", KEYS, grads, update_id=11)
+    c.update_table("emb", KEYS, grads * 2, update_id=12)
+
+
+def test_moved_rows_arrive_whole_and_the_source_refuses_their_keys(start_ps):
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src)
+        _make(dst)
+        _trained(src)
+        mask = np.zeros(BUCKETS, bool)
+        mask[: BUCKETS // 3] = True
+        moving = mask[bucket_of(KEYS)]
+        assert 0 < moving.sum() < KEYS.size
+        before = src.lookup("emb", KEYS, admit=False)
+        info = src.table_info("emb")
+        reply = src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address,
+                                       layout_epoch=3)
+        assert (reply.rows, reply.held) == (moving.sum(), KEYS.size - moving.sum())
+        assert reply.bytes == moving.sum() * 4 * 4 * 3   # values, Adam's m and v
+        np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False),
+                                      before[moving])
+        np.testing.assert_array_equal(src.lookup("emb", KEYS[~moving], admit=False),
+                                      before[~moving])
+        assert dst.table_info("emb").rows == moving.sum()
+        # the source refuses a moved key, whatever the call, and changes nothing
+        for call in (lambda: src.lookup("emb", KEYS[moving][:3]),
+                     lambda: src.lookup("emb", KEYS[moving][:1], admit=False),
+                     lambda: src.update_table("emb", KEYS[:50], np.ones((50, 4), np.float32),
+                                              update_id=99)):
+            with pytest.raises(FailedPrecondition, match="layout epoch 3"):
+                call()
+        after = src.table_info("emb")
+        assert (after.rows, after.step, after.lookups) == \
+            (KEYS.size - moving.sum(), info.step, info.lookups)   # (admit=False counts none)
+        # the same update again (a resend) is answered, not applied, on both sides
+        grads = np.ones((KEYS.size, 4), np.float32)
+        for c, part in ((src, ~moving), (dst, moving)):
+            held = c.lookup("emb", KEYS[part], admit=False)
+            c.update_table("emb", KEYS[part], grads[part], update_id=12)
+            np.testing.assert_array_equal(c.lookup("emb", KEYS[part], admit=False), held)
+        # a new update applies at the destination as it would have at the source,
+        # from the moved slots and count (Adam): compare with a shard that kept them
+        ref = PSClient(start_ps(env={TOKEN_ENV: TOKEN}).address, token=TOKEN)
+        with ref:
+            _make(ref)
+            _trained(ref)
+            ref.update_table("emb", KEYS[moving], grads[moving], update_id=13)
+            dst.update_table("emb", KEYS[moving], grads[moving], update_id=13)
+            np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False),
+                                          ref.lookup("emb", KEYS[moving], admit=False))
+
+
+def test_a_move_that_cannot_reach_its_destination_changes_nothing(start_ps):
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src)
+        _trained(src)
+        before = src.lookup("emb", KEYS, admit=False)
+        rows = src.table_info("emb").rows
+        mask = np.ones(BUCKETS, bool)
+        with pytest.raises(NotFound):   # no table there
+            src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
+        closed = start_ps(env={TOKEN_ENV: TOKEN})
+        address = closed.address
+        closed.kill()
+        with pytest.raises((Unavailable, PSError)):
+            src.move_table_buckets("emb", bitmap_of_buckets(mask), address, timeout=10)
+        np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
+        assert src.table_info("emb").rows == rows
+        src.update_table("emb", KEYS[:5], np.ones((5, 4), np.float32))   # still takes every key
+
+
+def test_capacity_and_the_moved_buckets_follow_the_move(start_ps):
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src, capacity=5000, optimizer="sgd")
+        _make(dst, capacity=1000, optimizer="sgd")
+        _trained(src)
+        mask = np.zeros(BUCKETS, bool)
+        mask[::2] = True
+        src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address, capacity=4000)
+        assert src.table_info("emb").spec.capacity == 4000
+        with pytest.raises(InvalidArgument, match="handed to another server already"):
+            src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
+        # a restore (an import with reset) gives the shard every bucket back
+        src.import_table("emb", {"keys": KEYS[:2], "values": np.zeros((2, 4), np.float32),
+                                 "age_steps": np.zeros(2, np.int64),
+                                 "age_seconds": np.zeros(2), "freq": np.ones(2, np.int64)},
+                         0, reset=True)
+        src.lookup("emb", KEYS)
+
+
+def _raw(c: PSClient, **fields):
+    return c._call(methods.TABLE_MOVE, tables_pb2.MoveBucketsRequest(name="emb", **fields))
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(buckets=b"", destination="127.0.0.1:1"), "bitmap of 512 bytes"),
+    (dict(buckets=b"\x01" * (BITMAP_BYTES + 1), destination="127.0.0.1:1"), "512 bytes"),
+    (dict(buckets=b"\x00" * BITMAP_BYTES, destination="127.0.0.1:1"), "names no bucket"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="no port"), "host:port"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="a:1; rm -rf /"), "host:port"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="SELF"), "is this server"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", capacity=-1),
+     "capacity"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", layout_epoch=-5),
+     "layout epoch"),
+])
+def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match):
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src)
+        _trained(src)
+        before = src.lookup("emb", KEYS, admit=False)
+        if fields["destination"] == "SELF":
+            fields = dict(fields, destination=src.address)
+        elif match in ("capacity", "layout epoch"):   # (checked past the destination)
+            fields = dict(fields, destination=dst.address)
+        with pytest.raises(InvalidArgument, match=match):
+            _raw(src, **fields)
+        np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
+
+
+def test_a_move_needs_the_token(start_ps):
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src)
+        _make(dst)
+        _trained(src)
+        before = src.lookup("emb", KEYS, admit=False)
+        for token in (None, "wrong"):
+            with PSClient(src.address, token=token) as other:
+                with pytest.raises(Unauthenticated):
+                    other.move_table_buckets("emb", b"\xff" * BITMAP_BYTES, dst.address)
+        np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
+        assert dst.table_info("emb").rows == 0
