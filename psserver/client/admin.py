@@ -383,13 +383,15 @@ class PSAdmin:
 
     def move_table_buckets(self, name: str, buckets: bytes, destination: str, *,
                            capacity: int | None = None, layout_epoch: int = 0,
+                           layout: str = "",
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
         ``destination`` and refuses their keys from then on (tables.proto
-        MoveBuckets); ``capacity``: its part of the table's afterwards."""
+        MoveBuckets); ``capacity``: its part of the table's afterwards;
+        ``layout``: the table's layout after the move (JSON), served by Info."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
-                                            layout_epoch=layout_epoch)
+                                            layout_epoch=layout_epoch, layout=layout)
         if capacity is not None:
             req.capacity = capacity
         return self._call(methods.TABLE_MOVE, req, timeout)

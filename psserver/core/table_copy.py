@@ -26,7 +26,7 @@ from psserver.core import replication as R
 from psserver.core import sync as S
 from psserver.core.dynamic_table import DynamicTable
 from psserver.core.shards import CopyState
-from psserver.errors import FailedPrecondition, InvalidArgument
+from psserver.errors import InvalidArgument, NotPrimary
 
 
 class TableShardCopy(CopyState):
@@ -61,7 +61,7 @@ class TableShardCopy(CopyState):
         # keys refused here from then on) and the table's layout epoch after
         # the last move; None: it handed none over since it was made or reset.
         self.moved: np.ndarray | None = None
-        self.moved_epoch = 0
+        self.moved_epoch, self.layout = 0, ""   # (the layout: JSON, served by Info)
 
     @property
     def tracker(self):
@@ -88,20 +88,19 @@ class TableShardCopy(CopyState):
         self.table.tracker = None
 
     def check_here(self, keys: np.ndarray) -> None:
-        """FailedPrecondition (lock held; nothing changed) if one of ``keys``
+        """NotPrimary (lock held; nothing changed) if one of ``keys``
         is of a bucket this shard handed to another server: the caller's
         description of the table is older than the move, and a row served or
         made here would be a wrong one."""
         if self.moved is not None and keys.size:
             gone = self.moved[bucket_of(keys.reshape(-1))]
             if gone.any():
-                raise FailedPrecondition(
+                raise NotPrimary(
                     f"table {self.table_name!r}: {int(gone.sum())} of these keys are of "
                     f"buckets this server's shard handed to another server (the table's "
-                    f"layout epoch {self.moved_epoch}); nothing was read or changed here. The "
-                    "caller's description of the table is older than the move: a job's "
-                    "closures get the current one from the coordinator; elsewhere take the "
-                    "table from the strategy again (strategy.tables)")
+                    f"layout epoch {self.moved_epoch}); nothing was read or changed here. Read "
+                    "the table's layout here (TableInfo.layout: coordinator/embedding.py "
+                    "does) and send the keys where it says")
 
     # -- the primary ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -7,7 +7,9 @@ meanwhile: the rows of the buckets (their values, per-row slots, look-up
 counts and ages, psserver.core.dynamic_table.DynamicTable.export) and the
 shard's memory of applied update keys go to the destination (its Import, in
 pieces); only once it has them all are they dropped here, and the shard
-refuses keys of those buckets from then on (TableShardCopy.check_here). A
+refuses keys of those buckets from then on (TableShardCopy.check_here:
+NotPrimary, nothing applied; the caller reads the table's layout, which
+Info serves, and sends them where it says). A
 copy that fails changes nothing here (the destination may hold some of the
 rows: the coordinator deletes its shard, which took no calls yet). The
 rows are dropped as evicted for the shard's change tracking, so the next
@@ -48,17 +50,25 @@ def bitmap_of_buckets(mask) -> bytes:
     return np.packbits(mask, bitorder="little").tobytes()
 
 
+#: Bytes of a table's layout a move may give (served by Info as it is).
+MAX_LAYOUT_BYTES = 64 << 10
+
+
 def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None],
-                 capacity: int | None, epoch: int) -> tuple[int, int, int]:
+                 capacity: int | None, epoch: int, layout: str = "") -> tuple[int, int, int]:
     """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
     step, applied_ids)`` puts them there (raising if it could not: nothing
     changes here). ``capacity``: this shard's part of the table's capacity
     afterwards (None: unchanged); ``epoch``: the table's layout epoch
-    after the move, named in refusals. Returns (rows, bytes, rows held)."""
+    after the move, named in refusals, and ``layout`` that layout (JSON,
+    served by Info from then on: the caller of a refused key reads it).
+    Returns (rows, bytes, rows held)."""
     if capacity is not None and not 0 <= capacity < 1 << 40:
         raise InvalidArgument(f"a move's capacity is an integer in [0, 2**40), got {capacity}")
     if not 0 <= epoch < 1 << 62:
         raise InvalidArgument(f"a move's layout epoch is in [0, 2**62), got {epoch}")
+    if len(layout.encode()) > MAX_LAYOUT_BYTES:
+        raise InvalidArgument(f"a move's layout takes at most {MAX_LAYOUT_BYTES} bytes")
     with copy.lock:
         copy.check_primary()
         if copy.link is not None:
@@ -83,7 +93,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
                      if k == "values" or (k.startswith("slot/") and np.ndim(a)))
         t.drop(keys)
         copy.moved = mask.copy() if copy.moved is None else copy.moved | mask
-        copy.moved_epoch = epoch
+        copy.moved_epoch, copy.layout = epoch, layout
         if capacity is not None:
             t.set_capacity(capacity)
             copy.spec = copy.spec.with_capacity(capacity)

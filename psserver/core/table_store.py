@@ -540,7 +540,7 @@ class TableStore:
             for i in applied_ids:
                 copy.remember(i)
             if reset:   # a restored shard: no sync step applied or pending, no bucket moved
-                copy.acc, copy.sync_steps, copy.moved = None, 0, None
+                copy.acc, copy.sync_steps, copy.moved, copy.layout = None, 0, None, ""
                 copy.cond.notify_all()
             if copy.link is not None:   # the backup copies the new state whole
                 copy.link.reset()

@@ -18,7 +18,7 @@ from typing import Callable
 from google.protobuf import json_format
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
-from psserver.contract import MAX_COUNT, Initializer
+from psserver.contract import MAX_COUNT, TABLE_PREFIX, Initializer
 from psserver.contract import tensor as T
 from psserver.core import table_moves as M
 from psserver.core.table_config import TableConfig
@@ -118,10 +118,16 @@ class TableServicer:
                                            step=done.step, late=done.late)
 
     def Info(self, request, context):
-        return _info(self.store.info(request.name))
+        return self._with_layout(_info(self.store.info(request.name)))
 
     def List(self, request, context):
-        return tables_pb2.ListTablesReply(tables=[_info(s) for s in self.store.list()])
+        return tables_pb2.ListTablesReply(tables=[self._with_layout(_info(s))
+                                                  for s in self.store.list()])
+
+    def _with_layout(self, info: tables_pb2.TableInfo) -> tables_pb2.TableInfo:
+        copy = self.store.registry.find(TABLE_PREFIX + info.name)
+        info.layout = "" if copy is None else copy.layout   # (a str: read whole)
+        return info
 
     def Delete(self, request, context):
         return tables_pb2.DeleteTableReply(deleted=self.store.delete(request.name))
@@ -175,7 +181,7 @@ class TableServicer:
                 copy, mask, lambda state, step, ids: client.import_table(
                     request.name, state, step, reset=False, applied_ids=ids, timeout=left()),
                 request.capacity if request.HasField("capacity") else None,
-                int(request.layout_epoch))
+                int(request.layout_epoch), request.layout)
         finally:
             client.close()
         return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes, held=held)

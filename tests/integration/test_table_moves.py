@@ -15,9 +15,9 @@ from psserver.contract import TOKEN_ENV
 from psserver.contract.keys import BUCKETS, bucket_of
 from psserver.core.table_moves import BITMAP_BYTES, bitmap_of_buckets
 from psserver.errors import (
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
+    NotPrimary,
     PSError,
     Unauthenticated,
     Unavailable,
@@ -62,8 +62,11 @@ def test_moved_rows_arrive_whole_and_the_source_refuses_their_keys(start_ps):
         assert 0 < moving.sum() < KEYS.size
         before = src.lookup("emb", KEYS, admit=False)
         info = src.table_info("emb")
+        assert src.table_info("emb").layout == ""
         reply = src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address,
-                                       layout_epoch=3)
+                                       layout_epoch=3, layout='{"epoch": 3}')
+        assert src.table_info("emb").layout == '{"epoch": 3}'   # what a refused caller reads
+        assert [t.layout for t in src.list_tables()] == ['{"epoch": 3}']
         assert (reply.rows, reply.held) == (moving.sum(), KEYS.size - moving.sum())
         assert reply.bytes == moving.sum() * 4 * 4 * 3   # values, Adam's m and v
         np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False),
@@ -76,7 +79,7 @@ def test_moved_rows_arrive_whole_and_the_source_refuses_their_keys(start_ps):
                      lambda: src.lookup("emb", KEYS[moving][:1], admit=False),
                      lambda: src.update_table("emb", KEYS[:50], np.ones((50, 4), np.float32),
                                               update_id=99)):
-            with pytest.raises(FailedPrecondition, match="layout epoch 3"):
+            with pytest.raises(NotPrimary, match="layout epoch 3"):
                 call()
         after = src.table_info("emb")
         assert (after.rows, after.step, after.lookups) == \
@@ -131,12 +134,13 @@ def test_capacity_and_the_moved_buckets_follow_the_move(start_ps):
         assert src.table_info("emb").spec.capacity == 4000
         with pytest.raises(InvalidArgument, match="handed to another server already"):
             src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
-        # a restore (an import with reset) gives the shard every bucket back
+        # a restore (an import with reset) gives the shard every bucket back, and no layout
         src.import_table("emb", {"keys": KEYS[:2], "values": np.zeros((2, 4), np.float32),
                                  "age_steps": np.zeros(2, np.int64),
                                  "age_seconds": np.zeros(2), "freq": np.ones(2, np.int64)},
                          0, reset=True)
         src.lookup("emb", KEYS)
+        assert src.table_info("emb").layout == ""
 
 
 def _raw(c: PSClient, **fields):
@@ -154,6 +158,8 @@ def _raw(c: PSClient, **fields):
      "capacity"),
     (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", layout_epoch=-5),
      "layout epoch"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", layout="x" * 70000),
+     "layout takes at most"),
 ])
 def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match):
     src, dst = _two(start_ps)
@@ -163,7 +169,7 @@ def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match)
         before = src.lookup("emb", KEYS, admit=False)
         if fields["destination"] == "SELF":
             fields = dict(fields, destination=src.address)
-        elif match in ("capacity", "layout epoch"):   # (checked past the destination)
+        elif match in ("capacity", "layout epoch", "layout takes at most"):   # (checked past the destination)
             fields = dict(fields, destination=dst.address)
         with pytest.raises(InvalidArgument, match=match):
             _raw(src, **fields)

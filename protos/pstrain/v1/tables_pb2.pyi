@@ -52,7 +52,7 @@ class TableRef(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "spec", "rows", "step", "lookups", "hits", "admitted", "not_admitted", "evicted_capacity", "evicted_age", "updated", "dropped", "bytes", "sync_steps", "late")
+    __slots__ = ("name", "spec", "rows", "step", "lookups", "hits", "admitted", "not_admitted", "evicted_capacity", "evicted_age", "updated", "dropped", "bytes", "sync_steps", "late", "layout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class TableInfo(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     spec: TableSpec
     rows: int
@@ -83,7 +84,8 @@ class TableInfo(_message.Message):
     bytes: int
     sync_steps: int
     late: int
-    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admitted: _Optional[int] = ..., not_admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_age: _Optional[int] = ..., updated: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ..., sync_steps: _Optional[int] = ..., late: _Optional[int] = ...) -> None: ...
+    layout: str
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows: _Optional[int] = ..., step: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., admitted: _Optional[int] = ..., not_admitted: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., evicted_age: _Optional[int] = ..., updated: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ..., sync_steps: _Optional[int] = ..., late: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("name", "keys", "no_admit", "counts", "sync")
@@ -236,18 +238,20 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
     capacity: int
     layout_epoch: int
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    layout: str
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
     __slots__ = ("rows", "bytes", "held")
