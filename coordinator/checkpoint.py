@@ -76,8 +76,8 @@ import secrets
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from coordinator import elastic, ps_pool
 from coordinator import metrics as _metrics
-from coordinator import ps_pool
 from coordinator import variables as V
 from coordinator.checkpoint_files import (
     CheckpointError,
@@ -208,7 +208,7 @@ class CheckpointManager:
         again by the next one).
         """
         self._clear_leftovers()
-        ps_index = {addr: i for i, addr in enumerate(self.strategy.cluster_spec.ps)}
+        ps_index = {addr: i for i, addr in enumerate(self.strategy.parameter_servers)}
         final = os.path.join(self.directory, f"ckpt-{step:08d}")
         orphans = dependents(self.directory, final) if os.path.exists(final) else []
         incremental = None
@@ -226,14 +226,16 @@ class CheckpointManager:
                                     tables=self.strategy.tables, incremental=incremental,
                                     mirrored=mirrored)
         try:
-            final, nbytes = write(incremental)
+            with elastic.LAYOUT_LOCK:   # (no bucket moves under a save)
+                final, nbytes = write(incremental)
         except FailedPrecondition as exc:
             if incremental is None or incremental.parent is None:
                 raise
             # A server has forgotten the parent's save (it took too many since): a base.
             log.warning("incremental checkpoint at step %d written whole: %s", step, exc)
-            final, nbytes = write(Incremental(secrets.randbits(63) + 1, self.stream, None,
-                                              self.weights_only))
+            with elastic.LAYOUT_LOCK:
+                final, nbytes = write(Incremental(secrets.randbits(63) + 1, self.stream, None,
+                                                  self.weights_only))
         self._last_step, self._last_time = step, time.monotonic()
         self._parent, self._force_full = final, False
         (self._candidates.add if candidate else self._candidates.discard)(final)

@@ -341,6 +341,8 @@ class _ClosureQueue:
                 self._queue.appendleft(closure)
                 self._queued_locked()
                 _metrics.CLOSURES_RETRIED.inc()
+            if self._inflight == 0:
+                self._stop_waiting.notify_all()
 
     def finish(self, closure: Closure, value) -> None:
         """An in-flight closure's result came back (``ABANDONED``: a sync
@@ -368,8 +370,8 @@ class _ClosureQueue:
     def _mark_finished(self) -> None:
         with self._lock:
             self._inflight -= 1
-            if not self._queue and self._inflight == 0:   # what wait() waits for: a
-                self._stop_waiting.notify_all()           # join wakes once, not per closure
+            if self._inflight == 0:   # what wait() and wait_idle() wait for: a join
+                self._stop_waiting.notify_all()   # wakes once, not per closure
 
     def _mark_failed(self, error: BaseException) -> None:
         """A closure failed: keep the first error, cancel everything queued."""
@@ -405,6 +407,12 @@ class _ClosureQueue:
                 timeout)
             self._raise_error_locked()
             return ok
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no closure is in flight (queued ones may wait: while
+        none may start); whether that happened within ``timeout``."""
+        with self._lock:
+            return self._stop_waiting.wait_for(lambda: self._inflight == 0, timeout)
 
     def done(self) -> bool:
         with self._lock:

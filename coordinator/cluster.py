@@ -30,6 +30,7 @@ stopping) wakes it (``clocks_changed``, ``resume``, ``queue.wake``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -122,6 +123,7 @@ class Cluster:
             weakref.WeakKeyDictionary()
         # Set while a parameter server is being recovered: no closure starts.
         self._paused = threading.Event()
+        self._held = 0   # between_steps calls inside: no closure starts either
         # Notified when a clock or a worker's liveness changes, or the pause ends.
         self._changes = threading.Condition()
         self._max_clock_gap = 0
@@ -224,6 +226,11 @@ class Cluster:
                 self._max_clock_gap = max(self._max_clock_gap, gap)
         return closure
 
+    def forget_function_refs(self) -> None:
+        """Send functions by value anew from now on (pickled again: what they
+        capture changed, a table's layout after a server was added)."""
+        self._fn_refs.clear()
+
     def function_ref(self, fn: Callable) -> worker_pb2.FunctionRef:
         """How ``fn`` travels to the workers (serialization.encode_function),
         made once per function object. Raises TypeError if it cannot."""
@@ -310,7 +317,7 @@ class Cluster:
         being recovered, and in bounded mode (staleness s) its clock is at
         most s ahead of the slowest live worker's. Reads no lock (the queue
         calls it under its own)."""
-        if self._paused.is_set() or self.gangs.paused:   # (a recovery of either kind)
+        if self._paused.is_set() or self.gangs.paused or self._held:   # (a recovery, a move)
             return False
         s = self.strategy.staleness
         return s is None or worker.clock - self.min_clock() <= s
@@ -350,6 +357,24 @@ class Cluster:
     def pause(self) -> None:
         """No closure starts until ``resume`` (closures in flight go on)."""
         self._paused.set()
+
+    @contextlib.contextmanager
+    def between_steps(self, timeout: float | None):
+        """Run the body while no closure runs: none starts, and those in
+        flight end first (TimeoutError, nothing done, if they do not within
+        ``timeout``). A recovery's pause and resume go on meanwhile."""
+        with self._steps_lock:
+            self._held += 1
+        try:
+            if not self.queue.wait_idle(timeout):
+                raise TimeoutError(f"closures were still running after {timeout}s")
+            yield
+        finally:
+            with self._steps_lock:
+                self._held -= 1
+            with self._changes:
+                self._changes.notify_all()
+            self.queue.wake()
 
     def resume(self) -> None:
         self._paused.clear()

@@ -58,6 +58,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
+from coordinator import elastic
 from coordinator import metrics as _metrics
 from coordinator.closures import (  # noqa: F401  (re-exported)
     ABANDONED,
@@ -267,6 +268,23 @@ class ClusterCoordinator:
         if address not in members:
             raise ValueError(f"{source!r} is not a worker of the cluster spec: {members}")
         return variables, address
+
+    def add_parameter_server(self, address: str, timeout: float | None = 300.0) -> list:
+        """Add the parameter server at ``address`` to the running job: each
+        dynamic table moves about 1/(n+1) of its rows there, between two
+        steps (closures in flight end first, within ``timeout``, and no
+        closure starts during the move; queued ones are planned again on the
+        new layout: none fails), and variables and tables created from then
+        on are placed over every server. Returns what moved, per table
+        (coordinator.elastic.TableMove). ValueError, nothing changed, with
+        replication or in sync mode (not supported yet) or for an address
+        the job has; coordinator/elastic.py says what moves and what a
+        failure part-way leaves."""
+        elastic.check_add(self.strategy, address)
+        with self._cluster.between_steps(timeout):
+            moves = self.strategy.add_parameter_server(address)
+            self._cluster.forget_function_refs()   # closures carry the new layout from now on
+        return moves
 
     def join(self, timeout: float | None = None) -> None:
         """Block until every scheduled function has finished.

@@ -104,6 +104,15 @@ class DynamicEmbedding:
     replicated: bool = False
     capacity: int = 0
     buckets: BucketMap | None = None
+    # Which layout ``addresses`` and ``buckets`` are (coordinator/layouts.py:
+    # adding a server moves buckets, and a description learns the new layout
+    # in place), and the table's identity in every copy of its description.
+    layout_epoch: int = 0
+    table_id: str = ""
+    origin_shards: int = 0   # shards when created (0: as many as addresses)
+
+    def __hash__(self) -> int:   # (not of the layout: a description learns a new one in place)
+        return hash((self.name, self.table_id))
 
     def __post_init__(self):
         if self.buckets is None:

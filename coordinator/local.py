@@ -311,6 +311,18 @@ class LocalCluster:
         self._supervise("worker", index)
         return index
 
+    def add_ps(self) -> str:
+        """Start one more parameter server; return its address (give it to
+        ClusterCoordinator.add_parameter_server: the job does not take it
+        by itself)."""
+        with self._lock:
+            next_index = len(self.ps)
+        p = self._start("ps", next_index)
+        with self._lock:
+            self.ps.append(p)
+        self._supervise("ps", next_index)
+        return p.address
+
     def restart_worker(self, index: int) -> None:
         """SIGKILL worker ``index`` (if running) and start a new one on its address.
 

@@ -30,6 +30,9 @@ its update keys fixed before the first send):
   (``Routes.refresh``); if any route it was planned on is no longer the
   current one (whoever found out), every call is planned again on the new
   routes and resent (``plan`` is called again; its update keys stay);
+* one whose dynamic table keys the server refused as handed to another
+  server (NotPrimary) reads the table's layout there
+  (coordinator/layouts.py) and, if newer, every call is planned again on it;
 * every reply is read before an error goes up (each holds a connection or
   a shared-memory segment until it is).
 """
@@ -42,6 +45,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from coordinator import layouts
 from coordinator.routes import Routes
 from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV
@@ -66,6 +70,7 @@ class Op:
     send: Callable[[PSClient], Pending]
     routes: tuple = ()
     pairs: tuple = ()   # the (variable or table, shard index) it reaches, for refresh
+    tables: tuple = ()  # the dynamic tables it reaches unreplicated (a refusal: their layout)
 
 
 class _Rerouted(Exception):
@@ -196,7 +201,8 @@ class ParameterServers:
                     out.append(p.result())
                     break
                 except _RETRYABLE as exc:
-                    if op.routes and self._moved(op):
+                    if (op.routes and self._moved(op)) or (
+                            isinstance(exc, NotPrimary) and op.tables and self._relaid(op)):
                         _drain(pending[k + 1:])
                         raise _Rerouted() from None
                     if time.monotonic() > deadline or (isinstance(exc, NotPrimary)
@@ -216,6 +222,21 @@ class ParameterServers:
         planned on is not the current one (moved since, found out by anyone)."""
         self.refresh(op.pairs)
         return any(self.routes.get(key) != seen for key, seen in op.routes)
+
+    def _relaid(self, op: Op) -> bool:
+        """Ask op's server for the layout of op's tables (a move of buckets
+        refused some of their keys there: coordinator/layouts.py); whether a
+        table is at a newer one now (found out by this or another call)."""
+        changed = False
+        for table in op.tables:
+            try:
+                info = self.client(op.address).table_info(table.name, timeout=ASK_SECONDS)
+            except PSError:
+                continue
+            layout = layouts.parse(info.layout)
+            changed |= layouts.learn(table, layout) if layout is not None else \
+                layouts.current(table)
+        return changed
 
     def refresh(self, pairs) -> bool:
         """Ask both copies of each (variable or table, shard index) who leads
@@ -284,3 +305,20 @@ def close_clients() -> None:
     s = _servers
     if s is not None:
         s.close()
+
+
+def delete_copies(v, delete) -> None:
+    """``delete(copy)`` on each shard's primary as the routes have it now
+    (its errors raised), then on its other copy unless the primary is alone
+    (that copy is gone: a server lost for good holds nothing to delete); an
+    other copy whose server does not answer is skipped (issue 33 item 10:
+    the shipped job failed at its clean-up after a server was lost)."""
+    routes = servers().routes
+    for k in range(v.num_shards):   # (the copies a sync push reaches: the primary first)
+        primary, *other = routes.targets_of(v, k, routes.route(v, k), True)
+        delete(primary)
+        for copy in other:
+            try:
+                delete(copy)
+            except (Unavailable, DeadlineExceeded):
+                pass

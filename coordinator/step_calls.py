@@ -29,20 +29,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from collections import defaultdict
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from coordinator import mirrored
+from coordinator import layouts, mirrored
 from coordinator.calls import keys_derived, new_update_id
+from coordinator.key_order import (
+    _KEPT,
+    _last,
+    by_shard,
+    by_shard_of,
+    distinct,
+    last_lookup,
+    shard_order,
+)
 from coordinator.mirrored import MirroredVariable
 from coordinator.ps_pool import Op, servers
 from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
 from psserver.client.results import TableGradient, TableLookup
-from psserver.contract.keys import check_keys
+from psserver.contract.keys import BucketMap, check_keys
 from psserver.contract.rows import sum_rows, take_rows
 from psserver.errors import InvalidArgument
 
@@ -74,92 +82,6 @@ def _is_table(v) -> bool:
     return getattr(v, "is_table", False)
 
 
-# -- the ids of a step's look-ups, sorted once --------------------------------------------
-def int64_ids(ids) -> np.ndarray:
-    """Row ids flattened, as int64; ValueError for any other kind than integers."""
-    flat = np.asarray(ids).reshape(-1)
-    if flat.dtype.kind not in "iu":
-        raise ValueError(f"ids must be integers, got {flat.dtype.name}")
-    return flat.astype(np.int64, copy=False)
-
-
-def distinct(ids, remember_for=None) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct int64 ids, inverse: ids.reshape(-1) == uniq[inverse]),
-    as np.unique gives them. ``remember_for``: the fixed table looked up; the
-    ids' stable sort order is kept (this thread's last look-up) for a
-    row-wise gradient of the same ids pushed next (one sort a step)."""
-    flat = int64_ids(ids)
-    order = np.argsort(flat, kind="stable")
-    ordered = flat[order]
-    first = np.empty(flat.size, dtype=bool)
-    first[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    inverse = np.empty(flat.size, dtype=np.intp)
-    inverse[order] = np.cumsum(first) - 1
-    if remember_for is not None:
-        _last.sort = (remember_for, flat.copy(), order)   # a copy: the caller's may change
-    return ordered[first], inverse
-
-
-#: A thread's last look-ups: ``sort`` (fixed table, its ids, their stable sort
-#: order), ``keys`` (dynamic table, its keys, unique keys, inverse or None).
-_last = threading.local()
-
-
-def known_order(variable, ids: np.ndarray) -> np.ndarray | None:
-    """The stable sort order of ``ids`` if this thread's last look-up of
-    ``variable`` was of exactly these ids (else None: sort them)."""
-    last = getattr(_last, "sort", None)
-    if last is not None and last[0] is variable and last[1].shape == ids.shape \
-            and np.array_equal(last[1], ids):
-        return last[2]
-    return None
-
-
-def last_lookup(table, keys: np.ndarray) -> tuple | None:
-    """(keys distinct and put shard by shard, where each of ``keys`` lands
-    among them, [(shard, lo, hi)]) from this thread's last look-up of
-    ``table`` (one per table, for the last _KEPT tables: a step's several
-    tables) when it was of these 1-D ``keys``; else None."""
-    last = getattr(_last, "keys", {}).get(table.name)
-    if last is not None and last[0] is table and last[1].shape == keys.shape \
-            and np.array_equal(last[1], keys):
-        return last[2:]
-    return None
-
-
-_KEPT = 16
-
-
-def shard_order(table, keys: np.ndarray, with_counts: bool = False) -> tuple:
-    """(the distinct ``keys`` (1-D) put shard by shard, where each of ``keys``
-    lands among them, [(shard, lo, hi)], and with ``with_counts`` how often
-    each occurs: None where every key occurs once): what a look-up sends
-    and what a push of the same keys' rows sums into."""
-    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    if uniq.size == keys.size:   # distinct: kept in the order given
-        uniq, inverse, counts = keys, None, None
-    order, runs = by_shard(table, uniq)
-    rank = np.empty(order.size, np.intp)
-    rank[order] = np.arange(order.size)   # where each distinct key lands
-    where = rank if inverse is None else rank[inverse.reshape(-1)]
-    counts = None if counts is None or not with_counts else counts[order]
-    return uniq[order], where, runs, counts
-
-
-def by_shard(table, keys: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    """(the order that puts ``keys`` shard by shard, [(shard, lo, hi)] of
-    each shard's run in that order) of a dynamic table's keys."""
-    n = table.num_shards
-    if n == 1:
-        return np.arange(keys.size), ([(0, 0, keys.size)] if keys.size else [])
-    which = table.shard_of(keys)
-    order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(n + 1))
-    return order, [(i, int(bounds[i]), int(bounds[i + 1])) for i in range(n)
-                   if bounds[i + 1] > bounds[i]]
-
-
 #: Hybrid mode: the kind of gradient ("dense" or "row-wise") each variable
 #: took in this process's hybrid steps, by (name, shards).
 _hybrid_kinds: dict[tuple, str] = {}
@@ -188,11 +110,17 @@ def _check_hybrid_kinds(pairs: Iterable[tuple[object, str]]) -> None:
 
 
 def _entry(by_addr: dict, address: str) -> list:
-    """One server's part of a step's call: [dense, rows, tables, seen routes, pairs]."""
+    """One server's part of a step's call: [dense, rows, tables, seen routes,
+    pairs, dynamic tables (whose layout a refusal asks for: coordinator/layouts.py)]."""
     e = by_addr.get(address)
     if e is None:
-        e = by_addr[address] = [[], [], [], [], []]
+        e = by_addr[address] = [[], [], [], [], [], []]
     return e
+
+
+def _note_table(e: list, table) -> None:
+    if not table.backups and all(t is not table for t in e[5]):
+        e[5].append(table)
 
 
 def _copies(routes, v, k: int, entry_of, sync: bool) -> list:
@@ -303,17 +231,18 @@ class _Read:
             return ids.shape, inverse, t._runs(uniq), rows
         keys = check_keys(v.ids)
         flat = keys.reshape(-1)
+        layouts.current(t)
         sorted_keys, where, runs, counts = shard_order(t, flat, with_counts=v.admit)
         # The push of this step's row gradients sums them in this order (_table_parts).
         kept = _last.__dict__.setdefault("keys", {})
         kept.pop(t.name, None)
-        kept[t.name] = (t, flat.copy(), sorted_keys, where, runs)
+        kept[t.name] = (t, t.layout_epoch, flat.copy(), sorted_keys, where, runs)
         if len(kept) > _KEPT:
             del kept[next(iter(kept))]
         rows = np.empty((sorted_keys.size, t.dim), np.dtype(t.dtype))
         parts = [(i, slice(lo, hi), sorted_keys[lo:hi],
                   None if counts is None else counts[lo:hi]) for i, lo, hi in runs]
-        return keys.shape, where, parts, rows
+        return keys.shape, where, parts, rows, t.layout_epoch
 
     def plan(self) -> list[Op]:
         """One call per server on the current routes (a route asked once per shard)."""
@@ -322,6 +251,10 @@ class _Read:
         entry_of = functools.partial(_entry, by_addr)
         prim = []   # each item's copies read, per shard
         for i, v in enumerate(self.items):
+            if i in self.lookups and _is_table(v.variable):   # split by the layout known now
+                t = v.variable
+                if layouts.current(t) or self.lookups[i][4] != t.layout_epoch:
+                    self.lookups[i] = self._prepare(v)
             if i in self.lookups:
                 t, parts = v.variable, self.lookups[i][2]
                 copies = []
@@ -331,6 +264,7 @@ class _Read:
                     (copy, e), = _copies(routes, t, k, entry_of, False)
                     copies.append(copy)
                     if _is_table(t):   # (i, rows' slice, keys, counts) -> a TableLookup
+                        _note_table(e, t)
                         _, run, keys, counts = part
                         e[2].append((i, run, TableLookup(
                             copy.table, keys, counts, v.admit, sync_step=self.table_step,
@@ -347,7 +281,7 @@ class _Read:
             prim.append(copies)
         ops = []
         for addr, e in by_addr.items():
-            ops.append(Op(addr, self._send(e), tuple(e[3]), tuple(e[4])))
+            ops.append(Op(addr, self._send(e), tuple(e[3]), tuple(e[4]), tuple(e[5])))
         self.planned = (prim, [by_addr[op.address] for op in ops])
         return ops
 
@@ -371,7 +305,7 @@ class _Read:
         prim, entries = self.planned
         parts: dict[tuple[int, str], np.ndarray] = {}
         versions: dict[int, dict[str, int]] = defaultdict(dict)
-        for (dense, gathers, tables, _, _), result in zip(entries, results):
+        for (dense, gathers, tables, *_), result in zip(entries, results):
             snaps, gathered, table_rows = (result, (), ()) if self.full is not None else result
             for (i, s), snap in zip(dense, snaps):
                 parts[(i, s.name)], versions[i][s.name] = snap.value, snap.version
@@ -389,7 +323,7 @@ class _Read:
                         _shard_view(self.full[i], s, v)[...] = part
                 out.append(self.full[i])
             elif i in self.lookups:
-                shape, inverse, _, rows = self.lookups[i]
+                shape, inverse, _, rows = self.lookups[i][:4]
                 out.append(take_rows(rows, inverse).reshape(shape + rows.shape[1:]))
             elif v.num_shards == 1:
                 out.append(parts[(i, prim[i][0].name)].copy())
@@ -476,7 +410,7 @@ class _Push:
         dense = self.dense
         for v, g in pairs:
             if _is_table(v):
-                self.tables.append((v, _table_parts(v, g, rows)))
+                self.tables.append((v, _table_parts(v, g, rows), v.layout_epoch))
             elif isinstance(g, IndexedSlices):
                 self.sparse.append((v, v._sparse_split(g.indices, g.values, rows)))
             else:
@@ -512,11 +446,15 @@ class _Push:
             for k, ids, rows, uid in parts:
                 (t, e), = _copies(routes, v, k, entry_of, False)
                 e[1].append((t.name, ids, rows, uid))
-        for table, parts in self.tables:
+        for n, (table, parts, epoch) in enumerate(self.tables):
+            if layouts.current(table) or epoch != table.layout_epoch:   # moved since: split anew
+                parts = _split_again(table, parts)
+                self.tables[n] = (table, parts, table.layout_epoch)
             for k, keys, grads, uid in parts:
                 for t, e in _copies(routes, table, k, entry_of, row_sync is not None):
+                    _note_table(e, table)
                     e[2].append(TableGradient(t.table, keys, grads, uid, row_sync))
-        for addr, (d, sp, tables, seen, pairs) in by_addr.items():
+        for addr, (d, sp, tables, seen, pairs, relaid) in by_addr.items():
             if tables:
                 send = (lambda c, d=d, sp=sp, tables=tables: c.push_all_async(
                     d, sp, tables, sync=sync))
@@ -524,7 +462,7 @@ class _Push:
                 send = (lambda c, d=d, sp=sp: c.push_dense_and_sparse_async(d, sp))
             else:
                 send = (lambda c, d=d: c.push_many_async(d, sync=sync))
-            ops.append(Op(addr, send, tuple(seen), tuple(pairs)))
+            ops.append(Op(addr, send, tuple(seen), tuple(pairs), tuple(relaid)))
         return ops
 
     @staticmethod
@@ -584,6 +522,7 @@ def _table_parts(table, g, row_sync) -> list[tuple]:
                          f"IndexedSlices(rows, keys) for {table.name!r}")
     keys = check_keys(g.indices).reshape(-1)
     grads = np.asarray(g.values)
+    layouts.current(table)
     if grads.shape != (keys.size, table.dim):
         raise ValueError(f"gradient for table {table.name!r} has shape {grads.shape}, "
                          f"expected {(keys.size, table.dim)}")
@@ -594,7 +533,28 @@ def _table_parts(table, g, row_sync) -> list[tuple]:
     if row_sync is not None:   # every shard counts this replica (an empty update too)
         empty = (np.zeros(0, np.int64), np.zeros((0, table.dim), grads.dtype))
         return [(k, *have.get(k, empty), 0) for k in range(table.num_shards)]
-    # An update key per shard: a resend after a failover or a lost connection
-    # applies once, and a re-run of an exactly-once batch sends the same.
-    return [(k, ks, gs, new_update_id(f"{table.shards[k].name}#{k}"))
-            for k, (ks, gs) in have.items()]
+    # An update key per shard the table was created with (its keys' shard
+    # then): a resend after a failover or a lost connection applies once, and
+    # a re-run of an exactly-once batch sends the same keys, wherever moves of
+    # buckets took the keys since (a shard that took buckets knows which
+    # update keys their earlier shard applied to them: psserver/core/table_copy.py).
+    label = table.shards[0].name
+    if table.num_shards == (table.origin_shards or table.num_shards):   # (none added)
+        return [(k, ks, gs, new_update_id(f"{label}#{k}")) for k, (ks, gs) in have.items()]
+    created = BucketMap.even(table.origin_shards)
+    parts = []
+    for k, (ks, gs) in have.items():
+        order, runs = by_shard_of(created.shard_of(ks), table.origin_shards)
+        parts += [(k, c, ks[order[lo:hi]], gs[order[lo:hi]]) for c, lo, hi in runs]
+    uids = {c: new_update_id(f"{label}#{c}") for c in sorted({p[1] for p in parts})}
+    return [(k, ks, gs, uids[c]) for k, c, ks, gs in parts]
+
+
+def _split_again(table, parts: list[tuple]) -> list[tuple]:
+    """An asynchronous update's parts split by the table's layout now (buckets
+    moved since they were made), each piece keeping its part's update key."""
+    out = []
+    for _, keys, grads, uid in parts:
+        order, runs = by_shard(table, keys)
+        out += [(k, keys[order[lo:hi]], grads[order[lo:hi]], uid) for k, lo, hi in runs]
+    return out

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinator import ps_pool, step_calls
+from coordinator import elastic, ps_pool, step_calls
 from coordinator import variables as V
 from coordinator.cluster_spec import (
     ClusterConfigError,
@@ -313,9 +313,7 @@ class ParameterServerStrategy:
                 if not self.replication:
                     raise
 
-    @property
-    def num_ps(self) -> int:
-        return len(self._ps)
+    num_ps = property(lambda self: len(self._ps))
 
     @property
     def variables(self) -> list[V.ShardedVariable]:
@@ -510,7 +508,7 @@ class ParameterServerStrategy:
             for i, addr in enumerate(self._ps)]
         table = DynamicEmbedding(name, dim, dtype, tuple(self._ps), optimizer,
                                  replicated=self.replication, capacity=capacity,
-                                 buckets=buckets)
+                                 buckets=buckets, table_id=os.urandom(8).hex(), origin_shards=n)
         make_shards(table, creations, parts, self._note_server)
         self._table_creation[name] = (dim, creations)
         self._tables[name] = table
@@ -571,29 +569,32 @@ class ParameterServerStrategy:
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
         """Delete every copy of ``var``'s shards where the routes say they
-        are (after a failover too: _delete_copies)."""
-        _delete_copies(var, lambda s: ps_pool.client_for(s.address).delete_variable(s.name))
+        are (after a failover too: ps_pool.delete_copies)."""
+        ps_pool.delete_copies(var, lambda s: ps_pool.client_for(s.address).delete_variable(s.name))
         self._variables.pop(var.name, None)
 
     def delete_embedding_table(self, table: DynamicEmbedding) -> None:
         """Delete every copy of a dynamic table's shards, as delete_variable."""
-        _delete_copies(table, lambda s: ps_pool.client_for(s.address).delete_table(s.table))
+        ps_pool.delete_copies(table, lambda s: ps_pool.client_for(s.address).delete_table(s.table))
         self._tables.pop(table.name, None)
         self._table_creation.pop(table.name, None)
 
+    parameter_servers = property(lambda self: self._ps, doc="Its servers (added ones too).")
 
-def _delete_copies(v, delete) -> None:
-    """``delete(copy)`` on each shard's primary as the routes have it now
-    (its errors raised), then on its other copy unless the primary is alone
-    (that copy is gone: a server lost for good holds nothing to delete); an
-    other copy whose server does not answer is skipped (issue 33 item 10:
-    the shipped job failed at its clean-up after a server was lost)."""
-    routes = ps_pool.servers().routes
-    for k in range(v.num_shards):   # (the copies a sync push reaches: the primary first)
-        primary, *other = routes.targets_of(v, k, routes.route(v, k), True)
-        delete(primary)
-        for copy in other:
-            try:
-                delete(copy)
-            except (Unavailable, DeadlineExceeded):
-                pass
+    def add_parameter_server(self, address: str) -> list:
+        """ClusterCoordinator.add_parameter_server's work: a list of elastic.TableMove."""
+        elastic.check_add(self, address)
+        ps_pool.client_for(address).server_info(timeout=self.connect_timeout)
+        with elastic.LAYOUT_LOCK:
+            self._ps = self._ps + (address,)
+            self._note_server(address)
+            moves = []
+            for table in list(self._tables.values()):
+                dim, creations = self._table_creation[table.name]
+                kw = dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
+                try:
+                    moves.append(elastic.move_table(table, address, kw))
+                finally:   # (one that failed part-way has a shard there too)
+                    if address in table.addresses:
+                        self._table_creation[table.name] = (dim, creations + [(address, kw)])
+        return moves

@@ -48,15 +48,13 @@ import dataclasses
 import numpy as np
 
 from coordinator.calls import new_update_id
+from coordinator.key_order import distinct, int64_ids, known_order
 from coordinator.ps_pool import Op, servers
 from coordinator.replica import current_sync, rows_sync
 from coordinator.routes import key as routes_key
 from coordinator.step_calls import (
     Lookup,
     _check_hybrid_kinds,
-    distinct,
-    int64_ids,
-    known_order,
     push_gradients,
     read_variables,
 )

@@ -30,6 +30,7 @@ from psserver.contract import (
     routing,
     wire,
 )
+from psserver.contract.keys import bitmap_of_buckets
 from psserver.errors import InvalidArgument
 from psserver.link import methods
 from psserver.link import tensor_proto as TP
@@ -328,8 +329,8 @@ class PSAdmin:
         return self._call(methods.TABLE_CREATE, tables_pb2.CreateTableRequest(
             name=name, spec=table_spec(dim, **spec), exist_ok=exist_ok))
 
-    def table_info(self, name: str) -> tables_pb2.TableInfo:
-        return self._call(methods.TABLE_INFO, tables_pb2.TableRef(name=name))
+    def table_info(self, name: str, timeout: float | None = None) -> tables_pb2.TableInfo:
+        return self._call(methods.TABLE_INFO, tables_pb2.TableRef(name=name), timeout)
 
     def list_tables(self) -> list[tables_pb2.TableInfo]:
         return list(self._call(methods.TABLE_LIST, tables_pb2.ListTablesRequest()).tables)
@@ -346,7 +347,7 @@ class PSAdmin:
 
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
-                     capacity: int | None = None, applied_ids: Sequence[int] = (),
+                     capacity: int | None = None, applied: Sequence[tuple] = (),
                      timeout: float | None = None) -> int:
         """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
@@ -355,8 +356,8 @@ class PSAdmin:
         spec, epoch, version, applied_ids): make or replace the copy as a
         backup (tables.proto ReplicaCopy). ``capacity`` (with ``reset``): the
         shard's capacity from then on (its part of the whole table's).
-        ``applied_ids``: update keys the rows' earlier shard applied (a
-        move of buckets), remembered there too."""
+        ``applied``: [(bool per bucket, update keys)] the rows' earlier
+        shard applied to keys of those buckets (a move of buckets)."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -368,7 +369,8 @@ class PSAdmin:
             if capacity is not None and i == 0:
                 req.capacity = capacity
             if i == 0:
-                req.applied_ids.extend(applied_ids)
+                for buckets, ids in applied:
+                    req.applied.add(buckets=bitmap_of_buckets(buckets), ids=ids)
             if replica is not None:
                 req.replica.CopyFrom(tables_pb2.ReplicaCopy(complete=hi >= keys.size, **replica))
             for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
@@ -383,15 +385,17 @@ class PSAdmin:
 
     def move_table_buckets(self, name: str, buckets: bytes, destination: str, *,
                            capacity: int | None = None, layout_epoch: int = 0,
-                           layout: str = "",
+                           layout: str = "", layout_only: bool = False,
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
         ``destination`` and refuses their keys from then on (tables.proto
         MoveBuckets); ``capacity``: its part of the table's afterwards;
-        ``layout``: the table's layout after the move (JSON), served by Info."""
+        ``layout``: the table's layout after the move (JSON), served by Info;
+        ``layout_only``: move nothing, serve ``layout`` (buckets b"")."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
-                                            layout_epoch=layout_epoch, layout=layout)
+                                            layout_epoch=layout_epoch, layout=layout,
+                                            layout_only=layout_only)
         if capacity is not None:
             req.capacity = capacity
         return self._call(methods.TABLE_MOVE, req, timeout)

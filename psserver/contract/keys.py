@@ -251,3 +251,27 @@ def initial_rows(keys: np.ndarray, dim: int, dtype: np.dtype, init: Initializer)
             keep = np.abs(z[bad_i, bad_j]) > 2
             bad_i, bad_j = bad_i[keep], bad_j[keep]
     return (init.mean + init.stddev * z).astype(dtype)
+
+
+#: A move request's bitmap of buckets: one bit per bucket.
+BITMAP_BYTES = BUCKETS // 8
+
+
+def buckets_of_bitmap(raw: bytes) -> np.ndarray:
+    """The bool mask of the buckets a bitmap names (bucket b: bit b % 8 of
+    byte b // 8); InvalidArgument for another length or no bucket."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != BITMAP_BYTES:
+        raise InvalidArgument(f"a move names its buckets as a bitmap of {BITMAP_BYTES} bytes "
+                              f"({BUCKETS} buckets), got {len(raw)} bytes")
+    mask = np.unpackbits(np.frombuffer(bytes(raw), np.uint8), bitorder="little").astype(bool)
+    if not mask.any():
+        raise InvalidArgument("a move names no bucket: name at least one")
+    return mask
+
+
+def bitmap_of_buckets(mask) -> bytes:
+    """The bitmap of a bool mask of BUCKETS buckets (buckets_of_bitmap's inverse)."""
+    mask = np.asarray(mask, bool)
+    if mask.shape != (BUCKETS,):
+        raise ValueError(f"a bucket mask has {BUCKETS} entries, got shape {mask.shape}")
+    return np.packbits(mask, bitorder="little").tobytes()

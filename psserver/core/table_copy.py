@@ -28,6 +28,9 @@ from psserver.core.dynamic_table import DynamicTable
 from psserver.core.shards import CopyState
 from psserver.errors import InvalidArgument, NotPrimary
 
+#: Groups of moved-in update keys a shard keeps at most (the oldest go first).
+MOVED_IN_GROUPS = 64
+
 
 class TableShardCopy(CopyState):
     """A table shard on this server and, with replication, its copy's role
@@ -62,6 +65,11 @@ class TableShardCopy(CopyState):
         # the last move; None: it handed none over since it was made or reset.
         self.moved: np.ndarray | None = None
         self.moved_epoch, self.layout = 0, ""   # (the layout: JSON, served by Info)
+        # Update keys the shards that moved buckets here had applied, each
+        # group for the keys of its buckets: [(bool per bucket, frozenset of
+        # keys)], and updates remembered since the last group came.
+        self.moved_in: list[tuple[np.ndarray, frozenset]] = []
+        self.since_moved_in = 0
 
     @property
     def tracker(self):
@@ -86,6 +94,49 @@ class TableShardCopy(CopyState):
 
     def forget_changes(self) -> None:
         self.table.tracker = None
+
+    def remember(self, update_id: int) -> None:
+        super().remember(update_id)
+        if self.moved_in and update_id:   # (groups as old as the memory's window go)
+            self.since_moved_in += 1
+            if self.since_moved_in > self.APPLIED_IDS_KEPT:
+                self.moved_in = []
+
+    def take_moved_in(self, groups) -> None:
+        """Remember update keys applied where rows of these buckets came from:
+        [(bool per bucket, keys)] (lock held)."""
+        groups = [(m, frozenset(int(i) for i in ids)) for m, ids in groups if len(ids)]
+        if groups:
+            self.moved_in = (self.moved_in + groups)[-MOVED_IN_GROUPS:]
+            self.since_moved_in = 0
+
+    def export_applied(self, mask: np.ndarray) -> list[tuple[np.ndarray, list]]:
+        """What a move of the buckets in ``mask`` carries of the update keys
+        applied here: the shard's own (they were applied to every key it
+        held), and those of groups that moved here, cut to ``mask``."""
+        out = [(mask, list(self.applied))] if self.applied else []
+        for m, ids in self.moved_in:
+            cut = m & mask
+            if cut.any():
+                out.append((cut, sorted(ids)))
+        return out
+
+    def unapplied(self, update_id: int, keys: np.ndarray, grads: np.ndarray):
+        """(keys, grads) of an asynchronous update (not applied here: the
+        caller checked) that it was not applied to yet: check_here's
+        refusal first, then keys of buckets whose earlier shard applied
+        this update before they moved here are left out (lock held)."""
+        self.check_here(keys)
+        if not self.moved_in or not update_id:
+            return keys, grads
+        done = None
+        for m, ids in self.moved_in:
+            if update_id in ids:
+                done = m if done is None else done | m
+        if done is None:
+            return keys, grads
+        keep = ~done[bucket_of(keys)]
+        return keys[keep], grads[keep]
 
     def check_here(self, keys: np.ndarray) -> None:
         """NotPrimary (lock held; nothing changed) if one of ``keys``

@@ -23,52 +23,45 @@ from typing import Callable
 
 import numpy as np
 
-from psserver.contract.keys import BUCKETS, bucket_of
+from psserver.contract.keys import bucket_of
 from psserver.errors import FailedPrecondition, InvalidArgument
-
-#: A move request's bitmap of buckets: one bit per bucket.
-BITMAP_BYTES = BUCKETS // 8
-
-
-def buckets_of_bitmap(raw: bytes) -> np.ndarray:
-    """The bool mask of the buckets a bitmap names (bucket b: bit b % 8 of
-    byte b // 8); InvalidArgument for another length or no bucket."""
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) != BITMAP_BYTES:
-        raise InvalidArgument(f"a move names its buckets as a bitmap of {BITMAP_BYTES} bytes "
-                              f"({BUCKETS} buckets), got {len(raw)} bytes")
-    mask = np.unpackbits(np.frombuffer(bytes(raw), np.uint8), bitorder="little").astype(bool)
-    if not mask.any():
-        raise InvalidArgument("a move names no bucket: name at least one")
-    return mask
-
-
-def bitmap_of_buckets(mask) -> bytes:
-    """The bitmap of a bool mask of BUCKETS buckets (buckets_of_bitmap's inverse)."""
-    mask = np.asarray(mask, bool)
-    if mask.shape != (BUCKETS,):
-        raise ValueError(f"a bucket mask has {BUCKETS} entries, got shape {mask.shape}")
-    return np.packbits(mask, bitorder="little").tobytes()
-
 
 #: Bytes of a table's layout a move may give (served by Info as it is).
 MAX_LAYOUT_BYTES = 64 << 10
 
 
+def set_layout(copy, epoch: int, layout: str) -> None:
+    """Serve ``layout`` (of ``epoch``) from now on, moving nothing (a shard
+    that moved buckets in an earlier step of the same add)."""
+    _check_layout(epoch, layout)
+    with copy.lock:
+        if copy.moved is None:
+            raise InvalidArgument(f"table {copy.table_name!r}: this shard moved no buckets; "
+                                  "it has no layout to serve")
+        if epoch > copy.moved_epoch:
+            copy.moved_epoch, copy.layout = epoch, layout
+
+
+def _check_layout(epoch: int, layout: str) -> None:
+    if not 0 <= epoch < 1 << 62:
+        raise InvalidArgument(f"a move's layout epoch is in [0, 2**62), got {epoch}")
+    if len(layout.encode()) > MAX_LAYOUT_BYTES:
+        raise InvalidArgument(f"a move's layout takes at most {MAX_LAYOUT_BYTES} bytes")
+
+
 def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None],
                  capacity: int | None, epoch: int, layout: str = "") -> tuple[int, int, int]:
     """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
-    step, applied_ids)`` puts them there (raising if it could not: nothing
-    changes here). ``capacity``: this shard's part of the table's capacity
+    step, applied)`` puts them there with the update keys applied to them
+    (TableShardCopy.export_applied), raising if it could not (nothing
+    changes here then). ``capacity``: this shard's part of the table's capacity
     afterwards (None: unchanged); ``epoch``: the table's layout epoch
     after the move, named in refusals, and ``layout`` that layout (JSON,
     served by Info from then on: the caller of a refused key reads it).
     Returns (rows, bytes, rows held)."""
     if capacity is not None and not 0 <= capacity < 1 << 40:
         raise InvalidArgument(f"a move's capacity is an integer in [0, 2**40), got {capacity}")
-    if not 0 <= epoch < 1 << 62:
-        raise InvalidArgument(f"a move's layout epoch is in [0, 2**62), got {epoch}")
-    if len(layout.encode()) > MAX_LAYOUT_BYTES:
-        raise InvalidArgument(f"a move's layout takes at most {MAX_LAYOUT_BYTES} bytes")
+    _check_layout(epoch, layout)
     with copy.lock:
         copy.check_primary()
         if copy.link is not None:
@@ -88,7 +81,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
         keys = np.sort(keys[mask[bucket_of(keys)]])
         state = t.export(keys)
         state.pop("evicted", None)
-        send(state, t.step, list(copy.applied))
+        send(state, t.step, copy.export_applied(mask))
         nbytes = sum(a.nbytes for k, a in state.items()
                      if k == "values" or (k.startswith("slot/") and np.ndim(a)))
         t.drop(keys)

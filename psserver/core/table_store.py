@@ -420,7 +420,7 @@ class TableStore:
             version = copy.applied_at(update_id)
             if version is not None:   # a resend: applied once already
                 return TableUpdate(0, 0, t.step), version
-            copy.check_here(keys)
+            keys, grads = copy.unapplied(update_id, keys, grads)   # (moved buckets: once)
             dropped = t.stats.dropped
             # it checks the gradient whole first: a refusal changes nothing
             with copy.changing(refused=InvalidArgument) as journaled:
@@ -510,14 +510,14 @@ class TableStore:
                           self._saver.incarnation, crc)
 
     def import_rows(self, name: str, state: dict, step: int, reset: bool,
-                    capacity: int | None = None, applied_ids: Sequence[int] = ()) -> int:
+                    capacity: int | None = None, applied: Sequence[tuple] = ()) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied
         first with ``reset`` (a primary only: a backup takes its primary's
         state only, NotPrimary); ``capacity`` (with ``reset`` only): the
         shard's capacity from now on, set before the rows go in;
-        ``applied_ids``: update keys the rows' earlier shard applied (a
-        move), remembered here too. Returns the rows held. The backup, if
-        any, copies the new state whole."""
+        ``applied``: [(buckets, update keys)] the rows' earlier shard applied
+        (a move: TableShardCopy.take_moved_in). Returns the rows held. The
+        backup, if any, copies the new state whole."""
         if capacity is not None and not (reset and 0 <= capacity < 1 << 40):
             raise InvalidArgument("an import's capacity is an integer in [0, 2**40) given with "
                                   "reset (the first piece of a restore)")
@@ -537,11 +537,11 @@ class TableStore:
             if capacity is not None:
                 copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1
-            for i in applied_ids:
-                copy.remember(i)
             if reset:   # a restored shard: no sync step applied or pending, no bucket moved
                 copy.acc, copy.sync_steps, copy.moved, copy.layout = None, 0, None, ""
+                copy.moved_in = []
                 copy.cond.notify_all()
+            copy.take_moved_in(applied)
             if copy.link is not None:   # the backup copies the new state whole
                 copy.link.reset()
         return rows

@@ -20,8 +20,11 @@ from google.protobuf import json_format
 from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver.contract import MAX_COUNT, TABLE_PREFIX, Initializer
 from psserver.contract import tensor as T
+from psserver.contract.keys import buckets_of_bitmap
 from psserver.core import table_moves as M
+from psserver.core.shards import CopyState
 from psserver.core.table_config import TableConfig
+from psserver.core.table_copy import MOVED_IN_GROUPS
 from psserver.core.table_store import StateCopy, TableSpec, TableStatus, TableStore
 from psserver.errors import FailedPrecondition, InvalidArgument
 from psserver.link import tensor_proto as TP
@@ -78,6 +81,20 @@ def _sync_read_step(request: tables_pb2.LookupRequest) -> int | None:
         raise InvalidArgument(f"a sync look-up needs a step in [0, 2**62) and a step_timeout "
                               f">= 0, got step {step}, step_timeout {timeout}")
     return step
+
+
+def _applied_of(groups) -> list[tuple]:
+    """ImportTableRequest.applied as [(bool per bucket, update keys)], checked."""
+    if len(groups) > MOVED_IN_GROUPS:
+        raise InvalidArgument(f"an import carries at most {MOVED_IN_GROUPS} groups of applied "
+                              f"update keys, got {len(groups)}")
+    out = []
+    for g in groups:
+        if len(g.ids) > CopyState.APPLIED_IDS_KEPT:
+            raise InvalidArgument(f"a group of applied update keys holds at most "
+                                  f"{CopyState.APPLIED_IDS_KEPT}, got {len(g.ids)}")
+        out.append((buckets_of_bitmap(g.buckets), list(g.ids)))
+    return out
 
 
 class TableServicer:
@@ -160,11 +177,18 @@ class TableServicer:
             rows = self.store.import_rows(
                 request.name, state, step, request.reset,
                 request.capacity if request.HasField("capacity") else None,
-                [int(i) for i in request.applied_ids])
+                _applied_of(request.applied))
         return tables_pb2.ImportTableReply(rows=rows)
 
     def MoveBuckets(self, request, context):
-        mask = M.buckets_of_bitmap(request.buckets)
+        if request.layout_only:
+            if any(request.buckets) or request.destination or request.HasField("capacity"):
+                raise InvalidArgument("a layout_only move names no buckets, destination or "
+                                      "capacity")
+            M.set_layout(self.store.registry.table(request.name), int(request.layout_epoch),
+                         request.layout)
+            return tables_pb2.MoveBucketsReply(held=self.store.info(request.name).rows)
+        mask = buckets_of_bitmap(request.buckets)
         dest = request.destination
         if not _ADDRESS.fullmatch(dest):
             raise InvalidArgument(f"a move's destination is host:port, got {dest[:100]!r}")
@@ -178,8 +202,8 @@ class TableServicer:
             if client.server_info(timeout=left()).server_id == self.server_id:
                 raise InvalidArgument(f"a move's destination {dest!r} is this server")
             rows, nbytes, held = M.move_buckets(
-                copy, mask, lambda state, step, ids: client.import_table(
-                    request.name, state, step, reset=False, applied_ids=ids, timeout=left()),
+                copy, mask, lambda state, step, applied: client.import_table(
+                    request.name, state, step, reset=False, applied=applied, timeout=left()),
                 request.capacity if request.HasField("capacity") else None,
                 int(request.layout_epoch), request.layout)
         finally:

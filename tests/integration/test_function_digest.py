@@ -6,7 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import ClusterCoordinator, LocalCluster, ParameterServerStrategy, serialization
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    ParameterServerStrategy,
+    serialization,
+)
 from protos.pstrain.v1 import worker_pb2
 from psserver.errors import Code, PSError
 from psserver.link import methods

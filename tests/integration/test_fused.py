@@ -15,10 +15,10 @@ from coordinator import (
     IndexedSlices,
     LocalCluster,
     ParameterServerStrategy,
+    key_order,
     ps_pool,
     push_gradients,
     read_variables,
-    step_calls,
 )
 from coordinator import variables as V
 from protos.pstrain.v1 import ps_pb2, ps_pb2_grpc
@@ -360,22 +360,22 @@ def test_a_pushs_sort_reuses_the_lookups_only_for_the_same_ids(monkeypatch):
     another table, makes the push sort afresh)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 50, (8, 5))
-    uniq, inverse = step_calls.distinct(ids)
+    uniq, inverse = key_order.distinct(ids)
     want_u, want_i = np.unique(ids.reshape(-1), return_inverse=True)
     np.testing.assert_array_equal(uniq, want_u)
     np.testing.assert_array_equal(inverse, want_i.reshape(-1))
-    assert step_calls.distinct(np.zeros(0, np.int64))[0].size == 0
+    assert key_order.distinct(np.zeros(0, np.int64))[0].size == 0
 
     class Table:   # stands for a ShardedVariable: only its identity matters here
         pass
     table, other = Table(), Table()
     flat = ids.reshape(-1)
-    step_calls.distinct(ids, table)
-    order = step_calls.known_order(table, flat.copy())
+    key_order.distinct(ids, table)
+    order = key_order.known_order(table, flat.copy())
     np.testing.assert_array_equal(order, np.argsort(flat, kind="stable"))
-    assert step_calls.known_order(other, flat) is None
+    assert key_order.known_order(other, flat) is None
     ids[0, 0] += 1   # the caller's array changed after the look-up
-    assert step_calls.known_order(table, ids.reshape(-1)) is None
+    assert key_order.known_order(table, ids.reshape(-1)) is None
 
 
 def _answering(monkeypatch, c: PSClient, reply) -> None:

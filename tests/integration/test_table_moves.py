@@ -12,8 +12,7 @@ import pytest
 from protos.pstrain.v1 import tables_pb2
 from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV
-from psserver.contract.keys import BUCKETS, bucket_of
-from psserver.core.table_moves import BITMAP_BYTES, bitmap_of_buckets
+from psserver.contract.keys import BITMAP_BYTES, BUCKETS, bitmap_of_buckets, bucket_of
 from psserver.errors import (
     InvalidArgument,
     NotFound,
@@ -189,3 +188,34 @@ def test_a_move_needs_the_token(start_ps):
                     other.move_table_buckets("emb", b"\xff" * BITMAP_BYTES, dst.address)
         np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
         assert dst.table_info("emb").rows == 0
+
+
+def test_update_keys_moved_in_cover_only_the_keys_of_their_buckets(start_ps):
+    """The destination remembers the source's update keys per group of moved
+    buckets: the same update key again leaves out keys of those buckets
+    (applied before the move, their rows carry it) and applies the others
+    (keys of buckets the destination held or got from elsewhere)."""
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src, optimizer="sgd")
+        _make(dst, optimizer="sgd")
+        src.lookup("emb", KEYS)
+        src.update_table("emb", KEYS, np.ones((KEYS.size, 4), np.float32), update_id=21)
+        mask = np.zeros(BUCKETS, bool)
+        mask[: BUCKETS // 2] = True
+        moving = mask[bucket_of(KEYS)]
+        src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
+        other = np.arange(1, 400, dtype=np.int64) * 104729   # keys of the destination's own
+        other = other[~mask[bucket_of(other)]]
+        dst.lookup("emb", other)
+        both = np.concatenate([KEYS[moving], other])
+        moved_before = dst.lookup("emb", KEYS[moving], admit=False)
+        dst.update_table("emb", both, np.ones((both.size, 4), np.float32), update_id=21)
+        np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False),
+                                      moved_before)   # applied at the source already
+        np.testing.assert_allclose(dst.lookup("emb", other, admit=False),
+                                   np.full((other.size, 4), 0.9), rtol=1e-6)   # 1 - 0.1: applied
+        dst.update_table("emb", both, np.ones((both.size, 4), np.float32), update_id=21)
+        np.testing.assert_allclose(dst.lookup("emb", other, admit=False),
+                                   np.full((other.size, 4), 0.9), rtol=1e-6)   # once: its own
+        np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False), moved_before)

@@ -188,7 +188,7 @@ class SaveTableReply(_message.Message):
     def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
-    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica", "capacity", "applied_ids")
+    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica", "capacity", "applied")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -200,7 +200,7 @@ class ImportTableRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
-    APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
     name: str
     reset: bool
     keys: _ps_pb2.Tensor
@@ -212,8 +212,16 @@ class ImportTableRequest(_message.Message):
     step: int
     replica: ReplicaCopy
     capacity: int
-    applied_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ..., capacity: _Optional[int] = ..., applied_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    applied: _containers.RepeatedCompositeFieldContainer[AppliedKeys]
+    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ..., capacity: _Optional[int] = ..., applied: _Optional[_Iterable[_Union[AppliedKeys, _Mapping]]] = ...) -> None: ...
+
+class AppliedKeys(_message.Message):
+    __slots__ = ("buckets", "ids")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    buckets: bytes
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, buckets: _Optional[bytes] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaCopy(_message.Message):
     __slots__ = ("spec", "epoch", "version", "complete", "applied_ids", "sync_steps")
@@ -238,20 +246,22 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
     capacity: int
     layout_epoch: int
     layout: str
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    layout_only: bool
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
     __slots__ = ("rows", "bytes", "held")

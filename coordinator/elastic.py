@@ -1,0 +1,149 @@
+"""Elastic parameter servers: add a server to a running job (issue 34, first
+part): ``ClusterCoordinator.add_parameter_server(address)``.
+
+Each dynamic table gives the new server its share of the key space while
+training goes on: ``plan_add`` gives it about 1/(n+1) of the 4,096 buckets
+(psserver.contract.keys), taken from each shard in proportion to what it
+holds, so that about 1/(n+1) of the rows move and the others stay where
+they are. Then, one source shard at a time, the source hands those
+buckets' rows to the new server (tables.proto MoveBuckets,
+psserver/core/table_moves.py: values, optimizer slots, look-up counts, ages
+and the memory of applied update keys, under the source shard's lock, so
+that calls to that shard wait for the copy) and refuses their keys from
+then on, serving the table's layout after its move. Calls planned on the
+older layout are refused there and planned again on the newer one
+(coordinator/layouts.py), so no step fails and no row is served from a
+shard that no longer holds it. Each move's layout is numbered one higher
+(``layout_epoch``), and names only the buckets moved so far.
+
+The coordinator's own description of each table (the strategy's, which
+step closures carry) is brought to each layout as the move is made, so
+closures scheduled from then on route there at once; closures sent before
+learn it from the first refusal.
+
+What is not moved: variables stay where they were created (variables and
+tables created from then on are placed over every server, the new one
+included); a table's admission counters of keys not admitted yet stay at
+the source (such a key counts again from zero at the new server).
+
+Refused (ValueError, nothing changed): with ``replication=True`` (a moved
+shard would need its backup moved too), in sync mode (every shard counts
+every replica of a step), an address the job has already, or a server that
+does not answer. A move that fails part-way (the new server or a source
+lost) keeps the buckets moved so far where they went and the others where
+they were: the layout is consistent either way, and the error goes up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from coordinator import layouts, ps_pool
+from psserver.contract.keys import BUCKETS, BucketMap, bitmap_of_buckets, split_capacity
+
+log = logging.getLogger("coordinator")
+
+#: Seconds one source shard's move may take (its rows copied to the new server).
+MOVE_SECONDS = 600.0
+#: Held while tables' layouts change (an add) and while a checkpoint is
+#: written (coordinator/checkpoint.py): a save never sees rows in transit.
+LAYOUT_LOCK = threading.RLock()
+
+
+def plan_add(buckets: BucketMap) -> BucketMap:
+    """The map with one more shard (index n): it takes BUCKETS // (n + 1)
+    buckets, each from the shard holding the most at that point (so the
+    counts end as even as they can), the last buckets of each shard's runs;
+    every other bucket stays with its shard."""
+    n = buckets.num_shards
+    owner = buckets.owner.astype(np.int64)
+    held = np.bincount(owner, minlength=n)
+    give = np.zeros(n, np.int64)
+    for _ in range(BUCKETS // (n + 1)):
+        k = int(np.argmax(held - give))
+        give[k] += 1
+    out = owner.copy()
+    for k in np.flatnonzero(give):
+        out[np.flatnonzero(owner == k)[-give[k]:]] = n
+    return BucketMap(out, n + 1)
+
+
+@dataclasses.dataclass
+class TableMove:
+    """What adding a server moved of one table."""
+    table: str
+    buckets: int = 0    # buckets moved
+    rows: int = 0       # rows moved
+    kept: int = 0       # rows the sources kept (each as its move left it)
+    bytes: int = 0      # bytes moved (values and per-row slots)
+    seconds: float = 0.0
+
+
+def check_add(strategy, address: str) -> None:
+    """ValueError (nothing changed) where a server cannot be added (see the module)."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"a parameter server's address is host:port, got {address!r}")
+    if address in strategy.parameter_servers:
+        raise ValueError(f"{address} is a parameter server of this job already")
+    if strategy.replication:
+        raise ValueError("adding a parameter server to a job with replication=True is not "
+                         "supported yet (each moved shard's backup would have to move too); "
+                         "checkpoint and restore into the larger cluster instead")
+    if strategy.mode == "sync":
+        raise ValueError("adding a parameter server in sync mode is not supported yet (every "
+                         "shard of a table counts every replica of a step); use async, "
+                         "hybrid or allreduce mode, or checkpoint and restore into the larger "
+                         "cluster")
+
+
+def move_table(table, address: str, creation: dict) -> TableMove:
+    """Give the server at ``address`` its share of ``table`` (see the module):
+    its shard made there (``creation``: create_table's keywords, the
+    capacity its part), then each source's buckets moved in turn, the
+    table's description brought to each layout as it is made."""
+    start = time.monotonic()
+    old = table.buckets
+    n = old.num_shards
+    final = plan_add(old)
+    parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
+    report = TableMove(table.name, int((final.owner == n).sum()))
+    client = ps_pool.client_for(address)
+    client.create_table(table.name, table.dim, **dict(creation, capacity=parts[n]))
+    owner = old.owner.astype(np.int64)
+    addresses = tuple(table.addresses) + (address,)
+    sources = []
+    try:
+        for k in range(n):
+            mask = (final.owner == n) & (old.owner == k)
+            if not mask.any():
+                continue
+            owner = np.where(mask, n, owner)
+            layout = layouts.Layout(table.layout_epoch + 1, addresses, BucketMap(owner, n + 1))
+            reply = ps_pool.client_for(addresses[k]).move_table_buckets(
+                table.name, bitmap_of_buckets(mask), address, capacity=parts[k] or None,
+                layout_epoch=layout.epoch, layout=layouts.to_json(layout), timeout=MOVE_SECONDS)
+            layouts.learn(table, layout)
+            sources.append(addresses[k])
+            report.rows += reply.rows
+            report.kept += reply.held
+            report.bytes += reply.bytes
+    except BaseException:
+        if table.num_shards == n:   # nothing moved: the new server's shard goes
+            try:
+                client.delete_table(table.name)
+            except Exception:   # (its server lost: nothing there to keep)
+                pass
+        raise
+    final_json = layouts.to_json(layouts.of(table))
+    for source in sources[:-1]:   # every source serves the last layout (the last one does)
+        ps_pool.client_for(source).move_table_buckets(
+            table.name, b"", "", layout_epoch=table.layout_epoch, layout=final_json,
+            layout_only=True, timeout=MOVE_SECONDS)
+    report.seconds = time.monotonic() - start
+    log.info("table %r: %d buckets, %d rows (%.1f MiB) moved to %s in %.2fs", table.name,
+             report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
+    return report

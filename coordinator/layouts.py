@@ -1,0 +1,114 @@
+"""Where a dynamic table's keys are now: its ``Layout``, and how a process
+learns a newer one.
+
+A table's layout is its servers (``addresses``: shard i on addresses[i]) and
+its ``BucketMap`` (psserver.contract.keys: which shard holds each bucket of
+the key space), numbered by ``epoch``. A DynamicEmbedding is a picklable
+description (coordinator/embedding.py) carrying the layout it was made or
+sent with; adding a parameter server (coordinator/elastic.py) moves buckets
+to it, and every description made before is then stale. It learns the new
+layout this way:
+
+* a server refuses a key of a bucket its shard handed over (NotPrimary,
+  nothing applied: psserver/core/table_moves.py) and serves the layout that
+  move left (TableInfo.layout, JSON: ``to_json``);
+* the refused call reads it (coordinator/ps_pool.py), and ``learn`` records
+  it for this process, if newer than what the process knew, and brings the
+  table in place to it; every other description of the same table in this
+  process is brought to it before its next call (``current``, in
+  coordinator/step_calls.py's plans), and the call is planned again: its
+  keys go where the layout says, with their update keys (so an update that
+  was applied before the move is answered, not applied again, where the
+  rows went: the move carried the memory of applied update keys).
+
+A table is known by its name and ``table_id`` (made at creation, the same
+in every copy of its description), so that two tables of one name in one
+process (two clusters, a re-created table) never take each other's layout.
+Layouts only grow in epoch: a move of several sources gives each source
+the layout after its own move, so a process never learns a bucket at a
+server before its rows are there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+from psserver.contract.keys import BucketMap
+
+#: Bytes of a layout's JSON at most (psserver/core/table_moves.py takes as much).
+MAX_BYTES = 64 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    epoch: int
+    addresses: tuple[str, ...]
+    buckets: BucketMap
+
+
+def of(table) -> Layout:
+    return Layout(table.layout_epoch, tuple(table.addresses), table.buckets)
+
+
+def to_json(layout: Layout) -> str:
+    return json.dumps({"epoch": layout.epoch, "addresses": list(layout.addresses),
+                       "buckets": layout.buckets.ranges()}, separators=(",", ":"))
+
+
+def parse(text: str) -> Layout | None:
+    """The layout a server served (None: none, or not one: a server of
+    another version, or damaged; the call's refusal then goes up)."""
+    if not text or len(text) > MAX_BYTES:
+        return None
+    try:
+        d = json.loads(text)
+        addresses = tuple(d["addresses"])
+        epoch = d["epoch"]
+        if not (isinstance(epoch, int) and epoch >= 0 and addresses and
+                all(isinstance(a, str) and a for a in addresses)):
+            return None
+        return Layout(epoch, addresses, BucketMap.from_ranges(d["buckets"], len(addresses)))
+    except Exception:   # (any malformed text: not a layout)
+        return None
+
+
+_lock = threading.Lock()
+_latest: dict[tuple[str, str], Layout] = {}
+
+
+def _key(table) -> tuple[str, str]:
+    return table.name, table.table_id
+
+
+def _adopt(table, layout: Layout) -> None:
+    if not table.origin_shards:   # (its update keys stay by the shards it was created with)
+        object.__setattr__(table, "origin_shards", len(table.addresses))
+    object.__setattr__(table, "addresses", layout.addresses)
+    object.__setattr__(table, "buckets", layout.buckets)
+    object.__setattr__(table, "layout_epoch", layout.epoch)
+
+
+def learn(table, layout: Layout) -> bool:
+    """Record ``layout`` for ``table`` in this process if it is newer than
+    any known, and bring the table to the newest; whether the table changed."""
+    with _lock:
+        known = _latest.get(_key(table))
+        if known is None or layout.epoch > known.epoch:
+            _latest[_key(table)] = layout
+    return current(table)
+
+
+def current(table) -> bool:
+    """Bring ``table`` (in place) to the newest layout this process knows of
+    it; whether it changed (a call planned on the older one is planned
+    again)."""
+    known = _latest.get(_key(table))   # (a dict read: no lock on the hot path)
+    if known is None or known.epoch <= table.layout_epoch:
+        return False
+    with _lock:
+        known = _latest[_key(table)]
+        if known.epoch <= table.layout_epoch:
+            return False
+        _adopt(table, known)
+        return True

@@ -1,0 +1,178 @@
+"""Adding a parameter server to a running job (coordinator/elastic.py), on
+real processes: each dynamic table moves about a third of its rows to the
+third server while workers train; no step fails, no update is lost or
+applied twice (an exactly-once counter per example), a description of the
+table made before the move learns the new layout from the first refusal,
+and checkpoints written after it restore into the old number of servers.
+What is not supported yet is refused with nothing changed."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from coordinator import (
+    CheckpointManager,
+    ClusterCoordinator,
+    IndexedSlices,
+    LocalCluster,
+    Lookup,
+    ParameterServerStrategy,
+    ShardedSource,
+    ps_pool,
+    push_gradients,
+    read_variables,
+)
+from psserver.errors import NotPrimary
+
+pytestmark = pytest.mark.timeout(240)
+
+SGD1 = {"learning_rate": 1.0}
+EXAMPLES, BATCH = 9600, 16
+KEYS = 30_000
+
+
+def counting_step(counter, emb, w, it):
+    """Each example id's counter row +1 (exactly once, the batch's update
+    key), and 64 rows of a bigger table per example -1, w -1: a CTR-like
+    step of a look-up and a push of two tables and a variable."""
+    ids = np.asarray(next(it), np.int64)
+    keys = (ids[:, None] * 64 + np.arange(64)).reshape(-1) % KEYS
+    got, rows, _ = read_variables([Lookup(counter, ids), Lookup(emb, keys), w])
+    push_gradients([(counter, IndexedSlices(-np.ones_like(got), ids)),
+                    (emb, IndexedSlices(np.ones_like(rows), keys)),
+                    (w, np.ones(2, np.float32))])
+    return ids.tolist()
+
+
+def _job(spec, **kw):
+    strategy = ParameterServerStrategy(spec, **kw)
+    counter = strategy.create_embedding_table("counter", 1, initializer="zeros",
+                                              optimizer="sgd", optimizer_params=SGD1)
+    emb = strategy.create_embedding_table("emb", 4, initializer="zeros", optimizer="adam",
+                                          optimizer_params={"learning_rate": 0.01})
+    w = strategy.create_variable("w", shape=(2,), optimizer="sgd", optimizer_params=SGD1)
+    return strategy, counter, emb, w
+
+
+def _rows(addresses, name):
+    return [ps_pool.client_for(a).table_info(name).rows for a in addresses]
+
+
+def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tmp_path):
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+            it = iter(ds)
+            steps = EXAMPLES // BATCH
+            done = [coord.schedule(counting_step, args=(counter, emb, w, it))
+                    for _ in range(steps)]
+            done[steps // 5].fetch()   # training: some steps done, the rest queued
+            stale = pickle.dumps(emb)   # a description from before the move
+            rows_before = {t.name: sum(_rows(t.addresses, t.name)) for t in (counter, emb)}
+            added = cluster.add_ps()
+            queued, in_flight = coord.pending()
+            moves = coord.add_parameter_server(added)
+            coord.join(timeout=180)
+            assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
+            trained = sorted(i for d in done for i in d.fetch())
+            assert trained == list(range(EXAMPLES))   # no step failed, each batch once
+            assert queued > 0   # (steps sent with the old layout ran after the move)
+            # each table: about a third of its buckets and rows went to the new server
+            assert [m.table for m in moves] == ["counter", "emb"]
+            for m, t in zip(moves, (counter, emb)):
+                assert t.addresses[-1] == added and t.num_shards == 3 and t.layout_epoch == 2
+                assert abs(m.buckets - 4096 // 3) <= 1
+                assert abs(m.rows / (m.rows + m.kept) - 1 / 3) < 0.1 / 3, m
+                assert m.rows + m.kept >= rows_before[t.name]
+            assert strategy.parameter_servers[-1] == added
+            # every example counted exactly once; every emb row as many updates as uses
+            counts = counter.lookup(np.arange(EXAMPLES), admit=False)
+            np.testing.assert_array_equal(counts, np.ones((EXAMPLES, 1), np.float32))
+            assert sum(_rows(counter.addresses, "counter")) == EXAMPLES
+            assert _rows(emb.addresses, "emb")[2] > 0
+            np.testing.assert_array_equal(read_variables([w])[0], [-steps, -steps])
+            # a description from before the move: refused at first, it learns the
+            # layout there and reads every row where it is now
+            old = pickle.loads(stale)
+            assert old.layout_epoch == 0 and old.num_shards == 2
+            keys = np.arange(KEYS, dtype=np.int64)
+            np.testing.assert_array_equal(old.lookup(keys, admit=False),
+                                          emb.lookup(keys, admit=False))
+            assert old.layout_epoch == 2 and old.addresses == emb.addresses
+            # a checkpoint written now restores into two servers, row for row
+            saved = CheckpointManager(strategy, str(tmp_path)).save(steps)
+            want = emb.lookup(keys, admit=False)
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy):
+            CheckpointManager(strategy, str(tmp_path)).restore(saved)
+            np.testing.assert_array_equal(emb.lookup(keys, admit=False), want)
+            np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False),
+                                          np.ones((EXAMPLES, 1), np.float32))
+
+
+def test_a_source_refuses_moved_keys_to_a_caller_that_cannot_learn_the_layout():
+    """The server side of the rule, without the coordinator's help: a plain
+    client asking the old shard for a moved key gets NotPrimary, not a row."""
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            keys = np.arange(3000, dtype=np.int64)
+            emb.lookup(keys)
+            old_map = emb.buckets
+            coord.add_parameter_server(cluster.add_ps())
+            moved = keys[(emb.shard_of(keys) == 2) & (old_map.shard_of(keys) == 0)]
+            assert moved.size
+            with pytest.raises(NotPrimary, match="handed to another server"):
+                ps_pool.client_for(emb.addresses[0]).lookup("emb", moved[:5], admit=False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(replication=True), "replication"),
+    (dict(mode="sync"), "sync mode"),
+])
+def test_what_is_not_supported_yet_is_refused_with_nothing_changed(kw, match):
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec, **kw)
+        with ClusterCoordinator(strategy) as coord:
+            added = cluster.add_ps()
+            with pytest.raises(ValueError, match=match):
+                coord.add_parameter_server(added)
+            with pytest.raises(ValueError, match="already"):
+                coord.add_parameter_server(strategy.parameter_servers[0])
+            assert strategy.parameter_servers == tuple(cluster.spec.cluster_spec().ps[:2])
+            assert emb.num_shards == 2 and emb.layout_epoch == 0
+            assert ps_pool.client_for(added).list_tables() == []
+
+
+def test_a_step_half_applied_before_the_add_and_run_again_after_it_applies_once():
+    """An exactly-once step whose worker died after one server applied its
+    part runs again after the add, with the same update keys: the part
+    applied before is left out where its rows are now (the source, and the
+    new server for the buckets it moved), the rest is applied. The update
+    keys follow the shard a key was created on, not where it is now."""
+    from coordinator.calls import update_key_scope
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            keys = np.arange(4000, dtype=np.int64)
+            emb.lookup(keys)
+            first = keys[emb.shard_of(keys) == 0]   # what server 0 applied before the worker died
+            ones = np.ones((keys.size, 4), np.float32)
+            with update_key_scope(b"batch-7"):
+                push_gradients([(emb, IndexedSlices(ones[:first.size], first))])
+            after_first = emb.lookup(keys, admit=False)
+            coord.add_parameter_server(cluster.add_ps())
+            with update_key_scope(b"batch-7"):   # the step run again, whole
+                push_gradients([(emb, IndexedSlices(ones, keys))])
+            with update_key_scope(b"batch-7"):   # and again (a resend): nothing more
+                push_gradients([(emb, IndexedSlices(ones, keys))])
+            got = emb.lookup(keys, admit=False)
+    on_0 = np.isin(keys, first)
+    np.testing.assert_array_equal(got[on_0], after_first[on_0])   # not applied twice
+    assert (got[~on_0] != after_first[~on_0]).all()               # applied once (Adam moves it)
+    assert ((emb.shard_of(keys) == 2) & on_0).any() and ((emb.shard_of(keys) == 2) & ~on_0).any()
