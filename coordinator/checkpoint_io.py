@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from coordinator import elastic
 from coordinator import metrics as _metrics
 from coordinator import variables as V
 from coordinator.checkpoint_files import (  # noqa: F401
@@ -368,6 +369,9 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
                     for h in _write_table(t, state, step, pool, client_for, address)]
         for h in handles:
             h.result()
+    for t in tables:   # a layout moves made: the emptied shards are told it again
+        if t.layout_epoch:
+            elastic.serve_layout(t)
     return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
+from coordinator import layouts
 from coordinator import variables as V
 from coordinator.checkpoint_files import CheckpointError
 
@@ -177,9 +178,20 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
             problems.append(f"dynamic table {name!r} differs between servers: {specs}")
         elif specs and len(specs) == len(ps):
             dim, dtype, optimizer = next(iter(specs.values()))
-            out.append(DynamicEmbedding(name, dim, dtype, tuple(ps), optimizer,
-                                        replicated=BACKUP_PREFIX + name in every,
-                                        capacity=0 if 0 in caps else sum(caps)))
+            # After servers were added, the layout the last move left (its
+            # servers in its order, its bucket map), as the servers serve it
+            moved = [lay for a in ps for t in listing[a] if t.name == name
+                     for lay in [layouts.parse(t.layout)] if lay is not None]
+            last = max(moved, key=lambda lay: lay.epoch, default=None)
+            if last is not None and sorted(last.addresses) != sorted(ps):
+                problems.append(f"dynamic table {name!r} is laid out over {last.addresses}, "
+                                f"not the cluster's parameter servers {list(ps)}")
+                continue
+            out.append(DynamicEmbedding(
+                name, dim, dtype, tuple(ps) if last is None else last.addresses, optimizer,
+                replicated=BACKUP_PREFIX + name in every, capacity=0 if 0 in caps else sum(caps),
+                buckets=None if last is None else last.buckets,
+                layout_epoch=0 if last is None else last.epoch))
     if problems:
         raise CheckpointError("; ".join(problems))
     return out

@@ -81,6 +81,7 @@ class TableMove:
     kept: int = 0       # rows the sources kept (each as its move left it)
     bytes: int = 0      # bytes moved (values and per-row slots)
     seconds: float = 0.0
+    started: float = 0.0   # time.time() when its first move began
 
 
 def check_add(strategy, address: str) -> None:
@@ -110,12 +111,11 @@ def move_table(table, address: str, creation: dict) -> TableMove:
     n = old.num_shards
     final = plan_add(old)
     parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
-    report = TableMove(table.name, int((final.owner == n).sum()))
+    report = TableMove(table.name, int((final.owner == n).sum()), started=time.time())
     client = ps_pool.client_for(address)
     client.create_table(table.name, table.dim, **dict(creation, capacity=parts[n]))
     owner = old.owner.astype(np.int64)
     addresses = tuple(table.addresses) + (address,)
-    sources = []
     try:
         for k in range(n):
             mask = (final.owner == n) & (old.owner == k)
@@ -127,7 +127,6 @@ def move_table(table, address: str, creation: dict) -> TableMove:
                 table.name, bitmap_of_buckets(mask), address, capacity=parts[k] or None,
                 layout_epoch=layout.epoch, layout=layouts.to_json(layout), timeout=MOVE_SECONDS)
             layouts.learn(table, layout)
-            sources.append(addresses[k])
             report.rows += reply.rows
             report.kept += reply.held
             report.bytes += reply.bytes
@@ -138,12 +137,21 @@ def move_table(table, address: str, creation: dict) -> TableMove:
             except Exception:   # (its server lost: nothing there to keep)
                 pass
         raise
-    final_json = layouts.to_json(layouts.of(table))
-    for source in sources[:-1]:   # every source serves the last layout (the last one does)
-        ps_pool.client_for(source).move_table_buckets(
-            table.name, b"", "", layout_epoch=table.layout_epoch, layout=final_json,
-            layout_only=True, timeout=MOVE_SECONDS)
+    serve_layout(table)
     report.seconds = time.monotonic() - start
     log.info("table %r: %d buckets, %d rows (%.1f MiB) moved to %s in %.2fs", table.name,
              report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
     return report
+
+
+def serve_layout(table) -> None:
+    """Tell each shard of ``table`` its place in the table's layout: it
+    serves the layout (a refused caller reads it) and refuses keys of the
+    buckets other shards hold. After an add's last move (the sources served
+    the layout of their own move until then), and after a restore into a
+    layout moves made (a restore empties the shards, layout and all)."""
+    text = layouts.to_json(layouts.of(table))
+    for i, address in enumerate(table.addresses):
+        ps_pool.client_for(address).move_table_buckets(
+            table.name, b"", "", layout_epoch=table.layout_epoch, layout=text,
+            layout_only=True, shard=i, timeout=MOVE_SECONDS)

@@ -385,17 +385,18 @@ class PSAdmin:
 
     def move_table_buckets(self, name: str, buckets: bytes, destination: str, *,
                            capacity: int | None = None, layout_epoch: int = 0,
-                           layout: str = "", layout_only: bool = False,
+                           layout: str = "", layout_only: bool = False, shard: int = 0,
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
         ``destination`` and refuses their keys from then on (tables.proto
         MoveBuckets); ``capacity``: its part of the table's afterwards;
         ``layout``: the table's layout after the move (JSON), served by Info;
-        ``layout_only``: move nothing, serve ``layout`` (buckets b"")."""
+        ``layout_only``: move nothing, be shard ``shard`` of ``layout``
+        (buckets b"", destination "")."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
                                             layout_epoch=layout_epoch, layout=layout,
-                                            layout_only=layout_only)
+                                            layout_only=layout_only, shard=shard)
         if capacity is not None:
             req.capacity = capacity
         return self._call(methods.TABLE_MOVE, req, timeout)

@@ -148,8 +148,9 @@ class TableShardCopy(CopyState):
             if gone.any():
                 raise NotPrimary(
                     f"table {self.table_name!r}: {int(gone.sum())} of these keys are of "
-                    f"buckets this server's shard handed to another server (the table's "
-                    f"layout epoch {self.moved_epoch}); nothing was read or changed here. Read "
+                    f"buckets this server's shard handed to another server, or another "
+                    f"server holds (the table's layout epoch {self.moved_epoch}); nothing was "
+                    "read or changed here. Read "
                     "the table's layout here (TableInfo.layout: coordinator/embedding.py "
                     "does) and send the keys where it says")
 

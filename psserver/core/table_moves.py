@@ -19,26 +19,37 @@ follow the move: refused, FailedPrecondition).
 """
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import numpy as np
 
-from psserver.contract.keys import bucket_of
+from psserver.contract.keys import BucketMap, bucket_of
 from psserver.errors import FailedPrecondition, InvalidArgument
 
 #: Bytes of a table's layout a move may give (served by Info as it is).
 MAX_LAYOUT_BYTES = 64 << 10
 
 
-def set_layout(copy, epoch: int, layout: str) -> None:
-    """Serve ``layout`` (of ``epoch``) from now on, moving nothing (a shard
-    that moved buckets in an earlier step of the same add)."""
+def set_layout(copy, epoch: int, layout: str, shard: int) -> None:
+    """This shard is shard ``shard`` of ``layout`` (JSON: {"epoch",
+    "addresses", "buckets"}) from now on, moving nothing: it serves the
+    layout and refuses keys of the buckets it gives other shards. A layout
+    older than the one the shard has is ignored."""
     _check_layout(epoch, layout)
+    try:
+        d = json.loads(layout)
+        n = len(d["addresses"])
+        owner = BucketMap.from_ranges(d["buckets"], n).owner
+    except (ValueError, TypeError, KeyError, InvalidArgument):
+        raise InvalidArgument("a layout is JSON {\"epoch\", \"addresses\", \"buckets\"} "
+                              "with a bucket map over its addresses") from None
+    if not 0 <= shard < n:
+        raise InvalidArgument(f"shard {shard} is not one of the layout's {n}")
     with copy.lock:
-        if copy.moved is None:
-            raise InvalidArgument(f"table {copy.table_name!r}: this shard moved no buckets; "
-                                  "it has no layout to serve")
-        if epoch > copy.moved_epoch:
+        if epoch >= copy.moved_epoch:
+            others = owner != shard
+            copy.moved = others if others.any() else None
             copy.moved_epoch, copy.layout = epoch, layout
 
 

@@ -186,7 +186,7 @@ class TableServicer:
                 raise InvalidArgument("a layout_only move names no buckets, destination or "
                                       "capacity")
             M.set_layout(self.store.registry.table(request.name), int(request.layout_epoch),
-                         request.layout)
+                         request.layout, int(request.shard))
             return tables_pb2.MoveBucketsReply(held=self.store.info(request.name).rows)
         mask = buckets_of_bitmap(request.buckets)
         dest = request.destination

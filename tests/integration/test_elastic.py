@@ -103,9 +103,16 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
             np.testing.assert_array_equal(old.lookup(keys, admit=False),
                                           emb.lookup(keys, admit=False))
             assert old.layout_epoch == 2 and old.addresses == emb.addresses
-            # a checkpoint written now restores into two servers, row for row
+            # a checkpoint written now restores into this job (its shards are told
+            # the layout again: the restore emptied them) and into two servers
             saved = CheckpointManager(strategy, str(tmp_path)).save(steps)
             want = emb.lookup(keys, admit=False)
+            CheckpointManager(strategy, str(tmp_path)).restore(saved)
+            np.testing.assert_array_equal(emb.lookup(keys, admit=False), want)
+            gone = keys[(emb.shard_of(keys) == 2) & (pickle.loads(stale).shard_of(keys) == 0)]
+            with pytest.raises(NotPrimary, match="another server"):
+                ps_pool.client_for(emb.addresses[0]).lookup("emb", gone[:3], admit=False)
+            np.testing.assert_array_equal(pickle.loads(stale).lookup(keys, admit=False), want)
     with LocalCluster(num_ps=2, num_workers=1) as cluster:
         strategy, counter, emb, w = _job(cluster.spec)
         with ClusterCoordinator(strategy):
@@ -129,6 +136,29 @@ def test_a_source_refuses_moved_keys_to_a_caller_that_cannot_learn_the_layout():
             assert moved.size
             with pytest.raises(NotPrimary, match="handed to another server"):
                 ps_pool.client_for(emb.addresses[0]).lookup("emb", moved[:5], admit=False)
+
+
+def slow_step(emb):
+    """A step still running when the add is asked for: its end (wall clock)."""
+    import time
+    emb.lookup(np.arange(100, dtype=np.int64))
+    time.sleep(1.5)   # (the work of a long step)
+    emb.push_gradient(np.arange(100, dtype=np.int64), np.ones((100, 4), np.float32))
+    return time.time()
+
+
+def test_the_move_waits_for_the_steps_in_flight():
+    """Between two steps: a step running when the add is asked for ends
+    before any row moves (its push would otherwise meet a layout other than
+    its look-up's)."""
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            running = coord.schedule(slow_step, args=(emb,))
+            while coord.pending() != (0, 1):   # (taken by the worker)
+                pass
+            moves = coord.add_parameter_server(cluster.add_ps())
+            assert moves[1].started >= running.fetch()
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -6,6 +6,8 @@ keys from then on; a refused or failed move changes nothing; the call
 needs the token and refuses malformed input with INVALID_ARGUMENT."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -219,3 +221,42 @@ def test_update_keys_moved_in_cover_only_the_keys_of_their_buckets(start_ps):
         np.testing.assert_allclose(dst.lookup("emb", other, admit=False),
                                    np.full((other.size, 4), 0.9), rtol=1e-6)   # once: its own
         np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False), moved_before)
+
+
+def test_a_shard_told_its_place_in_a_layout_refuses_the_others_keys(start_ps):
+    """layout_only: nothing moves; the shard serves the layout and refuses
+    keys of buckets the layout gives other shards (after a restore into a
+    layout moves made); an older layout than the one it has is ignored;
+    a malformed one is refused with nothing changed."""
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src, optimizer="sgd")
+        owner = np.zeros(BUCKETS, np.int64)
+        owner[::3] = 1
+        from psserver.contract.keys import BucketMap
+        ranges = BucketMap(owner, 2).ranges()
+        layout = json.dumps({"epoch": 4, "addresses": ["a:1", "b:2"], "buckets": ranges})
+        src.lookup("emb", KEYS)
+        src.move_table_buckets("emb", b"", "", layout_epoch=4, layout=layout, layout_only=True,
+                               shard=0)
+        assert src.table_info("emb").layout == layout
+        theirs = owner[bucket_of(KEYS)] == 1
+        with pytest.raises(NotPrimary, match="layout epoch 4"):
+            src.lookup("emb", KEYS[theirs][:2], admit=False)
+        src.lookup("emb", KEYS[~theirs], admit=False)
+        older = json.dumps({"epoch": 3, "addresses": ["a:1"], "buckets": [[0, BUCKETS, 0]]})
+        src.move_table_buckets("emb", b"", "", layout_epoch=3, layout=older, layout_only=True)
+        assert src.table_info("emb").layout == layout   # (ignored)
+        for bad, shard, match in (("not json", 0, "a layout is JSON"),
+                                  (json.dumps({"epoch": 5, "addresses": ["a:1"]}), 0,
+                                   "a layout is JSON"),
+                                  (json.dumps({"epoch": 5, "addresses": ["a:1", "b:2"],
+                                               "buckets": [[0, 5, 0]]}), 0, "a layout is JSON"),
+                                  (layout, 2, "shard 2 is not one of")):
+            with pytest.raises(InvalidArgument, match=match):
+                src.move_table_buckets("emb", b"", "", layout_epoch=5, layout=bad,
+                                       layout_only=True, shard=shard)
+        with pytest.raises(InvalidArgument, match="names no buckets, destination"):
+            src.move_table_buckets("emb", b"", dst.address, layout_epoch=5, layout=layout,
+                                   layout_only=True)
+        assert src.table_info("emb").layout == layout

@@ -246,7 +246,7 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class MoveBucketsRequest(_message.Message):
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
@@ -261,7 +262,8 @@ class MoveBucketsRequest(_message.Message):
     layout_epoch: int
     layout: str
     layout_only: bool
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ...) -> None: ...
+    shard: int
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
     __slots__ = ("rows", "bytes", "held")
