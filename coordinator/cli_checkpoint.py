@@ -278,8 +278,7 @@ def _export(args) -> int:
     _, layout, tables = _held(target, "Nothing exported", "nothing to export")
     directory = os.path.abspath(args.directory)
     ps_index = {addr: i for i, addr in enumerate(target.ps)}
-    model = types.SimpleNamespace(variables=layout, tables=tables,
-                                  cluster_spec=types.SimpleNamespace(ps=target.ps))
+    model = types.SimpleNamespace(variables=layout, tables=tables, parameter_servers=target.ps)
     done = 0
     with _Clients(target) as clients:
         try:

@@ -184,7 +184,8 @@ class LocalCluster:
         there). Default: 127.0.0.1 on this machine. bench/hosts.py's
         ``TestHosts.placement`` puts each task on a test host of its own;
         the TLS certificate then names every address of the tasks started
-        with the cluster.
+        with the cluster, and where it puts the next ps and worker (add_ps,
+        add_worker).
     """
 
     def __init__(self, num_ps: int = 2, num_workers: int = 2, *, token: str | None = None,
@@ -215,6 +216,7 @@ class LocalCluster:
             names += sorted({self._where(role, i)[0] for role, n in (("ps", num_ps),
                                                                     ("worker", num_workers))
                              for i in range(n)} - set(names))
+            names += sorted(set(self._spare_hosts(num_ps, num_workers)) - set(names))
             tls = generate_self_signed(self._tls_dir, hosts=tuple(names))
         self.tls: TLSConfig | None = tls or None
         self._env = {TOKEN_ENV: self.token, "PYTHONPATH": _user_pythonpath(),
@@ -279,6 +281,17 @@ class LocalCluster:
         if self._pin_cpus is None:
             return self._worker_args
         return ("--cpus", str(self._pin_cpus[index % len(self._pin_cpus)]), *self._worker_args)
+
+    def _spare_hosts(self, num_ps: int, num_workers: int) -> list[str]:
+        """Where the placement puts the next task of each role (add_ps,
+        add_worker), if it says: the certificate names them too."""
+        out = []
+        for role, n in (("ps", num_ps), ("worker", num_workers)):
+            try:
+                out.append(self._where(role, n)[0])
+            except (IndexError, KeyError, ValueError):   # (a placement of fixed size)
+                pass
+        return out
 
     def _where(self, role: str, index: int) -> tuple[str, Sequence[str]]:
         return ("127.0.0.1", ()) if self._placement is None else self._placement(role, index)
