@@ -70,7 +70,7 @@ def check_rows(state: dict, step: int, dim: int, dtype, slot_init: dict,
                    - {f"slot/{m}" for m in slot_init})
     if extra:
         raise InvalidArgument(f"dynamic table import: unknown arrays {extra}")
-    if np.unique(keys).size != n:
+    if not (keys[1:] > keys[:-1]).all() and np.unique(keys).size != n:   # (sorted: unique)
         raise InvalidArgument("dynamic table import: keys must be unique")
     if not (np.isfinite(values).all() and all(np.isfinite(a).all() for a in slots.values())
             and np.isfinite(age_seconds).all()):
