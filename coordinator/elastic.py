@@ -88,7 +88,8 @@ def check_add(strategy, address: str) -> None:
     """ValueError (nothing changed) where a server cannot be added (see the module)."""
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"a parameter server's address is host:port, got {address!r}")
-    if address in strategy.parameter_servers:
+    if address in strategy.parameter_servers and \
+            all(address in t.addresses for t in strategy.tables):   # (else: resume an add)
         raise ValueError(f"{address} is a parameter server of this job already")
     if strategy.replication:
         raise ValueError("adding a parameter server to a job with replication=True is not "
@@ -123,21 +124,24 @@ def move_table(table, address: str, creation: dict) -> TableMove:
                 continue
             owner = np.where(mask, n, owner)
             layout = layouts.Layout(table.layout_epoch + 1, addresses, BucketMap(owner, n + 1))
-            reply = ps_pool.client_for(addresses[k]).move_table_buckets(
-                table.name, bitmap_of_buckets(mask), address, capacity=parts[k] or None,
-                layout_epoch=layout.epoch, layout=layouts.to_json(layout), timeout=MOVE_SECONDS)
+            source = ps_pool.client_for(addresses[k])
+            try:
+                reply = source.move_table_buckets(
+                    table.name, bitmap_of_buckets(mask), address, capacity=parts[k] or None,
+                    layout_epoch=layout.epoch, layout=layouts.to_json(layout),
+                    timeout=MOVE_SECONDS)
+            except BaseException:
+                if _took_effect(source, table.name, layout.epoch):   # (its answer was lost)
+                    layouts.learn(table, layout)
+                raise
             layouts.learn(table, layout)
             report.rows += reply.rows
             report.kept += reply.held
             report.bytes += reply.bytes
+        serve_layout(table)
     except BaseException:
-        if table.num_shards == n:   # nothing moved: the new server's shard goes
-            try:
-                client.delete_table(table.name)
-            except Exception:   # (its server lost: nothing there to keep)
-                pass
+        _after_failure(table, client, n)
         raise
-    serve_layout(table)
     report.seconds = time.monotonic() - start
     log.info("table %r: %d buckets, %d rows (%.1f MiB) moved to %s in %.2fs", table.name,
              report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
@@ -155,3 +159,27 @@ def serve_layout(table) -> None:
         ps_pool.client_for(address).move_table_buckets(
             table.name, b"", "", layout_epoch=table.layout_epoch, layout=text,
             layout_only=True, shard=i, timeout=MOVE_SECONDS)
+
+
+def _took_effect(source, name: str, epoch: int) -> bool:
+    """Whether a source's move of ``epoch`` happened although its call
+    failed (it serves that layout, or a newer one); False if it cannot say."""
+    try:
+        layout = layouts.parse(source.table_info(name, timeout=30.0).layout)
+    except Exception:   # (the source lost: what it held is the recovery's)
+        return False
+    return layout is not None and layout.epoch >= epoch
+
+
+def _after_failure(table, client, n: int) -> None:
+    """After a move of ``table`` failed: with nothing moved, the new server's
+    shard goes; else every shard is told the layout the moves made (the new
+    server drops what a failed move left there). A failure here is logged:
+    the move's own error goes up."""
+    try:
+        if table.num_shards == n:
+            client.delete_table(table.name)
+        else:
+            serve_layout(table)
+    except Exception as exc:
+        log.warning("table %r: after a failed move, %s: %s", table.name, type(exc).__name__, exc)

@@ -55,13 +55,14 @@ def known_order(variable, ids: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def last_lookup(table, keys: np.ndarray) -> tuple | None:
+def last_lookup(table, keys: np.ndarray, epoch: int) -> tuple | None:
     """(keys distinct and put shard by shard, where each of ``keys`` lands
     among them, [(shard, lo, hi)]) from this thread's last look-up of
     ``table`` (one per table, for the last _KEPT tables: a step's several
-    tables) when it was of these 1-D ``keys``; else None."""
+    tables) when it was of these 1-D ``keys``, split by the table's layout
+    ``epoch``; else None."""
     last = getattr(_last, "keys", {}).get(table.name)
-    if last is not None and last[0] is table and last[1] == table.layout_epoch and \
+    if last is not None and last[0] is table and last[1] == epoch and \
             last[2].shape == keys.shape and np.array_equal(last[2], keys):
         return last[3:]   # (split by the layout the table has now)
     return None

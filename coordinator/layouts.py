@@ -30,6 +30,7 @@ server before its rows are there.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import threading
@@ -37,7 +38,7 @@ import threading
 from psserver.contract.keys import BucketMap
 
 #: Bytes of a layout's JSON at most (psserver/core/table_moves.py takes as much).
-MAX_BYTES = 64 << 10
+MAX_BYTES = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +64,11 @@ def parse(text: str) -> Layout | None:
         return None
     try:
         d = json.loads(text)
-        addresses = tuple(d["addresses"])
-        epoch = d["epoch"]
-        if not (isinstance(epoch, int) and epoch >= 0 and addresses and
-                all(isinstance(a, str) and a for a in addresses)):
+        addresses, epoch = d["addresses"], d["epoch"]
+        if not (type(epoch) is int and epoch >= 0 and isinstance(addresses, list) and
+                addresses and all(isinstance(a, str) and a for a in addresses)):
             return None
+        addresses = tuple(addresses)
         return Layout(epoch, addresses, BucketMap.from_ranges(d["buckets"], len(addresses)))
     except Exception:   # (any malformed text: not a layout)
         return None
@@ -82,11 +83,12 @@ def _key(table) -> tuple[str, str]:
 
 
 def _adopt(table, layout: Layout) -> None:
-    if not table.origin_shards:   # (its update keys stay by the shards it was created with)
-        object.__setattr__(table, "origin_shards", len(table.addresses))
-    object.__setattr__(table, "addresses", layout.addresses)
-    object.__setattr__(table, "buckets", layout.buckets)
-    object.__setattr__(table, "layout_epoch", layout.epoch)
+    """Changed in one step (a dict update made in C: another thread's
+    copy.copy sees all of it or none; snapshot)."""
+    table.__dict__.update({
+        "origin_shards": table.origin_shards or len(table.addresses),   # (its update keys'
+        "addresses": layout.addresses, "buckets": layout.buckets,       # shards stay)
+        "layout_epoch": layout.epoch})
 
 
 def learn(table, layout: Layout) -> bool:
@@ -112,3 +114,11 @@ def current(table) -> bool:
             return False
         _adopt(table, known)
         return True
+
+
+def snapshot(table):
+    """A copy of ``table``'s description at the newest layout this process
+    knows, read whole: a call plans on it from start to end (another thread
+    may bring the table to a newer layout meanwhile). About 2 us."""
+    current(table)
+    return copy.copy(table)

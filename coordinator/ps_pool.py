@@ -70,7 +70,7 @@ class Op:
     send: Callable[[PSClient], Pending]
     routes: tuple = ()
     pairs: tuple = ()   # the (variable or table, shard index) it reaches, for refresh
-    tables: tuple = ()  # the dynamic tables it reaches unreplicated (a refusal: their layout)
+    tables: tuple = ()  # (table, layout epoch planned on) of unreplicated dynamic tables
 
 
 class _Rerouted(Exception):
@@ -226,17 +226,17 @@ class ParameterServers:
     def _relaid(self, op: Op) -> bool:
         """Ask op's server for the layout of op's tables (a move of buckets
         refused some of their keys there: coordinator/layouts.py); whether a
-        table is at a newer one now (found out by this or another call)."""
-        changed = False
-        for table in op.tables:
+        table is at another layout now than op was planned on (found out by
+        this or another call)."""
+        for table, _ in op.tables:
             try:
                 info = self.client(op.address).table_info(table.name, timeout=ASK_SECONDS)
             except PSError:
                 continue
             layout = layouts.parse(info.layout)
-            changed |= layouts.learn(table, layout) if layout is not None else \
-                layouts.current(table)
-        return changed
+            if layout is not None:
+                layouts.learn(table, layout)
+        return any(layouts.current(t) or t.layout_epoch != planned for t, planned in op.tables)
 
     def refresh(self, pairs) -> bool:
         """Ask both copies of each (variable or table, shard index) who leads

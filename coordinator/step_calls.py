@@ -118,9 +118,10 @@ def _entry(by_addr: dict, address: str) -> list:
     return e
 
 
-def _note_table(e: list, table) -> None:
-    if not table.backups and all(t is not table for t in e[5]):
-        e[5].append(table)
+def _note_table(e: list, table, epoch: int) -> None:
+    """The (table, layout epoch) an entry was planned on (unreplicated tables)."""
+    if not table.backups and all(t is not table for t, _ in e[5]):
+        e[5].append((table, epoch))
 
 
 def _copies(routes, v, k: int, entry_of, sync: bool) -> list:
@@ -231,18 +232,18 @@ class _Read:
             return ids.shape, inverse, t._runs(uniq), rows
         keys = check_keys(v.ids)
         flat = keys.reshape(-1)
-        layouts.current(t)
-        sorted_keys, where, runs, counts = shard_order(t, flat, with_counts=v.admit)
+        now = layouts.snapshot(t)   # (the layout the whole read is planned on)
+        sorted_keys, where, runs, counts = shard_order(now, flat, with_counts=v.admit)
         # The push of this step's row gradients sums them in this order (_table_parts).
         kept = _last.__dict__.setdefault("keys", {})
         kept.pop(t.name, None)
-        kept[t.name] = (t, t.layout_epoch, flat.copy(), sorted_keys, where, runs)
+        kept[t.name] = (t, now.layout_epoch, flat.copy(), sorted_keys, where, runs)
         if len(kept) > _KEPT:
             del kept[next(iter(kept))]
         rows = np.empty((sorted_keys.size, t.dim), np.dtype(t.dtype))
         parts = [(i, slice(lo, hi), sorted_keys[lo:hi],
                   None if counts is None else counts[lo:hi]) for i, lo, hi in runs]
-        return keys.shape, where, parts, rows, t.layout_epoch
+        return keys.shape, where, parts, rows, now
 
     def plan(self) -> list[Op]:
         """One call per server on the current routes (a route asked once per shard)."""
@@ -252,11 +253,12 @@ class _Read:
         prim = []   # each item's copies read, per shard
         for i, v in enumerate(self.items):
             if i in self.lookups and _is_table(v.variable):   # split by the layout known now
-                t = v.variable
-                if layouts.current(t) or self.lookups[i][4] != t.layout_epoch:
+                layouts.current(v.variable)
+                if self.lookups[i][4].layout_epoch != v.variable.layout_epoch:
                     self.lookups[i] = self._prepare(v)
             if i in self.lookups:
-                t, parts = v.variable, self.lookups[i][2]
+                parts = self.lookups[i][2]
+                t = self.lookups[i][4] if _is_table(v.variable) else v.variable
                 copies = []
                 prim.append(copies)
                 for part in parts:
@@ -264,7 +266,7 @@ class _Read:
                     (copy, e), = _copies(routes, t, k, entry_of, False)
                     copies.append(copy)
                     if _is_table(t):   # (i, rows' slice, keys, counts) -> a TableLookup
-                        _note_table(e, t)
+                        _note_table(e, v.variable, t.layout_epoch)
                         _, run, keys, counts = part
                         e[2].append((i, run, TableLookup(
                             copy.table, keys, counts, v.admit, sync_step=self.table_step,
@@ -410,7 +412,7 @@ class _Push:
         dense = self.dense
         for v, g in pairs:
             if _is_table(v):
-                self.tables.append((v, _table_parts(v, g, rows), v.layout_epoch))
+                self.tables.append((v, *_table_parts(v, g, rows)))
             elif isinstance(g, IndexedSlices):
                 self.sparse.append((v, v._sparse_split(g.indices, g.values, rows)))
             else:
@@ -446,13 +448,15 @@ class _Push:
             for k, ids, rows, uid in parts:
                 (t, e), = _copies(routes, v, k, entry_of, False)
                 e[1].append((t.name, ids, rows, uid))
-        for n, (table, parts, epoch) in enumerate(self.tables):
-            if layouts.current(table) or epoch != table.layout_epoch:   # moved since: split anew
-                parts = _split_again(table, parts)
-                self.tables[n] = (table, parts, table.layout_epoch)
+        for n, (table, parts, now) in enumerate(self.tables):
+            layouts.current(table)
+            if now.layout_epoch != table.layout_epoch:   # buckets moved since: split anew
+                now = layouts.snapshot(table)
+                parts = _split_again(now, parts)
+                self.tables[n] = (table, parts, now)
             for k, keys, grads, uid in parts:
-                for t, e in _copies(routes, table, k, entry_of, row_sync is not None):
-                    _note_table(e, table)
+                for t, e in _copies(routes, now, k, entry_of, row_sync is not None):
+                    _note_table(e, table, now.layout_epoch)
                     e[2].append(TableGradient(t.table, keys, grads, uid, row_sync))
         for addr, (d, sp, tables, seen, pairs, relaid) in by_addr.items():
             if tables:
@@ -512,49 +516,54 @@ class _Push:
                            for k, part in enumerate(v._split(g))]
 
 
-def _table_parts(table, g, row_sync) -> list[tuple]:
+def _table_parts(table, g, row_sync) -> tuple[list[tuple], object]:
     """A dynamic table's gradient (IndexedSlices by key) as [(shard, keys,
     summed rows, update key)]: each distinct key once (the rows of its
     duplicates summed here), every shard in a sync step (an empty update
-    counts the replica). Keys this thread just looked up are not sorted again."""
+    counts the replica); and the description (layouts.snapshot) they were
+    split by. Keys this thread just looked up are not sorted again."""
     if not isinstance(g, IndexedSlices):
         raise ValueError(f"a dynamic table's gradient is row-wise: give "
                          f"IndexedSlices(rows, keys) for {table.name!r}")
     keys = check_keys(g.indices).reshape(-1)
     grads = np.asarray(g.values)
-    layouts.current(table)
     if grads.shape != (keys.size, table.dim):
         raise ValueError(f"gradient for table {table.name!r} has shape {grads.shape}, "
                          f"expected {(keys.size, table.dim)}")
+    now = layouts.snapshot(table)
     # Distinct keys shard by shard: as this thread just looked them up, else anew.
-    keys, where, runs = last_lookup(table, keys) or shard_order(table, keys)[:3]
+    keys, where, runs = last_lookup(table, keys, now.layout_epoch) or shard_order(now, keys)[:3]
     grads = sum_rows(where, grads, keys.size)
     have = {k: (keys[lo:hi], grads[lo:hi]) for k, lo, hi in runs}
     if row_sync is not None:   # every shard counts this replica (an empty update too)
-        empty = (np.zeros(0, np.int64), np.zeros((0, table.dim), grads.dtype))
-        return [(k, *have.get(k, empty), 0) for k in range(table.num_shards)]
+        empty = (np.zeros(0, np.int64), np.zeros((0, now.dim), grads.dtype))
+        return [(k, *have.get(k, empty), 0) for k in range(now.num_shards)], now
     # An update key per shard the table was created with (its keys' shard
     # then): a resend after a failover or a lost connection applies once, and
     # a re-run of an exactly-once batch sends the same keys, wherever moves of
     # buckets took the keys since (a shard that took buckets knows which
     # update keys their earlier shard applied to them: psserver/core/table_copy.py).
-    label = table.shards[0].name
-    if table.num_shards == (table.origin_shards or table.num_shards):   # (none added)
-        return [(k, ks, gs, new_update_id(f"{label}#{k}")) for k, (ks, gs) in have.items()]
-    created = BucketMap.even(table.origin_shards)
+    label = now.shards[0].name
+    if now.num_shards == (now.origin_shards or now.num_shards):   # (none added)
+        return [(k, ks, gs, new_update_id(f"{label}#{k}")) for k, (ks, gs) in have.items()], now
+    created = BucketMap.even(now.origin_shards)
     parts = []
     for k, (ks, gs) in have.items():
-        order, runs = by_shard_of(created.shard_of(ks), table.origin_shards)
+        order, runs = by_shard_of(created.shard_of(ks), now.origin_shards)
         parts += [(k, c, ks[order[lo:hi]], gs[order[lo:hi]]) for c, lo, hi in runs]
     uids = {c: new_update_id(f"{label}#{c}") for c in sorted({p[1] for p in parts})}
-    return [(k, ks, gs, uids[c]) for k, c, ks, gs in parts]
+    return [(k, ks, gs, uids[c]) for k, c, ks, gs in parts], now
 
 
 def _split_again(table, parts: list[tuple]) -> list[tuple]:
-    """An asynchronous update's parts split by the table's layout now (buckets
-    moved since they were made), each piece keeping its part's update key."""
-    out = []
+    """An asynchronous update's parts split by ``table``'s layout (buckets
+    moved since they were made), each piece keeping its part's update key;
+    pieces of one key and shard merged (a server takes an update key once)."""
+    pieces: dict[tuple[int, int], list] = {}
     for _, keys, grads, uid in parts:
         order, runs = by_shard(table, keys)
-        out += [(k, keys[order[lo:hi]], grads[order[lo:hi]], uid) for k, lo, hi in runs]
-    return out
+        for k, lo, hi in runs:
+            pieces.setdefault((k, uid), []).append((keys[order[lo:hi]], grads[order[lo:hi]]))
+    return [(k, *(got[0] if len(got) == 1 else (np.concatenate([a for a, _ in got]),
+                                                 np.concatenate([b for _, b in got]))), uid)
+            for (k, uid), got in pieces.items()]

@@ -460,18 +460,14 @@ class ParameterServerStrategy:
         psserver/core/dynamic_table.py). A key gets a row on its ``min_count``-th
         look-up, then with ``probability`` per look-up; until then it reads as
         zeros and its gradients are dropped. ``capacity`` (0: none) bounds
-        the rows of the whole table: each server holds its share of the
-        key buckets (psserver.contract.keys) and that share of the capacity,
-        the shares summing to it exactly, so a server whose share is full
-        evicts although another may have room (the imbalance of a hash:
-        about 1/sqrt(rows per server)); it evicts by ``policy`` ("lru" or
-        "lfu"). A restore into another number of servers gives each server
-        room for the rows it restores, still summing to ``capacity``. Rows not
-        updated for ``max_age_steps`` updates of their shard or
+        the rows of the whole table: each server holds its share of the key
+        buckets (psserver.contract.keys) and that share of the capacity
+        (docs/embedding-tables.md), evicting by ``policy`` ("lru" or "lfu").
+        Rows not updated for ``max_age_steps`` updates of their shard or
         ``max_age_seconds`` are evicted too. New rows come from
         ``initializer`` as a function of (``seed``, key) alone; ``seed`` also
-        draws admission by ``probability``. It is one seed with an
-        Initializer's own: give either (both, different: ValueError).
+        draws admission by ``probability`` (one seed with an Initializer's:
+        give either; both, different: ValueError).
 
         Made again with the same arguments (a coordinator that restarts), the
         existing table is used; a call that fails leaves no shard it made.
@@ -538,7 +534,7 @@ class ParameterServerStrategy:
                               "connect_timeout=...) or $PSTRAIN_CONNECT_SECONDS")
         self._answered = True
 
-    def _note_server(self, addr: str) -> None:
+    def _note_server(self, addr: str) -> None:   # (watched from now on: coordinator.recovery)
         if addr not in self.server_ids:
             self.server_ids[addr] = ps_pool.client_for(addr).server_info().server_id
 
@@ -548,8 +544,7 @@ class ParameterServerStrategy:
                 if s.address == addr]
 
     def recreate_shards(self, addr: str) -> None:
-        """Create again, as first created, the shards that lived on ``addr``
-        (their training is lost: used when no checkpoint holds them)."""
+        """Create again, as first created, the shards on ``addr`` (none in a checkpoint)."""
         for _, s in self.shards_on(addr):
             ps_pool.client_for(addr).create_variable(**self._creation[s.name], exist_ok=True)
 
@@ -559,17 +554,17 @@ class ParameterServerStrategy:
                 if any(a == addr for a, _ in creations)]
 
     def recreate_tables(self, addr: str) -> None:
-        """Create again, empty, the shards of dynamic tables that lived on
-        ``addr`` (a restarted server; a checkpoint restore fills them)."""
+        """Create again, empty, the table shards on ``addr`` (a restore fills them)."""
         for name in self.tables_on(addr):
             dim, creations = self._table_creation[name]
             for a, kw in creations:
                 if a == addr:
                     ps_pool.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
+            if self._tables[name].layout_epoch:   # (its place in a layout moves made)
+                elastic.serve_layout(self._tables[name])
 
     def delete_variable(self, var: V.ShardedVariable) -> None:
-        """Delete every copy of ``var``'s shards where the routes say they
-        are (after a failover too: ps_pool.delete_copies)."""
+        """Delete every copy of ``var``'s shards where the routes say (ps_pool.delete_copies)."""
         ps_pool.delete_copies(var, lambda s: ps_pool.client_for(s.address).delete_variable(s.name))
         self._variables.pop(var.name, None)
 
@@ -581,20 +576,25 @@ class ParameterServerStrategy:
 
     parameter_servers = property(lambda self: self._ps, doc="Its servers (added ones too).")
 
-    def add_parameter_server(self, address: str) -> list:
-        """ClusterCoordinator.add_parameter_server's work: a list of elastic.TableMove."""
+    def add_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's: elastic.py)
         elastic.check_add(self, address)
         ps_pool.client_for(address).server_info(timeout=self.connect_timeout)
         with elastic.LAYOUT_LOCK:
-            self._ps = self._ps + (address,)
+            added, moves = address not in self._ps, []   # (not added: a failed add resumed)
+            self._ps += (address,) if added else ()
             self._note_server(address)
-            moves = []
-            for table in list(self._tables.values()):
-                dim, creations = self._table_creation[table.name]
-                kw = dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
-                try:
-                    moves.append(elastic.move_table(table, address, kw))
-                finally:   # (one that failed part-way has a shard there too)
-                    if address in table.addresses:
-                        self._table_creation[table.name] = (dim, creations + [(address, kw)])
+            try:
+                for table in [t for t in self._tables.values() if address not in t.addresses]:
+                    dim, creations = self._table_creation[table.name]
+                    kw = dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
+                    try:
+                        moves.append(elastic.move_table(table, address, kw))
+                    finally:   # (one that failed part-way has a shard there too)
+                        if address in table.addresses:
+                            self._table_creation[table.name] = (dim, creations + [(address, kw)])
+            except BaseException:
+                if added and not any(address in t.addresses for t in self._tables.values()):
+                    self._ps = self._ps[:-1]   # nothing went there: the job as it was
+                    self.server_ids.pop(address, None)
+                raise
         return moves

@@ -13,6 +13,7 @@ the same channel.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -348,7 +349,7 @@ class PSAdmin:
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
                      capacity: int | None = None, applied: Sequence[tuple] = (),
-                     timeout: float | None = None) -> int:
+                     timeout: float | None = None, deadline: float | None = None) -> int:
         """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
         pieces that fit a message. Returns the rows the shard holds.
@@ -380,6 +381,8 @@ class PSAdmin:
                     a = np.asarray(a)
                     TP.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
                            a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
+            if deadline is not None:   # (time.monotonic(): the pieces together)
+                timeout = max(0.001, deadline - time.monotonic())
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
 

@@ -28,8 +28,9 @@ from psserver.core.dynamic_table import DynamicTable
 from psserver.core.shards import CopyState
 from psserver.errors import InvalidArgument, NotPrimary
 
-#: Groups of moved-in update keys a shard keeps at most (the oldest go first).
-MOVED_IN_GROUPS = 64
+#: Moved-in update keys a shard keeps at most (the oldest go first): four
+#: sources' whole memories.
+MOVED_IN_KEPT = 4 * CopyState.APPLIED_IDS_KEPT
 
 
 class TableShardCopy(CopyState):
@@ -65,10 +66,10 @@ class TableShardCopy(CopyState):
         # the last move; None: it handed none over since it was made or reset.
         self.moved: np.ndarray | None = None
         self.moved_epoch, self.layout = 0, ""   # (the layout: JSON, served by Info)
-        # Update keys the shards that moved buckets here had applied, each
-        # group for the keys of its buckets: [(bool per bucket, frozenset of
-        # keys)], and updates remembered since the last group came.
-        self.moved_in: list[tuple[np.ndarray, frozenset]] = []
+        # Update keys the shards that moved buckets here had applied: key ->
+        # the buckets (bool per bucket) whose keys it was applied to there,
+        # oldest first; and updates remembered here since the last move in.
+        self.moved_in: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.since_moved_in = 0
 
     @property
@@ -97,29 +98,37 @@ class TableShardCopy(CopyState):
 
     def remember(self, update_id: int) -> None:
         super().remember(update_id)
-        if self.moved_in and update_id:   # (groups as old as the memory's window go)
+        if self.moved_in and update_id:   # (as old as the memory's window: forgotten)
             self.since_moved_in += 1
             if self.since_moved_in > self.APPLIED_IDS_KEPT:
-                self.moved_in = []
+                self.moved_in.clear()
 
     def take_moved_in(self, groups) -> None:
         """Remember update keys applied where rows of these buckets came from:
-        [(bool per bucket, keys)] (lock held)."""
-        groups = [(m, frozenset(int(i) for i in ids)) for m, ids in groups if len(ids)]
+        [(bool per bucket, keys)] (lock held); at most MOVED_IN_KEPT keys,
+        the oldest forgotten first (as the shard's own, past its window)."""
+        for mask, ids in groups:
+            for i in ids:
+                i = int(i)
+                had = self.moved_in.pop(i, None)
+                self.moved_in[i] = mask if had is None else had | mask
+        while len(self.moved_in) > MOVED_IN_KEPT:
+            self.moved_in.popitem(last=False)
         if groups:
-            self.moved_in = (self.moved_in + groups)[-MOVED_IN_GROUPS:]
             self.since_moved_in = 0
 
     def export_applied(self, mask: np.ndarray) -> list[tuple[np.ndarray, list]]:
         """What a move of the buckets in ``mask`` carries of the update keys
         applied here: the shard's own (they were applied to every key it
-        held), and those of groups that moved here, cut to ``mask``."""
+        held), and those that moved here, each for its buckets in ``mask``
+        (grouped by bucket set)."""
         out = [(mask, list(self.applied))] if self.applied else []
-        for m, ids in self.moved_in:
-            cut = m & mask
-            if cut.any():
-                out.append((cut, sorted(ids)))
-        return out
+        groups: dict[int, tuple[np.ndarray, list]] = {}
+        for i, m in self.moved_in.items():
+            if id(m) not in groups:
+                groups[id(m)] = (m & mask, [])
+            groups[id(m)][1].append(i)
+        return out + [g for g in groups.values() if g[0].any()]
 
     def unapplied(self, update_id: int, keys: np.ndarray, grads: np.ndarray):
         """(keys, grads) of an asynchronous update (not applied here: the
@@ -127,12 +136,7 @@ class TableShardCopy(CopyState):
         refusal first, then keys of buckets whose earlier shard applied
         this update before they moved here are left out (lock held)."""
         self.check_here(keys)
-        if not self.moved_in or not update_id:
-            return keys, grads
-        done = None
-        for m, ids in self.moved_in:
-            if update_id in ids:
-                done = m if done is None else done | m
+        done = self.moved_in.get(update_id) if self.moved_in else None
         if done is None:
             return keys, grads
         keep = ~done[bucket_of(keys)]

@@ -20,48 +20,73 @@ follow the move: refused, FailedPrecondition).
 from __future__ import annotations
 
 import json
+import time
 from typing import Callable
 
 import numpy as np
 
-from psserver.contract.keys import BucketMap, bucket_of
-from psserver.errors import FailedPrecondition, InvalidArgument
+from psserver.contract.keys import BUCKETS, BucketMap, bucket_of
+from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
 #: Bytes of a table's layout a move may give (served by Info as it is).
-MAX_LAYOUT_BYTES = 64 << 10
+MAX_LAYOUT_BYTES = 256 << 10   # (any bucket map: 4,096 runs and addresses)
 
 
-def set_layout(copy, epoch: int, layout: str, shard: int) -> None:
-    """This shard is shard ``shard`` of ``layout`` (JSON: {"epoch",
-    "addresses", "buckets"}) from now on, moving nothing: it serves the
-    layout and refuses keys of the buckets it gives other shards. A layout
-    older than the one the shard has is ignored."""
-    _check_layout(epoch, layout)
-    try:
-        d = json.loads(layout)
-        n = len(d["addresses"])
-        owner = BucketMap.from_ranges(d["buckets"], n).owner
-    except (ValueError, TypeError, KeyError, InvalidArgument):
-        raise InvalidArgument("a layout is JSON {\"epoch\", \"addresses\", \"buckets\"} "
-                              "with a bucket map over its addresses") from None
-    if not 0 <= shard < n:
-        raise InvalidArgument(f"shard {shard} is not one of the layout's {n}")
-    with copy.lock:
-        if epoch >= copy.moved_epoch:
-            others = owner != shard
-            copy.moved = others if others.any() else None
-            copy.moved_epoch, copy.layout = epoch, layout
-
-
-def _check_layout(epoch: int, layout: str) -> None:
+def parse_layout(epoch: int, layout: str) -> np.ndarray:
+    """The owner of each bucket in ``layout`` (JSON {"epoch", "addresses",
+    "buckets"}, of epoch ``epoch``); InvalidArgument for anything else."""
     if not 0 <= epoch < 1 << 62:
         raise InvalidArgument(f"a move's layout epoch is in [0, 2**62), got {epoch}")
     if len(layout.encode()) > MAX_LAYOUT_BYTES:
         raise InvalidArgument(f"a move's layout takes at most {MAX_LAYOUT_BYTES} bytes")
+    try:
+        d = json.loads(layout)
+        addresses, ranges = d["addresses"], d["buckets"]
+        if type(d["epoch"]) is not int or d["epoch"] != epoch or \
+                not isinstance(addresses, list) or not 0 < len(addresses) <= BUCKETS or \
+                not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError
+        return BucketMap.from_ranges(ranges, len(addresses)).owner
+    except Exception:   # (any malformed JSON, deep nesting, huge numbers: refused)
+        raise InvalidArgument(f"a layout is JSON {{\"epoch\": {epoch}, \"addresses\": [host:port "
+                              "...], \"buckets\": [[first, end, shard] ...]} with a bucket map "
+                              "over its addresses") from None
+
+
+def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
+    """This shard is shard ``shard`` of ``layout`` (of ``epoch``) from now on,
+    moving nothing: it serves the layout, refuses keys of the buckets it
+    gives other shards, and drops rows of such keys (a copy a failed move
+    left on its destination). A layout older than the shard's is ignored.
+    Returns the rows dropped."""
+    owner = parse_layout(epoch, layout)
+    if not 0 <= shard < int(owner.max()) + 1:
+        raise InvalidArgument(f"shard {shard} is not one of the layout's")
+    with copy.lock:
+        if epoch < copy.moved_epoch:
+            return 0
+        others = owner != shard
+        copy.moved = others if others.any() else None
+        copy.moved_epoch, copy.layout = epoch, layout
+        t = copy.table
+        keys, _ = t.index.items()
+        stray = keys[others[bucket_of(keys)]]
+        if stray.size:
+            t.drop(stray)
+            copy.version += 1
+        return int(stray.size)
+
+
+def check_move(capacity: int | None, epoch: int, layout: str) -> None:
+    """A move's capacity and layout, checked (InvalidArgument)."""
+    if capacity is not None and not 0 <= capacity < 1 << 40:
+        raise InvalidArgument(f"a move's capacity is an integer in [0, 2**40), got {capacity}")
+    parse_layout(epoch, layout)
 
 
 def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None],
-                 capacity: int | None, epoch: int, layout: str = "") -> tuple[int, int, int]:
+                 capacity: int | None, epoch: int, layout: str,
+                 deadline: float | None = None) -> tuple[int, int, int]:
     """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
     step, applied)`` puts them there with the update keys applied to them
     (TableShardCopy.export_applied), raising if it could not (nothing
@@ -69,10 +94,10 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
     afterwards (None: unchanged); ``epoch``: the table's layout epoch
     after the move, named in refusals, and ``layout`` that layout (JSON,
     served by Info from then on: the caller of a refused key reads it).
-    Returns (rows, bytes, rows held)."""
-    if capacity is not None and not 0 <= capacity < 1 << 40:
-        raise InvalidArgument(f"a move's capacity is an integer in [0, 2**40), got {capacity}")
-    _check_layout(epoch, layout)
+    Past ``deadline`` (time.monotonic()) once the rows are sent, nothing
+    changes here (DeadlineExceeded: the caller gave up). Returns (rows,
+    bytes, rows held)."""
+    check_move(capacity, epoch, layout)
     with copy.lock:
         copy.check_primary()
         if copy.link is not None:
@@ -93,6 +118,11 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
         state = t.export(keys)
         state.pop("evicted", None)
         send(state, t.step, copy.export_applied(mask))
+        if deadline is not None and time.monotonic() > deadline:
+            raise DeadlineExceeded(
+                f"table {copy.table_name!r}: the move's rows reached the destination after "
+                "the caller's deadline; nothing moved here (the destination drops its copy "
+                "when told the table's layout)")
         nbytes = sum(a.nbytes for k, a in state.items()
                      if k == "values" or (k.startswith("slot/") and np.ndim(a)))
         t.drop(keys)

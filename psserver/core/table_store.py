@@ -539,7 +539,7 @@ class TableStore:
             copy.version += 1
             if reset:   # a restored shard: no sync step applied or pending, no bucket moved
                 copy.acc, copy.sync_steps, copy.moved, copy.layout = None, 0, None, ""
-                copy.moved_in = []
+                copy.moved_in.clear()
                 copy.cond.notify_all()
             copy.take_moved_in(applied)
             if copy.link is not None:   # the backup copies the new state whole

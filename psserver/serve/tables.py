@@ -24,13 +24,15 @@ from psserver.contract.keys import buckets_of_bitmap
 from psserver.core import table_moves as M
 from psserver.core.shards import CopyState
 from psserver.core.table_config import TableConfig
-from psserver.core.table_copy import MOVED_IN_GROUPS
+from psserver.core.table_copy import MOVED_IN_KEPT
 from psserver.core.table_store import StateCopy, TableSpec, TableStatus, TableStore
 from psserver.errors import FailedPrecondition, InvalidArgument
 from psserver.link import tensor_proto as TP
 from psserver.serve.handling import deadline_of, save_fields, sync_spec_of
 
 _INT64_MAX = (1 << 63) - 1
+#: Seconds a MoveBuckets may hold its shard at most (its caller's deadline, if sooner).
+MOVE_SECONDS = 600.0
 #: A server's address: host (a name, IPv4, or [IPv6]) and port.
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}")
 
@@ -85,16 +87,10 @@ def _sync_read_step(request: tables_pb2.LookupRequest) -> int | None:
 
 def _applied_of(groups) -> list[tuple]:
     """ImportTableRequest.applied as [(bool per bucket, update keys)], checked."""
-    if len(groups) > MOVED_IN_GROUPS:
-        raise InvalidArgument(f"an import carries at most {MOVED_IN_GROUPS} groups of applied "
-                              f"update keys, got {len(groups)}")
-    out = []
-    for g in groups:
-        if len(g.ids) > CopyState.APPLIED_IDS_KEPT:
-            raise InvalidArgument(f"a group of applied update keys holds at most "
-                                  f"{CopyState.APPLIED_IDS_KEPT}, got {len(g.ids)}")
-        out.append((buckets_of_bitmap(g.buckets), list(g.ids)))
-    return out
+    most = MOVED_IN_KEPT + CopyState.APPLIED_IDS_KEPT
+    if len(groups) > most or sum(len(g.ids) for g in groups) > most:
+        raise InvalidArgument(f"an import carries at most {most} applied update keys")
+    return [(buckets_of_bitmap(g.buckets), list(g.ids)) for g in groups]
 
 
 class TableServicer:
@@ -185,27 +181,30 @@ class TableServicer:
             if any(request.buckets) or request.destination or request.HasField("capacity"):
                 raise InvalidArgument("a layout_only move names no buckets, destination or "
                                       "capacity")
-            M.set_layout(self.store.registry.table(request.name), int(request.layout_epoch),
-                         request.layout, int(request.shard))
-            return tables_pb2.MoveBucketsReply(held=self.store.info(request.name).rows)
+            dropped = M.set_layout(self.store.registry.table(request.name),
+                                   int(request.layout_epoch), request.layout, int(request.shard))
+            return tables_pb2.MoveBucketsReply(rows=dropped,
+                                               held=self.store.info(request.name).rows)
         mask = buckets_of_bitmap(request.buckets)
+        capacity = request.capacity if request.HasField("capacity") else None
+        M.check_move(capacity, int(request.layout_epoch), request.layout)
         dest = request.destination
         if not _ADDRESS.fullmatch(dest):
             raise InvalidArgument(f"a move's destination is host:port, got {dest[:100]!r}")
         if self.peer is None:
             raise FailedPrecondition("this server sends no rows to other servers")
         copy = self.store.registry.table(request.name)
-        deadline = deadline_of(context)
-        left = (lambda: None if deadline is None else max(0.001, deadline - time.monotonic()))
+        deadline = deadline_of(context)   # (and at most MOVE_SECONDS: the shard waits meanwhile)
+        end = min(time.monotonic() + MOVE_SECONDS, deadline or float("inf"))
         client = self.peer(dest)
         try:   # (the shard's lock is held while it sends: never to itself)
-            if client.server_info(timeout=left()).server_id == self.server_id:
+            if client.server_info(timeout=max(0.001, end - time.monotonic())).server_id == \
+                    self.server_id:
                 raise InvalidArgument(f"a move's destination {dest!r} is this server")
             rows, nbytes, held = M.move_buckets(
                 copy, mask, lambda state, step, applied: client.import_table(
-                    request.name, state, step, reset=False, applied=applied, timeout=left()),
-                request.capacity if request.HasField("capacity") else None,
-                int(request.layout_epoch), request.layout)
+                    request.name, state, step, reset=False, applied=applied, deadline=end),
+                capacity, int(request.layout_epoch), request.layout, end)
         finally:
             client.close()
         return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes, held=held)

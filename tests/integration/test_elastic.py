@@ -24,7 +24,7 @@ from coordinator import (
     push_gradients,
     read_variables,
 )
-from psserver.errors import NotPrimary
+from psserver.errors import NotPrimary, PSError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -183,26 +183,109 @@ def test_a_step_half_applied_before_the_add_and_run_again_after_it_applies_once(
     """An exactly-once step whose worker died after one server applied its
     part runs again after the add, with the same update keys: the part
     applied before is left out where its rows are now (the source, and the
-    new server for the buckets it moved), the rest is applied. The update
-    keys follow the shard a key was created on, not where it is now."""
+    new server for the buckets it moved), the rest is applied, once. The
+    update keys follow the shard a key was created on, not where it is now."""
     from coordinator.calls import update_key_scope
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        table = strategy.create_embedding_table("sgd", 2, initializer="zeros",
+                                                optimizer="sgd", optimizer_params=SGD1)
+        with ClusterCoordinator(strategy) as coord:
+            keys = np.arange(4000, dtype=np.int64)
+            table.lookup(keys)
+            first = keys[table.shard_of(keys) == 0]   # what server 0 applied before the death
+            ones = np.ones((keys.size, 2), np.float32)
+            with update_key_scope(b"batch-7"):
+                push_gradients([(table, IndexedSlices(ones[:first.size], first))])
+            coord.add_parameter_server(cluster.add_ps())
+            for _ in range(2):   # the step run again, whole; then a resend of it
+                with update_key_scope(b"batch-7"):
+                    push_gradients([(table, IndexedSlices(ones, keys))])
+            got = table.lookup(keys, admit=False)
+            np.testing.assert_array_equal(got, -ones)   # every key: once
+            on_new = table.shard_of(keys) == 2
+            assert (on_new & np.isin(keys, first)).any() and (on_new & ~np.isin(keys, first)).any()
+
+
+def test_two_adds_and_a_description_from_between_them_update_every_key_once():
+    """A description made after the first add and used after the second:
+    its pieces for the second new server come from two of its shards with one
+    update key each; merged, every key is updated once (none taken for a
+    resend of the other)."""
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        table = strategy.create_embedding_table("sgd", 1, initializer="zeros",
+                                                optimizer="sgd", optimizer_params=SGD1)
+        with ClusterCoordinator(strategy) as coord:
+            keys = np.arange(20000, dtype=np.int64)
+            table.lookup(keys)
+            coord.add_parameter_server(cluster.add_ps())
+            between = pickle.dumps(table)
+            coord.add_parameter_server(cluster.add_ps())
+            assert table.num_shards == 4 and table.layout_epoch == 5   # (a move per source)
+            from coordinator import layouts
+            layouts._latest.clear()   # (as a process that met only the first add)
+            stale = pickle.loads(between)
+            stale.push_gradient(keys, np.ones((keys.size, 1), np.float32))
+            assert stale.layout_epoch == 5
+            np.testing.assert_array_equal(table.lookup(keys, admit=False)[:, 0], -1.0)
+            # two calls in flight on one stale description: both planned again
+            layouts._latest.clear()
+            stale = pickle.loads(between)
+            calls = [stale.lookup_async(keys, admit=False) for _ in range(2)]
+            for c in calls:
+                np.testing.assert_array_equal(c.result()[:, 0], -1.0)
+
+
+def _failing_second_move(monkeypatch, lost_reply: bool):
+    """The second source's MoveBuckets fails: before it is sent, or (with
+    ``lost_reply``) after the source made it (its answer lost)."""
+    from psserver.client import admin
+    from psserver.errors import DeadlineExceeded, Unavailable
+    real, calls = admin.PSAdmin.move_table_buckets, []
+
+    def move(self, *a, **kw):
+        if kw.get("layout_only"):
+            return real(self, *a, **kw)
+        calls.append(self)
+        if len(calls) == 2:
+            if lost_reply:
+                real(self, *a, **kw)
+                raise DeadlineExceeded("the answer was lost")
+            raise Unavailable("the source did not answer")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(admin.PSAdmin, "move_table_buckets", move)
+
+
+@pytest.mark.parametrize("lost_reply", [False, True], ids=["not-sent", "answer-lost"])
+def test_a_move_that_fails_part_way_leaves_a_consistent_layout_and_can_be_resumed(
+        monkeypatch, tmp_path, lost_reply):
     with LocalCluster(num_ps=2, num_workers=1) as cluster:
         strategy, counter, emb, w = _job(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
-            keys = np.arange(4000, dtype=np.int64)
+            keys = np.arange(30000, dtype=np.int64)
+            counter.lookup(keys)
             emb.lookup(keys)
-            first = keys[emb.shard_of(keys) == 0]   # what server 0 applied before the worker died
-            ones = np.ones((keys.size, 4), np.float32)
-            with update_key_scope(b"batch-7"):
-                push_gradients([(emb, IndexedSlices(ones[:first.size], first))])
-            after_first = emb.lookup(keys, admit=False)
-            coord.add_parameter_server(cluster.add_ps())
-            with update_key_scope(b"batch-7"):   # the step run again, whole
-                push_gradients([(emb, IndexedSlices(ones, keys))])
-            with update_key_scope(b"batch-7"):   # and again (a resend): nothing more
-                push_gradients([(emb, IndexedSlices(ones, keys))])
-            got = emb.lookup(keys, admit=False)
-    on_0 = np.isin(keys, first)
-    np.testing.assert_array_equal(got[on_0], after_first[on_0])   # not applied twice
-    assert (got[~on_0] != after_first[~on_0]).all()               # applied once (Adam moves it)
-    assert ((emb.shard_of(keys) == 2) & on_0).any() and ((emb.shard_of(keys) == 2) & ~on_0).any()
+            emb.push_gradient(keys, np.ones((keys.size, 4), np.float32))
+            want = emb.lookup(keys, admit=False), counter.lookup(keys, admit=False)
+            added = cluster.add_ps()
+            _failing_second_move(monkeypatch, lost_reply)
+            with pytest.raises(PSError):
+                coord.add_parameter_server(added)
+            monkeypatch.undo()
+            # counter: source 0 moved (and source 1 too, its answer lost); emb: not started
+            assert counter.num_shards == 3 and emb.num_shards == 2
+            assert counter.layout_epoch == (2 if lost_reply else 1)
+            rows = _rows(counter.addresses, "counter")
+            assert sum(rows) == keys.size   # no row twice, none lost
+            np.testing.assert_array_equal(counter.lookup(keys, admit=False), want[1])
+            np.testing.assert_array_equal(emb.lookup(keys, admit=False), want[0])
+            saved = CheckpointManager(strategy, str(tmp_path)).save(1)
+            CheckpointManager(strategy, str(tmp_path)).restore(saved)
+            # resumed: the tables the failed add did not reach move now
+            moves = coord.add_parameter_server(added)
+            assert [m.table for m in moves] == ["emb"] and emb.num_shards == 3
+            np.testing.assert_array_equal(emb.lookup(keys, admit=False), want[0])
+            np.testing.assert_array_equal(counter.lookup(keys, admit=False), want[1])
+            with pytest.raises(ValueError, match="already"):
+                coord.add_parameter_server(added)

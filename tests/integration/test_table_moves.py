@@ -14,7 +14,13 @@ import pytest
 from protos.pstrain.v1 import tables_pb2
 from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV
-from psserver.contract.keys import BITMAP_BYTES, BUCKETS, bitmap_of_buckets, bucket_of
+from psserver.contract.keys import (
+    BITMAP_BYTES,
+    BUCKETS,
+    BucketMap,
+    bitmap_of_buckets,
+    bucket_of,
+)
 from psserver.errors import (
     InvalidArgument,
     NotFound,
@@ -41,6 +47,20 @@ def _make(c: PSClient, capacity: int = 0, optimizer: str = "adam") -> None:
                    optimizer_params={"learning_rate": 0.1}, capacity=capacity)
 
 
+def _layout(epoch: int, mask: np.ndarray) -> str:
+    """A layout of two shards after a move of ``mask``'s buckets to shard 1."""
+    owner = np.where(mask, 1, 0)
+    if (owner == owner[0]).all():   # (each shard holds a bucket)
+        owner[0] = 1 - owner[0]
+    return json.dumps({"epoch": epoch, "addresses": ["a:1", "b:2"],
+                       "buckets": BucketMap(owner, 2).ranges()})
+
+
+def _move(src: PSClient, mask, destination: str, epoch: int = 1, **kw):
+    return src.move_table_buckets("emb", bitmap_of_buckets(mask), destination,
+                                  layout_epoch=epoch, layout=_layout(epoch, mask), **kw)
+
+
 def _trained(c: PSClient) -> None:
     """Rows for KEYS, updated twice (Adam: its slots and count move too), one
     update with a known key."""
@@ -64,10 +84,9 @@ def test_moved_rows_arrive_whole_and_the_source_refuses_their_keys(start_ps):
         before = src.lookup("emb", KEYS, admit=False)
         info = src.table_info("emb")
         assert src.table_info("emb").layout == ""
-        reply = src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address,
-                                       layout_epoch=3, layout='{"epoch": 3}')
-        assert src.table_info("emb").layout == '{"epoch": 3}'   # what a refused caller reads
-        assert [t.layout for t in src.list_tables()] == ['{"epoch": 3}']
+        reply = _move(src, mask, dst.address, epoch=3)
+        assert src.table_info("emb").layout == _layout(3, mask)   # what a refused caller reads
+        assert [t.layout for t in src.list_tables()] == [_layout(3, mask)]
         assert (reply.rows, reply.held) == (moving.sum(), KEYS.size - moving.sum())
         assert reply.bytes == moving.sum() * 4 * 4 * 3   # values, Adam's m and v
         np.testing.assert_array_equal(dst.lookup("emb", KEYS[moving], admit=False),
@@ -112,12 +131,12 @@ def test_a_move_that_cannot_reach_its_destination_changes_nothing(start_ps):
         rows = src.table_info("emb").rows
         mask = np.ones(BUCKETS, bool)
         with pytest.raises(NotFound):   # no table there
-            src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
+            _move(src, mask, dst.address)
         closed = start_ps(env={TOKEN_ENV: TOKEN})
         address = closed.address
         closed.kill()
         with pytest.raises((Unavailable, PSError)):
-            src.move_table_buckets("emb", bitmap_of_buckets(mask), address, timeout=10)
+            _move(src, mask, address, timeout=10)
         np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
         assert src.table_info("emb").rows == rows
         src.update_table("emb", KEYS[:5], np.ones((5, 4), np.float32))   # still takes every key
@@ -131,10 +150,10 @@ def test_capacity_and_the_moved_buckets_follow_the_move(start_ps):
         _trained(src)
         mask = np.zeros(BUCKETS, bool)
         mask[::2] = True
-        src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address, capacity=4000)
+        _move(src, mask, dst.address, capacity=4000)
         assert src.table_info("emb").spec.capacity == 4000
         with pytest.raises(InvalidArgument, match="handed to another server already"):
-            src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
+            _move(src, mask, dst.address, epoch=2)
         # a restore (an import with reset) gives the shard every bucket back, and no layout
         src.import_table("emb", {"keys": KEYS[:2], "values": np.zeros((2, 4), np.float32),
                                  "age_steps": np.zeros(2, np.int64),
@@ -145,7 +164,11 @@ def test_capacity_and_the_moved_buckets_follow_the_move(start_ps):
 
 
 def _raw(c: PSClient, **fields):
+    fields = {"destination": "127.0.0.1:1", "layout_epoch": 1, "layout": GOOD, **fields}
     return c._call(methods.TABLE_MOVE, tables_pb2.MoveBucketsRequest(name="emb", **fields))
+
+
+GOOD = _layout(1, np.arange(BUCKETS) < 7)
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -155,12 +178,19 @@ def _raw(c: PSClient, **fields):
     (dict(buckets=b"\x01" * BITMAP_BYTES, destination="no port"), "host:port"),
     (dict(buckets=b"\x01" * BITMAP_BYTES, destination="a:1; rm -rf /"), "host:port"),
     (dict(buckets=b"\x01" * BITMAP_BYTES, destination="SELF"), "is this server"),
-    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", capacity=-1),
-     "capacity"),
-    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", layout_epoch=-5),
-     "layout epoch"),
-    (dict(buckets=b"\x01" * BITMAP_BYTES, destination="127.0.0.1:1", layout="x" * 70000),
-     "layout takes at most"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, capacity=-1), "capacity"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout_epoch=-5), "layout epoch"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout="x" * 270000), "layout takes at most"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout=""), "a layout is JSON"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout="[" * 60000), "a layout is JSON"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout_epoch=2), "a layout is JSON"),   # epoch 1 in it
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout=GOOD.replace('"b:2"]', '"b:2", 7]')),
+     "a layout is JSON"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout=json.dumps(
+        {"epoch": 1, "addresses": "ab", "buckets": [[0, BUCKETS, 0]]})), "a layout is JSON"),
+    (dict(buckets=b"\x01" * BITMAP_BYTES, layout=json.dumps(
+        {"epoch": 1, "addresses": ["a:1"], "buckets": [[0, BUCKETS, 1 << 70]]})),
+     "a layout is JSON"),
 ])
 def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match):
     src, dst = _two(start_ps)
@@ -168,10 +198,8 @@ def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match)
         _make(src)
         _trained(src)
         before = src.lookup("emb", KEYS, admit=False)
-        if fields["destination"] == "SELF":
+        if fields.get("destination") == "SELF":
             fields = dict(fields, destination=src.address)
-        elif match in ("capacity", "layout epoch", "layout takes at most"):   # (checked past the destination)
-            fields = dict(fields, destination=dst.address)
         with pytest.raises(InvalidArgument, match=match):
             _raw(src, **fields)
         np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
@@ -187,7 +215,7 @@ def test_a_move_needs_the_token(start_ps):
         for token in (None, "wrong"):
             with PSClient(src.address, token=token) as other:
                 with pytest.raises(Unauthenticated):
-                    other.move_table_buckets("emb", b"\xff" * BITMAP_BYTES, dst.address)
+                    _move(other, np.ones(BUCKETS, bool), dst.address)
         np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
         assert dst.table_info("emb").rows == 0
 
@@ -206,7 +234,7 @@ def test_update_keys_moved_in_cover_only_the_keys_of_their_buckets(start_ps):
         mask = np.zeros(BUCKETS, bool)
         mask[: BUCKETS // 2] = True
         moving = mask[bucket_of(KEYS)]
-        src.move_table_buckets("emb", bitmap_of_buckets(mask), dst.address)
+        _move(src, mask, dst.address)
         other = np.arange(1, 400, dtype=np.int64) * 104729   # keys of the destination's own
         other = other[~mask[bucket_of(other)]]
         dst.lookup("emb", other)
@@ -233,14 +261,16 @@ def test_a_shard_told_its_place_in_a_layout_refuses_the_others_keys(start_ps):
         _make(src, optimizer="sgd")
         owner = np.zeros(BUCKETS, np.int64)
         owner[::3] = 1
-        from psserver.contract.keys import BucketMap
         ranges = BucketMap(owner, 2).ranges()
         layout = json.dumps({"epoch": 4, "addresses": ["a:1", "b:2"], "buckets": ranges})
         src.lookup("emb", KEYS)
-        src.move_table_buckets("emb", b"", "", layout_epoch=4, layout=layout, layout_only=True,
-                               shard=0)
+        reply = src.move_table_buckets("emb", b"", "", layout_epoch=4, layout=layout,
+                                       layout_only=True, shard=0)
         assert src.table_info("emb").layout == layout
         theirs = owner[bucket_of(KEYS)] == 1
+        # rows of the other shard's buckets (a failed move's copy) are dropped
+        assert (reply.rows, reply.held) == (theirs.sum(), (~theirs).sum())
+        assert src.table_info("emb").rows == (~theirs).sum()
         with pytest.raises(NotPrimary, match="layout epoch 4"):
             src.lookup("emb", KEYS[theirs][:2], admit=False)
         src.lookup("emb", KEYS[~theirs], admit=False)
@@ -252,7 +282,8 @@ def test_a_shard_told_its_place_in_a_layout_refuses_the_others_keys(start_ps):
                                    "a layout is JSON"),
                                   (json.dumps({"epoch": 5, "addresses": ["a:1", "b:2"],
                                                "buckets": [[0, 5, 0]]}), 0, "a layout is JSON"),
-                                  (layout, 2, "shard 2 is not one of")):
+                                  (layout.replace('"epoch": 4', '"epoch": 5'), 2,
+                                   "shard 2 is not one of")):
             with pytest.raises(InvalidArgument, match=match):
                 src.move_table_buckets("emb", b"", "", layout_epoch=5, layout=bad,
                                        layout_only=True, shard=shard)
