@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from coordinator import layouts, ps_pool
+from coordinator import metrics as _metrics
 from psserver.contract.keys import BUCKETS, BucketMap, bitmap_of_buckets, split_capacity
 
 log = logging.getLogger("coordinator")
@@ -141,8 +142,13 @@ def move_table(table, address: str, creation: dict) -> TableMove:
         serve_layout(table)
     except BaseException:
         _after_failure(table, client, n)
+        _metrics.TABLE_MOVES.labels("failed").inc()
         raise
     report.seconds = time.monotonic() - start
+    _metrics.TABLE_MOVES.labels("done").inc()
+    _metrics.TABLE_ROWS_MOVED.inc(report.rows)
+    _metrics.TABLE_BYTES_MOVED.inc(report.bytes)
+    _metrics.TABLE_MOVE_SECONDS.observe(report.seconds)
     log.info("table %r: %d buckets, %d rows (%.1f MiB) moved to %s in %.2fs", table.name,
              report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
     return report

@@ -89,6 +89,13 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
                 assert abs(m.rows / (m.rows + m.kept) - 1 / 3) < 0.1 / 3, m
                 assert m.rows + m.kept >= rows_before[t.name]
             assert strategy.parameter_servers[-1] == added
+            from prometheus_client import generate_latest
+
+            from coordinator import metrics
+            text = generate_latest(metrics.REGISTRY).decode()   # (what /metrics serves)
+            assert 'pstrain_coordinator_table_moves_total{outcome="done"}' in text
+            assert metrics.REGISTRY.get_sample_value(
+                "pstrain_coordinator_table_rows_moved_total") >= sum(m.rows for m in moves) > 0
             # every example counted exactly once; every emb row as many updates as uses
             counts = counter.lookup(np.arange(EXAMPLES), admit=False)
             np.testing.assert_array_equal(counts, np.ones((EXAMPLES, 1), np.float32))
