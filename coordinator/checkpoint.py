@@ -353,8 +353,9 @@ class CheckpointManager:
                                           "which it does not allow; nothing was restored")
         # Into the copy that is primary now; a replicated one copies its new
         # state to its backup before answering (psserver/core/replication.py).
-        out = restore_checkpoint(path, chosen, self._client_for, copies=_primaries,
-                                 address=address, tables=self.strategy.tables)
+        with elastic.LAYOUT_LOCK:   # (not into tables an add is moving)
+            out = restore_checkpoint(path, chosen, self._client_for, copies=_primaries,
+                                     address=address, tables=self.strategy.tables)
         if mirrored:   # onto every worker's replicas
             coord.set_replicas({v.name: (state["value"], state["slots"], state["version"])
                                 for v, state in zip(mirrored, loaded)}, mirrored)

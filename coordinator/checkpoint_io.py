@@ -370,8 +370,8 @@ def restore_checkpoint(path: str, variables: Sequence[V.ShardedVariable],
         for h in handles:
             h.result()
     for t in tables:   # a layout moves made: the emptied shards are told it again
-        if t.layout_epoch:
-            elastic.serve_layout(t)
+        if getattr(t, "layout_epoch", 0):
+            elastic.serve_layout(t, client_for)
     return {"step": manifest["step"], "extra": manifest.get("extra", {}), "path": path}
 
 

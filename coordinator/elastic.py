@@ -45,11 +45,13 @@ import numpy as np
 from coordinator import layouts, ps_pool
 from coordinator import metrics as _metrics
 from psserver.contract.keys import BUCKETS, BucketMap, bitmap_of_buckets, split_capacity
+from psserver.errors import PSError, Unavailable
 
 log = logging.getLogger("coordinator")
 
-#: Seconds one source shard's move may take (its rows copied to the new server).
-MOVE_SECONDS = 600.0
+#: Seconds one source shard's move may take (its rows copied to the new server:
+#: about 1 s a million rows here).
+MOVE_SECONDS = 120.0
 #: Held while tables' layouts change (an add) and while a checkpoint is
 #: written (coordinator/checkpoint.py): a save never sees rows in transit.
 LAYOUT_LOCK = threading.RLock()
@@ -123,25 +125,36 @@ def move_table(table, address: str, creation: dict) -> TableMove:
             mask = (final.owner == n) & (old.owner == k)
             if not mask.any():
                 continue
-            owner = np.where(mask, n, owner)
+            before, owner = owner, np.where(mask, n, owner)
             layout = layouts.Layout(table.layout_epoch + 1, addresses, BucketMap(owner, n + 1))
             source = ps_pool.client_for(addresses[k])
+            until = time.monotonic() + MOVE_SECONDS   # (the source commits nothing past it)
             try:
                 reply = source.move_table_buckets(
                     table.name, bitmap_of_buckets(mask), address, capacity=parts[k] or None,
                     layout_epoch=layout.epoch, layout=layouts.to_json(layout),
                     timeout=MOVE_SECONDS)
-            except BaseException:
-                if _took_effect(source, table.name, layout.epoch):   # (its answer was lost)
-                    layouts.learn(table, layout)
+            except BaseException as exc:
+                moved = _fence(source, table.name, layout.epoch, until)
+                if moved is None:
+                    raise MoveUndetermined(
+                        f"table {table.name!r}: the move from {addresses[k]} failed "
+                        f"({type(exc).__name__}: {exc}) and that server cannot say whether it "
+                        "happened; nothing was cleaned up. Check the server and call "
+                        "add_parameter_server again") from exc
+                # the layout as it is (the move made or not), numbered past the fence
+                layouts.learn(table, layout if moved else layouts.Layout(
+                    layout.epoch, tuple(table.addresses), table.buckets if table.num_shards == n
+                    else BucketMap(before, n + 1)))
                 raise
             layouts.learn(table, layout)
             report.rows += reply.rows
             report.kept += reply.held
             report.bytes += reply.bytes
         serve_layout(table)
-    except BaseException:
-        _after_failure(table, client, n)
+    except BaseException as exc:
+        if not isinstance(exc, MoveUndetermined):
+            _after_failure(table, client, n)
         _metrics.TABLE_MOVES.labels("failed").inc()
         raise
     report.seconds = time.monotonic() - start
@@ -154,27 +167,48 @@ def move_table(table, address: str, creation: dict) -> TableMove:
     return report
 
 
-def serve_layout(table) -> None:
+def serve_layout(table, client_for=None) -> None:
     """Tell each shard of ``table`` its place in the table's layout: it
     serves the layout (a refused caller reads it) and refuses keys of the
     buckets other shards hold. After an add's last move (the sources served
     the layout of their own move until then), and after a restore into a
-    layout moves made (a restore empties the shards, layout and all)."""
-    text = layouts.to_json(layouts.of(table))
-    for i, address in enumerate(table.addresses):
-        ps_pool.client_for(address).move_table_buckets(
-            table.name, b"", "", layout_epoch=table.layout_epoch, layout=text,
-            layout_only=True, shard=i, timeout=MOVE_SECONDS)
+    layout moves made (a restore empties the shards, layout and all).
+    ``client_for``: address -> client (default: this process's, with its
+    token and TLS)."""
+    client_for = client_for or ps_pool.client_for
+    with LAYOUT_LOCK:   # (never a layout an add in progress is changing)
+        text = layouts.to_json(layouts.of(table))
+        for i, address in enumerate(table.addresses):
+            client_for(address).move_table_buckets(
+                table.name, b"", "", layout_epoch=table.layout_epoch, layout=text,
+                layout_only=True, shard=i, timeout=MOVE_SECONDS)
 
 
-def _took_effect(source, name: str, epoch: int) -> bool:
+class MoveUndetermined(RuntimeError):
+    """A source's move failed and the source cannot say whether it happened."""
+
+
+def _fence(source, name: str, epoch: int, until: float) -> bool | None:
     """Whether a source's move of ``epoch`` happened although its call
-    failed (it serves that layout, or a newer one); False if it cannot say."""
-    try:
-        layout = layouts.parse(source.table_info(name, timeout=30.0).layout)
-    except Exception:   # (the source lost: what it held is the recovery's)
-        return False
-    return layout is not None and layout.epoch >= epoch
+    failed; if not, the source refuses it from now on (a fence, answered
+    after any move running there: tables.proto MoveBucketsRequest.fence).
+    A source that does not answer before ``until`` (its deadline for the
+    move) and 30 s more: False (it is gone, and what it held with it: its
+    restart is the recovery's); one that keeps answering with another
+    error: None (cannot say)."""
+    end = until + 30.0
+    while True:
+        try:
+            return bool(source.move_table_buckets(
+                name, b"", "", layout_epoch=epoch, fence=True,
+                timeout=max(5.0, end - time.monotonic())).moved)
+        except Unavailable:
+            if time.monotonic() > end:
+                return False
+        except PSError:
+            if time.monotonic() > end:
+                return None
+        time.sleep(0.5)
 
 
 def _after_failure(table, client, n: int) -> None:

@@ -58,6 +58,11 @@ def table_spec(dim: int, *, dtype: str = "float32",
         admission_capacity=admission_capacity, seed=seed)
 
 
+#: Groups of applied update keys an import call carries at most (a move's:
+#: 512 bytes of buckets and the keys each; a source's own keys are one group).
+APPLIED_GROUPS_PER_CALL = 1024
+
+
 class PSAdmin:
     """The control calls of the parameter server at ``address`` ("host:port").
 
@@ -358,7 +363,9 @@ class PSAdmin:
         backup (tables.proto ReplicaCopy). ``capacity`` (with ``reset``): the
         shard's capacity from then on (its part of the whole table's).
         ``applied``: [(bool per bucket, update keys)] the rows' earlier
-        shard applied to keys of those buckets (a move of buckets)."""
+        shard applied to keys of those buckets (a move of buckets), sent
+        after the rows (at most APPLIED_GROUPS_PER_CALL groups a call: each
+        holds one key at least)."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -369,19 +376,18 @@ class PSAdmin:
             req = tables_pb2.ImportTableRequest(name=name, reset=reset and i == 0, step=step)
             if capacity is not None and i == 0:
                 req.capacity = capacity
-            if i == 0:
-                for buckets, ids in applied:
-                    req.applied.add(buckets=bitmap_of_buckets(buckets), ids=ids)
             if replica is not None:
                 req.replica.CopyFrom(tables_pb2.ReplicaCopy(complete=hi >= keys.size, **replica))
-            for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
-                TP.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
-            for key, a in state.items():
-                if key.startswith("slot/"):
-                    a = np.asarray(a)
-                    TP.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
-                           a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))
+            _fill_rows(req, state, lo, hi)
             if deadline is not None:   # (time.monotonic(): the pieces together)
+                timeout = max(0.001, deadline - time.monotonic())
+            rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
+        for lo in range(0, len(applied), APPLIED_GROUPS_PER_CALL):   # (no rows: calls of their own)
+            req = tables_pb2.ImportTableRequest(name=name, step=step)
+            _fill_rows(req, state, 0, 0)
+            for buckets, ids in applied[lo:lo + APPLIED_GROUPS_PER_CALL]:
+                req.applied.add(buckets=bitmap_of_buckets(buckets), ids=ids)
+            if deadline is not None:
                 timeout = max(0.001, deadline - time.monotonic())
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         return rows
@@ -389,6 +395,7 @@ class PSAdmin:
     def move_table_buckets(self, name: str, buckets: bytes, destination: str, *,
                            capacity: int | None = None, layout_epoch: int = 0,
                            layout: str = "", layout_only: bool = False, shard: int = 0,
+                           fence: bool = False,
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
@@ -396,10 +403,24 @@ class PSAdmin:
         MoveBuckets); ``capacity``: its part of the table's afterwards;
         ``layout``: the table's layout after the move (JSON), served by Info;
         ``layout_only``: move nothing, be shard ``shard`` of ``layout``
-        (buckets b"", destination "")."""
+        (buckets b"", destination ""); ``fence``: move nothing, answer
+        (``.moved``) whether a move of ``layout_epoch`` happened, and if not
+        refuse one from now on."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
                                             layout_epoch=layout_epoch, layout=layout,
-                                            layout_only=layout_only, shard=shard)
+                                            layout_only=layout_only, shard=shard,
+                                            fence=fence)
         if capacity is not None:
             req.capacity = capacity
         return self._call(methods.TABLE_MOVE, req, timeout)
+
+
+def _fill_rows(req, state: Mapping[str, np.ndarray], lo: int, hi: int) -> None:
+    """An ImportTableRequest's rows lo:hi of ``state`` (export()'s arrays)."""
+    for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
+        TP.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
+    for key, a in state.items():
+        if key.startswith("slot/"):
+            a = np.asarray(a)
+            TP.fill(req.slots.add(name=key[5:]).tensor,   # (0-d stays 0-d: Adam's count)
+                    a if a.ndim == 0 else np.ascontiguousarray(a[lo:hi]))

@@ -531,12 +531,16 @@ class DynamicTable:
             self.tracker = TableTracker(self._rows)
         return self.tracker.take(save_id, stream, since, self.row_key)
 
-    def set_capacity(self, capacity: int) -> None:
+    def set_capacity(self, capacity: int, evict: bool = False) -> None:
         """The shard's capacity from now on (its part of the table's, which a
-        restore sets); the admission counter's default bound (4x) follows it."""
+        restore sets); the admission counter's default bound (4x) follows it.
+        ``evict``: rows past it go now, by the policy (else at the next
+        admissions)."""
         self.config = dataclasses.replace(self.config, capacity=capacity)
         if not self.config.admission_capacity:
             self.pending.limit = 4 * capacity if capacity else 1 << 20
+        if evict and capacity and self.index.size > capacity:
+            self._evict_for(self.index.size - capacity)
 
     def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool) -> int:
         """Put rows ``state`` (export()'s arrays, any subset of keys) into this

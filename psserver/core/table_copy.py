@@ -107,11 +107,19 @@ class TableShardCopy(CopyState):
         """Remember update keys applied where rows of these buckets came from:
         [(bool per bucket, keys)] (lock held); at most MOVED_IN_KEPT keys,
         the oldest forgotten first (as the shard's own, past its window)."""
+        merged: dict[tuple[int, int], np.ndarray] = {}   # (one array per pair of bucket sets)
         for mask, ids in groups:
             for i in ids:
                 i = int(i)
                 had = self.moved_in.pop(i, None)
-                self.moved_in[i] = mask if had is None else had | mask
+                if had is not None:
+                    pair = (id(had), id(mask))
+                    if pair not in merged:
+                        merged[pair] = had | mask
+                    mask_i = merged[pair]
+                else:
+                    mask_i = mask
+                self.moved_in[i] = mask_i
         while len(self.moved_in) > MOVED_IN_KEPT:
             self.moved_in.popitem(last=False)
         if groups:

@@ -77,6 +77,19 @@ def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
         return int(stray.size)
 
 
+def fence(copy, epoch: int) -> bool:
+    """Whether a move of ``epoch`` (or a later layout) happened on this shard;
+    if not, none of ``epoch`` or earlier is made from now on (answered under
+    the shard's lock: after any move running now)."""
+    if not 0 < epoch < 1 << 62:
+        raise InvalidArgument(f"a fence's layout epoch is in [1, 2**62), got {epoch}")
+    with copy.lock:
+        if copy.moved_epoch >= epoch:
+            return True
+        copy.moved_epoch = epoch
+        return False
+
+
 def check_move(capacity: int | None, epoch: int, layout: str) -> None:
     """A move's capacity and layout, checked (InvalidArgument)."""
     if capacity is not None and not 0 <= capacity < 1 << 40:
@@ -109,6 +122,9 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
             raise FailedPrecondition(
                 f"table {copy.table_name!r}: a sync step is being gathered on this shard; move "
                 "its buckets between steps (nothing was moved)")
+        if epoch <= copy.moved_epoch:
+            raise InvalidArgument(f"table {copy.table_name!r}: layout epoch {epoch} is not newer "
+                                  f"than this shard's ({copy.moved_epoch}); nothing was moved")
         if copy.moved is not None and (copy.moved & mask).any():
             raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets were "
                                   "handed to another server already; nothing was moved")
@@ -128,8 +144,8 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
         t.drop(keys)
         copy.moved = mask.copy() if copy.moved is None else copy.moved | mask
         copy.moved_epoch, copy.layout = epoch, layout
-        if capacity is not None:
-            t.set_capacity(capacity)
+        if capacity is not None:   # (rows past it evicted now)
+            t.set_capacity(capacity, evict=True)
             copy.spec = copy.spec.with_capacity(capacity)
         copy.version += 1
         return int(keys.size), int(nbytes), len(t)

@@ -107,7 +107,8 @@ class TableServicer:
         self.server_id = ""   # this server's (ServerInfo.server_id)
 
     def Create(self, request, context):
-        return _info(self.store.create(request.name, spec_of(request.spec), request.exist_ok))
+        return self._with_layout(_info(self.store.create(request.name, spec_of(request.spec),
+                                                         request.exist_ok)))
 
     def Lookup(self, request, context):
         keys = TP.decode(request.keys, T.ID_DTYPES, "lookup keys")
@@ -177,6 +178,14 @@ class TableServicer:
         return tables_pb2.ImportTableReply(rows=rows)
 
     def MoveBuckets(self, request, context):
+        if request.fence:
+            if any(request.buckets) or request.destination or request.layout or \
+                    request.layout_only or request.HasField("capacity"):
+                raise InvalidArgument("a fence names no buckets, destination, layout or "
+                                      "capacity")
+            moved = M.fence(self.store.registry.table(request.name), int(request.layout_epoch))
+            return tables_pb2.MoveBucketsReply(moved=moved,
+                                               held=self.store.info(request.name).rows)
         if request.layout_only:
             if any(request.buckets) or request.destination or request.HasField("capacity"):
                 raise InvalidArgument("a layout_only move names no buckets, destination or "

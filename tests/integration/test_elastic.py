@@ -282,7 +282,9 @@ def test_a_move_that_fails_part_way_leaves_a_consistent_layout_and_can_be_resume
             monkeypatch.undo()
             # counter: source 0 moved (and source 1 too, its answer lost); emb: not started
             assert counter.num_shards == 3 and emb.num_shards == 2
-            assert counter.layout_epoch == (2 if lost_reply else 1)
+            assert counter.layout_epoch == 2   # (past the fence on source 1, moved or not)
+            on_new = int((counter.buckets.owner == 2).sum())
+            assert on_new == 4096 // 3 if lost_reply else 0 < on_new < 4096 // 3
             rows = _rows(counter.addresses, "counter")
             assert sum(rows) == keys.size   # no row twice, none lost
             np.testing.assert_array_equal(counter.lookup(keys, admit=False), want[1])

@@ -291,3 +291,32 @@ def test_a_shard_told_its_place_in_a_layout_refuses_the_others_keys(start_ps):
             src.move_table_buckets("emb", b"", dst.address, layout_epoch=5, layout=layout,
                                    layout_only=True)
         assert src.table_info("emb").layout == layout
+
+
+def test_a_fence_says_whether_a_move_happened_and_refuses_it_if_not(start_ps):
+    """A caller whose move call failed asks: a fence at that epoch answers
+    whether the move happened, and if not, the move is refused from then on
+    (it may still be on its way); an epoch not newer than the shard's is
+    refused for a move too."""
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src, optimizer="sgd")
+        _make(dst, optimizer="sgd")
+        src.lookup("emb", KEYS)
+        mask = np.zeros(BUCKETS, bool)
+        mask[:100] = True
+        fence = dict(layout_epoch=2, fence=True)
+        assert not src.move_table_buckets("emb", b"", "", **fence).moved
+        with pytest.raises(InvalidArgument, match="not newer than this shard's"):
+            _move(src, mask, dst.address, epoch=2)   # (the move that was on its way)
+        assert src.table_info("emb").rows == KEYS.size and dst.table_info("emb").rows == 0
+        _move(src, mask, dst.address, epoch=3)
+        assert src.move_table_buckets("emb", b"", "", layout_epoch=3, fence=True).moved
+        assert src.move_table_buckets("emb", b"", "", **fence).moved
+        for bad in (dict(buckets=b"\x01" * BITMAP_BYTES), dict(destination=dst.address),
+                    dict(layout="{}"), dict(capacity=5), dict(layout_only=True)):
+            with pytest.raises(InvalidArgument, match="a fence names no"):
+                src.move_table_buckets("emb", bad.pop("buckets", b""), bad.pop("destination", ""),
+                                       **fence, **bad)
+        with pytest.raises(InvalidArgument, match="fence's layout epoch"):
+            src.move_table_buckets("emb", b"", "", layout_epoch=0, fence=True)

@@ -246,7 +246,7 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class MoveBucketsRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
@@ -263,14 +264,17 @@ class MoveBucketsRequest(_message.Message):
     layout: str
     layout_only: bool
     shard: int
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ...) -> None: ...
+    fence: bool
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
-    __slots__ = ("rows", "bytes", "held")
+    __slots__ = ("rows", "bytes", "held", "moved")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     rows: int
     bytes: int
     held: int
-    def __init__(self, rows: _Optional[int] = ..., bytes: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+    moved: bool
+    def __init__(self, rows: _Optional[int] = ..., bytes: _Optional[int] = ..., held: _Optional[int] = ..., moved: _Optional[bool] = ...) -> None: ...
