@@ -298,3 +298,41 @@ def test_a_move_that_fails_part_way_leaves_a_consistent_layout_and_can_be_resume
             np.testing.assert_array_equal(counter.lookup(keys, admit=False), want[1])
             with pytest.raises(ValueError, match="already"):
                 coord.add_parameter_server(added)
+
+
+def test_a_coordinator_made_again_and_the_cli_keep_the_layout_the_servers_serve(tmp_path):
+    """After an add, a coordinator made again (the same create call) takes
+    the table as the moves left it, not an even split of its servers, so
+    its checkpoints name the map the shard files follow; and the CLI's
+    restore (token on the command line) tells every shard the layout again."""
+    import os
+    import subprocess
+    import sys
+
+    from coordinator.serving import Snapshot
+    args = dict(initializer="zeros", optimizer="sgd", optimizer_params=SGD1)
+    with LocalCluster(num_ps=2, num_workers=1, checkpoint_dirs=[str(tmp_path)],
+                      tls=False) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        emb = strategy.create_embedding_table("emb", 4, **args)
+        keys = np.arange(20000, dtype=np.int64)
+        with ClusterCoordinator(strategy) as coord:
+            emb.lookup(keys)
+            coord.add_parameter_server(cluster.add_ps())
+            emb.push_gradient(keys, np.ones((keys.size, 4), np.float32))
+        again = ParameterServerStrategy(cluster.spec)   # (its spec has the third server)
+        emb2 = again.create_embedding_table("emb", 4, **args)
+        assert (emb2.layout_epoch, emb2.buckets, emb2.addresses) == \
+            (emb.layout_epoch, emb.buckets, emb.addresses)
+        with ClusterCoordinator(again):
+            path = CheckpointManager(again, str(tmp_path)).save(1)
+        np.testing.assert_array_equal(Snapshot(str(tmp_path)).lookup("emb", keys)[:, 0], -1.0)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PSTRAIN_")}
+        done = subprocess.run([sys.executable, "-m", "coordinator", "checkpoint", "restore",
+                               os.path.dirname(path),
+                               "--ps", ",".join(again.parameter_servers), "--token",
+                               cluster.token], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert all(ps_pool.client_for(a).table_info("emb").layout for a in emb.addresses)
+        np.testing.assert_array_equal(emb.lookup(keys, admit=False)[:, 0], -1.0)
