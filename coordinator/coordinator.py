@@ -286,6 +286,21 @@ class ClusterCoordinator:
             self._cluster.forget_function_refs()   # closures carry the new layout from now on
         return moves
 
+    def remove_parameter_server(self, address: str, timeout: float | None = 300.0) -> list:
+        """Drain the parameter server at ``address`` from the running job:
+        each dynamic table moves its rows there to the other servers (each
+        taking an even share), between two steps as add_parameter_server;
+        then the job no longer uses that server, which may stop (its shards
+        stay, refusing every key, so that an older description of a table
+        learns the layout there). Returns what moved, per table. ValueError,
+        nothing changed, if it holds variable shards (they do not move yet),
+        with replication or in sync mode, or for the last server."""
+        elastic.check_remove(self.strategy, address)
+        with self._cluster.between_steps(timeout):
+            moves = self.strategy.remove_parameter_server(address)
+            self._cluster.forget_function_refs()
+        return moves
+
     def join(self, timeout: float | None = None) -> None:
         """Block until every scheduled function has finished.
 

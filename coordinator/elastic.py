@@ -75,6 +75,27 @@ def plan_add(buckets: BucketMap) -> BucketMap:
     return BucketMap(out, n + 1)
 
 
+def plan_remove(buckets: BucketMap, j: int) -> BucketMap:
+    """The map without shard j (shards past it numbered one lower): each of
+    its buckets to the other shard holding the fewest at that point (so the
+    counts end as even as they can); every other bucket stays."""
+    n = buckets.num_shards
+    if n < 2:
+        raise ValueError("a table's last server cannot be removed")
+    owner = buckets.owner.astype(np.int64)
+    held = np.bincount(owner, minlength=n)
+    held[j] = BUCKETS + 1   # (never chosen)
+    mine = np.flatnonzero(owner == j)
+    gets = np.zeros(n, np.int64)
+    for _ in range(mine.size):
+        k = int(np.argmin(held + gets))
+        gets[k] += 1
+    out = owner.copy()   # each its share as one run of j's buckets (few runs: a small map)
+    for k, run in zip(range(n), np.split(mine, np.cumsum(gets)[:-1])):
+        out[run] = k
+    return BucketMap(np.where(out > j, out - 1, out), n - 1)
+
+
 @dataclasses.dataclass
 class TableMove:
     """What adding a server moved of one table."""
@@ -94,15 +115,35 @@ def check_add(strategy, address: str) -> None:
     if address in strategy.parameter_servers and \
             all(address in t.addresses for t in strategy.tables):   # (else: resume an add)
         raise ValueError(f"{address} is a parameter server of this job already")
+    _check_mode(strategy, "adding")
+
+
+def _check_mode(strategy, what: str) -> None:
     if strategy.replication:
-        raise ValueError("adding a parameter server to a job with replication=True is not "
-                         "supported yet (each moved shard's backup would have to move too); "
-                         "checkpoint and restore into the larger cluster instead")
+        raise ValueError(f"{what} a parameter server with replication=True is not supported "
+                         "yet (each moved shard's backup would have to move too); checkpoint "
+                         "and restore into the other cluster instead")
     if strategy.mode == "sync":
-        raise ValueError("adding a parameter server in sync mode is not supported yet (every "
+        raise ValueError(f"{what} a parameter server in sync mode is not supported yet (every "
                          "shard of a table counts every replica of a step); use async, "
-                         "hybrid or allreduce mode, or checkpoint and restore into the larger "
+                         "hybrid or allreduce mode, or checkpoint and restore into the other "
                          "cluster")
+
+
+def check_remove(strategy, address: str) -> None:
+    """ValueError (nothing changed) where a server cannot be removed: not
+    one of the job's, the last one, holding variable shards (they do not
+    move yet), with replication or in sync mode."""
+    if address not in strategy.parameter_servers:
+        raise ValueError(f"{address} is not a parameter server of this job")
+    if len(strategy.parameter_servers) < 2:
+        raise ValueError("the job's last parameter server cannot be removed")
+    held = [s.name for _, s in strategy.shards_on(address)]
+    if held:
+        raise ValueError(f"{address} holds shards of variables ({held[:5]}...): moving "
+                         "variables is not supported yet, only dynamic tables' rows; "
+                         "checkpoint and restore into the smaller cluster instead")
+    _check_mode(strategy, "removing")
 
 
 def move_table(table, address: str, creation: dict) -> TableMove:
@@ -110,51 +151,94 @@ def move_table(table, address: str, creation: dict) -> TableMove:
     its shard made there (``creation``: create_table's keywords, the
     capacity its part), then each source's buckets moved in turn, the
     table's description brought to each layout as it is made."""
-    start = time.monotonic()
     old = table.buckets
     n = old.num_shards
     final = plan_add(old)
     parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
-    report = TableMove(table.name, int((final.owner == n).sum()), started=time.time())
     client = ps_pool.client_for(address)
     client.create_table(table.name, table.dim, **dict(creation, capacity=parts[n]))
     owner = old.owner.astype(np.int64)
     addresses = tuple(table.addresses) + (address,)
+    steps = []
+    for k in range(n):
+        mask = (final.owner == n) & (old.owner == k)
+        if mask.any():
+            owner = np.where(mask, n, owner)
+            steps.append((addresses[k], address, mask, parts[k] or None, None,
+                          addresses, BucketMap(owner, n + 1)))
+    return _run(table, steps, address, cleanup=lambda: table.num_shards == n and
+                client.delete_table(table.name))
+
+
+def drain_table(table, address: str) -> TableMove:
+    """Move every bucket of ``table``'s shard on ``address`` to its other
+    shards (plan_remove), one destination at a time; the last move's layout
+    leaves that server out (its shard stays, refusing every key, so that a
+    description older than the drain learns the layout there)."""
+    j = table.addresses.index(address)
+    old = table.buckets
+    final = plan_remove(old, j)   # (numbered without j)
+    rest = [a for a in table.addresses if a != address]
+    parts = split_capacity(table.capacity, final.counts()) if table.capacity else \
+        [None] * len(rest)
+    owner = old.owner.astype(np.int64)
+    renumbered = np.where(np.arange(old.num_shards) > j, np.arange(old.num_shards) - 1,
+                          np.arange(old.num_shards))
+    gets = [d for d in range(old.num_shards) if d != j and (
+        (old.owner == j) & (final.owner == renumbered[d])).any()]
+    steps = []
+    for i, d in enumerate(gets):
+        mask = (old.owner == j) & (final.owner == renumbered[d])
+        owner = np.where(mask, d, owner)
+        last = i == len(gets) - 1
+        steps.append((address, table.addresses[d], mask, None, parts[renumbered[d]] or None,
+                      tuple(rest) if last else tuple(table.addresses),
+                      final if last else BucketMap(owner, old.num_shards)))
+    return _run(table, steps, address, cleanup=lambda: None)
+
+
+def _run(table, steps: list, address: str, cleanup) -> TableMove:
+    """Make ``steps`` [(source, destination, buckets, source capacity,
+    destination capacity, addresses and map after it)] in turn, the table's
+    description brought to each layout as it is made, then every shard told
+    the last. A step that fails: its source is fenced (the move made or
+    not, for sure), the table is at the layout the steps made (numbered past
+    the fence), every shard is told it (``cleanup()`` first: with nothing
+    moved, an added server's shard goes), and the error goes up."""
+    start = time.monotonic()
+    report = TableMove(table.name, int(sum(s[2].sum() for s in steps)), started=time.time())
+    kept: dict[str, int] = {}   # each source's rows after its last move
     try:
-        for k in range(n):
-            mask = (final.owner == n) & (old.owner == k)
-            if not mask.any():
-                continue
-            before, owner = owner, np.where(mask, n, owner)
-            layout = layouts.Layout(table.layout_epoch + 1, addresses, BucketMap(owner, n + 1))
-            source = ps_pool.client_for(addresses[k])
+        for source_address, dest, mask, mine, theirs, addresses, bmap in steps:
+            layout = layouts.Layout(table.layout_epoch + 1, addresses, bmap)
+            source = ps_pool.client_for(source_address)
             until = time.monotonic() + MOVE_SECONDS   # (the source commits nothing past it)
             try:
                 reply = source.move_table_buckets(
-                    table.name, bitmap_of_buckets(mask), address, capacity=parts[k] or None,
-                    layout_epoch=layout.epoch, layout=layouts.to_json(layout),
-                    timeout=MOVE_SECONDS)
+                    table.name, bitmap_of_buckets(mask), dest, capacity=mine,
+                    destination_capacity=theirs, layout_epoch=layout.epoch,
+                    layout=layouts.to_json(layout), timeout=MOVE_SECONDS)
             except BaseException as exc:
                 moved = _fence(source, table.name, layout.epoch, until)
                 if moved is None:
                     raise MoveUndetermined(
-                        f"table {table.name!r}: the move from {addresses[k]} failed "
+                        f"table {table.name!r}: the move from {source_address} failed "
                         f"({type(exc).__name__}: {exc}) and that server cannot say whether it "
                         "happened; nothing was cleaned up. Check the server and call "
-                        "add_parameter_server again") from exc
+                        "add_parameter_server (remove_parameter_server) again") from exc
                 # the layout as it is (the move made or not), numbered past the fence
                 layouts.learn(table, layout if moved else layouts.Layout(
-                    layout.epoch, tuple(table.addresses), table.buckets if table.num_shards == n
-                    else BucketMap(before, n + 1)))
+                    layout.epoch, tuple(table.addresses), table.buckets))
                 raise
             layouts.learn(table, layout)
             report.rows += reply.rows
-            report.kept += reply.held
+            kept[source_address] = reply.held
+            report.kept = sum(kept.values())
             report.bytes += reply.bytes
         serve_layout(table)
     except BaseException as exc:
         if not isinstance(exc, MoveUndetermined):
-            _after_failure(table, client, n)
+            _after_failure(table, cleanup)
         _metrics.TABLE_MOVES.labels("failed").inc()
         raise
     report.seconds = time.monotonic() - start
@@ -162,7 +246,7 @@ def move_table(table, address: str, creation: dict) -> TableMove:
     _metrics.TABLE_ROWS_MOVED.inc(report.rows)
     _metrics.TABLE_BYTES_MOVED.inc(report.bytes)
     _metrics.TABLE_MOVE_SECONDS.observe(report.seconds)
-    log.info("table %r: %d buckets, %d rows (%.1f MiB) moved to %s in %.2fs", table.name,
+    log.info("table %r: %d buckets, %d rows (%.1f MiB) moved (server %s) in %.2fs", table.name,
              report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
     return report
 
@@ -211,15 +295,13 @@ def _fence(source, name: str, epoch: int, until: float) -> bool | None:
         time.sleep(0.5)
 
 
-def _after_failure(table, client, n: int) -> None:
-    """After a move of ``table`` failed: with nothing moved, the new server's
-    shard goes; else every shard is told the layout the moves made (the new
-    server drops what a failed move left there). A failure here is logged:
-    the move's own error goes up."""
+def _after_failure(table, cleanup) -> None:
+    """After a move of ``table`` failed: ``cleanup()`` (with nothing moved, an
+    added server's shard goes), then every shard is told the layout the
+    moves made (a destination drops what a failed move left there). A
+    failure here is logged: the move's own error goes up."""
     try:
-        if table.num_shards == n:
-            client.delete_table(table.name)
-        else:
-            serve_layout(table)
+        cleanup()
+        serve_layout(table)
     except Exception as exc:
         log.warning("table %r: after a failed move, %s: %s", table.name, type(exc).__name__, exc)

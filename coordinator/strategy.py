@@ -94,18 +94,9 @@ class ParameterServerStrategy:
           table's) are applied on arrival, each replica's push on its own
           with its update key (the optimizer runs once per push), and
           table look-ups never wait for the step. A variable is dense or a
-          table by its gradients. What is checked is per worker process:
-          a worker that gave a variable one kind in a hybrid step refuses
-          the other kind for it (ValueError naming it, nothing sent; a
-          restarted worker starts afresh). Two workers giving one variable
-          different kinds are not caught: the row-wise gradients are
-          applied on arrival, and the dense ones join a step that waits
-          for the other replicas' dense gradients, which never come, until
-          ``step_timeout`` (or backup workers) completes it with those
-          that came (with step_timeout 0, until the calls' deadlines). Row
-          gradients of a replica that is abandoned, or that a backup worker
-          made late, were applied on arrival and stay applied; only its
-          dense gradients are dropped.
+          table by its gradients (a worker refuses the other kind for it:
+          ValueError; what is not caught, and abandoned replicas' row
+          gradients: docs/training-modes.md "Hybrid mode, precisely").
         * ``"bounded"``: asynchronous, but no worker starts a step more than
           ``staleness`` steps ahead of the slowest live worker (stale
           synchronous parallel). 0 runs the workers in lock-step; a large
@@ -144,13 +135,10 @@ class ParameterServerStrategy:
       replication: keep a backup of every shard on the next parameter server
         (chain replication, psserver/core/replication.py): a push goes to the
         shard's primary, which applies it, forwards exactly what it applied to
-        the backup, and acknowledges once the backup has it. The copies are
-        bit-identical at every acknowledged version, for every optimizer, so
-        losing one parameter server loses no acknowledged update: the
-        coordinator promotes the backups at once and training goes on
-        (coordinator/recovery.py), then copies the shards back when the server
-        returns. Costs twice the memory and one more hop per push. Needs two
-        or more parameter servers.
+        the backup, and acknowledges once the backup has it (bit-identical
+        copies), so losing one parameter server loses no acknowledged update:
+        the backups take over at once (coordinator/recovery.py). Twice the
+        memory, one more hop per push; two or more parameter servers.
       reuse_existing: a coordinator that restarts while its parameter
         servers keep running: ``create_variable`` adopts a variable of the
         same name, shape, dtype and optimizer that is already there, with its
@@ -575,6 +563,17 @@ class ParameterServerStrategy:
         self._table_creation.pop(table.name, None)
 
     parameter_servers = property(lambda self: self._ps, doc="Its servers (added ones too).")
+
+    def remove_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's)
+        elastic.check_remove(self, address)
+        with elastic.LAYOUT_LOCK:
+            moves = [elastic.drain_table(t, address) for t in list(self._tables.values())
+                     if address in t.addresses]
+            self._ps = tuple(a for a in self._ps if a != address)
+            self.server_ids.pop(address, None)   # (not watched: it may stop)
+            for name, (dim, creations) in self._table_creation.items():
+                self._table_creation[name] = (dim, [c for c in creations if c[0] != address])
+        return moves
 
     def add_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's: elastic.py)
         elastic.check_add(self, address)

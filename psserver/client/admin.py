@@ -395,7 +395,7 @@ class PSAdmin:
     def move_table_buckets(self, name: str, buckets: bytes, destination: str, *,
                            capacity: int | None = None, layout_epoch: int = 0,
                            layout: str = "", layout_only: bool = False, shard: int = 0,
-                           fence: bool = False,
+                           fence: bool = False, destination_capacity: int | None = None,
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
@@ -412,6 +412,8 @@ class PSAdmin:
                                             fence=fence)
         if capacity is not None:
             req.capacity = capacity
+        if destination_capacity is not None:
+            req.destination_capacity = destination_capacity
         return self._call(methods.TABLE_MOVE, req, timeout)
 
 

@@ -90,10 +90,12 @@ def fence(copy, epoch: int) -> bool:
         return False
 
 
-def check_move(capacity: int | None, epoch: int, layout: str) -> None:
-    """A move's capacity and layout, checked (InvalidArgument)."""
-    if capacity is not None and not 0 <= capacity < 1 << 40:
-        raise InvalidArgument(f"a move's capacity is an integer in [0, 2**40), got {capacity}")
+def check_move(capacity: int | None, epoch: int, layout: str,
+               destination_capacity: int | None = None) -> None:
+    """A move's capacities and layout, checked (InvalidArgument)."""
+    for c in (capacity, destination_capacity):
+        if c is not None and not 0 <= c < 1 << 40:
+            raise InvalidArgument(f"a move's capacities are integers in [0, 2**40), got {c}")
     parse_layout(epoch, layout)
 
 

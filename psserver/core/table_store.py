@@ -513,14 +513,13 @@ class TableStore:
                     capacity: int | None = None, applied: Sequence[tuple] = ()) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied
         first with ``reset`` (a primary only: a backup takes its primary's
-        state only, NotPrimary); ``capacity`` (with ``reset`` only): the
-        shard's capacity from now on, set before the rows go in;
+        state only, NotPrimary); ``capacity``: the
+        shard's capacity from now on (a first piece's), set before the rows go in;
         ``applied``: [(buckets, update keys)] the rows' earlier shard applied
         (a move: TableShardCopy.take_moved_in). Returns the rows held. The
         backup, if any, copies the new state whole."""
-        if capacity is not None and not (reset and 0 <= capacity < 1 << 40):
-            raise InvalidArgument("an import's capacity is an integer in [0, 2**40) given with "
-                                  "reset (the first piece of a restore)")
+        if capacity is not None and not 0 <= capacity < 1 << 40:
+            raise InvalidArgument("an import's capacity is an integer in [0, 2**40)")
         copy = self.registry.table(name)
         with copy.lock:
             copy.check_primary()

@@ -196,7 +196,9 @@ class TableServicer:
                                                held=self.store.info(request.name).rows)
         mask = buckets_of_bitmap(request.buckets)
         capacity = request.capacity if request.HasField("capacity") else None
-        M.check_move(capacity, int(request.layout_epoch), request.layout)
+        theirs = request.destination_capacity if request.HasField("destination_capacity") \
+            else None
+        M.check_move(capacity, int(request.layout_epoch), request.layout, theirs)
         dest = request.destination
         if not _ADDRESS.fullmatch(dest):
             raise InvalidArgument(f"a move's destination is host:port, got {dest[:100]!r}")
@@ -212,7 +214,8 @@ class TableServicer:
                 raise InvalidArgument(f"a move's destination {dest!r} is this server")
             rows, nbytes, held = M.move_buckets(
                 copy, mask, lambda state, step, applied: client.import_table(
-                    request.name, state, step, reset=False, applied=applied, deadline=end),
+                    request.name, state, step, reset=False, applied=applied, deadline=end,
+                    capacity=theirs),
                 capacity, int(request.layout_epoch), request.layout, end)
         finally:
             client.close()

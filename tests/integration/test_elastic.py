@@ -336,3 +336,50 @@ def test_a_coordinator_made_again_and_the_cli_keep_the_layout_the_servers_serve(
         assert done.returncode == 0, done.stdout + done.stderr
         assert all(ps_pool.client_for(a).table_info("emb").layout for a in emb.addresses)
         np.testing.assert_array_equal(emb.lookup(keys, admit=False)[:, 0], -1.0)
+
+
+def test_a_server_added_and_removed_again_while_workers_train_loses_nothing():
+    """Issue 34's test: a CTR-like job on 2 servers, a third added at a
+    quarter of the steps and drained again at half, workers training
+    throughout: no step fails, every example counted exactly once, the
+    drained server ends holding no row, and a description made between
+    the two learns the layout from the drained server."""
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+            it = iter(ds)
+            steps = EXAMPLES // BATCH
+            done = [coord.schedule(counting_step, args=(counter, emb, w, it))
+                    for _ in range(steps)]
+            done[steps // 4].fetch()
+            added = cluster.add_ps()
+            coord.add_parameter_server(added)
+            between = pickle.dumps(emb)
+            done[steps // 2].fetch()
+            queued, _ = coord.pending()
+            moves = coord.remove_parameter_server(added)
+            coord.join(timeout=180)
+            assert queued > 0   # (steps ran after the drain)
+            assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
+            assert sorted(i for d in done for i in d.fetch()) == list(range(EXAMPLES))
+            assert strategy.parameter_servers == tuple(a for a in strategy.parameter_servers
+                                                       if a != added)
+            assert len(strategy.parameter_servers) == 2
+            for m, t in zip(moves, (counter, emb)):
+                assert t.num_shards == 2 and added not in t.addresses and m.kept == 0
+                assert ps_pool.client_for(added).table_info(t.name).rows == 0
+                assert t.layout_epoch == 4   # (two moves in, two out)
+            counts = counter.lookup(np.arange(EXAMPLES), admit=False)
+            np.testing.assert_array_equal(counts, np.ones((EXAMPLES, 1), np.float32))
+            np.testing.assert_array_equal(read_variables([w])[0], [-steps, -steps])
+            old = pickle.loads(between)   # (3 shards, the drained server among them)
+            keys = np.arange(KEYS, dtype=np.int64)
+            np.testing.assert_array_equal(old.lookup(keys, admit=False),
+                                          emb.lookup(keys, admit=False))
+            assert old.addresses == emb.addresses
+            with pytest.raises(ValueError, match="not a parameter server of this job"):
+                coord.remove_parameter_server(added)
+            with pytest.raises(ValueError, match="holds shards of variables"):
+                coord.remove_parameter_server(strategy.parameter_servers[0])

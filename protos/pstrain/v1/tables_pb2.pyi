@@ -246,7 +246,7 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence", "destination_capacity")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class MoveBucketsRequest(_message.Message):
     LAYOUT_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
@@ -265,7 +266,8 @@ class MoveBucketsRequest(_message.Message):
     layout_only: bool
     shard: int
     fence: bool
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ...) -> None: ...
+    destination_capacity: int
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ..., destination_capacity: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
     __slots__ = ("rows", "bytes", "held", "moved")
