@@ -284,6 +284,7 @@ class ClusterCoordinator:
         with self._cluster.between_steps(timeout):
             moves = self.strategy.add_parameter_server(address)
             self._cluster.forget_function_refs()   # closures carry the new layout from now on
+            elastic.settle(self.strategy.tables)   # (those an earlier, failed call left)
         return moves
 
     def remove_parameter_server(self, address: str, timeout: float | None = 300.0) -> list:
@@ -299,6 +300,7 @@ class ClusterCoordinator:
         with self._cluster.between_steps(timeout):
             moves = self.strategy.remove_parameter_server(address)
             self._cluster.forget_function_refs()
+            elastic.settle(self.strategy.tables)
         return moves
 
     def join(self, timeout: float | None = None) -> None:

@@ -156,7 +156,8 @@ def move_table(table, address: str, creation: dict) -> TableMove:
     final = plan_add(old)
     parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
     client = ps_pool.client_for(address)
-    client.create_table(table.name, table.dim, **dict(creation, capacity=parts[n]))
+    client.create_table(table.name, table.dim, exist_ok=True,   # (a server drained before)
+                        **dict(creation, capacity=parts[n]))
     owner = old.owner.astype(np.int64)
     addresses = tuple(table.addresses) + (address,)
     steps = []
@@ -305,3 +306,12 @@ def _after_failure(table, cleanup) -> None:
         serve_layout(table)
     except Exception as exc:
         log.warning("table %r: after a failed move, %s: %s", table.name, type(exc).__name__, exc)
+
+
+def settle(tables) -> None:
+    """Every shard of each table that moves laid out told its place again
+    (serve_layout): after an add or a drain resumed, whose earlier call may
+    have failed before it told them."""
+    for table in tables:
+        if table.layout_epoch:
+            serve_layout(table)

@@ -544,7 +544,7 @@ def _table_parts(table, g, row_sync) -> tuple[list[tuple], object]:
     # buckets took the keys since (a shard that took buckets knows which
     # update keys their earlier shard applied to them: psserver/core/table_copy.py).
     label = now.shards[0].name
-    if now.num_shards == (now.origin_shards or now.num_shards):   # (none added)
+    if now.buckets == BucketMap.even(now.origin_shards or now.num_shards):   # (none moved)
         return [(k, ks, gs, new_update_id(f"{label}#{k}")) for k, (ks, gs) in have.items()], now
     created = BucketMap.even(now.origin_shards)
     parts = []

@@ -354,7 +354,8 @@ class PSAdmin:
     def import_table(self, name: str, state: Mapping[str, np.ndarray], step: int, *,
                      reset: bool = True, replica: Mapping | None = None,
                      capacity: int | None = None, applied: Sequence[tuple] = (),
-                     timeout: float | None = None, deadline: float | None = None) -> int:
+                     timeout: float | None = None, deadline: float | None = None,
+                     incoming: tuple | None = None) -> int:
         """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
         pieces that fit a message. Returns the rows the shard holds.
@@ -365,7 +366,8 @@ class PSAdmin:
         ``applied``: [(bool per bucket, update keys)] the rows' earlier
         shard applied to keys of those buckets (a move of buckets), sent
         after the rows (at most APPLIED_GROUPS_PER_CALL groups a call: each
-        holds one key at least)."""
+        holds one key at least); ``incoming``: (bool per bucket, layout
+        epoch) of a move, on every piece (tables.proto ImportTableRequest)."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -378,13 +380,13 @@ class PSAdmin:
                 req.capacity = capacity
             if replica is not None:
                 req.replica.CopyFrom(tables_pb2.ReplicaCopy(complete=hi >= keys.size, **replica))
-            _fill_rows(req, state, lo, hi)
+            _fill_rows(req, state, lo, hi, incoming)
             if deadline is not None:   # (time.monotonic(): the pieces together)
                 timeout = max(0.001, deadline - time.monotonic())
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         for lo in range(0, len(applied), APPLIED_GROUPS_PER_CALL):   # (no rows: calls of their own)
             req = tables_pb2.ImportTableRequest(name=name, step=step)
-            _fill_rows(req, state, 0, 0)
+            _fill_rows(req, state, 0, 0, incoming)
             for buckets, ids in applied[lo:lo + APPLIED_GROUPS_PER_CALL]:
                 req.applied.add(buckets=bitmap_of_buckets(buckets), ids=ids)
             if deadline is not None:
@@ -417,8 +419,12 @@ class PSAdmin:
         return self._call(methods.TABLE_MOVE, req, timeout)
 
 
-def _fill_rows(req, state: Mapping[str, np.ndarray], lo: int, hi: int) -> None:
-    """An ImportTableRequest's rows lo:hi of ``state`` (export()'s arrays)."""
+def _fill_rows(req, state: Mapping[str, np.ndarray], lo: int, hi: int,
+               incoming: tuple | None = None) -> None:
+    """An ImportTableRequest's rows lo:hi of ``state`` (export()'s arrays),
+    and the move's buckets and epoch they come with (``incoming``)."""
+    if incoming is not None:
+        req.buckets, req.layout_epoch = bitmap_of_buckets(incoming[0]), incoming[1]
     for field in ("keys", "values", "age_steps", "age_seconds", "freq"):
         TP.fill(getattr(req, field), np.ascontiguousarray(state[field][lo:hi]))
     for key, a in state.items():

@@ -71,6 +71,16 @@ class TableShardCopy(CopyState):
         # oldest first; and updates remembered here since the last move in.
         self.moved_in: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.since_moved_in = 0
+        # Buckets moved in: how many moves brought buckets here (``receives``),
+        # and the one that brought each (None: none came); the update keys
+        # applied here since one did, with how many had come then (``own``:
+        # they cover the buckets held then, not those that came later).
+        self.receives, self.received_at = 0, None
+        self.own: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # Fences (table_moves.fence): the epochs of moves made here (the last
+        # few) and the highest epoch fenced (a move of it or before refused).
+        self.move_epochs: collections.deque = collections.deque(maxlen=64)
+        self.fenced_epoch, self.move_in_epoch = 0, 0
 
     @property
     def tracker(self):
@@ -98,10 +108,56 @@ class TableShardCopy(CopyState):
 
     def remember(self, update_id: int) -> None:
         super().remember(update_id)
+        if self.receives and update_id:
+            self.own.pop(update_id, None)
+            self.own[update_id] = self.receives
+            if len(self.own) > self.APPLIED_IDS_KEPT:
+                self.own.popitem(last=False)
         if self.moved_in and update_id:   # (as old as the memory's window: forgotten)
             self.since_moved_in += 1
             if self.since_moved_in > self.APPLIED_IDS_KEPT:
                 self.moved_in.clear()
+
+    def forget_moves(self) -> None:
+        """A restore (reset): no bucket moved out or in, no memory of them."""
+        self.moved, self.layout, self.receives, self.received_at = None, "", 0, None
+        self.moved_in.clear()
+        self.own.clear()
+        self.move_epochs.clear()
+
+    def take_in(self, keys: np.ndarray, incoming: tuple | None, check: bool) -> None:
+        """An import's rows (lock held), with ``check`` before they go in:
+        NotPrimary for keys of buckets another shard holds unless the import
+        brings those buckets (``incoming``: bool per bucket, the move's
+        layout epoch), or for a move of an epoch the shard was told or passed
+        (its piece came after the move failed); then (not ``check``) the
+        buckets are taken: held here from now on."""
+        if check:
+            if incoming is not None and incoming[1] <= self.moved_epoch:
+                raise NotPrimary(f"table {self.table_name!r}: this shard knows the table's "
+                                 f"layout epoch {self.moved_epoch}; rows of a move of epoch "
+                                 f"{incoming[1]} came too late and were not taken")
+            if self.moved is not None and keys.size:
+                gone = self.moved[bucket_of(keys)]
+                if incoming is not None:
+                    gone &= ~incoming[0][bucket_of(keys)]
+                if gone.any():
+                    raise NotPrimary(f"table {self.table_name!r}: {int(gone.sum())} keys of "
+                                     "this import are of buckets another shard holds; nothing "
+                                     "was imported")
+            return
+        if incoming is not None:
+            mask, epoch = incoming
+            if self.received_at is None:
+                self.received_at = np.zeros(mask.size, np.int64)
+            if self.move_in_epoch != epoch:   # (a move's first piece)
+                self.receives += 1
+                self.move_in_epoch = epoch
+            self.received_at[mask] = self.receives
+            if self.moved is not None:   # (held here from now on)
+                self.moved = self.moved & ~mask
+                if not self.moved.any():
+                    self.moved = None
 
     def take_moved_in(self, groups) -> None:
         """Remember update keys applied where rows of these buckets came from:
@@ -127,10 +183,17 @@ class TableShardCopy(CopyState):
 
     def export_applied(self, mask: np.ndarray) -> list[tuple[np.ndarray, list]]:
         """What a move of the buckets in ``mask`` carries of the update keys
-        applied here: the shard's own (they were applied to every key it
-        held), and those that moved here, each for its buckets in ``mask``
-        (grouped by bucket set)."""
-        out = [(mask, list(self.applied))] if self.applied else []
+        applied here: the shard's own (each for the buckets it held when it
+        applied it), and those that moved here, each for its buckets in
+        ``mask`` (grouped by bucket set)."""
+        if self.received_at is None:
+            out = [(mask, list(self.applied))] if self.applied else []
+        else:
+            by_r: dict[int, list] = {}
+            for i in self.applied:
+                by_r.setdefault(self.own.get(i, 0), []).append(i)
+            out = [(mask & (self.received_at <= r), ids) for r, ids in by_r.items()]
+            out = [g for g in out if g[0].any()]
         groups: dict[int, tuple[np.ndarray, list]] = {}
         for i, m in self.moved_in.items():
             if id(m) not in groups:
@@ -144,7 +207,12 @@ class TableShardCopy(CopyState):
         refusal first, then keys of buckets whose earlier shard applied
         this update before they moved here are left out (lock held)."""
         self.check_here(keys)
+        if not update_id:
+            return keys, grads
         done = self.moved_in.get(update_id) if self.moved_in else None
+        if update_id in self.applied and self.received_at is not None:   # (what it covered)
+            mine = self.received_at <= self.own.get(update_id, 0)
+            done = mine if done is None else done | mine
         if done is None:
             return keys, grads
         keep = ~done[bucket_of(keys)]

@@ -78,15 +78,15 @@ def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
 
 
 def fence(copy, epoch: int) -> bool:
-    """Whether a move of ``epoch`` (or a later layout) happened on this shard;
-    if not, none of ``epoch`` or earlier is made from now on (answered under
-    the shard's lock: after any move running now)."""
+    """Whether a move of ``epoch`` was made from this shard; if not, none of
+    ``epoch`` or earlier is made from now on (answered under the shard's
+    lock: after any move running now; the same answer every time)."""
     if not 0 < epoch < 1 << 62:
         raise InvalidArgument(f"a fence's layout epoch is in [1, 2**62), got {epoch}")
     with copy.lock:
-        if copy.moved_epoch >= epoch:
+        if epoch in copy.move_epochs:
             return True
-        copy.moved_epoch = epoch
+        copy.fenced_epoch = max(copy.fenced_epoch, epoch)
         return False
 
 
@@ -124,9 +124,10 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
             raise FailedPrecondition(
                 f"table {copy.table_name!r}: a sync step is being gathered on this shard; move "
                 "its buckets between steps (nothing was moved)")
-        if epoch <= copy.moved_epoch:
+        if epoch <= max(copy.moved_epoch, copy.fenced_epoch):
             raise InvalidArgument(f"table {copy.table_name!r}: layout epoch {epoch} is not newer "
-                                  f"than this shard's ({copy.moved_epoch}); nothing was moved")
+                                  f"than this shard's ({max(copy.moved_epoch, copy.fenced_epoch)})"
+                                  "; nothing was moved")
         if copy.moved is not None and (copy.moved & mask).any():
             raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets were "
                                   "handed to another server already; nothing was moved")
@@ -146,6 +147,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
         t.drop(keys)
         copy.moved = mask.copy() if copy.moved is None else copy.moved | mask
         copy.moved_epoch, copy.layout = epoch, layout
+        copy.move_epochs.append(epoch)
         if capacity is not None:   # (rows past it evicted now)
             t.set_capacity(capacity, evict=True)
             copy.spec = copy.spec.with_capacity(capacity)

@@ -2,13 +2,10 @@
 (psserver/core/dynamic_table.py), with no gRPC or protobuf in it; psserver/serve/tables.py
 serves it as the DynamicTables service.
 
-Tables live beside the variables, in a namespace of their own: none of the
-variable calls (Read, Push, Assign, Save...) reach them, and these calls
-reach nothing else; only replication's GetMeta, Reconfigure and Replicate
-reach a table shard, by the name ``~table~<table>`` (psserver.contract.
-TABLE_PREFIX), which no variable can have. Both kinds are held in one
-psserver.core.shards.ShardRegistry and bounded by one MemoryBudget. One shard
-here is a psserver.core.table_copy.TableShardCopy (its table, role and sync
+Tables live beside the variables, in a namespace of their own (only
+replication's GetMeta, Reconfigure and Replicate reach a table shard, by the
+name ``~table~<table>``), in one ShardRegistry and one MemoryBudget. One
+shard is a psserver.core.table_copy.TableShardCopy (its table, role and sync
 state), as one variable is a psserver.core.variable.Variable.
 
 Guarantees:
@@ -28,10 +25,8 @@ Guarantees:
 Sync mode (psserver/core/sync.py, shared with the variables): a shard
 gathers a step's updates, one per replica, and applies their sum (or mean)
 once, as one table step; a look-up for step s waits while an earlier step
-is gathered; a late update is dropped whole (``late``). Sync updates go to
-both copies of a replicated shard, so a promoted backup can finish a step.
-Keys of buckets a shard handed to another server are refused
-(psserver/core/table_moves.py).
+is gathered; a late update is dropped whole (``late``). Keys of buckets
+another server holds are refused (psserver/core/table_moves.py).
 """
 from __future__ import annotations
 
@@ -198,8 +193,7 @@ class TableStore:
 
     @staticmethod
     def _status(copy: TableShardCopy) -> TableStatus:
-        t = copy.table
-        # (its bytes: the arrays, and what a sync step gathered, as a variable's)
+        t = copy.table   # (its bytes: the arrays, and what a sync step gathered)
         return TableStatus(copy.table_name, copy.spec, len(t), t.step,
                            dataclasses.replace(t.stats), copy.held_bytes, copy.sync_steps,
                            copy.dropped)
@@ -417,10 +411,11 @@ class TableStore:
         with copy.lock:
             copy.check_primary()
             t = copy.table
-            version = copy.applied_at(update_id)
-            if version is not None:   # a resend: applied once already
+            version = copy.applied_at(update_id)   # a resend: applied once (moved-in keys aside)
+            keys, grads = (keys[:0], grads[:0]) if version is not None and \
+                copy.received_at is None else copy.unapplied(update_id, keys, grads)
+            if version is not None and not keys.size:
                 return TableUpdate(0, 0, t.step), version
-            keys, grads = copy.unapplied(update_id, keys, grads)   # (moved buckets: once)
             dropped = t.stats.dropped
             # it checks the gradient whole first: a refusal changes nothing
             with copy.changing(refused=InvalidArgument) as journaled:
@@ -510,14 +505,16 @@ class TableStore:
                           self._saver.incarnation, crc)
 
     def import_rows(self, name: str, state: dict, step: int, reset: bool,
-                    capacity: int | None = None, applied: Sequence[tuple] = ()) -> int:
+                    capacity: int | None = None, applied: Sequence[tuple] = (),
+                    incoming: tuple | None = None) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied
         first with ``reset`` (a primary only: a backup takes its primary's
         state only, NotPrimary); ``capacity``: the
         shard's capacity from now on (a first piece's), set before the rows go in;
         ``applied``: [(buckets, update keys)] the rows' earlier shard applied
-        (a move: TableShardCopy.take_moved_in). Returns the rows held. The
-        backup, if any, copies the new state whole."""
+        (a move: TableShardCopy.take_moved_in); ``incoming``: the buckets a
+        move brings and its epoch (TableShardCopy.take_in). Returns the rows
+        held. The backup, if any, copies the new state whole."""
         if capacity is not None and not 0 <= capacity < 1 << 40:
             raise InvalidArgument("an import's capacity is an integer in [0, 2**40)")
         copy = self.registry.table(name)
@@ -525,6 +522,8 @@ class TableStore:
             copy.check_primary()
             t = copy.table
             self._check_room(name, state["keys"].size, t.row_bytes)
+            if not reset:   # (no key another shard holds, but for a move's)
+                copy.take_in(check_keys(state["keys"]).reshape(-1), incoming, True)
             before = t.config.capacity
             if capacity is not None:
                 t.set_capacity(capacity)
@@ -537,9 +536,10 @@ class TableStore:
                 copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1
             if reset:   # a restored shard: no sync step applied or pending, no bucket moved
-                copy.acc, copy.sync_steps, copy.moved, copy.layout = None, 0, None, ""
-                copy.moved_in.clear()
+                copy.acc, copy.sync_steps = None, 0
+                copy.forget_moves()
                 copy.cond.notify_all()
+            copy.take_in(None, incoming, False)
             copy.take_moved_in(applied)
             if copy.link is not None:   # the backup copies the new state whole
                 copy.link.reset()

@@ -174,7 +174,9 @@ class TableServicer:
             rows = self.store.import_rows(
                 request.name, state, step, request.reset,
                 request.capacity if request.HasField("capacity") else None,
-                _applied_of(request.applied))
+                _applied_of(request.applied),
+                (buckets_of_bitmap(request.buckets), int(request.layout_epoch))
+                if request.buckets else None)
         return tables_pb2.ImportTableReply(rows=rows)
 
     def MoveBuckets(self, request, context):
@@ -215,7 +217,7 @@ class TableServicer:
             rows, nbytes, held = M.move_buckets(
                 copy, mask, lambda state, step, applied: client.import_table(
                     request.name, state, step, reset=False, applied=applied, deadline=end,
-                    capacity=theirs),
+                    capacity=theirs, incoming=(mask, int(request.layout_epoch))),
                 capacity, int(request.layout_epoch), request.layout, end)
         finally:
             client.close()

@@ -383,3 +383,9 @@ def test_a_server_added_and_removed_again_while_workers_train_loses_nothing():
                 coord.remove_parameter_server(added)
             with pytest.raises(ValueError, match="holds shards of variables"):
                 coord.remove_parameter_server(strategy.parameter_servers[0])
+            # the drained server added again (its empty shards taken back)
+            want = emb.lookup(keys, admit=False)
+            coord.add_parameter_server(added)
+            assert emb.num_shards == 3 and emb.addresses[-1] == added
+            np.testing.assert_array_equal(emb.lookup(keys, admit=False), want)
+            assert ps_pool.client_for(added).table_info("emb").rows > 0
