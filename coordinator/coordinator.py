@@ -282,9 +282,10 @@ class ClusterCoordinator:
         failure part-way leaves."""
         elastic.check_add(self.strategy, address)
         with self._cluster.between_steps(timeout):
+            elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
             moves = self.strategy.add_parameter_server(address)
             self._cluster.forget_function_refs()   # closures carry the new layout from now on
-            elastic.settle(self.strategy.tables)   # (those an earlier, failed call left)
+            elastic.settle(self.strategy.tables, quiet=True)
         return moves
 
     def remove_parameter_server(self, address: str, timeout: float | None = 300.0) -> list:
@@ -298,9 +299,10 @@ class ClusterCoordinator:
         with replication or in sync mode, or for the last server."""
         elastic.check_remove(self.strategy, address)
         with self._cluster.between_steps(timeout):
+            elastic.settle(self.strategy.tables)
             moves = self.strategy.remove_parameter_server(address)
             self._cluster.forget_function_refs()
-            elastic.settle(self.strategy.tables)
+            elastic.settle(self.strategy.tables, quiet=True)
         return moves
 
     def join(self, timeout: float | None = None) -> None:

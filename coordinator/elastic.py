@@ -45,7 +45,7 @@ import numpy as np
 from coordinator import layouts, ps_pool
 from coordinator import metrics as _metrics
 from psserver.contract.keys import BUCKETS, BucketMap, bitmap_of_buckets, split_capacity
-from psserver.errors import PSError, Unavailable
+from psserver.errors import NotFound, PSError, Unavailable
 
 log = logging.getLogger("coordinator")
 
@@ -156,8 +156,11 @@ def move_table(table, address: str, creation: dict) -> TableMove:
     final = plan_add(old)
     parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
     client = ps_pool.client_for(address)
-    client.create_table(table.name, table.dim, exist_ok=True,   # (a server drained before)
-                        **dict(creation, capacity=parts[n]))
+    try:   # (a server drained before keeps its shard: taken back, with its seed)
+        creation = dict(creation, seed=int(client.table_info(table.name).spec.seed))
+    except NotFound:
+        pass
+    client.create_table(table.name, table.dim, exist_ok=True, **dict(creation, capacity=parts[n]))
     owner = old.owner.astype(np.int64)
     addresses = tuple(table.addresses) + (address,)
     steps = []
@@ -165,7 +168,7 @@ def move_table(table, address: str, creation: dict) -> TableMove:
         mask = (final.owner == n) & (old.owner == k)
         if mask.any():
             owner = np.where(mask, n, owner)
-            steps.append((addresses[k], address, mask, parts[k] or None, None,
+            steps.append((addresses[k], address, mask, parts[k] or None, parts[n] or None,
                           addresses, BucketMap(owner, n + 1)))
     return _run(table, steps, address, cleanup=lambda: table.num_shards == n and
                 client.delete_table(table.name))
@@ -308,10 +311,17 @@ def _after_failure(table, cleanup) -> None:
         log.warning("table %r: after a failed move, %s: %s", table.name, type(exc).__name__, exc)
 
 
-def settle(tables) -> None:
+def settle(tables, quiet: bool = False) -> None:
     """Every shard of each table that moves laid out told its place again
-    (serve_layout): after an add or a drain resumed, whose earlier call may
-    have failed before it told them."""
+    (serve_layout): before an add or a drain (an earlier one may have
+    failed before it told them, leaving stray rows), and after it
+    (``quiet``: a server that does not answer is logged, not raised: the
+    moves are done)."""
     for table in tables:
         if table.layout_epoch:
-            serve_layout(table)
+            try:
+                serve_layout(table)
+            except PSError as exc:
+                if not quiet:
+                    raise
+                log.warning("table %r: telling its shards the layout: %s", table.name, exc)

@@ -72,11 +72,14 @@ class TableShardCopy(CopyState):
         self.moved_in: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.since_moved_in = 0
         # Buckets moved in: how many moves brought buckets here (``receives``),
-        # and the one that brought each (None: none came); the update keys
-        # applied here since one did, with how many had come then (``own``:
-        # they cover the buckets held then, not those that came later).
+        # and the one that brought each (None: none came); for update keys
+        # applied here since, the moved-in buckets their keys were of
+        # (``own``: packed bits; an update key covers those and the buckets
+        # this shard always held, not others: its sender may have planned on
+        # a layout that sent other moved-in buckets' keys elsewhere).
         self.receives, self.received_at = 0, None
-        self.own: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.own: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._applying: tuple = (0, None)   # (update key, keys) unapplied() let through
         # Fences (table_moves.fence): the epochs of moves made here (the last
         # few) and the highest epoch fenced (a move of it or before refused).
         self.move_epochs: collections.deque = collections.deque(maxlen=64)
@@ -109,10 +112,17 @@ class TableShardCopy(CopyState):
     def remember(self, update_id: int) -> None:
         super().remember(update_id)
         if self.receives and update_id:
-            self.own.pop(update_id, None)
-            self.own[update_id] = self.receives
-            if len(self.own) > self.APPLIED_IDS_KEPT:
-                self.own.popitem(last=False)
+            uid, keys = self._applying
+            touched = np.zeros(self.received_at.size, bool)
+            if uid == update_id and keys is not None and keys.size:
+                b = bucket_of(keys)
+                touched[b[self.received_at[b] > 0]] = True
+            had = self.own.get(update_id)
+            bits = np.packbits(touched)
+            self.own[update_id] = bits if had is None else had | bits   # (order: as applied's)
+            while self.own and next(iter(self.own)) not in self.applied:
+                self.own.popitem(last=False)   # (gone from applied: past the window)
+        self._applying = (0, None)
         if self.moved_in and update_id:   # (as old as the memory's window: forgotten)
             self.since_moved_in += 1
             if self.since_moved_in > self.APPLIED_IDS_KEPT:
@@ -121,6 +131,7 @@ class TableShardCopy(CopyState):
     def forget_moves(self) -> None:
         """A restore (reset): no bucket moved out or in, no memory of them."""
         self.moved, self.layout, self.receives, self.received_at = None, "", 0, None
+        self.move_in_epoch = 0
         self.moved_in.clear()
         self.own.clear()
         self.move_epochs.clear()
@@ -189,10 +200,12 @@ class TableShardCopy(CopyState):
         if self.received_at is None:
             out = [(mask, list(self.applied))] if self.applied else []
         else:
-            by_r: dict[int, list] = {}
+            by_cover: dict[bytes, list] = {}
             for i in self.applied:
-                by_r.setdefault(self.own.get(i, 0), []).append(i)
-            out = [(mask & (self.received_at <= r), ids) for r, ids in by_r.items()]
+                own = self.own.get(i)
+                by_cover.setdefault(b"" if own is None else own.tobytes(), []).append(i)
+            out = [(mask & self._covered(np.frombuffer(c, np.uint8) if c else None), ids)
+                   for c, ids in by_cover.items()]
             out = [g for g in out if g[0].any()]
         groups: dict[int, tuple[np.ndarray, list]] = {}
         for i, m in self.moved_in.items():
@@ -211,12 +224,21 @@ class TableShardCopy(CopyState):
             return keys, grads
         done = self.moved_in.get(update_id) if self.moved_in else None
         if update_id in self.applied and self.received_at is not None:   # (what it covered)
-            mine = self.received_at <= self.own.get(update_id, 0)
+            mine = self._covered(self.own.get(update_id))
             done = mine if done is None else done | mine
-        if done is None:
-            return keys, grads
-        keep = ~done[bucket_of(keys)]
-        return keys[keep], grads[keep]
+        if done is not None:
+            keep = ~done[bucket_of(keys)]
+            keys, grads = keys[keep], grads[keep]
+        self._applying = (update_id, keys)   # (remember: the moved-in buckets it touches)
+        return keys, grads
+
+    def _covered(self, own: np.ndarray | None) -> np.ndarray:
+        """The buckets an update key applied here covers: those this shard
+        always held, and the moved-in ones its keys were of (``own``)."""
+        out = self.received_at == 0
+        if own is not None:
+            out |= np.unpackbits(own)[:out.size].astype(bool)
+        return out
 
     def check_here(self, keys: np.ndarray) -> None:
         """NotPrimary (lock held; nothing changed) if one of ``keys``

@@ -358,6 +358,12 @@ def test_a_shard_that_takes_buckets_applies_its_own_update_keys_to_them_once(sta
         for _ in range(2):   # the step run again, then resent
             b.update_table("emb", both, np.ones((both.size, 4), np.float32), update_id=777)
             np.testing.assert_allclose(b.lookup("emb", both, admit=False), 0.9)   # once each
+        # applied after the buckets came, by a sender whose layout sent kc elsewhere:
+        # it covers the keys it was applied to (kb's buckets), not kc's
+        b.update_table("emb", kb, np.ones((kb.size, 4), np.float32), update_id=888)
+        for _ in range(2):
+            b.update_table("emb", both, np.ones((both.size, 4), np.float32), update_id=888)
+            np.testing.assert_allclose(b.lookup("emb", both, admit=False), 0.8, rtol=1e-6)
         with pytest.raises(NotPrimary, match="came too late"):
             b.import_table("emb", {"keys": kc[:0], "values": np.zeros((0, 4), np.float32),
                                    "age_steps": np.zeros(0, np.int64),
