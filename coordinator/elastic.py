@@ -1,8 +1,11 @@
-"""Elastic parameter servers: add a server to a running job (issue 34, first
-part): ``ClusterCoordinator.add_parameter_server(address)``.
+"""Elastic parameter servers: add a server to a running job, or drain one
+(issue 34, first part): ``ClusterCoordinator.add_parameter_server(address)``
+and ``remove_parameter_server(address)`` (``drain_table``, ``plan_remove``:
+the reverse of what follows, each other shard taking an even share).
 
-Each dynamic table gives the new server its share of the key space while
-training goes on: ``plan_add`` gives it about 1/(n+1) of the 4,096 buckets
+Each dynamic table gives the new server its share of the key space, between
+two steps of training (no closure runs meanwhile: Cluster.between_steps):
+``plan_add`` gives it about 1/(n+1) of the 4,096 buckets
 (psserver.contract.keys), taken from each shard in proportion to what it
 holds, so that about 1/(n+1) of the rows move and the others stay where
 they are. Then, one source shard at a time, the source hands those
@@ -31,7 +34,8 @@ shard would need its backup moved too), in sync mode (every shard counts
 every replica of a step), an address the job has already, or a server that
 does not answer. A move that fails part-way (the new server or a source
 lost) keeps the buckets moved so far where they went and the others where
-they were: the layout is consistent either way, and the error goes up.
+they were (a fence on the failed move's source says which), every shard is
+told that layout, and the error goes up: calling again resumes.
 """
 from __future__ import annotations
 

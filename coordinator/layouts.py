@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import threading
 
-from psserver.contract.keys import BucketMap
-
-#: Bytes of a layout's JSON at most (psserver/core/table_moves.py takes as much).
-MAX_BYTES = 256 << 10
+from psserver.contract.keys import BucketMap, layout_json, parse_layout
+from psserver.errors import InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,24 +50,15 @@ def of(table) -> Layout:
 
 
 def to_json(layout: Layout) -> str:
-    return json.dumps({"epoch": layout.epoch, "addresses": list(layout.addresses),
-                       "buckets": layout.buckets.ranges()}, separators=(",", ":"))
+    return layout_json(layout.epoch, layout.addresses, layout.buckets)
 
 
 def parse(text: str) -> Layout | None:
     """The layout a server served (None: none, or not one: a server of
     another version, or damaged; the call's refusal then goes up)."""
-    if not text or len(text) > MAX_BYTES:
-        return None
     try:
-        d = json.loads(text)
-        addresses, epoch = d["addresses"], d["epoch"]
-        if not (type(epoch) is int and epoch >= 0 and isinstance(addresses, list) and
-                addresses and all(isinstance(a, str) and a for a in addresses)):
-            return None
-        addresses = tuple(addresses)
-        return Layout(epoch, addresses, BucketMap.from_ranges(d["buckets"], len(addresses)))
-    except Exception:   # (any malformed text: not a layout)
+        return Layout(*parse_layout(text)) if text else None
+    except InvalidArgument:
         return None
 
 

@@ -21,6 +21,7 @@ server's table (psserver/core/dynamic_table.py), whose hash index
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 
@@ -275,3 +276,35 @@ def bitmap_of_buckets(mask) -> bytes:
     if mask.shape != (BUCKETS,):
         raise ValueError(f"a bucket mask has {BUCKETS} entries, got shape {mask.shape}")
     return np.packbits(mask, bitorder="little").tobytes()
+
+
+#: Bytes of a table's layout (JSON) at most: any bucket map, 4,096 runs, and its addresses.
+MAX_LAYOUT_BYTES = 256 << 10
+
+
+def layout_json(epoch: int, addresses, buckets: BucketMap) -> str:
+    """A table's layout as servers serve it (TableInfo.layout) and moves give
+    it (MoveBucketsRequest.layout): epoch, shard addresses, bucket runs."""
+    return json.dumps({"epoch": epoch, "addresses": list(addresses),
+                       "buckets": buckets.ranges()}, separators=(",", ":"))
+
+
+def parse_layout(text: str) -> tuple[int, tuple[str, ...], BucketMap]:
+    """(epoch, addresses, bucket map) of layout_json's text; InvalidArgument
+    for anything else (too long, not JSON, deep nesting, huge numbers, an
+    epoch outside [0, 2**62), addresses not 1 to 4,096 non-empty strings, a
+    map that does not fit them)."""
+    try:
+        if len(text.encode()) > MAX_LAYOUT_BYTES:
+            raise ValueError
+        d = json.loads(text)
+        epoch, addresses = d["epoch"], d["addresses"]
+        if type(epoch) is not int or not 0 <= epoch < 1 << 62 or \
+                not isinstance(addresses, list) or not 0 < len(addresses) <= BUCKETS or \
+                not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError
+        return epoch, tuple(addresses), BucketMap.from_ranges(d["buckets"], len(addresses))
+    except Exception:   # (any malformed text, deep nesting, huge numbers: refused)
+        raise InvalidArgument("a layout is JSON {\"epoch\", \"addresses\": [host:port ...], "
+                              "\"buckets\": [[first, end, shard] ...]} with a bucket map over "
+                              "its addresses") from None

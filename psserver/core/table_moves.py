@@ -10,47 +10,38 @@ pieces); only once it has them all are they dropped here, and the shard
 refuses keys of those buckets from then on (TableShardCopy.check_here:
 NotPrimary, nothing applied; the caller reads the table's layout, which
 Info serves, and sends them where it says). A
-copy that fails changes nothing here (the destination may hold some of the
-rows: the coordinator deletes its shard, which took no calls yet). The
-rows are dropped as evicted for the shard's change tracking, so the next
-incremental save records them gone; the shard's statistics do not count
-them as evictions. Not for a replicated shard (its backup would have to
-follow the move: refused, FailedPrecondition).
+copy that fails changes nothing here; the destination may hold some of the
+rows until it is told the table's layout (``set_layout``: it drops rows of
+buckets other shards hold). A caller whose move call failed learns for sure
+whether it happened with a ``fence``. The rows are dropped as evicted for
+the shard's change tracking, so the next incremental save records them
+gone; the shard's statistics do not count them as evictions. Not for a
+replicated shard (its backup would have to follow the move: refused,
+FailedPrecondition).
 """
 from __future__ import annotations
 
-import json
 import time
 from typing import Callable
 
 import numpy as np
 
-from psserver.contract.keys import BUCKETS, BucketMap, bucket_of
+from psserver.contract import keys as K
+from psserver.contract.keys import MAX_LAYOUT_BYTES, bucket_of
 from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-
-#: Bytes of a table's layout a move may give (served by Info as it is).
-MAX_LAYOUT_BYTES = 256 << 10   # (any bucket map: 4,096 runs and addresses)
 
 
 def parse_layout(epoch: int, layout: str) -> np.ndarray:
-    """The owner of each bucket in ``layout`` (JSON {"epoch", "addresses",
-    "buckets"}, of epoch ``epoch``); InvalidArgument for anything else."""
+    """The owner of each bucket in ``layout`` (psserver.contract.keys
+    layout_json's text, of epoch ``epoch``); InvalidArgument for anything else."""
     if not 0 <= epoch < 1 << 62:
         raise InvalidArgument(f"a move's layout epoch is in [0, 2**62), got {epoch}")
     if len(layout.encode()) > MAX_LAYOUT_BYTES:
         raise InvalidArgument(f"a move's layout takes at most {MAX_LAYOUT_BYTES} bytes")
-    try:
-        d = json.loads(layout)
-        addresses, ranges = d["addresses"], d["buckets"]
-        if type(d["epoch"]) is not int or d["epoch"] != epoch or \
-                not isinstance(addresses, list) or not 0 < len(addresses) <= BUCKETS or \
-                not all(isinstance(a, str) and a for a in addresses):
-            raise ValueError
-        return BucketMap.from_ranges(ranges, len(addresses)).owner
-    except Exception:   # (any malformed JSON, deep nesting, huge numbers: refused)
-        raise InvalidArgument(f"a layout is JSON {{\"epoch\": {epoch}, \"addresses\": [host:port "
-                              "...], \"buckets\": [[first, end, shard] ...]} with a bucket map "
-                              "over its addresses") from None
+    got, _, buckets = K.parse_layout(layout)
+    if got != epoch:
+        raise InvalidArgument(f"a layout is JSON of the move's epoch {epoch}, got epoch {got}")
+    return buckets.owner
 
 
 def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
