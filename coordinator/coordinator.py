@@ -285,7 +285,6 @@ class ClusterCoordinator:
             elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
             moves = self.strategy.add_parameter_server(address)
             self._cluster.forget_function_refs()   # closures carry the new layout from now on
-            elastic.settle(self.strategy.tables, quiet=True)
         return moves
 
     def remove_parameter_server(self, address: str, timeout: float | None = 300.0) -> list:
@@ -302,7 +301,6 @@ class ClusterCoordinator:
             elastic.settle(self.strategy.tables)
             moves = self.strategy.remove_parameter_server(address)
             self._cluster.forget_function_refs()
-            elastic.settle(self.strategy.tables, quiet=True)
         return moves
 
     def join(self, timeout: float | None = None) -> None:

@@ -192,11 +192,11 @@ def drain_table(table, address: str) -> TableMove:
     owner = old.owner.astype(np.int64)
     renumbered = np.where(np.arange(old.num_shards) > j, np.arange(old.num_shards) - 1,
                           np.arange(old.num_shards))
-    gets = [d for d in range(old.num_shards) if d != j and (
-        (old.owner == j) & (final.owner == renumbered[d])).any()]
+    gets = [(d, (old.owner == j) & (final.owner == renumbered[d]))
+            for d in range(old.num_shards) if d != j]
+    gets = [(d, mask) for d, mask in gets if mask.any()]
     steps = []
-    for i, d in enumerate(gets):
-        mask = (old.owner == j) & (final.owner == renumbered[d])
+    for i, (d, mask) in enumerate(gets):
         owner = np.where(mask, d, owner)
         last = i == len(gets) - 1
         steps.append((address, table.addresses[d], mask, None, parts[renumbered[d]] or None,
@@ -315,17 +315,11 @@ def _after_failure(table, cleanup) -> None:
         log.warning("table %r: after a failed move, %s: %s", table.name, type(exc).__name__, exc)
 
 
-def settle(tables, quiet: bool = False) -> None:
+def settle(tables) -> None:
     """Every shard of each table that moves laid out told its place again
-    (serve_layout): before an add or a drain (an earlier one may have
-    failed before it told them, leaving stray rows), and after it
-    (``quiet``: a server that does not answer is logged, not raised: the
-    moves are done)."""
+    (serve_layout), before an add or a drain: an earlier one may have failed
+    before it told them, leaving stray rows. (Each move's own ``_run`` tells
+    its table's shards after it.)"""
     for table in tables:
         if table.layout_epoch:
-            try:
-                serve_layout(table)
-            except PSError as exc:
-                if not quiet:
-                    raise
-                log.warning("table %r: telling its shards the layout: %s", table.name, exc)
+            serve_layout(table)

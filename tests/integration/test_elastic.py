@@ -56,6 +56,28 @@ def _job(spec, **kw):
     return strategy, counter, emb, w
 
 
+def _schedule_epoch(coord, counter, emb, w):
+    """counting_step over an exactly-once sharded dataset of EXAMPLES ids,
+    every step of its epoch scheduled: (dataset, steps, their RemoteValues)."""
+    ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+        np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+    it = iter(ds)
+    steps = EXAMPLES // BATCH
+    return ds, steps, [coord.schedule(counting_step, args=(counter, emb, w, it))
+                       for _ in range(steps)]
+
+
+def _each_example_once(coord, ds, done, counter, w, steps: int) -> None:
+    """After the epoch: no step failed, each batch trained once, every
+    example's counter exactly 1, and w one update a step."""
+    coord.join(timeout=180)
+    assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
+    assert sorted(i for d in done for i in d.fetch()) == list(range(EXAMPLES))
+    np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False),
+                                  np.ones((EXAMPLES, 1), np.float32))
+    np.testing.assert_array_equal(read_variables([w])[0], [-steps, -steps])
+
+
 def _rows(addresses, name):
     return [ps_pool.client_for(a).table_info(name).rows for a in addresses]
 
@@ -64,22 +86,14 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         strategy, counter, emb, w = _job(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
-                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
-            it = iter(ds)
-            steps = EXAMPLES // BATCH
-            done = [coord.schedule(counting_step, args=(counter, emb, w, it))
-                    for _ in range(steps)]
+            ds, steps, done = _schedule_epoch(coord, counter, emb, w)
             done[steps // 5].fetch()   # training: some steps done, the rest queued
             stale = pickle.dumps(emb)   # a description from before the move
             rows_before = {t.name: sum(_rows(t.addresses, t.name)) for t in (counter, emb)}
             added = cluster.add_ps()
             queued, in_flight = coord.pending()
             moves = coord.add_parameter_server(added)
-            coord.join(timeout=180)
-            assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
-            trained = sorted(i for d in done for i in d.fetch())
-            assert trained == list(range(EXAMPLES))   # no step failed, each batch once
+            _each_example_once(coord, ds, done, counter, w, steps)
             assert queued > 0   # (steps sent with the old layout ran after the move)
             # each table: about a third of its buckets and rows went to the new server
             assert [m.table for m in moves] == ["counter", "emb"]
@@ -96,12 +110,8 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
             assert 'pstrain_coordinator_table_moves_total{outcome="done"}' in text
             assert metrics.REGISTRY.get_sample_value(
                 "pstrain_coordinator_table_rows_moved_total") >= sum(m.rows for m in moves) > 0
-            # every example counted exactly once; every emb row as many updates as uses
-            counts = counter.lookup(np.arange(EXAMPLES), admit=False)
-            np.testing.assert_array_equal(counts, np.ones((EXAMPLES, 1), np.float32))
             assert sum(_rows(counter.addresses, "counter")) == EXAMPLES
             assert _rows(emb.addresses, "emb")[2] > 0
-            np.testing.assert_array_equal(read_variables([w])[0], [-steps, -steps])
             # a description from before the move: refused at first, it learns the
             # layout there and reads every row where it is now
             old = pickle.loads(stale)
@@ -347,12 +357,7 @@ def test_a_server_added_and_removed_again_while_workers_train_loses_nothing():
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         strategy, counter, emb, w = _job(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
-                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
-            it = iter(ds)
-            steps = EXAMPLES // BATCH
-            done = [coord.schedule(counting_step, args=(counter, emb, w, it))
-                    for _ in range(steps)]
+            ds, steps, done = _schedule_epoch(coord, counter, emb, w)
             done[steps // 4].fetch()
             added = cluster.add_ps()
             coord.add_parameter_server(added)
@@ -360,20 +365,14 @@ def test_a_server_added_and_removed_again_while_workers_train_loses_nothing():
             done[steps // 2].fetch()
             queued, _ = coord.pending()
             moves = coord.remove_parameter_server(added)
-            coord.join(timeout=180)
+            _each_example_once(coord, ds, done, counter, w, steps)
             assert queued > 0   # (steps ran after the drain)
-            assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
-            assert sorted(i for d in done for i in d.fetch()) == list(range(EXAMPLES))
-            assert strategy.parameter_servers == tuple(a for a in strategy.parameter_servers
-                                                       if a != added)
+            assert added not in strategy.parameter_servers
             assert len(strategy.parameter_servers) == 2
             for m, t in zip(moves, (counter, emb)):
                 assert t.num_shards == 2 and added not in t.addresses and m.kept == 0
                 assert ps_pool.client_for(added).table_info(t.name).rows == 0
                 assert t.layout_epoch == 4   # (two moves in, two out)
-            counts = counter.lookup(np.arange(EXAMPLES), admit=False)
-            np.testing.assert_array_equal(counts, np.ones((EXAMPLES, 1), np.float32))
-            np.testing.assert_array_equal(read_variables([w])[0], [-steps, -steps])
             old = pickle.loads(between)   # (3 shards, the drained server among them)
             keys = np.arange(KEYS, dtype=np.int64)
             np.testing.assert_array_equal(old.lookup(keys, admit=False),
