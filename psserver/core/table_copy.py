@@ -79,7 +79,7 @@ class TableShardCopy(CopyState):
         # a layout that sent other moved-in buckets' keys elsewhere).
         self.receives, self.received_at = 0, None
         self.own: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
-        self._applying: tuple = (0, None)   # (update key, keys) unapplied() let through
+        self._applying: tuple = (0, None)   # (update key, its keys' buckets: unapplied())
         # Fences (table_moves.fence): the epochs of moves made here (the last
         # few) and the highest epoch fenced (a move of it or before refused).
         self.move_epochs: collections.deque = collections.deque(maxlen=64)
@@ -112,10 +112,9 @@ class TableShardCopy(CopyState):
     def remember(self, update_id: int) -> None:
         super().remember(update_id)
         if self.receives and update_id:
-            uid, keys = self._applying
+            uid, b = self._applying
             touched = np.zeros(self.received_at.size, bool)
-            if uid == update_id and keys is not None and keys.size:
-                b = bucket_of(keys)
+            if uid == update_id and b is not None:
                 touched[b[self.received_at[b] > 0]] = True
             had = self.own.get(update_id)
             bits = np.packbits(touched)
@@ -148,14 +147,7 @@ class TableShardCopy(CopyState):
                 raise NotPrimary(f"table {self.table_name!r}: this shard knows the table's "
                                  f"layout epoch {self.moved_epoch}; rows of a move of epoch "
                                  f"{incoming[1]} came too late and were not taken")
-            if self.moved is not None and keys.size:
-                gone = self.moved[bucket_of(keys)]
-                if incoming is not None:
-                    gone &= ~incoming[0][bucket_of(keys)]
-                if gone.any():
-                    raise NotPrimary(f"table {self.table_name!r}: {int(gone.sum())} keys of "
-                                     "this import are of buckets another shard holds; nothing "
-                                     "was imported")
+            self.check_here(keys, but=None if incoming is None else incoming[0])
             return
         if incoming is not None:
             mask, epoch = incoming
@@ -200,12 +192,11 @@ class TableShardCopy(CopyState):
         if self.received_at is None:
             out = [(mask, list(self.applied))] if self.applied else []
         else:
-            by_cover: dict[bytes, list] = {}
+            by_cover: dict[bytes, tuple] = {}   # (update keys of one cover together)
             for i in self.applied:
                 own = self.own.get(i)
-                by_cover.setdefault(b"" if own is None else own.tobytes(), []).append(i)
-            out = [(mask & self._covered(np.frombuffer(c, np.uint8) if c else None), ids)
-                   for c, ids in by_cover.items()]
+                by_cover.setdefault(b"" if own is None else own.tobytes(), (own, []))[1].append(i)
+            out = [(mask & self._covered(own), ids) for own, ids in by_cover.values()]
             out = [g for g in out if g[0].any()]
         groups: dict[int, tuple[np.ndarray, list]] = {}
         for i, m in self.moved_in.items():
@@ -219,7 +210,9 @@ class TableShardCopy(CopyState):
         caller checked) that it was not applied to yet: check_here's
         refusal first, then keys of buckets whose earlier shard applied
         this update before they moved here are left out (lock held)."""
-        self.check_here(keys)
+        b = bucket_of(keys) if self.moved is not None or self.received_at is not None \
+            or self.moved_in else None   # (only a shard that moves touched)
+        self.check_here(keys, buckets=b)
         if not update_id:
             return keys, grads
         done = self.moved_in.get(update_id) if self.moved_in else None
@@ -227,9 +220,9 @@ class TableShardCopy(CopyState):
             mine = self._covered(self.own.get(update_id))
             done = mine if done is None else done | mine
         if done is not None:
-            keep = ~done[bucket_of(keys)]
-            keys, grads = keys[keep], grads[keep]
-        self._applying = (update_id, keys)   # (remember: the moved-in buckets it touches)
+            keep = ~done[b]
+            keys, grads, b = keys[keep], grads[keep], b[keep]
+        self._applying = (update_id, b)   # (remember: the moved-in buckets it touches)
         return keys, grads
 
     def _covered(self, own: np.ndarray | None) -> np.ndarray:
@@ -240,13 +233,17 @@ class TableShardCopy(CopyState):
             out |= np.unpackbits(own)[:out.size].astype(bool)
         return out
 
-    def check_here(self, keys: np.ndarray) -> None:
+    def check_here(self, keys: np.ndarray, buckets: np.ndarray | None = None,
+                   but: np.ndarray | None = None) -> None:
         """NotPrimary (lock held; nothing changed) if one of ``keys``
-        is of a bucket this shard handed to another server: the caller's
+        is of a bucket this shard handed to another server, or another holds
+        (``but`` those: an import that brings them): the caller's
         description of the table is older than the move, and a row served or
-        made here would be a wrong one."""
+        made here would be a wrong one. ``buckets``: the keys' (bucket_of),
+        if the caller has them."""
         if self.moved is not None and keys.size:
-            gone = self.moved[bucket_of(keys.reshape(-1))]
+            b = bucket_of(keys.reshape(-1)) if buckets is None else buckets
+            gone = self.moved[b] if but is None else self.moved[b] & ~but[b]
             if gone.any():
                 raise NotPrimary(
                     f"table {self.table_name!r}: {int(gone.sum())} of these keys are of "
