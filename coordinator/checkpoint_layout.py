@@ -180,9 +180,7 @@ def tables_from_listing(listing: Mapping[str, Sequence[Any]], ps: Sequence[str])
             dim, dtype, optimizer = next(iter(specs.values()))
             # After servers were added, the layout the last move left (its
             # servers in its order, its bucket map), as the servers serve it
-            moved = [lay for a in ps for t in listing[a] if t.name == name
-                     for lay in [layouts.parse(t.layout)] if lay is not None]
-            last = max(moved, key=lambda lay: lay.epoch, default=None)
+            last = layouts.newest(t for a in ps for t in listing[a] if t.name == name)
             if last is not None and sorted(last.addresses) != sorted(ps):
                 problems.append(f"dynamic table {name!r} is laid out over {last.addresses}, "
                                 f"not the cluster's parameter servers {list(ps)}")

@@ -152,19 +152,22 @@ def check_remove(strategy, address: str) -> None:
 
 def move_table(table, address: str, creation: dict) -> TableMove:
     """Give the server at ``address`` its share of ``table`` (see the module):
-    its shard made there (``creation``: create_table's keywords, the
-    capacity its part), then each source's buckets moved in turn, the
-    table's description brought to each layout as it is made."""
+    its shard made there (``creation``: create_table's keywords, updated in
+    place with the capacity part it gets and, for a server drained before,
+    whose shard is taken back, that shard's seed), then each source's
+    buckets moved in turn, the table's description brought to each layout
+    as it is made."""
     old = table.buckets
     n = old.num_shards
     final = plan_add(old)
     parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
     client = ps_pool.client_for(address)
-    try:   # (a server drained before keeps its shard: taken back, with its seed)
-        creation = dict(creation, seed=int(client.table_info(table.name).spec.seed))
+    creation["capacity"] = parts[n]
+    try:
+        creation["seed"] = int(client.table_info(table.name).spec.seed)
     except NotFound:
         pass
-    client.create_table(table.name, table.dim, exist_ok=True, **dict(creation, capacity=parts[n]))
+    client.create_table(table.name, table.dim, exist_ok=True, **creation)
     owner = old.owner.astype(np.int64)
     addresses = tuple(table.addresses) + (address,)
     steps = []

@@ -212,7 +212,7 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
     deletes the shards (and backups) it made."""
     made = []   # indices of the shards this call made
     held = []   # each shard's capacity as its server has it
-    served = []   # the layouts adopted shards serve (servers were added: coordinator/elastic.py)
+    infos = []   # (their layouts: servers were added or drained, coordinator/elastic.py)
     try:
         for i, (addr, kw) in enumerate(creations):
             try:
@@ -222,15 +222,14 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
                 info = client_for(addr).create_table(table.name, table.dim,
                                                              exist_ok=True, **kw)
             held.append(info.spec.capacity)
-            served.append(layouts.parse(info.layout))
+            infos.append(info)
             note_server(addr)   # watched: a restart or a loss is noticed
         if held != parts and (0 in held or sum(held) != table.capacity):
             raise AlreadyExists(
                 f"dynamic table {table.name!r} exists with capacity "
                 f"{0 if 0 in held else sum(held)} over its servers, not {table.capacity}; "
                 "delete it first, or create it with the capacity it has")
-        newest = max((lay for lay in served if lay is not None), key=lambda lay: lay.epoch,
-                     default=None)
+        newest = layouts.newest(infos)
         if newest is not None:   # (a coordinator made again: the table as the moves left it)
             layouts.learn(table, newest)
         if table.replicated:   # each primary copies itself to its backup on the next server

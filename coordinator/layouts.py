@@ -62,6 +62,13 @@ def parse(text: str) -> Layout | None:
         return None
 
 
+def newest(infos) -> Layout | None:
+    """The newest layout a table's shards serve (their TableInfo's; None:
+    none moved buckets, so the table is as created)."""
+    served = [lay for lay in (parse(i.layout) for i in infos) if lay is not None]
+    return max(served, key=lambda lay: lay.epoch, default=None)
+
+
 _lock = threading.Lock()
 _latest: dict[tuple[str, str], Layout] = {}
 
