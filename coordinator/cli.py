@@ -1,6 +1,7 @@
 """The ``coordinator`` command (also ``python -m coordinator``): deployment and operator tools.
 
-    coordinator run [--wait-ready S] [--worker-dns HOST:PORT] SCRIPT [ARGS...]
+    coordinator run [--wait-ready S] [--worker-dns HOST:PORT] [--ps-dns HOST:PORT]
+                    SCRIPT [ARGS...]
         Run a training script as the chief of the cluster in TF_CONFIG /
         TF_CONFIG_FILE, once every parameter server and worker answers the
         gRPC health check.
@@ -60,7 +61,7 @@ import sys
 import tempfile
 from typing import Mapping
 
-from coordinator import evaluation
+from coordinator import evaluation, ps_follow
 from coordinator.checkpoint_files import CheckpointError
 from coordinator.cli_checkpoint import _ckpt_list, _ckpt_restore, _ckpt_save, _export
 from coordinator.cli_ops import (
@@ -90,6 +91,7 @@ from psserver.contract import TOKEN_ENV, join_host_port
 from psserver.errors import Code, PSError
 
 _MODULES = {"ps": "psserver", "worker": "psworker"}
+_PLURAL = {"ps": "parameter servers", "worker": "workers"}
 
 
 # -- worker discovery by DNS (compose --scale, a Kubernetes headless Service) -----------------
@@ -112,32 +114,38 @@ def _config_text(environ: Mapping[str, str]) -> str:
     return environ.get(TF_CONFIG_ENV, "")
 
 
-class WorkerDiscovery(Refreshing):
-    """Keeps a TF_CONFIG file whose workers are the configured ones plus the
-    addresses a DNS name resolves to now; the coordinator re-reads the file,
-    so workers that come and go (``--scale worker=N``) join and leave the job.
-    """
+class SpecDiscovery(Refreshing):
+    """Keeps a TF_CONFIG file whose workers (and parameter servers) are the
+    configured ones plus the addresses a DNS name resolves to now
+    (``targets``: role -> "HOST:PORT"); the coordinator re-reads the file,
+    so workers that come and go (``--scale worker=N``) join and leave the
+    job, and parameter servers found later are added to it (``--ps-dns``:
+    ClusterCoordinator's elastic_servers, coordinator/ps_follow.py)."""
 
-    def __init__(self, target: str, environ: Mapping[str, str], interval: float = 2.0):
-        host, _, port = target.rpartition(":")
-        if not host or not port.isdigit():
-            raise ClusterConfigError(f"--worker-dns wants HOST:PORT, got {target!r}")
-        self.host, self.port = host.strip("[]"), int(port)
+    def __init__(self, targets: Mapping[str, str], environ: Mapping[str, str],
+                 interval: float = 2.0):
+        self.targets = {}
+        for role, target in targets.items():
+            host, _, port = target.rpartition(":")
+            if not host or not port.isdigit():
+                raise ClusterConfigError(f"--{role}-dns wants HOST:PORT, got {target!r}")
+            self.targets[role] = (host.strip("[]"), int(port))
         self._environ = dict(environ)
         TFConfigClusterResolver(environ=self._environ)   # missing or malformed: say so now
         self.path = os.path.join(tempfile.mkdtemp(prefix="pstrain-"), "tf_config.json")
         self._text = None
-        self.start(interval, "WorkerDiscovery")
+        self.start(interval, "SpecDiscovery")
 
     def refresh(self) -> None:
         try:
             cfg = json.loads(_config_text(self._environ))
             cluster = cfg["cluster"]
-            listed = list(cluster.get("worker", []))
+            listed = {role: list(cluster.get(role, [])) for role in self.targets}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return   # a file being rewritten: keep the last good one
-        cluster["worker"] = listed + [a for a in resolve_workers(self.host, self.port)
-                                      if a not in listed]
+        for role, (host, port) in self.targets.items():
+            cluster[role] = listed[role] + [a for a in resolve_workers(host, port)
+                                            if a not in listed[role]]
         text = json.dumps(cfg)
         if text != self._text:
             tmp = f"{self.path}.tmp"
@@ -145,7 +153,9 @@ class WorkerDiscovery(Refreshing):
                 f.write(text)
             os.replace(tmp, self.path)
             self._text = text
-            print(f"coordinator: workers now {cluster['worker']}", file=sys.stderr, flush=True)
+            for role in self.targets:
+                print(f"coordinator: {_PLURAL[role]} now {cluster[role]}", file=sys.stderr,
+                      flush=True)
 
     def stop(self) -> None:
         super().stop()
@@ -180,14 +190,20 @@ def _run(args) -> int:
     discovery = None
     try:
         try:
-            if args.worker_dns:
-                discovery = WorkerDiscovery(args.worker_dns, os.environ)
+            targets = {role: t for role, t in (("worker", args.worker_dns),
+                                               ("ps", args.ps_dns)) if t}
+            if targets:
+                discovery = SpecDiscovery(targets, os.environ)
                 os.environ[TF_CONFIG_FILE_ENV] = discovery.path
+            if args.ps_dns:   # the script's ClusterCoordinator adds the servers found later
+                os.environ.setdefault(ps_follow.ELASTIC_ENV, "1")
             resolver = TFConfigClusterResolver()
             spec, task = resolver.cluster_spec(), resolver.task()
             if not spec.ps:
-                raise ClusterConfigError('the cluster has no parameter servers: add "ps" '
-                                         "addresses to TF_CONFIG")
+                raise ClusterConfigError(
+                    'the cluster has no parameter servers: add "ps" addresses to TF_CONFIG'
+                    + (f" (--ps-dns {args.ps_dns} resolves to nothing yet)" if args.ps_dns
+                       else ", or pass --ps-dns SERVICE:PORT"))
             if task is not None and task.type != "chief":
                 raise ClusterConfigError(
                     f"TF_CONFIG's task is {task.type}:{task.index}, but `coordinator run` is "
@@ -326,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--worker-dns", metavar="HOST:PORT",
                    help="also use as workers every address HOST resolves to, looked up again "
                         "every 2s (docker compose --scale, a headless Service)")
+    r.add_argument("--ps-dns", metavar="HOST:PORT",
+                   help="also use as parameter servers every address HOST resolves to, "
+                        "looked up again every 2s; the script's ClusterCoordinator adds "
+                        "those found later to the running job and drains those that go "
+                        f"while they answer (sets {ps_follow.ELASTIC_ENV}=1)")
     r.add_argument("script", help="the training script, run as __main__")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
-from coordinator import elastic
+from coordinator import elastic, ps_follow, ps_pool
 from coordinator import metrics as _metrics
 from coordinator.closures import (  # noqa: F401  (re-exported)
     ABANDONED,
@@ -107,6 +107,10 @@ class ClusterCoordinator:
         identity: one that restarted (or stopped answering) is recovered even
         while no step has failed on it yet (steps resend their calls
         meanwhile, see coordinator.variables).
+      elastic_servers: follow the cluster spec's parameter servers as its
+        workers are followed: add each server it gains and drain each it
+        loses, between steps (coordinator/ps_follow.py). None: on if
+        ``PSTRAIN_ELASTIC_SERVERS=1`` (``coordinator run --ps-dns`` sets it).
       closures_per_worker: k, closures each worker runs at once, 1 to 3
         (async mode only). 1, as TensorFlow's ClusterCoordinator: a worker
         runs one closure, then gets the next. With 2, a worker computes one
@@ -130,7 +134,8 @@ class ClusterCoordinator:
                  closure_timeout: float | None = None, membership_interval: float = 1.0,
                  checkpoint_manager=None, ps_recovery_timeout: float = 300.0,
                  recreate_lost_shards: bool = False, ps_failover_after: float = 3.0,
-                 ps_check_interval: float = 1.0, closures_per_worker: int = 1):
+                 ps_check_interval: float = 1.0, closures_per_worker: int = 1,
+                 elastic_servers: bool | None = None):
         self._cluster = Cluster(
             strategy, closure_timeout=closure_timeout, membership_interval=membership_interval,
             checkpoint_manager=checkpoint_manager, ps_recovery_timeout=ps_recovery_timeout,
@@ -140,6 +145,9 @@ class ClusterCoordinator:
         if strategy.mode == "allreduce":   # (checkpoints take the replicas through it)
             strategy.replicas_from = weakref.ref(self)
         _metrics.track(self._cluster)   # the gauges; serves metrics if $PSTRAIN_METRICS_PORT says
+        self._follower = ps_follow.ServerFollower(
+            strategy, self.add_parameter_server, self.remove_parameter_server,
+            membership_interval).start() if ps_follow.wanted(elastic_servers) else None
 
     #: The arguments, as given (read and written on the Cluster, which uses them).
     strategy = _setting("strategy")
@@ -281,6 +289,8 @@ class ClusterCoordinator:
         the job has; coordinator/elastic.py says what moves and what a
         failure part-way leaves."""
         elastic.check_add(self.strategy, address)
+        # (before the steps wait: one that does not answer holds nothing up)
+        ps_pool.client_for(address).server_info(timeout=self.strategy.connect_timeout)
         with self._cluster.between_steps(timeout):
             elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
             moves = self.strategy.add_parameter_server(address)
@@ -377,6 +387,8 @@ class ClusterCoordinator:
         ``abort``: then their calls are cut off (their closures end
         CANCELLED, not re-queued), and the coordinator does not wait for
         steps that may be retrying against a lost server."""
+        if self._follower is not None:
+            self._follower.stop()
         self._cluster.stop(abort=abort)
 
     def __enter__(self) -> "ClusterCoordinator":

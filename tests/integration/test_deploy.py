@@ -472,7 +472,7 @@ def test_resolve_workers_and_discovery_file(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "resolve_workers",
                         lambda host, port: ["10.0.0.3:2222", "10.0.0.2:2222"])
     env = {"TF_CONFIG": json.dumps({"cluster": {"ps": ["ps0:2222"], "worker": ["10.0.0.2:2222"]}})}
-    d = cli.WorkerDiscovery("worker:2222", env, interval=60)
+    d = cli.SpecDiscovery({"worker": "worker:2222"}, env, interval=60)
     try:
         with open(d.path) as f:
             assert json.load(f)["cluster"] == {"ps": ["ps0:2222"],
@@ -480,9 +480,9 @@ def test_resolve_workers_and_discovery_file(tmp_path, monkeypatch):
     finally:
         d.stop()
     with pytest.raises(ClusterConfigError, match="HOST:PORT"):
-        cli.WorkerDiscovery("worker", env)
+        cli.SpecDiscovery({"worker": "worker"}, env)
     with pytest.raises(ClusterConfigError, match="no cluster description"):
-        cli.WorkerDiscovery("worker:2222", {})
+        cli.SpecDiscovery({"worker": "worker:2222"}, {})
 
 
 # -- coordinator run: errors a person can act on ------------------------------------------
@@ -522,6 +522,31 @@ def test_run_names_the_tasks_that_do_not_come_up(monkeypatch, capsys, script, st
     err = capsys.readouterr().err
     assert f"ps 0 at {ps.address} is serving" in err
     assert f"worker 0 at {dead}: UNAVAILABLE" in err and "--wait-ready" in err
+
+
+@pytest.mark.timeout(30)
+def test_run_with_ps_dns_finds_the_servers_and_has_the_job_follow_them(
+        monkeypatch, capsys, tmp_path, start_ps):
+    """``--ps-dns``: the servers a name resolves to are the script's parameter
+    servers (looked up again: those found later join), and the script's
+    ClusterCoordinator follows them (PSTRAIN_ELASTIC_SERVERS=1)."""
+    ps = start_ps()
+    port = ps.address.rsplit(":", 1)[1]
+    path = tmp_path / "show.py"
+    path.write_text("import json, os\n"
+                    "print('ELASTIC', os.environ.get('PSTRAIN_ELASTIC_SERVERS'))\n"
+                    "print('PS', json.load(open(os.environ['TF_CONFIG_FILE']))['cluster']['ps'])\n")
+    monkeypatch.delenv("TF_CONFIG_FILE", raising=False)
+    monkeypatch.delenv("PSTRAIN_ELASTIC_SERVERS", raising=False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {}}))
+    assert cli.main(["run", "--wait-ready", "0", "--ps-dns", f"localhost:{port}",
+                     str(path)]) == 0
+    out = capsys.readouterr()
+    assert "ELASTIC 1" in out.out and f"PS ['127.0.0.1:{port}']" in out.out
+    assert f"parameter servers now ['127.0.0.1:{port}']" in out.err
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {}}))
+    assert cli.main(["run", "--wait-ready", "0", "--ps-dns", "localhost", str(path)]) == 2
+    assert "--ps-dns wants HOST:PORT" in capsys.readouterr().err
 
 
 # -- coordinator health, against real tasks --------------------------------------------------

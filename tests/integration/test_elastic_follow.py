@@ -1,0 +1,114 @@
+"""Parameter servers that follow the cluster spec (coordinator/ps_follow.py),
+on real processes and a real TF_CONFIG file, as a ConfigMap or
+``coordinator run --ps-dns`` gives it: a server the file gains is added and
+one it loses is drained while workers train, every example counted exactly
+once; a server that does not answer pauses nothing and is added once it
+answers; a drain that is refused changes nothing and is not tried again."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+
+import pytest
+
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    ps_pool,
+)
+from coordinator.cluster_spec import TFConfigClusterResolver
+from psserver.contract import TOKEN_ENV
+from tests.integration.test_elastic import (
+    _each_example_once,
+    _job,
+    _rows,
+    _schedule_epoch,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _write(path, ps, worker) -> None:
+    """The cluster file rewritten as a deployment does it (whole, then renamed)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"cluster": {"ps": list(ps), "worker": list(worker)}}))
+    tmp.replace(path)
+
+
+def _until(what, timeout: float = 60.0) -> None:
+    """Wait for ``what()`` (the follower acts on its own thread), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "the follower did not act in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def file_cluster(tmp_path, monkeypatch):
+    """(LocalCluster of 2 ps and 2 workers, its spec's file, a resolver reading it)."""
+    with LocalCluster(num_ps=2, num_workers=2, tls=False) as cluster:
+        monkeypatch.setenv(TOKEN_ENV, cluster.token)
+        spec = cluster.spec.cluster_spec()
+        path = tmp_path / "tf_config.json"
+        _write(path, spec.ps, spec.worker)
+        yield cluster, path, TFConfigClusterResolver(str(path))
+
+
+def test_a_server_the_file_gains_is_added_and_one_it_loses_drained_while_workers_train(
+        file_cluster):
+    cluster, path, resolver = file_cluster
+    ps, workers = list(resolver.cluster_spec().ps), list(resolver.cluster_spec().worker)
+    strategy, counter, emb, w = _job(resolver)
+    with ClusterCoordinator(strategy, elastic_servers=True, membership_interval=0.2) as coord:
+        ds, steps, done = _schedule_epoch(coord, counter, emb, w)
+        done[steps // 4].fetch()
+        added = cluster.add_ps()
+        _write(path, ps + [added], workers)   # (the ConfigMap lists the new pod)
+        _until(lambda: emb.num_shards == 3 and counter.num_shards == 3)
+        assert strategy.parameter_servers == (*ps, added)
+        assert _rows([added], "counter")[0] > 0 and _rows([added], "emb")[0] > 0
+        done[steps // 2].fetch()
+        queued, _ = coord.pending()
+        _write(path, ps, workers)   # (and no longer lists it: drained)
+        _until(lambda: added not in strategy.parameter_servers)
+        _each_example_once(coord, ds, done, counter, w, steps)
+        assert queued > 0   # (steps ran after the drain)
+        for t in (counter, emb):
+            assert t.num_shards == 2 and added not in t.addresses
+            assert ps_pool.client_for(added).table_info(t.name).rows == 0
+        assert coord._follower.pending == {}
+
+
+def test_a_server_that_does_not_answer_pauses_nothing_and_a_refused_drain_is_not_retried(
+        file_cluster, caplog):
+    closed_port = socket.socket()
+    closed_port.bind(("127.0.0.1", 0))
+    cluster, path, resolver = file_cluster
+    ps, workers = list(resolver.cluster_spec().ps), list(resolver.cluster_spec().worker)
+    strategy, counter, emb, w = _job(resolver)
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    with ClusterCoordinator(strategy, elastic_servers=True, membership_interval=0.1) as coord:
+        follower = coord._follower
+        # listed before its process serves (a pod's DNS name comes first): a port
+        # bound here and not listening refuses every connection
+        silent = f"127.0.0.1:{closed_port.getsockname()[1]}"
+        _write(path, ps + [silent], workers)
+        _until(lambda: follower.pending.get(silent) == "add" and "does not answer" in caplog.text)
+        # steps go on meanwhile (no between-steps pause held for it)
+        ds, steps, done = _schedule_epoch(coord, counter, emb, w)
+        done[steps // 8].fetch()
+        assert silent not in strategy.parameter_servers and emb.num_shards == 2
+        assert caplog.text.count("does not answer") == 1   # (once per outage)
+        # server 0 left the file: it holds variable shards, so the drain is refused,
+        # once, nothing changed, and not tried again while the file says the same
+        _write(path, [ps[1], silent], workers)
+        _until(lambda: "draining it was refused" in caplog.text and ps[0] not in follower.pending)
+        assert strategy.parameter_servers == tuple(ps) and emb.num_shards == 2
+        _each_example_once(coord, ds, done, counter, w, steps)
+        looks = follower.looks
+        _until(lambda: follower.looks >= looks + 5)   # none of them tries the drain again
+        assert caplog.text.count("draining it was refused") == 1
+        assert follower.pending == {silent: "add"}
+    closed_port.close()
