@@ -28,6 +28,7 @@ from coordinator.cluster_spec import (
 from protos.pstrain.v1 import worker_pb2
 from psserver.client import PSClient
 from psserver.contract import BACKUP_PREFIX, TOKEN_ENV, TOKEN_METADATA_KEY
+from psserver.contract.keys import parse_layout
 from psserver.errors import Code, PSError
 from psserver.link import methods
 from psserver.link.channel import TaskChannel
@@ -303,10 +304,26 @@ def _table_rows(target: Target) -> list[tuple[list | None, str | None]]:
             return [{"name": t.name, "table": t.name.removeprefix(BACKUP_PREFIX),
                      "copy": "backup" if t.name.startswith(BACKUP_PREFIX) else "primary",
                      "rows": t.rows, "dim": t.spec.dim, "dtype": t.spec.dtype or "float32",
-                     "step": t.step, "optimizer": t.spec.optimizer.name, "bytes": t.bytes}
+                     "step": t.step, "optimizer": t.spec.optimizer.name, "bytes": t.bytes,
+                     **_moved(t.layout, address)}
                     for t in c.list_tables()]
     return [(rows, None if exc is None else _explain_error(target, f"ps {i}", addr, exc))
             for i, (addr, (rows, exc)) in enumerate(zip(target.ps, _fan_out(one, target.ps)))]
+
+
+def _moved(layout: str, address: str) -> dict:
+    """A table shard's place in its table's layout after buckets moved
+    (coordinator/elastic.py): {"layout_epoch", "buckets": of the 4,096 it
+    holds (None where the layout names it otherwise)}; both None if none moved."""
+    if not layout:
+        return {"layout_epoch": None, "buckets": None}
+    try:
+        epoch, addresses, buckets = parse_layout(layout)
+    except PSError:
+        return {"layout_epoch": None, "buckets": None}
+    held = int((buckets.owner == addresses.index(address)).sum()) \
+        if address in addresses else None
+    return {"layout_epoch": epoch, "buckets": held}
 
 
 def _listing_or_fail(target: Target) -> dict[str, list]:
@@ -319,6 +336,14 @@ def _listing_or_fail(target: Target) -> dict[str, list]:
 
 
 # -- formatting ---------------------------------------------------------------------------------
+def _buckets(t: dict) -> str:
+    """ps list's BUCKETS cell: "-" (none moved: an even share), "N (layout E)"
+    after moves, "? (layout E)" where the layout names this server otherwise."""
+    if t["layout_epoch"] is None:
+        return "-"
+    return f"{'?' if t['buckets'] is None else t['buckets']} (layout {t['layout_epoch']})"
+
+
 def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
@@ -422,9 +447,10 @@ def _ps_list(args) -> int:
             if s["tables"]:
                 print(_table(
                     ["TABLE SHARD", "TABLE", "COPY", "ROWS", "DIM", "DTYPE", "STEP", "OPTIMIZER",
-                     "BYTES"],
+                     "BYTES", "BUCKETS"],
                     [[t["name"], t["table"], t["copy"], t["rows"], t["dim"], t["dtype"],
-                      t["step"], t["optimizer"], human_bytes(t["bytes"])] for t in s["tables"]],
+                      t["step"], t["optimizer"], human_bytes(t["bytes"]), _buckets(t)]
+                     for t in s["tables"]],
                     right={3, 4, 6, 8}, indent="  "))
             t = s["total"]
             print(f"  total: {t['variables']} variable(s), {t['tables']} table shard(s) of "

@@ -59,6 +59,7 @@ class ServerFollower:
         self.interval, self.probe_seconds = interval, probe_seconds
         self.pending: dict[str, str] = {}
         self.looks = 0   # looks at the spec so far
+        self.done: list[tuple[str, str]] = []   # (what, address) of each add and drain made
         self._seen: list[str] | None = None
         self._told: dict[str, str] = {}   # address -> the last thing logged of it
         self._stop = threading.Event()
@@ -142,6 +143,7 @@ class ServerFollower:
             return
         self.pending.pop(address)
         self._told.pop(address, None)
+        self.done.append((what, address))
         rows = sum(m.rows for m in moves)
         log.warning("parameter server %s %s (the cluster spec %s it): %d table(s), %d rows "
                     "moved in %.2fs%s", address, "added" if what == "add" else "drained",

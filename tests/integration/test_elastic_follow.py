@@ -16,6 +16,7 @@ import pytest
 from coordinator import (
     ClusterCoordinator,
     LocalCluster,
+    cli,
     ps_pool,
 )
 from coordinator.cluster_spec import TFConfigClusterResolver
@@ -57,7 +58,7 @@ def file_cluster(tmp_path, monkeypatch):
 
 
 def test_a_server_the_file_gains_is_added_and_one_it_loses_drained_while_workers_train(
-        file_cluster):
+        file_cluster, monkeypatch, capsys):
     cluster, path, resolver = file_cluster
     ps, workers = list(resolver.cluster_spec().ps), list(resolver.cluster_spec().worker)
     strategy, counter, emb, w = _job(resolver)
@@ -66,13 +67,26 @@ def test_a_server_the_file_gains_is_added_and_one_it_loses_drained_while_workers
         done[steps // 4].fetch()
         added = cluster.add_ps()
         _write(path, ps + [added], workers)   # (the ConfigMap lists the new pod)
-        _until(lambda: emb.num_shards == 3 and counter.num_shards == 3)
+        _until(lambda: ("add", added) in coord._follower.done)
+        assert emb.num_shards == 3 and counter.num_shards == 3
         assert strategy.parameter_servers == (*ps, added)
         assert _rows([added], "counter")[0] > 0 and _rows([added], "emb")[0] > 0
+        # coordinator ps list: each server's share of each table's buckets now
+        monkeypatch.setenv("TF_CONFIG_FILE", str(path))
+        capsys.readouterr()
+        assert cli.main(["ps", "list", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)["servers"]
+        for name in ("counter", "emb"):
+            shards = [t for s in listed for t in s["tables"] if t["table"] == name]
+            assert len(shards) == 3 and sum(t["buckets"] for t in shards) == 4096
+            assert abs(shards[2]["buckets"] - 4096 // 3) <= 1
+            assert {t["layout_epoch"] for t in shards} == {2}
+        assert cli.main(["ps", "list"]) == 0
+        assert f"{shards[2]['buckets']} (layout 2)" in capsys.readouterr().out
         done[steps // 2].fetch()
         queued, _ = coord.pending()
         _write(path, ps, workers)   # (and no longer lists it: drained)
-        _until(lambda: added not in strategy.parameter_servers)
+        _until(lambda: ("remove", added) in coord._follower.done)
         _each_example_once(coord, ds, done, counter, w, steps)
         assert queued > 0   # (steps ran after the drain)
         for t in (counter, emb):
