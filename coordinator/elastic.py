@@ -150,6 +150,17 @@ def check_remove(strategy, address: str) -> None:
     _check_mode(strategy, "removing")
 
 
+def creation_now(table, address: str, creation: dict) -> dict:
+    """``creation`` (create_table's keywords for ``table``'s shard on
+    ``address``) with the capacity part that shard has as the table's
+    buckets are spread now (moves change the parts; recovery recreates a
+    lost shard with this)."""
+    if not table.capacity or address not in table.addresses:
+        return creation
+    parts = split_capacity(table.capacity, table.buckets.counts())
+    return dict(creation, capacity=parts[table.addresses.index(address)])
+
+
 def move_table(table, address: str, creation: dict) -> TableMove:
     """Give the server at ``address`` its share of ``table`` (see the module):
     its shard made there (``creation``: create_table's keywords, updated in

@@ -545,9 +545,10 @@ class ParameterServerStrategy:
         """Create again, empty, the table shards on ``addr`` (a restore fills them)."""
         for name in self.tables_on(addr):
             dim, creations = self._table_creation[name]
-            for a, kw in creations:
+            for a, kw in creations:   # (its capacity part: as the buckets are spread now)
                 if a == addr:
-                    ps_pool.client_for(addr).create_table(name, dim, exist_ok=True, **kw)
+                    ps_pool.client_for(addr).create_table(
+                        name, dim, exist_ok=True, **elastic.creation_now(self._tables[name], a, kw))
             if self._tables[name].layout_epoch:   # (its place in a layout moves made)
                 elastic.serve_layout(self._tables[name])
 
