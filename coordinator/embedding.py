@@ -224,13 +224,16 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
             held.append(info.spec.capacity)
             infos.append(info)
             note_server(addr)   # watched: a restart or a loss is noticed
-        if held != parts and (0 in held or sum(held) != table.capacity):
+        newest = layouts.newest(infos)
+        if newest is not None:   # (a coordinator made again: the table as the moves left it)
+            held = _held_by(table, newest, creations, held, note_server)
+        if not (held == parts or (0 not in held and sum(held) == table.capacity)
+                or not (table.capacity or any(held))):   # (0: no limit, on every shard)
             raise AlreadyExists(
                 f"dynamic table {table.name!r} exists with capacity "
                 f"{0 if 0 in held else sum(held)} over its servers, not {table.capacity}; "
                 "delete it first, or create it with the capacity it has")
-        newest = layouts.newest(infos)
-        if newest is not None:   # (a coordinator made again: the table as the moves left it)
+        if newest is not None:
             layouts.learn(table, newest)
         if table.replicated:   # each primary copies itself to its backup on the next server
             for c, b in zip(table.shards, table.backups):
@@ -248,3 +251,22 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
                 except PSError:
                     pass
         raise
+
+
+def _held_by(table: DynamicEmbedding, layout, creations: list, held: list,
+             note_server) -> list:
+    """The capacities of the shards ``layout`` names (a table servers were
+    added to or drained from: coordinator/elastic.py), in its order: those
+    of ``creations`` (``held``: each one's), and those of servers only the
+    layout names (the cluster spec was not changed with the moves), whose
+    creation is added to ``creations`` (recovery recreates them as the
+    others) and which ``note_server`` is told (watched)."""
+    have = {a: h for (a, _), h in zip(creations, held)}
+    for address in layout.addresses:
+        if address not in have:
+            spec = client_for(address).table_info(table.name).spec
+            have[address] = spec.capacity
+            creations.append((address, dict(creations[-1][1], capacity=spec.capacity,
+                                            seed=int(spec.seed))))
+            note_server(address)
+    return [have[a] for a in layout.addresses]

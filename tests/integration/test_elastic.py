@@ -411,3 +411,33 @@ def test_a_server_recreated_after_an_add_gets_its_capacity_part_as_the_buckets_a
             coord.join(timeout=60)
             assert ps_pool.client_for(t.addresses[0]).table_info("cap").spec.capacity == parts[0]
             assert t.lookup(np.arange(2000, dtype=np.int64), admit=False).shape == (2000, 2)
+
+
+@pytest.mark.parametrize("spec_lists", ["the-original-two", "a-drained-one-too"])
+def test_a_coordinator_made_again_adopts_a_table_with_a_capacity_whatever_its_spec_lists(
+        spec_lists):
+    """A coordinator made again after an add and a drain made by the API (its
+    cluster spec not changed): the table with a capacity is adopted as the
+    moves left it (its capacity summed over the servers its layout names),
+    and a server only the layout names is watched and recreated as the others."""
+    from coordinator.cluster_spec import ClusterSpec
+    args = dict(initializer="zeros", optimizer="sgd", optimizer_params=SGD1, capacity=9000)
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        full = cluster.spec.cluster_spec()
+        first = ClusterSpec(ps=full.ps[:2], worker=full.worker, token=full.token, tls=full.tls)
+        strategy = ParameterServerStrategy(first)
+        emb = strategy.create_embedding_table("emb", 2, **args)
+        keys = np.arange(6000, dtype=np.int64)
+        with ClusterCoordinator(strategy) as coord:
+            emb.lookup(keys)
+            coord.add_parameter_server(full.ps[2])
+            if spec_lists == "a-drained-one-too":
+                coord.remove_parameter_server(full.ps[1])
+            emb.push_gradient(keys, np.ones((keys.size, 2), np.float32))
+        spec = full if spec_lists == "a-drained-one-too" else first
+        again = ParameterServerStrategy(spec)
+        emb2 = again.create_embedding_table("emb", 2, **args)
+        assert (emb2.layout_epoch, emb2.buckets, emb2.addresses) == \
+            (emb.layout_epoch, emb.buckets, emb.addresses)
+        np.testing.assert_array_equal(emb2.lookup(keys, admit=False)[:, 0], -1.0)
+        assert "emb" in again.tables_on(full.ps[2]) and full.ps[2] in again.server_ids
