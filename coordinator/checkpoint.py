@@ -359,6 +359,9 @@ class CheckpointManager:
         if mirrored:   # onto every worker's replicas
             coord.set_replicas({v.name: (state["value"], state["slots"], state["version"])
                                 for v, state in zip(mirrored, loaded)}, mirrored)
+            # steps go on from the replicas' update count (batches chosen by step:
+            # not those of the steps before again)
+            self.strategy.allreduce_steps.at_least(max(int(s["version"]) for s in loaded))
         if address is None:   # the servers hold that checkpoint now: the next save is a base
             self._force_full = True
         return out

@@ -37,7 +37,6 @@ of its own.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import threading
 from typing import Mapping, Sequence
 
@@ -108,7 +107,27 @@ def configure(strategy, spec, num_replicas, backup_workers) -> None:
                          f"may take, from 0 (no limit: {MAX_STEP_SECONDS:.0f}) to "
                          f"{MAX_STEP_SECONDS:.0f}; got {strategy.step_timeout}")
     strategy.num_replicas = len(spec.worker)
-    strategy.allreduce_steps = itertools.count()   # steps numbered across coordinators
+    strategy.allreduce_steps = StepNumbers()   # steps numbered across coordinators
+
+
+class StepNumbers:
+    """All-reduce mode's step numbers (``next()``), on the strategy, so a
+    second coordinator goes on numbering and batches chosen by step do not
+    repeat; ``at_least(n)`` moves the next one up to ``n`` (a checkpoint
+    restored into a new strategy: its replicas' update count), never down
+    (the numbers name the steps' all-reduce groups)."""
+
+    def __init__(self):
+        self._next, self._lock = 0, threading.Lock()
+
+    def __next__(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next - 1
+
+    def at_least(self, n: int) -> None:
+        with self._lock:
+            self._next = max(self._next, int(n))
 
 
 def create(job: str, name: str, shape, dtype, initial_value, initializer: Initializer | None,

@@ -516,6 +516,9 @@ def test_checkpoints_go_from_allreduce_to_ps_mode_and_back(tmp_path):
                                for k, a in saved[name][1].items())
             coord.schedule(make_step(w2, b2))   # trains on: the replicas agree
             coord.join()
+            # its steps are numbered on from the checkpoint's (batches chosen by step
+            # are not those of steps 0-3 again)
+            assert coord.schedule(step_number).fetch() == 4
 
         ps, wp, bp = job("async")   # into parameter-server mode
         CheckpointManager(ps, str(tmp_path / "ar")).restore(path)
