@@ -383,7 +383,7 @@ class Replicator:
         update keys) is not applied twice."""
         deadline = _deadline_or_default(deadline)
         pairs = list(pairs)
-        _send_all(pairs)
+        send_all(pairs)
         for var, version in pairs:
             with var.lock:
                 while True:
@@ -474,10 +474,12 @@ class Replicator:
                                   "sync_steps in [0, 2**62)")
 
 
-def _send_all(pairs) -> None:
-    """Before waiting for ``pairs``' backups: every backup server's sender is
-    told to send now (records may be queued deferred, Link.add), before any
-    wait can fail and leave them; one server's on this thread (it waits
+def send_all(pairs) -> None:
+    """Before waiting for ``pairs``' backups (or before a call blocks on
+    something else with records of its own queued: a sync step's barrier
+    later in the same call): every backup server's sender is told to send
+    now (records may be queued deferred, Link.add), before any wait can fail
+    and leave them; one server's on this thread (it waits
     anyway: two thread switches saved), the others' on their own threads, so
     the calls to several servers overlap."""
     by_peer: dict[str, Link] = {}

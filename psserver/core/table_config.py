@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Mapping
 
 import numpy as np
 
 from psserver.contract import Initializer
+from psserver.contract.optimizers import make_optimizer
 from psserver.core.variable import check_initializer
 from psserver.errors import InvalidArgument
 
@@ -103,3 +105,47 @@ def check_counts(keys: np.ndarray, counts) -> np.ndarray:
         raise InvalidArgument(f"look-up counts must be integers in [1, 2**31] of the keys' "
                               f"shape {list(keys.shape)}, got {a.dtype} {list(a.shape)}")
     return a.astype(np.int64, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """A table as its creator described it (tables.proto TableSpec): ``given``,
+    its TableConfig fields exactly as sent (unchecked: 0 and "" ask for the
+    defaults, which ``config`` fills in), and the rows' optimizer, so that a
+    shard's spec reads back (TableInfo, its backup's copy, a checkpoint's
+    metadata) as it was sent. ``config`` and ``make_optimizer`` check it
+    (InvalidArgument)."""
+    given: TableConfig
+    optimizer: str = ""
+    optimizer_params: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def config(self) -> TableConfig:
+        """The TableConfig this spec asks for; InvalidArgument saying what is wrong."""
+        given = self.given
+        init = dataclasses.replace(given.initializer, kind=given.initializer.kind or "zeros")
+        check_initializer(init)
+        kind = init.kind
+        dtype = given.dtype or "float32"
+        if dtype in ("float32", "float64"):   # else TableConfig.check names the dtype
+            largest = float(np.finfo(dtype).max)
+            reach = {"constant": abs(init.value),
+                     "random_uniform": max(abs(init.minval), abs(init.maxval)),
+                     "random_normal": abs(init.mean) + 40 * init.stddev,
+                     "truncated_normal": abs(init.mean) + 2 * init.stddev}.get(kind, 0.0)
+            if not reach < largest:
+                raise InvalidArgument(f"initializer {kind} would make values beyond {dtype}'s "
+                                      "range (Inf); give smaller parameters")
+        return dataclasses.replace(
+            given, dtype=dtype, initializer=init, min_count=given.min_count or 1,
+            probability=given.probability or 1.0, policy=given.policy or "lru").check()
+
+    def with_capacity(self, capacity: int) -> "TableSpec":
+        """This spec with another capacity (a shard's part of the table's)."""
+        return dataclasses.replace(self, given=dataclasses.replace(self.given, capacity=capacity))
+
+    def make_optimizer(self):
+        """The optimizer of the table's rows; InvalidArgument for a bad one."""
+        try:
+            return make_optimizer(self.optimizer or "sgd", dict(self.optimizer_params))
+        except ValueError as exc:
+            raise InvalidArgument(f"table optimizer: {exc}") from None

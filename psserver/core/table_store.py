@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,7 +48,6 @@ from psserver.contract import (
 )
 from psserver.contract.checkpoint_format import slot_layout, table_file
 from psserver.contract.keys import check_keys
-from psserver.contract.optimizers import make_optimizer
 from psserver.core import replication as R
 from psserver.core import sync as S
 from psserver.core.bags import check_bags
@@ -56,58 +55,19 @@ from psserver.core.dynamic_table import DynamicTable
 from psserver.core.save_files import write_tensors
 from psserver.core.saving import DELTA, FULL, KIND_NAMES
 from psserver.core.shards import check_name
-from psserver.core.table_config import TableConfig, TableStats, check_counts, row_bytes
+from psserver.core.table_config import (  # noqa: F401 (TableSpec: its name here too)
+    TableConfig,
+    TableSpec,
+    TableStats,
+    check_counts,
+    row_bytes,
+)
 from psserver.core.table_copy import TableShardCopy
-from psserver.core.variable import check_initializer
 from psserver.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
 #: Keys one call may carry (a look-up's reply is keys x dim values: its
 #: reply limit checks that as well).
 MAX_KEYS = 1 << 24
-
-
-@dataclasses.dataclass(frozen=True)
-class TableSpec:
-    """A table as its creator described it (tables.proto TableSpec): ``given``,
-    its TableConfig fields exactly as sent (unchecked: 0 and "" ask for the
-    defaults, which ``config`` fills in), and the rows' optimizer, so that a
-    shard's spec reads back (TableInfo, its backup's copy, a checkpoint's
-    metadata) as it was sent. ``config`` and ``make_optimizer`` check it
-    (InvalidArgument)."""
-    given: TableConfig
-    optimizer: str = ""
-    optimizer_params: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-    def config(self) -> TableConfig:
-        """The TableConfig this spec asks for; InvalidArgument saying what is wrong."""
-        given = self.given
-        init = dataclasses.replace(given.initializer, kind=given.initializer.kind or "zeros")
-        check_initializer(init)
-        kind = init.kind
-        dtype = given.dtype or "float32"
-        if dtype in ("float32", "float64"):   # else TableConfig.check names the dtype
-            largest = float(np.finfo(dtype).max)
-            reach = {"constant": abs(init.value),
-                     "random_uniform": max(abs(init.minval), abs(init.maxval)),
-                     "random_normal": abs(init.mean) + 40 * init.stddev,
-                     "truncated_normal": abs(init.mean) + 2 * init.stddev}.get(kind, 0.0)
-            if not reach < largest:
-                raise InvalidArgument(f"initializer {kind} would make values beyond {dtype}'s "
-                                      "range (Inf); give smaller parameters")
-        return dataclasses.replace(
-            given, dtype=dtype, initializer=init, min_count=given.min_count or 1,
-            probability=given.probability or 1.0, policy=given.policy or "lru").check()
-
-    def with_capacity(self, capacity: int) -> "TableSpec":
-        """This spec with another capacity (a shard's part of the table's)."""
-        return dataclasses.replace(self, given=dataclasses.replace(self.given, capacity=capacity))
-
-    def make_optimizer(self):
-        """The optimizer of the table's rows; InvalidArgument for a bad one."""
-        try:
-            return make_optimizer(self.optimizer or "sgd", dict(self.optimizer_params))
-        except ValueError as exc:
-            raise InvalidArgument(f"table optimizer: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +231,8 @@ class TableStore:
         made, acked = [], []
         with R.sent_on_failure(acked):
             for p in checked:
+                if p[-1].sync_step is not None:   # (it may wait at a barrier: sent first)
+                    R.send_all(acked)
                 rows, version = self._read(p, deadline)
                 made.append(rows)
                 if version is not None:
@@ -370,6 +332,7 @@ class TableStore:
         with R.sent_on_failure(waits):
             for copy, keys, grads, w in checked:
                 if w.sync is not None:
+                    R.send_all(waits)   # (not held until its barrier passes: sent now)
                     done.append(self._update_sync(copy, keys, grads, w.sync, deadline))
                     continue
                 result, version = self._apply(copy, keys, grads, w.update_id)

@@ -258,3 +258,54 @@ def test_a_restarted_server_gets_its_table_copies_back_and_its_primaries_handed_
     assert primaries == list(t.shards)   # handed back: the layout as created
     for version_p, version_b, rows_p, rows_b in copies:
         assert version_p == version_b and _same(rows_p, rows_b) and rows_p["keys"].size > 0
+
+
+def test_an_update_waiting_at_a_sync_barrier_has_sent_its_earlier_records_already():
+    """One push: an asynchronous update of table x, then a sync update of
+    table y for step 1 while step 0 is still gathered (it waits there). x's
+    record reaches its backup while the push waits, not once the barrier
+    passes (records are queued for the call's one wait: psserver/core/
+    replication.py send_all). Then step 0 completes and the push goes on."""
+    import time
+
+    from psserver.client.results import TableGradient
+    from psserver.contract import BACKUP_PREFIX, SyncSpec
+    with LocalCluster(num_ps=2, num_workers=0) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        kw = dict(initializer="zeros", optimizer="sgd", optimizer_params={"learning_rate": 1.0})
+        x = strategy.create_embedding_table("x", 2, **kw)
+        y = strategy.create_embedding_table("y", 2, **kw)
+        keys = np.arange(64, dtype=np.int64)
+        kx, ky = keys[x.shard_of(keys) == 0][:5], keys[y.shard_of(keys) == 0][:5]
+        primary, backup = x.shards[0].address, x.backups[0].address
+        assert primary != backup and y.shards[0].address == primary
+        one = np.ones((5, 2), np.float32)
+        with _client(cluster, primary) as c, _client(cluster, backup) as b:
+            c.lookup("x", kx)
+            c.lookup("y", ky)
+            c.update_table("y", ky, one, sync=SyncSpec(0, 0, 2, 2))   # step 0: 1 of 2
+            before = b.table_info(BACKUP_PREFIX + "x").step
+            waiting = c.push_all_async(tables=[TableGradient("x", kx, one, 7, None),
+                                               TableGradient("y", ky, one, 0,
+                                                             SyncSpec(1, 0, 2, 2))])
+            deadline = time.monotonic() + 30
+            while b.table_info(BACKUP_PREFIX + "x").step == before:
+                assert time.monotonic() < deadline, "x's record waited for the barrier"
+                time.sleep(0.02)
+            assert not waiting.done()   # (still at the barrier)
+            c.update_table("y", ky, one, sync=SyncSpec(0, 1, 2, 2))   # step 0 complete
+            assert waiting.result(timeout=30)[1][0][:2] == (5, 0)
+            np.testing.assert_array_equal(c.lookup("x", kx, admit=False), -one)
+            # a read likewise: new rows of x made, then a sync look-up of y for step 2
+            # waiting while step 1 is gathered (replica 0's part came in the push above)
+            from psserver.client.results import TableLookup
+            rows = b.table_info(BACKUP_PREFIX + "x").rows
+            new = keys[(x.shard_of(keys) == 0) & ~np.isin(keys, kx)][:3]
+            reading = c.read_all_async(tables=[TableLookup("x", new, None, True),
+                                               TableLookup("y", ky, None, True, sync_step=2)])
+            while b.table_info(BACKUP_PREFIX + "x").rows == rows:
+                assert time.monotonic() < deadline, "x's new rows waited for the barrier"
+                time.sleep(0.02)
+            assert not reading.done()
+            c.update_table("y", ky, one, sync=SyncSpec(1, 1, 2, 2))   # step 1 complete
+            assert reading.result(timeout=30)[2][1].shape == (5, 2)
