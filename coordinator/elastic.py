@@ -230,6 +230,8 @@ def _run(table, steps: list, address: str, cleanup) -> TableMove:
     start = time.monotonic()
     report = TableMove(table.name, int(sum(s[2].sum() for s in steps)), started=time.time())
     kept: dict[str, int] = {}   # each source's rows after its last move
+    left, remaining = _metrics.TABLE_MOVE_LEFT.labels(table.name), report.buckets
+    left.set(remaining)
     try:
         for source_address, dest, mask, mine, theirs, addresses, bmap in steps:
             layout = layouts.Layout(table.layout_epoch + 1, addresses, bmap)
@@ -257,12 +259,17 @@ def _run(table, steps: list, address: str, cleanup) -> TableMove:
             kept[source_address] = reply.held
             report.kept = sum(kept.values())
             report.bytes += reply.bytes
+            remaining -= int(mask.sum())
+            left.set(remaining)
+            _progress(report, remaining, start)
         serve_layout(table)
     except BaseException as exc:
         if not isinstance(exc, MoveUndetermined):
             _after_failure(table, cleanup)
         _metrics.TABLE_MOVES.labels("failed").inc()
         raise
+    finally:
+        left.set(0)
     report.seconds = time.monotonic() - start
     _metrics.TABLE_MOVES.labels("done").inc()
     _metrics.TABLE_ROWS_MOVED.inc(report.rows)
@@ -271,6 +278,15 @@ def _run(table, steps: list, address: str, cleanup) -> TableMove:
     log.info("table %r: %d buckets, %d rows (%.1f MiB) moved (server %s) in %.2fs", table.name,
              report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
     return report
+
+
+def _progress(report: TableMove, left: int, start: float) -> None:
+    """The log line of a move's progress after each source's part."""
+    took = time.monotonic() - start
+    done = report.buckets - left
+    log.info("table %r: %d of %d buckets moved (%d rows, %.1f MiB) in %.2fs, about %.1fs "
+             "left", report.table, done, report.buckets, report.rows, report.bytes / 2**20,
+             took, took / max(done, 1) * left)
 
 
 def serve_layout(table, client_for=None) -> None:

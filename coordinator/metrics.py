@@ -74,23 +74,28 @@ for _o in ("unchanged", "restored", "recreated", "failed", "failover", "replicat
     PS_RECOVERIES.labels(_o)
 TABLE_MOVES = Counter(
     "pstrain_coordinator_table_moves_total",
-    "Dynamic tables' moves of buckets to an added parameter server "
-    "(ClusterCoordinator.add_parameter_server), by outcome: done|failed.",
+    "Dynamic tables' moves of buckets between parameter servers (ClusterCoordinator."
+    "add_parameter_server, remove_parameter_server), by outcome: done|failed.",
     ["outcome"], registry=REGISTRY)
 TABLE_ROWS_MOVED = Counter(
     "pstrain_coordinator_table_rows_moved_total",
-    "Rows of dynamic tables moved to added parameter servers.",
+    "Rows of dynamic tables moved between parameter servers (adds and drains).",
     registry=REGISTRY)
 TABLE_BYTES_MOVED = Counter(
     "pstrain_coordinator_table_moved_bytes_total",
-    "Bytes (values and per-row slots) of dynamic tables moved to added servers.",
+    "Bytes (values and per-row slots) of dynamic tables moved between servers.",
     registry=REGISTRY)
 TABLE_MOVE_SECONDS = Histogram(
     "pstrain_coordinator_table_move_seconds",
-    "Seconds each table's move to an added server took (its shards' moves in turn).",
+    "Seconds each table's move took (its shards' moves in turn).",
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0), registry=REGISTRY)
 for _o in ("done", "failed"):
     TABLE_MOVES.labels(_o)
+TABLE_MOVE_LEFT = Gauge(
+    "pstrain_coordinator_table_move_buckets_left",
+    "Buckets a table's move under way has still to move (0: none under way); each "
+    "source shard's buckets go in one call, so it falls a source at a time.",
+    ["table"], registry=REGISTRY)
 CHECKPOINT_SECONDS = Histogram(
     "pstrain_checkpoint_seconds",
     "Seconds a checkpoint save or restore took (successful ones), by op save|restore.",

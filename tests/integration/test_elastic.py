@@ -82,7 +82,11 @@ def _rows(addresses, name):
     return [ps_pool.client_for(a).table_info(name).rows for a in addresses]
 
 
-def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tmp_path):
+def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tmp_path,
+                                                                              caplog):
+    import logging
+    import re
+    caplog.set_level(logging.INFO, logger="coordinator")
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         strategy, counter, emb, w = _job(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
@@ -110,6 +114,14 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
             assert 'pstrain_coordinator_table_moves_total{outcome="done"}' in text
             assert metrics.REGISTRY.get_sample_value(
                 "pstrain_coordinator_table_rows_moved_total") >= sum(m.rows for m in moves) > 0
+            assert metrics.REGISTRY.get_sample_value(   # (none under way now)
+                "pstrain_coordinator_table_move_buckets_left", {"table": "emb"}) == 0
+            # progress in the log, a source at a time: part of the buckets, then all
+            for m in moves:
+                done = [int(d) for d, total in re.findall(
+                    rf"table '{m.table}': (\d+) of (\d+) buckets moved", caplog.text)
+                    if int(total) == m.buckets]
+                assert len(done) == 2 and 0 < done[0] < done[1] == m.buckets, caplog.text
             assert sum(_rows(counter.addresses, "counter")) == EXAMPLES
             assert _rows(emb.addresses, "emb")[2] > 0
             # a description from before the move: refused at first, it learns the
