@@ -134,6 +134,7 @@ class SpecDiscovery(Refreshing):
         TFConfigClusterResolver(environ=self._environ)   # missing or malformed: say so now
         self.path = os.path.join(tempfile.mkdtemp(prefix="pstrain-"), "tf_config.json")
         self._text = None
+        self._last: dict[str, list[str]] = {}   # role -> its name's last addresses
         self.start(interval, "SpecDiscovery")
 
     def refresh(self) -> None:
@@ -144,8 +145,11 @@ class SpecDiscovery(Refreshing):
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return   # a file being rewritten: keep the last good one
         for role, (host, port) in self.targets.items():
-            cluster[role] = listed[role] + [a for a in resolve_workers(host, port)
-                                            if a not in listed[role]]
+            # a name that resolves to nothing (a DNS hiccup, the service between
+            # replicas): the last answer stands (a job is not emptied by a blip)
+            found = resolve_workers(host, port) or self._last.get(role, [])
+            self._last[role] = found
+            cluster[role] = listed[role] + [a for a in found if a not in listed[role]]
         text = json.dumps(cfg)
         if text != self._text:
             tmp = f"{self.path}.tmp"

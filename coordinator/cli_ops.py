@@ -305,16 +305,17 @@ def _table_rows(target: Target) -> list[tuple[list | None, str | None]]:
                      "copy": "backup" if t.name.startswith(BACKUP_PREFIX) else "primary",
                      "rows": t.rows, "dim": t.spec.dim, "dtype": t.spec.dtype or "float32",
                      "step": t.step, "optimizer": t.spec.optimizer.name, "bytes": t.bytes,
-                     **_moved(t.layout, address)}
+                     **_moved(t.layout, address, t.rows)}
                     for t in c.list_tables()]
     return [(rows, None if exc is None else _explain_error(target, f"ps {i}", addr, exc))
             for i, (addr, (rows, exc)) in enumerate(zip(target.ps, _fan_out(one, target.ps)))]
 
 
-def _moved(layout: str, address: str) -> dict:
+def _moved(layout: str, address: str, rows: int) -> dict:
     """A table shard's place in its table's layout after buckets moved
     (coordinator/elastic.py): {"layout_epoch", "buckets": of the 4,096 it
-    holds (None where the layout names it otherwise)}; both None if none moved."""
+    holds: 0 for a drained shard (not in the layout, no rows), None where
+    the layout names it otherwise}; both None if none moved."""
     if not layout:
         return {"layout_epoch": None, "buckets": None}
     try:
@@ -322,7 +323,7 @@ def _moved(layout: str, address: str) -> dict:
     except PSError:
         return {"layout_epoch": None, "buckets": None}
     held = int((buckets.owner == addresses.index(address)).sum()) \
-        if address in addresses else None
+        if address in addresses else None if rows else 0
     return {"layout_epoch": epoch, "buckets": held}
 
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
-from coordinator import elastic, ps_follow, ps_pool
+from coordinator import elastic, ps_follow
 from coordinator import metrics as _metrics
 from coordinator.closures import (  # noqa: F401  (re-exported)
     ABANDONED,
@@ -147,7 +147,8 @@ class ClusterCoordinator:
         _metrics.track(self._cluster)   # the gauges; serves metrics if $PSTRAIN_METRICS_PORT says
         self._follower = ps_follow.ServerFollower(
             strategy, self.add_parameter_server, self.remove_parameter_server,
-            membership_interval).start() if ps_follow.wanted(elastic_servers) else None
+            membership_interval, busy=self._cluster.recovery.active,
+        ).start() if ps_follow.wanted(elastic_servers) else None
 
     #: The arguments, as given (read and written on the Cluster, which uses them).
     strategy = _setting("strategy")
@@ -285,13 +286,14 @@ class ClusterCoordinator:
         new layout: none fails), and variables and tables created from then
         on are placed over every server. Returns what moved, per table
         (coordinator.elastic.TableMove). ValueError, nothing changed, with
-        replication or in sync mode (not supported yet) or for an address
-        the job has; coordinator/elastic.py says what moves and what a
+        replication or in sync mode (not supported yet), for an address
+        the job has, or for a server of the job named another way (the same
+        process); coordinator/elastic.py says what moves and what a
         failure part-way leaves."""
-        elastic.check_add(self.strategy, address)
-        # (before the steps wait: one that does not answer holds nothing up)
-        ps_pool.client_for(address).server_info(timeout=self.strategy.connect_timeout)
+        # (asked before the steps wait: one that does not answer holds nothing up)
+        elastic.check_add(self.strategy, address, probe=self.strategy.connect_timeout)
         with self._cluster.between_steps(timeout):
+            self._check_open()
             elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
             moves = self.strategy.add_parameter_server(address)
             self._cluster.forget_function_refs()   # closures carry the new layout from now on
@@ -308,10 +310,15 @@ class ClusterCoordinator:
         with replication or in sync mode, or for the last server."""
         elastic.check_remove(self.strategy, address)
         with self._cluster.between_steps(timeout):
+            self._check_open()
             elastic.settle(self.strategy.tables)
             moves = self.strategy.remove_parameter_server(address)
             self._cluster.forget_function_refs()
         return moves
+
+    def _check_open(self) -> None:
+        if self._cluster.closed:   # (a move waiting for steps when the job shut down)
+            raise RuntimeError("this ClusterCoordinator was shut down; nothing moved")
 
     def join(self, timeout: float | None = None) -> None:
         """Block until every scheduled function has finished.
@@ -387,9 +394,11 @@ class ClusterCoordinator:
         ``abort``: then their calls are cut off (their closures end
         CANCELLED, not re-queued), and the coordinator does not wait for
         steps that may be retrying against a lost server."""
+        if self._follower is not None:   # (no more looks; one under way ends with the steps)
+            self._follower.stop_soon()
+        self._cluster.stop(abort=abort)
         if self._follower is not None:
             self._follower.stop()
-        self._cluster.stop(abort=abort)
 
     def __enter__(self) -> "ClusterCoordinator":
         return self

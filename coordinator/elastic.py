@@ -112,14 +112,24 @@ class TableMove:
     started: float = 0.0   # time.time() when its first move began
 
 
-def check_add(strategy, address: str) -> None:
-    """ValueError (nothing changed) where a server cannot be added (see the module)."""
+def check_add(strategy, address: str, probe: float | None = None) -> None:
+    """ValueError (nothing changed) where a server cannot be added (see the
+    module). ``probe``: also ask the server (within that many seconds: an
+    error if it does not answer), and refuse one that is a server of the job
+    already under another name (the same process: its server_id)."""
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"a parameter server's address is host:port, got {address!r}")
     if address in strategy.parameter_servers and \
             all(address in t.addresses for t in strategy.tables):   # (else: resume an add)
         raise ValueError(f"{address} is a parameter server of this job already")
     _check_mode(strategy, "adding")
+    if probe is not None:
+        sid = ps_pool.client_for(address).server_info(timeout=probe).server_id
+        same = [a for a, known in strategy.server_ids.items() if known == sid and a != address]
+        if same:
+            raise ValueError(f"{address} is the parameter server {same[0]} of this job (the "
+                             "same process, named another way); nothing changed. Name each "
+                             "server one way everywhere (the cluster spec, the calls)")
 
 
 def _check_mode(strategy, what: str) -> None:

@@ -7,8 +7,10 @@ re-reads the spec as it does for workers, and
   ConfigMap rewritten, ``--ps-dns`` finding one more address, a
   StatefulSet scaled up after its ConfigMap lists the new pod), and each
   that the spec listed when the coordinator started but the job did not have;
-* **drains** each that the spec loses while it is one of the job's (the
-  spec listed it before and lists it no more), after which it may stop.
+* **drains** each that the spec no longer lists, once it has been missing
+  for ``grace`` seconds in a row (ten looks: a spec rewritten in two steps,
+  or a name that briefly does not resolve, drains nothing), after which it
+  may stop.
 
 Both go through ``ClusterCoordinator.add_parameter_server`` and
 ``remove_parameter_server`` (coordinator/elastic.py says what moves), one at
@@ -16,23 +18,33 @@ a time, on this module's thread, between two steps. Only changes of the
 spec are acted on: a server added or drained by the Python API stays as
 the API left it until the spec's own list of it changes.
 
-A server is asked first whether it answers (``probe_seconds``): one that
-does not (a pod whose DNS name exists before its process serves; a server
-that left the spec because it died) is tried again at the next look, with
-one warning per outage, and training is not paused for it. A refusal
-(ValueError: replication, sync mode, a server holding variable shards,
-the last server) is logged once and not tried again until the spec
-changes for that address. Addresses are compared as written: list a
-server the same way everywhere (a DNS name, or an IP address, not both).
+What is not done, and said once in the log:
+
+* A look at a spec that lists no parameter server changes nothing.
+* A server that does not answer (a pod's DNS name exists before its process
+  serves; a server that left the spec because it died) is asked again at
+  later looks, and training is not paused for it. One being recovered
+  (coordinator/recovery.py) waits for its recovery.
+* A server that left the spec and restarted since (its server_id changed)
+  failed: it is recovered as any other, not drained.
+* A server the spec now names another way (the same process: its
+  server_id) is neither added under the new name nor drained: name each
+  server one way everywhere.
+* A refusal (ValueError: replication, sync mode, a server holding variable
+  shards, the last server) or a move whose outcome a source cannot tell
+  (elastic.MoveUndetermined: it needs a person) is not tried again until the
+  spec changes for that address. Other failures are tried again, each time
+  after twice as long (up to a minute), said every tenth try.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
-from coordinator import ps_pool
+from coordinator import elastic, ps_pool
 from psserver.errors import PSError
 
 log = logging.getLogger("coordinator")
@@ -40,6 +52,10 @@ log = logging.getLogger("coordinator")
 #: The environment variable that turns following on for a ClusterCoordinator
 #: made without ``elastic_servers`` ("1").
 ELASTIC_ENV = "PSTRAIN_ELASTIC_SERVERS"
+#: Looks a server must be missing from the spec, in a row, before it is drained.
+GRACE_LOOKS = 10
+#: The longest wait between two tries of a failing add or drain (seconds).
+MAX_BACKOFF = 60.0
 
 
 def wanted(explicit: bool | None, environ=os.environ) -> bool:
@@ -50,17 +66,23 @@ def wanted(explicit: bool | None, environ=os.environ) -> bool:
 class ServerFollower:
     """Looks at ``strategy``'s cluster spec every ``interval`` seconds and
     calls ``add(address)`` / ``remove(address)`` (the ClusterCoordinator's)
-    for the servers it gained or lost (see the module). ``pending``:
-    address -> "add" or "remove", what is still to be done."""
+    for the servers it gained or lost (see the module); ``busy(address)``:
+    whether that server is being recovered. ``pending``: address -> "add"
+    or "remove", what is still to be done; ``done``: (what, address) of
+    each made."""
 
     def __init__(self, strategy, add: Callable, remove: Callable, interval: float = 1.0,
-                 probe_seconds: float = 2.0):
-        self.strategy, self._add, self._remove = strategy, add, remove
-        self.interval, self.probe_seconds = interval, probe_seconds
+                 busy: Callable[[str], bool] = lambda address: False,
+                 probe_seconds: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.strategy, self._add, self._remove, self._busy = strategy, add, remove, busy
+        self.interval, self.probe_seconds, self._clock = interval, probe_seconds, clock
+        self.grace = GRACE_LOOKS * interval
         self.pending: dict[str, str] = {}
+        self.done: list[tuple[str, str]] = []
         self.looks = 0   # looks at the spec so far
-        self.done: list[tuple[str, str]] = []   # (what, address) of each add and drain made
         self._seen: list[str] | None = None
+        self._missing: dict[str, tuple[float, str | None]] = {}   # since, its server_id then
+        self._tries: dict[str, tuple[int, float]] = {}   # failed tries, not before
         self._told: dict[str, str] = {}   # address -> the last thing logged of it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,11 +94,15 @@ class ServerFollower:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """No more looks; an add or drain under way finishes first."""
+    def stop_soon(self) -> None:
+        """No more looks, nor adds or drains not started yet."""
+        self._stop.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """stop_soon, then wait (at most ``timeout`` s) for one under way."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -88,13 +114,18 @@ class ServerFollower:
 
     # -- one look --------------------------------------------------------------
     def look(self) -> None:
-        """Read the spec, note what changed, then act on what is pending."""
+        """Read the spec, note what changed, then act on what is due."""
         self.looks += 1
         try:
             listed = list(self.strategy.cluster_resolver.cluster_spec().ps)
         except Exception as exc:   # a rewritten file may be briefly invalid: keep the last
             log.debug("cannot read the cluster spec: %s", exc)
             return
+        if not listed:   # (never "drain them all": a spec half written, a name not resolving)
+            self._tell("", logging.WARNING, "the cluster spec lists no parameter servers: "
+                       "ignored (the job keeps its servers)")
+            return
+        self._told.pop("", None)
         job = set(self.strategy.parameter_servers)
         if self._seen is None:   # the start: what the spec lists and the job lacks
             changes = {a: "add" for a in listed if a not in job}
@@ -102,53 +133,107 @@ class ServerFollower:
             changes = {a: "add" for a in listed if a not in self._seen}
             changes.update({a: "remove" for a in self._seen if a not in listed})
         self._seen = listed
+        now = self._clock()
+        known = getattr(self.strategy, "server_ids", {})   # address -> its process's id
         for address, what in changes.items():
             self._told.pop(address, None)   # (a new change: say again what happens)
+            self._tries.pop(address, None)
+            if what == "remove":
+                self._missing[address] = (now, known.get(address))
+            else:
+                self._missing.pop(address, None)
             self.pending[address] = what
         for address, what in list(self.pending.items()):
             if self._stop.is_set():
                 return
-            self._act(address, what)
+            if self._due(address, what, now):
+                try:
+                    self._act(address, what, listed)
+                except Exception as exc:   # (one address's trouble holds up no other)
+                    self._failed(address, what, exc)
 
-    def _act(self, address: str, what: str) -> None:
+    def _due(self, address: str, what: str, now: float) -> bool:
+        if what == "remove" and now - self._missing.get(address, (now, None))[0] < self.grace:
+            return False
+        return now >= self._tries.get(address, (0, 0.0))[1] and not self._busy(address)
+
+    def _act(self, address: str, what: str, listed: list[str]) -> None:
         job = self.strategy.parameter_servers
-        if what == "add" and address in job and all(
-                address in t.addresses for t in self.strategy.tables):
-            self.pending.pop(address)   # (the API added it meanwhile)
+        if (what == "add" and address in job and all(
+                address in t.addresses for t in self.strategy.tables)) or (
+                what == "remove" and address not in job):
+            self._finish(address)   # (the API did it meanwhile)
             return
-        if what == "remove" and address not in job:
-            self.pending.pop(address)
-            return
+        verb = "joined" if what == "add" else "left"
         try:
-            ps_pool.client_for(address).server_info(timeout=self.probe_seconds)
+            sid = ps_pool.client_for(address).server_info(timeout=self.probe_seconds).server_id
         except PSError as exc:
             self._tell(address, logging.WARNING, (
-                f"parameter server {address} {'joined' if what == 'add' else 'left'} the "
-                f"cluster spec but does not answer ({exc}); "
-                f"{'it is added' if what == 'add' else 'it is drained'} once it answers"
-                + ("" if what == "add" else " (while it does not, its rows are unavailable: "
-                   "a server that failed is recovered as any other)")))
+                f"parameter server {address} {verb} the cluster spec but does not answer "
+                f"({exc}); {'it is added' if what == 'add' else 'it is drained'} once it "
+                "answers" + ("" if what == "add" else " (while it does not, its rows are "
+                             "unavailable: a server that failed is recovered as any other)")))
             return
+        if what == "remove":
+            if sid != (self._missing.get(address, (0, None))[1] or sid):
+                self._finish(address, logging.WARNING, (
+                    f"parameter server {address} left the cluster spec and restarted since: "
+                    "a failure, not a removal; it is recovered as any other, not drained"))
+                return
+            for other in (a for a in listed if a not in job):
+                try:
+                    same = ps_pool.client_for(other).server_info(
+                        timeout=self.probe_seconds).server_id == sid
+                except PSError:
+                    continue
+                if same:
+                    self._finish(address, logging.ERROR, (
+                        f"the cluster spec names parameter server {address} as {other} now: "
+                        "not drained, nor added again. Name each server one way everywhere"))
+                    return
         try:
             moves = (self._add if what == "add" else self._remove)(address)
-        except ValueError as exc:   # refused, nothing changed: not again until the spec changes
-            self.pending.pop(address)
-            self._tell(address, logging.ERROR, f"parameter server {address} "
-                       f"{'joined' if what == 'add' else 'left'} the cluster spec, but "
-                       f"{'adding' if what == 'add' else 'draining'} it was refused: {exc}")
+        except (ValueError, elastic.MoveUndetermined) as exc:   # not again until the spec changes
+            self._finish(address, logging.ERROR, (
+                f"parameter server {address} {verb} the cluster spec, but "
+                f"{'adding' if what == 'add' else 'draining'} it was refused: {exc}"
+                if isinstance(exc, ValueError) else
+                f"{'adding' if what == 'add' else 'draining'} parameter server {address} "
+                f"needs a person: {exc}"))
             return
-        except (PSError, TimeoutError, OSError) as exc:   # tried again at the next look
-            self._tell(address, logging.WARNING, f"{'adding' if what == 'add' else 'draining'}"
-                       f" parameter server {address} failed ({exc}); trying again")
+        except Exception as exc:   # (PSError, TimeoutError, ...): again, later and later
+            self._failed(address, what, exc)
             return
-        self.pending.pop(address)
-        self._told.pop(address, None)
+        self._finish(address)
         self.done.append((what, address))
-        rows = sum(m.rows for m in moves)
         log.warning("parameter server %s %s (the cluster spec %s it): %d table(s), %d rows "
                     "moved in %.2fs%s", address, "added" if what == "add" else "drained",
-                    "lists" if what == "add" else "no longer lists", len(moves), rows,
-                    sum(m.seconds for m in moves), "" if what == "add" else "; it may stop")
+                    "lists" if what == "add" else "no longer lists", len(moves),
+                    sum(m.rows for m in moves), sum(m.seconds for m in moves),
+                    "" if what == "add" else "; it may stop")
+
+    def _failed(self, address: str, what: str, exc: Exception) -> None:
+        """An add or drain that failed: tried again after twice as long as
+        the last time (up to MAX_BACKOFF), said every tenth try."""
+        if self._stop.is_set():   # (the coordinator shut down meanwhile)
+            return
+        tries = self._tries.get(address, (0, 0.0))[0] + 1
+        wait = min(MAX_BACKOFF, self.interval * 2 ** min(tries, 20))
+        self._tries[address] = (tries, self._clock() + wait)
+        if tries % 10 == 1:
+            log.warning("%s parameter server %s failed (%s: %s; %d tries); trying again in "
+                        "%.1fs", "adding" if what == "add" else "draining", address,
+                        type(exc).__name__, exc, tries, wait)
+
+    def _finish(self, address: str, level: int | None = None, message: str = "") -> None:
+        """Nothing more to do for ``address`` until the spec changes for it."""
+        self.pending.pop(address, None)
+        self._missing.pop(address, None)
+        self._tries.pop(address, None)
+        if level is None:
+            self._told.pop(address, None)
+        else:
+            self._tell(address, level, message)
 
     def _tell(self, address: str, level: int, message: str) -> None:
         if self._told.get(address) != message:

@@ -577,8 +577,7 @@ class ParameterServerStrategy:
         return moves
 
     def add_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's: elastic.py)
-        elastic.check_add(self, address)
-        ps_pool.client_for(address).server_info(timeout=self.connect_timeout)
+        elastic.check_add(self, address, probe=self.connect_timeout)
         with elastic.LAYOUT_LOCK:
             added, moves = address not in self._ps, []   # (not added: a failed add resumed)
             self._ps += (address,) if added else ()

@@ -477,6 +477,15 @@ def test_resolve_workers_and_discovery_file(tmp_path, monkeypatch):
         with open(d.path) as f:
             assert json.load(f)["cluster"] == {"ps": ["ps0:2222"],
                                                "worker": ["10.0.0.2:2222", "10.0.0.3:2222"]}
+        # a look that resolves nothing (a DNS hiccup): the last answer stands
+        monkeypatch.setattr(cli, "resolve_workers", lambda host, port: [])
+        d.refresh()
+        with open(d.path) as f:
+            assert json.load(f)["cluster"]["worker"] == ["10.0.0.2:2222", "10.0.0.3:2222"]
+        monkeypatch.setattr(cli, "resolve_workers", lambda host, port: ["10.0.0.2:2222"])
+        d.refresh()   # (a replica went: it leaves)
+        with open(d.path) as f:
+            assert json.load(f)["cluster"]["worker"] == ["10.0.0.2:2222"]
     finally:
         d.stop()
     with pytest.raises(ClusterConfigError, match="HOST:PORT"):
@@ -536,8 +545,9 @@ def test_run_with_ps_dns_finds_the_servers_and_has_the_job_follow_them(
     path.write_text("import json, os\n"
                     "print('ELASTIC', os.environ.get('PSTRAIN_ELASTIC_SERVERS'))\n"
                     "print('PS', json.load(open(os.environ['TF_CONFIG_FILE']))['cluster']['ps'])\n")
-    monkeypatch.delenv("TF_CONFIG_FILE", raising=False)
-    monkeypatch.delenv("PSTRAIN_ELASTIC_SERVERS", raising=False)
+    for var in ("TF_CONFIG_FILE", "PSTRAIN_ELASTIC_SERVERS"):   # (cli.main sets them:
+        monkeypatch.setenv(var, "")                              # put back as they were)
+        monkeypatch.delenv(var)
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {}}))
     assert cli.main(["run", "--wait-ready", "0", "--ps-dns", f"localhost:{port}",
                      str(path)]) == 0

@@ -11,6 +11,7 @@ import logging
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from coordinator import (
@@ -93,6 +94,10 @@ def test_a_server_the_file_gains_is_added_and_one_it_loses_drained_while_workers
             assert t.num_shards == 2 and added not in t.addresses
             assert ps_pool.client_for(added).table_info(t.name).rows == 0
         assert coord._follower.pending == {}
+        # ps list of the drained server: 0 buckets of each table, at the last layout
+        assert cli.main(["ps", "list", "--json", "--ps", added]) == 0
+        shards = json.loads(capsys.readouterr().out)["servers"][0]["tables"]
+        assert [(t["buckets"], t["layout_epoch"]) for t in shards] == [(0, 4), (0, 4)]
 
 
 def test_a_server_that_does_not_answer_pauses_nothing_and_a_refused_drain_is_not_retried(
@@ -126,3 +131,26 @@ def test_a_server_that_does_not_answer_pauses_nothing_and_a_refused_drain_is_not
         assert caplog.text.count("draining it was refused") == 1
         assert follower.pending == {silent: "add"}
     closed_port.close()
+
+
+def test_a_server_the_file_names_another_way_is_neither_added_nor_drained(file_cluster,
+                                                                          caplog):
+    """The file switches a server's name (127.0.0.1:P to localhost:P, as a
+    ConfigMap moved to other names): the same process, so it is not added
+    under the new name (refused: it would move buckets to itself) nor
+    drained under the old one; the table stays whole."""
+    cluster, path, resolver = file_cluster
+    ps, workers = list(resolver.cluster_spec().ps), list(resolver.cluster_spec().worker)
+    strategy, counter, emb, w = _job(resolver)
+    caplog.set_level(logging.WARNING, logger="coordinator")
+    keys = np.arange(5000, dtype=np.int64)
+    emb.lookup(keys)
+    want = emb.lookup(keys, admit=False)
+    with ClusterCoordinator(strategy, elastic_servers=True, membership_interval=0.1) as coord:
+        renamed = "localhost:" + ps[1].rsplit(":", 1)[1]
+        _write(path, [ps[0], renamed], workers)
+        _until(lambda: "names parameter server" in caplog.text and not coord._follower.pending)
+        assert "(the same process, named another way)" in caplog.text
+        assert strategy.parameter_servers == tuple(ps) and emb.addresses == tuple(ps)
+        assert emb.layout_epoch == 0
+        np.testing.assert_array_equal(emb.lookup(keys, admit=False), want)
