@@ -246,6 +246,7 @@ def _run(table, steps: list, address: str, cleanup) -> TableMove:
         for source_address, dest, mask, mine, theirs, addresses, bmap in steps:
             layout = layouts.Layout(table.layout_epoch + 1, addresses, bmap)
             source = ps_pool.client_for(source_address)
+            process = source.server_info(timeout=MOVE_SECONDS).server_id   # (the one moving)
             until = time.monotonic() + MOVE_SECONDS   # (the source commits nothing past it)
             try:
                 reply = source.move_table_buckets(
@@ -253,7 +254,7 @@ def _run(table, steps: list, address: str, cleanup) -> TableMove:
                     destination_capacity=theirs, layout_epoch=layout.epoch,
                     layout=layouts.to_json(layout), timeout=MOVE_SECONDS)
             except BaseException as exc:
-                moved = _fence(source, table.name, layout.epoch, until)
+                moved = _fence(source, table.name, layout.epoch, until, process)
                 if moved is None:
                     raise MoveUndetermined(
                         f"table {table.name!r}: the move from {source_address} failed "
@@ -320,14 +321,16 @@ class MoveUndetermined(RuntimeError):
     """A source's move failed and the source cannot say whether it happened."""
 
 
-def _fence(source, name: str, epoch: int, until: float) -> bool | None:
+def _fence(source, name: str, epoch: int, until: float, process: str) -> bool | None:
     """Whether a source's move of ``epoch`` happened although its call
     failed; if not, the source refuses it from now on (a fence, answered
     after any move running there: tables.proto MoveBucketsRequest.fence).
-    A source that does not answer before ``until`` (its deadline for the
-    move) and 30 s more: False (it is gone, and what it held with it: its
-    restart is the recovery's); one that keeps answering with another
-    error: None (cannot say)."""
+    False, at once, for a source that restarted (not the ``process``, its
+    server_id, that was moving: what it held went with it, and its recovery
+    brings back what a checkpoint has, which no move is part of: saves and
+    moves exclude each other), and for one that does not answer before
+    ``until`` (its deadline for the move) and 30 s more; None (cannot say)
+    for one that keeps answering with another error."""
     end = until + 30.0
     while True:
         try:
@@ -340,6 +343,11 @@ def _fence(source, name: str, epoch: int, until: float) -> bool | None:
         except PSError:
             if time.monotonic() > end:
                 return None
+        try:
+            if source.server_info(timeout=5.0).server_id != process:
+                return False
+        except PSError:
+            pass
         time.sleep(0.5)
 
 

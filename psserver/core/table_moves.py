@@ -21,6 +21,7 @@ FailedPrecondition).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -29,6 +30,20 @@ import numpy as np
 from psserver.contract import keys as K
 from psserver.contract.keys import MAX_LAYOUT_BYTES, bucket_of
 from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+
+#: Testing switch: "source:FILE" or "destination:FILE": the server dies
+#: (exit 3) in the middle of a move, as its source (the rows sent, before it
+#: commits) or as its destination (a piece of them received), once: only
+#: while FILE does not exist (made first, so a restarted server moves on).
+FAULT_CRASH_IN_MOVE_ENV = "PSTRAIN_FAULT_CRASH_IN_MOVE"
+
+
+def crash_point(role: str) -> None:
+    """Die here if FAULT_CRASH_IN_MOVE_ENV names ``role`` (tests only)."""
+    want, _, flag = os.environ.get(FAULT_CRASH_IN_MOVE_ENV, "").partition(":")
+    if want == role and flag and not os.path.exists(flag):
+        open(flag, "w").close()
+        os._exit(3)
 
 
 def parse_layout(epoch: int, layout: str) -> np.ndarray:
@@ -128,6 +143,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
         state = t.export(keys)
         state.pop("evicted", None)
         send(state, t.step, copy.export_applied(mask))
+        crash_point("source")
         if deadline is not None and time.monotonic() > deadline:
             raise DeadlineExceeded(
                 f"table {copy.table_name!r}: the move's rows reached the destination after "

@@ -171,6 +171,8 @@ class TableServicer:
                 spec_of(r.spec), r.epoch, r.version, r.complete, list(r.applied_ids),
                 r.sync_steps))
         else:
+            if request.buckets:   # (a move's piece)
+                M.crash_point("destination")
             rows = self.store.import_rows(
                 request.name, state, step, request.reset,
                 request.capacity if request.HasField("capacity") else None,

@@ -1,0 +1,123 @@
+"""A server killed in the middle of a move (coordinator/elastic.py), on real
+processes that really die (psserver.core.table_moves' fault switch: the
+process exits at that point, once): the new server while it takes the
+rows, or a source after it sent them and before it committed. The job
+keeps one consistent layout (no key served by two shards or by none),
+training goes on with no step failed, and the add can be made again."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from coordinator import CheckpointManager, ClusterCoordinator, LocalCluster, ps_pool
+from coordinator.elastic import MoveUndetermined
+from psserver.core.table_moves import FAULT_CRASH_IN_MOVE_ENV
+from psserver.errors import PSError
+from tests.integration.test_elastic import (
+    EXAMPLES,
+    KEYS,
+    _each_example_once,
+    _job,
+    _rows,
+    _schedule_epoch,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _add_when_it_answers(coord, address: str, timeout: float = 60.0) -> list:
+    """add_parameter_server once the (restarted) server answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return coord.add_parameter_server(address)
+        except PSError:
+            assert time.monotonic() < deadline, f"{address} did not come back"
+            time.sleep(0.2)
+
+
+def test_the_new_server_killed_while_it_takes_the_rows(tmp_path):
+    flag = tmp_path / "crashed"
+    with LocalCluster(num_ps=2, num_workers=2,
+                      env={FAULT_CRASH_IN_MOVE_ENV: f"destination:{flag}"}) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        first = strategy.parameter_servers
+        with ClusterCoordinator(strategy) as coord:
+            ds, steps, done = _schedule_epoch(coord, counter, emb, w)
+            done[steps // 4].fetch()
+            added = cluster.add_ps()
+            with pytest.raises(PSError):
+                coord.add_parameter_server(added)
+            assert flag.exists()   # (it died, in the move)
+            # the job as it was: its servers, each table on them (numbered past the fence)
+            assert strategy.parameter_servers == first
+            for t in (counter, emb):
+                assert t.addresses == first and t.num_shards == 2
+            keys = np.arange(KEYS, dtype=np.int64)
+            emb.lookup(keys, admit=False)   # (every key served: none refused)
+            # it restarts (LocalCluster), and is added again while the steps go on
+            moves = _add_when_it_answers(coord, added)
+            assert [m.table for m in moves] == ["counter", "emb"] and emb.num_shards == 3
+            _each_example_once(coord, ds, done, counter, w, steps)
+            assert sum(_rows(counter.addresses, "counter")) == EXAMPLES
+
+
+def test_a_source_killed_after_it_sent_the_rows_and_before_it_committed(tmp_path):
+    flag = tmp_path / "crashed"
+    with LocalCluster(num_ps=2, num_workers=2,
+                      env={FAULT_CRASH_IN_MOVE_ENV: f"source:{flag}"}) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        first = strategy.parameter_servers
+        ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt"))
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt) as coord:
+            ds, steps, done = _schedule_epoch(coord, counter, emb, w)
+            done[steps // 4].fetch()
+            ckpt.save(step=1)
+            done[steps // 3].fetch()
+            added = cluster.add_ps()
+            try:
+                coord.add_parameter_server(added)
+                raise AssertionError("the add went through")
+            except MoveUndetermined as exc:   # (the restarted source can tell: not moved)
+                raise AssertionError(f"the fence could not say: {exc}") from exc
+            except PSError:
+                pass
+            assert flag.exists()
+            assert strategy.parameter_servers == first
+            assert counter.addresses == first and counter.num_shards == 2
+            # the source comes back and is restored from the checkpoint; the steps
+            # go on, none failed; no key is served by two shards (none refused), and
+            # no update applied twice (a counter is 0 where the restore lost it, or 1)
+            coord.join(timeout=180)
+            assert coord.cluster.recovery.recoveries >= 1
+            assert ds.wait_epoch(0, timeout=30)
+            got = counter.lookup(np.arange(EXAMPLES), admit=False)[:, 0]
+            assert set(np.unique(got)) <= {0.0, 1.0} and (got == 1).sum() > EXAMPLES // 2
+            assert ps_pool.client_for(added).list_tables() == []   # (its shard went)
+            # and the add, made again, goes through
+            moves = _add_when_it_answers(coord, added)
+            assert [m.table for m in moves] == ["counter", "emb"] and counter.num_shards == 3
+            keys = np.arange(KEYS, dtype=np.int64)
+            np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False)[:, 0],
+                                          got)
+            emb.lookup(keys, admit=False)
+
+
+def test_a_source_killed_in_a_job_without_a_checkpoint_says_it_did_not_move(tmp_path):
+    """No checkpoint: the restarted source's rows are gone and the job says
+    so (its recovery); the add says at once that the move did not happen
+    (the source is another process), not that it cannot tell (after the
+    move's deadline), and the new server keeps no copy of the rows."""
+    flag = tmp_path / "crashed"
+    with LocalCluster(num_ps=2, num_workers=1,
+                      env={FAULT_CRASH_IN_MOVE_ENV: f"source:{flag}"}) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            counter.lookup(np.arange(EXAMPLES))
+            added = cluster.add_ps()
+            with pytest.raises(PSError):   # (not MoveUndetermined)
+                coord.add_parameter_server(added)
+            assert flag.exists() and counter.num_shards == 2
+            assert ps_pool.client_for(added).list_tables() == []
