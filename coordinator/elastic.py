@@ -171,13 +171,15 @@ def creation_now(table, address: str, creation: dict) -> dict:
     return dict(creation, capacity=parts[table.addresses.index(address)])
 
 
-def move_table(table, address: str, creation: dict) -> TableMove:
+def move_table(table, address: str, creation: dict, known=None) -> TableMove:
     """Give the server at ``address`` its share of ``table`` (see the module):
     its shard made there (``creation``: create_table's keywords, updated in
     place with the capacity part it gets and, for a server drained before,
     whose shard is taken back, that shard's seed), then each source's
     buckets moved in turn, the table's description brought to each layout
-    as it is made."""
+    as it is made. ``known``: address -> the server_id each source had when
+    the job last knew it (the strategy's ``server_ids``: a source that
+    restarted since refuses its move, and its recovery refills it first)."""
     old = table.buckets
     n = old.num_shards
     final = plan_add(old)
@@ -199,14 +201,15 @@ def move_table(table, address: str, creation: dict) -> TableMove:
             steps.append((addresses[k], address, mask, parts[k] or None, parts[n] or None,
                           addresses, BucketMap(owner, n + 1)))
     return _run(table, steps, address, cleanup=lambda: table.num_shards == n and
-                client.delete_table(table.name))
+                client.delete_table(table.name), known=known)
 
 
-def drain_table(table, address: str) -> TableMove:
+def drain_table(table, address: str, known=None) -> TableMove:
     """Move every bucket of ``table``'s shard on ``address`` to its other
     shards (plan_remove), one destination at a time; the last move's layout
     leaves that server out (its shard stays, refusing every key, so that a
-    description older than the drain learns the layout there)."""
+    description older than the drain learns the layout there); ``known``:
+    as move_table's."""
     j = table.addresses.index(address)
     old = table.buckets
     final = plan_remove(old, j)   # (numbered without j)
@@ -226,10 +229,10 @@ def drain_table(table, address: str) -> TableMove:
         steps.append((address, table.addresses[d], mask, None, parts[renumbered[d]] or None,
                       tuple(rest) if last else tuple(table.addresses),
                       final if last else BucketMap(owner, old.num_shards)))
-    return _run(table, steps, address, cleanup=lambda: None)
+    return _run(table, steps, address, cleanup=lambda: None, known=known)
 
 
-def _run(table, steps: list, address: str, cleanup) -> TableMove:
+def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
     """Make ``steps`` [(source, destination, buckets, source capacity,
     destination capacity, addresses and map after it)] in turn, the table's
     description brought to each layout as it is made, then every shard told
@@ -246,13 +249,16 @@ def _run(table, steps: list, address: str, cleanup) -> TableMove:
         for source_address, dest, mask, mine, theirs, addresses, bmap in steps:
             layout = layouts.Layout(table.layout_epoch + 1, addresses, bmap)
             source = ps_pool.client_for(source_address)
-            process = source.server_info(timeout=MOVE_SECONDS).server_id   # (the one moving)
+            # the process the job knows there (one that restarted refuses: its recovery first)
+            process = (known or {}).get(source_address) or \
+                source.server_info(timeout=MOVE_SECONDS).server_id
             until = time.monotonic() + MOVE_SECONDS   # (the source commits nothing past it)
             try:
                 reply = source.move_table_buckets(
                     table.name, bitmap_of_buckets(mask), dest, capacity=mine,
                     destination_capacity=theirs, layout_epoch=layout.epoch,
-                    layout=layouts.to_json(layout), timeout=MOVE_SECONDS)
+                    layout=layouts.to_json(layout), source_server_id=process,
+                    timeout=MOVE_SECONDS)
             except BaseException as exc:
                 moved = _fence(source, table.name, layout.epoch, until, process)
                 if moved is None:

@@ -568,7 +568,8 @@ class ParameterServerStrategy:
     def remove_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's)
         elastic.check_remove(self, address)
         with elastic.LAYOUT_LOCK:
-            moves = [elastic.drain_table(t, address) for t in list(self._tables.values())
+            moves = [elastic.drain_table(t, address, self.server_ids)
+                     for t in list(self._tables.values())
                      if address in t.addresses]
             self._ps = tuple(a for a in self._ps if a != address)
             self.server_ids.pop(address, None)   # (not watched: it may stop)
@@ -587,7 +588,7 @@ class ParameterServerStrategy:
                     dim, creations = self._table_creation[table.name]
                     kw = dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
                     try:
-                        moves.append(elastic.move_table(table, address, kw))
+                        moves.append(elastic.move_table(table, address, kw, self.server_ids))
                     finally:   # (one that failed part-way has a shard there too)
                         if address in table.addresses:
                             self._table_creation[table.name] = (dim, creations + [(address, kw)])

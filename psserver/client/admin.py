@@ -398,6 +398,7 @@ class PSAdmin:
                            capacity: int | None = None, layout_epoch: int = 0,
                            layout: str = "", layout_only: bool = False, shard: int = 0,
                            fence: bool = False, destination_capacity: int | None = None,
+                           source_server_id: str = "",
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
@@ -407,11 +408,12 @@ class PSAdmin:
         ``layout_only``: move nothing, be shard ``shard`` of ``layout``
         (buckets b"", destination ""); ``fence``: move nothing, answer
         (``.moved``) whether a move of ``layout_epoch`` happened, and if not
-        refuse one from now on."""
+        refuse one from now on; ``source_server_id``: this server's id as the
+        caller knows it (one that restarted since refuses the move)."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
                                             layout_epoch=layout_epoch, layout=layout,
                                             layout_only=layout_only, shard=shard,
-                                            fence=fence)
+                                            fence=fence, source_server_id=source_server_id)
         if capacity is not None:
             req.capacity = capacity
         if destination_capacity is not None:

@@ -184,16 +184,18 @@ class TableServicer:
     def MoveBuckets(self, request, context):
         if request.fence:
             if any(request.buckets) or request.destination or request.layout or \
-                    request.layout_only or request.HasField("capacity"):
-                raise InvalidArgument("a fence names no buckets, destination, layout or "
-                                      "capacity")
+                    request.layout_only or request.HasField("capacity") or \
+                    request.source_server_id:
+                raise InvalidArgument("a fence names no buckets, destination, layout, "
+                                      "capacity or source server")
             moved = M.fence(self.store.registry.table(request.name), int(request.layout_epoch))
             return tables_pb2.MoveBucketsReply(moved=moved,
                                                held=self.store.info(request.name).rows)
         if request.layout_only:
-            if any(request.buckets) or request.destination or request.HasField("capacity"):
-                raise InvalidArgument("a layout_only move names no buckets, destination or "
-                                      "capacity")
+            if any(request.buckets) or request.destination or request.HasField("capacity") \
+                    or request.source_server_id:
+                raise InvalidArgument("a layout_only move names no buckets, destination, "
+                                      "capacity or source server")
             dropped = M.set_layout(self.store.registry.table(request.name),
                                    int(request.layout_epoch), request.layout, int(request.shard))
             return tables_pb2.MoveBucketsReply(rows=dropped,
@@ -208,6 +210,12 @@ class TableServicer:
             raise InvalidArgument(f"a move's destination is host:port, got {dest[:100]!r}")
         if self.peer is None:
             raise FailedPrecondition("this server sends no rows to other servers")
+        if request.source_server_id and request.source_server_id != self.server_id:
+            raise FailedPrecondition(
+                f"table {request.name!r}: this server restarted since the move was planned "
+                f"(it is {self.server_id[:100]!r}, the caller knew "
+                f"{request.source_server_id[:100]!r}); nothing was moved. Let its recovery "
+                "refill it, then plan the move again")
         copy = self.store.registry.table(request.name)
         deadline = deadline_of(context)   # (and at most MOVE_SECONDS: the shard waits meanwhile)
         end = min(time.monotonic() + MOVE_SECONDS, deadline or float("inf"))

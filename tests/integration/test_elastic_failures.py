@@ -121,3 +121,58 @@ def test_a_source_killed_in_a_job_without_a_checkpoint_says_it_did_not_move(tmp_
                 coord.add_parameter_server(added)
             assert flag.exists() and counter.num_shards == 2
             assert ps_pool.client_for(added).list_tables() == []
+
+
+def test_a_source_that_restarts_between_two_steps_of_an_add_moves_nothing(tmp_path,
+                                                                          monkeypatch):
+    """The second source restarts (and its recovery makes its table again,
+    empty) after the first source's step and before its own: its step is
+    refused (the job knew another process there), so nothing is moved out
+    of the empty shard; the recovery refills it from the checkpoint and no
+    row is lost (the first source's part stays moved)."""
+    from coordinator import ParameterServerStrategy, elastic
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        s = ParameterServerStrategy(cluster.spec)
+        emb = s.create_embedding_table("emb", 2, initializer="zeros", optimizer="sgd",
+                                       optimizer_params={"learning_rate": 1.0})
+        keys = np.arange(6000, dtype=np.int64)
+        emb.lookup(keys)
+        emb.push_gradient(keys, np.ones((keys.size, 2), np.float32))
+        ckpt = CheckpointManager(s, str(tmp_path))
+        with ClusterCoordinator(s, checkpoint_manager=ckpt, ps_check_interval=0.1) as coord:
+            ckpt.save(step=1)
+            victim = emb.addresses[1]
+            old = ps_pool.client_for(victim).server_info().server_id
+            real, steps = elastic._progress, []
+
+            def after_a_step(report, left, start):   # (the first: ps 0's)
+                real(report, left, start)
+                steps.append(left)
+                if len(steps) == 1:
+                    cluster.kill_ps(1)
+                    deadline = time.monotonic() + 60
+                    while True:   # until it restarted and its recovery made the table
+                        assert time.monotonic() < deadline, "no restart"
+                        try:
+                            c = ps_pool.client_for(victim)
+                            if c.server_info(timeout=2).server_id != old:
+                                c.table_info("emb")
+                                return
+                        except PSError:
+                            pass
+                        time.sleep(0.05)
+            monkeypatch.setattr(elastic, "_progress", after_a_step)
+            added = cluster.add_ps()
+            with pytest.raises(PSError, match="restarted since the move was planned"):
+                coord.add_parameter_server(added)
+            monkeypatch.undo()
+            assert len(steps) == 1
+            deadline = time.monotonic() + 60
+            while coord.cluster.recovery.recoveries < 1:
+                assert time.monotonic() < deadline, "no recovery"
+                time.sleep(0.05)
+            coord.join(timeout=60)
+            # ps 0's part stands (moved before), ps 1's stayed and was refilled
+            assert emb.num_shards == 3 and emb.addresses[2] == added
+            np.testing.assert_array_equal(emb.lookup(keys, admit=False)[:, 0], -1.0)
+            assert sum(_rows(emb.addresses, "emb")) == keys.size

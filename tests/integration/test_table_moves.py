@@ -22,6 +22,7 @@ from psserver.contract.keys import (
     bucket_of,
 )
 from psserver.errors import (
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     NotPrimary,
@@ -192,6 +193,10 @@ GOOD = _layout(1, np.arange(BUCKETS) < 7)
     (dict(buckets=b"\x01" * BITMAP_BYTES, layout=json.dumps(
         {"epoch": 1, "addresses": ["a:1"], "buckets": [[0, BUCKETS, 1 << 70]]})),
      "a layout is JSON"),
+    (dict(buckets=b"", destination="", layout_only=True, source_server_id="x"),
+     "source server"),
+    (dict(buckets=b"", destination="", layout="", fence=True, source_server_id="x"),
+     "source server"),
 ])
 def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match):
     src, dst = _two(start_ps)
@@ -204,6 +209,23 @@ def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match)
         with pytest.raises(InvalidArgument, match=match):
             _raw(src, **fields)
         np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
+
+
+def test_a_move_planned_from_another_process_of_the_source_is_refused(start_ps):
+    """source_server_id: a source that is not the process the caller planned
+    from (it restarted since) refuses the move, nothing moved."""
+    src, dst = _two(start_ps)
+    with src, dst:
+        _make(src)
+        _make(dst)
+        _trained(src)
+        before = src.lookup("emb", KEYS, admit=False)
+        with pytest.raises(FailedPrecondition, match="restarted since the move was planned"):
+            _move(src, np.ones(BUCKETS, bool), dst.address, source_server_id="an-older-one")
+        np.testing.assert_array_equal(src.lookup("emb", KEYS, admit=False), before)
+        assert dst.table_info("emb").rows == 0
+        here = src.server_info().server_id   # (the right one: it moves)
+        assert _move(src, np.ones(BUCKETS, bool), dst.address, source_server_id=here).rows > 0
 
 
 def test_a_move_needs_the_token(start_ps):
