@@ -218,9 +218,11 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
             try:
                 info = client_for(addr).create_table(table.name, table.dim, **kw)
                 made.append(i)
-            except AlreadyExists:   # adopted (same spec), or an error saying it differs
+            except AlreadyExists:   # adopted (same spec), or an error saying it differs;
+                # its own admission seed kept (``seed * n + i`` of the n it was made over)
+                kw["seed"] = int(client_for(addr).table_info(table.name).spec.seed)
                 info = client_for(addr).create_table(table.name, table.dim,
-                                                             exist_ok=True, **kw)
+                                                     exist_ok=True, **kw)
             held.append(info.spec.capacity)
             infos.append(info)
             note_server(addr)   # watched: a restart or a loss is noticed
