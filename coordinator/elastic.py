@@ -123,7 +123,8 @@ def check_add(strategy, address: str, probe: float | None = None) -> None:
             all(address in t.addresses for t in strategy.tables):   # (else: resume an add)
         raise ValueError(f"{address} is a parameter server of this job already")
     _check_mode(strategy, "adding")
-    if probe is not None:
+    if probe is not None:   # (reached with the job's token and TLS, as its other servers)
+        ps_pool.servers().give([address], strategy.token, strategy.tls)
         sid = ps_pool.client_for(address).server_info(timeout=probe).server_id
         same = [a for a, known in strategy.server_ids.items() if known == sid and a != address]
         if same:
@@ -165,10 +166,11 @@ def creation_now(table, address: str, creation: dict) -> dict:
     ``address``) with the capacity part that shard has as the table's
     buckets are spread now (moves change the parts; recovery recreates a
     lost shard with this)."""
-    if not table.capacity or address not in table.addresses:
+    now = layouts.snapshot(table)   # (one layout, whatever a move does meanwhile)
+    if not now.capacity or address not in now.addresses:
         return creation
-    parts = split_capacity(table.capacity, table.buckets.counts())
-    return dict(creation, capacity=parts[table.addresses.index(address)])
+    parts = split_capacity(now.capacity, now.buckets.counts())
+    return dict(creation, capacity=parts[now.addresses.index(address)])
 
 
 def move_table(table, address: str, creation: dict, known=None) -> TableMove:

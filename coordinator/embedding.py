@@ -50,7 +50,7 @@ from psserver.contract import (
     TABLE_PREFIX,
     Peer,
 )
-from psserver.contract.keys import BucketMap
+from psserver.contract.keys import BucketMap, split_capacity
 from psserver.errors import AlreadyExists, PSError
 from psserver.link.pending import Pending
 
@@ -229,6 +229,8 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
         newest = layouts.newest(infos)
         if newest is not None:   # (a coordinator made again: the table as the moves left it)
             held = _held_by(table, newest, creations, held, note_server)
+        elif len(made) < len(creations):   # (adopted: as it was made)
+            held, parts = _as_made(table, creations, made, held)
         if not (held == parts or (0 not in held and sum(held) == table.capacity)
                 or not (table.capacity or any(held))):   # (0: no limit, on every shard)
             raise AlreadyExists(
@@ -266,9 +268,31 @@ def _held_by(table: DynamicEmbedding, layout, creations: list, held: list,
     have = {a: h for (a, _), h in zip(creations, held)}
     for address in layout.addresses:
         if address not in have:
+            note_server(address)   # (one of the job's servers from now on)
             spec = client_for(address).table_info(table.name).spec
             have[address] = spec.capacity
             creations.append((address, dict(creations[-1][1], capacity=spec.capacity,
                                             seed=int(spec.seed))))
-            note_server(address)
     return [have[a] for a in layout.addresses]
+
+
+def _as_made(table: DynamicEmbedding, creations: list, made: list, held: list
+             ) -> tuple[list, list]:
+    """A table no move changed, adopted: over the servers that hold it, in
+    the order it was made over them (each shard's admission seed is
+    ``seed * n + i``: sorted by it), not over the cluster spec's servers as
+    they are now (the spec grew, or was reordered, since: keys would be
+    looked for on shards that never held them). The shards this call made
+    on other servers are deleted (adding a server is add_parameter_server's,
+    or the follower's: coordinator/ps_follow.py). Returns (held, parts) of
+    the shards kept; ``creations`` and ``made`` are brought to them."""
+    keep = sorted((i for i in range(len(creations)) if i not in made),
+                  key=lambda i: creations[i][1]["seed"])
+    for i in made:
+        client_for(creations[i][0]).delete_table(table.name)
+    made.clear()
+    table.__dict__.update(addresses=tuple(creations[i][0] for i in keep),
+                          buckets=BucketMap.even(len(keep)), origin_shards=len(keep))
+    held = [held[i] for i in keep]
+    creations[:] = [creations[i] for i in keep]
+    return held, split_capacity(table.capacity, table.buckets.counts())

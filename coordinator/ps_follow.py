@@ -84,6 +84,7 @@ class ServerFollower:
         self._missing: dict[str, tuple[float, str | None]] = {}   # since, its server_id then
         self._tries: dict[str, tuple[int, float]] = {}   # failed tries, not before
         self._told: dict[str, str] = {}   # address -> the last thing logged of it
+        self._refused: set[str] = set()   # refused: not again until the spec changes for it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -133,9 +134,16 @@ class ServerFollower:
             changes = {a: "add" for a in listed if a not in self._seen}
             changes.update({a: "remove" for a in self._seen if a not in listed})
         self._seen = listed
+        # a server of the job some table is not on yet (an add that failed part
+        # way; a table adopted over the servers it was made on): added, resumed
+        for a in listed:
+            if a in job and a not in self.pending and a not in self._refused and any(
+                    a not in t.addresses for t in self.strategy.tables):
+                changes.setdefault(a, "add")
         now = self._clock()
         known = getattr(self.strategy, "server_ids", {})   # address -> its process's id
         for address, what in changes.items():
+            self._refused.discard(address)
             self._told.pop(address, None)   # (a new change: say again what happens)
             self._tries.pop(address, None)
             if what == "remove":
@@ -165,6 +173,8 @@ class ServerFollower:
             self._finish(address)   # (the API did it meanwhile)
             return
         verb = "joined" if what == "add" else "left"
+        token, tls = getattr(self.strategy, "token", None), getattr(self.strategy, "tls", None)
+        ps_pool.servers().give([address, *(a for a in listed if a not in job)], token, tls)
         try:
             sid = ps_pool.client_for(address).server_info(timeout=self.probe_seconds).server_id
         except PSError as exc:
@@ -194,6 +204,7 @@ class ServerFollower:
         try:
             moves = (self._add if what == "add" else self._remove)(address)
         except (ValueError, elastic.MoveUndetermined) as exc:   # not again until the spec changes
+            self._refused.add(address)
             self._finish(address, logging.ERROR, (
                 f"parameter server {address} {verb} the cluster spec, but "
                 f"{'adding' if what == 'add' else 'draining'} it was refused: {exc}"

@@ -523,6 +523,9 @@ class ParameterServerStrategy:
         self._answered = True
 
     def _note_server(self, addr: str) -> None:   # (watched from now on: coordinator.recovery)
+        if addr not in self._ps:   # (added, or one a table's layout names: reached as the others)
+            self._ps += (addr,)
+            ps_pool.servers().give([addr], self.token, self.tls)
         if addr not in self.server_ids:
             self.server_ids[addr] = ps_pool.client_for(addr).server_info().server_id
 
@@ -538,8 +541,7 @@ class ParameterServerStrategy:
 
     def tables_on(self, addr: str) -> list[str]:
         """The dynamic tables with a shard on ``addr``."""
-        return [name for name, (_, creations) in self._table_creation.items()
-                if any(a == addr for a, _ in creations)]
+        return [name for name, (_, made) in self._table_creation.items() if addr in dict(made)]
 
     def recreate_tables(self, addr: str) -> None:
         """Create again, empty, the table shards on ``addr`` (a restore fills them)."""
@@ -569,8 +571,7 @@ class ParameterServerStrategy:
         elastic.check_remove(self, address)
         with elastic.LAYOUT_LOCK:
             moves = [elastic.drain_table(t, address, self.server_ids)
-                     for t in list(self._tables.values())
-                     if address in t.addresses]
+                     for t in list(self._tables.values()) if address in t.addresses]
             self._ps = tuple(a for a in self._ps if a != address)
             self.server_ids.pop(address, None)   # (not watched: it may stop)
             for name, (dim, creations) in self._table_creation.items():
@@ -581,8 +582,7 @@ class ParameterServerStrategy:
         elastic.check_add(self, address, probe=self.connect_timeout)
         with elastic.LAYOUT_LOCK:
             added, moves = address not in self._ps, []   # (not added: a failed add resumed)
-            self._ps += (address,) if added else ()
-            self._note_server(address)
+            self._note_server(address)   # (one of its servers from now on)
             try:
                 for table in [t for t in self._tables.values() if address not in t.addresses]:
                     dim, creations = self._table_creation[table.name]

@@ -454,3 +454,27 @@ def test_a_coordinator_made_again_adopts_a_table_with_a_capacity_whatever_its_sp
             (emb.layout_epoch, emb.buckets, emb.addresses)
         np.testing.assert_array_equal(emb2.lookup(keys, admit=False)[:, 0], -1.0)
         assert "emb" in again.tables_on(full.ps[2]) and full.ps[2] in again.server_ids
+        assert full.ps[2] in again.parameter_servers   # (a member: it can be drained)
+        with ClusterCoordinator(again) as coord:
+            coord.remove_parameter_server(full.ps[2])
+            assert emb2.addresses == tuple(a for a in emb.addresses if a != full.ps[2])
+            np.testing.assert_array_equal(emb2.lookup(keys, admit=False)[:, 0], -1.0)
+
+
+def test_a_server_added_is_reached_with_its_jobs_token_and_tls_whatever_else_runs_here():
+    """Another cluster in the process (its strategy made later sets the
+    process's default credentials): the server added to the first job is
+    reached with the first job's token and TLS, as its other servers are."""
+    from coordinator.cluster_spec import ClusterSpec
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        full = cluster.spec.cluster_spec()
+        first = ClusterSpec(ps=full.ps[:2], worker=full.worker, token=full.token, tls=full.tls)
+        strategy = ParameterServerStrategy(first)
+        emb = strategy.create_embedding_table("emb", 2, initializer="zeros")
+        keys = np.arange(3000, dtype=np.int64)
+        emb.lookup(keys)
+        with LocalCluster(num_ps=1, num_workers=0) as other:
+            ParameterServerStrategy(other.spec).create_variable("x", shape=(2,))
+            with ClusterCoordinator(strategy) as coord:
+                coord.add_parameter_server(full.ps[2])
+            assert emb.num_shards == 3 and _rows([full.ps[2]], "emb")[0] > 0

@@ -148,9 +148,42 @@ def test_a_server_the_file_names_another_way_is_neither_added_nor_drained(file_c
     want = emb.lookup(keys, admit=False)
     with ClusterCoordinator(strategy, elastic_servers=True, membership_interval=0.1) as coord:
         renamed = "localhost:" + ps[1].rsplit(":", 1)[1]
+        _until(lambda: coord._follower._seen is not None)   # (it saw the first names)
         _write(path, [ps[0], renamed], workers)
         _until(lambda: "names parameter server" in caplog.text and not coord._follower.pending)
         assert "(the same process, named another way)" in caplog.text
         assert strategy.parameter_servers == tuple(ps) and emb.addresses == tuple(ps)
         assert emb.layout_epoch == 0
         np.testing.assert_array_equal(emb.lookup(keys, admit=False), want)
+
+
+def test_a_coordinator_made_again_after_the_spec_grew_adopts_the_table_as_made(tmp_path,
+                                                                               monkeypatch):
+    """The table was made over 2 servers; the file then lists a third (the
+    ConfigMap's first step) and the coordinator is made again before any
+    move: the table is adopted over the 2 that hold it (not an even map over
+    3, which would look for half the keys where they never were), and the
+    following coordinator adds the third as it would have."""
+    with LocalCluster(num_ps=3, num_workers=1, tls=False) as cluster:
+        monkeypatch.setenv(TOKEN_ENV, cluster.token)
+        spec = cluster.spec.cluster_spec()
+        path = tmp_path / "tf_config.json"
+        _write(path, spec.ps[:2], spec.worker)
+        args = dict(initializer="zeros", optimizer="sgd",
+                    optimizer_params={"learning_rate": 1.0}, seed=5)
+        first = TFConfigClusterResolver(str(path))
+        from coordinator import ParameterServerStrategy
+        emb = ParameterServerStrategy(first).create_embedding_table("emb", 2, **args)
+        keys = np.arange(6000, dtype=np.int64)
+        emb.lookup(keys)
+        emb.push_gradient(keys, np.ones((keys.size, 2), np.float32))
+        _write(path, spec.ps, spec.worker)   # (a third listed)
+        again = ParameterServerStrategy(TFConfigClusterResolver(str(path)))
+        emb2 = again.create_embedding_table("emb", 2, **args)
+        assert emb2.addresses == tuple(spec.ps[:2]) and emb2.layout_epoch == 0
+        np.testing.assert_array_equal(emb2.lookup(keys, admit=False)[:, 0], -1.0)
+        assert ps_pool.client_for(spec.ps[2]).list_tables() == []
+        with ClusterCoordinator(again, elastic_servers=True, membership_interval=0.1) as coord:
+            _until(lambda: ("add", spec.ps[2]) in coord._follower.done)
+            assert emb2.addresses == tuple(spec.ps)
+            np.testing.assert_array_equal(emb2.lookup(keys, admit=False)[:, 0], -1.0)
