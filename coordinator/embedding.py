@@ -229,7 +229,7 @@ def make_shards(table: DynamicEmbedding, creations: list, parts: list, note_serv
         newest = layouts.newest(infos)
         if newest is not None:   # (a coordinator made again: the table as the moves left it)
             held = _held_by(table, newest, creations, held, note_server)
-        elif len(made) < len(creations):   # (adopted: as it was made)
+        elif 0 < len(made) < len(creations) and _made_over_fewer(table, creations, made, held):
             held, parts = _as_made(table, creations, made, held)
         if not (held == parts or (0 not in held and sum(held) == table.capacity)
                 or not (table.capacity or any(held))):   # (0: no limit, on every shard)
@@ -276,21 +276,45 @@ def _held_by(table: DynamicEmbedding, layout, creations: list, held: list,
     return [have[a] for a in layout.addresses]
 
 
+def _made_over_fewer(table: DynamicEmbedding, creations: list, made: list,
+                     held: list) -> bool:
+    """Whether a table no move changed, found on some of the spec's servers
+    and just made on the others (``made``), was made over those it was found
+    on: the cluster spec grew since (not: one of its servers lost its shard).
+    Only where the shards found say so: their capacities sum to the table's
+    (each holds its part of a table made over them), or their admission
+    seeds are ``seed * k + i`` of k servers with a seed other than 0. Else
+    (the default seed and no capacity: nothing tells) the table is taken
+    over every server, as always (a lost shard refilled by a checkpoint
+    restore; a spec that grew serves wrong rows: make the coordinator with
+    the spec the table was made over, then add the others)."""
+    found = [i for i in range(len(creations)) if i not in made]
+    if table.capacity:
+        parts = [held[i] for i in found]
+        return 0 not in parts and sum(parts) == table.capacity
+    base, k = int(creations[0][1]["initializer"].seed), len(found)
+    return base != 0 and sorted(int(creations[i][1]["seed"]) for i in found) == \
+        [base * k + i for i in range(k)]
+
+
 def _as_made(table: DynamicEmbedding, creations: list, made: list, held: list
              ) -> tuple[list, list]:
-    """A table no move changed, adopted: over the servers that hold it, in
-    the order it was made over them (each shard's admission seed is
-    ``seed * n + i``: sorted by it), not over the cluster spec's servers as
-    they are now (the spec grew, or was reordered, since: keys would be
-    looked for on shards that never held them). The shards this call made
-    on other servers are deleted (adding a server is add_parameter_server's,
-    or the follower's: coordinator/ps_follow.py). Returns (held, parts) of
-    the shards kept; ``creations`` and ``made`` are brought to them."""
+    """A table no move changed, made over fewer servers than the spec lists
+    now (_made_over_fewer), adopted over those, in the order it was made over
+    them (each shard's admission seed is ``seed * k + i``: sorted by it), not
+    over the spec's servers as they are now (keys would be looked for on
+    shards that never held them). The shards this call made on the others
+    are deleted (adding a server is add_parameter_server's, or the
+    follower's: coordinator/ps_follow.py). Returns (held, parts) of the
+    shards kept; ``creations`` and ``made`` are brought to them."""
     keep = sorted((i for i in range(len(creations)) if i not in made),
                   key=lambda i: creations[i][1]["seed"])
-    for i in made:
-        client_for(creations[i][0]).delete_table(table.name)
-    made.clear()
+    for i in list(made):
+        try:
+            client_for(creations[i][0]).delete_table(table.name)
+        except PSError:   # (an empty shard left behind: refuses nothing, holds nothing)
+            pass
+        made.remove(i)
     table.__dict__.update(addresses=tuple(creations[i][0] for i in keep),
                           buckets=BucketMap.even(len(keep)), origin_shards=len(keep))
     held = [held[i] for i in keep]

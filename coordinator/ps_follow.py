@@ -85,6 +85,7 @@ class ServerFollower:
         self._tries: dict[str, tuple[int, float]] = {}   # failed tries, not before
         self._told: dict[str, str] = {}   # address -> the last thing logged of it
         self._refused: set[str] = set()   # refused: not again until the spec changes for it
+        self._tables_seen: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -134,11 +135,15 @@ class ServerFollower:
             changes = {a: "add" for a in listed if a not in self._seen}
             changes.update({a: "remove" for a in self._seen if a not in listed})
         self._seen = listed
-        # a server of the job some table is not on yet (an add that failed part
-        # way; a table adopted over the servers it was made on): added, resumed
+        # a server of the job that a table new to the follower is not on (one a
+        # coordinator made again adopted over the servers it was made on, before
+        # the spec grew): added. (Tables seen before: only as the spec changes, so
+        # a drain by the API, under way or failed part way, is not undone.)
+        new = [t for t in self.strategy.tables if t.name not in self._tables_seen]
+        self._tables_seen.update(t.name for t in new)
         for a in listed:
             if a in job and a not in self.pending and a not in self._refused and any(
-                    a not in t.addresses for t in self.strategy.tables):
+                    a not in t.addresses for t in new):
                 changes.setdefault(a, "add")
         now = self._clock()
         known = getattr(self.strategy, "server_ids", {})   # address -> its process's id

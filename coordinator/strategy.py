@@ -582,8 +582,8 @@ class ParameterServerStrategy:
         elastic.check_add(self, address, probe=self.connect_timeout)
         with elastic.LAYOUT_LOCK:
             added, moves = address not in self._ps, []   # (not added: a failed add resumed)
-            self._note_server(address)   # (one of its servers from now on)
             try:
+                self._note_server(address)   # (one of its servers from now on)
                 for table in [t for t in self._tables.values() if address not in t.addresses]:
                     dim, creations = self._table_creation[table.name]
                     kw = dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
@@ -594,7 +594,7 @@ class ParameterServerStrategy:
                             self._table_creation[table.name] = (dim, creations + [(address, kw)])
             except BaseException:
                 if added and not any(address in t.addresses for t in self._tables.values()):
-                    self._ps = self._ps[:-1]   # nothing went there: the job as it was
+                    self._ps = tuple(a for a in self._ps if a != address)   # (as it was)
                     self.server_ids.pop(address, None)
                 raise
         return moves

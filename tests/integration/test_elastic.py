@@ -478,3 +478,27 @@ def test_a_server_added_is_reached_with_its_jobs_token_and_tls_whatever_else_run
             with ClusterCoordinator(strategy) as coord:
                 coord.add_parameter_server(full.ps[2])
             assert emb.num_shards == 3 and _rows([full.ps[2]], "emb")[0] > 0
+
+
+@pytest.mark.parametrize("seed, capacity", [(0, 0), (5, 0), (5, 9000)])
+def test_a_coordinator_made_again_after_a_shard_was_lost_keeps_the_others_where_they_are(
+        seed, capacity):
+    """The spec unchanged, one server's shard gone (it restarted empty while
+    no coordinator ran): the table made again is taken over every server as
+    it was made (that shard made again, empty, for a restore to refill), not
+    spread over the others, which would look for their rows elsewhere."""
+    args = dict(initializer="zeros", optimizer="sgd", optimizer_params=SGD1, seed=seed,
+                capacity=capacity)
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        emb = ParameterServerStrategy(cluster.spec).create_embedding_table("emb", 2, **args)
+        keys = np.arange(6000, dtype=np.int64)
+        emb.lookup(keys)
+        emb.push_gradient(keys, np.ones((keys.size, 2), np.float32))
+        ps_pool.client_for(emb.addresses[2]).delete_table("emb")   # (lost)
+        again = ParameterServerStrategy(cluster.spec)
+        emb2 = again.create_embedding_table("emb", 2, **args)
+        assert emb2.addresses == emb.addresses
+        got = emb2.lookup(keys, admit=False)[:, 0]
+        on_lost = emb.shard_of(keys) == 2
+        np.testing.assert_array_equal(got[~on_lost], -1.0)   # (where they were)
+        np.testing.assert_array_equal(got[on_lost], 0.0)     # (gone with the shard)
