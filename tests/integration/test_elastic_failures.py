@@ -167,10 +167,7 @@ def test_a_source_that_restarts_between_two_steps_of_an_add_moves_nothing(tmp_pa
                 coord.add_parameter_server(added)
             monkeypatch.undo()
             assert len(steps) == 1
-            deadline = time.monotonic() + 60
-            while coord.cluster.recovery.recoveries < 1:
-                assert time.monotonic() < deadline, "no recovery"
-                time.sleep(0.05)
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)   # (the watch)
             coord.join(timeout=60)
             # ps 0's part stands (moved before), ps 1's stayed and was refilled
             assert emb.num_shards == 3 and emb.addresses[2] == added
