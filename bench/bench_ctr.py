@@ -53,12 +53,13 @@ class OursCTR:
                                                       optimizer="sgd",
                                                       optimizer_params={"learning_rate": LR})
                           for n, v in ctr.dense_params(init_seed, tables).items()}
+        # the example's capacities (4M rows; per feature, a share by vocabulary)
         config = dict(optimizer="sgd", optimizer_params={"learning_rate": LR},
                       initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05,
-                                              seed=init_seed))
+                                              seed=init_seed), capacity=4_000_000)
         if tables == "per-feature":   # examples/ctr.py --tables per-feature: widths 4, 8, 16
             self.table = EmbeddingCollection(strategy, f"{prefix}/emb", ctr.feature_configs(
-                init_seed, LR, "sgd", min_count=1, capacity=0))
+                init_seed, LR, "sgd", min_count=1))
         else:
             self.table = strategy.create_embedding_table(f"{prefix}/emb", M.DIM, **config)
         self.coord = coord

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -87,17 +87,38 @@ def feature_salt(feature: str) -> np.int64:
     return mix64(np.frombuffer(digest, np.uint64))[0].view(np.int64)
 
 
-def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, tuple[dict, list]]:
-    """group label -> (create_embedding_table's arguments but capacity, its
-    features): features with equal dims and arguments share a group, whose
-    table is ``NAME/<label>``, the label being its first feature by name
-    (so a change of settings that keeps the grouping, a learning rate of
-    every feature, keeps the table's name: a restore or a restart finds it).
-    A function of the declarations alone, so a reader of a checkpoint finds
-    a feature's table without a cluster (``keys_in``)."""
+#: Narrower features join the widest table of their settings, padded to its
+#: width, while the padding costs at most this share of that table's rows
+#: (by capacity): one table instead of one per width.
+PAD_SHARE = 1 / 8
+
+
+class Group(NamedTuple):
+    """A group table: create_embedding_table's arguments but dim and
+    capacity, its features (in declaration order) and its width (the widest
+    feature's; a narrower feature's rows are its first ``dim`` columns)."""
+    args: dict
+    members: list
+    dim: int
+
+
+def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, Group]:
+    """group label -> Group: features whose arguments are equal but for
+    dim and capacity share a group, whose table is ``NAME/<label>``, the
+    label being its first feature by name (so a change of settings that
+    keeps the grouping, a learning rate of every feature, keeps the table's
+    name: a restore or a restart finds it). Features of the widest dim make
+    the group; narrower ones join it padded (their rows its first columns,
+    the rest zeros in every gradient: every optimizer is element-wise, so
+    the padding never changes a feature's values) while every feature
+    involved has a capacity and the padding, capacity times the missing
+    columns, stays within ``PAD_SHARE`` of the widest features' rows
+    (cheapest first); the others make a group per dim. A function of the
+    declarations alone, so a reader of a checkpoint finds a feature's
+    table without a cluster (``keys_in``)."""
     if not features:
         raise ValueError(f"embedding collection {name!r} has no features")
-    found: list[tuple[int, dict, list[str]]] = []
+    found: list[tuple[dict, dict[int, list[str]]]] = []   # args -> {dim: features}
     for feature, config in features.items():
         if not isinstance(config, EmbeddingConfig):
             raise TypeError(f"feature {feature!r}: an EmbeddingConfig, got {config!r}")
@@ -105,27 +126,64 @@ def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, tupl
             raise ValueError(f"feature {feature!r}: dim must be an int >= 1, got "
                              f"{config.dim!r}")
         args = config.table_args()
-        for dim, other, members in found:
-            if dim == config.dim and other == args:
-                members.append(feature)
+        for other, by_dim in found:
+            if other == args:
+                by_dim.setdefault(config.dim, []).append(feature)
                 break
         else:
-            found.append((config.dim, args, [feature]))
+            found.append((args, {config.dim: [feature]}))
     salts = [feature_salt(f) for f in features]
     if len(set(salts)) != len(salts):   # two names of one 64-bit hash: refuse, never mix
         raise ValueError(f"embedding collection {name!r}: two feature names hash alike; "
                          "rename one")
-    return {min(members): (args, members) for _, args, members in found}
+    order = {f: i for i, f in enumerate(features)}
+    out = {}
+    for args, by_dim in found:
+        for dim, members in _padded(by_dim, features).items():
+            members.sort(key=order.__getitem__)
+            out[min(members)] = Group(args, members, dim)
+    return out
+
+
+def _padded(by_dim: dict[int, list[str]], features: Mapping[str, EmbeddingConfig]
+            ) -> dict[int, list[str]]:
+    """Features of one set of arguments by dim -> by their table's width:
+    the narrower ones that fit groups()'s rule moved to the widest."""
+    wide = max(by_dim)
+    capacity = {f: features[f].capacity for fs in by_dim.values() for f in fs}
+    out = {dim: [] for dim in by_dim}
+    out[wide] = list(by_dim[wide])
+    budget = PAD_SHARE * wide * sum(capacity[f] for f in out[wide]) \
+        if all(capacity[f] > 0 for f in out[wide]) else 0
+    for cost, f, dim in sorted((capacity[f] * (wide - dim), f, dim)
+                               for dim, fs in by_dim.items() if dim != wide for f in fs):
+        if capacity[f] > 0 and cost <= budget:
+            budget -= cost
+            out[wide].append(f)
+        else:
+            out[dim].append(f)
+    return {dim: fs for dim, fs in out.items() if fs}
 
 
 def keys_in(name: str, features: Mapping[str, EmbeddingConfig], feature: str,
             keys) -> tuple[str, np.ndarray]:
     """(table name, keys there) of ``feature``'s ``keys``: where a checkpoint
-    or a serving copy holds their rows (``snapshot.lookup(*keys_in(...))``)."""
-    for label, (_, members) in groups(name, features).items():
-        if feature in members:
+    or a serving copy holds their rows (``snapshot.lookup(*keys_in(...))``),
+    the table's width (a feature padded into a wider table: its first
+    ``dim`` columns; ``lookup_in`` cuts them)."""
+    for label, group in groups(name, features).items():
+        if feature in group.members:
             return f"{name}/{label}", check_keys(keys) ^ feature_salt(feature)
     raise KeyError(f"embedding collection {name!r} has no feature {feature!r}")
+
+
+def lookup_in(reader, name: str, features: Mapping[str, EmbeddingConfig], feature: str,
+              ids) -> np.ndarray:
+    """``feature``'s rows of ``ids`` (ids.shape + (its dim,)) from a
+    checkpoint or a serving copy (``reader.lookup(table, keys)``), found
+    from the declarations alone (keys_in)."""
+    rows = reader.lookup(*keys_in(name, features, feature, ids))
+    return rows[..., :features[feature].dim]
 
 
 class EmbeddingCollection:
@@ -137,11 +195,12 @@ class EmbeddingCollection:
         self.name = name
         self.tables: dict[str, DynamicEmbedding] = {}   # group label -> its table
         self._where: dict[str, tuple[str, np.int64]] = {}   # feature -> (group, salt)
-        for label, (args, members) in groups(name, features).items():
+        made = groups(name, features)   # (features checked)
+        self._dims = {f: c.dim for f, c in features.items()}   # (a table may be wider)
+        for label, (args, members, dim) in made.items():
             caps = [features[f].capacity for f in members]
             self.tables[label] = strategy.create_embedding_table(
-                f"{name}/{label}", features[members[0]].dim,
-                capacity=0 if 0 in caps else sum(caps), **args)
+                f"{name}/{label}", dim, capacity=0 if 0 in caps else sum(caps), **args)
             for f in members:
                 self._where[f] = (label, feature_salt(f))
 
@@ -150,8 +209,14 @@ class EmbeddingCollection:
         return list(self._where)
 
     def table_of(self, feature: str) -> DynamicEmbedding:
-        """The table holding ``feature``'s rows (its group's)."""
+        """The table holding ``feature``'s rows (its group's; it may be wider:
+        the feature's rows are its first ``dim_of(feature)`` columns)."""
         return self.tables[self._group(feature)]
+
+    def dim_of(self, feature: str) -> int:
+        """``feature``'s width (its rows' and gradients' last dimension)."""
+        self._group(feature)
+        return self._dims[feature]
 
     def qualify(self, feature: str, keys) -> np.ndarray:
         """``feature``'s keys as its group's table holds them (int64)."""
@@ -190,6 +255,10 @@ class EmbeddingCollection:
         if len(labels) != 1:
             raise ValueError(f"columns() takes features of one group table; {list(features)} "
                              f"are in {sorted(labels)}: use lookup() with a dict")
+        narrow = [f for f in features if self._dims[f] != self.table_of(f).dim]
+        if narrow:
+            raise ValueError(f"columns() takes features as wide as their table; {narrow} are "
+                             "padded into a wider one: use lookup() with a dict")
         keys = check_keys(ids)
         if keys.ndim < 1 or keys.shape[-1] != len(features):
             raise ValueError(f"ids of shape {keys.shape} for {len(features)} features: the "
@@ -211,20 +280,25 @@ class EmbeddingCollection:
                                 f"ids), got {type(g).__name__}")
 
         def values(f: str, q: np.ndarray) -> np.ndarray:
-            v = np.asarray(grads[f].values)
-            dim = self.tables[self._group(f)].dim
-            if v.shape != q.shape + (dim,):
-                raise ValueError(f"feature {f!r}: gradient of shape {v.shape} for ids of shape "
-                                 f"{q.shape}; it must be ids.shape + (dim,) = "
-                                 f"{q.shape + (dim,)}")
-            return v.reshape(-1, dim)
+            return self._gradient_rows(f, grads[f].values, q.shape)
         out = []
         for label, members in self._by_group({f: g.indices for f, g in grads.items()},
                                              values).items():
             keys = np.concatenate([k.reshape(-1) for _, k, _ in members])
-            rows = np.concatenate([v for _, _, v in members])
-            out.append((self.tables[label], IndexedSlices(rows, keys)))
+            table = self.tables[label]
+            out.append((table, IndexedSlices(_stacked([v for *_, v in members], table.dim),
+                                             keys)))
         return out
+
+    def _gradient_rows(self, feature: str, values, shape: tuple) -> np.ndarray:
+        """``feature``'s gradient for ids of ``shape`` as rows (n, its dim),
+        checked: ValueError naming the feature."""
+        v, dim = np.asarray(values), self._dims[feature]
+        if v.shape != shape + (dim,):
+            raise ValueError(f"feature {feature!r}: gradient of shape {v.shape} for ids of "
+                             f"shape {shape}; it must be ids.shape + (dim,) = "
+                             f"{shape + (dim,)}")
+        return v.reshape(-1, dim)
 
     #: push_gradients expands ``(collection, {feature: IndexedSlices})`` with this.
     expand_push = gradients
@@ -330,7 +404,8 @@ class CollectionLookup:
         for (_, members), got in zip(self._groups, rows):
             at = 0
             for feature, q, shape in members:
-                mine = got[at:at + q.size].reshape(shape + got.shape[1:])
+                dim = self._collection._dims[feature]
+                mine = got[at:at + q.size, :dim].reshape(shape + (dim,))
                 out[feature] = mine if self._bags is None else \
                     self._bags[feature].pool(mine, self._pooling)
                 at += q.size
@@ -355,7 +430,7 @@ class CollectionLookup:
                 out[f] = IndexedSlices(g, looked[f] ^ salt[f])
                 continue
             b = self._bags[f]
-            dim = self._collection.table_of(f).dim
+            dim = self._collection.dim_of(f)
             if g.shape != (b.offsets.size, dim):
                 raise ValueError(f"feature {f!r}: gradient of shape {g.shape} for "
                                  f"{b.offsets.size} bags of dim {dim}")
@@ -367,18 +442,23 @@ class CollectionLookup:
     def _rows_gradients(self, grads: Mapping[str, Any]) -> list[tuple]:
         """gradients() of every feature looked up, per id: each group's rows in
         the order of its look-up's keys, which are the keys pushed."""
-        out = []
+        out, c = [], self._collection
         for (label, members), part in zip(self._groups, self.parts):
-            dim = self._collection.tables[label].dim
-            rows = []
-            for f, q, shape in members:
-                g = np.asarray(grads[f])
-                if g.shape != shape + (dim,):
-                    raise ValueError(f"feature {f!r}: gradient of shape {g.shape} for ids of "
-                                     f"shape {shape}; it must be ids.shape + (dim,) = "
-                                     f"{shape + (dim,)}")
-                rows.append(g.reshape(-1, dim))
-            out.append((self._collection.tables[label],
-                        IndexedSlices(rows[0] if len(rows) == 1 else np.concatenate(rows),
-                                      part.ids)))
+            table = c.tables[label]
+            rows = [c._gradient_rows(f, grads[f], shape) for f, _, shape in members]
+            out.append((table, IndexedSlices(_stacked(rows, table.dim), part.ids)))
         return out
+
+
+def _stacked(blocks: list[np.ndarray], width: int) -> np.ndarray:
+    """Row blocks (n_i, dim_i <= width) one after another as (sum n_i,
+    width): a narrower block's other columns zero (its feature is padded)."""
+    if all(b.shape[1] == width for b in blocks):
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+    out = np.zeros((sum(b.shape[0] for b in blocks), width),
+                   np.result_type(*(b.dtype for b in blocks)))
+    at = 0
+    for b in blocks:
+        out[at:at + b.shape[0], :b.shape[1]] = b
+        at += b.shape[0]
+    return out

@@ -78,7 +78,7 @@ from coordinator import (
     read_variables,
 )
 from coordinator import ctr_data as D
-from coordinator.embedding_collection import CollectionLookup, keys_in
+from coordinator.embedding_collection import CollectionLookup, lookup_in
 from coordinator.fit import fit
 from coordinator.local import description, plural, run_main
 from coordinator.replica import get_replica_context
@@ -228,7 +228,7 @@ def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "sha
     if tables != "per-feature":
         return lambda ids: reader.lookup(f"{prefix}/emb", ids)
     configs = feature_configs(seed, 0.1)
-    return lambda ids: [reader.lookup(*keys_in(f"{prefix}/emb", configs, f, ids[:, i]))
+    return lambda ids: [lookup_in(reader, f"{prefix}/emb", configs, f, ids[:, i])
                         for i, f in enumerate(FEATURES)]
 
 
