@@ -39,8 +39,10 @@ task its own process on 127.0.0.1):
   held-out AUC of each model after the run (the same held-out batches). A
   second variant of ours has a table per feature (an EmbeddingCollection of
   26, examples/ctr.py --tables per-feature: widths 4, 8 and 16 by
-  vocabulary, the narrower rows projected to 16), against TensorFlow's
-  model of the same widths and projections, and against the shared table.
+  vocabulary, the narrower rows projected to 16; capacities as the
+  example's, so one padded group table), against TensorFlow's model of the
+  same widths and projections, and against the shared table (4M rows at
+  most, as the example's).
 * (d) ``digits``, with ``--hosts`` only: every test host's link shaped to
   1 Gbit/s (tbf; plus 0.5 ms each way where the kernel has netem), an MLP
   64-1024-1024-10 (4.5 MB of float32 weights, about 3 ms of numpy per

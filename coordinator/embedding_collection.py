@@ -20,7 +20,13 @@ TorchRec's ``EmbeddingCollection`` of ``EmbeddingConfig``s, or one Keras
 
 How: features whose configurations are equal but for ``capacity`` share
 one dynamic table on the servers (a *group*, named ``NAME/<its first
-feature by name>``), and each feature's keys are qualified by the library:
+feature by name>``); so do narrower ones of the same settings, padded into
+the widest's table while every feature involved has a capacity and the
+padding costs at most ``PAD_SHARE`` (1/8) of the widest features' rows
+(``groups``: one table, so one look-up per server, instead of one per
+width; a padded feature's rows are the table's first ``dim`` columns, the
+others never read and zero in every gradient). Each feature's keys are
+qualified by the library:
 XORed with a 64-bit hash of the feature's name (``qualify``). That is a
 bijection per feature, so one feature's keys never collide with each other;
 two features' keys meet only where ``k1 ^ k2`` equals the XOR of their two
@@ -32,9 +38,10 @@ row gradients likewise. A group's capacity is the sum of its features'
 (0, unbounded, if any feature's is): rows are evicted over the group by its
 policy, whichever feature they belong to. Everything a dynamic table has,
 a group has: checkpoints, exports, replication, sync steps, the operator
-tools (which list the groups); ``keys_in`` finds a feature's rows in a
-checkpoint or a serving copy from the declarations alone
-(``snapshot.lookup(*keys_in("ctr", features, "user", ids))``).
+tools (which list the groups); ``lookup_in`` reads a feature's rows from a
+checkpoint or a serving copy, found from the declarations alone
+(``lookup_in(snapshot, "ctr", features, "user", ids)``; ``keys_in``: where
+they are).
 """
 from __future__ import annotations
 
