@@ -289,9 +289,8 @@ class EmbeddingCollection:
         def values(f: str, q: np.ndarray) -> np.ndarray:
             return self._gradient_rows(f, grads[f].values, q.shape)
         out = []
-        for label, members in self._by_group({f: g.indices for f, g in grads.items()},
-                                             values).items():
-            keys = np.concatenate([k.reshape(-1) for _, k, _ in members])
+        for label, (keys, members) in self._by_group({f: g.indices for f, g in grads.items()},
+                                                     values).items():
             table = self.tables[label]
             out.append((table, IndexedSlices(_stacked([v for *_, v in members], table.dim),
                                              keys)))
@@ -324,15 +323,25 @@ class EmbeddingCollection:
             raise KeyError(f"embedding collection {self.name!r} has no feature {feature!r}; "
                            f"it has {sorted(self._where)}") from None
 
-    def _by_group(self, ids: Mapping[str, Any], extra) -> dict[str, list[tuple]]:
-        """group label -> [(feature, its qualified keys, extra(feature, keys))]."""
+    def _by_group(self, ids: Mapping[str, Any], extra) -> dict[str, tuple]:
+        """group label -> (its features' qualified keys one after another,
+        [(feature, its qualified keys: a view of those, extra(feature, keys))])."""
         if not ids:
             raise ValueError("no features given")
-        out: dict[str, list[tuple]] = {}
+        given: dict[str, list[tuple]] = {}
         for feature, keys in ids.items():
-            label = self._group(feature)
-            q = self.qualify(feature, keys)
-            out.setdefault(label, []).append((feature, q, extra(feature, q)))
+            given.setdefault(self._group(feature), []).append((feature, check_keys(keys)))
+        out = {}
+        for label, members in given.items():   # qualified in one pass (a copy: theirs kept)
+            flat = np.concatenate([k.reshape(-1) for _, k in members]) ^ np.repeat(
+                np.array([self._where[f][1] for f, _ in members], np.int64),
+                [k.size for _, k in members])
+            at, views = 0, []
+            for feature, k in members:
+                q = flat[at:at + k.size].reshape(k.shape)
+                views.append((feature, q, extra(feature, q)))
+                at += k.size
+            out[label] = (flat, views)
         return out
 
 
@@ -397,14 +406,13 @@ class CollectionLookup:
     Lookup per group table (its features' qualified keys in one array), and
     ``fold`` (their rows -> {feature: rows}, pooled per bag with ``pooling``)."""
 
-    def __init__(self, collection: EmbeddingCollection, groups: dict[str, list[tuple]],
+    def __init__(self, collection: EmbeddingCollection, groups: dict[str, tuple],
                  admit: bool, bags: "dict[str, Bags] | None" = None,
                  pooling: str | None = None):
         self._collection, self._bags, self._pooling = collection, bags, pooling
-        self._groups = list(groups.items())
-        self.parts = [Lookup(collection.tables[label],
-                             np.concatenate([q.reshape(-1) for _, q, _ in members]), admit)
-                      for label, members in self._groups]
+        self._groups = [(label, members) for label, (_, members) in groups.items()]
+        self.parts = [Lookup(collection.tables[label], keys, admit)
+                      for label, (keys, _) in groups.items()]
 
     def fold(self, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
         out = {}
@@ -462,10 +470,13 @@ def _stacked(blocks: list[np.ndarray], width: int) -> np.ndarray:
     width): a narrower block's other columns zero (its feature is padded)."""
     if all(b.shape[1] == width for b in blocks):
         return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-    out = np.zeros((sum(b.shape[0] for b in blocks), width),
+    out = np.empty((sum(b.shape[0] for b in blocks), width),
                    np.result_type(*(b.dtype for b in blocks)))
     at = 0
     for b in blocks:
-        out[at:at + b.shape[0], :b.shape[1]] = b
-        at += b.shape[0]
+        n, dim = b.shape
+        out[at:at + n, :dim] = b
+        if dim < width:
+            out[at:at + n, dim:] = 0
+        at += n
     return out
