@@ -238,9 +238,10 @@ class ClusterCoordinator:
         step whose replicas differ (a worker restarted) makes the
         coordinator do this by itself (ReplicasDisagree: the ring is
         re-formed, coordinator/gang.py). Returns the source's address."""
+        from coordinator import mirrored
         variables, source = self._replica_source(variables, source, timeout)
-        self.set_replicas(self.replica_states(variables, source, timeout=timeout), variables,
-                          timeout=timeout, skip=source)
+        states = self._cluster.run_on(source, mirrored.whole_state, (variables, True), timeout)
+        self.set_replicas(states, variables, timeout=timeout, skip=source)
         return source
 
     def _mirrored(self, variables) -> list:

@@ -326,7 +326,7 @@ class Gangs:
         that have them (one that stopped answering meanwhile is left out)."""
         from coordinator import mirrored
         c, variables = self.cluster, self.cluster.strategy.mirrored_variables
-        states = c.run_on(source, mirrored.whole_state, (variables,))
+        states = c.run_on(source, mirrored.whole_state, (variables, True))
         kept = []
         for a in members:
             try:

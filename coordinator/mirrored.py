@@ -30,12 +30,22 @@ worker with InvalidArgument, and nothing is applied anywhere: a stale
 replica is never averaged in. Non-finite averages are refused alike on
 every worker (the same bits everywhere decide it).
 
+A step run again (its closures failed as lost: a member gone, or every
+reply of the step lost after its workers applied it) applies no push twice:
+every replica remembers the last APPLIED_KEPT pushes it applied, by (step,
+push of the step), copied with it when the replicas are made one, and a
+push its replicas applied already is skipped on every member alike (the
+same replicas decide it). Its table rows on the parameter servers carry
+update keys derived from the job, the step and the replica
+(psworker/worker.py: ``update_key_scope``), so a server drops a resend.
+
 Replicas live in the worker process (``_REPLICAS``), by the strategy's job
 id and the variable's name: a second job on the same workers has replicas
 of its own.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 from typing import Mapping, Sequence
@@ -48,6 +58,10 @@ from psserver.contract import optimizers as optim
 from psserver.contract.initializers import make_initial_value
 from psserver.contract.tensor import all_finite
 from psserver.errors import FailedPrecondition, InvalidArgument, PSError
+
+#: Pushes a replica remembers having applied, by (step, push of the step): a
+#: step run again within this many later pushes skips what it applied.
+APPLIED_KEPT = 1024
 
 
 class AllReduceFailed(RuntimeError):
@@ -165,6 +179,7 @@ class _Replica:
         self.optimizer = optim.make_optimizer(var.optimizer, var.optimizer_params)
         self.slots = self.optimizer.create_slots(self.value)
         self.version = 0
+        self.applied: collections.deque = collections.deque(maxlen=APPLIED_KEPT)  # (step, push)
         self.lock = threading.Lock()
 
 
@@ -211,25 +226,33 @@ def versions(variables: Sequence[MirroredVariable]) -> dict[str, int]:
     return {n: k for n, (_, k) in values(variables).items()}
 
 
-def whole_state(variables: Sequence[MirroredVariable]) -> dict[str, tuple]:
-    """name -> (value, slots, version) of this worker's replicas (copies): what
-    ClusterCoordinator.sync_replicas takes from its source worker."""
+def whole_state(variables: Sequence[MirroredVariable],
+                with_applied: bool = False) -> dict[str, tuple]:
+    """name -> (value, slots, version) of this worker's replicas (copies):
+    what a checkpoint holds; ``with_applied``: and the (step, push) of the
+    pushes they applied, which ClusterCoordinator.sync_replicas and a
+    re-forming copy from their source worker."""
     values(variables)   # (FailedPrecondition where a replica is missing)
     out = {}
     for v in variables:
         r = replica(v)
         with r.lock:
             out[v.name] = (r.value.copy(), {k: a.copy() for k, a in r.slots.items()},
-                           r.version)
+                           r.version) + ((list(r.applied),) if with_applied else ())
     return out
 
 
 def set_state(variables: Sequence[MirroredVariable], states: Mapping[str, tuple]) -> None:
-    """Make this worker's replicas ``states`` (whole_state's), checked first:
-    what ClusterCoordinator.sync_replicas runs on the other workers."""
+    """Make this worker's replicas ``states`` (whole_state's; without the
+    pushes applied, a checkpoint's, none), checked first: what
+    ClusterCoordinator.sync_replicas runs on the other workers."""
     checked = []
     for v in variables:
-        value, slots, version = states[v.name]
+        value, slots, version, *rest = states[v.name]
+        applied = list(rest[0]) if rest else []
+        if len(rest) > 1 or not all(isinstance(a, (tuple, list)) and len(a) == 2 and all(
+                isinstance(x, int) and x >= 0 for x in a) for a in applied):
+            raise InvalidArgument(f"the state given for {v.name!r} does not fit it")
         value = np.asarray(value)
         fresh = optim.make_optimizer(v.optimizer, v.optimizer_params).create_slots(
             np.asarray(v.initial_value))
@@ -238,11 +261,12 @@ def set_state(variables: Sequence[MirroredVariable], states: Mapping[str, tuple]
                 for k, a in fresh.items()) or not isinstance(version, int) or version < 0:
             raise InvalidArgument(f"the state given for {v.name!r} does not fit it")
         checked.append((v, np.array(value, order="C"),
-                        {k: np.array(a, order="C") for k, a in slots.items()}, version))
-    for v, value, slots, version in checked:
+                        {k: np.array(a, order="C") for k, a in slots.items()}, version,
+                        collections.deque(map(tuple, applied), maxlen=APPLIED_KEPT)))
+    for v, value, slots, version, applied in checked:
         r = replica(v)
         with r.lock:
-            r.value, r.slots, r.version = value, slots, version
+            r.value, r.slots, r.version, r.applied = value, slots, version, applied
 
 
 def read_among(variables: Sequence, with_versions: bool, read_rest):
@@ -305,7 +329,14 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
     if len(set(names)) != len(names):
         raise ValueError(f"a variable is pushed twice in one call: {sorted(names)}")
     # Each push of a step is a group of its own (a step may push more than once).
-    group_name = f"{spec.group}/push-{_next_push(spec)}"
+    push = _next_push(spec)
+    done = [(spec.step, push) in replica(v).applied for v, _ in pairs]
+    if all(done):   # the step run again: this push applied already (the same on every member)
+        return
+    if any(done):
+        raise ValueError(f"push {push} of all-reduce step {spec.step}, run again, pushes other "
+                         f"variables than its first run did: {sorted(names)}")
+    group_name = f"{spec.group}/push-{push}"
     with CollectiveGroup(group_name, spec.members, spec.rank, timeout=spec.timeout) as group:
         try:
             grads, reps = [], []
@@ -360,6 +391,7 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
         with r.lock:
             r.optimizer.apply_dense(r.value, r.slots, g)
             r.version += 1
+            r.applied.append((spec.step, push))
             if v.name in reads:   # (a later push of this step builds on this one)
                 reads[v.name] = r.version
 

@@ -222,15 +222,17 @@ def check_assignments(assignments: Sequence[worker_pb2.BatchAssignment]) -> None
 
 
 @contextlib.contextmanager
-def batch_scope(assignments: Sequence[worker_pb2.BatchAssignment]):
+def batch_scope(assignments: Sequence[worker_pb2.BatchAssignment],
+                fallback: bytes | None = None):
     """Run the body (a closure on a worker) with its batches bound: next()
     on their iterators reads them, and with an exactly-once batch its pushes
     carry update keys derived from the batches (calls.update_key_scope;
-    without one, random keys)."""
+    without one, from ``fallback``: an all-reduce step's replica; else
+    random keys)."""
     bound = {a.dataset_id: Batch(a.epoch, a.shard, a.start, a.count) for a in assignments}
     once = sorted(a.dataset_id for a in assignments if a.exactly_once)
     seed = "|".join(f"{d}/{bound[d].epoch}/{bound[d].shard}/{bound[d].start}"
-                    for d in once).encode() or None
+                    for d in once).encode() or fallback
     previous = getattr(_step, "bound", None)
     _step.bound = (bound, set())
     try:

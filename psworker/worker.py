@@ -177,8 +177,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         m, outcome, start = self.metrics, "error", time.perf_counter()
         if m is not None:
             m.running.inc()
+        # An all-reduce step's pushes to parameter servers: keys of (job, step,
+        # replica), so its run again is dropped where the first was applied.
+        again = None if collective is None else \
+            f"allreduce/{collective.job}/{collective.step}/{collective.rank}".encode()
         try:
-            with replica_scope(sync, collective), sources.batch_scope(request.batches):
+            with replica_scope(sync, collective), sources.batch_scope(request.batches, again):
                 result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
