@@ -45,7 +45,7 @@ class OursCTR:
     (e) workload of bench/suite.py."""
 
     def __init__(self, strategy, coord, n_batches: int, prefix: str = "ctr",
-                 tables: str = "shared", init_seed: int = SEED):
+                 tables: str = "shared", init_seed: int = SEED, capacity: int = 4_000_000):
         from coordinator import EmbeddingCollection, Initializer
         from examples import ctr
         from examples import dlrm as M
@@ -53,13 +53,14 @@ class OursCTR:
                                                       optimizer="sgd",
                                                       optimizer_params={"learning_rate": LR})
                           for n, v in ctr.dense_params(init_seed, tables).items()}
-        # the example's capacities (4M rows; per feature, a share by vocabulary)
+        # the example's capacities (4M rows; per feature, a share by vocabulary);
+        # ``capacity=0``: unbounded (per feature too: nothing padded then)
         config = dict(optimizer="sgd", optimizer_params={"learning_rate": LR},
                       initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05,
-                                              seed=init_seed), capacity=4_000_000)
+                                              seed=init_seed), capacity=capacity)
         if tables == "per-feature":   # examples/ctr.py --tables per-feature: widths 4, 8, 16
             self.table = EmbeddingCollection(strategy, f"{prefix}/emb", ctr.feature_configs(
-                init_seed, LR, "sgd", min_count=1))
+                init_seed, LR, "sgd", min_count=1, **({} if capacity else {"capacity": 0})))
         else:
             self.table = strategy.create_embedding_table(f"{prefix}/emb", M.DIM, **config)
         self.coord = coord

@@ -50,7 +50,7 @@ def one_run(rows: int, steps: int, add: bool, placement=None) -> dict:
     with LocalCluster(num_ps=2, num_workers=2, placement=placement) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
         with ClusterCoordinator(strategy) as coord:
-            w = OursCTR(strategy, coord, 60)
+            w = OursCTR(strategy, coord, 60, capacity=0)   # (--rows may pass 4M)
             for lo in range(0, rows, FILL_CHUNK):   # keys the data never has (1 << 62 on)
                 w.table.lookup((1 << 62) + np.arange(lo, min(rows, lo + FILL_CHUNK)))
             w.run(20)   # warm-up

@@ -21,12 +21,14 @@ TorchRec's ``EmbeddingCollection`` of ``EmbeddingConfig``s, or one Keras
 How: features whose configurations are equal but for ``capacity`` share
 one dynamic table on the servers (a *group*, named ``NAME/<its first
 feature by name>``); so do narrower ones of the same settings, padded into
-the widest's table while every feature involved has a capacity and the
-padding costs at most ``PAD_SHARE`` (1/8) of the widest features' rows
-(``groups``: one table, so one look-up per server, instead of one per
-width; a padded feature's rows are the table's first ``dim`` columns, the
-others never read and zero in every gradient). Each feature's keys are
-qualified by the library:
+the widest's table (named ``<first>.pad<dim>-<hash of its features>``)
+where that changes no value (element-wise optimizers without a step
+count, initializers whose first columns do not depend on the width), every
+feature involved has a capacity and the padding costs at most
+``PAD_SHARE`` (1/8) of the widest features' rows (``groups``: one table,
+so one look-up per server, instead of one per width; a padded feature's
+rows are the table's first ``dim`` columns, the others never read and
+zero in every gradient). Each feature's keys are qualified by the library:
 XORed with a 64-bit hash of the feature's name (``qualify``). That is a
 bijection per feature, so one feature's keys never collide with each other;
 two features' keys meet only where ``k1 ^ k2`` equals the XOR of their two
@@ -40,8 +42,8 @@ policy, whichever feature they belong to. Everything a dynamic table has,
 a group has: checkpoints, exports, replication, sync steps, the operator
 tools (which list the groups); ``lookup_in`` reads a feature's rows from a
 checkpoint or a serving copy, found from the declarations alone
-(``lookup_in(snapshot, "ctr", features, "user", ids)``; ``keys_in``: where
-they are).
+(``lookup_in(snapshot, "ctr", features, "user", ids)``; ``where`` and
+``keys_in``: where they are).
 """
 from __future__ import annotations
 
@@ -98,6 +100,14 @@ def feature_salt(feature: str) -> np.int64:
 #: width, while the padding costs at most this share of that table's rows
 #: (by capacity): one table instead of one per width.
 PAD_SHARE = 1 / 8
+#: Settings under which a padded feature trains exactly as in a table of its
+#: own width: optimizers whose update of an element depends on that element
+#: alone and has no step count (a zero gradient leaves it as it is: Adam
+#: counts the table's steps, FTRL divides 0 by 0 at a zero accumulator),
+#: initializers whose first columns do not depend on the width (a normal's
+#: pairs do), and no age in table steps.
+PADDED_OPTIMIZERS = ("sgd", "momentum", "adagrad")
+PADDED_INITIALIZERS = ("zeros", "ones", "constant", "random_uniform")
 
 
 class Group(NamedTuple):
@@ -111,17 +121,22 @@ class Group(NamedTuple):
 
 def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, Group]:
     """group label -> Group: features whose arguments are equal but for
-    dim and capacity share a group, whose table is ``NAME/<label>``, the
-    label being its first feature by name (so a change of settings that
-    keeps the grouping, a learning rate of every feature, keeps the table's
-    name: a restore or a restart finds it). Features of the widest dim make
-    the group; narrower ones join it padded (their rows its first columns,
-    the rest zeros in every gradient: every optimizer is element-wise, so
-    the padding never changes a feature's values) while every feature
-    involved has a capacity and the padding, capacity times the missing
-    columns, stays within ``PAD_SHARE`` of the widest features' rows
-    (cheapest first); the others make a group per dim. A function of the
-    declarations alone, so a reader of a checkpoint finds a feature's
+    capacity share a group, whose table is ``NAME/<label>``, the label being
+    its first feature by name (so a change of settings that keeps the
+    grouping, a learning rate of every feature, keeps the table's name: a
+    restore or a restart finds it). Features of the widest dim of such
+    settings take narrower ones into their group, padded (their rows the
+    table's first columns, zero gradients for the others), where the
+    settings are PADDED_OPTIMIZERS', PADDED_INITIALIZERS' and without
+    max_age_steps (so a padded feature trains exactly as in a table of its
+    width), every feature involved has a capacity, and the padding
+    (capacity times the missing columns, cheapest first) stays within
+    ``PAD_SHARE`` of the widest features' rows; the others make a group per
+    dim. A padded group's label also names its width and features
+    (``<first>.pad<dim>-<hash>``), so a checkpoint or a reader of other
+    declarations (a capacity that moved a feature in or out) finds no table
+    of that name rather than one without the feature's rows. A function of
+    the declarations alone: a reader of a checkpoint finds a feature's
     table without a cluster (``keys_in``)."""
     if not features:
         raise ValueError(f"embedding collection {name!r} has no features")
@@ -146,10 +161,20 @@ def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, Grou
     order = {f: i for i, f in enumerate(features)}
     out = {}
     for args, by_dim in found:
-        for dim, members in _padded(by_dim, features).items():
-            members.sort(key=order.__getitem__)
-            out[min(members)] = Group(args, members, dim)
+        for dim, members in (_padded(by_dim, features) if _paddable(args) else by_dim).items():
+            members = sorted(members, key=order.__getitem__)
+            label = min(members)
+            if any(features[f].dim != dim for f in members):
+                digest = hashlib.blake2b(repr(sorted((f, features[f].dim) for f in members))
+                                         .encode(), digest_size=4).hexdigest()
+                label = f"{label}.pad{dim}-{digest}"
+            out[label] = Group(args, members, dim)
     return out
+
+
+def _paddable(args: dict) -> bool:
+    return args["optimizer"].strip().lower() in PADDED_OPTIMIZERS and \
+        args["initializer"].kind in PADDED_INITIALIZERS and not args["max_age_steps"]
 
 
 def _padded(by_dim: dict[int, list[str]], features: Mapping[str, EmbeddingConfig]
@@ -172,16 +197,26 @@ def _padded(by_dim: dict[int, list[str]], features: Mapping[str, EmbeddingConfig
     return {dim: fs for dim, fs in out.items() if fs}
 
 
+def where(name: str, features: Mapping[str, EmbeddingConfig]
+          ) -> dict[str, tuple[str, np.int64, int]]:
+    """feature -> (its table's name, the salt its keys are XORed with there,
+    its width): where a checkpoint or a serving copy holds each feature's
+    rows (the first ``width`` columns of the table's), from the declarations
+    alone. Work it out once for many look-ups (``lookup_in`` does it each call)."""
+    return {f: (f"{name}/{label}", feature_salt(f), features[f].dim)
+            for label, group in groups(name, features).items() for f in group.members}
+
+
 def keys_in(name: str, features: Mapping[str, EmbeddingConfig], feature: str,
             keys) -> tuple[str, np.ndarray]:
     """(table name, keys there) of ``feature``'s ``keys``: where a checkpoint
     or a serving copy holds their rows (``snapshot.lookup(*keys_in(...))``),
     the table's width (a feature padded into a wider table: its first
     ``dim`` columns; ``lookup_in`` cuts them)."""
-    for label, group in groups(name, features).items():
-        if feature in group.members:
-            return f"{name}/{label}", check_keys(keys) ^ feature_salt(feature)
-    raise KeyError(f"embedding collection {name!r} has no feature {feature!r}")
+    found = where(name, features).get(feature)
+    if found is None:
+        raise KeyError(f"embedding collection {name!r} has no feature {feature!r}")
+    return found[0], check_keys(keys) ^ found[1]
 
 
 def lookup_in(reader, name: str, features: Mapping[str, EmbeddingConfig], feature: str,

@@ -78,7 +78,7 @@ from coordinator import (
     read_variables,
 )
 from coordinator import ctr_data as D
-from coordinator.embedding_collection import CollectionLookup, lookup_in
+from coordinator.embedding_collection import CollectionLookup, where
 from coordinator.fit import fit
 from coordinator.local import description, plural, run_main
 from coordinator.replica import get_replica_context
@@ -130,8 +130,9 @@ def feature_configs(seed: int, lr: float, optimizer: str = "adagrad",
                     **extra) -> dict:
     """``--tables per-feature``: a table per feature (an EmbeddingCollection)
     of its FEATURE_DIMS width, each as the shared table is made but with a
-    share of its 4M rows by the feature's vocabulary (features of one width
-    share a group table on the servers: coordinator/embedding_collection.py).
+    share of its 4M rows by the feature's vocabulary (on the servers one
+    group table, the narrower features padded to 16:
+    coordinator/embedding_collection.py).
     ``extra``: other EmbeddingConfig fields (bench/bench_ctr.py's)."""
     init = Initializer(kind="random_uniform", minval=-0.05, maxval=0.05, seed=seed)
     args = dict(seed=seed, optimizer=optimizer, initializer=init,
@@ -227,8 +228,8 @@ def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "sha
     rate: all features share it)."""
     if tables != "per-feature":
         return lambda ids: reader.lookup(f"{prefix}/emb", ids)
-    configs = feature_configs(seed, 0.1)
-    return lambda ids: [lookup_in(reader, f"{prefix}/emb", configs, f, ids[:, i])
+    at = where(f"{prefix}/emb", feature_configs(seed, 0.1))   # (once: not per batch)
+    return lambda ids: [reader.lookup(at[f][0], ids[:, i] ^ at[f][1])[..., :at[f][2]]
                         for i, f in enumerate(FEATURES)]
 
 
