@@ -54,7 +54,8 @@ class OursCTR:
                                                       optimizer_params={"learning_rate": LR})
                           for n, v in ctr.dense_params(init_seed, tables).items()}
         # the example's capacities (4M rows; per feature, a share by vocabulary);
-        # ``capacity=0``: unbounded (per feature too: nothing padded then)
+        # ``capacity=0``: unbounded (per feature too: nothing padded then); another
+        # capacity bounds the shared table only
         config = dict(optimizer="sgd", optimizer_params={"learning_rate": LR},
                       initializer=Initializer(kind="random_uniform", minval=-0.05, maxval=0.05,
                                               seed=init_seed), capacity=capacity)

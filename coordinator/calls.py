@@ -21,8 +21,8 @@ class _DerivedKeys:
     exactly-once batch, coordinator/sharded.py): the n-th key asked for
     ``label`` (a variable shard, a table shard) is a hash of (seed, label, n)."""
 
-    def __init__(self, seed: bytes):
-        self.seed = seed
+    def __init__(self, seed: bytes, from_batch: bool = True):
+        self.seed, self.from_batch = seed, from_batch
         self._counts: dict[str, int] = {}
 
     def next(self, label: str) -> int:
@@ -36,25 +36,27 @@ class _DerivedKeys:
 
 
 @contextlib.contextmanager
-def update_key_scope(seed: bytes | None):
+def update_key_scope(seed: bytes | None, from_batch: bool = True):
     """Inside the body, on this thread, ``new_update_id(label)`` derives its
     keys from ``seed`` (None: random keys, as outside any scope). A step run
     twice in scopes of the same seed, making the same pushes in the same
     order per label, sends the same keys both times: a parameter server that
     applied one drops the other (it remembers the keys of its last
-    APPLIED_IDS_KEPT updates per shard, psserver/core/replication.py)."""
+    APPLIED_IDS_KEPT updates per shard, psserver/core/replication.py).
+    ``from_batch``: the seed names an exactly-once batch (whose every run
+    sends the same data), not a step's run on a worker."""
     previous = getattr(_keys, "scope", None)
-    _keys.scope = None if seed is None else _DerivedKeys(seed)
+    _keys.scope = None if seed is None else _DerivedKeys(seed, from_batch)
     try:
         yield
     finally:
         _keys.scope = previous
 
 
-def keys_derived() -> bool:
-    """Whether this thread's update keys are derived (inside update_key_scope
-    of a seed: an exactly-once batch), so a step run again sends the same."""
-    return getattr(_keys, "scope", None) is not None
+def keys_from_batch() -> bool:
+    """Whether they are derived from an exactly-once batch (the same data
+    whichever run sends them)."""
+    return getattr(getattr(_keys, "scope", None), "from_batch", False)
 
 
 def new_update_id(label: str = "") -> int:

@@ -34,10 +34,11 @@ A step run again (its closures failed as lost: a member gone, or every
 reply of the step lost after its workers applied it) applies no push twice:
 every replica remembers the last APPLIED_KEPT pushes it applied, by (step,
 push of the step), copied with it when the replicas are made one, and a
-push its replicas applied already is skipped on every member alike (the
-same replicas decide it). Its table rows on the parameter servers carry
-update keys derived from the job, the step and the replica
-(psworker/worker.py: ``update_key_scope``), so a server drops a resend.
+push its replicas applied already is applied nowhere: the members agree on
+that in the push's all-reduce (one element, the decision in ``agree``). Its
+table rows on the parameter servers carry update keys derived from the
+job, the step and the worker (psworker/worker.py: ``update_key_scope``), so
+a server drops what the same worker sent in the step's first run.
 
 Replicas live in the worker process (``_REPLICAS``), by the strategy's job
 id and the variable's name: a second job on the same workers has replicas
@@ -171,6 +172,30 @@ def create(job: str, name: str, shape, dtype, initial_value, initializer: Initia
                             optimizer, optimizer_params, allow_nonfinite)
 
 
+class _Applied:
+    """The (step, push) of the last APPLIED_KEPT pushes a replica applied:
+    a set to ask, their order to forget the oldest."""
+
+    def __init__(self, pairs=()):
+        self._order: collections.deque = collections.deque()
+        self._set: set = set()
+        for p in pairs:
+            self.add(p)
+
+    def __contains__(self, pair) -> bool:
+        return pair in self._set
+
+    def __iter__(self):
+        return iter(self._order)
+
+    def add(self, pair: tuple) -> None:
+        if pair not in self._set:
+            self._order.append(pair)
+            self._set.add(pair)
+            if len(self._order) > APPLIED_KEPT:
+                self._set.discard(self._order.popleft())
+
+
 class _Replica:
     """This worker's copy of a mirrored variable: value, slots, updates applied."""
 
@@ -179,7 +204,7 @@ class _Replica:
         self.optimizer = optim.make_optimizer(var.optimizer, var.optimizer_params)
         self.slots = self.optimizer.create_slots(self.value)
         self.version = 0
-        self.applied: collections.deque = collections.deque(maxlen=APPLIED_KEPT)  # (step, push)
+        self.applied = _Applied()
         self.lock = threading.Lock()
 
 
@@ -262,7 +287,7 @@ def set_state(variables: Sequence[MirroredVariable], states: Mapping[str, tuple]
             raise InvalidArgument(f"the state given for {v.name!r} does not fit it")
         checked.append((v, np.array(value, order="C"),
                         {k: np.array(a, order="C") for k, a in slots.items()}, version,
-                        collections.deque(map(tuple, applied), maxlen=APPLIED_KEPT)))
+                        _Applied(map(tuple, applied))))
     for v, value, slots, version, applied in checked:
         r = replica(v)
         with r.lock:
@@ -331,11 +356,14 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
     # Each push of a step is a group of its own (a step may push more than once).
     push = _next_push(spec)
     done = [(spec.step, push) in replica(v).applied for v, _ in pairs]
-    if all(done):   # the step run again: this push applied already (the same on every member)
-        return
-    if any(done):
+    if any(done) and not all(done):
         raise ValueError(f"push {push} of all-reduce step {spec.step}, run again, pushes other "
                          f"variables than its first run did: {sorted(names)}")
+    # The step run again and this push applied already: nothing is applied,
+    # and the members agree on that first (one element all-reduced, the
+    # decision in the agreement: a member that decided otherwise, its
+    # replicas not those of the others, makes the step fail on all).
+    skip = all(done)
     group_name = f"{spec.group}/push-{push}"
     with CollectiveGroup(group_name, spec.members, spec.rank, timeout=spec.timeout) as group:
         try:
@@ -359,11 +387,12 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
             group.abort(f"{type(exc).__name__}: {exc}")
             raise
         versions = [r.version for r in reps]
-        agree = hashlib.blake2b(repr((spec.job, names, versions)).encode(),
-                                digest_size=16).digest()
+        agree = hashlib.blake2b(repr((spec.job, names, versions) + (("applied",) if skip else ()))
+                                .encode(), digest_size=16).digest()
         try:
-            mean = group.all_reduce_many(grads, average=not spec.sum,
-                                         compression=spec.compression, agree=agree)
+            mean = group.all_reduce_many([np.zeros(1, np.float32)] if skip else grads,
+                                         average=not spec.sum, compression=spec.compression,
+                                         agree=agree)
         except InvalidArgument as exc:   # (a member out of step: the ring is re-formed)
             from coordinator.gang import MAX_ATTEMPTS
             raise ReplicasDisagree(
@@ -381,6 +410,8 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
                 "another's step failed: the coordinator re-forms the ring from the workers "
                 "that answer, makes their replicas one and runs the step again (or fails "
                 "the job with that other worker's error)") from None
+    if skip:
+        return
     bad = [v.name for (v, _), g in zip(pairs, mean) if not v.allow_nonfinite
            and not all_finite(g)]
     if bad:   # (the same bits on every worker: refused on every one alike)
@@ -391,7 +422,7 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
         with r.lock:
             r.optimizer.apply_dense(r.value, r.slots, g)
             r.version += 1
-            r.applied.append((spec.step, push))
+            r.applied.add((spec.step, push))
             if v.name in reads:   # (a later push of this step builds on this one)
                 reads[v.name] = r.version
 

@@ -232,11 +232,11 @@ def batch_scope(assignments: Sequence[worker_pb2.BatchAssignment],
     bound = {a.dataset_id: Batch(a.epoch, a.shard, a.start, a.count) for a in assignments}
     once = sorted(a.dataset_id for a in assignments if a.exactly_once)
     seed = "|".join(f"{d}/{bound[d].epoch}/{bound[d].shard}/{bound[d].start}"
-                    for d in once).encode() or fallback
+                    for d in once).encode()
     previous = getattr(_step, "bound", None)
     _step.bound = (bound, set())
     try:
-        with calls.update_key_scope(seed):
+        with calls.update_key_scope(seed or fallback, from_batch=bool(seed)):
             yield
     finally:
         _step.bound = previous

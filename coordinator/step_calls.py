@@ -35,7 +35,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from coordinator import layouts, mirrored
-from coordinator.calls import keys_derived, new_update_id
+from coordinator.calls import keys_from_batch, new_update_id
 from coordinator.key_order import (
     _KEPT,
     _last,
@@ -380,7 +380,7 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
     nothing sent, for a variable that got the other kind before).
     """
     mine, pairs = mirrored.split(pairs)   # all-reduce mode's: which goes first, its docstring
-    if mine and not keys_derived():
+    if mine and not keys_from_batch():
         mirrored.push(mine)
     if pairs or not mine:
         push = _Push([q for v, g in pairs   # a collection's: its group tables' (expand_push)
@@ -388,7 +388,7 @@ def push_gradients(pairs: Iterable[tuple[object, object]], *, compression=None) 
                      compression)
         pool = servers()
         pool.settle(functools.partial(push.plan, pool.routes))
-    if mine and keys_derived():
+    if mine and keys_from_batch():
         mirrored.push(mine)
 
 

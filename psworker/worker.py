@@ -178,9 +178,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if m is not None:
             m.running.inc()
         # An all-reduce step's pushes to parameter servers: keys of (job, step,
-        # replica), so its run again is dropped where the first was applied.
-        again = None if collective is None else \
-            f"allreduce/{collective.job}/{collective.step}/{collective.rank}".encode()
+        # this worker), so its run here again is dropped where the first was
+        # applied (by worker, not rank: ranks shift when a member is lost).
+        again = None if collective is None else (
+            f"allreduce/{collective.job}/{collective.step}/"
+            f"{collective.members[collective.rank]}").encode()
         try:
             with replica_scope(sync, collective), sources.batch_scope(request.batches, again):
                 result = fn(*args, **kwargs)

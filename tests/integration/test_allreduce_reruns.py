@@ -71,3 +71,42 @@ def test_a_step_whose_replies_were_all_lost_after_it_applied_is_applied_once(
     np.testing.assert_array_equal(got[0][0]["w"], np.full(3, -0.5 * 1.5 * applied, np.float32))
     np.testing.assert_array_equal(got[1][0]["w"], got[0][0]["w"])
     np.testing.assert_allclose(rows, np.full((4, 2), -0.25 * applied, np.float32))
+
+
+def first_member_dies_before_its_push(w, table):
+    """A step (run on the workers): each member reads row 7 and a row of its
+    own process, and pushes 1 to each and to w; on the step's first run
+    (3 members) the member of rank 0 dies before its push."""
+    def step():
+        from coordinator import get_replica_context
+        from coordinator.step_calls import IndexedSlices, Lookup
+        ctx = get_replica_context()
+        keys = np.array([7, os.getpid()], np.int64)
+        wv, rows = read_variables([w, Lookup(table, keys)])
+        if ctx.num_replicas_in_sync == 3 and ctx.replica_id_in_sync_group == 0:
+            os._exit(3)
+        push_gradients([(w, np.ones_like(wv)), (table, IndexedSlices(np.ones_like(rows), keys))])
+        return os.getpid()
+    return step
+
+
+def test_a_member_lost_mid_step_shifts_the_ranks_and_no_row_is_applied_twice_or_dropped():
+    """The first member dies inside a step; the two others' ring fails and
+    the step runs again on them as ranks 0 and 1 (they were 1 and 2). Their
+    table rows go out after the all-reduce, keyed by (job, step, worker):
+    row 7 gets one update from each survivor, each survivor's row one."""
+    with LocalCluster(num_ps=2, num_workers=3) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=5)
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 1.0})
+        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
+                                                optimizer_params={"learning_rate": 1.0})
+        with ClusterCoordinator(strategy) as coord:
+            step = coord.schedule(first_member_dies_before_its_push(w, table))
+            coord.join(timeout=120)
+            pids = [v.fetch() for v in step.replicas if isinstance(v.fetch(), int)]
+            got = coord.replica_values(worker=1, with_versions=True)
+        rows = table.lookup(np.array([7, *pids], np.int64), admit=False)
+    assert len(pids) == 2 and got[1] == {"w": 1}
+    np.testing.assert_array_equal(got[0]["w"], [-1.0, -1.0])   # the mean of the two
+    np.testing.assert_array_equal(rows[:, 0], [-2.0, -1.0, -1.0])
