@@ -34,6 +34,31 @@ def test_a_replica_is_copied_whole_and_set_elsewhere():
     assert got[1]["m"].tobytes() == state[v.name][1]["m"].tobytes()
 
 
+def test_the_pushes_a_replica_applied_go_with_it_only_when_asked():
+    """whole_state(with_applied=True) carries the (step, push) pairs the
+    replica applied (a re-forming's copy: a step run again skips them); a
+    state without them (a checkpoint's) clears them; the oldest are
+    forgotten past APPLIED_KEPT; malformed ones are refused, nothing set."""
+    v = _var("applied")
+    r = mirrored.replica(v)
+    for step in range(mirrored.APPLIED_KEPT + 2):
+        r.applied.add((step, 0))
+    r.applied.add((5, 0))   # (again: kept once)
+    assert (0, 0) not in r.applied and (1, 0) not in r.applied and (2, 0) in r.applied
+    assert len(mirrored.whole_state([v])[v.name]) == 3
+    state = mirrored.whole_state([v], with_applied=True)
+    assert len(state[v.name][3]) == mirrored.APPLIED_KEPT
+    for bad in ([(1, 2, 3)], [(-1, 0)], [(1.5, 0)], "x"):
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            mirrored.set_state([v], {v.name: state[v.name][:3] + (bad,)})
+        assert (2, 0) in r.applied   # unchanged
+    r.applied = mirrored._Applied()
+    mirrored.set_state([v], state)
+    assert (2, 0) in mirrored.replica(v).applied and (1, 0) not in mirrored.replica(v).applied
+    mirrored.set_state([v], {v.name: state[v.name][:3]})   # a checkpoint's: none
+    assert list(mirrored.replica(v).applied) == []
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "slot missing", "slot shape", "version"])
 def test_a_state_that_does_not_fit_is_refused_and_changes_nothing(bad):
     v, w = _var(f"bad-{bad}"), _var(f"other-{bad}", "sgd")
