@@ -2,7 +2,9 @@
 
 A push's idempotency key is random, or inside a step of an exactly-once
 sharded dataset derived from its batch (coordinator/sharded.py), so a
-re-run of the batch sends the same keys. (How a step's calls are sent,
+re-run of the batch sends the same keys; outside one, an all-reduce step's
+are derived from its job, step and worker (psworker/worker.py, through
+sources.batch_scope's fallback), so its run again on that worker does. (How a step's calls are sent,
 settled and resent with them: coordinator/ps_pool.py.)
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ _keys = threading.local()
 
 class _DerivedKeys:
     """Update keys of one step, derived from ``seed`` (what the step is: an
-    exactly-once batch, coordinator/sharded.py): the n-th key asked for
+    exactly-once batch, coordinator/sharded.py, or an all-reduce step on a
+    worker; ``from_batch`` says which): the n-th key asked for
     ``label`` (a variable shard, a table shard) is a hash of (seed, label, n)."""
 
     def __init__(self, seed: bytes, from_batch: bool = True):

@@ -442,7 +442,14 @@ def _load_table_shards(t, chain: list[tuple[str, dict]]) -> list[tuple]:
     path, manifest = chain[-1]
     info = manifest.get("tables", {}).get(t.name)
     if info is None:
-        raise CheckpointError(f"dynamic table {t.name!r} is not in checkpoint {path}")
+        padded = re.search(r"\.pad\d+-[0-9a-f]{8}$", t.name) is not None
+        raise CheckpointError(
+            f"dynamic table {t.name!r} is not in checkpoint {path}" + (
+                ": an EmbeddingCollection's padded table, named by the features in it, so "
+                "the checkpoint was written with other declarations (a capacity that moved "
+                "a feature in or out of it, or before tables were padded: declare the "
+                "narrower features with capacity=0 to restore such a one; "
+                "docs/embedding-tables.md)" if padded else ""))
     try:
         same = (int(info["dim"]), info["dtype"]) == (t.dim, t.dtype)
     except (KeyError, TypeError, ValueError) as exc:

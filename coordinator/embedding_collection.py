@@ -22,8 +22,10 @@ How: features whose configurations are equal but for ``capacity`` share
 one dynamic table on the servers (a *group*, named ``NAME/<its first
 feature by name>``); so do narrower ones of the same settings, padded into
 the widest's table (named ``<first>.pad<dim>-<hash of its features>``)
-where that changes no value (element-wise optimizers without a step
-count, initializers whose first columns do not depend on the width), every
+where that changes no value until the table evicts (element-wise
+optimizers without a step count, initializers whose first columns do not
+depend on the width; the group's rows are evicted over all its features,
+as a group of one width's are), every
 feature involved has a capacity and the padding costs at most
 ``PAD_SHARE`` (1/8) of the widest features' rows (``groups``: one table,
 so one look-up per server, instead of one per width; a padded feature's
@@ -129,7 +131,8 @@ def groups(name: str, features: Mapping[str, EmbeddingConfig]) -> dict[str, Grou
     table's first columns, zero gradients for the others), where the
     settings are PADDED_OPTIMIZERS', PADDED_INITIALIZERS' and without
     max_age_steps (so a padded feature trains exactly as in a table of its
-    width), every feature involved has a capacity, and the padding
+    width until the table evicts: rows are evicted over the whole group, as
+    a group of one width's are), every feature involved has a capacity, and the padding
     (capacity times the missing columns, cheapest first) stays within
     ``PAD_SHARE`` of the widest features' rows; the others make a group per
     dim. A padded group's label also names its width and features
@@ -210,9 +213,9 @@ def where(name: str, features: Mapping[str, EmbeddingConfig]
 def keys_in(name: str, features: Mapping[str, EmbeddingConfig], feature: str,
             keys) -> tuple[str, np.ndarray]:
     """(table name, keys there) of ``feature``'s ``keys``: where a checkpoint
-    or a serving copy holds their rows (``snapshot.lookup(*keys_in(...))``),
-    the table's width (a feature padded into a wider table: its first
-    ``dim`` columns; ``lookup_in`` cuts them)."""
+    or a serving copy holds their rows (``snapshot.lookup(*keys_in(...))``
+    gives rows of the table's width; a feature padded into a wider table is
+    their first ``dim`` columns: ``lookup_in`` cuts them)."""
     found = where(name, features).get(feature)
     if found is None:
         raise KeyError(f"embedding collection {name!r} has no feature {feature!r}")
@@ -292,7 +295,7 @@ class EmbeddingCollection:
         ``read_variables([Lookup(table, keys), ...])`` gives rows of
         ids.shape + (dim,); ``push_gradients([(table, IndexedSlices(
         grads.reshape(-1, dim), keys.reshape(-1)))])``. ValueError if the
-        features are of several groups."""
+        features are of several groups, or padded into a wider table."""
         labels = {self._group(f) for f in features}
         if len(labels) != 1:
             raise ValueError(f"columns() takes features of one group table; {list(features)} "

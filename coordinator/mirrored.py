@@ -37,8 +37,9 @@ push of the step), copied with it when the replicas are made one, and a
 push its replicas applied already is applied nowhere: the members agree on
 that in the push's all-reduce (one element, the decision in ``agree``). Its
 table rows on the parameter servers carry update keys derived from the
-job, the step and the worker (psworker/worker.py: ``update_key_scope``), so
-a server drops what the same worker sent in the step's first run.
+batch (exactly-once datasets) or else from the job, the step and the worker
+(psworker/worker.py's seed, sources.batch_scope's fallback), so a server
+drops what the same batch, or the same worker, sent in the step's first run.
 
 Replicas live in the worker process (``_REPLICAS``), by the strategy's job
 id and the variable's name: a second job on the same workers has replicas
@@ -320,7 +321,8 @@ def split(pairs) -> tuple[list, list]:
     mirrored ones' all-reduce (``push``) goes first, then the others to the
     parameter servers: a step whose ring fails sent them nothing, and runs
     again without applying its rows twice. In a step of an exactly-once
-    batch (derived update keys) the servers' part goes first instead: a step
+    batch (keys derived from the batch: calls.keys_from_batch) the servers'
+    part goes first instead: a step
     counted done because a member completed its all-reduce then has every
     member's table rows applied too, and a step run again sends the same
     keys, which the servers drop."""
@@ -355,18 +357,21 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
         raise ValueError(f"a variable is pushed twice in one call: {sorted(names)}")
     # Each push of a step is a group of its own (a step may push more than once).
     push = _next_push(spec)
-    done = [(spec.step, push) in replica(v).applied for v, _ in pairs]
-    if any(done) and not all(done):
-        raise ValueError(f"push {push} of all-reduce step {spec.step}, run again, pushes other "
-                         f"variables than its first run did: {sorted(names)}")
     # The step run again and this push applied already: nothing is applied,
     # and the members agree on that first (one element all-reduced, the
     # decision in the agreement: a member that decided otherwise, its
     # replicas not those of the others, makes the step fail on all).
+    done = [(spec.step, push) in replica(v).applied for v, _ in pairs]
     skip = all(done)
     group_name = f"{spec.group}/push-{push}"
     with CollectiveGroup(group_name, spec.members, spec.rank, timeout=spec.timeout) as group:
         try:
+            if any(done) and not skip:
+                raise ValueError(
+                    f"push {push} of all-reduce step {spec.step} is run again with other "
+                    f"variables than its first run applied ({sorted(names)}; some of them "
+                    "had it applied): a step must push the same variables in the same "
+                    "order on every run")
             grads, reps = [], []
             for v, g in pairs:
                 g = np.asarray(g)

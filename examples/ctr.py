@@ -83,6 +83,7 @@ from coordinator.fit import fit
 from coordinator.local import description, plural, run_main
 from coordinator.replica import get_replica_context
 from examples import dlrm as M
+from psserver.contract.keys import check_keys
 
 
 def make_train_step(table, variables: dict, batch_of=None):
@@ -224,13 +225,14 @@ def evaluate_per_feature_checkpoint(checkpoint) -> dict:
 def reader_lookup(reader, prefix: str = "ctr", seed: int = 0, tables: str = "shared"):
     """ids (n, 26) -> rows from a checkpoint or a serving copy (its
     ``lookup(table, keys)``): (n, 26, DIM), or per-feature tables' blocks
-    (n, width) found from their declarations (``tables``; any learning
-    rate: all features share it)."""
+    (n, width) found from their declarations (``tables``: the example's,
+    Adagrad; any learning rate, as all features share it: the optimizer
+    kind decides which features share a table, so the names)."""
     if tables != "per-feature":
         return lambda ids: reader.lookup(f"{prefix}/emb", ids)
     at = where(f"{prefix}/emb", feature_configs(seed, 0.1))   # (once: not per batch)
-    return lambda ids: [reader.lookup(at[f][0], ids[:, i] ^ at[f][1])[..., :at[f][2]]
-                        for i, f in enumerate(FEATURES)]
+    return lambda ids: [reader.lookup(at[f][0], check_keys(ids[:, i]) ^ at[f][1])
+                        [..., :at[f][2]] for i, f in enumerate(FEATURES)]
 
 
 def held_out(params: dict, lookup, seed: int, batches: int, size: int, data=None) -> dict:

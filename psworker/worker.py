@@ -180,11 +180,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # An all-reduce step's pushes to parameter servers: keys of (job, step,
         # this worker), so its run here again is dropped where the first was
         # applied (by worker, not rank: ranks shift when a member is lost).
-        again = None if collective is None else (
+        replica_seed = None if collective is None else (
             f"allreduce/{collective.job}/{collective.step}/"
             f"{collective.members[collective.rank]}").encode()
         try:
-            with replica_scope(sync, collective), sources.batch_scope(request.batches, again):
+            with replica_scope(sync, collective), \
+                    sources.batch_scope(request.batches, replica_seed):
                 result = fn(*args, **kwargs)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"

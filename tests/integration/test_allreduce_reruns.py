@@ -110,3 +110,88 @@ def test_a_member_lost_mid_step_shifts_the_ranks_and_no_row_is_applied_twice_or_
     assert len(pids) == 2 and got[1] == {"w": 1}
     np.testing.assert_array_equal(got[0]["w"], [-1.0, -1.0])   # the mean of the two
     np.testing.assert_array_equal(rows[:, 0], [-2.0, -1.0, -1.0])
+
+
+# -- the skip decision, push by push, between two real workers ----------------------------
+def member_push(job: str, addresses, rank: int, step: int, marked: list, compression,
+                summed: bool, dtypes):
+    """On a worker: replicas of w0, w1, ... (dtypes), those in ``marked[rank]``
+    marked as having applied push 0 of ``step``, then that push: its
+    outcome (error type or "ok"), the replicas' versions and values, and
+    the seconds it took."""
+    import time
+
+    from coordinator import mirrored
+    from coordinator.replica import CollectiveSpec, replica_scope
+    vs = [mirrored.MirroredVariable(job, f"w{i}", np.zeros(3, d), "sgd",
+                                    {"learning_rate": 1.0}, False) for i, d in enumerate(dtypes)]
+    for i in marked[rank]:
+        mirrored.replica(vs[i]).applied.add((step, 0))
+    spec = CollectiveSpec(f"{job}/step-{step}", tuple(addresses), rank, step, 20.0, summed,
+                          compression, job)
+    t0, outcome = time.monotonic(), "ok"
+    try:
+        with replica_scope(None, spec):
+            mirrored.push([(v, np.full(3, rank + 1.0, v.dtype)) for v in vs])
+    except Exception as exc:
+        outcome = type(exc).__name__
+    return (outcome, [mirrored.replica(v).version for v in vs],
+            [mirrored.replica(v).value.tolist() for v in vs], time.monotonic() - t0)
+
+
+SKIPS = {   # marked variables per rank, compression, sum, dtypes -> outcomes per rank
+    "both-skip-fp16-sum": (([0], [0]), "fp16", True, ["float32"], ("ok", "ok")),
+    "both-skip-two-dtypes": (([0, 1], [0, 1]), None, False, ["float64", "float16"],
+                             ("ok", "ok")),
+    "neither-skips-fp16-sum": (([], []), "fp16", True, ["float32"], ("ok", "ok")),
+    "rank0-alone-skips": (([0], []), "fp16", False, ["float32"], None),
+    "rank1-alone-skips-two-dtypes": (([], [0, 1]), None, True, ["float64", "float16"], None),
+    "some-variables-marked": (([0], [0]), None, False, ["float32", "float32"], None),
+    "rank0-some-variables-marked": (([0], []), None, False, ["float32", "float32"], None),
+}
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with LocalCluster(num_ps=0, num_workers=2) as c:
+        yield c
+
+
+@pytest.mark.parametrize("case", sorted(SKIPS))
+def test_members_agree_on_skipping_a_push_or_all_fail_at_once(two_workers, case):
+    """Members whose replicas applied the push already apply nothing (fp16,
+    sums, several dtypes alike); where they decided otherwise, or a push
+    is run again with other variables than it applied, every member fails
+    at once (nothing applied), not after step_timeout (20 s here)."""
+    from concurrent import futures
+
+    from coordinator import serialization
+    from protos.pstrain.v1 import worker_pb2
+    from psserver.link import methods
+    from psserver.link.channel import TaskChannel
+    marked, compression, summed, dtypes, want = SKIPS[case]
+    addresses = [w.address for w in two_workers.workers]
+
+    def run(rank):
+        w = two_workers.workers[rank]
+        with TaskChannel(w.address, role="worker", token=two_workers.token,
+                         tls=two_workers.tls) as ch:
+            reply = ch.call(methods.RUN_CLOSURE, worker_pb2.ClosureRequest(
+                fn=serialization.encode_function(member_push), args=serialization.dumps((
+                    (f"skip-{case}", addresses, rank, 3, marked, compression, summed,
+                     dtypes), {}))), 60)
+        assert not reply.HasField("error"), reply.error.message
+        return serialization.loads(reply.result, trusted=True)
+    with futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(run, range(2)))
+    if want is not None:
+        assert tuple(g[0] for g in got) == want
+        applied = case.startswith("neither")
+        for _, versions, values, _ in got:
+            assert versions == [int(applied)] * len(dtypes)
+            assert values == [[-3.0 if applied else 0.0] * 3] * len(dtypes)   # 1 + 2, summed
+        return
+    for outcome, versions, values, seconds in got:
+        assert outcome in ("ValueError", "ReplicasDisagree", "AllReduceFailed"), outcome
+        assert versions == [0] * len(dtypes) and seconds < 10, (outcome, seconds)
+    assert {g[0] for g in got} & {"ValueError", "ReplicasDisagree"}
