@@ -442,7 +442,8 @@ def _load_table_shards(t, chain: list[tuple[str, dict]]) -> list[tuple]:
     path, manifest = chain[-1]
     info = manifest.get("tables", {}).get(t.name)
     if info is None:
-        padded = re.search(r"\.pad\d+-[0-9a-f]{8}$", t.name) is not None
+        from coordinator.embedding_collection import PADDED_NAME
+        padded = PADDED_NAME.search(t.name) is not None
         raise CheckpointError(
             f"dynamic table {t.name!r} is not in checkpoint {path}" + (
                 ": an EmbeddingCollection's padded table, named by the features in it, so "

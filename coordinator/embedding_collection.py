@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -109,6 +110,8 @@ PAD_SHARE = 1 / 8
 #: initializers whose first columns do not depend on the width (a normal's
 #: pairs do), and no age in table steps.
 PADDED_OPTIMIZERS = ("sgd", "momentum", "adagrad")
+#: A padded table's name ends so (``groups``: ``<first>.pad<dim>-<hash>``).
+PADDED_NAME = re.compile(r"\.pad\d+-[0-9a-f]{8}$")
 PADDED_INITIALIZERS = ("zeros", "ones", "constant", "random_uniform")
 
 

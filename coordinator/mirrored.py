@@ -276,15 +276,14 @@ def set_state(variables: Sequence[MirroredVariable], states: Mapping[str, tuple]
     for v in variables:
         value, slots, version, *rest = states[v.name]
         applied = list(rest[0]) if rest else []
-        if len(rest) > 1 or not all(isinstance(a, (tuple, list)) and len(a) == 2 and all(
-                isinstance(x, int) and x >= 0 for x in a) for a in applied):
-            raise InvalidArgument(f"the state given for {v.name!r} does not fit it")
         value = np.asarray(value)
         fresh = optim.make_optimizer(v.optimizer, v.optimizer_params).create_slots(
             np.asarray(v.initial_value))
         if value.shape != v.shape or value.dtype != v.dtype or set(slots) != set(fresh) or any(
                 np.shape(slots[k]) != np.shape(a) or np.asarray(slots[k]).dtype != a.dtype
-                for k, a in fresh.items()) or not isinstance(version, int) or version < 0:
+                for k, a in fresh.items()) or not isinstance(version, int) or version < 0 \
+                or len(rest) > 1 or not all(isinstance(a, (tuple, list)) and len(a) == 2 and all(
+                    isinstance(x, int) and x >= 0 for x in a) for a in applied):
             raise InvalidArgument(f"the state given for {v.name!r} does not fit it")
         checked.append((v, np.array(value, order="C"),
                         {k: np.array(a, order="C") for k, a in slots.items()}, version,
@@ -361,7 +360,8 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
     # and the members agree on that first (one element all-reduced, the
     # decision in the agreement: a member that decided otherwise, its
     # replicas not those of the others, makes the step fail on all).
-    done = [(spec.step, push) in replica(v).applied for v, _ in pairs]
+    reps = [replica(v) for v, _ in pairs]
+    done = [(spec.step, push) in r.applied for r in reps]
     skip = all(done)
     group_name = f"{spec.group}/push-{push}"
     with CollectiveGroup(group_name, spec.members, spec.rank, timeout=spec.timeout) as group:
@@ -372,8 +372,8 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
                     f"variables than its first run applied ({sorted(names)}; some of them "
                     "had it applied): a step must push the same variables in the same "
                     "order on every run")
-            grads, reps = [], []
-            for v, g in pairs:
+            grads = []
+            for (v, g), r in zip(pairs, reps):
                 g = np.asarray(g)
                 if g.shape != v.shape:
                     raise ValueError(f"the gradient of {v.name!r} has shape {g.shape}; the "
@@ -381,11 +381,10 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
                 if g.dtype.kind not in "fiu":
                     raise ValueError(f"the gradient of {v.name!r} is {g.dtype}, not numbers")
                 grads.append(g.astype(v.dtype, copy=False))
-                reps.append(replica(v))
                 seen = _step_reads(spec).get(v.name)
-                if seen is not None and seen != reps[-1].version:
+                if seen is not None and seen != r.version:
                     raise ValueError(
-                        f"{v.name!r} was read at update {seen} and is at {reps[-1].version} "
+                        f"{v.name!r} was read at update {seen} and is at {r.version} "
                         "now: another step ran on this worker meanwhile, so this gradient is "
                         "stale")
         except Exception as exc:   # the other workers are told, not left to time out
