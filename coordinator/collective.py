@@ -71,7 +71,7 @@ import numpy as np
 from coordinator.collective_inbox import INBOX, Inbox
 from psserver.contract import wire, wire_decode
 from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from psserver.link import methods
+from psserver.link import buffers, methods
 from psserver.link.channel import TaskChannel
 
 #: Bytes of a piece: a ring step's chunk goes in pieces of this size, each
@@ -202,6 +202,8 @@ class CollectiveGroup:
         """The element-wise sum (``average``: mean) of every member's
         ``array`` (same shape and dtype on each: float16, float32 or
         float64), a new array of its shape, the same bits on every member.
+        ``array`` is read while the call runs (not copied first): change it
+        only once the call has returned.
 
         ``compression="fp16"``: the chunks travel as float16 (half the
         bytes of float32), summed in the array's dtype; each hop's value is
@@ -222,12 +224,14 @@ class CollectiveGroup:
                                      f"({type(self._failed).__name__}): form the group anew")
         if self.size > 1 and self._next is None:
             raise FailedPrecondition(f"group {self.name!r} is closed here")
-        out = np.array(a, copy=True, order="C")
         op, self._op = self._op, self._op + 1
-        if self.size > 1:
+        if self.size == 1:
+            out = np.array(a, copy=True, order="C")
+        else:   # the ring writes every element of out: no copy of ``a`` first
+            out = buffers.take(a.nbytes).view(a.dtype).reshape(a.shape)
             wire_dtype = COMPRESSIONS[compression] or out.dtype
             try:
-                self._ring(op, out.reshape(-1), wire_dtype,
+                self._ring(op, np.ascontiguousarray(a).reshape(-1), out.reshape(-1), wire_dtype,
                            _signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree))
             except BaseException as exc:   # the group is over: the next member is told, this
                 self._failed = exc            # member's chunks go, later ones are refused
@@ -262,30 +266,37 @@ class CollectiveGroup:
                 at += arrays[i].size
         return out
 
-    def _ring(self, op: int, flat: np.ndarray, wire_dtype: np.dtype, signature: int) -> None:
+    def _ring(self, op: int, flat: np.ndarray, out: np.ndarray, wire_dtype: np.dtype,
+              signature: int) -> None:
+        """The sum of every member's ``flat`` into ``out`` (1-D, of its size
+        and dtype; ``flat`` is only read): every element of ``out`` is written,
+        each chunk once it has a sum or once a sum arrives."""
         n, r = self.size, self.rank
         lossy = wire_dtype != flat.dtype
-        chunks = [flat[a:b] for a, b in chunk_bounds(flat.size, n)]
+        bounds = chunk_bounds(flat.size, n)
         per = max(1, PIECE_BYTES // flat.itemsize)   # elements a piece
-        pieces = max(1, -(-max(c.size for c in chunks) // per))   # per chunk at most: keys' stride
+        pieces = max(1, -(-max(b - a for a, b in bounds) // per))   # per chunk at most
         split = (lambda c: [c[a:a + per] for a in range(0, c.size, per)] or [c])
         deadline = time.monotonic() + self.timeout
         prev = f"worker {self.addresses[(r - 1) % n]} (rank {(r - 1) % n} of group {self.name!r})"
         with _Sender(self, op, deadline, wire_dtype, signature) as sender:
-            for p, piece in enumerate(split(chunks[r])):
+            a, b = bounds[r]
+            for p, piece in enumerate(split(flat[a:b])):
                 sender.put(p, piece)
-            # Steps 0 .. n-2 reduce (their chunks added into ours), n-1 .. 2n-3
-            # gather (copied); each piece goes on to the next member as soon
-            # as it is final for the step (while the next piece arrives).
+            # Steps 0 .. n-2 reduce (the chunk received plus ours, into out),
+            # n-1 .. 2n-3 gather (copied into out); each piece goes on to the
+            # next member as soon as it is final for the step (while the next
+            # piece arrives). Chunk r is written when its sum comes round,
+            # chunk r + 1 when this member makes its sum, the others both times.
             for s in range(2 * (n - 1)):
                 reducing = s < n - 1
-                into = chunks[(r - s - 1) % n]   # (in both phases)
-                for p, piece in enumerate(split(into)):
+                a, b = bounds[(r - s - 1) % n]   # (in both phases)
+                for p, (piece, mine) in enumerate(zip(split(out[a:b]), split(flat[a:b]))):
                     got, sig = self._inbox.take(self.id, op, s * pieces + p, (r - 1) % n,
                                                 deadline, prev, sender.error)
                     _check(got, sig, piece, wire_dtype, signature, prev)
                     if reducing:
-                        piece += got
+                        np.add(mine, got, out=piece)
                         if lossy and s == n - 2:   # its sum is made: as the others will have it
                             piece[...] = _narrow(piece, wire_dtype)
                     else:

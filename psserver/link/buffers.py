@@ -53,7 +53,12 @@ def take(n: int) -> np.ndarray:
         buf = np.empty(want, np.uint8)
     view = buf[:n]
     weakref.finalize(view, _give, buf)
-    return view
+    # Handed out through a memoryview of ``view``: numpy collapses a view of a
+    # view onto the array that owns the memory (``buf``), so an array made
+    # by slicing, .view() or .reshape() of ``view`` itself would not keep it
+    # alive; one made from the memoryview (not an array) keeps it, and so
+    # does every array made from that.
+    return np.frombuffer(memoryview(view), np.uint8)
 
 
 def keep_at_most(n: int) -> None:

@@ -45,6 +45,18 @@ def members_in_order(name, addresses, rank, sizes):
         return [group.all_reduce(_data(k, rank, s, "float32", True)) for k, s in enumerate(sizes)]
 
 
+def members_keeping_results(name, addresses, rank, size, calls):
+    """Several all-reduces of large arrays in a row, every result kept (their
+    memory comes from a pool), the inputs strided views: (results, whether
+    every input is as given after all the calls)."""
+    from coordinator.collective import CollectiveGroup
+    inputs = [_data(k, rank, 2 * size, "float32", True)[::2] for k in range(calls)]
+    before = [x.copy() for x in inputs]
+    with CollectiveGroup(name, addresses, rank) as group:
+        outs = [group.all_reduce(x) for x in inputs]
+    return outs, all(np.array_equal(x, b) for x, b in zip(inputs, before))
+
+
 def member_fp16(name, addresses, rank, size):
     """A float32 all-reduce with chunks sent as float16: (result, bytes sent)."""
     from coordinator.collective import CollectiveGroup
@@ -210,6 +222,18 @@ def test_mean_and_several_operations_in_order(three):
             np.testing.assert_array_equal(out, sum(_data(k, r, s, "float32", True)
                                                    for r in range(3)))
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
+
+
+def test_results_kept_are_never_overwritten_and_inputs_are_left_as_given(three):
+    """A result's memory is a pooled buffer (no copy of the input first):
+    one the caller keeps is not handed to a later all-reduce, and the
+    caller's array (here strided) is only read."""
+    size, calls = 3 * (PIECE_BYTES // 4) + 5, 3   # about 12 MiB: pooled, several pieces a chunk
+    for outs, inputs_kept in _on_all(three, members_keeping_results, size, calls):
+        assert inputs_kept
+        for k, out in enumerate(outs):
+            want = sum(_data(k, r, 2 * size, "float32", True)[::2] for r in range(3))
+            np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("n", [2, 3])

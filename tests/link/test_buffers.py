@@ -25,6 +25,24 @@ def test_a_buffer_is_not_handed_out_again_while_anything_made_from_it_lives(monk
     assert B.free_bytes() < free and again.size == B.MIN_BYTES + 100
 
 
+def test_numpy_views_of_a_taken_buffer_keep_it_out_of_the_pool(monkeypatch):
+    """A reshape or dtype view of what take() gives (numpy points such a view
+    at the memory's owner, past the array handed out) holds the buffer too."""
+    monkeypatch.setattr(B, "_free", [])
+    kept = B.take(B.MIN_BYTES + 64).view(np.float32).reshape(-1, 16)[1:]
+    kept[:] = 3.0
+    gc.collect()
+    other = B.take(B.MIN_BYTES + 64)   # must be another buffer: `kept` still uses the first
+    other[:] = 0
+    assert (kept == 3.0).all()
+    assert B.free_bytes() == 0
+    del kept
+    gc.collect()
+    assert B.free_bytes() >= B.MIN_BYTES + 64
+    del other
+    gc.collect()
+
+
 def test_small_buffers_are_not_pooled_and_the_pool_is_bounded(monkeypatch):
     monkeypatch.setattr(B, "_free", [])
     small = B.take(1000)
