@@ -1,6 +1,7 @@
 """Our ring all-reduce among workers against torch.distributed's gloo, measured in the same run.
 
     python -m bench.bench_allreduce [--hosts] [--mib 64] [--members 2 4] [--rounds 3] [--json F]
+    python -m bench.bench_allreduce --algorithms [--hosts] [--mib 0.004 0.25 2.5] [--members 4]
 
 Ours: ``coordinator.collective.CollectiveGroup.all_reduce`` of a float32
 array, run on n psworker processes of a LocalCluster (plaintext, as gloo's
@@ -14,6 +15,11 @@ takes as long as its slowest member; blocks alternate ours, gloo, ours...
 of its own (bench/hosts.py; root), so the chunks cross veth links as
 between machines. Also reported: the bus bandwidth, 2(n-1)/n of the bytes
 over the time (the figure NCCL's and Horovod's benchmarks give).
+
+``--algorithms``: ours only, the ring against the direct all-reduce
+(coordinator/collective.py's ``choose_algorithm``) for each ``--mib``
+size, blocks alternating ring, direct, ring...; the ratio is the ring's
+median time over the direct one's (above 1: direct is faster).
 """
 from __future__ import annotations
 
@@ -36,16 +42,17 @@ MiB = 1 << 20
 
 
 # -- ours: a step function on each worker ------------------------------------------------
-def timed_all_reduce(addresses: list, rank: int, name: str, nbytes: int, reps: int) -> list:
+def timed_all_reduce(addresses: list, rank: int, name: str, nbytes: int, reps: int,
+                     algorithm: str | None = None) -> list:
     """On a worker: one warm-up all-reduce, then ``reps`` timed ones (seconds each)."""
     from coordinator.collective import CollectiveGroup
     x = np.full(nbytes // 4, rank + 1, np.float32)
     out = []
     with CollectiveGroup(name, addresses, rank, timeout=300) as group:
-        group.all_reduce(x)
+        group.all_reduce(x, algorithm=algorithm)
         for _ in range(reps):
             t0 = time.perf_counter()
-            y = group.all_reduce(x)
+            y = group.all_reduce(x, algorithm=algorithm)
             out.append(time.perf_counter() - t0)
     n = len(addresses)
     if y[0] != n * (n + 1) / 2:
@@ -80,10 +87,10 @@ class Ours:
                                                         placement=placement))
         self.blocks = 0
 
-    def block(self, nbytes: int, reps: int) -> list[float]:
+    def block(self, nbytes: int, reps: int, algorithm: str | None = None) -> list[float]:
         self.blocks += 1
         per_member = _on_workers(self.cluster, timed_all_reduce, f"bench-{self.blocks}",
-                                 nbytes, reps)
+                                 nbytes, reps, algorithm)
         return [max(ts) for ts in zip(*per_member)]
 
 
@@ -155,10 +162,45 @@ class Gloo:
         return [max(ts) for ts in zip(*per_member)]
 
 
+def algorithms(args) -> int:
+    """--algorithms: the ring against the direct all-reduce, by size (see the module)."""
+    sizes = args.mib or [0.004, 0.25, 2.5]
+    res = {"machine": machine_info(), "hosts": args.hosts, "members": {}}
+    rows = []
+    for n in args.members:
+        with contextlib.ExitStack() as stack:
+            hosts = None
+            if args.hosts:
+                from bench.hosts import TestHosts
+                hosts = stack.enter_context(TestHosts(n + 1))
+            ours = Ours(stack, n, None if hosts is None else hosts.placement([n], range(n)))
+            for mib in sizes:
+                nbytes = max(4, int(mib * MiB) // 4 * 4)
+                times: dict[str, list] = {"ring": [], "direct": []}
+                for _ in range(args.rounds):
+                    for algorithm in times:
+                        times[algorithm] += ours.block(nbytes, args.reps, algorithm)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                res["members"].setdefault(n, {})[nbytes] = {"seconds": times, "median": med}
+                rows.append([n, f"{nbytes:,}", f"{med['ring'] * 1e3:.2f}",
+                             f"{med['direct'] * 1e3:.2f}", f"{med['ring'] / med['direct']:.2f}"])
+    print_table(["members", "bytes", "ring ms", "direct ms", "ring / direct"], rows,
+                title=f"All-reduce, ring against direct "
+                      f"({'test hosts' if args.hosts else 'one host'}"
+                      f"; medians of {args.rounds} x {args.reps} calls, each the slowest member's)")
+    if args.json:
+        write_json(args.json, res)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", action="store_true", help="each member on a test host (root)")
-    ap.add_argument("--mib", type=float, default=64.0, help="MiB all-reduced per call")
+    ap.add_argument("--mib", type=float, nargs="+", default=None,
+                    help="MiB all-reduced per call (default 64; with --algorithms 0.004 0.25 "
+                         "2.5)")
+    ap.add_argument("--algorithms", action="store_true",
+                    help="ours only: the ring against the direct all-reduce, by size")
     ap.add_argument("--members", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=3, help="blocks of each side")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per block")
@@ -168,7 +210,9 @@ def main(argv=None) -> int:
     if args.gloo_member:
         gloo_member(*json.loads(args.gloo_member))
         return 0
-    nbytes = int(args.mib * MiB) // 4 * 4
+    if args.algorithms:
+        return algorithms(args)
+    nbytes = int((args.mib or [64.0])[0] * MiB) // 4 * 4
     res = {"machine": machine_info(), "bytes": nbytes, "hosts": args.hosts, "members": {}}
     rows = []
     for n in args.members:

@@ -9,7 +9,9 @@ of its own worker (a step closure)::
         mean = group.all_reduce(grad, average=True)
 
 Every member gets the same bits. This is the first part of issue 36 (the
-all-reduce strategy, its failures and its benchmarks build on it).
+all-reduce strategy, its failures and its benchmarks build on it). Two
+algorithms, both bandwidth-optimal: the ring (below) and, for small arrays,
+a direct one in two steps (``choose_algorithm``, ``_direct``).
 
 The ring (Patarasuk and Yuan's bandwidth-optimal all-reduce, as Baidu's
 ring-allreduce, Horovod and NCCL run it): the flat array is cut into n
@@ -92,6 +94,12 @@ COMPRESSIONS = {None: None, "fp16": np.dtype(np.float16)}
 #: Bytes of arrays all_reduce_many fuses into one buffer at most (Horovod's
 #: default fusion threshold).
 FUSION_BYTES = 64 << 20
+#: all_reduce's algorithms (``algorithm=None``: ``choose_algorithm``'s).
+ALGORITHMS = ("ring", "direct")
+#: The direct all-reduce is chosen for arrays up to this many bytes, in
+#: groups of 3 up to DIRECT_MAX_MEMBERS members (see ``choose_algorithm``).
+DIRECT_MAX_BYTES = 1 << 20
+DIRECT_MAX_MEMBERS = 8
 
 
 
@@ -99,6 +107,23 @@ FUSION_BYTES = 64 << 20
 def group_id(name: str) -> bytes:
     """The 16-byte id every member derives from a group's name."""
     return hashlib.blake2b(name.encode(), digest_size=wire_decode.COLLECTIVE_GROUP_BYTES).digest()
+
+
+def choose_algorithm(nbytes: int, members: int) -> str:
+    """The all-reduce an array of ``nbytes`` takes in a group of ``members``
+    (every member decides alike: the same array shape and dtype, the same
+    group). Both send each member's 2(n - 1)/n of the array's bytes. The ring
+    does it in 2(n - 1) steps one after another, each a hop to the next
+    member: one link busy a step, large arrays pipelined in pieces. The
+    direct one in 2: each member sends chunk j to member j at once, sums its
+    own chunk of every member's, and sends that sum to all; n - 1 links busy
+    at once. With a hop costing more than the bytes (small and mid-sized
+    arrays; a hop is a few thread wake-ups and a system call or two), direct
+    takes fewer of them: up to DIRECT_MAX_BYTES and DIRECT_MAX_MEMBERS
+    members, measured in docs/speed.md. Two members: the ring (it is the
+    same two steps)."""
+    return "direct" if 3 <= members <= DIRECT_MAX_MEMBERS and \
+        nbytes <= DIRECT_MAX_BYTES else "ring"
 
 
 def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
@@ -134,8 +159,9 @@ def _channel_to(address: str, token, tls) -> TaskChannel:
 
 
 def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype, average: bool,
-               agree: bytes = b"") -> int:
-    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}/{bool(average)}/".encode() + agree
+               agree: bytes = b"", algorithm: str = "ring") -> int:
+    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}/{bool(average)}/{algorithm}/".encode() \
+        + agree
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
@@ -163,10 +189,12 @@ class CollectiveGroup:
         self._op = 0
         self._failed: BaseException | None = None
         self.bytes_sent = 0   # request bytes this member sent (chunks and their framing)
-        self._next_member = b""   # the next member's id, once asked
+        self._ids: dict[int, bytes] = {}   # other members' ids, by rank, once asked
+        self._peers: dict[int, TaskChannel] = {}   # channels to them, by rank
+        self._token, self._tls = token, tls
         self._member, self._next = b"", None
         if self.size > 1:   # (joined last: nothing after it can fail)
-            self._next = _channel_to(addresses[(rank + 1) % self.size], token, tls)
+            self._next = self._peer((rank + 1) % self.size)
             self._member = self._inbox.join(self.id)
             # a group dropped without close() leaves too, once collected
             self._leave = weakref.finalize(self, _leave, self._inbox, self.id, self._member)
@@ -190,15 +218,17 @@ class CollectiveGroup:
 
     def abort(self, reason: str) -> None:
         """This member will not run the operation the others run: they fail
-        at once (the next member is told, and tells its own next) rather
-        than wait out their timeout; the group is over here."""
+        at once (the next member is told, and tells its own next; with a
+        direct all-reduce run, every member) rather than wait out their
+        timeout; the group is over here."""
         if self._failed is None and self._next is not None:
             self._failed = FailedPrecondition(reason)
-            self._abort_next(reason)
+            self._abort_others(reason)
             self._inbox.leave(self.id, self._member)
 
     def all_reduce(self, array, average: bool = False, compression: str | None = None,
-                   *, agree: bytes = b"", _shapes: tuple | None = None) -> np.ndarray:
+                   *, agree: bytes = b"", algorithm: str | None = None,
+                   _shapes: tuple | None = None) -> np.ndarray:
         """The element-wise sum (``average``: mean) of every member's
         ``array`` (same shape and dtype on each: float16, float32 or
         float64), a new array of its shape, the same bits on every member.
@@ -211,7 +241,12 @@ class CollectiveGroup:
         and Inf kept), the result too, on every member alike.
 
         ``agree``: bytes every member must give alike (a member giving
-        others fails, as for arrays of other shapes: InvalidArgument)."""
+        others fails, as for arrays of other shapes: InvalidArgument).
+
+        ``algorithm``: "ring" or "direct" (see ``choose_algorithm``, which
+        None takes); every member must run the same one (InvalidArgument
+        otherwise). Each gives every member the same bits, but not the
+        same bits as the other (the additions go in another order)."""
         a = np.asarray(array)
         if a.dtype not in DTYPES:
             raise InvalidArgument(f"all_reduce takes float16, float32 or float64 arrays, "
@@ -219,6 +254,9 @@ class CollectiveGroup:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, "
                              f"got {compression!r}")
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {list(ALGORITHMS)} or None, "
+                             f"got {algorithm!r}")
         if self._failed is not None:
             raise FailedPrecondition(f"an operation of group {self.name!r} failed here "
                                      f"({type(self._failed).__name__}): form the group anew")
@@ -230,12 +268,15 @@ class CollectiveGroup:
         else:   # the ring writes every element of out: no copy of ``a`` first
             out = buffers.take(a.nbytes).view(a.dtype).reshape(a.shape)
             wire_dtype = COMPRESSIONS[compression] or out.dtype
+            algorithm = algorithm or choose_algorithm(a.nbytes, self.size)
+            run = self._direct if algorithm == "direct" else self._ring
             try:
-                self._ring(op, np.ascontiguousarray(a).reshape(-1), out.reshape(-1), wire_dtype,
-                           _signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree))
-            except BaseException as exc:   # the group is over: the next member is told, this
+                run(op, np.ascontiguousarray(a).reshape(-1), out.reshape(-1), wire_dtype,
+                    _signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree,
+                               algorithm))
+            except BaseException as exc:   # the group is over: the others are told, this
                 self._failed = exc            # member's chunks go, later ones are refused
-                self._abort_next(f"{type(exc).__name__}: {exc}")
+                self._abort_others(f"{type(exc).__name__}: {exc}")
                 self._inbox.leave(self.id, self._member)
                 raise
         if average:
@@ -304,43 +345,136 @@ class CollectiveGroup:
                     if s < 2 * (n - 1) - 1:
                         sender.put((s + 1) * pieces + p, piece)
 
-    def _abort_next(self, reason: str) -> None:
-        """Tell the next member this one failed (its operation fails at
-        once, and it tells its own next). A member that failed before it had
-        the next one's id asks for it now, for up to ABORT_SECONDS (members
-        started together form within that; one formed later times out)."""
+    def _direct(self, op: int, flat: np.ndarray, out: np.ndarray, wire_dtype: np.dtype,
+                signature: int) -> None:
+        """The sum of every member's ``flat`` into ``out`` in two steps (see
+        ``choose_algorithm``): chunk j of ``flat`` to member j, every
+        other member at once; this member's chunk summed over the members in
+        rank order (the others' as they sent it, this one's as it is), then
+        that sum to every other member, and theirs copied into ``out``. Each
+        chunk's sum is made once, by its member: every member gets its bits."""
+        n, r = self.size, self.rank
+        lossy = wire_dtype != flat.dtype
+        bounds = chunk_bounds(flat.size, n)
+        per = max(1, PIECE_BYTES // flat.itemsize)   # elements a piece
+        pieces = max(1, -(-max(b - a for a, b in bounds) // per))   # a step's keys
+        split = (lambda c: [c[a:a + per] for a in range(0, c.size, per)] or [c])
+        deadline = time.monotonic() + self.timeout
+        others = [(r + k) % n for k in range(1, n)]   # (each member starts at its next)
+        sent: list = []
         try:
-            self._next_id(time.monotonic() + ABORT_SECONDS, threading.Event())
-        except Exception:   # (not formed in time, or gone)
-            return
-        rank = f"worker {self.addresses[self.rank]} (rank {self.rank})"
-        msg = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, self._next_member,
-                                           self._member, 0, f"{rank}: {reason}"[:900])
-        try:
-            self._next.call(methods.COLLECTIVE, msg, ABORT_SECONDS)
-        except Exception:   # (it gone too: its own next times out, as without this)
-            pass
+            for j in others:
+                sent += self._send(j, op, 0, split(flat[slice(*bounds[j])]), wire_dtype,
+                                   signature, deadline)
+            a, b = bounds[r]
+            mine = list(zip(split(out[a:b]), split(flat[a:b])))
+            for p, (piece, own) in enumerate(mine):
+                for k in range(n):
+                    got = own if k == r else self._take(op, p, k, piece, wire_dtype,
+                                                        signature, deadline)
+                    if k == 0:
+                        piece[...] = got
+                    else:
+                        piece += got
+                if lossy:   # as the others will have it
+                    piece[...] = _narrow(piece, wire_dtype)
+            for j in others:
+                sent += self._send(j, op, pieces, [piece for piece, _ in mine], wire_dtype,
+                                   signature, deadline)
+            for k in others:
+                a, b = bounds[k]
+                for p, piece in enumerate(split(out[a:b])):
+                    piece[...] = self._take(op, pieces + p, k, piece, wire_dtype, signature,
+                                            deadline)
+        finally:   # every call answered (or failed) before the arrays it sent may change
+            errors = []
+            for pending in sent:
+                try:
+                    pending.result()
+                except Exception as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
-    def _next_id(self, deadline: float, stop: threading.Event) -> bytes:
-        """The next member's id, asked of its worker until it is formed
+    def _send(self, rank: int, op: int, step: int, pieces: list, wire_dtype, signature: int,
+              deadline: float) -> list:
+        """Pieces sent to member ``rank`` now, as steps ``step``, ``step`` + 1,
+        ... (their answers: the Pendings; the calls go out on this thread, one
+        after another, and are answered while the next ones go)."""
+        receiver, out = self._id_of(rank, deadline, threading.Event()), []
+        for p, piece in enumerate(pieces):
+            if piece.dtype != wire_dtype:
+                piece = _narrow(piece, wire_dtype)
+            msg = wire.encode_collective_chunk(self.id, op, step + p, self.rank, piece,
+                                               receiver, self._member, signature)
+            self.bytes_sent += msg.nbytes
+            out.append(self._peer(rank).send(methods.COLLECTIVE, msg,
+                                             max(0.001, deadline - time.monotonic())))
+        return out
+
+    def _take(self, op: int, step: int, rank: int, like: np.ndarray, wire_dtype,
+              signature: int, deadline: float) -> np.ndarray:
+        """Member ``rank``'s piece of that step, once delivered, checked."""
+        what = f"worker {self.addresses[rank]} (rank {rank} of group {self.name!r})"
+        got, sig = self._inbox.take(self.id, op, step, rank, deadline, what)
+        _check(got, sig, like, wire_dtype, signature, what)
+        return got
+
+    def _peer(self, rank: int) -> TaskChannel:
+        ch = self._peers.get(rank)
+        if ch is None:
+            ch = self._peers[rank] = _channel_to(self.addresses[rank], self._token, self._tls)
+        return ch
+
+    def _abort_others(self, reason: str) -> None:
+        """Tell the next member this one failed (its operation fails at
+        once, and it tells its own next), and every other member whose id
+        this one has (a direct all-reduce's). A member that failed before it
+        had the next one's id asks for it now, for up to ABORT_SECONDS
+        (members started together form within that; one formed later times
+        out)."""
+        rank = f"worker {self.addresses[self.rank]} (rank {self.rank})"
+        nxt = (self.rank + 1) % self.size
+        for k in [nxt, *(k for k in self._ids if k != nxt)]:
+            try:
+                member = self._id_of(k, time.monotonic() + ABORT_SECONDS, threading.Event())
+            except Exception:   # (not formed in time, or gone)
+                continue
+            msg = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, member,
+                                               self._member, 0, f"{rank}: {reason}"[:900])
+            try:
+                self._peer(k).call(methods.COLLECTIVE, msg, ABORT_SECONDS)
+            except Exception:   # (it gone too: its own next times out, as without this)
+                pass
+
+    def _id_of(self, rank: int, deadline: float, stop: threading.Event) -> bytes:
+        """Member ``rank``'s id, asked of its worker until it is formed
         there and takes chunks from this member."""
-        while not self._next_member and not stop.is_set():
+        member = self._ids.get(rank, b"")
+        while not member and not stop.is_set():
+            failed = self._inbox.failure(self.id, self._member)
+            if failed is not None and self._member:   # (told while it asks: a direct run)
+                raise FailedPrecondition(f"a member of group {self.name!r} failed, so this "
+                                         f"operation does: {failed}")
             probe = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, b"",
                                                  self._member)
             asked = time.monotonic()   # (the worker holds a probe until the member forms)
-            self._next_member = self._next.call(methods.COLLECTIVE, probe, max(
-                0.001, deadline - asked)).member
-            if not self._next_member:
+            late = DeadlineExceeded(f"worker {self.addresses[rank]} (rank {rank}) did not form "
+                                    f"group {self.name!r} in time")
+            try:
+                member = self._peer(rank).call(methods.COLLECTIVE, probe, max(
+                    0.001, deadline - asked)).member
+            except DeadlineExceeded:   # (the probe's own deadline: the group's)
+                raise late from None
+            if not member:
                 if time.monotonic() + PROBE_SECONDS > deadline:
-                    raise DeadlineExceeded(
-                        f"worker {self.addresses[(self.rank + 1) % self.size]} (rank "
-                        f"{(self.rank + 1) % self.size}) did not form group {self.name!r} in "
-                        "time")
+                    raise late
                 if time.monotonic() - asked < PROBE_SECONDS:   # (answered at once: a
                     stop.wait(PROBE_SECONDS)                     # worker that holds no probe)
-        if not self._next_member:
+        if not member:
             raise FailedPrecondition("the operation failed on this member")
-        return self._next_member
+        self._ids[rank] = member
+        return member
 
 
 class _Sender:
@@ -375,7 +509,7 @@ class _Sender:
     def _run(self) -> None:
         g = self._group
         try:
-            receiver = g._next_id(self._deadline, self._stop)
+            receiver = g._id_of((g.rank + 1) % g.size, self._deadline, self._stop)
             while True:
                 item = self._queue.get()
                 if item is None or self._stop.is_set():   # (failed: the rest is not sent)

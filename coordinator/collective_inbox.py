@@ -4,9 +4,10 @@ Chunks other members send this worker (``Worker.Collective``, psworker's
 handler: ``INBOX.deliver_bytes``) wait here until the member they are for
 takes them. The inbox holds the membership that makes a chunk acceptable:
 each forming of a group registers a member id (``join``), the first member
-to ask for it (``answer``) is the only sender it takes chunks from, and a
-chunk is kept only for that pair; ``leave`` drops a member's chunks,
-``abort`` fails its operation. It holds at most INBOX_BYTES (counting the
+to ask for it as a given rank (``answer``) is the only sender of that rank
+it takes chunks from (the ring: one, the previous rank; the direct
+all-reduce: every other rank), and a chunk is kept only for such a pair;
+``leave`` drops a member's chunks, ``abort`` fails its operation. It holds at most INBOX_BYTES (counting the
 buffer that really holds each chunk) and MAX_CHUNKS chunks; a chunk past
 that waits up to ROOM_SECONDS (and its call's deadline) for room, while
 the chunks waiting so hold at most INBOX_BYTES more, then
@@ -49,8 +50,8 @@ class Inbox:
 
     def __init__(self, max_bytes: int = INBOX_BYTES, max_chunks: int = MAX_CHUNKS):
         self.max_bytes, self.max_chunks = max_bytes, max_chunks
-        # group -> [member id, the sender's id (pinned by its first probe) or None,
-        #           why the sender failed (an abort) or None]
+        # group -> [member id, {sender rank: the sender's id, pinned by its first
+        #           probe}, why a sender failed (an abort) or None]
         self._members: dict[bytes, list] = {}
         self._chunks: dict[tuple, tuple[np.ndarray, int, int]] = {}   # -> (data, signature, bytes)
         self._bytes = 0
@@ -69,7 +70,7 @@ class Inbox:
                 raise ValueError("a member of a group of this name is formed on this worker "
                                  "already: close it first (or name the new group otherwise)")
             member = os.urandom(wire_decode.COLLECTIVE_GROUP_BYTES)
-            self._members[group] = [member, None, None]
+            self._members[group] = [member, {}, None]
             self._cond.notify_all()   # (a probe waiting for it)
             return member
 
@@ -91,20 +92,20 @@ class Inbox:
         with self._cond:
             return self._members.get(group, [b""])[0]
 
-    def answer(self, group: bytes, asker: bytes, wait: float = 0.0) -> bytes:
-        """A probe from member ``asker``: this worker's member id for
-        ``group`` if it takes chunks from that asker: the first to ask
-        (pinned now), none other (b"": not formed for it, ask again; an
-        earlier group's member about to leave, say). Waits up to ``wait``
-        seconds for such a member to be formed."""
+    def answer(self, group: bytes, asker: bytes, wait: float = 0.0, rank: int = 0) -> bytes:
+        """A probe from member ``asker`` of ``rank``: this worker's member id
+        for ``group`` if it takes that rank's chunks from that asker: the
+        first to ask as that rank (pinned now), none other (b"": not formed
+        for it, ask again; an earlier group's member about to leave, say).
+        Waits up to ``wait`` seconds for such a member to be formed."""
         if not asker:
             return b""
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
                 mine = self._members.get(group)
-                if mine is not None and mine[1] in (None, asker):
-                    mine[1] = asker
+                if mine is not None and mine[1].get(rank, asker) == asker:
+                    mine[1][rank] = asker
                     return mine[0]
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -112,13 +113,20 @@ class Inbox:
                 self._cond.wait(left)
 
     def abort(self, group: bytes, receiver: bytes, sender: bytes, reason: str) -> None:
-        """The member's previous member failed: its take raises (an abort
-        for no member formed here, or from another sender, is ignored)."""
+        """A member this one takes chunks from failed: its take raises (an
+        abort for no member formed here, or from no sender of it, is ignored)."""
         with self._cond:
             mine = self._members.get(group)
-            if mine is not None and mine[0] == receiver and mine[1] == sender:
+            if mine is not None and mine[0] == receiver and sender in mine[1].values():
                 mine[2] = reason or "(no reason given)"
                 self._cond.notify_all()
+
+    def failure(self, group: bytes, member: bytes) -> str | None:
+        """Why a member this one takes chunks from failed (an abort), or
+        None; "left" for a member no longer formed here."""
+        with self._cond:
+            mine = self._members.get(group)
+            return "left" if mine is None or mine[0] != member else mine[2]
 
     def wake(self) -> None:
         with self._cond:
@@ -131,7 +139,7 @@ class Inbox:
         group, op, step, sender, data, receiver, member, signature, abort = \
             wire_decode.decode_collective_chunk(raw)
         if not receiver:
-            return self.answer(group, member, min(PROBE_WAIT_SECONDS, room_seconds))
+            return self.answer(group, member, min(PROBE_WAIT_SECONDS, room_seconds), sender)
         if abort:
             self.abort(group, receiver, member, abort)
             return b""
@@ -154,7 +162,7 @@ class Inbox:
         held = max(CHUNK_BYTES_MIN, data.nbytes if held is None else held)
         deadline = time.monotonic() + room_seconds
         with self._cond:
-            self._check_member(group, receiver, member)
+            self._check_member(group, receiver, member, sender)
             if self._full(held) and self._waiting + held <= self.max_bytes:
                 self._waiting += held
                 try:
@@ -164,7 +172,7 @@ class Inbox:
                         self._cond.wait(deadline - time.monotonic())
                 finally:
                     self._waiting -= held
-                self._check_member(group, receiver, member)   # (it may have left meanwhile)
+                self._check_member(group, receiver, member, sender)   # (it may have left)
             got = self._chunks.get(key)
             if got is not None:
                 if got[0].dtype == data.dtype and got[0].tobytes() == data.tobytes() \
@@ -183,16 +191,16 @@ class Inbox:
             self._bytes += held
             self._cond.notify_all()
 
-    def _check_member(self, group: bytes, receiver: bytes, sender: bytes) -> None:
+    def _check_member(self, group: bytes, receiver: bytes, sender: bytes, rank: int) -> None:
         mine = self._members.get(group)
         if mine is None or mine[0] != receiver:
             raise FailedPrecondition(
                 "no member of this collective group is formed on this worker now (it "
                 "left, failed, or was formed anew): chunks of an earlier group are not kept")
-        if mine[1] != sender:
+        if mine[1].get(rank) != sender:
             raise FailedPrecondition(
-                "this member takes chunks from another member of its group (the one that "
-                "asked first): form the group anew on every member")
+                f"this member takes rank {rank}'s chunks from another member of its group "
+                "(the one that asked first), or none: form the group anew on every member")
         if mine[2] is not None:
             raise FailedPrecondition(f"this member's operation failed: {mine[2]}")
 
@@ -229,8 +237,6 @@ class Inbox:
             return data, signature
 
 
-#: This process's inbox: the worker's Collective handler delivers into it,
-#: its groups take from it.
 #: This process's inbox: the worker's Collective handler delivers into it,
 #: its groups take from it.
 INBOX = Inbox()

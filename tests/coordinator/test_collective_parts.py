@@ -10,7 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from coordinator.collective import CollectiveGroup, chunk_bounds, group_id
+from coordinator.collective import (
+    DIRECT_MAX_BYTES,
+    DIRECT_MAX_MEMBERS,
+    CollectiveGroup,
+    choose_algorithm,
+    chunk_bounds,
+    group_id,
+)
 from coordinator.collective_inbox import Inbox
 from protos.pstrain.v1 import worker_pb2
 from psserver.contract import wire, wire_decode
@@ -30,7 +37,7 @@ def _formed(**kw) -> tuple[Inbox, bytes, bytes]:
     takes chunks from (which asked first)."""
     inbox = Inbox(**kw)
     me = inbox.join(G)
-    assert inbox.answer(G, b"s" * 16) == me
+    assert inbox.answer(G, b"s" * 16, rank=1) == me
     return inbox, me, b"s" * 16
 
 
@@ -64,8 +71,8 @@ def test_chunks_for_no_member_here_or_from_another_sender_are_refused_and_kept_n
     with pytest.raises(FailedPrecondition, match="another member"):   # nobody asked yet
         inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), me, b"s" * 16)
     # the first to ask is the one it takes chunks from; another asker is not answered
-    assert inbox.answer(G, b"s" * 16) == me and inbox.answer(G, b"s" * 16) == me
-    assert inbox.answer(G, b"t" * 16) == b"" and inbox.answer(G, b"") == b""
+    assert inbox.answer(G, b"s" * 16, rank=1) == me and inbox.answer(G, b"s" * 16, rank=1) == me
+    assert inbox.answer(G, b"t" * 16, rank=1) == b"" and inbox.answer(G, b"") == b""
     with pytest.raises(FailedPrecondition, match="no member"):   # an earlier member's id
         inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), b"m" * 16, b"s" * 16)
     inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), me, b"s" * 16)
@@ -77,11 +84,29 @@ def test_chunks_for_no_member_here_or_from_another_sender_are_refused_and_kept_n
     with pytest.raises(FailedPrecondition):
         inbox.deliver(G, 0, 1, 1, np.ones(2, np.float32), me, b"s" * 16)
     again = inbox.join(G)   # formed anew: a new id, which any first asker may pin
-    assert again != me and inbox.answer(G, b"t" * 16) == again
+    assert again != me and inbox.answer(G, b"t" * 16, rank=1) == again
     # the old member closing late drops nothing of the new one's
     inbox.deliver(G, 0, 0, 1, np.ones(2, np.float32), again, b"t" * 16)
     inbox.leave(G, me)
     assert inbox.member(G) == again and inbox.held_bytes == 1024
+
+
+def test_each_rank_has_its_own_pinned_sender_and_none_delivers_as_another():
+    """The direct all-reduce: a member takes chunks from every other rank, each
+    rank's from the member that asked first as that rank, and from no one else."""
+    inbox, me, them = _formed()   # "s" pinned as rank 1
+    assert inbox.answer(G, b"u" * 16, rank=2) == me
+    assert inbox.answer(G, b"v" * 16, rank=2) == b""   # rank 2 is pinned to "u"
+    inbox.deliver(G, 0, 0, 1, np.ones(1, np.float32), me, them)
+    inbox.deliver(G, 0, 0, 2, np.full(1, 2, np.float32), me, b"u" * 16)
+    for rank, sender in ((2, them), (1, b"u" * 16), (3, them), (2, b"v" * 16)):
+        with pytest.raises(FailedPrecondition, match=f"takes rank {rank}'s chunks from another"):
+            inbox.deliver(G, 0, 1, rank, np.ones(1, np.float32), me, sender)
+    assert inbox.held_bytes == 2048
+    assert _take(inbox, 0, 0, 2, 0.0)[0].tolist() == [2.0]
+    inbox.abort(G, me, b"u" * 16, "rank 2: failed")   # any pinned sender's abort counts
+    with pytest.raises(FailedPrecondition, match="rank 2: failed"):
+        _take(inbox, 0, 1, 1, 0.0)
 
 
 def test_an_abort_from_the_previous_member_fails_the_take_at_once_and_later_chunks():
@@ -138,6 +163,8 @@ def test_a_full_inbox_waits_for_room_then_refuses_and_keeps_what_it_has():
         ResourceExhausted, inbox.deliver, G, 0, 4, 1, np.ones(900, np.float32), me, them,
         room_seconds=2.0))
     waiting.start()
+    while not inbox._waiting:   # (the delivery above is waiting for room)
+        time.sleep(0.001)
     with pytest.raises(ResourceExhausted):   # 3,600 waiting already: no room to wait in
         inbox.deliver(G, 0, 5, 1, np.ones(900, np.float32), me, them, room_seconds=SOON)
     waiting.join(10)
@@ -150,7 +177,8 @@ def test_a_full_inbox_waits_for_room_then_refuses_and_keeps_what_it_has():
 
 def test_a_take_names_what_it_waited_for_or_says_the_senders_error_at_once():
     inbox, me, them = _formed()
-    inbox.deliver(G, 0, 0, 2, np.ones(1, np.float32), me, them)   # another sender's
+    assert inbox.answer(G, b"u" * 16, rank=2) == me
+    inbox.deliver(G, 0, 0, 2, np.ones(1, np.float32), me, b"u" * 16)   # another sender's
     with pytest.raises(DeadlineExceeded, match="worker w:1 .rank 1.*further back round the ring"):
         _take(inbox, 0, 0, 1, 0.0)
     failed = []
@@ -173,6 +201,16 @@ def test_a_request_counts_the_whole_buffer_that_holds_it():
     # a probe (no receiver) from the sender is answered with the member id, keeps nothing
     probe = wire.joined(wire.encode_collective_chunk(G, 0, 0, 1, None, b"", them))
     assert inbox.deliver_bytes(probe) == me and inbox.held_bytes >= len(padded)
+
+
+def test_the_direct_all_reduce_is_chosen_for_small_arrays_in_small_groups():
+    assert choose_algorithm(0, 3) == choose_algorithm(DIRECT_MAX_BYTES, 4) == "direct"
+    assert choose_algorithm(1000, DIRECT_MAX_MEMBERS) == "direct"
+    assert choose_algorithm(1000, 2) == "ring"   # (the same two steps)
+    assert choose_algorithm(DIRECT_MAX_BYTES + 1, 3) == "ring"
+    assert choose_algorithm(1000, DIRECT_MAX_MEMBERS + 1) == "ring"
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        CollectiveGroup("g", ["w:1"], 0).all_reduce(np.ones(2, np.float32), algorithm="tree")
 
 
 @pytest.mark.parametrize("size,n", [(0, 3), (2, 3), (10, 3), (1_000_003, 4), (7, 7)])

@@ -30,11 +30,13 @@ def _data(seed: int, rank: int, size: int, dtype: str, exact: bool) -> np.ndarra
     return rng.standard_normal(size).astype(dtype)
 
 
-def member(name, addresses, rank, size, dtype, exact, average=False, timeout=60.0, seed=7):
+def member(name, addresses, rank, size, dtype, exact, average=False, timeout=60.0, seed=7,
+           algorithm=None):
     """One member's all-reduce of its rank's array: (result, bytes it sent)."""
     from coordinator.collective import CollectiveGroup
     with CollectiveGroup(name, addresses, rank, timeout=timeout) as group:
-        out = group.all_reduce(_data(seed, rank, size, dtype, exact), average=average)
+        out = group.all_reduce(_data(seed, rank, size, dtype, exact), average=average,
+                               algorithm=algorithm)
         return out, group.bytes_sent
 
 
@@ -75,12 +77,15 @@ def member_many(name, addresses, rank, shapes):
         return group.all_reduce_many(arrays), group.operations
 
 
-def member_of_size(name, addresses, rank, sizes, averages=(False,) * 4, timeout=3.0):
+def member_of_size(name, addresses, rank, sizes, averages=(False,) * 4, timeout=3.0,
+                   algorithms=(None,) * 4):
     """An all-reduce where each rank gives an array of its own size, or asks
-    for the mean where others ask for the sum (mistakes)."""
+    for the mean where others ask for the sum, or runs another algorithm
+    (mistakes)."""
     from coordinator.collective import CollectiveGroup
     with CollectiveGroup(name, addresses, rank, timeout=timeout) as group:
-        return group.all_reduce(np.ones(sizes[rank], np.float32), average=averages[rank])
+        return group.all_reduce(np.ones(sizes[rank], np.float32), average=averages[rank],
+                                algorithm=algorithms[rank])
 
 
 def member_per_step(name, addresses, rank, steps, work):
@@ -127,6 +132,18 @@ def member_on_host(name, addresses, rank, size):
     with CollectiveGroup(name, addresses, rank) as group:
         out = group.all_reduce(_data(7, rank, size, "float32", True))
         sent = socket_bytes_to(nxt) - before
+        return out, group.bytes_sent, sent
+
+
+def member_direct_on_host(name, addresses, rank, size):
+    """Rank's direct all-reduce: (its result, bytes the group framed, bytes
+    its sockets sent to every other member's host)."""
+    from coordinator.collective import CollectiveGroup
+    others = [a for i, a in enumerate(addresses) if i != rank]
+    before = sum(socket_bytes_to(a) for a in others)
+    with CollectiveGroup(name, addresses, rank) as group:
+        out = group.all_reduce(_data(7, rank, size, "float32", True), algorithm="direct")
+        sent = sum(socket_bytes_to(a) for a in others) - before
         return out, group.bytes_sent, sent
 
 
@@ -179,35 +196,42 @@ def three():
         yield cluster
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
 @pytest.mark.parametrize("size,dtype", [(1_000_003, "float32"), (4099, "float64"),
                                         # chunks of 2, 2 and 1 pieces of PIECE_BYTES
                                         (3 * (PIECE_BYTES // 4) + 2, "float32"),
                                         (257, "float16"), (2, "float32"), (0, "float32")])
-def test_an_all_reduce_sums_every_members_array_the_same_bits_on_each(three, size, dtype):
-    got = _on_all(three, member, size, dtype, True)
+def test_an_all_reduce_sums_every_members_array_the_same_bits_on_each(three, size, dtype,
+                                                                       algorithm):
+    got = _on_all(three, member, size, dtype, True, False, 60.0, 7, algorithm)
     want = sum(_data(7, r, size, dtype, True) for r in range(3))
     for out, _ in got:
         assert out.dtype == np.dtype(dtype) and out.shape == (size,)
         np.testing.assert_array_equal(out, want)
     # random values: the order of additions matters, and every member has the same bits
-    got = _on_all(three, member, size, dtype, False)
+    got = _on_all(three, member, size, dtype, False, False, 60.0, 7, algorithm)
     want = sum(_data(7, r, size, dtype, False).astype(np.float64) for r in range(3))
     assert all(out.tobytes() == got[0][0].tobytes() for out, _ in got)
     np.testing.assert_allclose(got[0][0], want, rtol=1e-2 if dtype == "float16" else 1e-5,
                                atol=1e-2 if dtype == "float16" else 1e-5)
 
 
-def test_each_member_sends_2_n_minus_1_over_n_of_the_bytes(three):
-    """The ring's cost: each member sends n - 1 chunks in each phase, framing
-    aside (under 128 bytes a piece of PIECE_BYTES, and one probe), whatever n."""
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_each_member_sends_2_n_minus_1_over_n_of_the_bytes(three, algorithm):
+    """The cost of either: each member sends n - 1 chunks in each phase
+    (the ring: one to the next member a step; direct: the others' chunks,
+    then its own to each), framing aside (under 128 bytes a piece of
+    PIECE_BYTES, and a probe to each member it sends to), whatever n."""
     size, n = 1_000_003, 3
     sizes = [b - a for a, b in chunk_bounds(size, n)]
     per = PIECE_BYTES // 4
-    for rank, (_, sent) in enumerate(_on_all(three, member, size, "float32", True)):
+    got = _on_all(three, member, size, "float32", True, False, 60.0, 7, algorithm)
+    for rank, (_, sent) in enumerate(got):
         chunks = [sizes[(rank - s) % n] for s in range(n - 1)] + \
-            [sizes[(rank + 1 - s) % n] for s in range(n - 1)]
+            [sizes[(rank + 1 - s) % n] for s in range(n - 1)] if algorithm == "ring" else \
+            [sizes[j] for j in range(n) if j != rank] + [sizes[rank]] * (n - 1)
         data, pieces = 4 * sum(chunks), sum(-(-c // per) for c in chunks)
-        assert data <= sent <= data + 128 * (pieces + 1)
+        assert data <= sent <= data + 128 * (pieces + n - 1)
         assert abs(data / (4 * size) - 2 * (n - 1) / n) < 1e-5
 
 
@@ -282,15 +306,22 @@ def test_a_member_that_never_comes_is_named_after_the_groups_timeout(three):
                                                  for r in range(3)))
 
 
-@pytest.mark.parametrize("sizes,averages", [([30, 31, 30], (False,) * 3),
-                                            ([30, 30, 30], (False, True, False))])
-def test_members_with_arrays_of_other_shapes_get_an_error_not_a_wrong_sum(three, sizes, averages):
-    """Rank 1's array is longer, or rank 1 asks for the mean: a member that
-    receives a chunk of another operation says so, and the failure goes
-    round the ring (no member waits out its 30 s timeout); none returns a
-    result, and no chunk is left behind."""
-    errors = _failures(three, member_of_size, f"mismatch-{averages}", range(3), sizes,
-                       averages, 30.0)
+@pytest.mark.parametrize("sizes,averages,algorithms", [
+    ([30, 31, 30], (False,) * 3, ("ring",) * 3),
+    ([30, 31, 30], (False,) * 3, ("direct",) * 3),
+    ([30, 30, 30], (False, True, False), ("ring",) * 3),
+    ([30, 30, 30], (False, True, False), ("direct",) * 3),
+    ([30, 30, 30], (False,) * 3, ("ring", "direct", "ring")),
+    ([30, 30, 30], (False,) * 3, ("direct", "direct", "ring"))])
+def test_members_with_arrays_of_other_shapes_get_an_error_not_a_wrong_sum(three, sizes, averages,
+                                                                          algorithms):
+    """Rank 1's array is longer, or rank 1 asks for the mean, or the members
+    run other algorithms: a member that receives a chunk of another
+    operation says so, and the failure reaches every member (no member waits
+    out its 30 s timeout); none returns a result, and no chunk is left
+    behind."""
+    errors = _failures(three, member_of_size, f"mismatch-{averages}-{algorithms}", range(3),
+                       sizes, averages, 30.0, algorithms)
     assert any("differ in shape or dtype" in e for e in errors), errors
     assert all(e.split(":")[0] in ("InvalidArgument", "FailedPrecondition") for e in errors), errors
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
