@@ -284,11 +284,12 @@ class CollectiveGroup:
         return out
 
     def all_reduce_many(self, arrays: Sequence, average: bool = False,
-                        compression: str | None = None, *,
-                        agree: bytes = b"") -> list[np.ndarray]:
+                        compression: str | None = None, *, agree: bytes = b"",
+                        algorithm: str | None = None) -> list[np.ndarray]:
         """``all_reduce`` of each array, fused (as Horovod's fusion buffer):
         arrays of one dtype go end to end in buffers of up to FUSION_BYTES
-        (a larger array alone), one ring each, so many small gradients make
+        (a larger array alone), one all-reduce each (``algorithm``: as
+        all_reduce takes it, for each buffer), so many small gradients make
         few collective calls. Every member passes arrays of the same shapes
         and dtypes in the same order."""
         arrays = [np.asarray(a) for a in arrays]
@@ -299,7 +300,7 @@ class CollectiveGroup:
         out: list = [None] * len(arrays)
         for batch in _fusion_batches(arrays):
             flat = self.all_reduce(np.concatenate([arrays[i].reshape(-1) for i in batch]),
-                                   average, compression, agree=agree,
+                                   average, compression, agree=agree, algorithm=algorithm,
                                    _shapes=tuple(arrays[i].shape for i in batch))
             at = 0
             for i in batch:

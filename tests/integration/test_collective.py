@@ -59,13 +59,13 @@ def members_keeping_results(name, addresses, rank, size, calls):
     return outs, all(np.array_equal(x, b) for x, b in zip(inputs, before))
 
 
-def member_fp16(name, addresses, rank, size):
+def member_fp16(name, addresses, rank, size, algorithm=None):
     """A float32 all-reduce with chunks sent as float16: (result, bytes sent)."""
     from coordinator.collective import CollectiveGroup
     with CollectiveGroup(name, addresses, rank) as group:
         x = _data(7, rank, size, "float32", False)
         x[:3] = [np.nan, np.inf, 30000.0 * (rank + 1)]   # kept, kept, past float16: clipped
-        return group.all_reduce(x, compression="fp16"), group.bytes_sent
+        return group.all_reduce(x, compression="fp16", algorithm=algorithm), group.bytes_sent
 
 
 def member_many(name, addresses, rank, shapes):
@@ -260,12 +260,14 @@ def test_results_kept_are_never_overwritten_and_inputs_are_left_as_given(three):
             np.testing.assert_array_equal(out, want)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_fp16_compression_halves_the_bytes_and_every_member_has_the_same_bits(three, n):
+@pytest.mark.parametrize("n,algorithm", [(2, "ring"), (3, "ring"), (3, "direct")])
+def test_fp16_compression_halves_the_bytes_and_every_member_has_the_same_bits(three, n,
+                                                                              algorithm):
     size = 300_001
     ranks = range(n)
-    got = _on_all(three, member_fp16, size, ranks=ranks)
-    _, sent32 = _on_all(three, member, size, "float32", False, ranks=ranks)[0]
+    got = _on_all(three, member_fp16, size, algorithm, ranks=ranks)
+    _, sent32 = _on_all(three, member, size, "float32", False, False, 60.0, 7, algorithm,
+                        ranks=ranks)[0]
     for out, sent in got:
         assert out.dtype == np.float32 and out.tobytes() == got[0][0].tobytes()
         assert sent < 0.51 * sent32
