@@ -212,6 +212,8 @@ def main(argv=None) -> int:
         return 0
     if args.algorithms:
         return algorithms(args)
+    if args.mib and len(args.mib) > 1:
+        ap.error("--mib takes one size against gloo (several only with --algorithms)")
     nbytes = int((args.mib or [64.0])[0] * MiB) // 4 * 4
     res = {"machine": machine_info(), "bytes": nbytes, "hosts": args.hosts, "members": {}}
     rows = []

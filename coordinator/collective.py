@@ -100,6 +100,13 @@ ALGORITHMS = ("ring", "direct")
 #: groups of 3 up to DIRECT_MAX_MEMBERS members (see ``choose_algorithm``).
 DIRECT_MAX_BYTES = 1 << 20
 DIRECT_MAX_MEMBERS = 8
+#: The largest array the direct all-reduce takes when named (it sends all
+#: its chunks before it takes any: they wait in the others' inboxes).
+DIRECT_LIMIT_BYTES = 16 << 20
+#: Seconds between a direct member's looks at its sends' answers while it
+#: waits for a chunk (a refused chunk fails the operation then, not at its
+#: timeout).
+DIRECT_POLL_SECONDS = 0.05
 
 
 
@@ -190,6 +197,7 @@ class CollectiveGroup:
         self._failed: BaseException | None = None
         self.bytes_sent = 0   # request bytes this member sent (chunks and their framing)
         self._ids: dict[int, bytes] = {}   # other members' ids, by rank, once asked
+        self._sent: list = []   # a direct run's sends (Pendings)
         self._peers: dict[int, TaskChannel] = {}   # channels to them, by rank
         self._token, self._tls = token, tls
         self._member, self._next = b"", None
@@ -233,7 +241,9 @@ class CollectiveGroup:
         ``array`` (same shape and dtype on each: float16, float32 or
         float64), a new array of its shape, the same bits on every member.
         ``array`` is read while the call runs (not copied first): change it
-        only once the call has returned.
+        only once the call has returned (after a failed ring, a send of it to
+        a next member that stopped reading may outlast the call by up to
+        ABORT_SECONDS: change it only after that, or pass a copy).
 
         ``compression="fp16"``: the chunks travel as float16 (half the
         bytes of float32), summed in the array's dtype; each hop's value is
@@ -244,9 +254,10 @@ class CollectiveGroup:
         others fails, as for arrays of other shapes: InvalidArgument).
 
         ``algorithm``: "ring" or "direct" (see ``choose_algorithm``, which
-        None takes); every member must run the same one (InvalidArgument
-        otherwise). Each gives every member the same bits, but not the
-        same bits as the other (the additions go in another order)."""
+        None takes; "direct" up to DIRECT_LIMIT_BYTES); every member must
+        run the same one (InvalidArgument otherwise). Each gives every
+        member the same bits, but not the same bits as the other (the
+        additions go in another order)."""
         a = np.asarray(array)
         if a.dtype not in DTYPES:
             raise InvalidArgument(f"all_reduce takes float16, float32 or float64 arrays, "
@@ -257,9 +268,13 @@ class CollectiveGroup:
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {list(ALGORITHMS)} or None, "
                              f"got {algorithm!r}")
+        if algorithm == "direct" and a.nbytes > DIRECT_LIMIT_BYTES:
+            raise ValueError(f"the direct all-reduce takes arrays of up to "
+                             f"{DIRECT_LIMIT_BYTES} bytes (it sends every chunk before it "
+                             f"takes any), got {a.nbytes}: use the ring")
         if self._failed is not None:
             raise FailedPrecondition(f"an operation of group {self.name!r} failed here "
-                                     f"({type(self._failed).__name__}): form the group anew")
+                                     f"({self._failed}): form the group anew")
         if self.size > 1 and self._next is None:
             raise FailedPrecondition(f"group {self.name!r} is closed here")
         op, self._op = self._op, self._op + 1
@@ -275,7 +290,10 @@ class CollectiveGroup:
                     _signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree,
                                algorithm))
             except BaseException as exc:   # the group is over: the others are told, this
-                self._failed = exc            # member's chunks go, later ones are refused
+                # member's chunks go, later ones are refused (kept without its
+                # traceback: its frames hold the pooled result, which a cycle
+                # through the traceback would keep until the collector runs)
+                self._failed = FailedPrecondition(f"{type(exc).__name__}: {exc}")
                 self._abort_others(f"{type(exc).__name__}: {exc}")
                 self._inbox.leave(self.id, self._member)
                 raise
@@ -363,6 +381,7 @@ class CollectiveGroup:
         deadline = time.monotonic() + self.timeout
         others = [(r + k) % n for k in range(1, n)]   # (each member starts at its next)
         sent: list = []
+        self._sent = sent   # (_take looks at their answers while it waits)
         try:
             for j in others:
                 sent += self._send(j, op, 0, split(flat[slice(*bounds[j])]), wire_dtype,
@@ -417,7 +436,8 @@ class CollectiveGroup:
               signature: int, deadline: float) -> np.ndarray:
         """Member ``rank``'s piece of that step, once delivered, checked."""
         what = f"worker {self.addresses[rank]} (rank {rank} of group {self.name!r})"
-        got, sig = self._inbox.take(self.id, op, step, rank, deadline, what)
+        got, sig = self._inbox.take(self.id, op, step, rank, deadline, what,
+                                    lambda: _refused(self._sent), DIRECT_POLL_SECONDS)
         _check(got, sig, like, wire_dtype, signature, what)
         return got
 
@@ -436,9 +456,12 @@ class CollectiveGroup:
         out)."""
         rank = f"worker {self.addresses[self.rank]} (rank {self.rank})"
         nxt = (self.rank + 1) % self.size
-        for k in [nxt, *(k for k in self._ids if k != nxt)]:
+        known = list(self._ids)   # (a copy: a late sender thread may add to it)
+        # the members it knows first, then (asked for up to ABORT_SECONDS) the next
+        for k in [*(k for k in known if k != nxt), nxt]:
             try:
-                member = self._id_of(k, time.monotonic() + ABORT_SECONDS, threading.Event())
+                member = self._id_of(k, time.monotonic() + ABORT_SECONDS, threading.Event(),
+                                     told_fails=False)
             except Exception:   # (not formed in time, or gone)
                 continue
             msg = wire.encode_collective_chunk(self.id, 0, 0, self.rank, None, member,
@@ -448,12 +471,15 @@ class CollectiveGroup:
             except Exception:   # (it gone too: its own next times out, as without this)
                 pass
 
-    def _id_of(self, rank: int, deadline: float, stop: threading.Event) -> bytes:
+    def _id_of(self, rank: int, deadline: float, stop: threading.Event,
+               told_fails: bool = True) -> bytes:
         """Member ``rank``'s id, asked of its worker until it is formed
-        there and takes chunks from this member."""
+        there and takes chunks from this member. ``told_fails``: raise once
+        this member was told of a failure (an operation's asks; not the
+        asks that pass a failure on)."""
         member = self._ids.get(rank, b"")
         while not member and not stop.is_set():
-            failed = self._inbox.failure(self.id, self._member)
+            failed = self._inbox.failure(self.id, self._member) if told_fails else None
             if failed is not None and self._member:   # (told while it asks: a direct run)
                 raise FailedPrecondition(f"a member of group {self.name!r} failed, so this "
                                          f"operation does: {failed}")
@@ -543,6 +569,17 @@ class _Sender:
             g = self._group
             raise DeadlineExceeded(f"sending to worker {g.addresses[(g.rank + 1) % g.size]} "
                                    f"(group {g.name!r}) did not finish in time")
+
+
+def _refused(sent: list) -> BaseException | None:
+    """The error of the first answered send that failed (a refused chunk), or None."""
+    for pending in sent:
+        if pending.done():
+            try:
+                pending.result()
+            except Exception as exc:
+                return exc
+    return None
 
 
 def _check(got: np.ndarray, signature: int, into: np.ndarray, wire_dtype, want: int,

@@ -7,11 +7,11 @@ each forming of a group registers a member id (``join``), the first member
 to ask for it as a given rank (``answer``) is the only sender of that rank
 it takes chunks from (the ring: one, the previous rank; the direct
 all-reduce: every other rank), and a chunk is kept only for such a pair;
-``leave`` drops a member's chunks, ``abort`` fails its operation. It holds at most INBOX_BYTES (counting the
-buffer that really holds each chunk) and MAX_CHUNKS chunks; a chunk past
-that waits up to ROOM_SECONDS (and its call's deadline) for room, while
-the chunks waiting so hold at most INBOX_BYTES more, then
-ResourceExhausted.
+``leave`` drops a member's chunks, ``abort`` fails its operation. It holds
+at most INBOX_BYTES (counting the buffer that really holds each chunk) and
+MAX_CHUNKS chunks; a chunk past that waits up to ROOM_SECONDS (and its
+call's deadline) for room, while the chunks waiting so hold at most
+INBOX_BYTES more, then ResourceExhausted.
 """
 from __future__ import annotations
 
@@ -209,12 +209,12 @@ class Inbox:
             bool(self._bytes and self._bytes + held > self.max_bytes)
 
     def take(self, group: bytes, op: int, step: int, sender: int, deadline: float, what: str,
-             abort: Callable[[], BaseException | None] = lambda: None
-             ) -> tuple[np.ndarray, int]:
+             abort: Callable[[], BaseException | None] = lambda: None,
+             poll: float | None = None) -> tuple[np.ndarray, int]:
         """(data, signature) of the chunk of that key once delivered;
         DeadlineExceeded (saying ``what`` it waited for) if it does not come
         by ``deadline``; ``abort()``'s error as soon as it has one (checked
-        whenever the inbox is woken)."""
+        whenever the inbox is woken, and every ``poll`` seconds)."""
         key = (group, op, step, sender)
         with self._cond:
             while key not in self._chunks:
@@ -227,10 +227,10 @@ class Inbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(
-                        f"no chunk came from {what} in time: that worker, or one further "
-                        "back round the ring, is slow or stopped, or runs this group's "
-                        "operations in another order")
-                self._cond.wait(left)
+                        f"no chunk came from {what} in time: that worker (or, in a ring, one "
+                        "further back round the ring) is slow or stopped, or runs this "
+                        "group's operations in another order")
+                self._cond.wait(left if poll is None else min(left, poll))
             data, signature, held = self._chunks.pop(key)
             self._bytes -= held
             self._cond.notify_all()   # (a delivery waiting for room)

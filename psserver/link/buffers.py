@@ -12,6 +12,7 @@ Buffers below ``MIN_BYTES`` are not pooled (malloc reuses those well).
 """
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 
@@ -27,6 +28,11 @@ _max_free: int | None = None   # keep_at_most's bound
 
 _lock = threading.Lock()
 _free: list[np.ndarray] = []   # whole buffers nobody uses, smallest first
+# Buffers given back and not yet in _free: a finalizer puts them here without
+# the lock (it runs wherever a collection runs, maybe inside the lock on this
+# very thread, which would then wait for itself); the next holder of the
+# lock moves them over (_settle).
+_returned: collections.deque = collections.deque()
 
 
 def _size_class(n: int) -> int:
@@ -43,6 +49,7 @@ def take(n: int) -> np.ndarray:
         return np.empty(n, np.uint8)
     want = _size_class(n)
     with _lock:
+        _settle()
         for i, buf in enumerate(_free):
             if want <= buf.size <= 2 * want:
                 del _free[i]
@@ -68,7 +75,7 @@ def keep_at_most(n: int) -> None:
     global _max_free
     with _lock:
         _max_free = max(0, int(n))
-        _trim()
+        _settle()
 
 
 def _trim() -> None:
@@ -81,13 +88,19 @@ def _trim() -> None:
 
 
 def _give(buf: np.ndarray) -> None:
-    with _lock:
-        _free.append(buf)
-        _free.sort(key=lambda b: b.size)
-        _trim()
+    _returned.append(buf)   # (no lock: see _returned)
+
+
+def _settle() -> None:
+    """Buffers given back into _free, smallest first, trimmed (lock held)."""
+    while _returned:
+        _free.append(_returned.popleft())
+    _free.sort(key=lambda b: b.size)
+    _trim()
 
 
 def free_bytes() -> int:
     """Bytes of buffers the pool keeps free now."""
     with _lock:
+        _settle()
         return sum(b.size for b in _free)

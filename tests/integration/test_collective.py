@@ -147,6 +147,42 @@ def member_direct_on_host(name, addresses, rank, size):
         return out, group.bytes_sent, sent
 
 
+def abort_or_reduce(name, addresses, rank, late, timeout, algorithm):
+    """Rank 0 forms the group and gives up at once (as a step that fails
+    before its push does); the others form ``late[rank]`` seconds later
+    (members reaching their push at other times) and all-reduce: their
+    errors ("Type: message")."""
+    import time
+
+    from coordinator.collective import CollectiveGroup
+    time.sleep(late[rank])   # (part of the case: this member comes later)
+    try:
+        with CollectiveGroup(name, addresses, rank, timeout=timeout) as group:
+            if rank == 0:
+                group.abort("its step failed")
+                return "aborted"
+            group.all_reduce(np.ones(30, np.float32), algorithm=algorithm)
+            return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def reduce_with_a_small_inbox(name, addresses, rank, size, inbox_bytes, timeout, algorithm):
+    """An all-reduce with this worker's inbox bounded to ``inbox_bytes`` (as
+    one busy with other groups' chunks is): "ok" or the error."""
+    from coordinator.collective import CollectiveGroup
+    from coordinator.collective_inbox import INBOX
+    saved, INBOX.max_bytes = INBOX.max_bytes, inbox_bytes
+    try:
+        with CollectiveGroup(name, addresses, rank, timeout=timeout) as group:
+            group.all_reduce(np.ones(size, np.float32), algorithm=algorithm)
+            return "ok"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        INBOX.max_bytes = saved
+
+
 def inbox_bytes():
     from coordinator.collective_inbox import INBOX
     return INBOX.held_bytes
@@ -326,6 +362,40 @@ def test_members_with_arrays_of_other_shapes_get_an_error_not_a_wrong_sum(three,
                        sizes, averages, 30.0, algorithms)
     assert any("differ in shape or dtype" in e for e in errors), errors
     assert all(e.split(":")[0] in ("InvalidArgument", "FailedPrecondition") for e in errors), errors
+    assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_a_failure_reaches_members_that_come_later_than_the_one_told(three, algorithm):
+    """Rank 0 gives up at once; rank 1 all-reduces at once and is told; rank 2
+    comes half a second later, after rank 1 was told but before rank 1 had
+    its id: rank 1 still tells it (its asks to pass a failure on are not
+    cut short by its own failure), so rank 2 fails as told, not after its
+    30 s timeout (review 11's first finding: it waited out its timeout)."""
+    addresses = [w.address for w in three.workers]
+    with futures.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(_run, three, r, abort_or_reduce, f"late-{algorithm}", addresses, r,
+                            [0.0, 0.0, 0.5], 30.0, algorithm) for r in range(3)]
+        got = [f.result() for f in runs]
+    assert got[0] == "aborted"
+    for outcome in got[1:]:
+        assert outcome.startswith("FailedPrecondition") and "its step failed" in outcome, got
+
+
+def test_a_direct_chunk_refused_fails_the_operation_then_not_at_its_timeout(three):
+    """Direct members send every chunk before they take any; with inboxes
+    bounded below what arrives (a worker busy with other groups), a chunk
+    is refused after the inbox's wait for room (10 s), and its sender sees
+    the refusal while it waits for chunks (review 11's second finding: every
+    member waited out its 60 s timeout, saying nothing of the refusal)."""
+    size = 3 * (1 << 20)   # 12 MiB of float32: 8 MiB arrives at each member
+    got = _on_all(three, reduce_with_a_small_inbox, size, 6 << 20, 60.0, "direct")
+    assert any(g.startswith("ResourceExhausted") for g in got), got
+    assert not any(g.startswith("DeadlineExceeded") or g == "ok" for g in got), got
+    # the ring takes the same array with the same inboxes (a piece in flight a sender)
+    assert _on_all(three, reduce_with_a_small_inbox, size, 6 << 20, 60.0, "ring") == ["ok"] * 3
+    with pytest.raises(RuntimeError, match="direct all-reduce takes arrays of up to"):
+        _on_all(three, member, (16 << 20) // 4 + 1, "float32", True, False, 60.0, 7, "direct")
     assert [_run(three, i, inbox_bytes) for i in range(3)] == [0, 0, 0]
 
 

@@ -1,9 +1,20 @@
 """psserver/link/buffers.py: large frame buffers used again, never while in use."""
+import collections
 import gc
+import importlib.util
+import threading
 
 import numpy as np
+import pytest
 
 from psserver.link import buffers as B
+
+
+@pytest.fixture(autouse=True)
+def _own_pool(monkeypatch):
+    """Each test its own free lists (buffers an earlier test let go stay out)."""
+    monkeypatch.setattr(B, "_free", [])
+    monkeypatch.setattr(B, "_returned", collections.deque())
 
 
 def test_a_buffer_is_not_handed_out_again_while_anything_made_from_it_lives(monkeypatch):
@@ -41,6 +52,25 @@ def test_numpy_views_of_a_taken_buffer_keep_it_out_of_the_pool(monkeypatch):
     assert B.free_bytes() >= B.MIN_BYTES + 64
     del other
     gc.collect()
+
+
+def test_a_buffer_given_back_while_the_pool_is_locked_waits_for_no_one():
+    """A finalizer runs wherever a collection runs, inside the pool's lock on
+    the same thread too: giving a buffer back there must not wait for that
+    lock (it would wait for itself, and every later take with it). On a
+    module of its own: a failure here leaves its lock held."""
+    spec = importlib.util.spec_from_file_location("buffers_copy", B.__file__)
+    pool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool)
+    done = threading.Event()
+
+    def give_inside_the_lock():
+        with pool._lock:
+            pool._give(np.empty(pool.MIN_BYTES, np.uint8))
+        done.set()
+    threading.Thread(target=give_inside_the_lock, daemon=True).start()
+    assert done.wait(10)
+    assert pool.free_bytes() == pool.MIN_BYTES
 
 
 def test_small_buffers_are_not_pooled_and_the_pool_is_bounded(monkeypatch):
