@@ -61,7 +61,6 @@ member behind its predecessor holds up one call of it at most.
 from __future__ import annotations
 
 import collections
-import hashlib
 import queue
 import threading
 import time
@@ -71,7 +70,25 @@ from typing import Sequence
 import numpy as np
 
 from coordinator.collective_inbox import INBOX, Inbox
-from psserver.contract import wire, wire_decode
+from coordinator.collective_parts import (  # noqa: F401 (ALGORITHMS ...: this module's API too)
+    ALGORITHMS,
+    COMPRESSIONS,
+    DIRECT_LIMIT_BYTES,
+    DIRECT_MAX_BYTES,
+    DIRECT_MAX_MEMBERS,
+    DIRECT_POLL_SECONDS,
+    DTYPES,
+    FUSION_BYTES,
+    check_chunk,
+    choose_algorithm,
+    chunk_bounds,
+    chunk_signature,
+    first_refusal,
+    fusion_batches,
+    group_id,
+    narrow,
+)
+from psserver.contract import wire
 from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from psserver.link import buffers, methods
 from psserver.link.channel import TaskChannel
@@ -87,58 +104,6 @@ PIECE_BYTES = (4 << 20) - (4 << 10)
 PROBE_SECONDS = 0.02
 #: Seconds a failed member gives telling the next one, and its own send thread to stop.
 ABORT_SECONDS = 2.0
-#: Array dtypes an all-reduce takes.
-DTYPES = (np.float16, np.float32, np.float64)
-#: all_reduce's compressions: the dtype chunks travel in (None: the array's).
-COMPRESSIONS = {None: None, "fp16": np.dtype(np.float16)}
-#: Bytes of arrays all_reduce_many fuses into one buffer at most (Horovod's
-#: default fusion threshold).
-FUSION_BYTES = 64 << 20
-#: all_reduce's algorithms (``algorithm=None``: ``choose_algorithm``'s).
-ALGORITHMS = ("ring", "direct")
-#: The direct all-reduce is chosen for arrays up to this many bytes, in
-#: groups of 3 up to DIRECT_MAX_MEMBERS members (see ``choose_algorithm``).
-DIRECT_MAX_BYTES = 1 << 20
-DIRECT_MAX_MEMBERS = 8
-#: The largest array the direct all-reduce takes when named (it sends all
-#: its chunks before it takes any: they wait in the others' inboxes).
-DIRECT_LIMIT_BYTES = 16 << 20
-#: Seconds between a direct member's looks at its sends' answers while it
-#: waits for a chunk (a refused chunk fails the operation then, not at its
-#: timeout).
-DIRECT_POLL_SECONDS = 0.05
-
-
-
-
-def group_id(name: str) -> bytes:
-    """The 16-byte id every member derives from a group's name."""
-    return hashlib.blake2b(name.encode(), digest_size=wire_decode.COLLECTIVE_GROUP_BYTES).digest()
-
-
-def choose_algorithm(nbytes: int, members: int) -> str:
-    """The all-reduce an array of ``nbytes`` takes in a group of ``members``
-    (every member decides alike: the same array shape and dtype, the same
-    group). Both send each member's 2(n - 1)/n of the array's bytes. The ring
-    does it in 2(n - 1) steps one after another, each a hop to the next
-    member: one link busy a step, large arrays pipelined in pieces. The
-    direct one in 2: each member sends chunk j to member j at once, sums its
-    own chunk of every member's, and sends that sum to all; n - 1 links busy
-    at once. With a hop costing more than the bytes (small and mid-sized
-    arrays; a hop is a few thread wake-ups and a system call or two), direct
-    takes fewer of them: up to DIRECT_MAX_BYTES and DIRECT_MAX_MEMBERS
-    members, measured in docs/speed.md. Two members: the ring (it is the
-    same two steps)."""
-    return "direct" if 3 <= members <= DIRECT_MAX_MEMBERS and \
-        nbytes <= DIRECT_MAX_BYTES else "ring"
-
-
-def chunk_bounds(size: int, n: int) -> list[tuple[int, int]]:
-    """n contiguous chunks of ``size`` elements, sizes differing by one at most."""
-    edges = [size * i // n for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
-
-
 def _leave(inbox: Inbox, group: bytes, member: bytes) -> None:
     inbox.leave(group, member)
 
@@ -163,13 +128,6 @@ def _channel_to(address: str, token, tls) -> TaskChannel:
                 _channels.popitem(last=False)[1].close()
         _channels.move_to_end(key)
         return ch
-
-
-def _signature(shape: tuple, dtype: np.dtype, wire_dtype: np.dtype, average: bool,
-               agree: bytes = b"", algorithm: str = "ring") -> int:
-    text = f"{tuple(shape)}/{dtype.str}/{wire_dtype.str}/{bool(average)}/{algorithm}/".encode() \
-        + agree
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
 class CollectiveGroup:
@@ -287,7 +245,7 @@ class CollectiveGroup:
             run = self._direct if algorithm == "direct" else self._ring
             try:
                 run(op, np.ascontiguousarray(a).reshape(-1), out.reshape(-1), wire_dtype,
-                    _signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree,
+                    chunk_signature(_shapes or a.shape, a.dtype, wire_dtype, average, agree,
                                algorithm))
             except BaseException as exc:   # the group is over: the others are told, this
                 # member's chunks go, later ones are refused (kept without its
@@ -316,7 +274,7 @@ class CollectiveGroup:
                 raise InvalidArgument(f"all_reduce_many takes float16, float32 or float64 "
                                       f"arrays, got {a.dtype}")
         out: list = [None] * len(arrays)
-        for batch in _fusion_batches(arrays):
+        for batch in fusion_batches(arrays):
             flat = self.all_reduce(np.concatenate([arrays[i].reshape(-1) for i in batch]),
                                    average, compression, agree=agree, algorithm=algorithm,
                                    _shapes=tuple(arrays[i].shape for i in batch))
@@ -354,11 +312,11 @@ class CollectiveGroup:
                 for p, (piece, mine) in enumerate(zip(split(out[a:b]), split(flat[a:b]))):
                     got, sig = self._inbox.take(self.id, op, s * pieces + p, (r - 1) % n,
                                                 deadline, prev, sender.error)
-                    _check(got, sig, piece, wire_dtype, signature, prev)
+                    check_chunk(got, sig, piece, wire_dtype, signature, prev)
                     if reducing:
                         np.add(mine, got, out=piece)
                         if lossy and s == n - 2:   # its sum is made: as the others will have it
-                            piece[...] = _narrow(piece, wire_dtype)
+                            piece[...] = narrow(piece, wire_dtype)
                     else:
                         piece[...] = got
                     if s < 2 * (n - 1) - 1:
@@ -397,7 +355,7 @@ class CollectiveGroup:
                     else:
                         piece += got
                 if lossy:   # as the others will have it
-                    piece[...] = _narrow(piece, wire_dtype)
+                    piece[...] = narrow(piece, wire_dtype)
             for j in others:
                 sent += self._send(j, op, pieces, [piece for piece, _ in mine], wire_dtype,
                                    signature, deadline)
@@ -424,7 +382,7 @@ class CollectiveGroup:
         receiver, out = self._id_of(rank, deadline, threading.Event()), []
         for p, piece in enumerate(pieces):
             if piece.dtype != wire_dtype:
-                piece = _narrow(piece, wire_dtype)
+                piece = narrow(piece, wire_dtype)
             msg = wire.encode_collective_chunk(self.id, op, step + p, self.rank, piece,
                                                receiver, self._member, signature)
             self.bytes_sent += msg.nbytes
@@ -437,8 +395,8 @@ class CollectiveGroup:
         """Member ``rank``'s piece of that step, once delivered, checked."""
         what = f"worker {self.addresses[rank]} (rank {rank} of group {self.name!r})"
         got, sig = self._inbox.take(self.id, op, step, rank, deadline, what,
-                                    lambda: _refused(self._sent), DIRECT_POLL_SECONDS)
-        _check(got, sig, like, wire_dtype, signature, what)
+                                    lambda: first_refusal(self._sent), DIRECT_POLL_SECONDS)
+        check_chunk(got, sig, like, wire_dtype, signature, what)
         return got
 
     def _peer(self, rank: int) -> TaskChannel:
@@ -543,7 +501,7 @@ class _Sender:
                     return
                 step, piece = item
                 if piece.dtype != self._wire:
-                    piece = _narrow(piece, self._wire)
+                    piece = narrow(piece, self._wire)
                 msg = wire.encode_collective_chunk(g.id, self._op, step, g.rank, piece,
                                                    receiver, g._member, self._signature)
                 g.bytes_sent += msg.nbytes
@@ -569,51 +527,3 @@ class _Sender:
             g = self._group
             raise DeadlineExceeded(f"sending to worker {g.addresses[(g.rank + 1) % g.size]} "
                                    f"(group {g.name!r}) did not finish in time")
-
-
-def _refused(sent: list) -> BaseException | None:
-    """The error of the first answered send that failed (a refused chunk), or None."""
-    for pending in sent:
-        if pending.done():
-            try:
-                pending.result()
-            except Exception as exc:
-                return exc
-    return None
-
-
-def _check(got: np.ndarray, signature: int, into: np.ndarray, wire_dtype, want: int,
-           sender: str) -> None:
-    if signature != want or got.dtype != wire_dtype or got.shape != into.shape:
-        raise InvalidArgument(
-            f"{sender} sent a chunk of an operation on another array than this member's: the "
-            "members' arrays (or compressions) differ in shape or dtype, or they call the "
-            "group's operations in another order")
-
-
-def _narrow(a: np.ndarray, dtype) -> np.ndarray:
-    """``a`` as ``dtype`` (float16), finite values beyond its range clipped
-    to its largest (not turned into Inf), NaN and Inf kept."""
-    with np.errstate(over="ignore"):
-        out = a.astype(dtype)
-    over = np.isinf(out) & np.isfinite(a)
-    if over.any():
-        out[over] = np.copysign(np.finfo(dtype).max, a[over])
-    return out
-
-
-def _fusion_batches(arrays: list) -> list[list[int]]:
-    """Indexes of ``arrays`` in fusion buffers: one dtype each, in order,
-    at most FUSION_BYTES (an array larger than that alone)."""
-    out, open_ = [], {}   # dtype -> (indexes, bytes) of its buffer being filled
-    for i, a in enumerate(arrays):
-        batch = open_.get(a.dtype)
-        if batch is not None and batch[1] + a.nbytes > FUSION_BYTES:
-            out.append(batch[0])
-            batch = None
-        if batch is None:
-            batch = ([], 0)
-        batch[0].append(i)
-        open_[a.dtype] = (batch[0], batch[1] + a.nbytes)
-    out += [b for b, _ in open_.values()]
-    return out

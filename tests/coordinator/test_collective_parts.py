@@ -287,9 +287,9 @@ def test_a_chunk_by_hand_reads_back_and_protobuf_reads_it_the_same(dtype):
 
 
 def test_narrowing_to_float16_clips_finite_values_and_keeps_nan_and_inf():
-    from coordinator.collective import _narrow
+    from coordinator.collective_parts import narrow
     a = np.array([1e5, -1e5, np.inf, -np.inf, np.nan, 1.5, 65504.0, 7e-9], np.float32)
-    out = _narrow(a, np.float16)
+    out = narrow(a, np.float16)
     assert out.dtype == np.float16
     assert out[:2].tolist() == [65504.0, -65504.0]
     assert np.isposinf(out[2]) and np.isneginf(out[3]) and np.isnan(out[4])
@@ -297,12 +297,12 @@ def test_narrowing_to_float16_clips_finite_values_and_keeps_nan_and_inf():
 
 
 def test_fusion_batches_group_by_dtype_in_order_up_to_the_buffer():
-    from coordinator.collective import FUSION_BYTES, _fusion_batches
+    from coordinator.collective_parts import FUSION_BYTES, fusion_batches
     f32 = lambda n: np.zeros(n, np.float32)   # noqa: E731
     big = FUSION_BYTES // 4
     arrays = [f32(10), np.zeros(3), f32(big - 10), f32(1), f32(big + 1), np.zeros(1), f32(2)]
-    assert _fusion_batches(arrays) == [[0, 2], [3], [4], [6], [1, 5]]
-    assert _fusion_batches([]) == []
+    assert fusion_batches(arrays) == [[0, 2], [3], [4], [6], [1, 5]]
+    assert fusion_batches([]) == []
     with pytest.raises(ValueError, match="compression must be one of"):
         CollectiveGroup("solo", ["a:1"], 0).all_reduce(f32(3), compression="int8")
     g = CollectiveGroup("solo", ["a:1"], 0)
