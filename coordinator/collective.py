@@ -200,8 +200,8 @@ class CollectiveGroup:
         float64), a new array of its shape, the same bits on every member.
         ``array`` is read while the call runs (not copied first): change it
         only once the call has returned (after a failed ring, a send of it to
-        a next member that stopped reading may outlast the call by up to
-        ABORT_SECONDS: change it only after that, or pass a copy).
+        a next member that stopped reading may outlast the call, up to the
+        group's timeout: pass a copy where the array changes after a failure).
 
         ``compression="fp16"``: the chunks travel as float16 (half the
         bytes of float32), summed in the array's dtype; each hop's value is
@@ -265,7 +265,8 @@ class CollectiveGroup:
         """``all_reduce`` of each array, fused (as Horovod's fusion buffer):
         arrays of one dtype go end to end in buffers of up to FUSION_BYTES
         (a larger array alone), one all-reduce each (``algorithm``: as
-        all_reduce takes it, for each buffer), so many small gradients make
+        all_reduce takes it, for each buffer; "direct" fuses up to
+        DIRECT_LIMIT_BYTES), so many small gradients make
         few collective calls. Every member passes arrays of the same shapes
         and dtypes in the same order."""
         arrays = [np.asarray(a) for a in arrays]
@@ -274,7 +275,8 @@ class CollectiveGroup:
                 raise InvalidArgument(f"all_reduce_many takes float16, float32 or float64 "
                                       f"arrays, got {a.dtype}")
         out: list = [None] * len(arrays)
-        for batch in fusion_batches(arrays):
+        limit = DIRECT_LIMIT_BYTES if algorithm == "direct" else FUSION_BYTES
+        for batch in fusion_batches(arrays, limit):
             flat = self.all_reduce(np.concatenate([arrays[i].reshape(-1) for i in batch]),
                                    average, compression, agree=agree, algorithm=algorithm,
                                    _shapes=tuple(arrays[i].shape for i in batch))
@@ -371,6 +373,7 @@ class CollectiveGroup:
                     pending.result()
                 except Exception as exc:
                     errors.append(exc)
+            self._sent = []   # (a failed send's traceback would hold this call's arrays)
         if errors:
             raise errors[0]
 

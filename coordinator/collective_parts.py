@@ -101,13 +101,13 @@ def narrow(a: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def fusion_batches(arrays: list) -> list[list[int]]:
+def fusion_batches(arrays: list, limit: int = FUSION_BYTES) -> list[list[int]]:
     """Indexes of ``arrays`` in fusion buffers: one dtype each, in order,
-    at most FUSION_BYTES (an array larger than that alone)."""
+    at most ``limit`` bytes (an array larger than that alone)."""
     out, open_ = [], {}   # dtype -> (indexes, bytes) of its buffer being filled
     for i, a in enumerate(arrays):
         batch = open_.get(a.dtype)
-        if batch is not None and batch[1] + a.nbytes > FUSION_BYTES:
+        if batch is not None and batch[1] + a.nbytes > limit:
             out.append(batch[0])
             batch = None
         if batch is None:

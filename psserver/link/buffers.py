@@ -28,10 +28,10 @@ _max_free: int | None = None   # keep_at_most's bound
 
 _lock = threading.Lock()
 _free: list[np.ndarray] = []   # whole buffers nobody uses, smallest first
-# Buffers given back and not yet in _free: a finalizer puts them here without
-# the lock (it runs wherever a collection runs, maybe inside the lock on this
-# very thread, which would then wait for itself); the next holder of the
-# lock moves them over (_settle).
+# Buffers given back and not yet in _free: a finalizer puts them here and
+# takes the lock only if it is free (it runs wherever a collection runs, maybe
+# inside the lock on this very thread, which would then wait for itself);
+# else the holder of the lock moves them over when it lets go (_settle_soon).
 _returned: collections.deque = collections.deque()
 
 
@@ -56,6 +56,7 @@ def take(n: int) -> np.ndarray:
                 break
         else:
             buf = None
+    _settle_soon()
     if buf is None:
         buf = np.empty(want, np.uint8)
     view = buf[:n]
@@ -76,6 +77,7 @@ def keep_at_most(n: int) -> None:
     with _lock:
         _max_free = max(0, int(n))
         _settle()
+    _settle_soon()
 
 
 def _trim() -> None:
@@ -88,7 +90,19 @@ def _trim() -> None:
 
 
 def _give(buf: np.ndarray) -> None:
-    _returned.append(buf)   # (no lock: see _returned)
+    _returned.append(buf)   # (see _returned)
+    _settle_soon()
+
+
+def _settle_soon() -> None:
+    """Settle what was given back if the lock is free; a holder of it calls
+    this after letting go, so a buffer given back meanwhile is settled by
+    one of the two (the pool stays within its bound: keep_at_most)."""
+    if _returned and _lock.acquire(blocking=False):
+        try:
+            _settle()
+        finally:
+            _lock.release()
 
 
 def _settle() -> None:
@@ -103,4 +117,6 @@ def free_bytes() -> int:
     """Bytes of buffers the pool keeps free now."""
     with _lock:
         _settle()
-        return sum(b.size for b in _free)
+        free = sum(b.size for b in _free)
+    _settle_soon()
+    return free

@@ -303,6 +303,7 @@ def test_fusion_batches_group_by_dtype_in_order_up_to_the_buffer():
     arrays = [f32(10), np.zeros(3), f32(big - 10), f32(1), f32(big + 1), np.zeros(1), f32(2)]
     assert fusion_batches(arrays) == [[0, 2], [3], [4], [6], [1, 5]]
     assert fusion_batches([]) == []
+    assert fusion_batches([f32(10), f32(10), f32(10)], 80) == [[0, 1], [2]]
     with pytest.raises(ValueError, match="compression must be one of"):
         CollectiveGroup("solo", ["a:1"], 0).all_reduce(f32(3), compression="int8")
     g = CollectiveGroup("solo", ["a:1"], 0)

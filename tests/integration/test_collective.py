@@ -388,7 +388,7 @@ def test_a_direct_chunk_refused_fails_the_operation_then_not_at_its_timeout(thre
     is refused after the inbox's wait for room (10 s), and its sender sees
     the refusal while it waits for chunks (review 11's second finding: every
     member waited out its 60 s timeout, saying nothing of the refusal)."""
-    size = 3 * (1 << 20)   # 12 MiB of float32: 8 MiB arrives at each member
+    size = 3 * (1 << 20)   # 12 MiB of float32: 8 MiB arrives at each member, in 4 MiB pieces
     got = _on_all(three, reduce_with_a_small_inbox, size, 6 << 20, 60.0, "direct")
     assert any(g.startswith("ResourceExhausted") for g in got), got
     assert not any(g.startswith("DeadlineExceeded") or g == "ok" for g in got), got

@@ -71,6 +71,10 @@ def test_a_buffer_given_back_while_the_pool_is_locked_waits_for_no_one():
     threading.Thread(target=give_inside_the_lock, daemon=True).start()
     assert done.wait(10)
     assert pool.free_bytes() == pool.MIN_BYTES
+    # given back with the lock free, it is settled at once: kept within the bound
+    pool.keep_at_most(pool.MIN_BYTES)
+    pool._give(np.empty(pool.MIN_BYTES, np.uint8))
+    assert not pool._returned and sum(b.size for b in pool._free) == pool.MIN_BYTES
 
 
 def test_small_buffers_are_not_pooled_and_the_pool_is_bounded(monkeypatch):
