@@ -162,6 +162,16 @@ class Gloo:
         return [max(ts) for ts in zip(*per_member)]
 
 
+def _ours_on(stack, n: int, on_hosts: bool):
+    """(Ours on n workers, the test hosts or None): with ``on_hosts`` each
+    worker on a test host of its own (one more for the server), in ``stack``."""
+    hosts = None
+    if on_hosts:
+        from bench.hosts import TestHosts
+        hosts = stack.enter_context(TestHosts(n + 1))
+    return Ours(stack, n, None if hosts is None else hosts.placement([n], range(n))), hosts
+
+
 def algorithms(args) -> int:
     """--algorithms: the ring against the direct all-reduce, by size (see the module)."""
     sizes = args.mib or [0.004, 0.25, 2.5]
@@ -169,11 +179,7 @@ def algorithms(args) -> int:
     rows = []
     for n in args.members:
         with contextlib.ExitStack() as stack:
-            hosts = None
-            if args.hosts:
-                from bench.hosts import TestHosts
-                hosts = stack.enter_context(TestHosts(n + 1))
-            ours = Ours(stack, n, None if hosts is None else hosts.placement([n], range(n)))
+            ours, _ = _ours_on(stack, n, args.hosts)
             for mib in sizes:
                 nbytes = max(4, int(mib * MiB) // 4 * 4)
                 times: dict[str, list] = {"ring": [], "direct": []}
@@ -219,11 +225,7 @@ def main(argv=None) -> int:
     rows = []
     for n in args.members:
         with contextlib.ExitStack() as stack:
-            hosts = None
-            if args.hosts:
-                from bench.hosts import TestHosts
-                hosts = stack.enter_context(TestHosts(n + 1))
-            ours = Ours(stack, n, None if hosts is None else hosts.placement([n], range(n)))
+            ours, hosts = _ours_on(stack, n, args.hosts)
             gloo = Gloo(n, hosts)
             times = {"ours": [], "gloo": []}
             for _ in range(args.rounds):

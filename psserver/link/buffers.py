@@ -77,6 +77,7 @@ def keep_at_most(n: int) -> None:
     with _lock:
         _max_free = max(0, int(n))
         _settle()
+        _trim()
     _settle_soon()
 
 
@@ -106,7 +107,10 @@ def _settle_soon() -> None:
 
 
 def _settle() -> None:
-    """Buffers given back into _free, smallest first, trimmed (lock held)."""
+    """Buffers given back into _free, smallest first, trimmed (lock held;
+    nothing to do, as on most takes, when none was given back)."""
+    if not _returned:
+        return
     while _returned:
         _free.append(_returned.popleft())
     _free.sort(key=lambda b: b.size)
