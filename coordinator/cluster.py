@@ -193,15 +193,18 @@ class Cluster:
         return closure
 
     def run_on(self, address: str, fn: Callable, args: tuple = (),
-               timeout: float | None = None):
+               timeout: float | None = None, reconnect: float = 0.0):
         """``fn(*args)`` on the worker at ``address`` (after the closures
         queued for it before), its value. Unavailable, at once, if that
-        worker is not answering, or if it did not run it within ``timeout``
+        worker is not answering (``reconnect``: unless it reconnects within
+        that many seconds before a reconnection fails: a call of it cut
+        just now), or if it did not run it within ``timeout``
         (default TOOL_SECONDS; then it is taken off the queue if it had not
         started); a worker's failure to run it is Unavailable too, the
         function's own error its StepFunctionError."""
         worker = self.membership.workers.get(address)
-        if worker is not None and not worker.worker_alive and worker.worker_id is not None:
+        if worker is not None and not worker.worker_alive and worker.worker_id is not None \
+                and not self._reconnects(worker, reconnect):
             raise Unavailable(f"worker {address} is not answering (its last call failed); "
                               "check it, or try again once it is back")
         closure = self.schedule_on(address, fn, args)
@@ -214,6 +217,15 @@ class Cluster:
                               f"{closure.name} within {wait} s: it is down or busy") from None
         except WorkerCallError as exc:
             raise Unavailable(str(exc)) from None
+
+    def _reconnects(self, worker, seconds: float) -> bool:
+        """Whether ``worker`` answers again within ``seconds``, before one
+        of its reconnections fails."""
+        if seconds <= 0:
+            return False
+        failed = worker.connects_failed
+        self.wait_for(lambda: worker.worker_alive or worker.connects_failed > failed, seconds)
+        return worker.worker_alive
 
     def next_closure(self, worker) -> Closure | None:
         """Block until ``worker`` may start a closure (``may_start``) and one

@@ -23,10 +23,12 @@ dispatching, and a recovery (on a thread of its own):
 4. copies the replicas of the member that applied the most updates to the
    others (values, slots, counts: ``mirrored.set_state``), so the replicas
    are one again whether or not a failed step was applied somewhere;
-5. counts a failed step done where a member completed it (its replicas,
-   copied to all, have it; the failed replicas' values are ABANDONED),
-   and issues it again to the new members otherwise; then the steps taken
-   off the queue, in order;
+5. counts a failed step done where a member completed it (its closure's
+   reply came, or, where no reply of the step came, a member left says its
+   step function returned in that attempt: ``mirrored.completed``; its
+   replicas, copied to all, have it; its batches are trained; the failed
+   replicas' values are ABANDONED), and issues it again to the new members
+   otherwise; then the steps taken off the queue, in order;
 6. resumes dispatching.
 
 A step function's own error on any member (the others' all-reduce fails
@@ -63,6 +65,10 @@ MAX_ATTEMPTS = 4
 #: Seconds a re-forming waits for a worker that is not a member yet (one
 #: joining) to answer; it is tried again at the next re-forming.
 JOIN_SECONDS = 30.0
+#: Seconds a re-forming waits for a worker whose call was just cut (a reply
+#: lost on the way: its slot reconnects) to answer again, unless a
+#: reconnection of it fails first (a worker that is gone).
+RECONNECT_SECONDS = 5.0
 
 
 class GangStep:
@@ -242,6 +248,9 @@ class Gangs:
                 members, source = self._live()
                 if source is not None:
                     members = self._sync(members, source)
+                unheard = {g.closures[0].collective.group for g in steps
+                           if g.failed and not g.succeeded}   # (not a reply came)
+                completed = self._completed(members, unheard) if source and unheard else set()
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
                     for g in steps:
@@ -249,7 +258,8 @@ class Gangs:
                         # Applied where it succeeded (so every member's gradient,
                         # batch and all, is in it): now everywhere; else nothing
                         # was applied: the batches go back, the step again.
-                        done = bool(g.failed and g.succeeded)
+                        done = bool(g.failed and (g.succeeded or g.closures[0].collective.group
+                                                  in completed))
                         for cl, _, _ in g.failed:
                             cl.settle_batches(done)
                         if done:
@@ -308,7 +318,8 @@ class Gangs:
             # mismatch, say: the job waits for it JOIN_SECONDS, not a tool's 120 s)
             wait = None if self.members is None or a in self.members else JOIN_SECONDS
             try:
-                counts[a] = sum(c.run_on(a, mirrored.versions, (variables,), wait).values())
+                counts[a] = sum(c.run_on(a, mirrored.versions, (variables,), wait,
+                                         RECONNECT_SECONDS).values())
             except StepFunctionError:   # no replicas: restarted
                 counts[a] = -1
             except Unavailable:
@@ -321,6 +332,21 @@ class Gangs:
                               f"{list(c.strategy.cluster_spec.worker)}")
         return members, max(counts, key=counts.get)
 
+    def _completed(self, members: tuple[str, ...], groups: set[str]) -> set[str]:
+        """Those of ``groups`` (step attempts none of whose replies came) that
+        a member completed (its replicas, copied to all now, have the step;
+        a member that does not say is not asked again)."""
+        from coordinator import mirrored
+        done: set[str] = set()
+        for a in members:
+            try:
+                done.update(self.cluster.run_on(a, mirrored.completed, (sorted(groups),), None,
+                                                RECONNECT_SECONDS))
+            except (Unavailable, StepFunctionError) as exc:
+                log.warning("all-reduce: worker %s did not say which steps it completed (%s)",
+                            a, exc)
+        return done
+
     def _sync(self, members: tuple[str, ...], source: str) -> tuple[str, ...]:
         """The source's replicas copied to the other members; the members
         that have them (one that stopped answering meanwhile is left out)."""
@@ -331,7 +357,7 @@ class Gangs:
         for a in members:
             try:
                 if a != source:
-                    c.run_on(a, mirrored.set_state, (variables, states))
+                    c.run_on(a, mirrored.set_state, (variables, states), None, RECONNECT_SECONDS)
                 kept.append(a)
             except Unavailable as exc:
                 log.warning("all-reduce: worker %s did not take the model (%s); the ring goes "

@@ -40,6 +40,9 @@ table rows on the parameter servers carry update keys derived from the
 batch (exactly-once datasets) or else from the job, the step and the worker
 (psworker/worker.py's seed, sources.batch_scope's fallback), so a server
 drops what the same batch, or the same worker, sent in the step's first run.
+And a step whose every reply was lost is not run again where a member left
+says it completed that attempt (``step_completed``, ``completed``): its
+pushes are in the replicas, its batches are settled as trained.
 
 Replicas live in the worker process (``_REPLICAS``), by the strategy's job
 id and the variable's name: a second job on the same workers has replicas
@@ -448,6 +451,31 @@ def step_failed(spec, reason: str) -> None:
     except Exception:   # (the step's own error is what the coordinator hears)
         pass
 
+
+def step_completed(spec) -> None:
+    """The step function of ``spec``'s step returned on this worker (run by
+    psworker before its reply goes out): its pushes, all-reduced among
+    every member, are in this worker's replicas, and, where its batches are
+    exactly-once, every member's table rows were applied before them."""
+    with _LOCK:
+        if spec.group not in _COMPLETED:
+            _COMPLETED[spec.group] = None
+            if len(_COMPLETED) > STEPS_KEPT:
+                del _COMPLETED[next(iter(_COMPLETED))]
+
+
+def completed(groups: Sequence[str]) -> list[str]:
+    """Which of these step attempts (their groups) this worker completed:
+    what a re-forming asks of the members left for a step none of whose
+    replies came (coordinator/gang.py)."""
+    with _LOCK:
+        return [g for g in groups if isinstance(g, str) and g in _COMPLETED]
+
+
+#: Step attempts (their groups: job, coordinator, epoch, step) this worker
+#: completed, the last STEPS_KEPT, oldest first.
+STEPS_KEPT = 1024
+_COMPLETED: dict[str, None] = {}
 
 _step = threading.local()   # this thread's step: its pushes so far, the versions it read
 

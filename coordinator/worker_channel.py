@@ -121,6 +121,7 @@ class _WorkerThread:
         self._shared = shared
         shared.slots.append(self)
         self.alive = False            # answered its last call
+        self.failed_connects = 0      # reconnections that failed (run_on's reconnect wait)
         self.worker_id: str | None = None   # the worker process this thread talks to
         # Since when (monotonic) the worker has not answered, whether that
         # was said, and whether its address was probed (_note_silence);
@@ -154,6 +155,11 @@ class _WorkerThread:
         return any(w.alive for w in self._shared.slots)
 
     @property
+    def connects_failed(self) -> int:
+        """Reconnections of the worker's slots that failed so far."""
+        return sum(w.failed_connects for w in self._shared.slots)
+
+    @property
     def stopping(self) -> bool:
         """stop() or abort() was called: the thread takes no more closures."""
         return self._stop.is_set()
@@ -183,6 +189,8 @@ class _WorkerThread:
             info = self._channel.ask(1.0, wait_for_ready=True)
         except PSError as exc:
             self._note_silence(exc)
+            self.failed_connects += 1
+            self.cluster.clocks_changed()   # (a run_on waiting for it to come back)
             return False
         if self._said_silent:
             log.warning("worker %d at %s answers now", self._spec_index(), self.address)

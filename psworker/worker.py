@@ -187,6 +187,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with replica_scope(sync, collective), \
                     sources.batch_scope(request.batches, replica_seed):
                 result = fn(*args, **kwargs)
+            if collective is not None:   # (before the reply: a re-forming may ask)
+                mirrored.step_completed(collective)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
         except Exception as exc:

@@ -59,6 +59,23 @@ def test_the_pushes_a_replica_applied_go_with_it_only_when_asked():
     assert list(mirrored.replica(v).applied) == []
 
 
+def test_a_worker_remembers_the_step_attempts_it_completed_within_a_bound(monkeypatch):
+    """step_completed records a step attempt by its group (job, coordinator,
+    epoch, step); completed() answers which of the groups asked it has,
+    ignoring what is not a group name; past STEPS_KEPT the oldest go."""
+    monkeypatch.setattr(mirrored, "_COMPLETED", {})
+    monkeypatch.setattr(mirrored, "STEPS_KEPT", 3)
+
+    def spec(step, epoch=0):
+        return CollectiveSpec(f"job/n/e{epoch}/step-{step}", ("a:1", "b:2"), 0, step, 5.0,
+                              False, None, "job")
+    for step in range(4):
+        mirrored.step_completed(spec(step))
+    mirrored.step_completed(spec(3))   # (again: once)
+    asked = [spec(s).group for s in range(4)] + [spec(3, epoch=1).group, 7, None]
+    assert mirrored.completed(asked) == [spec(s).group for s in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "slot missing", "slot shape", "version"])
 def test_a_state_that_does_not_fit_is_refused_and_changes_nothing(bad):
     v, w = _var(f"bad-{bad}"), _var(f"other-{bad}", "sgd")

@@ -195,3 +195,76 @@ def test_members_agree_on_skipping_a_push_or_all_fail_at_once(two_workers, case)
         assert outcome in ("ValueError", "ReplicasDisagree", "AllReduceFailed"), outcome
         assert versions == [0] * len(dtypes) and seconds < 10, (outcome, seconds)
     assert {g[0] for g in got} & {"ValueError", "ReplicasDisagree"}
+
+
+# -- every reply of a step lost, and a member with them ----------------------------------
+def summing_step(w, table):
+    """A step on a sharded dataset of example ids: each example's row of
+    ``table`` gets +1 and w (summed over the replicas, SGD 1) minus the sum
+    of the batch's ids, so w ends at minus the sum of every id trained, a
+    batch trained twice or not at all shows."""
+    def step(it):
+        from coordinator.step_calls import IndexedSlices, Lookup
+        ids = np.asarray(next(it), np.int64)
+        wv, rows = read_variables([w, Lookup(table, ids)])
+        push_gradients([(table, IndexedSlices(-np.ones_like(rows), ids)),
+                        (w, np.full(wv.shape, float(ids.sum()), np.float32))])
+        return ids.tolist()
+    return step
+
+
+@pytest.mark.parametrize("killed", [True, False], ids=["a-member-gone", "all-members-left"])
+def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, killed):
+    """Step 0's three members all complete it (every push applied
+    everywhere), but no reply reaches the coordinator: the replies are
+    cut on the way in (UNAVAILABLE, as a connection lost after the worker
+    answered), and with ``killed`` the member of rank 0 is killed with its.
+    The re-forming waits for the members whose calls were cut to reconnect
+    and asks them: they completed the step, so it is done, its three
+    batches trained (not given back to be trained again), and the job goes
+    on with the members left. Every id is trained once: each row +1, w
+    minus the sum of the ids (a batch trained twice or dropped changes it)."""
+    from coordinator import ShardedSource
+    from coordinator.worker_channel import _WorkerThread
+    from psserver.errors import Unavailable
+    cut = []
+    run = _WorkerThread._run_closure
+
+    def lose_step_0(thread, closure):
+        g = closure.gang
+        if g is not None and not first:
+            first.append(g.step)   # (the first step's closures are dispatched first)
+        reply = run(thread, closure)
+        if g is not None and g.step == first[0] and g.attempts == 0 \
+                and reply.WhichOneof("outcome") != "error":
+            cut.append(closure.collective.rank)
+            if killed and closure.collective.rank == 0:
+                c.kill_worker(c.spec.worker.index(thread.address))
+            raise Unavailable("the reply was lost on the way (test)")
+        return reply
+    monkeypatch.setattr(_WorkerThread, "_run_closure", lose_step_0)
+    batches, first = (11 if killed else 15), []   # step 0: 3 batches, then 4 steps of 2 or 3
+    with LocalCluster(num_ps=1, num_workers=3) as c:
+        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5,
+                                           aggregation="sum")
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 1.0})
+        table = strategy.create_embedding_table("t", 1, initializer="zeros", optimizer="sgd",
+                                                optimizer_params={"learning_rate": 1.0})
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+                np.arange(4 * batches), shard_sizes=[24, 4 * batches - 24]), batch_size=4)
+            it = iter(ds)
+            step = summing_step(w, table)
+            steps = [coord.schedule(step, args=(it,)) for _ in range(5)]
+            coord.join(timeout=120)
+            assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
+            got = [coord.replica_values(worker=i, with_versions=True)
+                   for i in ((1, 2) if killed else (0, 1, 2))]
+        rows = table.lookup(np.arange(4 * batches, dtype=np.int64), admit=False)
+    assert sorted(cut) == [0, 1, 2]   # (each reply of step 0 cut once)
+    np.testing.assert_array_equal(rows, np.ones((4 * batches, 1), np.float32))
+    for values, versions in got:
+        assert versions == {"w": len(steps)}
+        np.testing.assert_array_equal(values["w"], np.full(2, -float(np.arange(4 * batches).sum()),
+                                                           np.float32))
