@@ -110,8 +110,18 @@ def serve(handle, *, grace: float = 5.0, port_file: str | None = None,
     SIGINT, or until the process that started this one is gone; then stop
     gracefully."""
     stop = threading.Event()
+    fired: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        # A handler runs in the main thread between two bytecodes, maybe
+        # inside stop.wait() or inside this handler's own stop.set(), holding
+        # the event's lock: a second SIGTERM there (LocalCluster sends two)
+        # deadlocked the task until SIGKILL. So the lock is taken by a thread.
+        if not fired:
+            fired.append(signum)
+            threading.Thread(target=stop.set, name="signal-stop", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     _exit_with_parent(stop)
     handle.start()
     if port_file:   # before the announcement, so a reader of either sees both

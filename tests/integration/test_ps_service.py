@@ -930,6 +930,34 @@ def test_signal_mid_traffic_exits_zero_and_clients_get_unavailable(start_ps, sig
         c.push("w", np.ones(10_000))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", ["psserver", "psworker"])
+def test_a_burst_of_signals_still_stops_the_task(module):
+    """SIGTERMs 10 us apart (LocalCluster.stop sends two, a terminal's
+    Ctrl-Cs or an orchestrator may send more): the task exits. Before, a
+    second signal arriving inside the first one's handler (the stop
+    event's set, holding its lock) deadlocked the main thread until
+    SIGKILL, in about one task in four; eight tries each."""
+    import os
+    import time
+    for _ in range(8):
+        task = start_task(module, ["--port", "0"])
+        try:
+            for _ in range(1000):
+                os.kill(task.proc.pid, signal.SIGTERM)
+                until = time.perf_counter() + 1e-5
+                while time.perf_counter() < until:
+                    pass
+            try:
+                rc = task.proc.wait(20)   # (it stops at once: no call in flight)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{module} did not stop after a burst of SIGTERMs:\n"
+                            + task.output())
+            assert rc in (0, -signal.SIGTERM), task.output()   # (-15: one came after the stop)
+        finally:
+            task.kill()
+
+
 # ---------------------------------------------------------------------------
 # 6. Health
 # ---------------------------------------------------------------------------
