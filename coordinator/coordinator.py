@@ -380,6 +380,16 @@ class ClusterCoordinator:
     def workers_alive(self) -> int:
         return self._cluster.workers_alive()
 
+    def replicas_in_sync(self) -> int:
+        """All-reduce mode: the workers the next step is issued to (each
+        runs a replica and takes a batch of a sharded dataset), which follow
+        the workers lost and joining; before the first step, the cluster
+        spec's. Other modes: the strategy's ``num_replicas_in_sync``."""
+        if self.strategy.mode != "allreduce":
+            return self.strategy.num_replicas_in_sync
+        members = self._cluster.gangs.members
+        return len(members if members is not None else self.strategy.cluster_spec.worker)
+
     def pending(self) -> tuple[int, int]:
         """(queued, in flight) closures."""
         return self._cluster.queue.counts()

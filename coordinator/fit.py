@@ -99,9 +99,12 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
       epochs: train until this epoch (counting ``initial_epoch``).
       steps_per_epoch: steps scheduled per epoch; required with a per-worker
         dataset; with a sharded one it defaults to its ``batches_per_epoch``
-        (one step per batch: an epoch of fit is an epoch of the data), in
-        all-reduce mode divided by the workers in the spec, rounded up (a
-        step takes a batch on each).
+        (one step per batch: an epoch of fit is an epoch of the data); in
+        all-reduce mode a step takes a batch on each member, and an epoch
+        runs steps (first the batches over the members, rounded up; then
+        as many as a lost member left) until every batch of its data epoch
+        was trained, so members may come and go (its last step may take
+        the first batches of the next data epoch).
       validation_fn: ``validation_fn(epoch)`` (or ``validation_fn()``), run on
         the coordinator after the epoch's join(); returns a dict of metrics,
         recorded with a ``val_`` prefix (kept if already there).
@@ -137,6 +140,11 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
     if isinstance(dataset_fn, ShardedIterator):
         dataset_fn = dataset_fn.dataset
     sharded = dataset_fn if isinstance(dataset_fn, ShardedDataset) else None
+    # All-reduce mode over a sharded dataset: a step takes a batch per member,
+    # and members change (a worker lost or joining): each epoch runs steps
+    # until its data epoch is trained (``_steps_left``), not a count fixed here.
+    follow = steps_per_epoch is None and sharded is not None \
+        and coordinator.strategy.mode == "allreduce"
     if steps_per_epoch is None:
         if sharded is None:
             raise ValueError("steps_per_epoch is needed with a per-worker dataset (its "
@@ -144,8 +152,8 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
                              "(coordinator.create_sharded_dataset) gives its own")
         steps_per_epoch = sharded.batches_per_epoch
         strategy = coordinator.strategy
-        if strategy.mode == "allreduce":   # a step takes a batch on each worker
-            n = max(1, len(strategy.cluster_spec.worker))
+        if strategy.mode == "allreduce":   # a step takes a batch on each member (an
+            n = max(1, coordinator.replicas_in_sync())   # estimate: ``follow``)
             steps_per_epoch = max(1, -(-steps_per_epoch // n))
     if not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
         raise ValueError(f"steps_per_epoch must be an int >= 1, got {steps_per_epoch!r}")
@@ -206,8 +214,10 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
             pending: deque = deque()
             next_batch = 0
             reruns_before = sharded.stats().reruns if sharded is not None else 0
+            data_epoch = sharded.epochs_completed if follow else None
+            target = _steps_left(coordinator, sharded, data_epoch) if follow else steps_per_epoch
             while True:
-                while (not state.stop_training and next_batch < steps_per_epoch
+                while (not state.stop_training and next_batch < target
                        and len(pending) < max_pending_steps):
                     cbs.on_train_batch_begin(next_batch, {})
                     pending.append((next_batch, coordinator.schedule(train_step,
@@ -217,7 +227,15 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
                     if bar is not None:
                         bar.scheduled(1)
                 if not pending:
-                    break
+                    more = _steps_left(coordinator, sharded, data_epoch) \
+                        if follow and not state.stop_training else 0
+                    if not more:
+                        break
+                    target += more   # (a member was lost: its batches are left)
+                    if bar is not None:
+                        total += more
+                        bar.set_total(total)
+                    continue
                 batch, rv = pending[0]
                 try:
                     value = rv.fetch(timeout=tick)
@@ -319,3 +337,11 @@ def _headline(logs: dict[str, float]) -> float | None:
     if "loss" in logs:
         return logs["loss"]
     return next(iter(logs.values()), None)
+
+
+def _steps_left(coordinator, sharded, data_epoch: int) -> int:
+    """All-reduce steps that train what is left of ``data_epoch`` with the
+    members now (a step takes one batch on each)."""
+    coordinator.join()   # (every step scheduled so far acknowledged its batches)
+    left = sharded.unacknowledged(data_epoch)
+    return -(-left // max(1, coordinator.replicas_in_sync())) if left else 0

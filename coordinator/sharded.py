@@ -85,8 +85,12 @@ update is the all-reduce's alone: it is applied once per completed step.
 This holds for a step that pushes once, its rows in the same
 ``push_gradients`` call as its mirrored gradients (or in calls before
 it): rows pushed after the all-reduce are lost with a member that dies
-in between, and a step that all-reduces twice and fails in the second has
-its first applied, and applied again by the re-run.
+in between, and a step that all-reduces twice and fails in the second is
+run again with the batches the re-run takes (its first push, applied
+already, is not applied again; docs/training-modes.md). ``fit`` follows
+the members: an epoch of it runs steps until every batch of its data
+epoch was trained, however many members each step had (its last step may
+take the first batches of the next epoch: a step takes one per member).
 
 Sync and hybrid modes have neither: a replica whose worker dies is
 abandoned, not re-run, and its gradients are keyed by (step, replica);
@@ -252,6 +256,12 @@ class _Dispatch:
         with self._cond:
             return min(self._unacked, default=self._epoch + 1)
 
+    def unacknowledged(self, epoch: int) -> int:
+        with self._cond:
+            if epoch > self._epoch:
+                return self.batches_per_epoch
+            return self._unacked.get(epoch, 0)
+
     def wait_epoch(self, epoch: int, timeout: float | None) -> bool:
         with self._cond:
             return self._cond.wait_for(
@@ -297,6 +307,10 @@ class ShardedDataset:
     def wait_epoch(self, epoch: int, timeout: float | None = None) -> bool:
         """Block until every batch of ``epoch`` was acknowledged; False on timeout."""
         return self._dispatch.wait_epoch(epoch, timeout)
+
+    def unacknowledged(self, epoch: int) -> int:
+        """Batches of ``epoch`` not acknowledged yet (0: that epoch ended)."""
+        return self._dispatch.unacknowledged(epoch)
 
     def stats(self) -> DataStats:
         return self._dispatch.stats()

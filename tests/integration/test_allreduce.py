@@ -829,6 +829,28 @@ def test_fit_on_a_sharded_dataset_makes_an_epoch_of_the_data():
     assert got[1] == {"w": 12}
 
 
+def test_fit_follows_the_members_when_a_worker_is_lost_mid_epoch():
+    """3 workers, a worker killed inside fit's second step: the rest of the
+    epoch runs on 2, so fit's first guess (12 batches over 3: 4 steps)
+    leaves batches; fit runs steps until its data epoch is trained, in both
+    epochs. Every example trained twice, but for the first batches of a
+    third data epoch that a last step of 2 members takes (at most one a
+    step's worth: 4 ids, trained three times). Before, fit stopped after
+    4 steps an epoch and 2 epochs of fit trained 17 of the 24 batches."""
+    with LocalCluster(num_ps=1, num_workers=3) as c:
+        strategy, w, table = counting_job(c.snapshot())
+        with ClusterCoordinator(strategy) as coord:
+            ds = counting_dataset(coord, 12)
+            history = fit(coord, loss_of(counting_step(w, table, 1)), ds, epochs=2,
+                          verbose=0)
+            assert ds.epochs_completed >= 2
+            assert coord.replicas_in_sync() == 2
+            got = [coord.replica_values(worker=i, with_versions=True) for i in (0, 2)]
+        rows = table.lookup(np.arange(48, dtype=np.int64), admit=False)[:, 0]
+    assert (rows >= 2).all() and (rows <= 3).all() and rows.sum() - 2 * 48 <= 4, rows
+    assert got[0][1] == got[1][1] == {"w": len(history.steps)}
+
+
 def _equal_survivors(got: list, w0, b0, replicas: list, params: dict) -> None:
     """Two survivors' (values, versions): one update per step, bit-identical,
     equal to the large batch of ``replicas`` per step."""
