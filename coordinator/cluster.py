@@ -35,6 +35,7 @@ import functools
 import itertools
 import operator
 import threading
+import time
 import uuid
 import weakref
 from typing import Callable
@@ -50,6 +51,7 @@ from coordinator.strategy import SYNC_MODES
 from coordinator.worker_channel import _Membership, _WorkerThread
 from protos.pstrain.v1 import worker_pb2
 from psserver.errors import Unavailable
+from psserver.link.diagnose import reachability
 
 #: Largest pickled ShardedSource create_sharded_dataset sends (the workers'
 #: gRPC messages are at most 64 MiB; room left for the rest of the call).
@@ -219,12 +221,20 @@ class Cluster:
             raise Unavailable(str(exc)) from None
 
     def _reconnects(self, worker, seconds: float) -> bool:
-        """Whether ``worker`` answers again within ``seconds``, before one
-        of its reconnections fails."""
-        if seconds <= 0:
-            return False
+        """Whether ``worker`` answers again within ``seconds``; no more
+        waiting once a reconnection of it failed and nothing listens at its
+        address any more (a TCP connection refused: its process is gone)."""
+        deadline = time.monotonic() + seconds
         failed = worker.connects_failed
-        self.wait_for(lambda: worker.worker_alive or worker.connects_failed > failed, seconds)
+        while not worker.worker_alive:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.wait_for(
+                    lambda: worker.worker_alive or worker.connects_failed > failed, left):
+                break
+            if not worker.worker_alive:
+                failed = worker.connects_failed
+                if reachability(worker.address, min(1.0, left))[0] in ("dns", "closed"):
+                    break
         return worker.worker_alive
 
     def next_closure(self, worker) -> Closure | None:

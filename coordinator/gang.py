@@ -18,17 +18,19 @@ dispatching, and a recovery (on a thread of its own):
    already running such a step fails within step_timeout: it is issued
    again);
 2. waits until no closure of a step is running;
-3. asks every worker of the spec for its replicas' update counts: those
+3. asks every worker of the spec, once no attempt of a step runs there
+   (a call cut on the way runs on), for its replicas' update counts: those
    that answer are the members from now on (a new epoch in the group names);
 4. copies the replicas of the member that applied the most updates to the
    others (values, slots, counts: ``mirrored.set_state``), so the replicas
    are one again whether or not a failed step was applied somewhere;
 5. counts a failed step done where a member completed it (its closure's
    reply came, or, where no reply of the step came, a member left says its
-   step function returned in that attempt: ``mirrored.completed``; its
-   replicas, copied to all, have it; its batches are trained; the failed
-   replicas' values are ABANDONED), and issues it again to the new members
-   otherwise; then the steps taken off the queue, in order;
+   step function returned in that attempt with its pushes through, asked
+   once no attempt runs there: ``mirrored.after_steps``; its replicas,
+   copied to all, have it; its batches are trained; the values not set
+   are ABANDONED), and issues it again to the new members otherwise; then
+   the steps taken off the queue, in order;
 6. resumes dispatching.
 
 A step function's own error on any member (the others' all-reduce fails
@@ -69,6 +71,9 @@ JOIN_SECONDS = 30.0
 #: lost on the way: its slot reconnects) to answer again, unless a
 #: reconnection of it fails first (a worker that is gone).
 RECONNECT_SECONDS = 5.0
+#: Seconds (at most; step_timeout where shorter, plus 5) a re-forming waits
+#: for a worker's attempts of this coordinator's steps to end there.
+SETTLE_SECONDS = 60.0
 
 
 class GangStep:
@@ -245,12 +250,11 @@ class Gangs:
                     errors = [e for _, e, _ in tired[0].failed]
                     raise next((e for e in errors if getattr(e, "type_name", "") ==
                                 "ReplicasDisagree"), errors[-1])
-                members, source = self._live()
-                if source is not None:
-                    members = self._sync(members, source)
                 unheard = {g.closures[0].collective.group for g in steps
                            if g.failed and not g.succeeded}   # (not a reply came)
-                completed = self._completed(members, unheard) if source and unheard else set()
+                members, source, completed = self._live(unheard)
+                if source is not None:
+                    members = self._sync(members, source)
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
                     for g in steps:
@@ -262,9 +266,10 @@ class Gangs:
                                                   in completed))
                         for cl, _, _ in g.failed:
                             cl.settle_batches(done)
-                        if done:
-                            for cl, _, _ in g.failed:
-                                cl.remote_value.set_value(ABANDONED)
+                        if done:   # (replicas that failed, or were taken off unrun)
+                            for rv in g.values:
+                                if not rv.done():
+                                    rv.set_value(ABANDONED)
                             self._steps.pop(g.step)
                             self.completed += 1
                         else:
@@ -305,47 +310,43 @@ class Gangs:
                 cl.gang.running -= 1
             self._lock.notify_all()
 
-    def _live(self) -> tuple[tuple[str, ...], str | None]:
+    def _live(self, unheard: set[str]) -> tuple[tuple[str, ...], str | None, set[str]]:
         """(the workers of the spec that answer, in spec order; the one whose
         replicas applied the most updates, None where no step was done yet
-        and none has replicas). A worker without replicas (it restarted, or
-        joined) is a member too: it gets the others'."""
+        and none has replicas; those of the ``unheard`` step attempts (no
+        reply of theirs came) that a member completed). A worker without
+        replicas (it restarted, or joined) is a member too: it gets the
+        others'. Each is asked once no attempt of this coordinator's steps
+        runs there (one whose call was cut runs on: its pushes land first);
+        one where an attempt still runs after SETTLE_SECONDS is left out."""
         from coordinator import mirrored
-        c, variables = self.cluster, self.cluster.strategy.mirrored_variables
-        counts = {}
-        for a in c.strategy.cluster_spec.worker:
+        c, s = self.cluster, self.cluster.strategy
+        prefix, groups = f"{s.job}/{c.nonce}/", sorted(unheard)
+        settle = min(s.step_timeout or SETTLE_SECONDS, SETTLE_SECONDS) + 5.0
+        counts, completed = {}, set()
+        for a in s.cluster_spec.worker:
             # (a worker that is no member yet may not answer at all, a TLS
             # mismatch, say: the job waits for it JOIN_SECONDS, not a tool's 120 s)
             wait = None if self.members is None or a in self.members else JOIN_SECONDS
             try:
-                counts[a] = sum(c.run_on(a, mirrored.versions, (variables,), wait,
-                                         RECONNECT_SECONDS).values())
-            except StepFunctionError:   # no replicas: restarted
-                counts[a] = -1
-            except Unavailable:
-                pass
-        members = tuple(a for a in c.strategy.cluster_spec.worker if a in counts)
+                count, done, running = c.run_on(a, mirrored.after_steps, (
+                    s.mirrored_variables, prefix, groups, settle), wait, RECONNECT_SECONDS)
+            except (Unavailable, StepFunctionError) as exc:
+                log.warning("all-reduce: worker %s is left out of the ring (%s)", a, exc)
+                continue
+            if running:
+                log.warning("all-reduce: worker %s still runs %s after %.0f s; the ring goes "
+                            "on without it", a, ", ".join(running), settle)
+                continue
+            counts[a] = count
+            completed.update(done)
+        members = tuple(a for a in s.cluster_spec.worker if a in counts)
         if counts and max(counts.values()) < 0 and not self.completed:
-            return members, None   # (each makes its replicas from the initial values)
+            return members, None, set()   # (each makes its replicas from the initial values)
         if not counts or max(counts.values()) < 0:
             raise Unavailable("no worker of the all-reduce job answers with its replicas: "
-                              f"{list(c.strategy.cluster_spec.worker)}")
-        return members, max(counts, key=counts.get)
-
-    def _completed(self, members: tuple[str, ...], groups: set[str]) -> set[str]:
-        """Those of ``groups`` (step attempts none of whose replies came) that
-        a member completed (its replicas, copied to all now, have the step;
-        a member that does not say is not asked again)."""
-        from coordinator import mirrored
-        done: set[str] = set()
-        for a in members:
-            try:
-                done.update(self.cluster.run_on(a, mirrored.completed, (sorted(groups),), None,
-                                                RECONNECT_SECONDS))
-            except (Unavailable, StepFunctionError) as exc:
-                log.warning("all-reduce: worker %s did not say which steps it completed (%s)",
-                            a, exc)
-        return done
+                              f"{list(s.cluster_spec.worker)}")
+        return members, max(counts, key=counts.get), completed
 
     def _sync(self, members: tuple[str, ...], source: str) -> tuple[str, ...]:
         """The source's replicas copied to the other members; the members

@@ -41,8 +41,9 @@ batch (exactly-once datasets) or else from the job, the step and the worker
 (psworker/worker.py's seed, sources.batch_scope's fallback), so a server
 drops what the same batch, or the same worker, sent in the step's first run.
 And a step whose every reply was lost is not run again where a member left
-says it completed that attempt (``step_completed``, ``completed``): its
-pushes are in the replicas, its batches are settled as trained.
+says it completed that attempt, its pushes all through (``step_ended``,
+``after_steps``: asked once no attempt runs there any more): its pushes
+are in the replicas, its batches are settled as trained.
 
 Replicas live in the worker process (``_REPLICAS``), by the strategy's job
 id and the variable's name: a second job on the same workers has replicas
@@ -452,30 +453,62 @@ def step_failed(spec, reason: str) -> None:
         pass
 
 
-def step_completed(spec) -> None:
-    """The step function of ``spec``'s step returned on this worker (run by
-    psworker before its reply goes out): its pushes, all-reduced among
-    every member, are in this worker's replicas, and, where its batches are
-    exactly-once, every member's table rows were applied before them."""
-    with _LOCK:
-        if spec.group not in _COMPLETED:
+def step_started(spec) -> None:
+    """An attempt of an all-reduce step starts on this worker (psworker,
+    before the step function): a re-forming waits for it (``after_steps``)."""
+    with _ENDED:
+        _RUNNING[spec.group] = _RUNNING.get(spec.group, 0) + 1
+
+
+def step_ended(spec, returned: bool) -> None:
+    """The attempt ended here (psworker, whatever its outcome; ``returned``:
+    the step function returned). It counts as completed here only where
+    this thread's pushes of it (one at least) all went through: they are in
+    this worker's replicas, all-reduced among every member, and, where its
+    batches are exactly-once, every member's table rows were applied before
+    them. A step that pushed nothing (a read-only one) or caught a failed
+    push is not counted: another member may not have run it at all."""
+    pushed = returned and getattr(_step, "group", None) == (spec.group, spec.rank) \
+        and _step.pushes > 0 and not _step.failed_push
+    with _ENDED:
+        left = _RUNNING.get(spec.group, 0) - 1
+        if left > 0:
+            _RUNNING[spec.group] = left
+        else:
+            _RUNNING.pop(spec.group, None)
+        if pushed and spec.group not in _COMPLETED:
             _COMPLETED[spec.group] = None
             if len(_COMPLETED) > STEPS_KEPT:
                 del _COMPLETED[next(iter(_COMPLETED))]
+        _ENDED.notify_all()
 
 
-def completed(groups: Sequence[str]) -> list[str]:
-    """Which of these step attempts (their groups) this worker completed:
-    what a re-forming asks of the members left for a step none of whose
-    replies came (coordinator/gang.py)."""
-    with _LOCK:
-        return [g for g in groups if isinstance(g, str) and g in _COMPLETED]
+def after_steps(variables: Sequence[MirroredVariable], prefix: str, groups: Sequence[str],
+                wait: float) -> tuple[int, list[str], list[str]]:
+    """What a re-forming asks each worker (coordinator/gang.py), once no
+    attempt of a step of ``prefix`` (one coordinator's) runs here, waiting
+    up to ``wait`` s (an attempt whose call was cut on the way runs on until
+    its function ends, and may still push): (the updates its replicas
+    applied, -1 where it has none; those of ``groups`` it completed; the
+    attempts still running, which the re-forming leaves out)."""
+    with _ENDED:
+        _ENDED.wait_for(lambda: not any(g.startswith(prefix) for g in _RUNNING), wait)
+        running = sorted(g for g in _RUNNING if g.startswith(prefix))
+        done = [g for g in groups if isinstance(g, str) and g in _COMPLETED]
+    try:
+        count = sum(versions(variables).values())
+    except FailedPrecondition:   # (no replicas: restarted, or never ran a step)
+        count = -1
+    return count, done, running
 
 
 #: Step attempts (their groups: job, coordinator, epoch, step) this worker
-#: completed, the last STEPS_KEPT, oldest first.
+#: completed, the last STEPS_KEPT, oldest first; those running, and how many
+#: closures of each (their end is signalled on _ENDED, over _LOCK).
 STEPS_KEPT = 1024
 _COMPLETED: dict[str, None] = {}
+_RUNNING: dict[str, int] = {}
+_ENDED = threading.Condition(_LOCK)
 
 _step = threading.local()   # this thread's step: its pushes so far, the versions it read
 

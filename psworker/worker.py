@@ -183,12 +183,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         replica_seed = None if collective is None else (
             f"allreduce/{collective.job}/{collective.step}/"
             f"{collective.members[collective.rank]}").encode()
+        if collective is not None:   # (a re-forming waits for it to end here)
+            mirrored.step_started(collective)
         try:
             with replica_scope(sync, collective), \
                     sources.batch_scope(request.batches, replica_seed):
-                result = fn(*args, **kwargs)
-            if collective is not None:   # (before the reply: a re-forming may ask)
-                mirrored.step_completed(collective)
+                returned = False
+                try:
+                    result = fn(*args, **kwargs)
+                    returned = True
+                finally:   # (on this thread: its pushes tell; before the reply)
+                    if collective is not None:
+                        mirrored.step_ended(collective, returned)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
         except Exception as exc:

@@ -59,21 +59,48 @@ def test_the_pushes_a_replica_applied_go_with_it_only_when_asked():
     assert list(mirrored.replica(v).applied) == []
 
 
-def test_a_worker_remembers_the_step_attempts_it_completed_within_a_bound(monkeypatch):
-    """step_completed records a step attempt by its group (job, coordinator,
-    epoch, step); completed() answers which of the groups asked it has,
-    ignoring what is not a group name; past STEPS_KEPT the oldest go."""
+def test_a_worker_tells_which_step_attempts_it_completed_once_none_runs(monkeypatch):
+    """An attempt counts as completed on a worker where its function
+    returned with its pushes (one at least) all through: not one that
+    pushed nothing, one whose push failed (caught by the step), or one that
+    raised. after_steps answers once no attempt of the coordinator's
+    prefix runs there (up to its wait: then it names those running), with
+    the replicas' updates (-1: none); past STEPS_KEPT the oldest go."""
+    import threading
     monkeypatch.setattr(mirrored, "_COMPLETED", {})
+    monkeypatch.setattr(mirrored, "_RUNNING", {})
     monkeypatch.setattr(mirrored, "STEPS_KEPT", 3)
 
-    def spec(step, epoch=0):
-        return CollectiveSpec(f"job/n/e{epoch}/step-{step}", ("a:1", "b:2"), 0, step, 5.0,
-                              False, None, "job")
+    def spec(step, epoch=0, job="job"):
+        return CollectiveSpec(f"{job}/n/e{epoch}/step-{step}", ("a:1", "b:2"), 0, step, 5.0,
+                              False, None, job)
+
+    def attempt(sp, pushes=1, failed=False, returned=True):
+        mirrored.step_started(sp)
+        mirrored._this_step(sp)
+        mirrored._step.pushes, mirrored._step.failed_push = pushes, failed
+        mirrored.step_ended(sp, returned)
     for step in range(4):
-        mirrored.step_completed(spec(step))
-    mirrored.step_completed(spec(3))   # (again: once)
-    asked = [spec(s).group for s in range(4)] + [spec(3, epoch=1).group, 7, None]
-    assert mirrored.completed(asked) == [spec(s).group for s in (1, 2, 3)]
+        attempt(spec(step))
+    attempt(spec(3))   # (again: once)
+    attempt(spec(4), pushes=0)
+    attempt(spec(5), failed=True)
+    attempt(spec(6), returned=False)
+    asked = [spec(s).group for s in range(7)] + [spec(3, epoch=1).group, 7, None]
+    assert mirrored.after_steps([], "job/n/", asked, 1.0) == (
+        0, [spec(s).group for s in (1, 2, 3)], [])
+    v = _var("after-steps")
+    mirrored.replica(v).version = 5
+    late = spec(9)
+    mirrored.step_started(late)   # still running: named after the wait
+    mirrored.step_started(spec(1, job="other"))   # another coordinator's: not waited for
+    assert mirrored.after_steps([v], "job/n/", [late.group], 0.05) == (5, [], [late.group])
+    done = threading.Timer(0.2, lambda: (mirrored._this_step(late),
+                                         setattr(mirrored._step, "pushes", 1),
+                                         mirrored.step_ended(late, True)))
+    done.start()
+    assert mirrored.after_steps([v], "job/n/", [late.group], 30.0) == (5, [late.group], [])
+    done.join()
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "slot missing", "slot shape", "version"])

@@ -198,52 +198,78 @@ def test_members_agree_on_skipping_a_push_or_all_fail_at_once(two_workers, case)
 
 
 # -- every reply of a step lost, and a member with them ----------------------------------
-def summing_step(w, table):
+def summing_step(w, table, marks=None):
     """A step on a sharded dataset of example ids: each example's row of
     ``table`` gets +1 and w (summed over the replicas, SGD 1) minus the sum
     of the batch's ids, so w ends at minus the sum of every id trained, a
-    batch trained twice or not at all shows."""
+    batch trained twice or not at all shows. With ``marks`` (a directory),
+    the first attempt of step 0 says it pushed (``pushed-RANK``) and goes
+    on only once ``go`` is there: work after the push, still running."""
     def step(it):
+        from coordinator import get_replica_context
         from coordinator.step_calls import IndexedSlices, Lookup
+        ctx = get_replica_context()
         ids = np.asarray(next(it), np.int64)
         wv, rows = read_variables([w, Lookup(table, ids)])
         push_gradients([(table, IndexedSlices(-np.ones_like(rows), ids)),
                         (w, np.full(wv.shape, float(ids.sum()), np.float32))])
+        if marks is not None and ctx.step == 0 and "/e0/" in ctx.collective.group:
+            open(os.path.join(marks, f"pushed-{ctx.replica_id_in_sync_group}"), "w").close()
+            _wait_for(os.path.join(marks, "go"))
         return ids.tolist()
     return step
 
 
-@pytest.mark.parametrize("killed", [True, False], ids=["a-member-gone", "all-members-left"])
-def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, killed):
+def _wait_for(path: str, seconds: float = 60.0) -> None:
+    import time
+    until = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < until, f"{path} never came"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["a-member-gone", "all-members-left", "cut-mid-step"])
+def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, tmp_path, how):
     """Step 0's three members all complete it (every push applied
-    everywhere), but no reply reaches the coordinator: the replies are
-    cut on the way in (UNAVAILABLE, as a connection lost after the worker
-    answered), and with ``killed`` the member of rank 0 is killed with its.
-    The re-forming waits for the members whose calls were cut to reconnect
-    and asks them: they completed the step, so it is done, its three
-    batches trained (not given back to be trained again), and the job goes
-    on with the members left. Every id is trained once: each row +1, w
-    minus the sum of the ids (a batch trained twice or dropped changes it)."""
+    everywhere), but no reply reaches the coordinator: the calls are cut
+    on the way (UNAVAILABLE, as a connection lost), after the workers
+    answered, or (cut-mid-step) while their step functions still run
+    after their push; but for all-members-left the member of rank 0 is
+    killed with them. The re-forming waits for the members whose calls
+    were cut to reconnect and for their attempts to end, then asks them:
+    they completed the step, so it is done, its three batches trained
+    (not given back to be trained again), and the job goes on with the
+    members left. Every id is trained once: each row +1, w minus the sum
+    of the ids (a batch trained twice or dropped changes it)."""
+    import threading
+
     from coordinator import ShardedSource
     from coordinator.worker_channel import _WorkerThread
     from psserver.errors import Unavailable
-    cut = []
+    cut, first, killed = [], [], how != "all-members-left"
     run = _WorkerThread._run_closure
 
     def lose_step_0(thread, closure):
         g = closure.gang
         if g is not None and not first:
             first.append(g.step)   # (the first step's closures are dispatched first)
-        reply = run(thread, closure)
-        if g is not None and g.step == first[0] and g.attempts == 0 \
-                and reply.WhichOneof("outcome") != "error":
-            cut.append(closure.collective.rank)
-            if killed and closure.collective.rank == 0:
-                c.kill_worker(c.spec.worker.index(thread.address))
-            raise Unavailable("the reply was lost on the way (test)")
-        return reply
+        if g is None or g.step != first[0] or g.attempts:
+            return run(thread, closure)
+        rank = closure.collective.rank
+        if how == "cut-mid-step":   # the call goes on, its reply to nobody
+            threading.Thread(target=lambda: _quietly(run, thread, closure), daemon=True).start()
+            _wait_for(str(tmp_path / f"pushed-{rank}"))
+        else:   # (answered: its reply, lost here, is not looked at)
+            run(thread, closure)
+        cut.append(rank)
+        if killed and rank == 0:
+            c.kill_worker(c.spec.worker.index(thread.address))
+        if len(cut) == 3:   # the survivors' steps end 3 s on, the re-forming under way
+            go = str(tmp_path / "go")    # (well after it asks, had it not waited for them)
+            threading.Timer(3.0 if how == "cut-mid-step" else 0.0, open, (go, "w")).start()
+        raise Unavailable("the call was cut on the way (test)")
     monkeypatch.setattr(_WorkerThread, "_run_closure", lose_step_0)
-    batches, first = (11 if killed else 15), []   # step 0: 3 batches, then 4 steps of 2 or 3
+    batches = 11 if killed else 15   # step 0: 3 batches, then 4 steps of 2 or 3
     with LocalCluster(num_ps=1, num_workers=3) as c:
         strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5,
                                            aggregation="sum")
@@ -255,16 +281,75 @@ def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, k
             ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
                 np.arange(4 * batches), shard_sizes=[24, 4 * batches - 24]), batch_size=4)
             it = iter(ds)
-            step = summing_step(w, table)
+            step = summing_step(w, table, str(tmp_path) if how == "cut-mid-step" else None)
             steps = [coord.schedule(step, args=(it,)) for _ in range(5)]
             coord.join(timeout=120)
             assert ds.wait_epoch(0, timeout=30) and ds.epochs_completed == 1
             got = [coord.replica_values(worker=i, with_versions=True)
                    for i in ((1, 2) if killed else (0, 1, 2))]
         rows = table.lookup(np.arange(4 * batches, dtype=np.int64), admit=False)
-    assert sorted(cut) == [0, 1, 2]   # (each reply of step 0 cut once)
+    assert sorted(cut) == [0, 1, 2]   # (each call of step 0 cut once)
     np.testing.assert_array_equal(rows, np.ones((4 * batches, 1), np.float32))
     for values, versions in got:
         assert versions == {"w": len(steps)}
         np.testing.assert_array_equal(values["w"], np.full(2, -float(np.arange(4 * batches).sum()),
                                                            np.float32))
+
+
+def _quietly(run, thread, closure) -> None:
+    try:
+        run(thread, closure)
+    except Exception:   # (its reply goes to nobody: the call was cut)
+        pass
+
+
+def reading_step(w, marks: str):
+    """A step that only reads w; rank 2 of step 1 goes on only once ``go``
+    is there (behind, while the others run step 2)."""
+    def step():
+        from coordinator import get_replica_context
+        ctx = get_replica_context()
+        if ctx.step == 1 and ctx.replica_id_in_sync_group == 2 and "/e0/" in \
+                ctx.collective.group:
+            _wait_for(os.path.join(marks, "go"))
+        (wv,) = read_variables([w])
+        return float(wv.sum())
+    return step
+
+
+def test_a_step_done_elsewhere_leaves_no_value_unset(monkeypatch, tmp_path):
+    """Rank 2 is behind (still in step 1) when the first reply of step 2
+    to come (rank 0's or 1's) is cut: the re-forming takes rank 2's closure
+    of step 2 off the queue unrun. Where the other's reply came, step 2 is
+    done (a member completed it) and every value it has not set is
+    ABANDONED; where it did not, the step (which pushed nothing: no member's
+    completing it says anything of the others) runs again. Either way every
+    value of every step is set: before, rank 2's stayed unset and fetch()
+    never returned."""
+    from coordinator.closures import ABANDONED
+    from coordinator.worker_channel import _WorkerThread
+    from psserver.errors import Unavailable
+    cut, first = [], []
+    run = _WorkerThread._run_closure
+
+    def lose_step_2(thread, closure):
+        g = closure.gang
+        if g is not None and not first:
+            first.append(g.step)
+        reply = run(thread, closure)
+        if g is not None and g.step == first[0] + 2 and not g.attempts and not cut:
+            cut.append(closure.collective.rank)
+            open(tmp_path / "go", "w").close()
+            raise Unavailable("the reply was lost on the way (test)")
+        return reply
+    monkeypatch.setattr(_WorkerThread, "_run_closure", lose_step_2)
+    with LocalCluster(num_ps=0, num_workers=3) as c:
+        strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=5)
+        w = strategy.create_variable("w", initial_value=np.ones(2, np.float32), optimizer="sgd")
+        with ClusterCoordinator(strategy) as coord:
+            steps = [coord.schedule(reading_step(w, str(tmp_path))) for _ in range(3)]
+            coord.join(timeout=120)
+            values = [[v.fetch(timeout=30) for v in s.replicas] for s in steps]
+    assert cut in ([0], [1])
+    assert values[:2] == [[2.0] * 3] * 2
+    assert all(v == 2.0 or v is ABANDONED for v in values[2]) and 2.0 in values[2], values
