@@ -353,3 +353,59 @@ def test_a_step_done_elsewhere_leaves_no_value_unset(monkeypatch, tmp_path):
     assert cut in ([0], [1])
     assert values[:2] == [[2.0] * 3] * 2
     assert all(v == 2.0 or v is ABANDONED for v in values[2]) and 2.0 in values[2], values
+
+
+def test_a_short_outage_of_every_member_drops_none(monkeypatch):
+    """Every reply of step 1 cut, then every reconnection of the
+    coordinator's to the workers failing for 2.5 s (each attempt waiting
+    out its second, as to a host that does not answer): the re-forming
+    keeps waiting for members whose ports still accept connections (up to
+    5 s), so all three go on. Before, it stopped at the first failed
+    reconnection: every member left out and the job failed."""
+    import time
+
+    from coordinator.worker_channel import _WorkerThread
+    from psserver.errors import Unavailable
+    from psserver.link.channel import TaskChannel
+    outage, first = [], []
+    ask, run = TaskChannel.ask, _WorkerThread._run_closure
+
+    def ask_in_outage(self, timeout=None, **kw):
+        if outage and time.monotonic() < outage[0] + 2.5:
+            time.sleep(min(timeout or 1.0, outage[0] + 2.5 - time.monotonic()))
+            raise Unavailable("no route to the worker (test outage)")
+        return ask(self, timeout, **kw)
+
+    def cut_step_1(thread, closure):
+        g = closure.gang
+        if g is not None and not first:
+            first.append(g.step)
+        reply = run(thread, closure)
+        if g is not None and g.step == first[0] + 1 and not g.attempts:
+            outage[:] = outage or [time.monotonic()]
+            raise Unavailable("the reply was lost on the way (test outage)")
+        return reply
+    monkeypatch.setattr(TaskChannel, "ask", ask_in_outage)
+    monkeypatch.setattr(_WorkerThread, "_run_closure", cut_step_1)
+    with LocalCluster(num_ps=0, num_workers=3) as c:
+        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 1.0})
+        with ClusterCoordinator(strategy) as coord:
+            for _ in range(4):
+                coord.schedule(pushing_ones(w))
+            coord.join(timeout=120)
+            assert coord.replicas_in_sync() == 3
+            got = [coord.replica_values(worker=i, with_versions=True) for i in range(3)]
+    assert outage   # (the outage happened)
+    for values, versions in got:
+        assert versions == {"w": 4}
+        np.testing.assert_array_equal(values["w"], np.full(2, -4.0, np.float32))
+
+
+def pushing_ones(w):
+    """A step that pushes ones to w (the mean of the replicas': ones)."""
+    def step():
+        (wv,) = read_variables([w])
+        push_gradients([(w, np.ones_like(wv))])
+    return step
