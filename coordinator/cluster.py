@@ -34,6 +34,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import socket
 import threading
 import time
 import uuid
@@ -51,7 +52,6 @@ from coordinator.strategy import SYNC_MODES
 from coordinator.worker_channel import _Membership, _WorkerThread
 from protos.pstrain.v1 import worker_pb2
 from psserver.errors import Unavailable
-from psserver.link.diagnose import reachability
 
 #: Largest pickled ShardedSource create_sharded_dataset sends (the workers'
 #: gRPC messages are at most 64 MiB; room left for the rest of the call).
@@ -82,6 +82,19 @@ def _closures_per_worker(k, mode: str) -> int:
             "use closures_per_worker=1")
     return n
 
+
+def _refuses(address: str, timeout: float) -> bool:
+    """Whether a TCP connection to ``address`` is refused (nothing listens
+    there: the process is gone), not silent or unreachable (a network
+    that may come back)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 class Cluster:
     """The queue, the workers, the clocks and the recoveries of one
@@ -233,7 +246,7 @@ class Cluster:
                 break
             if not worker.worker_alive:
                 failed = worker.connects_failed
-                if reachability(worker.address, min(1.0, left))[0] in ("dns", "closed"):
+                if _refuses(worker.address, min(1.0, left)):
                     break
         return worker.worker_alive
 

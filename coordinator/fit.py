@@ -215,7 +215,10 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
             next_batch = 0
             reruns_before = sharded.stats().reruns if sharded is not None else 0
             data_epoch = sharded.epochs_completed if follow else None
+            left_before = None
             target = _steps_left(coordinator, sharded, data_epoch) if follow else steps_per_epoch
+            if follow:
+                left_before = sharded.unacknowledged(data_epoch)
             while True:
                 while (not state.stop_training and next_batch < target
                        and len(pending) < max_pending_steps):
@@ -227,10 +230,11 @@ def fit(coordinator: ClusterCoordinator, train_step: Callable,
                     if bar is not None:
                         bar.scheduled(1)
                 if not pending:
-                    more = _steps_left(coordinator, sharded, data_epoch) \
+                    more = _steps_left(coordinator, sharded, data_epoch, left_before) \
                         if follow and not state.stop_training else 0
                     if not more:
                         break
+                    left_before = sharded.unacknowledged(data_epoch)
                     target += more   # (a member was lost: its batches are left)
                     if bar is not None:
                         total += more
@@ -339,9 +343,16 @@ def _headline(logs: dict[str, float]) -> float | None:
     return next(iter(logs.values()), None)
 
 
-def _steps_left(coordinator, sharded, data_epoch: int) -> int:
+def _steps_left(coordinator, sharded, data_epoch: int, left_before: int | None = None) -> int:
     """All-reduce steps that train what is left of ``data_epoch`` with the
-    members now (a step takes one batch on each)."""
+    members now (a step takes one batch on each). RuntimeError where the
+    steps run since ``left_before`` (batches then unacknowledged) trained
+    none of them: those batches are held by closures that never ended."""
     coordinator.join()   # (every step scheduled so far acknowledged its batches)
     left = sharded.unacknowledged(data_epoch)
+    if left and left_before is not None and left >= left_before:
+        raise RuntimeError(
+            f"fit: {left} batches of data epoch {data_epoch} stay unacknowledged though the "
+            "steps run for them ended: their closures neither finished nor gave them back "
+            f"({sharded.stats()}); create the sharded dataset again to start afresh")
     return -(-left // max(1, coordinator.replicas_in_sync())) if left else 0

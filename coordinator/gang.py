@@ -18,9 +18,10 @@ dispatching, and a recovery (on a thread of its own):
    already running such a step fails within step_timeout: it is issued
    again);
 2. waits until no closure of a step is running;
-3. asks every worker of the spec, once no attempt of a step runs there
-   (a call cut on the way runs on), for its replicas' update counts: those
-   that answer are the members from now on (a new epoch in the group names);
+3. asks every worker of the spec at once, once no attempt of a step runs
+   there (a call cut on the way runs on; up to SETTLE_SECONDS, then it is
+   given up there), for its replicas' update counts: those that answer are
+   the members from now on (a new epoch in the group names);
 4. copies the replicas of the member that applied the most updates to the
    others (values, slots, counts: ``mirrored.set_state``), so the replicas
    are one again whether or not a failed step was applied somewhere;
@@ -71,9 +72,10 @@ JOIN_SECONDS = 30.0
 #: lost on the way: its slot reconnects) to answer again, unless a
 #: reconnection of it fails first (a worker that is gone).
 RECONNECT_SECONDS = 5.0
-#: Seconds (at most; step_timeout where shorter, plus 5) a re-forming waits
-#: for a worker's attempts of this coordinator's steps to end there.
-SETTLE_SECONDS = 60.0
+#: Seconds (at most; step_timeout where shorter, plus 2) a re-forming waits
+#: for a worker's attempts of this coordinator's steps to end there (asking
+#: every worker at once); those still running are then given up there.
+SETTLE_SECONDS = 10.0
 
 
 class GangStep:
@@ -179,7 +181,9 @@ class Gangs:
             g = closure.gang
             if closure not in g.closures or self._steps.get(g.step) is not g:
                 # an earlier attempt's (replaced already), or a step no
-                # longer followed (the job failed): nothing to re-form for
+                # longer followed (the job failed): nothing to re-form for;
+                # its batches go back (else they stay handed out for ever)
+                closure.settle_batches(False)
                 self.cluster.queue.release(closure)
                 return
             g.running -= 1
@@ -316,36 +320,48 @@ class Gangs:
         and none has replicas; those of the ``unheard`` step attempts (no
         reply of theirs came) that a member completed). A worker without
         replicas (it restarted, or joined) is a member too: it gets the
-        others'. Each is asked once no attempt of this coordinator's steps
-        runs there (one whose call was cut runs on: its pushes land first);
-        one where an attempt still runs after SETTLE_SECONDS is left out."""
+        others'. All are asked at once, each once no attempt of this
+        coordinator's steps runs there (one whose call was cut runs on: its
+        pushes land first), waiting up to SETTLE_SECONDS: an attempt still
+        running then is given up there (it applies nothing more:
+        mirrored.after_steps) and the worker stays a member."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from coordinator import mirrored
         c, s = self.cluster, self.cluster.strategy
         prefix, groups = f"{s.job}/{c.nonce}/", sorted(unheard)
-        settle = min(s.step_timeout or SETTLE_SECONDS, SETTLE_SECONDS) + 5.0
-        counts, completed = {}, set()
-        for a in s.cluster_spec.worker:
+        settle = min(s.step_timeout or SETTLE_SECONDS, SETTLE_SECONDS) + 2.0
+        spec = list(s.cluster_spec.worker)
+
+        def ask(a: str):
             # (a worker that is no member yet may not answer at all, a TLS
             # mismatch, say: the job waits for it JOIN_SECONDS, not a tool's 120 s)
-            wait = None if self.members is None or a in self.members else JOIN_SECONDS
+            wait = None if self.members is None or a in self.members else JOIN_SECONDS + settle
             try:
-                count, done, running = c.run_on(a, mirrored.after_steps, (
-                    s.mirrored_variables, prefix, groups, settle), wait, RECONNECT_SECONDS)
+                return c.run_on(a, mirrored.after_steps, (s.mirrored_variables, prefix, groups,
+                                                          settle), wait, RECONNECT_SECONDS)
             except (Unavailable, StepFunctionError) as exc:
                 log.warning("all-reduce: worker %s is left out of the ring (%s)", a, exc)
+                return None
+        with ThreadPoolExecutor(max(1, len(spec)), thread_name_prefix="reform") as pool:
+            answers = dict(zip(spec, pool.map(ask, spec)))
+        counts, completed = {}, set()
+        for a, answer in answers.items():
+            if answer is None:
                 continue
+            count, done, running = answer
             if running:
-                log.warning("all-reduce: worker %s still runs %s after %.0f s; the ring goes "
-                            "on without it", a, ", ".join(running), settle)
-                continue
+                log.warning("all-reduce: worker %s still ran %s after %.0f s: given up there "
+                            "(it applies nothing more); the worker stays in the ring", a,
+                            ", ".join(running), settle)
             counts[a] = count
             completed.update(done)
-        members = tuple(a for a in s.cluster_spec.worker if a in counts)
+        members = tuple(a for a in spec if a in counts)
         if counts and max(counts.values()) < 0 and not self.completed:
             return members, None, set()   # (each makes its replicas from the initial values)
         if not counts or max(counts.values()) < 0:
             raise Unavailable("no worker of the all-reduce job answers with its replicas: "
-                              f"{list(s.cluster_spec.worker)}")
+                              f"{spec}")
         return members, max(counts, key=counts.get), completed
 
     def _sync(self, members: tuple[str, ...], source: str) -> tuple[str, ...]:

@@ -426,13 +426,18 @@ def _push(pairs: Sequence[tuple[MirroredVariable, object]]) -> None:
         raise InvalidArgument(f"the averaged gradient of {bad} has NaN or Inf; nothing was "
                               "applied on any worker")
     reads = _step_reads(spec)
-    for r, g, v in zip(reps, mean, (v for v, _ in pairs)):
-        with r.lock:
-            r.optimizer.apply_dense(r.value, r.slots, g)
-            r.version += 1
-            r.applied.add((spec.step, push))
-            if v.name in reads:   # (a later push of this step builds on this one)
-                reads[v.name] = r.version
+    with _APPLY:   # (an attempt a re-forming gave up applies nothing from then on)
+        if spec.group in _GIVEN_UP:
+            raise AllReduceFailed(
+                f"step {spec.step}'s attempt {spec.group} was given up by a re-forming of the "
+                "ring while it ran (its call had been cut): nothing of this push was applied")
+        for r, g, v in zip(reps, mean, (v for v, _ in pairs)):
+            with r.lock:
+                r.optimizer.apply_dense(r.value, r.slots, g)
+                r.version += 1
+                r.applied.add((spec.step, push))
+                if v.name in reads:   # (a later push of this step builds on this one)
+                    reads[v.name] = r.version
 
 
 def step_failed(spec, reason: str) -> None:
@@ -488,12 +493,20 @@ def after_steps(variables: Sequence[MirroredVariable], prefix: str, groups: Sequ
     """What a re-forming asks each worker (coordinator/gang.py), once no
     attempt of a step of ``prefix`` (one coordinator's) runs here, waiting
     up to ``wait`` s (an attempt whose call was cut on the way runs on until
-    its function ends, and may still push): (the updates its replicas
-    applied, -1 where it has none; those of ``groups`` it completed; the
-    attempts still running, which the re-forming leaves out)."""
+    its function ends, and may still push); those still running then are
+    given up (their pushes apply nothing from now on: AllReduceFailed), so
+    what this answers stays true: (the updates its replicas applied, -1
+    where it has none; those of ``groups`` it completed; the attempts given
+    up)."""
     with _ENDED:
         _ENDED.wait_for(lambda: not any(g.startswith(prefix) for g in _RUNNING), wait)
         running = sorted(g for g in _RUNNING if g.startswith(prefix))
+    with _APPLY:   # those still running apply nothing from now on: what is read below stays
+        for g in running:
+            _GIVEN_UP[g] = None
+            if len(_GIVEN_UP) > STEPS_KEPT:
+                del _GIVEN_UP[next(iter(_GIVEN_UP))]
+    with _ENDED:
         done = [g for g in groups if isinstance(g, str) and g in _COMPLETED]
     try:
         count = sum(versions(variables).values())
@@ -509,6 +522,10 @@ STEPS_KEPT = 1024
 _COMPLETED: dict[str, None] = {}
 _RUNNING: dict[str, int] = {}
 _ENDED = threading.Condition(_LOCK)
+#: Attempts a re-forming gave up while they ran here (the last STEPS_KEPT),
+#: and the lock under which a push checks that and applies.
+_GIVEN_UP: dict[str, None] = {}
+_APPLY = threading.Lock()
 
 _step = threading.local()   # this thread's step: its pushes so far, the versions it read
 

@@ -156,6 +156,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def RunClosure(self, request, context):
         self._check_fence(request.worker_id, context)
+        collective = None
+        if request.HasField("collective"):
+            try:
+                collective = CollectiveSpec.of(request.collective)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            # First (the function and arguments are unpickled after): a
+            # re-forming waits for the attempt to end here (mirrored.after_steps).
+            mirrored.step_started(collective)
+        returned = [False]
+        try:
+            return self._run_closure(request, context, collective, returned)
+        finally:   # (on the step's thread: its pushes tell)
+            if collective is not None:
+                mirrored.step_ended(collective, returned[0])
+
+    def _run_closure(self, request, context, collective, returned: list):
         fn = self._function(request.fn, context)
         sources.check_assignments(request.batches)
         try:
@@ -166,14 +183,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             raise InvalidArgument(
                 f"cannot unpickle the closure's arguments: {type(exc).__name__}: {exc}") from None
-        sync = collective = None
-        if request.HasField("sync"):
-            sync = SyncSpec.of(request.sync)
-        if request.HasField("collective"):
-            try:
-                collective = CollectiveSpec.of(request.collective)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
+        sync = SyncSpec.of(request.sync) if request.HasField("sync") else None
         m, outcome, start = self.metrics, "error", time.perf_counter()
         if m is not None:
             m.running.inc()
@@ -183,18 +193,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         replica_seed = None if collective is None else (
             f"allreduce/{collective.job}/{collective.step}/"
             f"{collective.members[collective.rank]}").encode()
-        if collective is not None:   # (a re-forming waits for it to end here)
-            mirrored.step_started(collective)
         try:
             with replica_scope(sync, collective), \
                     sources.batch_scope(request.batches, replica_seed):
-                returned = False
-                try:
-                    result = fn(*args, **kwargs)
-                    returned = True
-                finally:   # (on this thread: its pushes tell; before the reply)
-                    if collective is not None:
-                        mirrored.step_ended(collective, returned)
+                result = fn(*args, **kwargs)
+                returned[0] = True
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
         except Exception as exc:

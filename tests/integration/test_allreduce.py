@@ -851,6 +851,35 @@ def test_fit_follows_the_members_when_a_worker_is_lost_mid_epoch():
     assert got[0][1] == got[1][1] == {"w": len(history.steps)}
 
 
+def test_fit_follows_a_worker_that_joins_between_epochs():
+    """2 workers, a third added at the end of fit's first epoch: the next
+    epoch's steps are counted with the joiner (12 batches over 3: 4 steps),
+    so each of the 3 epochs of fit trains one data epoch (before, epoch 1
+    counted 6 steps of 2 and they took 3 each: 18 batches, and epoch 2 the
+    6 left)."""
+    from coordinator.callbacks import Callback
+
+    class Join(Callback):
+        def __init__(self):
+            self.acknowledged = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.acknowledged.append(ds.stats().acknowledged)
+            if epoch == 0:
+                c.add_worker()
+    with LocalCluster(num_ps=1, num_workers=2) as c:
+        strategy, w, table = counting_job(c.spec)
+        with ClusterCoordinator(strategy) as coord:
+            ds = counting_dataset(coord, 12)
+            join = Join()
+            fit(coord, loss_of(counting_step(w, table, None)), ds, epochs=3, verbose=0,
+                callbacks=[join])
+            assert coord.replicas_in_sync() == 3
+        rows = table.lookup(np.arange(48, dtype=np.int64), admit=False)
+    assert join.acknowledged == [12, 24, 36]
+    np.testing.assert_array_equal(rows, np.full((48, 1), 3.0, np.float32))
+
+
 def _equal_survivors(got: list, w0, b0, replicas: list, params: dict) -> None:
     """Two survivors' (values, versions): one update per step, bit-identical,
     equal to the large batch of ``replicas`` per step."""

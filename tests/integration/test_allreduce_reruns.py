@@ -409,3 +409,60 @@ def pushing_ones(w):
         (wv,) = read_variables([w])
         push_gradients([(w, np.ones_like(wv))])
     return step
+
+
+def test_an_attempt_still_running_after_the_wait_is_given_up_and_its_worker_stays(
+        monkeypatch, tmp_path):
+    """Both members' calls of step 0 cut while their step functions still
+    compute (blocked until ``go``): the re-forming waits for them
+    (step_timeout 2 s + 2), then gives the attempts up there and keeps both
+    workers (before, each was left out and the job failed: no worker
+    answers). Once let go, the given-up attempts apply nothing (their push
+    fails: AllReduceFailed): w has one update per step."""
+    import threading
+
+    from coordinator import mirrored
+    from coordinator.worker_channel import _WorkerThread
+    from psserver.errors import Unavailable
+    first, cut = [], []
+    run = _WorkerThread._run_closure
+
+    def cut_step_0(thread, closure):
+        g = closure.gang
+        if g is not None and not first:
+            first.append(g.step)
+        if g is None or g.step != first[0] or g.attempts:
+            return run(thread, closure)
+        threading.Thread(target=lambda: _quietly(run, thread, closure), daemon=True).start()
+        _wait_for(str(tmp_path / f"reading-{closure.collective.rank}"))
+        cut.append(closure.collective.rank)
+        raise Unavailable("the call was cut on the way (test)")
+    monkeypatch.setattr(_WorkerThread, "_run_closure", cut_step_0)
+
+    def step():
+        from coordinator import get_replica_context
+        ctx = get_replica_context()
+        (wv,) = read_variables([w])
+        if "/e0/" in ctx.collective.group:   # a long computation, cut meanwhile
+            open(os.path.join(str(tmp_path), f"reading-{ctx.replica_id_in_sync_group}"),
+                 "w").close()
+            _wait_for(os.path.join(str(tmp_path), "go"))
+        push_gradients([(w, np.ones_like(wv))])
+    with LocalCluster(num_ps=0, num_workers=2) as c:
+        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=2)
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 1.0})
+        with ClusterCoordinator(strategy) as coord:
+            for _ in range(3):
+                coord.schedule(step)
+            coord.join(timeout=120)
+            assert coord.replicas_in_sync() == 2 and sorted(cut) == [0, 1]
+            open(tmp_path / "go", "w").close()   # the given-up attempts go on, and push
+            prefix = f"{strategy.job}/{coord._cluster.nonce}/"
+            for a in c.snapshot().worker:   # (until they ended there)
+                assert coord._cluster.run_on(a, mirrored.after_steps, ([], prefix, [], 60))[2] \
+                    == []
+            got = [coord.replica_values(worker=i, with_versions=True) for i in range(2)]
+    for values, versions in got:
+        assert versions == {"w": 3}
+        np.testing.assert_array_equal(values["w"], np.full(2, -3.0, np.float32))
