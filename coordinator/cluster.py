@@ -85,13 +85,13 @@ def _closures_per_worker(k, mode: str) -> int:
 
 def _refuses(address: str, timeout: float) -> bool:
     """Whether a TCP connection to ``address`` is refused (nothing listens
-    there: the process is gone), not silent or unreachable (a network
-    that may come back)."""
+    there: the process is gone) or its name no longer resolves (a deleted
+    pod's), not silent or unreachable (a network that may come back)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return False
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, socket.gaierror):
         return True
     except (OSError, ValueError):
         return False

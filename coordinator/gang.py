@@ -325,8 +325,6 @@ class Gangs:
         pushes land first), waiting up to SETTLE_SECONDS: an attempt still
         running then is given up there (it applies nothing more:
         mirrored.after_steps) and the worker stays a member."""
-        from concurrent.futures import ThreadPoolExecutor
-
         from coordinator import mirrored
         c, s = self.cluster, self.cluster.strategy
         prefix, groups = f"{s.job}/{c.nonce}/", sorted(unheard)
@@ -343,10 +341,16 @@ class Gangs:
             except (Unavailable, StepFunctionError) as exc:
                 log.warning("all-reduce: worker %s is left out of the ring (%s)", a, exc)
                 return None
-        with ThreadPoolExecutor(max(1, len(spec)), thread_name_prefix="reform") as pool:
-            answers = dict(zip(spec, pool.map(ask, spec)))
+        answers: dict = {}
+        threads = [threading.Thread(target=lambda a=a: answers.__setitem__(a, ask(a)),
+                                    name="AllReduceAsk", daemon=True) for a in spec]
+        for t in threads:   # (daemons: a coordinator exiting meanwhile does not wait)
+            t.start()
+        for t in threads:
+            t.join()
         counts, completed = {}, set()
-        for a, answer in answers.items():
+        for a in spec:
+            answer = answers.get(a)
             if answer is None:
                 continue
             count, done, running = answer

@@ -465,16 +465,23 @@ def step_started(spec) -> None:
         _RUNNING[spec.group] = _RUNNING.get(spec.group, 0) + 1
 
 
-def step_ended(spec, returned: bool) -> None:
-    """The attempt ended here (psworker, whatever its outcome; ``returned``:
-    the step function returned). It counts as completed here only where
-    this thread's pushes of it (one at least) all went through: they are in
-    this worker's replicas, all-reduced among every member, and, where its
-    batches are exactly-once, every member's table rows were applied before
-    them. A step that pushed nothing (a read-only one) or caught a failed
-    push is not counted: another member may not have run it at all."""
-    pushed = returned and getattr(_step, "group", None) == (spec.group, spec.rank) \
+def pushed_through(spec) -> bool:
+    """Whether this thread's pushes of ``spec``'s attempt (one at least) all
+    went through: what psworker asks as the step function returns (before
+    anything else of the step's, an abort's group included, is counted)."""
+    return getattr(_step, "group", None) == (spec.group, spec.rank) \
         and _step.pushes > 0 and not _step.failed_push
+
+
+def step_ended(spec, completed: bool) -> None:
+    """The attempt ended here (psworker, whatever its outcome). ``completed``:
+    its function returned with its pushes through (``pushed_through``):
+    they are in this worker's replicas, all-reduced among every member,
+    and, where its batches are exactly-once, every member's table rows were
+    applied before them. A step that pushed nothing (a read-only one) or
+    caught a failed push is not completed: another member may not have run
+    it at all."""
+    pushed = completed
     with _ENDED:
         left = _RUNNING.get(spec.group, 0) - 1
         if left > 0:
@@ -498,21 +505,22 @@ def after_steps(variables: Sequence[MirroredVariable], prefix: str, groups: Sequ
     what this answers stays true: (the updates its replicas applied, -1
     where it has none; those of ``groups`` it completed; the attempts given
     up)."""
+    def running() -> list[str]:   # (those given up already are not waited for again)
+        return sorted(g for g in _RUNNING if g.startswith(prefix) and g not in _GIVEN_UP)
     with _ENDED:
-        _ENDED.wait_for(lambda: not any(g.startswith(prefix) for g in _RUNNING), wait)
-        running = sorted(g for g in _RUNNING if g.startswith(prefix))
-    with _APPLY:   # those still running apply nothing from now on: what is read below stays
-        for g in running:
+        _ENDED.wait_for(lambda: not running(), wait)
+    with _APPLY, _ENDED:   # those still running apply nothing from now on: what is read
+        left = running()   # below stays
+        for g in left:
             _GIVEN_UP[g] = None
             if len(_GIVEN_UP) > STEPS_KEPT:
                 del _GIVEN_UP[next(iter(_GIVEN_UP))]
-    with _ENDED:
         done = [g for g in groups if isinstance(g, str) and g in _COMPLETED]
     try:
         count = sum(versions(variables).values())
     except FailedPrecondition:   # (no replicas: restarted, or never ran a step)
         count = -1
-    return count, done, running
+    return count, done, left
 
 
 #: Step attempts (their groups: job, coordinator, epoch, step) this worker

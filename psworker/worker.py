@@ -165,14 +165,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # First (the function and arguments are unpickled after): a
             # re-forming waits for the attempt to end here (mirrored.after_steps).
             mirrored.step_started(collective)
-        returned = [False]
+        completed = [False]   # (its function returned with its pushes through)
         try:
-            return self._run_closure(request, context, collective, returned)
-        finally:   # (on the step's thread: its pushes tell)
+            return self._run_closure(request, context, collective, completed)
+        finally:
             if collective is not None:
-                mirrored.step_ended(collective, returned[0])
+                mirrored.step_ended(collective, completed[0])
 
-    def _run_closure(self, request, context, collective, returned: list):
+    def _run_closure(self, request, context, collective, completed: list):
         fn = self._function(request.fn, context)
         sources.check_assignments(request.batches)
         try:
@@ -197,7 +197,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with replica_scope(sync, collective), \
                     sources.batch_scope(request.batches, replica_seed):
                 result = fn(*args, **kwargs)
-                returned[0] = True
+                completed[0] = collective is not None and mirrored.pushed_through(collective)
             reply = worker_pb2.ClosureReply(result=serialization.dumps(result))
             outcome = "ok"
         except Exception as exc:

@@ -79,7 +79,7 @@ def test_a_worker_tells_which_step_attempts_it_completed_once_none_runs(monkeypa
         mirrored.step_started(sp)
         mirrored._this_step(sp)
         mirrored._step.pushes, mirrored._step.failed_push = pushes, failed
-        mirrored.step_ended(sp, returned)
+        mirrored.step_ended(sp, returned and mirrored.pushed_through(sp))   # (as psworker)
     for step in range(4):
         attempt(spec(step))
     attempt(spec(3))   # (again: once)
@@ -92,15 +92,57 @@ def test_a_worker_tells_which_step_attempts_it_completed_once_none_runs(monkeypa
     v = _var("after-steps")
     mirrored.replica(v).version = 5
     late = spec(9)
-    mirrored.step_started(late)   # still running: named after the wait
+    mirrored.step_started(late)   # ends while waited for: completed
     mirrored.step_started(spec(1, job="other"))   # another coordinator's: not waited for
-    assert mirrored.after_steps([v], "job/n/", [late.group], 0.05) == (5, [], [late.group])
     done = threading.Timer(0.2, lambda: (mirrored._this_step(late),
                                          setattr(mirrored._step, "pushes", 1),
                                          mirrored.step_ended(late, True)))
     done.start()
     assert mirrored.after_steps([v], "job/n/", [late.group], 30.0) == (5, [late.group], [])
     done.join()
+    stuck = spec(10)   # still running after the wait: given up, named; then neither
+    mirrored.step_started(stuck)   # waited for again nor named again
+    assert mirrored.after_steps([v], "job/n/", [stuck.group], 0.05) == (5, [], [stuck.group])
+    assert mirrored.after_steps([v], "job/n/", [], 30.0)[2] == []   # (at once)
+
+
+def test_a_step_that_pushed_nothing_is_not_completed_even_where_its_reply_fails(monkeypatch):
+    """psworker decides "completed" as the step function returns: a
+    read-only step whose result cannot be pickled (the reply an error) is
+    not counted, though telling the others of the failure forms (and
+    aborts) a push's group on the way (review 15: it was counted)."""
+    import threading
+
+    import coordinator.collective as collective
+    from coordinator import serialization
+    from protos.pstrain.v1 import worker_pb2
+    from psworker.worker import WorkerServicer
+
+    class Group:   # (the abort's group, without a network)
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def abort(self, reason):
+            pass
+    monkeypatch.setattr(collective, "CollectiveGroup", Group)
+    monkeypatch.setattr(mirrored, "_COMPLETED", {})
+
+    def read_only():
+        return threading.Lock()   # (returned, pushed nothing; cannot be pickled)
+    group = "job/nonce/e0/step-0"
+    reply = WorkerServicer(trusted=True).RunClosure(worker_pb2.ClosureRequest(
+        closure_id="c1", fn=serialization.encode_function(read_only, by_value=True),
+        args=serialization.dumps(((), {})),
+        collective=worker_pb2.CollectiveInfo(group=group, members=["a:1", "b:2"], rank=0,
+                                             step=0, timeout=5.0, job="job")), None)
+    assert reply.WhichOneof("outcome") == "error" and reply.error.type == "TypeError"
+    assert mirrored.after_steps([], "job/nonce/", [group], 0.1) == (0, [], [])
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "slot missing", "slot shape", "version"])
