@@ -45,7 +45,9 @@ dispatching, takes the steps no member started off the queue, lets the
 started ones end, and then (3 to 6 above) the joiner, which has no replicas yet,
 gets the current model and is a member of every step issued from then on
 (those taken off included). A joiner that does not answer is tried again
-at the next re-forming.
+at the next re-forming. A worker of the spec that a re-forming left out
+(it did not answer) enters again the same way once its connection is made
+again (back after an outage, or restarted): at the next ``schedule``.
 """
 from __future__ import annotations
 
@@ -105,6 +107,10 @@ class Gangs:
         self._order = threading.Lock()   # steps queued whole, in step order
         self.members: tuple[str, ...] | None = None
         self.known: set[str] = set()   # every worker that was a member: not one joining
+        # Workers of the spec left out of the ring -> their reconnections then:
+        # one that reconnects since (back after an outage, or restarted) enters
+        # again at the next step boundary, as a joiner does.
+        self.left_out: dict[str, int] = {}
         self.epoch = 0
         self.paused = False   # (Cluster.may_start reads it: no step starts meanwhile)
         self._steps: dict[int, GangStep] = {}   # steps not done
@@ -118,14 +124,16 @@ class Gangs:
             spec = tuple(s.cluster_spec.worker)
             with self._lock:
                 self._lock.wait_for(lambda: not self._recovering)
-                grown = [a for a in spec if a not in self.known] \
+                grown = [a for a in spec if a not in self.known or self._back(a)] \
                     if self.members is not None else []
                 if not grown:
                     break
+                for a in grown:
+                    self.left_out.pop(a, None)
                 self.known.update(grown)   # (tried once: one that does not answer waits
                 self._start_recovery(growth=True)   # for the next re-forming)
-            log.warning("workers %s joined the all-reduce job; they enter at the next step "
-                        "boundary with the current model", ", ".join(grown))
+            log.warning("workers %s joined the all-reduce job (or are back); they enter at the "
+                        "next step boundary with the current model", ", ".join(grown))
             self.cluster.membership.refresh()   # (their threads now: the re-forming asks them)
         with self._order:   # (a recovery starting now takes these closures off again)
             with self._lock:
@@ -195,6 +203,15 @@ class Gangs:
         log.warning("all-reduce step %d failed on a worker (%s); pausing to re-form the "
                     "ring from the workers that answer", g.step, error)
 
+    def _reconnections(self, address: str) -> int:
+        worker = self.cluster.membership.workers.get(address)
+        return -1 if worker is None else worker.connects_made
+
+    def _back(self, address: str) -> bool:
+        """A worker left out of the ring that reconnected since (lock held)."""
+        return address in self.left_out and \
+            self._reconnections(address) > self.left_out[address]
+
     def _start_recovery(self, growth: bool = False) -> None:
         """Pause dispatching and re-form the ring on a thread of its own (lock
         held). ``growth``: for a worker that joined, none lost: the steps a
@@ -261,6 +278,8 @@ class Gangs:
                     members = self._sync(members, source)
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
+                    self.left_out = {a: self._reconnections(a) for a in
+                                     c.strategy.cluster_spec.worker if a not in members}
                     for g in steps:
                         old += [cl for cl, _, _ in g.failed]
                         # Applied where it succeeded (so every member's gradient,

@@ -122,6 +122,7 @@ class _WorkerThread:
         shared.slots.append(self)
         self.alive = False            # answered its last call
         self.failed_connects = 0      # reconnections that failed (run_on's reconnect wait)
+        self.made_connects = 0        # connections made (an all-reduce ring takes one back)
         self.worker_id: str | None = None   # the worker process this thread talks to
         # Since when (monotonic) the worker has not answered, whether that
         # was said, and whether its address was probed (_note_silence);
@@ -153,6 +154,11 @@ class _WorkerThread:
     def worker_alive(self) -> bool:
         """Any slot of the worker answered its last call."""
         return any(w.alive for w in self._shared.slots)
+
+    @property
+    def connects_made(self) -> int:
+        """Connections of the worker's slots made so far."""
+        return sum(w.made_connects for w in self._shared.slots)
 
     @property
     def connects_failed(self) -> int:
@@ -202,6 +208,7 @@ class _WorkerThread:
             self.worker_id = info.worker_id
         # A worker that (re)joins starts at the slowest live clock, not behind it.
         self.clock = max(self.clock, self.cluster.min_clock(exclude=self))
+        self.made_connects += 1
         self.alive = True
         self.cluster.clocks_changed()
         return True
