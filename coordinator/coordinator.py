@@ -384,14 +384,14 @@ class ClusterCoordinator:
         """All-reduce mode: the workers the next step is issued to (each
         runs a replica and takes a batch of a sharded dataset), which follow
         the workers lost and joining (one the spec gained since the last
-        step counted: the next step admits it); before the first step, the
-        cluster spec's. Other modes: the strategy's ``num_replicas_in_sync``."""
+        step, or one left out that connected again, counted: the next step
+        admits it); before the first step, the cluster spec's. Other modes: the strategy's ``num_replicas_in_sync``."""
         if self.strategy.mode != "allreduce":
             return self.strategy.num_replicas_in_sync
         gangs, spec = self._cluster.gangs, tuple(self.strategy.cluster_spec.worker)
         if gangs.members is None:
             return len(spec)
-        return len(gangs.members) + sum(a not in gangs.known for a in spec)   # (+ joiners)
+        return len(gangs.members) + gangs.joining(spec)   # (+ joiners, and those back)
 
     def pending(self) -> tuple[int, int]:
         """(queued, in flight) closures."""

@@ -47,12 +47,17 @@ gets the current model and is a member of every step issued from then on
 (those taken off included). A joiner that does not answer is tried again
 at the next re-forming. A worker of the spec that a re-forming left out
 (it did not answer) enters again the same way once its connection is made
-again (back after an outage, or restarted): at the next ``schedule``.
+again (back after an outage, or restarted): at the next ``schedule``, no
+sooner than BACK_SECONDS after it was left out (doubled each time it is
+left out again: a worker that flaps costs a re-forming a minute at most).
+A worker left out while its connection stayed up (it answered, but not
+the re-forming's question) waits for a later re-forming, as before.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from coordinator.closures import ABANDONED, Closure, RemoteValue, StepRemoteValue
 from coordinator.errors import StepFunctionError, WorkerCallError
@@ -74,6 +79,9 @@ JOIN_SECONDS = 30.0
 #: lost on the way: its slot reconnects) to answer again, unless a
 #: reconnection of it fails first (a worker that is gone).
 RECONNECT_SECONDS = 5.0
+#: Seconds after a re-forming left a worker out before its connecting again
+#: lets it in again (doubled, up to 60, each time it is left out again).
+BACK_SECONDS = 1.0
 #: Seconds (at most; step_timeout where shorter, plus 2) a re-forming waits
 #: for a worker's attempts of this coordinator's steps to end there (asking
 #: every worker at once); those still running are then given up there.
@@ -107,10 +115,13 @@ class Gangs:
         self._order = threading.Lock()   # steps queued whole, in step order
         self.members: tuple[str, ...] | None = None
         self.known: set[str] = set()   # every worker that was a member: not one joining
-        # Workers of the spec left out of the ring -> their reconnections then:
-        # one that reconnects since (back after an outage, or restarted) enters
-        # again at the next step boundary, as a joiner does.
-        self.left_out: dict[str, int] = {}
+        # Workers of the spec left out of the ring -> (their connections made
+        # when the re-forming began, not before when): one that connects again
+        # (back after an outage, or restarted) enters again at the next step
+        # boundary, as a joiner does, at most once in BACK_SECONDS, doubled
+        # each time it is left out again (a worker that flaps).
+        self.left_out: dict[str, tuple[int, float]] = {}
+        self._back_after: dict[str, float] = {}
         self.epoch = 0
         self.paused = False   # (Cluster.may_start reads it: no step starts meanwhile)
         self._steps: dict[int, GangStep] = {}   # steps not done
@@ -208,9 +219,15 @@ class Gangs:
         return -1 if worker is None else worker.connects_made
 
     def _back(self, address: str) -> bool:
-        """A worker left out of the ring that reconnected since (lock held)."""
-        return address in self.left_out and \
-            self._reconnections(address) > self.left_out[address]
+        """A worker left out of the ring that connected again since (lock held)."""
+        made, not_before = self.left_out.get(address, (None, 0.0))
+        return made is not None and self._reconnections(address) > made \
+            and time.monotonic() >= not_before
+
+    def joining(self, spec) -> int:
+        """Workers of ``spec`` the next step admits: joiners and those back."""
+        with self._lock:
+            return sum(a not in self.known or self._back(a) for a in spec)
 
     def _start_recovery(self, growth: bool = False) -> None:
         """Pause dispatching and re-form the ring on a thread of its own (lock
@@ -273,13 +290,24 @@ class Gangs:
                                 "ReplicasDisagree"), errors[-1])
                 unheard = {g.closures[0].collective.group for g in steps
                            if g.failed and not g.succeeded}   # (not a reply came)
+                spec = list(c.strategy.cluster_spec.worker)
+                made = {a: self._reconnections(a) for a in spec}   # (before any ask)
                 members, source, completed = self._live(unheard)
                 if source is not None:
                     members = self._sync(members, source)
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
-                    self.left_out = {a: self._reconnections(a) for a in
-                                     c.strategy.cluster_spec.worker if a not in members}
+                    self.known &= set(spec)   # (one that leaves the spec and comes
+                    now = time.monotonic()      # back later is a joiner again)
+                    for a in spec:
+                        if a in members:
+                            self._back_after.pop(a, None)
+                        else:
+                            wait = self._back_after[a] = min(
+                                2 * self._back_after.get(a, BACK_SECONDS / 2), 60.0)
+                            self.left_out[a] = (made[a], now + wait)
+                    self.left_out = {a: v for a, v in self.left_out.items()
+                                     if a in spec and a not in members}
                     for g in steps:
                         old += [cl for cl, _, _ in g.failed]
                         # Applied where it succeeded (so every member's gradient,
