@@ -224,6 +224,26 @@ class Gangs:
         return made is not None and self._reconnections(address) > made \
             and time.monotonic() >= not_before
 
+    def _note_left_out(self, spec: list[str], members: tuple[str, ...],
+                       made: dict[str, int]) -> None:
+        """After a re-forming (lock held): the workers of ``spec`` not in
+        ``members``, each with its connections ``made`` before the
+        re-forming asked and when it may come back (BACK_SECONDS, doubled
+        each time it is left out again, up to 60 s); a member's backoff is
+        reset; a worker that left the spec is forgotten (a joiner if it
+        comes back)."""
+        self.known &= set(spec)
+        now = time.monotonic()
+        for a in spec:
+            if a in members:
+                self._back_after.pop(a, None)
+            else:
+                wait = self._back_after[a] = min(
+                    2 * self._back_after.get(a, BACK_SECONDS / 2), 60.0)
+                self.left_out[a] = (made.get(a, -1), now + wait)
+        self.left_out = {a: v for a, v in self.left_out.items()
+                         if a in spec and a not in members}
+
     def joining(self, spec) -> int:
         """Workers of ``spec`` the next step admits: joiners and those back."""
         with self._lock:
@@ -297,17 +317,7 @@ class Gangs:
                     members = self._sync(members, source)
                 with self._lock:
                     self.members, self.epoch = members, self.epoch + 1
-                    self.known &= set(spec)   # (one that leaves the spec and comes
-                    now = time.monotonic()      # back later is a joiner again)
-                    for a in spec:
-                        if a in members:
-                            self._back_after.pop(a, None)
-                        else:
-                            wait = self._back_after[a] = min(
-                                2 * self._back_after.get(a, BACK_SECONDS / 2), 60.0)
-                            self.left_out[a] = (made[a], now + wait)
-                    self.left_out = {a: v for a, v in self.left_out.items()
-                                     if a in spec and a not in members}
+                    self._note_left_out(spec, members, made)
                     for g in steps:
                         old += [cl for cl, _, _ in g.failed]
                         # Applied where it succeeded (so every member's gradient,

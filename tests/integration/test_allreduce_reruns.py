@@ -521,7 +521,11 @@ def test_a_worker_left_out_after_an_outage_enters_again_once_back(monkeypatch):
             assert coord.replicas_in_sync() == 2   # (left out)
             over.set()   # the outage ends
             worker = coord._cluster.membership.workers[outage[1]]
-            assert coord._cluster.wait_for(lambda: worker.worker_alive, 60)   # back
+            assert coord._cluster.wait_for(lambda: worker.worker_alive, 60)   # back, and
+            until = time.monotonic() + 30   # let in from 1 s after it was left out
+            while coord.replicas_in_sync() != 3:
+                assert time.monotonic() < until, "the worker back is not let in"
+                time.sleep(0.05)
             for _ in range(2):
                 coord.schedule(pushing_ones(w))
             coord.join(timeout=120)
