@@ -220,6 +220,46 @@ def summing_step(w, table, marks=None):
     return step
 
 
+def cut_first_attempt(monkeypatch, step: int, cut) -> None:
+    """On the coordinator's side: the closures of the first attempt of the
+    job's step ``step`` (0: its first) go through ``cut(run, thread,
+    closure)``, which runs the closure (``run``) or not and raises as a
+    lost call would (or returns the reply); every other closure as it is."""
+    from coordinator.worker_channel import _WorkerThread
+    first, run = [], _WorkerThread._run_closure
+
+    def wrapped(thread, closure):
+        g = closure.gang
+        if g is not None and not first:
+            first.append(g.step)   # (the first step's closures are dispatched first)
+        if g is None or g.step != first[0] + step or g.attempts:
+            return run(thread, closure)
+        return cut(run, thread, closure)
+    monkeypatch.setattr(_WorkerThread, "_run_closure", wrapped)
+
+
+def still_running(run, thread, closure, mark: str) -> None:
+    """The call goes on in the background (its reply to nobody) once its
+    step function has said so (the file ``mark``)."""
+    import threading
+
+    def call():
+        try:
+            run(thread, closure)
+        except Exception:   # (the call was cut: its reply is not looked at)
+            pass
+    threading.Thread(target=call, daemon=True).start()
+    _wait_for(mark)
+
+
+def w_job(spec, step_timeout: float):
+    """An all-reduce strategy on ``spec`` with a mirrored w (2 zeros, SGD 1):
+    (strategy, w)."""
+    strategy = ParameterServerStrategy(spec, mode="allreduce", step_timeout=step_timeout)
+    return strategy, strategy.create_variable("w", shape=(2,), optimizer="sgd",
+                                              optimizer_params={"learning_rate": 1.0})
+
+
 def _wait_for(path: str, seconds: float = 60.0) -> None:
     import time
     until = time.monotonic() + seconds
@@ -244,21 +284,13 @@ def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, t
     import threading
 
     from coordinator import ShardedSource
-    from coordinator.worker_channel import _WorkerThread
     from psserver.errors import Unavailable
-    cut, first, killed = [], [], how != "all-members-left"
-    run = _WorkerThread._run_closure
+    cut, killed = [], how != "all-members-left"
 
-    def lose_step_0(thread, closure):
-        g = closure.gang
-        if g is not None and not first:
-            first.append(g.step)   # (the first step's closures are dispatched first)
-        if g is None or g.step != first[0] or g.attempts:
-            return run(thread, closure)
+    def lose_step_0(run, thread, closure):
         rank = closure.collective.rank
         if how == "cut-mid-step":   # the call goes on, its reply to nobody
-            threading.Thread(target=lambda: _quietly(run, thread, closure), daemon=True).start()
-            _wait_for(str(tmp_path / f"pushed-{rank}"))
+            still_running(run, thread, closure, str(tmp_path / f"pushed-{rank}"))
         else:   # (answered: its reply, lost here, is not looked at)
             run(thread, closure)
         cut.append(rank)
@@ -268,7 +300,7 @@ def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, t
             go = str(tmp_path / "go")    # (well after it asks, had it not waited for them)
             threading.Timer(3.0 if how == "cut-mid-step" else 0.0, open, (go, "w")).start()
         raise Unavailable("the call was cut on the way (test)")
-    monkeypatch.setattr(_WorkerThread, "_run_closure", lose_step_0)
+    cut_first_attempt(monkeypatch, 0, lose_step_0)
     batches = 11 if killed else 15   # step 0: 3 batches, then 4 steps of 2 or 3
     with LocalCluster(num_ps=1, num_workers=3) as c:
         strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5,
@@ -296,13 +328,6 @@ def test_a_step_whose_replies_were_all_lost_is_done_not_run_again(monkeypatch, t
                                                            np.float32))
 
 
-def _quietly(run, thread, closure) -> None:
-    try:
-        run(thread, closure)
-    except Exception:   # (its reply goes to nobody: the call was cut)
-        pass
-
-
 def reading_step(w, marks: str):
     """A step that only reads w; rank 2 of step 1 goes on only once ``go``
     is there (behind, while the others run step 2)."""
@@ -327,22 +352,17 @@ def test_a_step_done_elsewhere_leaves_no_value_unset(monkeypatch, tmp_path):
     value of every step is set: before, rank 2's stayed unset and fetch()
     never returned."""
     from coordinator.closures import ABANDONED
-    from coordinator.worker_channel import _WorkerThread
     from psserver.errors import Unavailable
-    cut, first = [], []
-    run = _WorkerThread._run_closure
+    cut = []
 
-    def lose_step_2(thread, closure):
-        g = closure.gang
-        if g is not None and not first:
-            first.append(g.step)
+    def lose_step_2(run, thread, closure):
         reply = run(thread, closure)
-        if g is not None and g.step == first[0] + 2 and not g.attempts and not cut:
+        if not cut:
             cut.append(closure.collective.rank)
             open(tmp_path / "go", "w").close()
             raise Unavailable("the reply was lost on the way (test)")
         return reply
-    monkeypatch.setattr(_WorkerThread, "_run_closure", lose_step_2)
+    cut_first_attempt(monkeypatch, 2, lose_step_2)
     with LocalCluster(num_ps=0, num_workers=3) as c:
         strategy = ParameterServerStrategy(c.spec, mode="allreduce", step_timeout=5)
         w = strategy.create_variable("w", initial_value=np.ones(2, np.float32), optimizer="sgd")
@@ -364,11 +384,9 @@ def test_a_short_outage_of_every_member_drops_none(monkeypatch):
     reconnection: every member left out and the job failed."""
     import time
 
-    from coordinator.worker_channel import _WorkerThread
     from psserver.errors import Unavailable
     from psserver.link.channel import TaskChannel
-    outage, first = [], []
-    ask, run = TaskChannel.ask, _WorkerThread._run_closure
+    outage, ask = [], TaskChannel.ask
 
     def ask_in_outage(self, timeout=None, **kw):
         if outage and time.monotonic() < outage[0] + 2.5:
@@ -376,21 +394,14 @@ def test_a_short_outage_of_every_member_drops_none(monkeypatch):
             raise Unavailable("no route to the worker (test outage)")
         return ask(self, timeout, **kw)
 
-    def cut_step_1(thread, closure):
-        g = closure.gang
-        if g is not None and not first:
-            first.append(g.step)
-        reply = run(thread, closure)
-        if g is not None and g.step == first[0] + 1 and not g.attempts:
-            outage[:] = outage or [time.monotonic()]
-            raise Unavailable("the reply was lost on the way (test outage)")
-        return reply
+    def cut_step_1(run, thread, closure):
+        run(thread, closure)
+        outage[:] = outage or [time.monotonic()]
+        raise Unavailable("the reply was lost on the way (test outage)")
     monkeypatch.setattr(TaskChannel, "ask", ask_in_outage)
-    monkeypatch.setattr(_WorkerThread, "_run_closure", cut_step_1)
+    cut_first_attempt(monkeypatch, 1, cut_step_1)
     with LocalCluster(num_ps=0, num_workers=3) as c:
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=5)
-        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
-                                     optimizer_params={"learning_rate": 1.0})
+        strategy, w = w_job(c.snapshot(), 5)
         with ClusterCoordinator(strategy) as coord:
             for _ in range(4):
                 coord.schedule(pushing_ones(w))
@@ -419,25 +430,15 @@ def test_an_attempt_still_running_after_the_wait_is_given_up_and_its_worker_stay
     workers (before, each was left out and the job failed: no worker
     answers). Once let go, the given-up attempts apply nothing (their push
     fails: AllReduceFailed): w has one update per step."""
-    import threading
-
     from coordinator import mirrored
-    from coordinator.worker_channel import _WorkerThread
     from psserver.errors import Unavailable
-    first, cut = [], []
-    run = _WorkerThread._run_closure
+    cut = []
 
-    def cut_step_0(thread, closure):
-        g = closure.gang
-        if g is not None and not first:
-            first.append(g.step)
-        if g is None or g.step != first[0] or g.attempts:
-            return run(thread, closure)
-        threading.Thread(target=lambda: _quietly(run, thread, closure), daemon=True).start()
-        _wait_for(str(tmp_path / f"reading-{closure.collective.rank}"))
+    def cut_step_0(run, thread, closure):
+        still_running(run, thread, closure, str(tmp_path / f"reading-{closure.collective.rank}"))
         cut.append(closure.collective.rank)
         raise Unavailable("the call was cut on the way (test)")
-    monkeypatch.setattr(_WorkerThread, "_run_closure", cut_step_0)
+    cut_first_attempt(monkeypatch, 0, cut_step_0)
 
     def step():
         from coordinator import get_replica_context
@@ -449,9 +450,7 @@ def test_an_attempt_still_running_after_the_wait_is_given_up_and_its_worker_stay
             _wait_for(os.path.join(str(tmp_path), "go"))
         push_gradients([(w, np.ones_like(wv))])
     with LocalCluster(num_ps=0, num_workers=2) as c:
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=2)
-        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
-                                     optimizer_params={"learning_rate": 1.0})
+        strategy, w = w_job(c.snapshot(), 2)
         with ClusterCoordinator(strategy) as coord:
             for _ in range(3):
                 coord.schedule(step)
@@ -478,11 +477,10 @@ def test_a_worker_left_out_after_an_outage_enters_again_once_back(monkeypatch):
     import threading
     import time
 
-    from coordinator.worker_channel import _WorkerThread
     from psserver.errors import Unavailable
     from psserver.link.channel import TaskChannel
-    outage, first, over = [], [], threading.Event()
-    ask, call, run = TaskChannel.ask, TaskChannel.call, _WorkerThread._run_closure
+    outage, over = [], threading.Event()
+    ask, call = TaskChannel.ask, TaskChannel.call
 
     def cut_off(channel, timeout) -> None:
         if outage and channel.address == outage[1] and not over.is_set():
@@ -497,23 +495,17 @@ def test_a_worker_left_out_after_an_outage_enters_again_once_back(monkeypatch):
         cut_off(self, timeout)
         return call(self, method, request, timeout, *args, **kw)
 
-    def cut_step_1(thread, closure):
-        g = closure.gang
-        if g is not None and not first:
-            first.append(g.step)
+    def cut_step_1(run, thread, closure):
         reply = run(thread, closure)
-        if g is not None and g.step == first[0] + 1 and not g.attempts \
-                and closure.collective.rank == 2:
+        if closure.collective.rank == 2:
             outage[:] = [time.monotonic(), thread.address]   # (from now on)
             raise Unavailable("the reply was lost on the way (test outage)")
         return reply
     monkeypatch.setattr(TaskChannel, "ask", ask_in_outage)
     monkeypatch.setattr(TaskChannel, "call", call_in_outage)
-    monkeypatch.setattr(_WorkerThread, "_run_closure", cut_step_1)
+    cut_first_attempt(monkeypatch, 1, cut_step_1)
     with LocalCluster(num_ps=0, num_workers=3) as c:
-        strategy = ParameterServerStrategy(c.snapshot(), mode="allreduce", step_timeout=2)
-        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
-                                     optimizer_params={"learning_rate": 1.0})
+        strategy, w = w_job(c.snapshot(), 2)
         with ClusterCoordinator(strategy) as coord:
             for _ in range(3):
                 coord.schedule(pushing_ones(w))
