@@ -481,18 +481,23 @@ def step_ended(spec, completed: bool) -> None:
     applied before them. A step that pushed nothing (a read-only one) or
     caught a failed push is not completed: another member may not have run
     it at all."""
-    pushed = completed
     with _ENDED:
         left = _RUNNING.get(spec.group, 0) - 1
         if left > 0:
             _RUNNING[spec.group] = left
         else:
             _RUNNING.pop(spec.group, None)
-        if pushed and spec.group not in _COMPLETED:
-            _COMPLETED[spec.group] = None
-            if len(_COMPLETED) > STEPS_KEPT:
-                del _COMPLETED[next(iter(_COMPLETED))]
+        if completed:
+            _remember(_COMPLETED, spec.group)
         _ENDED.notify_all()
+
+
+def _remember(kept: dict, group: str) -> None:
+    """``group`` into ``kept`` (insertion-ordered: past STEPS_KEPT the oldest go)."""
+    if group not in kept:
+        kept[group] = None
+        if len(kept) > STEPS_KEPT:
+            del kept[next(iter(kept))]
 
 
 def after_steps(variables: Sequence[MirroredVariable], prefix: str, groups: Sequence[str],
@@ -512,9 +517,7 @@ def after_steps(variables: Sequence[MirroredVariable], prefix: str, groups: Sequ
     with _APPLY, _ENDED:   # those still running apply nothing from now on: what is read
         left = running()   # below stays
         for g in left:
-            _GIVEN_UP[g] = None
-            if len(_GIVEN_UP) > STEPS_KEPT:
-                del _GIVEN_UP[next(iter(_GIVEN_UP))]
+            _remember(_GIVEN_UP, g)
         done = [g for g in groups if isinstance(g, str) and g in _COMPLETED]
     try:
         count = sum(versions(variables).values())
