@@ -37,6 +37,10 @@ TOP = (len(_PAIRS[0]) + DIM, 64, 1)
 # The pairs as positions in a flattened 27 x 27 matrix, and their mirror images.
 _UPPER = _PAIRS[0] * (NUM_SPARSE + 1) + _PAIRS[1]
 _LOWER = _PAIRS[1] * (NUM_SPARSE + 1) + _PAIRS[0]
+# The symmetric 27 x 27 matrix of the pairs' gradients, flattened: where each
+# of its entries is in [the 351 pairs' gradients, 0] (0 on the diagonal).
+_SYMMETRIC = np.full((NUM_SPARSE + 1) ** 2, len(_PAIRS[0]))
+_SYMMETRIC[_UPPER] = _SYMMETRIC[_LOWER] = np.arange(len(_PAIRS[0]))
 
 
 def layer_names() -> list[str]:
@@ -185,9 +189,11 @@ def loss_and_grads(params, dense: np.ndarray, rows, labels: np.ndarray):
     pairs = len(_PAIRS[0])
     g_dots, g_bottom = g_top_in[:, :pairs], g_top_in[:, pairs:]
     # d(z_i . z_j) / d z: the pairs' gradients in a symmetric 27 x 27 matrix, times z.
-    m = np.zeros((n, (NUM_SPARSE + 1) ** 2), logits.dtype)
-    m[:, _UPPER] = g_dots
-    m[:, _LOWER] = g_dots
+    # (one gather: half the time of zeros and two scatters)
+    g_pairs = np.empty((n, pairs + 1), logits.dtype)
+    g_pairs[:, :pairs] = g_dots
+    g_pairs[:, pairs] = 0
+    m = np.take(g_pairs, _SYMMETRIC, axis=1)
     g_z = np.matmul(m.reshape(n, NUM_SPARSE + 1, NUM_SPARSE + 1), z)
     g_bottom = g_bottom + g_z[:, 0, :]
     _mlp_back(params, "bottom", bcache, g_bottom, relu_last=True, grads=grads)
