@@ -66,17 +66,41 @@ def plan_add(buckets: BucketMap) -> BucketMap:
     buckets, each from the shard holding the most at that point (so the
     counts end as even as they can), the last buckets of each shard's runs;
     every other bucket stays with its shard."""
-    n = buckets.num_shards
-    owner = buckets.owner.astype(np.int64)
+    n = buckets.num_shards + 1
+    return BucketMap(_fill(buckets.owner, n, n - 1), n)
+
+
+def plan_fill(buckets: BucketMap, j: int) -> BucketMap:
+    """The map where shard j holds its share, BUCKETS // n of n shards (one
+    whose add failed part way), the buckets it lacks taken as plan_add
+    takes them; the same map where it holds that already."""
+    return BucketMap(_fill(buckets.owner, buckets.num_shards, j), buckets.num_shards)
+
+
+def _fill(owner: np.ndarray, n: int, j: int) -> np.ndarray:
+    """plan_fill's owners, of n shards (j may hold nothing yet)."""
+    owner = owner.astype(np.int64)
     held = np.bincount(owner, minlength=n)
+    held[j] = -BUCKETS   # (never chosen)
     give = np.zeros(n, np.int64)
-    for _ in range(BUCKETS // (n + 1)):
+    for _ in range(BUCKETS // n - int((owner == j).sum())):
         k = int(np.argmax(held - give))
         give[k] += 1
     out = owner.copy()
     for k in np.flatnonzero(give):
-        out[np.flatnonzero(owner == k)[-give[k]:]] = n
-    return BucketMap(out, n + 1)
+        out[np.flatnonzero(owner == k)[-give[k]:]] = j
+    return out
+
+
+def lacks_share(table, address: str) -> bool:
+    """Whether ``table`` has no shard on ``address`` or one that holds less
+    than its share (an add that failed part way: add_parameter_server
+    completes it when called again)."""
+    if address not in table.addresses:
+        return True
+    buckets = table.buckets
+    j = table.addresses.index(address)
+    return int((buckets.owner == j).sum()) < BUCKETS // buckets.num_shards
 
 
 def plan_remove(buckets: BucketMap, j: int) -> BucketMap:
@@ -120,7 +144,7 @@ def check_add(strategy, address: str, probe: float | None = None) -> None:
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"a parameter server's address is host:port, got {address!r}")
     if address in strategy.parameter_servers and \
-            all(address in t.addresses for t in strategy.tables):   # (else: resume an add)
+            not any(lacks_share(t, address) for t in strategy.tables):   # (else: resume it)
         raise ValueError(f"{address} is a parameter server of this job already")
     _check_mode(strategy, "adding")
     if probe is not None:   # (reached with the job's token and TLS, as its other servers)
@@ -183,27 +207,36 @@ def move_table(table, address: str, creation: dict, known=None) -> TableMove:
     the job last knew it (the strategy's ``server_ids``: a source that
     restarted since refuses its move, and its recovery refills it first)."""
     old = table.buckets
-    n = old.num_shards
-    final = plan_add(old)
-    parts = split_capacity(table.capacity, final.counts()) if table.capacity else [0] * (n + 1)
     client = ps_pool.client_for(address)
+    resumed = address in table.addresses   # (an add that failed part way: completed)
+    if resumed:
+        n = table.addresses.index(address)
+        final = plan_fill(old, n)
+        addresses = tuple(table.addresses)
+    else:
+        n = old.num_shards
+        final = plan_add(old)
+        addresses = tuple(table.addresses) + (address,)
+    parts = split_capacity(table.capacity, final.counts()) if table.capacity else \
+        [0] * final.num_shards
     creation["capacity"] = parts[n]
-    try:
-        creation["seed"] = int(client.table_info(table.name).spec.seed)
-    except NotFound:
-        pass
-    client.create_table(table.name, table.dim, exist_ok=True, **creation)
+    if not resumed:
+        try:
+            creation["seed"] = int(client.table_info(table.name).spec.seed)
+        except NotFound:
+            pass
+        client.create_table(table.name, table.dim, exist_ok=True, **creation)
     owner = old.owner.astype(np.int64)
-    addresses = tuple(table.addresses) + (address,)
     steps = []
-    for k in range(n):
-        mask = (final.owner == n) & (old.owner == k)
-        if mask.any():
+    for k in range(final.num_shards):
+        mask = (final.owner == n) & (old.owner == k) if k != n else None
+        if mask is not None and mask.any():
             owner = np.where(mask, n, owner)
             steps.append((addresses[k], address, mask, parts[k] or None, parts[n] or None,
-                          addresses, BucketMap(owner, n + 1)))
-    return _run(table, steps, address, cleanup=lambda: table.num_shards == n and
-                client.delete_table(table.name), known=known)
+                          addresses, BucketMap(owner, final.num_shards)))
+    return _run(table, steps, address, cleanup=lambda: not resumed and
+                table.num_shards == old.num_shards and client.delete_table(table.name),
+                known=known)
 
 
 def drain_table(table, address: str, known=None) -> TableMove:

@@ -42,9 +42,8 @@ MODES = ("async", "sync", "hybrid", "bounded", "allreduce")
 #: The modes whose scheduled steps run as num_replicas closures of one step.
 SYNC_MODES = ("sync", "hybrid")
 
-#: Initializers computed from the full (unsharded) shape, then sent to each
-#: shard as a server-side kind. Others ("zeros", "random_normal", ...) are
-#: applied by the servers as they are.
+#: Initializers computed from the full (unsharded) shape, then sent to each shard
+#: as a server-side kind. Others ("zeros", "random_normal", ...) are the servers'.
 _FAN_INITIALIZERS = ("glorot_uniform", "he_normal")
 
 
@@ -584,13 +583,14 @@ class ParameterServerStrategy:
             added, moves = address not in self._ps, []   # (not added: a failed add resumed)
             try:
                 self._note_server(address)   # (one of its servers from now on)
-                for table in [t for t in self._tables.values() if address not in t.addresses]:
+                for table in [t for t in self._tables.values() if elastic.lacks_share(t, address)]:
                     dim, creations = self._table_creation[table.name]
-                    kw = dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
+                    made = dict(creations).get(address)   # (an add that failed part way)
+                    kw = made or dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
                     try:
                         moves.append(elastic.move_table(table, address, kw, self.server_ids))
                     finally:   # (one that failed part-way has a shard there too)
-                        if address in table.addresses:
+                        if address in table.addresses and made is None:
                             self._table_creation[table.name] = (dim, creations + [(address, kw)])
             except BaseException:
                 if added and not any(address in t.addresses for t in self._tables.values()):

@@ -313,9 +313,14 @@ def test_a_move_that_fails_part_way_leaves_a_consistent_layout_and_can_be_resume
             np.testing.assert_array_equal(emb.lookup(keys, admit=False), want[0])
             saved = CheckpointManager(strategy, str(tmp_path)).save(1)
             CheckpointManager(strategy, str(tmp_path)).restore(saved)
-            # resumed: the tables the failed add did not reach move now
+            # resumed: the part of counter's add that failed, and the table it did not reach
             moves = coord.add_parameter_server(added)
-            assert [m.table for m in moves] == ["emb"] and emb.num_shards == 3
+            assert [m.table for m in moves] == (["emb"] if lost_reply else ["counter", "emb"])
+            assert emb.num_shards == counter.num_shards == 3
+            for table in (counter, emb):   # each its share on the added server, as one add
+                assert int((table.buckets.owner == 2).sum()) == 4096 // 3
+            assert sum(_rows(counter.addresses, "counter")) == keys.size
+            assert 0 < _rows(counter.addresses, "counter")[2] < keys.size
             np.testing.assert_array_equal(emb.lookup(keys, admit=False), want[0])
             np.testing.assert_array_equal(counter.lookup(keys, admit=False), want[1])
             with pytest.raises(ValueError, match="already"):
