@@ -172,8 +172,8 @@ class ServerFollower:
 
     def _act(self, address: str, what: str, listed: list[str]) -> None:
         job = self.strategy.parameter_servers
-        if (what == "add" and address in job and all(
-                address in t.addresses for t in self.strategy.tables)) or (
+        if (what == "add" and address in job and not any(
+                elastic.lacks_share(t, address) for t in self.strategy.tables)) or (
                 what == "remove" and address not in job):
             self._finish(address)   # (the API did it meanwhile)
             return

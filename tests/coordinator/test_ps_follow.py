@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 from coordinator import elastic, ps_follow
+from psserver.contract.keys import BUCKETS, BucketMap
 from psserver.errors import Unavailable
 
 
@@ -197,3 +199,34 @@ def test_wanted_reads_the_environment_only_when_not_given():
     assert not ps_follow.wanted(None, {})
     assert not ps_follow.wanted(False, {ps_follow.ELASTIC_ENV: "1"})
     assert ps_follow.wanted(True, {})
+
+
+def test_an_add_that_failed_inside_a_table_is_tried_again_until_it_is_complete(follow):
+    """The add stopped in the table's second move: the server is one of the
+    job's and the table has a shard there, short of its share. The follower
+    tries again (the coordinator completes it then), not "done"."""
+    job, f, servers = follow(["a:1", "b:1"])
+    f.look()
+    owner = np.repeat([0, 1], BUCKETS // 2)
+    owner[:100] = 2   # (BUCKETS // 3 is its share)
+    table = types.SimpleNamespace(name="t", addresses=("a:1", "b:1", "c:1"),
+                                  buckets=BucketMap(owner, 3))
+    job.tables.append(table)
+    f.look()   # (a table first seen now is on every server the spec lists)
+    servers["c:1"] = "id-c:1"
+    job.fail["c:1"] = Unavailable("a source did not answer")
+
+    def add(address):   # the first try fails part way: the job has the server now
+        job.calls.append(("add", address))
+        job.parameter_servers += (address,)
+        if job.fail.pop(address, None):
+            raise Unavailable("a source did not answer")
+        table.buckets = BucketMap(np.repeat([0, 1, 2], [1366, 1365, 1365]), 3)
+        return []
+    f._add = add
+    job.listed.append("c:1")
+    f.look()
+    assert job.calls == [("add", "c:1")] and f.pending == {"c:1": "add"}
+    _later(f, 60)
+    assert job.calls == [("add", "c:1")] * 2 and f.pending == {}
+    assert f.done == [("add", "c:1")]
