@@ -1,7 +1,7 @@
 """Every shard copy a parameter server holds, and the memory they may take.
 
 A *shard copy* is a variable (psserver/core/variable.py: ``Variable``) or a
-dynamic table's shard (psserver/core/table_store.py: ``TableShardCopy``). Both
+dynamic table's shard (psserver/core/table_copy.py: ``TableShardCopy``). Both
 are a ``CopyState``: what replication, sync steps and saves need of a copy,
 and the rules both kinds follow, written here once (who takes client
 updates, which state copy may replace a copy, which update keys it has).

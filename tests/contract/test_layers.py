@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 #: What each part of the code may import from psserver and protos, and from
 #: grpc / protobuf (``None``: anything). The public tools at psserver's top
-#: level (errors, tls, metrics, process, profiling) sit below client and core.
+#: level (errors, tls, metrics, process, profiling) sit below link and client
+#: (core imports the contract only).
 CONTRACT = ("psserver.contract", "psserver.errors")
 TOOLS = ("psserver.tls", "psserver.metrics", "psserver.process", "psserver.profiling")
 RULES = {
