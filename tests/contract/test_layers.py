@@ -36,6 +36,9 @@ RULES = {
     "psserver.profiling": (CONTRACT, False),
     "coordinator": (CONTRACT + TOOLS + ("psserver.link", "psserver.client", "protos",
                                         "coordinator"), True),
+    # (a task like the server, with the task kit in serve; never the server's state)
+    "psworker": (CONTRACT + TOOLS + ("psserver.serve", "psserver.link", "psserver.client",
+                                     "protos"), True),
 }
 GRPC_OR_PROTOBUF = ("grpc", "grpc_health", "google.protobuf", "protos")
 
@@ -68,7 +71,7 @@ def within(module: str, prefixes) -> bool:
 
 
 def source_files():
-    for top in ("psserver", "coordinator"):
+    for top in ("psserver", "coordinator", "psworker"):
         yield from sorted((ROOT / top).rglob("*.py"))
 
 
