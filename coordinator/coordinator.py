@@ -288,9 +288,10 @@ class ClusterCoordinator:
         on are placed over every server. Returns what moved, per table
         (coordinator.elastic.TableMove). ValueError, nothing changed, with
         replication or in sync mode (not supported yet), for an address
-        the job has, or for a server of the job named another way (the same
-        process); coordinator/elastic.py says what moves and what a
-        failure part-way leaves."""
+        the job has (unless an add or drain of it failed part way: then its
+        shards are filled to their share), or for a server of the job named
+        another way (the same process); coordinator/elastic.py says what
+        moves and what a failure part-way leaves."""
         # (asked before the steps wait: one that does not answer holds nothing up)
         elastic.check_add(self.strategy, address, probe=self.strategy.connect_timeout)
         with self._cluster.between_steps(timeout):

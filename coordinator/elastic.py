@@ -35,7 +35,10 @@ every replica of a step), an address the job has already, or a server that
 does not answer. A move that fails part-way (the new server or a source
 lost) keeps the buckets moved so far where they went and the others where
 they were (a fence on the failed move's source says which), every shard is
-told that layout, and the error goes up: calling again resumes.
+told that layout, and the error goes up: calling again resumes (an add:
+the table it stopped in gets the rest of the new shard's share, plan_fill).
+An add of a server whose drain failed part way is not refused: it fills
+that server's shards back to their share.
 """
 from __future__ import annotations
 
@@ -94,13 +97,15 @@ def _fill(owner: np.ndarray, n: int, j: int) -> np.ndarray:
 
 def lacks_share(table, address: str) -> bool:
     """Whether ``table`` has no shard on ``address`` or one that holds less
-    than its share (an add that failed part way: add_parameter_server
-    completes it when called again)."""
-    if address not in table.addresses:
+    than its share: an add that failed part way (add_parameter_server
+    completes it when called again), or a drain that did (an add then
+    fills that shard back to its share). Moves that end give every shard
+    at least its share."""
+    now = layouts.snapshot(table)   # (one layout, whatever a move does meanwhile)
+    if address not in now.addresses:
         return True
-    buckets = table.buckets
-    j = table.addresses.index(address)
-    return int((buckets.owner == j).sum()) < BUCKETS // buckets.num_shards
+    j = now.addresses.index(address)
+    return int((now.buckets.owner == j).sum()) < BUCKETS // now.buckets.num_shards
 
 
 def plan_remove(buckets: BucketMap, j: int) -> BucketMap:

@@ -209,7 +209,8 @@ def test_an_add_that_failed_inside_a_table_is_tried_again_until_it_is_complete(f
     f.look()
     owner = np.repeat([0, 1], BUCKETS // 2)
     owner[:100] = 2   # (BUCKETS // 3 is its share)
-    table = types.SimpleNamespace(name="t", addresses=("a:1", "b:1", "c:1"),
+    table = types.SimpleNamespace(name="t", table_id="t0", layout_epoch=1,
+                                  addresses=("a:1", "b:1", "c:1"),
                                   buckets=BucketMap(owner, 3))
     job.tables.append(table)
     f.look()   # (a table first seen now is on every server the spec lists)
