@@ -223,6 +223,9 @@ def _ckpt_restore(args) -> int:
 
 def _ckpt_list(args) -> int:
     directory = os.path.abspath(args.directory)
+    if not os.path.isdir(directory):   # (a mistyped path; an empty directory lists nothing)
+        raise OperatorError(f"no checkpoint found: {directory} does not exist or is not a "
+                            "directory")
     out = []
     for path in find_checkpoints(directory):
         try:

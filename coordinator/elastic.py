@@ -52,7 +52,7 @@ import numpy as np
 from coordinator import layouts, ps_pool
 from coordinator import metrics as _metrics
 from psserver.contract.keys import BUCKETS, BucketMap, bitmap_of_buckets, split_capacity
-from psserver.errors import NotFound, PSError, Unavailable
+from psserver.errors import NotFound, PSError, Unavailable, Unimplemented
 
 log = logging.getLogger("coordinator")
 
@@ -154,7 +154,12 @@ def check_add(strategy, address: str, probe: float | None = None) -> None:
     _check_mode(strategy, "adding")
     if probe is not None:   # (reached with the job's token and TLS, as its other servers)
         ps_pool.servers().give([address], strategy.token, strategy.tls)
-        sid = ps_pool.client_for(address).server_info(timeout=probe).server_id
+        try:
+            sid = ps_pool.client_for(address).server_info(timeout=probe).server_id
+        except Unimplemented:   # (a worker, or another gRPC service, answers there)
+            raise ValueError(f"{address} answers but is not a parameter server (a worker's "
+                             "address?); nothing changed. Give the address of a running "
+                             "psserver") from None
         same = [a for a, known in strategy.server_ids.items() if known == sid and a != address]
         if same:
             raise ValueError(f"{address} is the parameter server {same[0]} of this job (the "

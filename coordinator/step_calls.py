@@ -199,6 +199,17 @@ def read_value_dtype(compression) -> str:
     raise ValueError(f'read compression must be None or "fp16", got {compression!r}')
 
 
+def _unreadable(item) -> str:
+    """What read_variables says of an item it cannot read."""
+    if _is_table(item):
+        return (f"dynamic table {item.name!r} is read by key: pass Lookup(table, keys) to "
+                "read its rows in this call")
+    what = ("a numpy array (a dynamic table's lookup(keys) reads at once and gives the "
+            "rows: pass Lookup(table, keys) to read them in this call)"
+            if isinstance(item, np.ndarray) else type(item).__name__)
+    return f"read_variables takes variables and Lookup(...) items, got {what}"
+
+
 class _Read:
     """One read_variables: its items prepared once (ids sorted, arrays made),
     ``plan`` (the calls on the current routes; called again when a route
@@ -213,6 +224,8 @@ class _Read:
         for i, v in enumerate(self.items):
             if isinstance(v, Lookup):
                 self.lookups[i] = self._prepare(v)
+            elif _is_table(v) or not hasattr(v, "num_shards"):
+                raise TypeError(_unreadable(v))
         # Without lookups each value lands in its final array (a slice of it
         # per shard): on this host the only copy, made straight from shared memory.
         self.full = None if self.lookups else [np.empty(v.shape, np.dtype(v.dtype))

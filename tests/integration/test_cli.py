@@ -323,7 +323,11 @@ def test_no_checkpoint_found(live, env, capsys, tmp_path):
     code, _, err = run(capsys, "checkpoint", "restore", str(tmp_path), "--path", "ckpt-00000009")
     assert code == 1 and "no checkpoint at" in err and "checkpoint list" in err
     code, out, err = run(capsys, "checkpoint", "list", str(tmp_path))
-    assert code == 0 and out == "" and "no checkpoint in" in err
+    assert code == 0 and out == "" and "no checkpoint in" in err   # (an empty list)
+    for missing in ("--json", None):   # a path that is not there is a mistake, not a list
+        code, out, err = run(capsys, *filter(None, ("checkpoint", "list",
+                                                    str(tmp_path / "missing"), missing)))
+        assert code == 1 and out == "" and "does not exist" in err
 
 
 @pytest.mark.timeout(60)

@@ -208,6 +208,17 @@ def test_what_is_not_supported_yet_is_refused_with_nothing_changed(kw, match):
             assert ps_pool.client_for(added).list_tables() == []
 
 
+def test_adding_an_address_that_is_not_a_parameter_server_says_so_and_changes_nothing():
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy) as coord:
+            worker = cluster.spec.cluster_spec().worker[0]
+            with pytest.raises(ValueError, match="is not a parameter server"):
+                coord.add_parameter_server(worker)
+            assert strategy.parameter_servers == tuple(cluster.spec.cluster_spec().ps)
+            assert emb.num_shards == 2 and emb.layout_epoch == 0
+
+
 def test_a_step_half_applied_before_the_add_and_run_again_after_it_applies_once():
     """An exactly-once step whose worker died after one server applied its
     part runs again after the add, with the same update keys: the part

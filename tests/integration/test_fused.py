@@ -101,6 +101,13 @@ def test_fused_calls_check_their_input(cluster):
     with pytest.raises(ValueError, match="shape"):
         push_gradients([(table, IndexedSlices(np.ones((2, 3)), [0, 1]))])
     assert [m.version for m in table.meta()] == [0]
+    # a dynamic table's rows: by Lookup; its lookup() (rows at once) or itself is refused here
+    emb = strategy.create_embedding_table("e", dim=2)
+    for item, says in ((emb.lookup([1, 2], admit=False), "numpy array.*Lookup\\(table, keys\\)"),
+                       (emb, "'e' is read by key: pass Lookup"), ("h", "got str")):
+        with pytest.raises(TypeError, match=says):
+            read_variables([item, head])
+    assert emb.stats().lookups == 0 and [m.version for m in head.meta()] == [0]
 
 
 # -- the PSClient calls, against one real server ------------------------------------
