@@ -34,6 +34,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install 
 
 DEPLOY = os.path.join(ROOT, "deploy")
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
+ELASTIC = os.path.join(ROOT, "docker-compose.elastic.yml")
 #: Kubernetes version the manifests are validated against (grpc probes: GA in 1.27).
 K8S_VERSION = "1.31.0"
 PORT = 2222
@@ -266,6 +267,30 @@ def test_compose_references_resolve():
     assert sorted(a.split(":")[0] for a in cluster["ps"]) == ["ps0", "ps1"]
 
 
+def test_the_elastic_compose_file_scales_both_roles_found_by_dns():
+    with open(ELASTIC) as f:
+        c = yaml.safe_load(f)
+    services = c["services"]
+    assert set(services) == {"ps", "worker", "coordinator"}
+    main = compose()["services"]["worker"]   # the same image and build as the shipped job's
+    for name, s in services.items():
+        assert (s["image"], s["build"]) == (main["image"], main["build"]), name
+        assert "PSTRAIN_AUTH_TOKEN" in s["environment"], name
+    for name, binary in (("ps", "psserver"), ("worker", "psworker")):
+        s, cmd = services[name], _command(services[name])
+        assert cmd[0] == binary and _flag(cmd, "--host") == "0.0.0.0"
+        assert (_flag(cmd, "--port"), _flag(cmd, "--data-port")) == (str(PORT), str(DATA_PORT))
+        assert not {"container_name", "ports", "hostname"} & set(s), name   # scalable
+        assert "health" in s["healthcheck"]["test"]
+        assert services["coordinator"]["depends_on"][name]["condition"] == "service_healthy"
+    cmd = _command(services["coordinator"])
+    assert cmd[:2] == ["coordinator", "run"] and "examples/ctr.py" in cmd
+    assert (_flag(cmd, "--ps-dns"), _flag(cmd, "--worker-dns")) == \
+        (f"ps:{PORT}", f"worker:{PORT}")
+    assert "--replication" not in cmd   # (a replicated job refuses servers being added)
+    assert json.loads(services["coordinator"]["environment"]["TF_CONFIG"]) == {"cluster": {}}
+
+
 # -- Dockerfile ----------------------------------------------------------------------------
 def test_dockerfile_is_multi_stage_non_root_with_examples():
     with open(os.path.join(ROOT, "Dockerfile")) as f:
@@ -396,6 +421,58 @@ def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill(
         assert "epoch 30/30" in out and "failing over" in out, out[-5000:]
         assert "Traceback" not in out, out[-5000:]
         assert _accuracy(out) >= 0.90
+    finally:
+        compose("down", "-v", "--remove-orphans", timeout=120)
+
+
+@pytest.mark.timeout(900)
+def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scales():
+    """docker-compose.elastic.yml: examples/ctr.py on a `ps` service of 2
+    replicas found by DNS (`coordinator run --ps-dns ps:2222`); once its first
+    epoch is done, `up --scale ps=3`: the coordinator finds the third server,
+    adds it (rows of the table move there) and the job trains on to the end,
+    exit 0, with no step failed. PSTRAIN_REQUIRE_DOCKER=1: fail, not skip."""
+    why = _docker_usable()
+    if why:
+        if os.environ.get("PSTRAIN_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"PSTRAIN_REQUIRE_DOCKER=1 but {why}")
+        pytest.skip(why)
+    project = compose_command() + ["-f", ELASTIC, "-p", "pstrain-elastic-test"]
+    env = {**os.environ, "PSTRAIN_AUTH_TOKEN": os.urandom(8).hex(),
+           "PSTRAIN_IMAGE": "pstrain:test"}
+
+    def compose(*args, timeout=600):
+        return subprocess.run(project + list(args), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    try:
+        r = compose("build", timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert compose("up", "-d", "ps", "worker").returncode == 0
+        run = subprocess.Popen(project + ["run", "--rm", "coordinator", "coordinator", "run",
+                                          "--wait-ready", "180", "--worker-dns", "worker:2222",
+                                          "--ps-dns", "ps:2222", "examples/ctr.py",
+                                          "--cluster", "tf_config", "--epochs", "4"],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if line.startswith("epoch 1/"):
+                scaled = compose("up", "-d", "--no-recreate", "--scale", "ps=3", "--scale",
+                                 "worker=2", "ps")
+                assert scaled.returncode == 0, scaled.stderr
+                break
+        lines += run.stdout.readlines()
+        out = "".join(lines)
+        assert run.wait(timeout=600) == 0, out[-5000:]
+        added = re.findall(r"parameter server (\S+) added \(the cluster spec lists it\): "
+                           r"1 table\(s\), (\d+) rows moved", out)
+        assert len(added) == 1 and int(added[0][1]) > 0, out[-5000:]
+        servers = re.findall(r"parameter servers now \[([^]]*)\]", out)
+        assert servers and servers[-1].count(":2222") == 3 and added[0][0] in servers[-1]
+        assert "epoch 4/4" in out and "Traceback" not in out, out[-5000:]
+        auc = re.findall(r"test AUC: ([0-9.]+)", out)
+        assert auc and float(auc[-1]) >= 0.70, out[-3000:]
     finally:
         compose("down", "-v", "--remove-orphans", timeout=120)
 
