@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from coordinator import layouts
 from coordinator import metrics as _metrics
 from coordinator.errors import ClosureCancelled
 from coordinator.replica import CollectiveSpec
@@ -205,6 +206,8 @@ class Closure:
             req.collective.CopyFrom(worker_pb2.CollectiveInfo(**self.collective.message()))
         for ds in self.datasets:
             req.batches.append(ds.assignment(self.batches[ds.dataset_id]))
+        for name, table_id, layout in layouts.known():   # (tables whose buckets moved)
+            req.layouts.add(name=name, table_id=table_id, layout=layout)
         return req
 
 

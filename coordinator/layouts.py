@@ -89,11 +89,47 @@ def _adopt(table, layout: Layout) -> None:
 def learn(table, layout: Layout) -> bool:
     """Record ``layout`` for ``table`` in this process if it is newer than
     any known, and bring the table to the newest; whether the table changed."""
-    with _lock:
-        known = _latest.get(_key(table))
-        if known is None or layout.epoch > known.epoch:
-            _latest[_key(table)] = layout
+    _record(_key(table), layout)
     return current(table)
+
+
+def _record(key: tuple[str, str], layout: Layout) -> None:
+    global _known
+    with _lock:
+        known = _latest.get(key)
+        if known is None or layout.epoch > known.epoch:
+            _latest[key] = layout
+            _known = None
+
+
+#: Every layout this process knows, as (name, table_id, JSON): made again
+#: after a change (a closure sent carries them: coordinator/closures.py).
+_known: list[tuple[str, str, str]] | None = None
+
+
+def known() -> list[tuple[str, str, str]]:
+    """(table name, table_id, layout JSON) of every table whose layout this
+    process knows: what a closure carries to its worker (``learn_known``)."""
+    global _known
+    out = _known
+    if out is None:
+        with _lock:   # (made under the lock that a change clears it under)
+            if _known is None:
+                _known = [(name, tid, to_json(lay)) for (name, tid), lay in _latest.items()]
+            out = _known
+    return out
+
+
+def learn_known(entries) -> None:
+    """Record layouts a closure carried ((name, table_id, layout JSON) each,
+    ``known()``'s): the tables of its arguments are brought to them as they
+    are used (``current``). ValueError for one that is not a layout."""
+    for name, table_id, text in entries:
+        layout = parse(text)
+        if layout is None or not isinstance(name, str) or not isinstance(table_id, str):
+            raise ValueError(f"the layout of table {name!r:.100} is not one (JSON "
+                             '{"epoch", "addresses", "buckets"}, as a server serves it)')
+        _record((name, table_id), layout)
 
 
 def current(table) -> bool:

@@ -26,7 +26,14 @@ import time
 import traceback
 import uuid
 
-from coordinator import collective_inbox, datasets, mirrored, serialization, sources
+from coordinator import (
+    collective_inbox,
+    datasets,
+    layouts,
+    mirrored,
+    serialization,
+    sources,
+)
 from coordinator.replica import CollectiveSpec, replica_scope
 from protos.pstrain.v1 import ps_pb2, worker_pb2, worker_pb2_grpc
 from psserver.contract import (
@@ -175,6 +182,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _run_closure(self, request, context, collective, completed: list):
         fn = self._function(request.fn, context)
         sources.check_assignments(request.batches)
+        try:   # (before the arguments: their tables are brought to these as used)
+            layouts.learn_known((t.name, t.table_id, t.layout) for t in request.layouts)
+        except ValueError as exc:
+            raise InvalidArgument(f"ClosureRequest.layouts: {exc}") from None
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)
         except ModuleNotFoundError as exc:

@@ -52,7 +52,7 @@ class BatchAssignment(_message.Message):
     def __init__(self, dataset_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., exactly_once: _Optional[bool] = ...) -> None: ...
 
 class ClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches", "collective")
+    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches", "collective", "layouts")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ClosureRequest(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     fn: FunctionRef
     args: bytes
@@ -67,7 +68,18 @@ class ClosureRequest(_message.Message):
     sync: _ps_pb2.SyncInfo
     batches: _containers.RepeatedCompositeFieldContainer[BatchAssignment]
     collective: CollectiveInfo
-    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ..., collective: _Optional[_Union[CollectiveInfo, _Mapping]] = ...) -> None: ...
+    layouts: _containers.RepeatedCompositeFieldContainer[TableLayout]
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ..., collective: _Optional[_Union[CollectiveInfo, _Mapping]] = ..., layouts: _Optional[_Iterable[_Union[TableLayout, _Mapping]]] = ...) -> None: ...
+
+class TableLayout(_message.Message):
+    __slots__ = ("name", "table_id", "layout")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    table_id: str
+    layout: str
+    def __init__(self, name: _Optional[str] = ..., table_id: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class CollectiveInfo(_message.Message):
     __slots__ = ("group", "members", "rank", "step", "timeout", "sum", "compression", "job")
