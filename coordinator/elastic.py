@@ -243,7 +243,7 @@ def move_table(table, address: str, creation: dict, known=None) -> TableMove:
         if mask is not None and mask.any():
             owner = np.where(mask, n, owner)
             steps.append((addresses[k], address, mask, parts[k] or None, parts[n] or None,
-                          addresses, BucketMap(owner, final.num_shards)))
+                          addresses, BucketMap(owner, final.num_shards), False))
     return _run(table, steps, address, cleanup=lambda: not resumed and
                 table.num_shards == old.num_shards and client.delete_table(table.name),
                 known=known)
@@ -273,13 +273,14 @@ def drain_table(table, address: str, known=None) -> TableMove:
         last = i == len(gets) - 1
         steps.append((address, table.addresses[d], mask, None, parts[renumbered[d]] or None,
                       tuple(rest) if last else tuple(table.addresses),
-                      final if last else BucketMap(owner, old.num_shards)))
+                      final if last else BucketMap(owner, old.num_shards), last))
     return _run(table, steps, address, cleanup=lambda: None, known=known)
 
 
 def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
     """Make ``steps`` [(source, destination, buckets, source capacity,
-    destination capacity, addresses and map after it)] in turn, the table's
+    destination capacity, addresses and map after it, whether the source
+    holds no bucket after it)] in turn, the table's
     description brought to each layout as it is made, then every shard told
     the last. A step that fails: its source is fenced (the move made or
     not, for sure), the table is at the layout the steps made (numbered past
@@ -291,7 +292,7 @@ def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
     left, remaining = _metrics.TABLE_MOVE_LEFT.labels(table.name), report.buckets
     left.set(remaining)
     try:
-        for source_address, dest, mask, mine, theirs, addresses, bmap in steps:
+        for source_address, dest, mask, mine, theirs, addresses, bmap, leaves in steps:
             layout = layouts.Layout(table.layout_epoch + 1, addresses, bmap)
             source = ps_pool.client_for(source_address)
             # the process the job knows there (one that restarted refuses: its recovery first)
@@ -303,7 +304,7 @@ def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
                     table.name, bitmap_of_buckets(mask), dest, capacity=mine,
                     destination_capacity=theirs, layout_epoch=layout.epoch,
                     layout=layouts.to_json(layout), source_server_id=process,
-                    timeout=MOVE_SECONDS)
+                    source_leaves=leaves, timeout=MOVE_SECONDS)
             except BaseException as exc:
                 moved = _fence(source, table.name, layout.epoch, until, process)
                 if moved is None:

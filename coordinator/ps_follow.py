@@ -156,6 +156,9 @@ class ServerFollower:
             else:
                 self._missing.pop(address, None)
             self.pending[address] = what
+        for address in self._leaving(job):   # drained now: it waits for that to stop
+            self._missing[address] = (now - self.grace, known.get(address))
+            self.pending[address] = "remove"
         for address, what in list(self.pending.items()):
             if self._stop.is_set():
                 return
@@ -164,6 +167,27 @@ class ServerFollower:
                     self._act(address, what, listed)
                 except Exception as exc:   # (one address's trouble holds up no other)
                     self._failed(address, what, exc)
+
+    def _leaving(self, job) -> list[str]:
+        """The servers of the job that say they are leaving (SIGTERM with
+        psserver --leave-timeout: each waits to be drained, then stops;
+        psserver/serve/leave.py), asked each look; not one refused already,
+        being recovered or drained already."""
+        out = []
+        for address in job:
+            if address in self._refused or self.pending.get(address) == "remove" or \
+                    self._busy(address):
+                continue
+            try:
+                info = ps_pool.client_for(address).server_info(
+                    timeout=min(self.probe_seconds, self.interval * 2), drains=True)
+            except PSError:
+                continue
+            if getattr(info, "leaving", False):
+                log.warning("parameter server %s is leaving (it was asked to stop): draining "
+                            "it now", address)
+                out.append(address)
+        return out
 
     def _due(self, address: str, what: str, now: float) -> bool:
         if what == "remove" and now - self._missing.get(address, (now, None))[0] < self.grace:
@@ -222,10 +246,11 @@ class ServerFollower:
             return
         self._finish(address)
         self.done.append((what, address))
-        log.warning("parameter server %s %s (the cluster spec %s it): %d table(s), %d rows "
-                    "moved in %.2fs%s", address, "added" if what == "add" else "drained",
-                    "lists" if what == "add" else "no longer lists", len(moves),
-                    sum(m.rows for m in moves), sum(m.seconds for m in moves),
+        log.warning("parameter server %s %s (%s): %d table(s), %d rows moved in %.2fs%s",
+                    address, "added" if what == "add" else "drained",
+                    "the cluster spec lists it" if what == "add" else "it is leaving"
+                    if address in listed else "the cluster spec no longer lists it",
+                    len(moves), sum(m.rows for m in moves), sum(m.seconds for m in moves),
                     "" if what == "add" else "; it may stop")
 
     def _failed(self, address: str, what: str, exc: Exception) -> None:

@@ -158,10 +158,13 @@ class PSAdmin:
         self._sizes.remember(name, nbytes, shape)
 
     # -- info ----------------------------------------------------------------
-    def server_info(self, timeout: float | None = None) -> ps_pb2.ServerInfo:
+    def server_info(self, timeout: float | None = None, drains: bool = False
+                    ) -> ps_pb2.ServerInfo:
         """The server's identity, version and what it holds (``timeout``: this
-        call's deadline instead of the client's)."""
-        return self._call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest(), timeout)
+        call's deadline instead of the client's); ``drains``: the caller drains
+        the server if it is leaving (``.leaving``: psserver/serve/leave.py)."""
+        return self._call(methods.SERVER_INFO, ps_pb2.ServerInfoRequest(drains=drains),
+                          timeout)
 
     def get_meta(self, name: str, timeout: float | None = None) -> VariableMeta:
         m = meta_from_proto(self._call(methods.META, ps_pb2.VariableRef(name=name), timeout))
@@ -398,7 +401,7 @@ class PSAdmin:
                            capacity: int | None = None, layout_epoch: int = 0,
                            layout: str = "", layout_only: bool = False, shard: int = 0,
                            fence: bool = False, destination_capacity: int | None = None,
-                           source_server_id: str = "",
+                           source_server_id: str = "", source_leaves: bool = False,
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
@@ -409,11 +412,14 @@ class PSAdmin:
         (buckets b"", destination ""); ``fence``: move nothing, answer
         (``.moved``) whether a move of ``layout_epoch`` happened, and if not
         refuse one from now on; ``source_server_id``: this server's id as the
-        caller knows it (one that restarted since refuses the move)."""
+        caller knows it (one that restarted since refuses the move);
+        ``source_leaves``: the shard holds no bucket after this move (a
+        drain's last: a leaving server waits for it)."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
                                             layout_epoch=layout_epoch, layout=layout,
                                             layout_only=layout_only, shard=shard,
-                                            fence=fence, source_server_id=source_server_id)
+                                            fence=fence, source_server_id=source_server_id,
+                                            source_leaves=source_leaves)
         if capacity is not None:
             req.capacity = capacity
         if destination_capacity is not None:

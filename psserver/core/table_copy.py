@@ -66,6 +66,10 @@ class TableShardCopy(CopyState):
         # the last move; None: it handed none over since it was made or reset.
         self.moved: np.ndarray | None = None
         self.moved_epoch, self.layout = 0, ""   # (the layout: JSON, served by Info)
+        # Whether a drain's last move left this shard no bucket (MoveBucketsRequest
+        # .source_leaves): a leaving server stops once all its shards are
+        # (psserver/serve/leave.py).
+        self.drained = False
         # Update keys the shards that moved buckets here had applied: key ->
         # the buckets (bool per bucket) whose keys it was applied to there,
         # oldest first; and updates remembered here since the last move in.
@@ -130,6 +134,7 @@ class TableShardCopy(CopyState):
     def forget_moves(self) -> None:
         """A restore (reset): no bucket moved out or in, no memory of them."""
         self.moved, self.layout, self.receives, self.received_at = None, "", 0, None
+        self.drained = False
         self.move_in_epoch = 0
         self.moved_in.clear()
         self.own.clear()

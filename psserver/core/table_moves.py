@@ -107,15 +107,16 @@ def check_move(capacity: int | None, epoch: int, layout: str,
 
 def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None],
                  capacity: int | None, epoch: int, layout: str,
-                 deadline: float | None = None) -> tuple[int, int, int]:
+                 deadline: float | None = None, leaves: bool = False) -> tuple[int, int, int]:
     """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
     step, applied)`` puts them there with the update keys applied to them
     (TableShardCopy.export_applied), raising if it could not (nothing
     changes here then). ``capacity``: this shard's part of the table's capacity
     afterwards (None: unchanged); ``epoch``: the table's layout epoch
     after the move, named in refusals, and ``layout`` that layout (JSON,
-    served by Info from then on: the caller of a refused key reads it).
-    Past ``deadline`` (time.monotonic()) once the rows are sent, nothing
+    served by Info from then on: the caller of a refused key reads it);
+    ``leaves``: the shard holds no bucket afterwards (a drain's last move:
+    ``copy.drained``, what a leaving server waits for). Past ``deadline`` (time.monotonic()) once the rows are sent, nothing
     changes here (DeadlineExceeded: the caller gave up). Returns (rows,
     bytes, rows held)."""
     check_move(capacity, epoch, layout)
@@ -154,6 +155,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
         t.drop(keys)
         copy.moved = mask.copy() if copy.moved is None else copy.moved | mask
         copy.moved_epoch, copy.layout = epoch, layout
+        copy.drained = copy.drained or leaves
         copy.move_epochs.append(epoch)
         if capacity is not None:   # (rows past it evicted now)
             t.set_capacity(capacity, evict=True)

@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeat for several. Without one this server writes no files")
     p.add_argument("--threads", type=int, default=64,
                    help="RPC handler threads (default 64; sync-mode reads wait in one each)")
+    p.add_argument("--leave-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM, while this server holds dynamic tables' rows, serve on "
+                        "up to this long until the job drains it (a coordinator following "
+                        "its servers does), then stop (default 0: stop at once). Give the "
+                        "container a longer stop grace period (psserver/serve/leave.py)")
     return p
 
 
@@ -358,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if start.served is not None:
         start.served[0].register(task_metrics.TablesCollector(handle.servicer.tables))
-    task.serve(handle, grace=args.grace, port_file=args.port_file, host=args.host)
+    if not args.leave_timeout >= 0:
+        print(f"psserver: --leave-timeout must be >= 0, got {args.leave_timeout}",
+              file=sys.stderr)
+        return 2
+    handle.servicer.leave.timeout = args.leave_timeout
+    task.serve(handle, grace=args.grace, port_file=args.port_file, host=args.host,
+               leave=handle.servicer.leave.wait)
     return 0
 
 

@@ -40,6 +40,7 @@ from psserver.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from psserver.link import tensor_proto as TP
 from psserver.serve import rpc
 from psserver.serve.handling import deadline_of, save_fields, sync_spec_of
+from psserver.serve.leave import Leaving
 from psserver.serve.tables import TableServicer, spec_json
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.tables = TableServicer(TableStore.beside(store, describe_spec=spec_json),
                                     max_message_bytes)
         self.data_port = 0   # set by create_server when it serves one (psserver/ipc.py)
+        self.leave = Leaving(store.registry, 0.0)   # (its timeout: psserver --leave-timeout)
 
     # -- plumbing (handlers raise typed errors; each transport maps them once:
     # psserver/serve/rpc.py for gRPC, psserver/serve/ipc_server.py for sockets) ----------
@@ -274,7 +276,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     # -- RPCs ----------------------------------------------------------------
     def GetServerInfo(self, request, context):
+        self.leave.asked(request.drains)
         return ps_pb2.ServerInfo(
+            leaving=self.leave.leaving,
             protocol_version=PROTOCOL_VERSION, server_id=self.server_id,
             max_message_bytes=self.max_message_bytes,
             num_variables=len(self.store), total_bytes=self.store.total_bytes(),

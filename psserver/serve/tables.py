@@ -185,17 +185,17 @@ class TableServicer:
         if request.fence:
             if any(request.buckets) or request.destination or request.layout or \
                     request.layout_only or request.HasField("capacity") or \
-                    request.source_server_id:
+                    request.source_server_id or request.source_leaves:
                 raise InvalidArgument("a fence names no buckets, destination, layout, "
-                                      "capacity or source server")
+                                      "capacity or source server, and drains nothing")
             moved = M.fence(self.store.registry.table(request.name), int(request.layout_epoch))
             return tables_pb2.MoveBucketsReply(moved=moved,
                                                held=self.store.info(request.name).rows)
         if request.layout_only:
             if any(request.buckets) or request.destination or request.HasField("capacity") \
-                    or request.source_server_id:
+                    or request.source_server_id or request.source_leaves:
                 raise InvalidArgument("a layout_only move names no buckets, destination, "
-                                      "capacity or source server")
+                                      "capacity or source server, and drains nothing")
             dropped = M.set_layout(self.store.registry.table(request.name),
                                    int(request.layout_epoch), request.layout, int(request.shard))
             return tables_pb2.MoveBucketsReply(rows=dropped,
@@ -228,7 +228,8 @@ class TableServicer:
                 copy, mask, lambda state, step, applied: client.import_table(
                     request.name, state, step, reset=False, applied=applied, deadline=end,
                     capacity=theirs, incoming=(mask, int(request.layout_epoch))),
-                capacity, int(request.layout_epoch), request.layout, end)
+                capacity, int(request.layout_epoch), request.layout, end,
+                leaves=request.source_leaves)
         finally:
             client.close()
         return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes, held=held)

@@ -52,7 +52,7 @@ def follow(monkeypatch):
     servers: dict[str, str] = {}
 
     def client_for(address):
-        def server_info(timeout=None):
+        def server_info(timeout=None, drains=False):
             if address not in servers:
                 raise Unavailable(f"nothing answers at {address}")
             if isinstance(servers[address], Exception):

@@ -429,9 +429,12 @@ def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill(
 def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scales():
     """docker-compose.elastic.yml: examples/ctr.py on a `ps` service of 2
     replicas found by DNS (`coordinator run --ps-dns ps:2222`); once its first
-    epoch is done, `up --scale ps=3`: the coordinator finds the third server,
-    adds it (rows of the table move there) and the job trains on to the end,
-    exit 0, with no step failed. PSTRAIN_REQUIRE_DOCKER=1: fail, not skip."""
+    epoch is done, `up --scale ps=3`: the coordinator finds the third server
+    and adds it (rows of the table move there); then `--scale ps=2`: Compose
+    stops that server, which waits to be drained (--leave-timeout), the
+    coordinator drains it (its rows move back) and it exits; the job trains on
+    to the end, exit 0, with no step failed. PSTRAIN_REQUIRE_DOCKER=1: fail,
+    not skip."""
     why = _docker_usable()
     if why:
         if os.environ.get("PSTRAIN_REQUIRE_DOCKER") == "1":
@@ -451,17 +454,20 @@ def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scale
         run = subprocess.Popen(project + ["run", "--rm", "coordinator", "coordinator", "run",
                                           "--wait-ready", "180", "--worker-dns", "worker:2222",
                                           "--ps-dns", "ps:2222", "examples/ctr.py",
-                                          "--cluster", "tf_config", "--epochs", "4"],
+                                          "--cluster", "tf_config", "--epochs", "5"],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-        lines = []
+        lines, scale = [], iter([("epoch 1/", "ps=3"), (" added (", "ps=2")])
+        when, ps = next(scale)
         for line in run.stdout:
             lines.append(line)
-            if line.startswith("epoch 1/"):
-                scaled = compose("up", "-d", "--no-recreate", "--scale", "ps=3", "--scale",
+            if when in line:
+                scaled = compose("up", "-d", "--no-recreate", "--scale", ps, "--scale",
                                  "worker=2", "ps")
                 assert scaled.returncode == 0, scaled.stderr
-                break
+                when, ps = next(scale, (None, None))
+                if when is None:
+                    break
         lines += run.stdout.readlines()
         out = "".join(lines)
         assert run.wait(timeout=600) == 0, out[-5000:]
@@ -469,8 +475,12 @@ def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scale
                            r"1 table\(s\), (\d+) rows moved", out)
         assert len(added) == 1 and int(added[0][1]) > 0, out[-5000:]
         servers = re.findall(r"parameter servers now \[([^]]*)\]", out)
-        assert servers and servers[-1].count(":2222") == 3 and added[0][0] in servers[-1]
-        assert "epoch 4/4" in out and "Traceback" not in out, out[-5000:]
+        assert [x.count(":2222") for x in servers] == [2, 3, 2], out[-5000:]
+        assert added[0][0] in servers[1] and added[0][0] not in servers[2]
+        drained = re.findall(r"parameter server (\S+) drained \(it is leaving\): "
+                             r"1 table\(s\), (\d+) rows moved", out)
+        assert drained == [(added[0][0], drained[0][1])] and int(drained[0][1]) > 0, out[-5000:]
+        assert "epoch 5/5" in out and "Traceback" not in out, out[-5000:]
         auc = re.findall(r"test AUC: ([0-9.]+)", out)
         assert auc and float(auc[-1]) >= 0.70, out[-3000:]
     finally:

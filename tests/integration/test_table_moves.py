@@ -197,6 +197,9 @@ GOOD = _layout(1, np.arange(BUCKETS) < 7)
      "source server"),
     (dict(buckets=b"", destination="", layout="", fence=True, source_server_id="x"),
      "source server"),
+    (dict(buckets=b"", destination="", layout_only=True, source_leaves=True), "drains nothing"),
+    (dict(buckets=b"", destination="", layout="", fence=True, source_leaves=True),
+     "drains nothing"),
 ])
 def test_malformed_moves_are_refused_and_change_nothing(start_ps, fields, match):
     src, dst = _two(start_ps)

@@ -585,24 +585,28 @@ class ReconfigureReply(_message.Message):
     def __init__(self, variables: _Optional[_Iterable[_Union[VariableMeta, _Mapping]]] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("drains",)
+    DRAINS_FIELD_NUMBER: _ClassVar[int]
+    drains: bool
+    def __init__(self, drains: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "host")
+    __slots__ = ("protocol_version", "server_id", "max_message_bytes", "num_variables", "total_bytes", "host", "leaving")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     server_id: str
     max_message_bytes: int
     num_variables: int
     total_bytes: int
     host: HostInfo
-    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., host: _Optional[_Union[HostInfo, _Mapping]] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., server_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., num_variables: _Optional[int] = ..., total_bytes: _Optional[int] = ..., host: _Optional[_Union[HostInfo, _Mapping]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HostInfo(_message.Message):
     __slots__ = ("boot_id", "net_ns", "pid_ns", "uid", "ipc_socket", "shared_memory", "data_port")

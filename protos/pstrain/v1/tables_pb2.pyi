@@ -250,7 +250,7 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence", "destination_capacity", "source_server_id")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence", "destination_capacity", "source_server_id", "source_leaves")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class MoveBucketsRequest(_message.Message):
     FENCE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LEAVES_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
@@ -273,7 +274,8 @@ class MoveBucketsRequest(_message.Message):
     fence: bool
     destination_capacity: int
     source_server_id: str
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ..., destination_capacity: _Optional[int] = ..., source_server_id: _Optional[str] = ...) -> None: ...
+    source_leaves: bool
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ..., destination_capacity: _Optional[int] = ..., source_server_id: _Optional[str] = ..., source_leaves: _Optional[bool] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
     __slots__ = ("rows", "bytes", "held", "moved")

@@ -1,0 +1,82 @@
+"""A parameter server asked to stop while it holds dynamic tables' rows.
+
+With ``--leave-timeout S`` (S > 0), the first SIGTERM or SIGINT does not stop
+a server whose table shards hold buckets of their tables: it says it is
+leaving (``ServerInfo.leaving``), serves on, and stops once the job has
+drained it, that is once every table shard on it was left no bucket by a
+drain's last move (``MoveBucketsRequest.source_leaves``: a coordinator that
+follows its servers drains a leaving one at once, coordinator/ps_follow.py),
+or after S seconds, or once no coordinator that drains its servers has
+asked for its ServerInfo (``ServerInfoRequest.drains``) for
+``ASKED_SECONDS`` (nothing would drain it), or at a second signal. It stops at once, as without the option, where it holds
+no table shard, or holds variables (they do not move: a drain would be
+refused). So ``docker compose up --scale ps=N`` down, or a StatefulSet scaled
+down, drains the server it stops (its stop grace period must cover S).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("psserver")
+
+#: A leaving server that no follower asks about for this long stops.
+ASKED_SECONDS = 5.0
+#: How often a leaving server looks whether it was drained.
+POLL_SECONDS = 0.1
+
+
+class Leaving:
+    """The leave of one server: ``wait`` (the signal's thread), ``asked``
+    (each GetServerInfo of a follower), ``leaving`` (what ServerInfo says)."""
+
+    def __init__(self, registry, timeout: float, clock=time.monotonic):
+        self.registry, self.timeout, self._clock = registry, timeout, clock
+        self.leaving = False
+        self._asked = clock()
+
+    def asked(self, by_a_follower: bool) -> None:
+        """A GetServerInfo came (from one that drains its servers, or not)."""
+        if by_a_follower:
+            self._asked = self._clock()
+
+    def _held(self) -> list[str] | None:
+        """The tables whose shards here still hold buckets; None where the
+        server cannot be drained (it holds variables)."""
+        if self.registry.variable_count():
+            return None
+        return [c.table_name for c in self.registry.tables() if not c.drained]
+
+    def wait(self, now: threading.Event) -> None:
+        """Return when the server may stop: at once, or once drained (see the
+        module); ``now``: set by a second signal (stop at once)."""
+        if self.timeout <= 0:
+            return
+        held = self._held()
+        if held is None:
+            log.warning("stopping: this server holds variables, which do not move to other "
+                        "servers (a drain would be refused)")
+            return
+        if not held:
+            return
+        self.leaving, self._asked = True, self._clock()
+        end = self._clock() + self.timeout
+        log.warning("leaving: waiting up to %.0fs for the job to move the rows of %d table "
+                    "shard(s) to its other servers (a second signal stops at once)",
+                    self.timeout, len(held))
+        while not now.wait(POLL_SECONDS):
+            held = self._held()
+            if held is not None and not held:
+                log.warning("leaving: drained (every table shard's rows moved); stopping")
+                return
+            t = self._clock()
+            if t > end:
+                log.warning("leaving: not drained within %.0fs (tables %s); stopping with "
+                            "their rows here", self.timeout, held)
+                return
+            if t - self._asked > ASKED_SECONDS:
+                log.warning("leaving: no coordinator that follows its servers asked about "
+                            "this one for %.0fs (nothing drains it); stopping with the rows "
+                            "of tables %s here", ASKED_SECONDS, held)
+                return

@@ -1,0 +1,180 @@
+"""A parameter server asked to stop while it holds tables' rows (SIGTERM with
+``psserver --leave-timeout``: psserver/serve/leave.py), on real processes: a
+coordinator that follows its servers drains it at once (every row kept), and
+it stops then, by itself; without a follower it stops once nothing asks
+about it; one holding variables, or given a second signal, stops at once.
+This is what ``docker compose up --scale ps=N`` down or a StatefulSet scaled
+down does to a server."""
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from coordinator import ClusterCoordinator, LocalCluster, serialization
+from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+from psserver.process import start_task
+from psserver.tls import make_channel
+from tests.integration.test_elastic import _job, _rows
+
+pytestmark = pytest.mark.timeout(180)
+
+KEYS = np.arange(20_000, dtype=np.int64)
+LEAVE = ("--leave-timeout", "120")
+
+
+def _filled(emb, counter) -> tuple:
+    emb.lookup(KEYS)
+    emb.push_gradient(KEYS, np.ones((KEYS.size, 4), np.float32))
+    counter.lookup(KEYS)
+    return emb.lookup(KEYS, admit=False), counter.lookup(KEYS, admit=False)
+
+
+def _until(what, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.05)
+
+
+def test_a_server_asked_to_stop_is_drained_by_the_job_then_stops():
+    with LocalCluster(num_ps=2, num_workers=1, ps_args=LEAVE, restart=()) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy, elastic_servers=True, membership_interval=0.2):
+            want = _filled(emb, counter)
+            added = cluster.add_ps()   # the spec gains it: the follower adds it
+            _until(lambda: emb.num_shards == 3 and counter.num_shards == 3)
+            assert _rows(emb.addresses, "emb")[2] > 0
+            task = cluster.ps[2]
+            task.signal(signal.SIGTERM)
+            assert task.proc.wait(timeout=120) == 0   # (drained long before its 120 s)
+            out = task.output()
+            assert "leaving: drained" in out and "not drained" not in out, out[-3000:]
+            assert added not in strategy.parameter_servers
+            assert emb.num_shards == counter.num_shards == 2
+            assert sum(_rows(emb.addresses, "emb")) == KEYS.size
+            np.testing.assert_array_equal(emb.lookup(KEYS, admit=False), want[0])
+            np.testing.assert_array_equal(counter.lookup(KEYS, admit=False), want[1])
+
+
+def _stops(task, timeout: float = 150.0) -> str:
+    """The task's exit (0, by itself) and what it printed."""
+    assert task.proc.wait(timeout=timeout) == 0
+    return task.output()
+
+
+def test_without_a_follower_with_variables_or_at_a_second_signal_it_stops_by_itself():
+    with LocalCluster(num_ps=2, num_workers=0, ps_args=LEAVE, restart=()) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        _filled(emb, counter)
+        with ClusterCoordinator(strategy) as coord:
+            coord.add_parameter_server(cluster.add_ps())   # (rows of both tables there)
+        # nothing that drains servers asks about it: it stops, its rows with it
+        cluster.ps[2].signal(signal.SIGTERM)
+        out = _stops(cluster.ps[2])
+        assert "leaving: waiting" in out and "no coordinator that follows" in out, out[-3000:]
+        held = [bool(strategy.shards_on(t.address)) for t in cluster.ps[:2]]
+        assert sorted(held) == [False, True]   # (w on one server, the tables on both)
+        # holding variables (they do not move): it stops at once
+        task = cluster.ps[held.index(True)]
+        task.signal(signal.SIGTERM)
+        out = _stops(task)
+        assert "holds variables" in out and "leaving: waiting" not in out, out[-3000:]
+        # leaving, then a second signal: it stops at once
+        task = cluster.ps[held.index(False)]
+        task.signal(signal.SIGTERM)
+        _until(lambda: "leaving: waiting" in task.output())
+        task.signal(signal.SIGTERM)
+        out = _stops(task)
+        assert "drained" not in out and "no coordinator" not in out, out[-3000:]
+
+
+def rows_sum(emb) -> float:
+    """A step: the sum of the rows of KEYS (a look-up that admits nothing)."""
+    return float(emb.lookup(KEYS, admit=False).sum())
+
+
+def test_steps_scheduled_before_a_drain_reach_no_server_that_stopped_after_it():
+    """Steps queued before a drain carry the table as it was then (pickled
+    when scheduled); the drained server stops as soon as the drain is done.
+    Each closure also carries the newest layouts the coordinator knows
+    (ClosureRequest.layouts), so every step is planned on the servers left:
+    none fails and each reads every row. (Before, the steps queued across
+    the drain failed: their look-ups went to the stopped server.)"""
+    with LocalCluster(num_ps=2, num_workers=1, restart=()) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        want = float(_filled(emb, counter)[0].sum())
+        with ClusterCoordinator(strategy) as coord:
+            added = cluster.add_ps()
+            coord.add_parameter_server(added)
+            values = [coord.schedule(rows_sum, args=(emb,)) for _ in range(300)]
+            coord.remove_parameter_server(added)
+            assert coord.pending()[0] > 0   # (steps pickled before the drain still queued)
+            cluster.ps[2].terminate()
+            assert [v.fetch() for v in values] == [want] * len(values)
+
+
+def test_a_worker_refuses_closures_whose_layouts_are_not_layouts():
+    """ClosureRequest.layouts: a real worker takes a table's layout as the
+    servers serve it and refuses anything else before it runs anything."""
+    from psserver.contract.keys import BucketMap, layout_json
+    token = "layout-token"
+    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": token})
+    try:
+        stub = worker_pb2_grpc.WorkerStub(make_channel(w.address, [], None))
+        md = (("authorization", f"Bearer {token}"),)
+        good = layout_json(3, ("a:1", "b:2"), BucketMap.even(2))
+        req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
+                                        args=serialization.dumps(((2, 3), {})))
+        req.layouts.add(name="t", table_id="x", layout=good)
+        assert serialization.loads(stub.RunClosure(req, metadata=md, timeout=10).result,
+                                   True) == 5
+        for bad in ("", "{", "[" * 60000, good.replace('"a:1"', "7"), "x" * 300_000,
+                    good.replace('"epoch":3', '"epoch":-1')):
+            req.layouts[0].layout = bad
+            with pytest.raises(grpc.RpcError) as info:
+                stub.RunClosure(req, metadata=md, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad[:50]
+            assert "not one" in info.value.details()
+        info = stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), metadata=md, timeout=10)
+        assert info.closures_run == 1
+    finally:
+        w.kill()
+
+
+def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
+        monkeypatch, caplog):
+    """psserver/serve/leave.Leaving alone, on a registry of stand-in shards."""
+    import threading
+    import types
+
+    from psserver.serve import leave as L
+    shard = types.SimpleNamespace(table_name="t", drained=False)
+    registry = types.SimpleNamespace(variable_count=lambda: 0, tables=lambda: [shard])
+    monkeypatch.setattr(L, "ASKED_SECONDS", 0.3)
+
+    def left(timeout: float, during=lambda: None, now=None) -> str:
+        caplog.clear()
+        leave = L.Leaving(registry, timeout)
+        t = threading.Thread(target=leave.wait, args=(now or threading.Event(),))
+        t.start()
+        _until(lambda: leave.leaving, 10)
+        during()
+        t.join(30)
+        assert not t.is_alive()
+        return caplog.text
+
+    assert "drained" in left(30, lambda: setattr(shard, "drained", True))
+    shard.drained = False
+    assert "not drained within" in left(0.2)
+    assert "no coordinator that follows" in left(30)
+    now = threading.Event()
+    text = left(30, now.set, now)
+    assert "drained" not in text and "no coordinator" not in text
+    registry.variable_count = lambda: 1   # (variables do not move: at once)
+    leave = L.Leaving(registry, 30)
+    leave.wait(threading.Event())
+    assert not leave.leaving and "holds variables" in caplog.text
