@@ -341,6 +341,25 @@ def _docker_usable() -> str | None:
     return None
 
 
+def _compose_project(file: str, name: str):
+    """(the compose command for ``file`` as project ``name``, its environment:
+    a fresh token and the test image, run(*args, timeout) -> CompletedProcess);
+    skips the test without Docker (fails it with PSTRAIN_REQUIRE_DOCKER=1)."""
+    why = _docker_usable()
+    if why:
+        if os.environ.get("PSTRAIN_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"PSTRAIN_REQUIRE_DOCKER=1 but {why}")
+        pytest.skip(why)
+    project = compose_command() + ["-f", file, "-p", name]
+    env = {**os.environ, "PSTRAIN_AUTH_TOKEN": os.urandom(8).hex(),
+           "PSTRAIN_IMAGE": "pstrain:test"}
+
+    def run(*args, timeout=600):
+        return subprocess.run(project + list(args), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    return project, env, run
+
+
 KILL_PSSERVER = ("import os\n"
                  "for p in filter(str.isdigit, os.listdir('/proc')):\n"
                  "    try:\n"
@@ -378,18 +397,7 @@ def test_image_builds_and_compose_trains_digits_through_a_parameter_server_kill(
     initializer, nothing lost); then one whose ps1 container is killed for
     good (`compose kill`) finishes on ps0 and exits 0; `down -v` removes it all.
     PSTRAIN_REQUIRE_DOCKER=1 (CI): fail instead of skipping without Docker."""
-    why = _docker_usable()
-    if why:
-        if os.environ.get("PSTRAIN_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"PSTRAIN_REQUIRE_DOCKER=1 but {why}")
-        pytest.skip(why)
-    project = compose_command() + ["-f", COMPOSE, "-p", "pstrain-test"]
-    env = {**os.environ, "PSTRAIN_AUTH_TOKEN": os.urandom(8).hex(),
-           "PSTRAIN_IMAGE": "pstrain:test"}
-
-    def compose(*args, timeout=600):
-        return subprocess.run(project + list(args), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+    project, env, compose = _compose_project(COMPOSE, "pstrain-test")
     try:
         # 1. The shipped job, as `docker compose up` runs it, with 3 workers.
         r = compose("up", "--build", "--scale", "worker=3", "--exit-code-from", "coordinator",
@@ -435,18 +443,7 @@ def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scale
     coordinator drains it (its rows move back) and it exits; the job trains on
     to the end, exit 0, with no step failed. PSTRAIN_REQUIRE_DOCKER=1: fail,
     not skip."""
-    why = _docker_usable()
-    if why:
-        if os.environ.get("PSTRAIN_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"PSTRAIN_REQUIRE_DOCKER=1 but {why}")
-        pytest.skip(why)
-    project = compose_command() + ["-f", ELASTIC, "-p", "pstrain-elastic-test"]
-    env = {**os.environ, "PSTRAIN_AUTH_TOKEN": os.urandom(8).hex(),
-           "PSTRAIN_IMAGE": "pstrain:test"}
-
-    def compose(*args, timeout=600):
-        return subprocess.run(project + list(args), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+    project, env, compose = _compose_project(ELASTIC, "pstrain-elastic-test")
     try:
         r = compose("build", timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
