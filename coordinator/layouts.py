@@ -120,12 +120,21 @@ def known() -> list[tuple[str, str, str]]:
     return out
 
 
+_parsed: dict[str, Layout] = {}   # layout JSON -> Layout, as closures carried them
+
+
 def learn_known(entries) -> None:
     """Record layouts a closure carried ((name, table_id, layout JSON) each,
     ``known()``'s): the tables of its arguments are brought to them as they
     are used (``current``). ValueError for one that is not a layout."""
     for name, table_id, text in entries:
-        layout = parse(text)
+        layout = _parsed.get(text)
+        if layout is None:   # (a closure carries the same few step after step)
+            layout = parse(text)
+            if layout is not None:
+                if len(_parsed) >= 256:
+                    _parsed.clear()
+                _parsed[text] = layout
         if layout is None or not isinstance(name, str) or not isinstance(table_id, str):
             raise ValueError(f"the layout of table {name!r:.100} is not one (JSON "
                              '{"epoch", "addresses", "buckets"}, as a server serves it)')

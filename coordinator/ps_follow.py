@@ -38,6 +38,7 @@ What is not done, and said once in the log:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -86,6 +87,10 @@ class ServerFollower:
         self._told: dict[str, str] = {}   # address -> the last thing logged of it
         self._refused: set[str] = set()   # refused: not again until the spec changes for it
         self._tables_seen: set[str] = set()
+        # Servers drained because they were leaving: address -> that process's
+        # server_id. Listed still and answering as another process (it restarted
+        # there: a rolling restart, an evicted pod), such a server is added back.
+        self._leavers: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -145,6 +150,8 @@ class ServerFollower:
             if a in job and a not in self.pending and a not in self._refused and any(
                     a not in t.addresses for t in new):
                 changes.setdefault(a, "add")
+        for address in self._back(listed, job):
+            changes.setdefault(address, "add")
         now = self._clock()
         known = getattr(self.strategy, "server_ids", {})   # address -> its process's id
         for address, what in changes.items():
@@ -175,8 +182,8 @@ class ServerFollower:
         being recovered or drained already."""
         out = []
         for address in job:
-            if address in self._refused or self.pending.get(address) == "remove" or \
-                    self._busy(address):
+            if self._stop.is_set() or address in self._refused or \
+                    self.pending.get(address) == "remove" or self._busy(address):
                 continue
             try:
                 info = ps_pool.client_for(address).server_info(
@@ -186,8 +193,54 @@ class ServerFollower:
             if getattr(info, "leaving", False):
                 log.warning("parameter server %s is leaving (it was asked to stop): draining "
                             "it now", address)
+                self._leavers[address] = info.server_id
                 out.append(address)
         return out
+
+    def _back(self, listed: list[str], job) -> list[str]:
+        """Servers drained as they left that the spec still lists and that
+        answer as another process now (they restarted there): to be added."""
+        out = []
+        for address, gone in list(self._leavers.items()):
+            if address not in listed:   # (scaled away: the spec lost it too)
+                del self._leavers[address]
+                continue
+            if address in job or address in self.pending or self._stop.is_set():
+                continue
+            try:
+                info = ps_pool.client_for(address).server_info(timeout=self.probe_seconds)
+            except PSError:
+                continue
+            if info.server_id != gone and not getattr(info, "leaving", False):
+                log.warning("parameter server %s is back (a new process where the one drained "
+                            "as it left was): adding it again", address)
+                del self._leavers[address]
+                out.append(address)
+        return out
+
+    @contextlib.contextmanager
+    def _keeping(self, address: str):
+        """While a leaving server is drained (the steps in flight end first, then
+        each table moves), ask about it each second, so that it waits on."""
+        if address not in self._leavers:
+            yield
+            return
+        done = threading.Event()
+
+        def ask() -> None:
+            while not done.wait(min(1.0, self.interval)):
+                try:
+                    ps_pool.client_for(address).server_info(timeout=self.probe_seconds,
+                                                             drains=True)
+                except PSError:
+                    pass
+        t = threading.Thread(target=ask, daemon=True, name=f"keep-leaving-{address}")
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
 
     def _due(self, address: str, what: str, now: float) -> bool:
         if what == "remove" and now - self._missing.get(address, (now, None))[0] < self.grace:
@@ -231,7 +284,8 @@ class ServerFollower:
                         "not drained, nor added again. Name each server one way everywhere"))
                     return
         try:
-            moves = (self._add if what == "add" else self._remove)(address)
+            with self._keeping(address) if what == "remove" else contextlib.nullcontext():
+                moves = (self._add if what == "add" else self._remove)(address)
         except (ValueError, elastic.MoveUndetermined) as exc:   # not again until the spec changes
             self._refused.add(address)
             self._finish(address, logging.ERROR, (

@@ -156,6 +156,7 @@ class TableShardCopy(CopyState):
             return
         if incoming is not None:
             mask, epoch = incoming
+            self.drained = False   # (buckets came back: it holds some again)
             if self.received_at is None:
                 self.received_at = np.zeros(mask.size, np.int64)
             if self.move_in_epoch != epoch:   # (a move's first piece)

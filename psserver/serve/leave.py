@@ -16,13 +16,14 @@ down, drains the server it stops (its stop grace period must cover S).
 from __future__ import annotations
 
 import logging
-import threading
+import os
 import time
 
 log = logging.getLogger("psserver")
 
-#: A leaving server that no follower asks about for this long stops.
-ASKED_SECONDS = 5.0
+#: A leaving server that no follower asks about for this long stops (a follower
+#: asks at each look, every membership_interval, and each second of a drain).
+ASKED_SECONDS = float(os.environ.get("PSTRAIN_LEAVE_ASKED_SECONDS") or 15.0)
 #: How often a leaving server looks whether it was drained.
 POLL_SECONDS = 0.1
 
@@ -48,9 +49,9 @@ class Leaving:
             return None
         return [c.table_name for c in self.registry.tables() if not c.drained]
 
-    def wait(self, now: threading.Event) -> None:
+    def wait(self, again=lambda: False) -> None:
         """Return when the server may stop: at once, or once drained (see the
-        module); ``now``: set by a second signal (stop at once)."""
+        module); ``again()``: whether a second signal came (stop at once)."""
         if self.timeout <= 0:
             return
         held = self._held()
@@ -65,7 +66,8 @@ class Leaving:
         log.warning("leaving: waiting up to %.0fs for the job to move the rows of %d table "
                     "shard(s) to its other servers (a second signal stops at once)",
                     self.timeout, len(held))
-        while not now.wait(POLL_SECONDS):
+        while not again():
+            time.sleep(POLL_SECONDS)
             held = self._held()
             if held is not None and not held:
                 log.warning("leaving: drained (every table shard's rows moved); stopping")

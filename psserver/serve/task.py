@@ -108,28 +108,31 @@ def serve(handle, *, grace: float = 5.0, port_file: str | None = None,
           host: str = "127.0.0.1", role: str = "psserver", leave=None) -> None:
     """Run ``handle`` (a ServerHandle: psserver/serve/server.py) until SIGTERM or
     SIGINT, or until the process that started this one is gone; then stop
-    gracefully. ``leave(now)``: run at the first signal, the task stops when
-    it returns (``now``: set by a second signal; psserver/serve/leave.py)."""
-    stop, now = threading.Event(), threading.Event()
+    gracefully. ``leave(again)``: run at the first signal, the task stops
+    when it returns (``again()``: whether another signal came since, to stop
+    at once; psserver/serve/leave.py)."""
+    stop = threading.Event()
     fired: list[int] = []
 
     def stop_after_leave() -> None:
         try:
             if leave is not None:
-                leave(now)
+                leave(lambda: len(fired) > 1)
         finally:
             stop.set()
 
     def on_signal(signum, frame) -> None:
         # A handler runs in the main thread between two bytecodes, maybe
-        # inside stop.wait() or inside this handler's own stop.set(), holding
-        # the event's lock: a second SIGTERM there (LocalCluster sends two)
-        # deadlocked the task until SIGKILL. So the lock is taken by a thread.
+        # inside stop.wait(), or inside this handler's own Thread.start()
+        # holding threading's locks: a second signal there that took a lock
+        # (LocalCluster sends two) deadlocked the task until SIGKILL. So only
+        # the first starts a thread (which takes the locks); later ones append.
+        # (Looked at before the append: a signal landing between the two starts
+        # its own thread, rather than leaving none started.)
+        first = not fired
         fired.append(signum)
-        if len(fired) == 1:
+        if first:
             threading.Thread(target=stop_after_leave, name="signal-stop", daemon=True).start()
-        elif len(fired) == 2:   # (a second: stop now, not after the leave)
-            threading.Thread(target=now.set, name="signal-now", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     _exit_with_parent(stop)

@@ -60,6 +60,48 @@ def test_a_server_asked_to_stop_is_drained_by_the_job_then_stops():
             np.testing.assert_array_equal(counter.lookup(KEYS, admit=False), want[1])
 
 
+def slow_step(emb, seconds: float) -> int:
+    """A step in flight for ``seconds`` (a drain waits for it first)."""
+    time.sleep(seconds)
+    return len(emb.lookup(KEYS[:10], admit=False))
+
+
+def test_a_server_drained_added_again_or_slow_to_drain_or_restarted_is_kept_whole():
+    """Review 19's three: (1) a server drained, then added again, leaves as
+    any other (it stopped at once, its rows with it: the drained mark was
+    never cleared); (2) a drain that waits for a long step in flight is not
+    cut off (the follower kept no one asking while it drained: the server
+    stopped half way); (3) a server that comes back where one was drained as
+    it left (a rolling restart) is added again (it stayed out for good)."""
+    env = {"PSTRAIN_LEAVE_ASKED_SECONDS": "2"}
+    with LocalCluster(num_ps=2, num_workers=1, ps_args=LEAVE, env=env,
+                      restart=("ps",)) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy, elastic_servers=True,
+                                membership_interval=0.2) as coord:
+            want = _filled(emb, counter)
+            added = cluster.add_ps()
+            _until(lambda: emb.num_shards == 3)
+            coord.remove_parameter_server(added)   # (drained by the API: its mark set)
+            coord.add_parameter_server(added)      # (buckets back: the mark cleared)
+            assert emb.num_shards == 3 and _rows(emb.addresses, "emb")[2] > 0
+            first = cluster.ps[2]
+            running = coord.schedule(slow_step, args=(emb, 5.0))   # (longer than 2 s)
+            while coord.pending() != (0, 1):   # (taken by the worker)
+                time.sleep(0.01)
+            first.signal(signal.SIGTERM)
+            assert first.proc.wait(timeout=120) == 0
+            assert running.fetch() == 10
+            out = first.output()
+            assert "leaving: drained" in out and "no coordinator" not in out, out[-3000:]
+            np.testing.assert_array_equal(emb.lookup(KEYS, admit=False), want[0])
+            # LocalCluster starts it again on its port: a new process, added back
+            _until(lambda: emb.num_shards == 3 and added in strategy.parameter_servers)
+            assert cluster.ps[2] is not first and _rows(emb.addresses, "emb")[2] > 0
+            np.testing.assert_array_equal(emb.lookup(KEYS, admit=False), want[0])
+            np.testing.assert_array_equal(counter.lookup(KEYS, admit=False), want[1])
+
+
 def _stops(task, timeout: float = 150.0) -> str:
     """The task's exit (0, by itself) and what it printed."""
     assert task.proc.wait(timeout=timeout) == 0
@@ -159,7 +201,7 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     def left(timeout: float, during=lambda: None, now=None) -> str:
         caplog.clear()
         leave = L.Leaving(registry, timeout)
-        t = threading.Thread(target=leave.wait, args=(now or threading.Event(),))
+        t = threading.Thread(target=leave.wait, args=((now or threading.Event()).is_set,))
         t.start()
         _until(lambda: leave.leaving, 10)
         during()
@@ -176,5 +218,5 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     assert "drained" not in text and "no coordinator" not in text
     registry.variable_count = lambda: 1   # (variables do not move: at once)
     leave = L.Leaving(registry, 30)
-    leave.wait(threading.Event())
+    leave.wait()
     assert not leave.leaving and "holds variables" in caplog.text
