@@ -166,14 +166,15 @@ class ServerFollower:
         for address in self._leaving(job):   # drained now: it waits for that to stop
             self._missing[address] = (now - self.grace, known.get(address))
             self.pending[address] = "remove"
-        for address, what in list(self.pending.items()):
-            if self._stop.is_set():
-                return
-            if self._due(address, what, now):
-                try:
-                    self._act(address, what, listed)
-                except Exception as exc:   # (one address's trouble holds up no other)
-                    self._failed(address, what, exc)
+        with self._keeping():   # (leaving servers asked on while adds and drains run)
+            for address, what in list(self.pending.items()):
+                if self._stop.is_set():
+                    return
+                if self._due(address, what, now):
+                    try:
+                        self._act(address, what, listed)
+                    except Exception as exc:   # (one address's trouble holds up no other)
+                        self._failed(address, what, exc)
 
     def _leaving(self, job) -> list[str]:
         """The servers of the job that say they are leaving (SIGTERM with
@@ -181,19 +182,19 @@ class ServerFollower:
         psserver/serve/leave.py), asked each look; not one refused already,
         being recovered or drained already."""
         out = []
-        for address in job:
-            if self._stop.is_set() or address in self._refused or \
-                    self.pending.get(address) == "remove" or self._busy(address):
+        for address in job:   # (asked each look, a drain pending or not: so it waits on)
+            if self._stop.is_set() or address in self._refused or self._busy(address):
                 continue
             try:
                 info = ps_pool.client_for(address).server_info(
                     timeout=min(self.probe_seconds, self.interval * 2), drains=True)
             except PSError:
                 continue
-            if getattr(info, "leaving", False):
+            if getattr(info, "leaving", False) and self.pending.get(address) != "remove":
                 log.warning("parameter server %s is leaving (it was asked to stop): draining "
                             "it now", address)
                 self._leavers[address] = info.server_id
+                self._tries.pop(address, None)
                 out.append(address)
         return out
 
@@ -219,22 +220,24 @@ class ServerFollower:
         return out
 
     @contextlib.contextmanager
-    def _keeping(self, address: str):
-        """While a leaving server is drained (the steps in flight end first, then
-        each table moves), ask about it each second, so that it waits on."""
-        if address not in self._leavers:
+    def _keeping(self):
+        """While this look adds and drains (a drain first waits for the steps in
+        flight, then moves each table), ask each second about every leaving
+        server not drained yet, so that each waits on (psserver/serve/leave.py)."""
+        if not self._leavers:
             yield
             return
         done = threading.Event()
 
         def ask() -> None:
-            while not done.wait(min(1.0, self.interval)):
-                try:
-                    ps_pool.client_for(address).server_info(timeout=self.probe_seconds,
-                                                             drains=True)
-                except PSError:
-                    pass
-        t = threading.Thread(target=ask, daemon=True, name=f"keep-leaving-{address}")
+            while not done.wait(max(0.2, min(1.0, self.interval))):
+                for address in [a for a in self._leavers if a in self.strategy.parameter_servers]:
+                    try:
+                        ps_pool.client_for(address).server_info(timeout=self.probe_seconds,
+                                                                 drains=True)
+                    except PSError:
+                        pass
+        t = threading.Thread(target=ask, daemon=True, name="keep-leaving")
         t.start()
         try:
             yield
@@ -284,8 +287,7 @@ class ServerFollower:
                         "not drained, nor added again. Name each server one way everywhere"))
                     return
         try:
-            with self._keeping(address) if what == "remove" else contextlib.nullcontext():
-                moves = (self._add if what == "add" else self._remove)(address)
+            moves = (self._add if what == "add" else self._remove)(address)
         except (ValueError, elastic.MoveUndetermined) as exc:   # not again until the spec changes
             self._refused.add(address)
             self._finish(address, logging.ERROR, (
@@ -298,7 +300,7 @@ class ServerFollower:
         except Exception as exc:   # (PSError, TimeoutError, ...): again, later and later
             self._failed(address, what, exc)
             return
-        self._finish(address)
+        self._finish(address, drained=what == "remove")
         self.done.append((what, address))
         log.warning("parameter server %s %s (%s): %d table(s), %d rows moved in %.2fs%s",
                     address, "added" if what == "add" else "drained",
@@ -320,8 +322,13 @@ class ServerFollower:
                         "%.1fs", "adding" if what == "add" else "draining", address,
                         type(exc).__name__, exc, tries, wait)
 
-    def _finish(self, address: str, level: int | None = None, message: str = "") -> None:
-        """Nothing more to do for ``address`` until the spec changes for it."""
+    def _finish(self, address: str, level: int | None = None, message: str = "",
+                drained: bool = False) -> None:
+        """Nothing more to do for ``address`` until the spec changes for it
+        (``drained``: a remove that drained it; any other end of a remove
+        forgets that it was leaving: a later API drain is not undone)."""
+        if self.pending.get(address) == "remove" and not drained:
+            self._leavers.pop(address, None)
         self.pending.pop(address, None)
         self._missing.pop(address, None)
         self._tries.pop(address, None)

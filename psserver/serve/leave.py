@@ -21,9 +21,21 @@ import time
 
 log = logging.getLogger("psserver")
 
+def _asked_seconds() -> float:
+    try:
+        seconds = float(os.environ.get("PSTRAIN_LEAVE_ASKED_SECONDS") or 15.0)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 86400:
+        log.warning("PSTRAIN_LEAVE_ASKED_SECONDS must be seconds between 0 and a day: "
+                    "taking 15")
+        return 15.0
+    return seconds
+
+
 #: A leaving server that no follower asks about for this long stops (a follower
 #: asks at each look, every membership_interval, and each second of a drain).
-ASKED_SECONDS = float(os.environ.get("PSTRAIN_LEAVE_ASKED_SECONDS") or 15.0)
+ASKED_SECONDS = _asked_seconds()
 #: How often a leaving server looks whether it was drained.
 POLL_SECONDS = 0.1
 

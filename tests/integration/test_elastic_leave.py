@@ -102,6 +102,34 @@ def test_a_server_drained_added_again_or_slow_to_drain_or_restarted_is_kept_whol
             np.testing.assert_array_equal(counter.lookup(KEYS, admit=False), want[1])
 
 
+def test_two_servers_leaving_at_once_are_both_drained_while_a_long_step_runs():
+    """Review 20: while the follower drained one leaving server (the drain
+    waiting first for a 5 s step in flight) it asked only that one, so a
+    second one leaving at the same time stopped undrained at its patience."""
+    env = {"PSTRAIN_LEAVE_ASKED_SECONDS": "2"}
+    with LocalCluster(num_ps=2, num_workers=1, ps_args=LEAVE, env=env,
+                      restart=()) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        with ClusterCoordinator(strategy, elastic_servers=True,
+                                membership_interval=0.2) as coord:
+            want = _filled(emb, counter)
+            cluster.add_ps()
+            cluster.add_ps()
+            _until(lambda: emb.num_shards == 4 and counter.num_shards == 4)
+            running = coord.schedule(slow_step, args=(emb, 5.0))
+            while coord.pending() != (0, 1):
+                time.sleep(0.01)
+            leaving = cluster.ps[2:]
+            for task in leaving:
+                task.signal(signal.SIGTERM)
+            for task in leaving:
+                out = _stops(task)
+                assert "leaving: drained" in out and "no coordinator" not in out, out[-3000:]
+            assert running.fetch() == 10 and emb.num_shards == counter.num_shards == 2
+            np.testing.assert_array_equal(emb.lookup(KEYS, admit=False), want[0])
+            np.testing.assert_array_equal(counter.lookup(KEYS, admit=False), want[1])
+
+
 def _stops(task, timeout: float = 150.0) -> str:
     """The task's exit (0, by itself) and what it printed."""
     assert task.proc.wait(timeout=timeout) == 0
