@@ -231,7 +231,9 @@ class ServerFollower:
 
         def ask() -> None:
             while not done.wait(max(0.2, min(1.0, self.interval))):
-                for address in [a for a in self._leavers if a in self.strategy.parameter_servers]:
+                for address in list(self._leavers):   # (a copy: the look changes it)
+                    if address not in self.strategy.parameter_servers:
+                        continue
                     try:
                         ps_pool.client_for(address).server_info(timeout=self.probe_seconds,
                                                                  drains=True)
