@@ -276,10 +276,10 @@ def test_a_push_reuses_its_look_ups_distinct_keys_only_when_they_are_its_own(clu
     a, b = np.array([5, 3, 5, 9], np.int64), np.array([3, 3, 7, 7], np.int64)
     t.lookup_async(a).result()
     t.lookup(b)   # this thread's last look-up of t
-    from coordinator import embedding
+    from coordinator import key_order
     sorts = []
-    real = embedding.np.unique
-    monkeypatch.setattr(embedding.np, "unique", lambda *x, **k: (sorts.append(1), real(*x, **k))[1])
+    real = key_order._unique   # (a push's sort of its keys: key_order.shard_order)
+    monkeypatch.setattr(key_order, "_unique", lambda *x, **k: (sorts.append(1), real(*x, **k))[1])
     minus_one = -np.ones((4, 2), np.float32)
     assert t.push_gradient_async(b, minus_one).result() == (2, 0) and sorts == []
     assert t.push_gradient_async(a, minus_one).result() == (3, 0) and sorts == [1]
