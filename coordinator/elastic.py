@@ -238,9 +238,9 @@ def move_table(table, address: str, creation: dict, known=None) -> TableMove:
         client.create_table(table.name, table.dim, exist_ok=True, **creation)
     owner = old.owner.astype(np.int64)
     steps = []
-    for k in range(final.num_shards):
-        mask = (final.owner == n) & (old.owner == k) if k != n else None
-        if mask is not None and mask.any():
+    for k in (k for k in range(final.num_shards) if k != n):   # (each source)
+        mask = (final.owner == n) & (old.owner == k)
+        if mask.any():
             owner = np.where(mask, n, owner)
             steps.append((addresses[k], address, mask, parts[k] or None, parts[n] or None,
                           addresses, BucketMap(owner, final.num_shards), False))

@@ -185,10 +185,8 @@ class ServerFollower:
         for address in job:   # (asked each look, a drain pending or not: so it waits on)
             if self._stop.is_set() or address in self._refused or self._busy(address):
                 continue
-            try:
-                info = ps_pool.client_for(address).server_info(
-                    timeout=min(self.probe_seconds, self.interval * 2), drains=True)
-            except PSError:
+            info = self._ask(address, min(self.probe_seconds, self.interval * 2))
+            if info is None:
                 continue
             if getattr(info, "leaving", False) and self.pending.get(address) != "remove":
                 log.warning("parameter server %s is leaving (it was asked to stop): draining "
@@ -197,6 +195,16 @@ class ServerFollower:
                 self._tries.pop(address, None)
                 out.append(address)
         return out
+
+    @staticmethod
+    def _ask(address: str, timeout: float):
+        """The server's ServerInfo, asked as one that drains it if it is
+        leaving (so that it waits on: psserver/serve/leave.py); None where it
+        does not answer."""
+        try:
+            return ps_pool.client_for(address).server_info(timeout=timeout, drains=True)
+        except PSError:
+            return None
 
     def _back(self, listed: list[str], job) -> list[str]:
         """Servers drained as they left that the spec still lists and that
@@ -232,13 +240,8 @@ class ServerFollower:
         def ask() -> None:
             while not done.wait(max(0.2, min(1.0, self.interval))):
                 for address in list(self._leavers):   # (a copy: the look changes it)
-                    if address not in self.strategy.parameter_servers:
-                        continue
-                    try:
-                        ps_pool.client_for(address).server_info(timeout=self.probe_seconds,
-                                                                 drains=True)
-                    except PSError:
-                        pass
+                    if address in self.strategy.parameter_servers:
+                        self._ask(address, self.probe_seconds)
         t = threading.Thread(target=ask, daemon=True, name="keep-leaving")
         t.start()
         try:

@@ -116,9 +116,9 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
     after the move, named in refusals, and ``layout`` that layout (JSON,
     served by Info from then on: the caller of a refused key reads it);
     ``leaves``: the shard holds no bucket afterwards (a drain's last move:
-    ``copy.drained``, what a leaving server waits for). Past ``deadline`` (time.monotonic()) once the rows are sent, nothing
-    changes here (DeadlineExceeded: the caller gave up). Returns (rows,
-    bytes, rows held)."""
+    ``copy.drained``, what a leaving server waits for). Past ``deadline``
+    (time.monotonic()) once the rows are sent, nothing changes here
+    (DeadlineExceeded: the caller gave up). Returns (rows, bytes, rows held)."""
     check_move(capacity, epoch, layout)
     with copy.lock:
         copy.check_primary()

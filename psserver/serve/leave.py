@@ -8,10 +8,11 @@ drain's last move (``MoveBucketsRequest.source_leaves``: a coordinator that
 follows its servers drains a leaving one at once, coordinator/ps_follow.py),
 or after S seconds, or once no coordinator that drains its servers has
 asked for its ServerInfo (``ServerInfoRequest.drains``) for
-``ASKED_SECONDS`` (nothing would drain it), or at a second signal. It stops at once, as without the option, where it holds
-no table shard, or holds variables (they do not move: a drain would be
-refused). So ``docker compose up --scale ps=N`` down, or a StatefulSet scaled
-down, drains the server it stops (its stop grace period must cover S).
+``ASKED_SECONDS`` (nothing would drain it), or at a second signal. It
+stops at once, as without the option, where it holds no table shard, or
+holds variables (they do not move: a drain would be refused). So ``docker
+compose up --scale ps=N`` down, or a StatefulSet scaled down, drains the
+server it stops (its stop grace period must cover S).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import time
 
 log = logging.getLogger("psserver")
+
 
 def _asked_seconds() -> float:
     try:

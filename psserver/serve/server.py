@@ -335,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                   "a directory this server can write, on storage the coordinator sees at the "
                   "same path", file=sys.stderr)
             return 2
+    if not args.leave_timeout >= 0:
+        print(f"psserver: --leave-timeout must be >= 0, got {args.leave_timeout}",
+              file=sys.stderr)
+        return 2
     start = task.begin(args, "psserver", "ps")
     if start is None:
         return 2
@@ -363,10 +367,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if start.served is not None:
         start.served[0].register(task_metrics.TablesCollector(handle.servicer.tables))
-    if not args.leave_timeout >= 0:
-        print(f"psserver: --leave-timeout must be >= 0, got {args.leave_timeout}",
-              file=sys.stderr)
-        return 2
     handle.servicer.leave.timeout = args.leave_timeout
     task.serve(handle, grace=args.grace, port_file=args.port_file, host=args.host,
                leave=handle.servicer.leave.wait)
