@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 from coordinator import layouts
 from coordinator import variables as V
 from coordinator.checkpoint_files import CheckpointError
+from psserver.contract import ROLE_BACKUP, ROLE_PRIMARY
 
 # -- plans from a parameter-server listing (the operator CLI: coordinator checkpoint ...) ------
 _PART_RE = re.compile(r"^(?P<base>.+)/part_(?P<index>0|[1-9]\d*)$")
@@ -49,7 +50,8 @@ def layout_from_listing(listing: Mapping[str, Sequence[Any]]) -> list[V.ShardedV
     sees as ``strategy.variables``.
 
     Raises CheckpointError when the listing is not a consistent layout: a
-    name on two servers, a missing part (a server not listed, or one that
+    name on two servers (but for a backup copy a drain's move left beside
+    the primary: the primary's is taken), a missing part (a server not listed, or one that
     restarted empty), parts that differ in dtype, optimizer or row shape.
     """
     where: dict[str, tuple[str, Any]] = {}
@@ -57,6 +59,11 @@ def layout_from_listing(listing: Mapping[str, Sequence[Any]]) -> list[V.ShardedV
     for address, metas in listing.items():
         for m in metas:
             if m.name in where:
+                roles = (getattr(where[m.name][1], "role", 0), getattr(m, "role", 0))
+                if sorted(roles) == [ROLE_PRIMARY, ROLE_BACKUP]:   # (a move's leftover copy)
+                    if roles[1] == ROLE_PRIMARY:
+                        where[m.name] = (address, m)
+                    continue
                 problems.append(f"{m.name!r} is on both {where[m.name][0]} and {address}")
                 continue
             where[m.name] = (address, m)

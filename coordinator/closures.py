@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from coordinator import layouts
+from coordinator import layouts, placement
 from coordinator import metrics as _metrics
 from coordinator.errors import ClosureCancelled
 from coordinator.replica import CollectiveSpec
@@ -208,6 +208,8 @@ class Closure:
             req.batches.append(ds.assignment(self.batches[ds.dataset_id]))
         for name, table_id, layout in layouts.known():   # (tables whose buckets moved)
             req.layouts.add(name=name, table_id=table_id, layout=layout)
+        for made_at, name, address in placement.known():   # (variable shards a drain moved)
+            req.moved.add(made_at=made_at, name=name, address=address)
         return req
 
 

@@ -307,9 +307,10 @@ class ClusterCoordinator:
         taking an even share), between two steps as add_parameter_server;
         then the job no longer uses that server, which may stop (its shards
         stay, refusing every key, so that an older description of a table
-        learns the layout there). Returns what moved, per table. ValueError,
-        nothing changed, if it holds variable shards (they do not move yet),
-        with replication or in sync mode, or for the last server."""
+        learns the layout there); its variable shards move whole to the others
+        (coordinator/variable_moves.py). Returns what moved: a VariableMove
+        per variable shard, then a TableMove per table. ValueError, nothing
+        changed, with replication or in sync mode, or for the last server."""
         elastic.check_remove(self.strategy, address)
         with self._cluster.between_steps(timeout):
             self._check_open()

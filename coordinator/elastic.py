@@ -24,9 +24,10 @@ step closures carry) is brought to each layout as the move is made, so
 closures scheduled from then on route there at once; closures sent before
 learn it from the first refusal.
 
-What is not moved: variables stay where they were created (variables and
-tables created from then on are placed over every server, the new one
-included); a table's admission counters of keys not admitted yet stay at
+What an add does not move: variables stay where they were created
+(variables and tables created from then on are placed over every server,
+the new one included; a drain moves a server's variable shards whole:
+coordinator/variable_moves.py); a table's admission counters of keys not admitted yet stay at
 the source (such a key counts again from zero at the new server).
 
 Refused (ValueError, nothing changed): with ``replication=True`` (a moved
@@ -181,17 +182,11 @@ def _check_mode(strategy, what: str) -> None:
 
 def check_remove(strategy, address: str) -> None:
     """ValueError (nothing changed) where a server cannot be removed: not
-    one of the job's, the last one, holding variable shards (they do not
-    move yet), with replication or in sync mode."""
+    one of the job's, the last one, with replication or in sync mode."""
     if address not in strategy.parameter_servers:
         raise ValueError(f"{address} is not a parameter server of this job")
     if len(strategy.parameter_servers) < 2:
         raise ValueError("the job's last parameter server cannot be removed")
-    held = [s.name for _, s in strategy.shards_on(address)]
-    if held:
-        raise ValueError(f"{address} holds shards of variables ({held[:5]}...): moving "
-                         "variables is not supported yet, only dynamic tables' rows; "
-                         "checkpoint and restore into the smaller cluster instead")
     _check_mode(strategy, "removing")
 
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinator import elastic, ps_pool, step_calls
+from coordinator import elastic, ps_pool, step_calls, variable_moves
 from coordinator import variables as V
 from coordinator.cluster_spec import (
     ClusterConfigError,
@@ -267,10 +267,9 @@ class ParameterServerStrategy:
         return self.num_replicas if self.mode in SYNC_MODES + ("allreduce",) else 1
 
     def scale_learning_rate(self, learning_rate: float) -> float:
-        """The linear scaling rule (Goyal et al., 2017): when the global batch
-        grows k-fold (k replicas of the same per-replica batch), multiply the
-        learning rate by k. Returns ``learning_rate * num_replicas_in_sync``.
-        Pair it with a warm-up for large k, as that paper does."""
+        """The linear scaling rule (Goyal et al., 2017): a global batch k times
+        larger (k replicas of one per-replica batch) takes a learning rate k times
+        larger: ``learning_rate * num_replicas_in_sync``; warm up for large k."""
         return learning_rate * self.num_replicas_in_sync
 
     def sync_steps_done(self) -> int:
@@ -378,7 +377,7 @@ class ParameterServerStrategy:
             n = num_shards_of(part(shape, dtype))
         offsets = shard_row_offsets(shape[0], n) if shape else [0, 0]
         n = len(offsets) - 1
-        addrs = self._place(n)
+        addrs = variable_moves.places(self, name, n, self._place(n))
         init = None if value is not None else resolve_initializer(initializer, shape, seed)
         shards, backups = [], []
         try:
@@ -568,9 +567,10 @@ class ParameterServerStrategy:
 
     def remove_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's)
         elastic.check_remove(self, address)
-        with elastic.LAYOUT_LOCK:
-            moves = [elastic.drain_table(t, address, self.server_ids)
-                     for t in list(self._tables.values()) if address in t.addresses]
+        with elastic.LAYOUT_LOCK:   # (variable shards move whole: coordinator/variable_moves.py)
+            moves = variable_moves.drain_variables(self, address) + [
+                elastic.drain_table(t, address, self.server_ids)
+                for t in list(self._tables.values()) if address in t.addresses]
             self._ps = tuple(a for a in self._ps if a != address)
             self.server_ids.pop(address, None)   # (not watched: it may stop)
             for name, (dim, creations) in self._table_creation.items():

@@ -47,6 +47,7 @@ import dataclasses
 
 import numpy as np
 
+from coordinator import placement
 from coordinator.calls import new_update_id
 from coordinator.key_order import distinct, int64_ids, known_order
 from coordinator.ps_pool import Op, servers
@@ -65,10 +66,17 @@ from psserver.link.transport import background
 # -- the variable ----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    address: str   # the parameter server holding it
+    made_at: str   # the parameter server it was made on
     name: str      # its variable name there
     offset: int    # first row (axis 0) of the logical variable it holds
     rows: int
+
+    @property
+    def address(self) -> str:
+        """The parameter server holding it now: where it was made, unless a
+        drain moved it (coordinator/placement.py)."""
+        return placement.MOVED.get((self.made_at, self.name), self.made_at) \
+            if placement.MOVED else self.made_at
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -31,6 +31,7 @@ from coordinator import (
     datasets,
     layouts,
     mirrored,
+    placement,
     serialization,
     sources,
 )
@@ -182,10 +183,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _run_closure(self, request, context, collective, completed: list):
         fn = self._function(request.fn, context)
         sources.check_assignments(request.batches)
+        try:   # (the coordinator's whole table of moved variable shards; checked first)
+            moved = placement.parse((m.made_at, m.name, m.address) for m in request.moved)
+        except ValueError as exc:
+            raise InvalidArgument(f"ClosureRequest.moved: {exc}") from None
         try:   # (before the arguments: their tables are brought to these as used)
             layouts.learn_known((t.name, t.table_id, t.layout) for t in request.layouts)
         except ValueError as exc:
             raise InvalidArgument(f"ClosureRequest.layouts: {exc}") from None
+        placement.take(moved)
         try:
             args, kwargs = serialization.loads(request.args, trusted=self.trusted)
         except ModuleNotFoundError as exc:

@@ -1,16 +1,17 @@
-"""A parameter server asked to stop while it holds dynamic tables' rows.
+"""A parameter server asked to stop while it holds variables or tables' rows.
 
 With ``--leave-timeout S`` (S > 0), the first SIGTERM or SIGINT does not stop
-a server whose table shards hold buckets of their tables: it says it is
-leaving (``ServerInfo.leaving``), serves on, and stops once the job has
-drained it, that is once every table shard on it was left no bucket by a
-drain's last move (``MoveBucketsRequest.source_leaves``: a coordinator that
-follows its servers drains a leaving one at once, coordinator/ps_follow.py),
+a server that holds variable shards or table shards holding buckets of their
+tables: it says it is leaving (``ServerInfo.leaving``), serves on, and stops
+once the job has drained it, that is once every table shard on it was left
+no bucket by a drain's last move (``MoveBucketsRequest.source_leaves``) and
+every variable shard moved away (coordinator/variable_moves.py: a copy left
+behind is a backup, which refuses every call): a coordinator that follows
+its servers drains a leaving one at once (coordinator/ps_follow.py),
 or after S seconds, or once no coordinator that drains its servers has
 asked for its ServerInfo (``ServerInfoRequest.drains``) for
 ``ASKED_SECONDS`` (nothing would drain it), or at a second signal. It
-stops at once, as without the option, where it holds no table shard, or
-holds variables (they do not move: a drain would be refused). So ``docker
+stops at once, as without the option, where it holds none of these. So ``docker
 compose up --scale ps=N`` down, or a StatefulSet scaled down, drains the
 server it stops (its stop grace period must cover S).
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+from psserver.contract import ROLE_PRIMARY
 
 log = logging.getLogger("psserver")
 
@@ -56,12 +59,12 @@ class Leaving:
         if by_a_follower:
             self._asked = self._clock()
 
-    def _held(self) -> list[str] | None:
-        """The tables whose shards here still hold buckets; None where the
-        server cannot be drained (it holds variables)."""
-        if self.registry.variable_count():
-            return None
-        return [c.table_name for c in self.registry.tables() if not c.drained]
+    def _held(self) -> list[str]:
+        """The tables whose shards here still hold buckets, and the variables
+        (shards) held here as their primary copy (a drain moves them whole;
+        a backup copy left by a move refuses every call)."""
+        return [c.table_name for c in self.registry.tables() if not c.drained] + \
+            [v.name for v in self.registry.variables() if v.role == ROLE_PRIMARY]
 
     def wait(self, again=lambda: False) -> None:
         """Return when the server may stop: at once, or once drained (see the
@@ -69,30 +72,26 @@ class Leaving:
         if self.timeout <= 0:
             return
         held = self._held()
-        if held is None:
-            log.warning("stopping: this server holds variables, which do not move to other "
-                        "servers (a drain would be refused)")
-            return
         if not held:
             return
         self.leaving, self._asked = True, self._clock()
         end = self._clock() + self.timeout
-        log.warning("leaving: waiting up to %.0fs for the job to move the rows of %d table "
+        log.warning("leaving: waiting up to %.0fs for the job to move %d variable or table "
                     "shard(s) to its other servers (a second signal stops at once)",
                     self.timeout, len(held))
         while not again():
             time.sleep(POLL_SECONDS)
             held = self._held()
-            if held is not None and not held:
-                log.warning("leaving: drained (every table shard's rows moved); stopping")
+            if not held:
+                log.warning("leaving: drained (every variable and table shard moved); stopping")
                 return
             t = self._clock()
             if t > end:
-                log.warning("leaving: not drained within %.0fs (tables %s); stopping with "
-                            "their rows here", self.timeout, held)
+                log.warning("leaving: not drained within %.0fs (shards of %s); stopping with "
+                            "them here", self.timeout, held)
                 return
             if t - self._asked > ASKED_SECONDS:
                 log.warning("leaving: no coordinator that follows its servers asked about "
-                            "this one for %.0fs (nothing drains it); stopping with the rows "
-                            "of tables %s here", ASKED_SECONDS, held)
+                            "this one for %.0fs (nothing drains it); stopping with "
+                            "%s here", ASKED_SECONDS, held)
                 return

@@ -408,8 +408,6 @@ def test_a_server_added_and_removed_again_while_workers_train_loses_nothing():
             assert old.addresses == emb.addresses
             with pytest.raises(ValueError, match="not a parameter server of this job"):
                 coord.remove_parameter_server(added)
-            with pytest.raises(ValueError, match="holds shards of variables"):
-                coord.remove_parameter_server(strategy.parameter_servers[0])
             # the drained server added again (its empty shards taken back)
             want = emb.lookup(keys, admit=False)
             coord.add_parameter_server(added)

@@ -120,8 +120,11 @@ def test_a_server_that_does_not_answer_pauses_nothing_and_a_refused_drain_is_not
         done[steps // 8].fetch()
         assert silent not in strategy.parameter_servers and emb.num_shards == 2
         assert caplog.text.count("does not answer") == 1   # (once per outage)
-        # server 0 left the file: it holds variable shards, so the drain is refused,
-        # once, nothing changed, and not tried again while the file says the same
+        # server 0 left the file: its variable w would move to server 1, which holds
+        # another variable named w, so the drain is refused, once, nothing changed,
+        # and not tried again while the file says the same
+        assert w.shards[0].address == ps[0]
+        ps_pool.client_for(ps[1]).create_variable("w", shape=(1,))
         _write(path, [ps[1], silent], workers)
         _until(lambda: "draining it was refused" in caplog.text and ps[0] not in follower.pending)
         assert strategy.parameter_servers == tuple(ps) and emb.num_shards == 2

@@ -2,7 +2,8 @@
 ``psserver --leave-timeout``: psserver/serve/leave.py), on real processes: a
 coordinator that follows its servers drains it at once (every row kept), and
 it stops then, by itself; without a follower it stops once nothing asks
-about it; one holding variables, or given a second signal, stops at once.
+about it; given a second signal, it stops at once. (A leaving server's
+variable shards: tests/integration/test_variable_moves.py.)
 This is what ``docker compose up --scale ps=N`` down or a StatefulSet scaled
 down does to a server."""
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _stops(task, timeout: float = 150.0) -> str:
     return task.output()
 
 
-def test_without_a_follower_with_variables_or_at_a_second_signal_it_stops_by_itself():
+def test_without_a_follower_or_at_a_second_signal_it_stops_by_itself():
     with LocalCluster(num_ps=2, num_workers=0, ps_args=LEAVE, restart=()) as cluster:
         strategy, counter, emb, w = _job(cluster.spec)
         _filled(emb, counter)
@@ -148,11 +149,13 @@ def test_without_a_follower_with_variables_or_at_a_second_signal_it_stops_by_its
         assert "leaving: waiting" in out and "no coordinator that follows" in out, out[-3000:]
         held = [bool(strategy.shards_on(t.address)) for t in cluster.ps[:2]]
         assert sorted(held) == [False, True]   # (w on one server, the tables on both)
-        # holding variables (they do not move): it stops at once
+        # holding variables (a drain moves them now): it waits too; a second signal stops it
         task = cluster.ps[held.index(True)]
         task.signal(signal.SIGTERM)
+        _until(lambda: "leaving: waiting" in task.output())
+        task.signal(signal.SIGTERM)
         out = _stops(task)
-        assert "holds variables" in out and "leaving: waiting" not in out, out[-3000:]
+        assert "drained" not in out and "no coordinator" not in out, out[-3000:]
         # leaving, then a second signal: it stops at once
         task = cluster.ps[held.index(False)]
         task.signal(signal.SIGTERM)
@@ -223,7 +226,7 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
 
     from psserver.serve import leave as L
     shard = types.SimpleNamespace(table_name="t", drained=False)
-    registry = types.SimpleNamespace(variable_count=lambda: 0, tables=lambda: [shard])
+    registry = types.SimpleNamespace(variables=lambda: [], tables=lambda: [shard])
     monkeypatch.setattr(L, "ASKED_SECONDS", 0.3)
 
     def left(timeout: float, during=lambda: None, now=None) -> str:
@@ -244,7 +247,12 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     now = threading.Event()
     text = left(30, now.set, now)
     assert "drained" not in text and "no coordinator" not in text
-    registry.variable_count = lambda: 1   # (variables do not move: at once)
+    # a variable's primary copy is held too (a drain moves it); a backup copy is not
+    shard.drained = True
+    var = types.SimpleNamespace(name="v", role=L.ROLE_PRIMARY)
+    registry.variables = lambda: [var]
+    assert "not drained within" in left(0.2) and "['v']" in caplog.text
+    assert "drained" in left(30, lambda: setattr(var, "role", 1 - L.ROLE_PRIMARY))
     leave = L.Leaving(registry, 30)
-    leave.wait()
-    assert not leave.leaving and "holds variables" in caplog.text
+    leave.wait()   # (nothing held: at once)
+    assert not leave.leaving

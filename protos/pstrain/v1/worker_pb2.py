@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pstrain.v1 import ps_pb2 as protos_dot_pstrain_dot_v1_dot_ps__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pstrain/v1/worker.proto\x12\npstrain.v1\x1a\x1aprotos/pstrain/v1/ps.proto\"R\n\x0b\x46unctionRef\x12\x18\n\x0equalified_name\x18\x01 \x01(\tH\x00\x12\x11\n\x07pickled\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x42\x06\n\x04kind\"\x8d\x01\n\x14\x43reateDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x14\n\x0cworker_index\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x14\n\x12\x43reateDatasetReply\"w\n\x0f\x42\x61tchAssignment\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05shard\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\x04\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x14\n\x0c\x65xactly_once\x18\x06 \x01(\x08\"\x96\x02\n\x0e\x43losureRequest\x12\x12\n\nclosure_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x0c\n\x04\x61rgs\x18\x03 \x01(\x0c\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\"\n\x04sync\x18\x05 \x01(\x0b\x32\x14.pstrain.v1.SyncInfo\x12,\n\x07\x62\x61tches\x18\x06 \x03(\x0b\x32\x1b.pstrain.v1.BatchAssignment\x12.\n\ncollective\x18\x07 \x01(\x0b\x32\x1a.pstrain.v1.CollectiveInfo\x12(\n\x07layouts\x18\x08 \x03(\x0b\x32\x17.pstrain.v1.TableLayout\"=\n\x0bTableLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08table_id\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\"\x8c\x01\n\x0e\x43ollectiveInfo\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\x12\x0b\n\x03sum\x18\x06 \x01(\x08\x12\x13\n\x0b\x63ompression\x18\x07 \x01(\t\x12\x0b\n\x03job\x18\x08 \x01(\t\"b\n\tErrorInfo\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x12\n\nps_address\x18\x04 \x01(\t\x12\x0f\n\x07ps_code\x18\x05 \x01(\t\"S\n\x0c\x43losureReply\x12\x10\n\x06result\x18\x01 \x01(\x0cH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.ErrorInfoH\x00\x42\t\n\x07outcome\"\x13\n\x11WorkerInfoRequest\"\x91\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x03 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x04 \x01(\x03\x12\"\n\x04host\x18\x07 \x01(\x0b\x32\x14.pstrain.v1.HostInfoJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xb0\x01\n\x0f\x43ollectiveChunk\x12\r\n\x05group\x18\x01 \x01(\x0c\x12\n\n\x02op\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\r\x12 \n\x04\x64\x61ta\x18\x05 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x10\n\x08receiver\x18\x06 \x01(\x0c\x12\x0e\n\x06member\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x04\x12\r\n\x05\x61\x62ort\x18\t \x01(\t\"!\n\x0f\x43ollectiveReply\x12\x0e\n\x06member\x18\x01 \x01(\x0c\x32\xaf\x02\n\x06Worker\x12\x46\n\rGetWorkerInfo\x12\x1d.pstrain.v1.WorkerInfoRequest\x1a\x16.pstrain.v1.WorkerInfo\x12Q\n\rCreateDataset\x12 .pstrain.v1.CreateDatasetRequest\x1a\x1e.pstrain.v1.CreateDatasetReply\x12\x42\n\nRunClosure\x12\x1a.pstrain.v1.ClosureRequest\x1a\x18.pstrain.v1.ClosureReply\x12\x46\n\nCollective\x12\x1b.pstrain.v1.CollectiveChunk\x1a\x1b.pstrain.v1.CollectiveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pstrain/v1/worker.proto\x12\npstrain.v1\x1a\x1aprotos/pstrain/v1/ps.proto\"R\n\x0b\x46unctionRef\x12\x18\n\x0equalified_name\x18\x01 \x01(\tH\x00\x12\x11\n\x07pickled\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x42\x06\n\x04kind\"\x8d\x01\n\x14\x43reateDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x14\n\x0cworker_index\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x14\n\x12\x43reateDatasetReply\"w\n\x0f\x42\x61tchAssignment\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05shard\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\x04\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x14\n\x0c\x65xactly_once\x18\x06 \x01(\x08\"\xbd\x02\n\x0e\x43losureRequest\x12\x12\n\nclosure_id\x18\x01 \x01(\t\x12#\n\x02\x66n\x18\x02 \x01(\x0b\x32\x17.pstrain.v1.FunctionRef\x12\x0c\n\x04\x61rgs\x18\x03 \x01(\x0c\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\"\n\x04sync\x18\x05 \x01(\x0b\x32\x14.pstrain.v1.SyncInfo\x12,\n\x07\x62\x61tches\x18\x06 \x03(\x0b\x32\x1b.pstrain.v1.BatchAssignment\x12.\n\ncollective\x18\x07 \x01(\x0b\x32\x1a.pstrain.v1.CollectiveInfo\x12(\n\x07layouts\x18\x08 \x03(\x0b\x32\x17.pstrain.v1.TableLayout\x12%\n\x05moved\x18\t \x03(\x0b\x32\x16.pstrain.v1.ShardPlace\"<\n\nShardPlace\x12\x0f\n\x07made_at\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"=\n\x0bTableLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08table_id\x18\x02 \x01(\t\x12\x0e\n\x06layout\x18\x03 \x01(\t\"\x8c\x01\n\x0e\x43ollectiveInfo\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\x12\x0b\n\x03sum\x18\x06 \x01(\x08\x12\x13\n\x0b\x63ompression\x18\x07 \x01(\t\x12\x0b\n\x03job\x18\x08 \x01(\t\"b\n\tErrorInfo\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\ttraceback\x18\x03 \x01(\t\x12\x12\n\nps_address\x18\x04 \x01(\t\x12\x0f\n\x07ps_code\x18\x05 \x01(\t\"S\n\x0c\x43losureReply\x12\x10\n\x06result\x18\x01 \x01(\x0cH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.pstrain.v1.ErrorInfoH\x00\x42\t\n\x07outcome\"\x13\n\x11WorkerInfoRequest\"\x91\x01\n\nWorkerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x03 \x03(\t\x12\x14\n\x0c\x63losures_run\x18\x04 \x01(\x03\x12\"\n\x04host\x18\x07 \x01(\x0b\x32\x14.pstrain.v1.HostInfoJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xb0\x01\n\x0f\x43ollectiveChunk\x12\r\n\x05group\x18\x01 \x01(\x0c\x12\n\n\x02op\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\r\x12 \n\x04\x64\x61ta\x18\x05 \x01(\x0b\x32\x12.pstrain.v1.Tensor\x12\x10\n\x08receiver\x18\x06 \x01(\x0c\x12\x0e\n\x06member\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x04\x12\r\n\x05\x61\x62ort\x18\t \x01(\t\"!\n\x0f\x43ollectiveReply\x12\x0e\n\x06member\x18\x01 \x01(\x0c\x32\xaf\x02\n\x06Worker\x12\x46\n\rGetWorkerInfo\x12\x1d.pstrain.v1.WorkerInfoRequest\x1a\x16.pstrain.v1.WorkerInfo\x12Q\n\rCreateDataset\x12 .pstrain.v1.CreateDatasetRequest\x1a\x1e.pstrain.v1.CreateDatasetReply\x12\x42\n\nRunClosure\x12\x1a.pstrain.v1.ClosureRequest\x1a\x18.pstrain.v1.ClosureReply\x12\x46\n\nCollective\x12\x1b.pstrain.v1.CollectiveChunk\x1a\x1b.pstrain.v1.CollectiveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCHASSIGNMENT']._serialized_start=324
   _globals['_BATCHASSIGNMENT']._serialized_end=443
   _globals['_CLOSUREREQUEST']._serialized_start=446
-  _globals['_CLOSUREREQUEST']._serialized_end=724
-  _globals['_TABLELAYOUT']._serialized_start=726
-  _globals['_TABLELAYOUT']._serialized_end=787
-  _globals['_COLLECTIVEINFO']._serialized_start=790
-  _globals['_COLLECTIVEINFO']._serialized_end=930
-  _globals['_ERRORINFO']._serialized_start=932
-  _globals['_ERRORINFO']._serialized_end=1030
-  _globals['_CLOSUREREPLY']._serialized_start=1032
-  _globals['_CLOSUREREPLY']._serialized_end=1115
-  _globals['_WORKERINFOREQUEST']._serialized_start=1117
-  _globals['_WORKERINFOREQUEST']._serialized_end=1136
-  _globals['_WORKERINFO']._serialized_start=1139
-  _globals['_WORKERINFO']._serialized_end=1284
-  _globals['_COLLECTIVECHUNK']._serialized_start=1287
-  _globals['_COLLECTIVECHUNK']._serialized_end=1463
-  _globals['_COLLECTIVEREPLY']._serialized_start=1465
-  _globals['_COLLECTIVEREPLY']._serialized_end=1498
-  _globals['_WORKER']._serialized_start=1501
-  _globals['_WORKER']._serialized_end=1804
+  _globals['_CLOSUREREQUEST']._serialized_end=763
+  _globals['_SHARDPLACE']._serialized_start=765
+  _globals['_SHARDPLACE']._serialized_end=825
+  _globals['_TABLELAYOUT']._serialized_start=827
+  _globals['_TABLELAYOUT']._serialized_end=888
+  _globals['_COLLECTIVEINFO']._serialized_start=891
+  _globals['_COLLECTIVEINFO']._serialized_end=1031
+  _globals['_ERRORINFO']._serialized_start=1033
+  _globals['_ERRORINFO']._serialized_end=1131
+  _globals['_CLOSUREREPLY']._serialized_start=1133
+  _globals['_CLOSUREREPLY']._serialized_end=1216
+  _globals['_WORKERINFOREQUEST']._serialized_start=1218
+  _globals['_WORKERINFOREQUEST']._serialized_end=1237
+  _globals['_WORKERINFO']._serialized_start=1240
+  _globals['_WORKERINFO']._serialized_end=1385
+  _globals['_COLLECTIVECHUNK']._serialized_start=1388
+  _globals['_COLLECTIVECHUNK']._serialized_end=1564
+  _globals['_COLLECTIVEREPLY']._serialized_start=1566
+  _globals['_COLLECTIVEREPLY']._serialized_end=1599
+  _globals['_WORKER']._serialized_start=1602
+  _globals['_WORKER']._serialized_end=1905
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class BatchAssignment(_message.Message):
     def __init__(self, dataset_id: _Optional[str] = ..., epoch: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., exactly_once: _Optional[bool] = ...) -> None: ...
 
 class ClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches", "collective", "layouts")
+    __slots__ = ("closure_id", "fn", "args", "worker_id", "sync", "batches", "collective", "layouts", "moved")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     FN_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class ClosureRequest(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     closure_id: str
     fn: FunctionRef
     args: bytes
@@ -69,7 +70,18 @@ class ClosureRequest(_message.Message):
     batches: _containers.RepeatedCompositeFieldContainer[BatchAssignment]
     collective: CollectiveInfo
     layouts: _containers.RepeatedCompositeFieldContainer[TableLayout]
-    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ..., collective: _Optional[_Union[CollectiveInfo, _Mapping]] = ..., layouts: _Optional[_Iterable[_Union[TableLayout, _Mapping]]] = ...) -> None: ...
+    moved: _containers.RepeatedCompositeFieldContainer[ShardPlace]
+    def __init__(self, closure_id: _Optional[str] = ..., fn: _Optional[_Union[FunctionRef, _Mapping]] = ..., args: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., sync: _Optional[_Union[_ps_pb2.SyncInfo, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[BatchAssignment, _Mapping]]] = ..., collective: _Optional[_Union[CollectiveInfo, _Mapping]] = ..., layouts: _Optional[_Iterable[_Union[TableLayout, _Mapping]]] = ..., moved: _Optional[_Iterable[_Union[ShardPlace, _Mapping]]] = ...) -> None: ...
+
+class ShardPlace(_message.Message):
+    __slots__ = ("made_at", "name", "address")
+    MADE_AT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    made_at: str
+    name: str
+    address: str
+    def __init__(self, made_at: _Optional[str] = ..., name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TableLayout(_message.Message):
     __slots__ = ("name", "table_id", "layout")

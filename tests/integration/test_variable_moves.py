@@ -1,0 +1,292 @@
+"""Draining a parameter server that holds variable shards (coordinator/
+variable_moves.py), on real processes: each shard moves whole, with its
+optimizer slots, version and memory of applied update keys, while workers
+train; nothing is lost or applied twice, descriptions made before the move
+(and the workers) follow it, and saves, restores, recovery and a
+coordinator made again find the shards where they are now."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from coordinator import (
+    CheckpointManager,
+    ClusterCoordinator,
+    FixedShardsPartitioner,
+    IndexedSlices,
+    LocalCluster,
+    Lookup,
+    ParameterServerStrategy,
+    ShardedSource,
+    placement,
+    ps_pool,
+    push_gradients,
+    read_variables,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+SGD1 = {"learning_rate": 1.0}
+ADAM = {"learning_rate": 0.01}
+EXAMPLES, BATCH = 4800, 16
+
+
+@pytest.fixture(autouse=True)
+def _no_moves_left():
+    yield
+    placement.forget()   # (this process's table: the next test's job moved nothing)
+
+
+def counting_step(counter, twins, w, it):
+    """Each example's counter row +1 (exactly once), each of two identical
+    Adam variables a constant gradient, w (sharded) -1 per step."""
+    ids = np.asarray(next(it), np.int64)
+    got, *_ = read_variables([Lookup(counter, ids), *twins, w])
+    push_gradients([(counter, IndexedSlices(-np.ones_like(got), ids)),
+                    *[(t, np.full(t.shape, 0.5, np.float32)) for t in twins],
+                    (w, np.ones(w.shape, np.float32))])
+    return ids.tolist()
+
+
+def _job(spec, servers: int):
+    strategy = ParameterServerStrategy(spec)
+    counter = strategy.create_embedding_table("counter", 1, initializer="zeros",
+                                              optimizer="sgd", optimizer_params=SGD1)
+    twins = [strategy.create_variable(f"twin{i}", shape=(64, 8), initializer="ones",
+                                      optimizer="adam", optimizer_params=ADAM,
+                                      partitioner=None) for i in range(servers)]
+    w = strategy.create_variable("w", shape=(servers * 4, 2), optimizer="sgd",
+                                 optimizer_params=SGD1,
+                                 partitioner=FixedShardsPartitioner(servers))
+    return strategy, counter, twins, w
+
+
+def test_a_server_holding_variable_shards_is_drained_while_workers_train():
+    """Issue 34: a third of a job's variable shards on the server drained at
+    half the steps, two workers training throughout: no step fails, every
+    example counted once, w one update a step, and an Adam variable that
+    moved equals its twin that did not, bit for bit (value, slots, version),
+    read through a description pickled before the move too."""
+    with LocalCluster(num_ps=3, num_workers=2) as cluster:
+        strategy, counter, twins, w = _job(cluster.spec, 3)
+        leaving = twins[0].shards[0].address
+        stays = [t for t in twins if t.shards[0].address != leaving]
+        assert len(stays) == 2 and any(s.address == leaving for s in w.shards)
+        before = pickle.dumps(twins[0])
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+            it, steps = iter(ds), EXAMPLES // BATCH
+            done = [coord.schedule(counting_step, args=(counter, twins, w, it))
+                    for _ in range(steps)]
+            done[steps // 2].fetch()
+            moves = coord.remove_parameter_server(leaving)
+            queued, _ = coord.pending()
+            coord.join(timeout=180)
+            assert ds.wait_epoch(0, timeout=30)
+            assert sorted(i for d in done for i in d.fetch()) == list(range(EXAMPLES))
+        assert queued > 0   # (steps ran after the drain)
+        assert leaving not in strategy.parameter_servers
+        moved = [m for m in moves if hasattr(m, "shard")]
+        assert sorted(m.shard for m in moved) == sorted(
+            ["twin0"] + [s.name for s in w.shards if s.made_at == leaving])
+        assert all(m.destination != leaving and m.bytes > 0 for m in moved)
+        assert not ps_pool.client_for(leaving).list_variables()
+        np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False),
+                                      np.ones((EXAMPLES, 1), np.float32))
+        np.testing.assert_array_equal(w.read(), np.full(w.shape, -steps, np.float32))
+        want = stays[0].read()
+        assert not np.array_equal(want, np.ones((64, 8), np.float32))
+        for t in (twins[0], pickle.loads(before)):
+            np.testing.assert_array_equal(t.read(), want)
+            assert t.versions() == stays[0].versions() == [steps]
+        # the slots moved too: one more identical update keeps them equal
+        push_gradients([(t, np.full((64, 8), 0.5, np.float32)) for t in twins])
+        np.testing.assert_array_equal(twins[0].read(), stays[0].read())
+
+
+def _single(strategy, name: str, **kw):
+    return strategy.create_variable(name, shape=(4, 2), initializer="zeros", optimizer="sgd",
+                                    optimizer_params=SGD1, partitioner=None, **kw)
+
+
+def test_an_update_applied_before_the_move_and_resent_after_it_is_applied_once():
+    """The shard's memory of applied update keys moves with it: a step run
+    again after the drain, with the same update key, is not applied twice."""
+    from coordinator.calls import update_key_scope
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        v = _single(strategy, "v")
+        ones = np.ones((4, 2), np.float32)
+        with ClusterCoordinator(strategy) as coord:
+            with update_key_scope(b"batch-3"):
+                push_gradients([(v, ones)])
+            source = v.shards[0].address
+            coord.remove_parameter_server(source)
+            assert v.shards[0].address != source and v.shards[0].made_at == source
+            for _ in range(2):
+                with update_key_scope(b"batch-3"):
+                    push_gradients([(v, ones)])
+            np.testing.assert_array_equal(v.read(), -ones)
+            assert v.versions() == [1]
+            push_gradients([(v, ones)])   # (a new key: applied)
+            np.testing.assert_array_equal(v.read(), -2 * ones)
+
+
+def test_saves_restores_recovery_and_a_coordinator_made_again_find_moved_shards(tmp_path):
+    """After a drain: the destination killed is recovered from a checkpoint
+    saved after the move, the moved shard with the others; a coordinator
+    made again (reuse_existing) adopts each shard where it is now, values
+    kept (not made again from its initializer), and restores that checkpoint."""
+    from coordinator.cluster_spec import ClusterSpec
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        vs = [_single(strategy, f"v{i}") for i in range(3)]
+        ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt"))
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt,
+                                ps_check_interval=0.1) as coord:
+            for i, v in enumerate(vs):
+                v.assign(np.full((4, 2), i + 1, np.float32))
+            leaving = vs[0].shards[0].address
+            coord.remove_parameter_server(leaving)
+            dest = vs[0].shards[0].address
+            assert dest != leaving and not ps_pool.client_for(leaving).list_variables()
+            ckpt.save(step=1)
+            vs[0].assign(np.full((4, 2), 9, np.float32))   # (lost with its server below)
+            cluster.kill_ps(cluster.spec.cluster_spec().ps.index(dest))
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
+            coord.join(timeout=60)
+            np.testing.assert_array_equal(vs[0].read(), np.full((4, 2), 1, np.float32))
+        full = cluster.spec.cluster_spec()
+        left = ClusterSpec(ps=[a for a in full.ps if a != leaving], worker=full.worker,
+                           token=full.token, tls=full.tls)
+        again = ParameterServerStrategy(left, reuse_existing=True)
+        adopted = [_single(again, f"v{i}") for i in range(3)]
+        for i, v in enumerate(adopted):
+            assert v.shards[0].address == vs[i].shards[0].address
+            np.testing.assert_array_equal(v.read(), np.full((4, 2), i + 1, np.float32))
+        for v in adopted:
+            v.assign(np.full((4, 2), 7, np.float32))
+        assert CheckpointManager(again, str(tmp_path / "ckpt")).restore()["step"] == 1
+        for i, v in enumerate(adopted):
+            np.testing.assert_array_equal(v.read(), np.full((4, 2), i + 1, np.float32))
+
+
+def test_a_coordinator_made_again_after_an_add_adopts_variables_where_they_were_made():
+    """The round-robin over a spec that gained a server places a shard on
+    another server than the one it was made on; a coordinator made again
+    (reuse_existing) adopts it where it is (before, it made a new one from
+    its initializer there: the trained values silently lost)."""
+    from coordinator.cluster_spec import ClusterSpec
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        full = cluster.spec.cluster_spec()
+        first = ClusterSpec(ps=full.ps[:2], worker=full.worker, token=full.token, tls=full.tls)
+        strategy = ParameterServerStrategy(first)
+        vs = [_single(strategy, f"v{i}") for i in range(3)]   # (on ps0, ps1, ps0)
+        with ClusterCoordinator(strategy) as coord:
+            coord.add_parameter_server(full.ps[2])
+            for i, v in enumerate(vs):
+                v.assign(np.full((4, 2), i + 1, np.float32))
+        again = ParameterServerStrategy(full, reuse_existing=True)
+        for i in range(3):
+            v = _single(again, f"v{i}")
+            assert v.shards[0].address == vs[i].shards[0].address
+            np.testing.assert_array_equal(v.read(), np.full((4, 2), i + 1, np.float32))
+        assert not ps_pool.client_for(full.ps[2]).list_variables()
+
+
+def test_a_move_refused_or_failed_leaves_each_shard_whole_where_it_was(monkeypatch):
+    """A destination holding a variable of the name refuses the move before
+    anything moves; a destination that dies during the copy fails the move
+    after its timeout with the shard whole on the source (primary, no
+    backup link left), which still trains."""
+    from coordinator import variable_moves
+    with LocalCluster(num_ps=3, num_workers=1, restart=()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        v = _single(strategy, "v")
+        source = v.shards[0].address
+        others = [a for a in strategy.parameter_servers if a != source]
+        ones = np.ones((4, 2), np.float32)
+        with ClusterCoordinator(strategy) as coord:
+            push_gradients([(v, ones)])
+            ps_pool.client_for(others[0]).create_variable("v", shape=(1,))   # (not ours)
+            with pytest.raises(ValueError, match="holds a variable named 'v' already"):
+                coord.remove_parameter_server(source)
+            assert v.shards[0].address == source and source in strategy.parameter_servers
+            assert ps_pool.client_for(others[0]).get_meta("v").shape == (1,)
+            ps_pool.client_for(others[0]).delete_variable("v")
+            # the destination killed: the copy never completes
+            monkeypatch.setattr(variable_moves, "COPY_SECONDS", 2.0)
+            cluster.ps[cluster.spec.cluster_spec().ps.index(others[0])].kill()
+            with pytest.raises(Exception):
+                coord.remove_parameter_server(source)
+            meta = ps_pool.client_for(source).get_meta("v")
+            assert v.shards[0].address == source and meta.backup is None
+            assert meta.role == 0 and meta.version == 1
+            push_gradients([(v, ones)])
+            np.testing.assert_array_equal(v.read(), -2 * ones)
+
+
+def test_a_server_asked_to_stop_while_it_holds_variables_is_drained_then_stops():
+    """SIGTERM with ``--leave-timeout``: a following coordinator drains the
+    server's variable shards (and table rows) at once; it stops by itself."""
+    import signal
+    with LocalCluster(num_ps=3, num_workers=1, ps_args=("--leave-timeout", "120"),
+                      restart=()) as cluster:
+        strategy, counter, twins, w = _job(cluster.spec, 3)
+        keys = np.arange(3000, dtype=np.int64)
+        counter.lookup(keys)
+        with ClusterCoordinator(strategy, elastic_servers=True, membership_interval=0.2):
+            for t in twins:
+                t.assign(np.full((64, 8), 3, np.float32))
+            want = counter.lookup(keys, admit=False)
+            leaving = twins[1].shards[0].address
+            task = cluster.ps[cluster.spec.cluster_spec().ps.index(leaving)]
+            task.signal(signal.SIGTERM)
+            assert task.proc.wait(timeout=120) == 0
+            out = task.output()
+            assert "leaving: drained" in out and "not drained" not in out, out[-3000:]
+            assert leaving not in strategy.parameter_servers
+            for t in twins:
+                assert t.shards[0].address != leaving
+                np.testing.assert_array_equal(t.read(), np.full((64, 8), 3, np.float32))
+            np.testing.assert_array_equal(counter.lookup(keys, admit=False), want)
+
+
+def test_a_worker_refuses_closures_whose_moved_shards_are_malformed():
+    """ClosureRequest.moved: a real worker takes the coordinator's table of
+    moved shards and refuses a malformed one before it runs anything."""
+    import grpc
+
+    from coordinator import serialization
+    from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
+    from psserver.process import start_task
+    from psserver.tls import make_channel
+    token = "moved-token"
+    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": token})
+    try:
+        stub = worker_pb2_grpc.WorkerStub(make_channel(w.address, [], None))
+        md = (("authorization", f"Bearer {token}"),)
+        req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
+                                        args=serialization.dumps(((2, 3), {})))
+        req.moved.add(made_at="a:1", name="v/part_0", address="b:2")
+        assert serialization.loads(stub.RunClosure(req, metadata=md, timeout=10).result,
+                                   True) == 5
+        for field, bad in (("made_at", ""), ("name", ""), ("address", ""),
+                           ("address", "x" * 2000), ("name", "v\n0")):
+            bad_req = worker_pb2.ClosureRequest()
+            bad_req.CopyFrom(req)
+            setattr(bad_req.moved[0], field, bad)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.RunClosure(bad_req, metadata=md, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, bad)
+            assert "ClosureRequest.moved" in info.value.details()
+        info = stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), metadata=md, timeout=10)
+        assert info.closures_run == 1
+        with pytest.raises(grpc.RpcError) as info:   # (the token, as for every call)
+            stub.RunClosure(req, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        w.kill()
