@@ -101,26 +101,50 @@ def plan_drain(variables, servers, address: str) -> list[tuple]:
 def drain_variables(strategy, address: str) -> list[VariableMove]:
     """Move every variable shard on ``address`` to the job's other servers
     (see the module); the moves made. Raises what a move raised (the shards
-    moved before it stay moved; calling again moves the rest)."""
-    return [move_shard(v, s, dest, strategy.server_ids.get(address))
-            for v, s, dest in plan_drain(strategy.variables, strategy.parameter_servers, address)]
+    moved before it stay moved; calling again moves the rest). ValueError,
+    nothing moved, where the server holds a variable (a primary copy) that
+    is not one of this strategy's shards there: a coordinator made again
+    that has not declared it yet, or another job's; the drain would leave it
+    on a server that may stop."""
+    plan = plan_drain(strategy.variables, strategy.parameter_servers, address)
+    ours = {s.name for v in strategy.variables for s in v.shards if s.address == address}
+    stray = sorted(m.name for m in ps_pool.client_for(address).list_variables()
+                   if m.role == ROLE_PRIMARY and m.name not in ours)
+    if stray:
+        raise ValueError(f"{address} holds variables this coordinator does not know "
+                         f"({', '.join(stray[:5])}{'...' if len(stray) > 5 else ''}); nothing "
+                         "moved. Declare them first (create_variable, with reuse_existing=True "
+                         "for a coordinator made again) or delete them")
+    try:
+        return [move_shard(v, s, dest, strategy.server_ids) for v, s, dest in plan]
+    finally:
+        strategy.__dict__.pop("_held_by_name", None)   # (places() asks the servers again)
 
 
-def move_shard(v, s, destination: str, source_id: str | None = None) -> VariableMove:
-    """Move shard ``s`` of ``v`` whole to ``destination`` (see the module)."""
+def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMove:
+    """Move shard ``s`` of ``v`` whole to ``destination`` (see the module);
+    ``known``: server address -> the server_id the job knows it by (a
+    server that restarted since, the source or the destination, is refused:
+    its recovery is due, and would restore a shard moved there from the
+    last checkpoint)."""
     source = s.address
     src, dst = ps_pool.client_for(source), ps_pool.client_for(destination)
-    if source_id is not None and src.server_info().server_id != source_id:
-        raise FailedPrecondition(f"{source} restarted since the job knew it; nothing moved. "
-                                 "Wait for its recovery, then remove it again")
+    for address, client in ((source, src), (destination, dst)):
+        if known and address in known and client.server_info().server_id != known[address]:
+            raise FailedPrecondition(f"{address} restarted since the job knew it; nothing "
+                                     "moved. Wait for its recovery, then remove the server "
+                                     "again")
     try:
-        dst.get_meta(s.name)
+        there = dst.get_meta(s.name)
     except NotFound:
-        pass
-    else:
+        there = None
+    if there is not None and there.role == ROLE_PRIMARY:
         raise ValueError(f"{destination} holds a variable named {s.name!r} already; nothing "
                          f"moved. Delete it there, or remove {source} after the job that "
                          "made it is done with it")
+    if there is not None:   # (a backup copy an earlier move of it left there: stale)
+        log.info("deleting the copy of %s an earlier move left on %s", s.name, destination)
+        dst.delete_variable(s.name)
     meta = src.get_meta(s.name)
     e, peer, start = meta.epoch, Peer(destination, s.name), time.monotonic()
     moved = VariableMove(v.name, s.name, source, destination,
@@ -199,17 +223,19 @@ def places(strategy, name: str, n: int, placed: list[str]) -> list[str]:
 
 
 def _held_by_name(strategy) -> dict[str, list]:
-    """shard name -> [(server, VariableMeta)] over the job's servers, asked
-    once per strategy (a server that does not answer is left out)."""
-    held = strategy.__dict__.get("_held_by_name")
-    if held is None:
+    """shard name -> [(server, VariableMeta)] over the job's servers (a
+    server that does not answer is left out), asked again once the job's
+    servers changed or a drain moved shards."""
+    servers = tuple(strategy.parameter_servers)
+    servers_then, held = strategy.__dict__.get("_held_by_name") or ((), None)
+    if held is None or servers_then != servers:
         held = {}
-        for address in strategy.parameter_servers:
+        for address in servers:
             try:
                 metas = ps_pool.client_for(address).list_variables()
             except PSError:
                 continue   # (then made on its placed server, or refused there, as before)
             for m in metas:
                 held.setdefault(m.name, []).append((address, m))
-        strategy._held_by_name = held
+        strategy._held_by_name = (servers, held)
     return held

@@ -11,7 +11,9 @@ its servers drains a leaving one at once (coordinator/ps_follow.py),
 or after S seconds, or once no coordinator that drains its servers has
 asked for its ServerInfo (``ServerInfoRequest.drains``) for
 ``ASKED_SECONDS`` (nothing would drain it), or at a second signal. It
-stops at once, as without the option, where it holds none of these. So ``docker
+stops at once, as without the option, where it holds none of these, or
+where its shards are replicated (a job with replication does not drain its
+servers: their backups take over). So ``docker
 compose up --scale ps=N`` down, or a StatefulSet scaled down, drains the
 server it stops (its stop grace period must cover S).
 """
@@ -59,10 +61,14 @@ class Leaving:
         if by_a_follower:
             self._asked = self._clock()
 
-    def _held(self) -> list[str]:
+    def _held(self) -> list[str] | None:
         """The tables whose shards here still hold buckets, and the variables
         (shards) held here as their primary copy (a drain moves them whole;
-        a backup copy left by a move refuses every call)."""
+        a backup copy left by a move refuses every call); None where a copy
+        here replicates to a backup (a job with replication: its servers are
+        not drained)."""
+        if any(c.link is not None for c in self.registry.copies()):
+            return None
         return [c.table_name for c in self.registry.tables() if not c.drained] + \
             [v.name for v in self.registry.variables() if v.role == ROLE_PRIMARY]
 
@@ -72,6 +78,10 @@ class Leaving:
         if self.timeout <= 0:
             return
         held = self._held()
+        if held is None:
+            log.warning("stopping: this server's shards are replicated, and a job with "
+                        "replication does not drain its servers (their backups take over)")
+            return
         if not held:
             return
         self.leaving, self._asked = True, self._clock()
@@ -82,7 +92,7 @@ class Leaving:
         while not again():
             time.sleep(POLL_SECONDS)
             held = self._held()
-            if not held:
+            if held is not None and not held:
                 log.warning("leaving: drained (every variable and table shard moved); stopping")
                 return
             t = self._clock()

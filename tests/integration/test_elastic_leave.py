@@ -225,8 +225,9 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     import types
 
     from psserver.serve import leave as L
-    shard = types.SimpleNamespace(table_name="t", drained=False)
+    shard = types.SimpleNamespace(table_name="t", drained=False, link=None)
     registry = types.SimpleNamespace(variables=lambda: [], tables=lambda: [shard])
+    registry.copies = lambda: registry.variables() + registry.tables()
     monkeypatch.setattr(L, "ASKED_SECONDS", 0.3)
 
     def left(timeout: float, during=lambda: None, now=None) -> str:
@@ -249,10 +250,15 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     assert "drained" not in text and "no coordinator" not in text
     # a variable's primary copy is held too (a drain moves it); a backup copy is not
     shard.drained = True
-    var = types.SimpleNamespace(name="v", role=L.ROLE_PRIMARY)
+    var = types.SimpleNamespace(name="v", role=L.ROLE_PRIMARY, link=None)
     registry.variables = lambda: [var]
     assert "not drained within" in left(0.2) and "['v']" in caplog.text
     assert "drained" in left(30, lambda: setattr(var, "role", 1 - L.ROLE_PRIMARY))
     leave = L.Leaving(registry, 30)
     leave.wait()   # (nothing held: at once)
     assert not leave.leaving
+    var.role, var.link = L.ROLE_PRIMARY, object()   # (replicated: not drained, at once)
+    caplog.clear()
+    leave = L.Leaving(registry, 30)
+    leave.wait()
+    assert not leave.leaving and "replicated" in caplog.text

@@ -290,3 +290,85 @@ def test_a_worker_refuses_closures_whose_moved_shards_are_malformed():
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         w.kill()
+
+
+def test_a_drain_refuses_a_restarted_destination_and_variables_it_does_not_know(tmp_path):
+    """Review 21: a destination that restarted empty before the watch
+    noticed would take the shard, and its recovery would then roll it back
+    to the checkpoint: refused, nothing moved, and after the recovery the
+    drain goes through with the newer value kept. A coordinator made again
+    that has not declared every variable on the server refuses to drain it
+    (they would stay on a server that may stop), and one declared after a
+    drain is adopted where it is now, never on the drained server."""
+    import time
+
+    from psserver.errors import FailedPrecondition
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        vs = [_single(strategy, f"v{i}") for i in range(4)]   # (ps0, ps1, ps2, ps0)
+        ps = list(strategy.parameter_servers)
+        assert [v.shards[0].address for v in vs] == ps + ps[:1]
+        ckpt = CheckpointManager(strategy, str(tmp_path / "ckpt"))
+        with ClusterCoordinator(strategy, checkpoint_manager=ckpt,
+                                ps_check_interval=15.0) as coord:
+            for i, v in enumerate(vs):
+                v.assign(np.full((4, 2), i + 1, np.float32))
+            ckpt.save(step=1)
+            old = ps_pool.client_for(ps[1]).server_info().server_id
+            cluster.kill_ps(1)   # (restarted by LocalCluster; the watch looks every 15 s)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if ps_pool.client_for(ps[1]).server_info(timeout=1).server_id != old:
+                        break
+                except Exception:
+                    pass
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            with pytest.raises(FailedPrecondition, match="restarted since the job knew it"):
+                coord.remove_parameter_server(ps[0])
+            assert [v.shards[0].address for v in vs] == ps + ps[:1]
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
+            coord.join(timeout=60)
+            vs[0].assign(np.full((4, 2), 5, np.float32))
+            coord.remove_parameter_server(ps[0])
+            assert vs[0].shards[0].address == ps[1]
+            np.testing.assert_array_equal(vs[0].read(), np.full((4, 2), 5, np.float32))
+        # a coordinator made again over the servers left, which declares v1 only
+        from coordinator.cluster_spec import ClusterSpec
+        full = cluster.spec.cluster_spec()
+        left = ClusterSpec(ps=ps[1:], worker=full.worker, token=full.token, tls=full.tls)
+        again = ParameterServerStrategy(left, reuse_existing=True)
+        _single(again, "v1")
+        with ClusterCoordinator(again) as coord:
+            with pytest.raises(ValueError, match=r"does not know \(v0\)"):   # (v3: on ps2)
+                coord.remove_parameter_server(ps[1])
+            assert ps_pool.client_for(ps[1]).get_meta("v0").version > 0
+            a0, a2, a3 = (_single(again, n) for n in ("v0", "v2", "v3"))
+            coord.remove_parameter_server(ps[1])
+            assert {a0.shards[0].address, a3.shards[0].address} == {ps[2]}
+            np.testing.assert_array_equal(a0.read(), np.full((4, 2), 5, np.float32))
+            again.delete_variable(a3)
+            b3 = _single(again, "v3")   # (made again: on a server of the job)
+            assert b3.shards[0].address == ps[2] and not b3.read().any()
+
+
+def test_a_backup_copy_an_earlier_move_left_on_the_destination_is_replaced():
+    """A source copy whose delete failed after its move stays as a backup
+    copy (it refuses every call); a later move of that shard back there
+    replaces it rather than being refused."""
+    from psserver.contract import ROLE_BACKUP
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        v = _single(strategy, "v")
+        source = v.shards[0].address
+        other = next(a for a in strategy.parameter_servers if a != source)
+        ps_pool.client_for(other).create_variable("v", initial_value=np.zeros(1, np.float32),
+                                                  role=ROLE_BACKUP, epoch=1)
+        v.assign(np.full((4, 2), 6, np.float32))
+        with ClusterCoordinator(strategy) as coord:
+            coord.remove_parameter_server(source)
+        assert v.shards[0].address == other
+        meta = ps_pool.client_for(other).get_meta("v")
+        assert meta.shape == (4, 2) and meta.role == 0 and meta.version == 1
+        np.testing.assert_array_equal(v.read(), np.full((4, 2), 6, np.float32))
