@@ -58,7 +58,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
-from coordinator import elastic, ps_follow
+from coordinator import elastic, ps_follow, variable_moves
 from coordinator import metrics as _metrics
 from coordinator.closures import (  # noqa: F401  (re-exported)
     ABANDONED,
@@ -284,9 +284,13 @@ class ClusterCoordinator:
         dynamic table moves about 1/(n+1) of its rows there, between two
         steps (closures in flight end first, within ``timeout``, and no
         closure starts during the move; queued ones are planned again on the
-        new layout: none fails), and variables and tables created from then
-        on are placed over every server. Returns what moved, per table
-        (coordinator.elastic.TableMove). ValueError, nothing changed, with
+        new layout: none fails), then variable shards move there, whole,
+        until it holds about an even share of the variable bytes (the most
+        loaded servers' largest shards that fit: variable_moves.plan_spread;
+        a shard move that fails is logged and ends that, the add stands),
+        and variables and tables created from then on are placed over every
+        server. Returns what moved: a TableMove per table, then a
+        VariableMove per variable shard. ValueError, nothing changed, with
         replication or in sync mode (not supported yet), for an address
         the job has (unless an add or drain of it failed part way: then its
         shards are filled to their share), or for a server of the job named
@@ -298,6 +302,8 @@ class ClusterCoordinator:
             self._check_open()
             elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
             moves = self.strategy.add_parameter_server(address)
+            with elastic.LAYOUT_LOCK:   # (and variable shards, whole: variable_moves.py)
+                moves += variable_moves.spread_to(self.strategy, address)
             self._cluster.forget_function_refs()   # closures carry the new layout from now on
         return moves
 

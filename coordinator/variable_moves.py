@@ -98,6 +98,60 @@ def plan_drain(variables, servers, address: str) -> list[tuple]:
     return plan
 
 
+def plan_spread(variables, servers, address: str) -> list[tuple]:
+    """(variable, shard, ``address``) for the shards an added server takes so
+    that the variable bytes even out: while it holds less than an even share
+    (the total over ``servers``, itself included), the most loaded server
+    gives it its largest shard that fits in what it lacks and leaves that
+    server holding at least what the new one will; none where no shard fits
+    (a shard is never split: the partitioner's shards stay as made)."""
+    load = dict.fromkeys(servers, 0)
+    on: dict[str, list] = {a: [] for a in servers}
+    for v in variables:
+        for s in v.shards:
+            where = s.address
+            if where in load:
+                load[where] += shard_bytes(v, s)
+                on[where].append((v, s))
+    if address not in load:
+        return []
+    share = sum(load.values()) / len(load)
+    plan = []
+    while True:
+        lack = share - load[address]
+        best = None
+        for source in sorted((a for a in load if a != address), key=lambda a: -load[a]):
+            fits = [(shard_bytes(v, s), i) for i, (v, s) in enumerate(on[source])
+                    if 0 < shard_bytes(v, s) <= lack
+                    and load[source] - shard_bytes(v, s) >= load[address] + shard_bytes(v, s)]
+            if fits:
+                best = (source, max(fits)[1])
+                break
+        if best is None:
+            return plan
+        source, i = best
+        v, s = on[source].pop(i)
+        load[source] -= shard_bytes(v, s)
+        load[address] += shard_bytes(v, s)
+        plan.append((v, s, address))
+
+
+def spread_to(strategy, address: str) -> list[VariableMove]:
+    """After ``address`` was added: move variable shards to it (``plan_spread``)
+    between the same two steps. A move that fails is logged and ends the
+    spread (the add stands: the shard stays whole where it was)."""
+    moves = []
+    try:
+        for v, s, dest in plan_spread(strategy.variables, strategy.parameter_servers, address):
+            moves.append(move_shard(v, s, dest, strategy.server_ids))
+    except (PSError, ValueError) as exc:
+        log.warning("adding %s: moving variable shards there stopped after %d (%s); the "
+                    "others stay where they are", address, len(moves), exc)
+    finally:
+        strategy.__dict__.pop("_held_by_name", None)
+    return moves
+
+
 def drain_variables(strategy, address: str) -> list[VariableMove]:
     """Move every variable shard on ``address`` to the job's other servers
     (see the module); the moves made. Raises what a move raised (the shards

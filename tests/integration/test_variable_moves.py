@@ -184,17 +184,18 @@ def test_a_coordinator_made_again_after_an_add_adopts_variables_where_they_were_
         full = cluster.spec.cluster_spec()
         first = ClusterSpec(ps=full.ps[:2], worker=full.worker, token=full.token, tls=full.tls)
         strategy = ParameterServerStrategy(first)
-        vs = [_single(strategy, f"v{i}") for i in range(3)]   # (on ps0, ps1, ps0)
+        vs = [_single(strategy, f"v{i}") for i in range(4)]   # (on ps0, ps1, ps0, ps1)
         with ClusterCoordinator(strategy) as coord:
-            coord.add_parameter_server(full.ps[2])
+            coord.add_parameter_server(full.ps[2])   # (v2 moves there: an even share)
             for i, v in enumerate(vs):
                 v.assign(np.full((4, 2), i + 1, np.float32))
+        assert [v.shards[0].address for v in vs] == [full.ps[0], full.ps[1], full.ps[2],
+                                                     full.ps[1]]
         again = ParameterServerStrategy(full, reuse_existing=True)
-        for i in range(3):
+        for i in range(4):   # (the round-robin over three would put v3 on ps0)
             v = _single(again, f"v{i}")
             assert v.shards[0].address == vs[i].shards[0].address
             np.testing.assert_array_equal(v.read(), np.full((4, 2), i + 1, np.float32))
-        assert not ps_pool.client_for(full.ps[2]).list_variables()
 
 
 def test_a_move_refused_or_failed_leaves_each_shard_whole_where_it_was(monkeypatch):
@@ -372,3 +373,55 @@ def test_a_backup_copy_an_earlier_move_left_on_the_destination_is_replaced():
         meta = ps_pool.client_for(other).get_meta("v")
         assert meta.shape == (4, 2) and meta.role == 0 and meta.version == 1
         np.testing.assert_array_equal(v.read(), np.full((4, 2), 6, np.float32))
+
+
+def twins_step(counter, twins, it):
+    """Each example's counter row +1 (exactly once); every twin the same
+    constant gradient (Adam): they stay bit-identical wherever they are."""
+    ids = np.asarray(next(it), np.int64)
+    got, *_ = read_variables([Lookup(counter, ids), *twins])
+    push_gradients([(counter, IndexedSlices(-np.ones_like(got), ids)),
+                    *[(t, np.full(t.shape, 0.5, np.float32)) for t in twins]])
+    return ids.tolist()
+
+
+def test_a_server_added_takes_variable_shards_and_gives_them_back_when_drained():
+    """An add moves variable shards to the new server, whole, until it
+    holds about an even share (here one of four equal Adam variables); the
+    drain at half the steps moves it back; workers train throughout: no
+    step fails, every example counted once, the four variables equal bit for
+    bit (value, slots, version) at the end."""
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        counter = strategy.create_embedding_table("counter", 1, initializer="zeros",
+                                                  optimizer="sgd", optimizer_params=SGD1)
+        twins = [strategy.create_variable(f"t{i}", shape=(16, 8), initializer="ones",
+                                          optimizer="adam", optimizer_params=ADAM,
+                                          partitioner=None) for i in range(4)]
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+            it, steps = iter(ds), EXAMPLES // BATCH
+            done = [coord.schedule(twins_step, args=(counter, twins, it)) for _ in range(steps)]
+            done[steps // 4].fetch()
+            added = cluster.add_ps()
+            moves = coord.add_parameter_server(added)
+            taken = [m for m in moves if hasattr(m, "shard")]
+            assert len(taken) == 1 and taken[0].destination == added
+            assert [t.shards[0].address for t in twins].count(added) == 1
+            assert [m.name for m in ps_pool.client_for(added).list_variables()] == \
+                [taken[0].shard]
+            done[steps // 2].fetch()
+            back = [m for m in coord.remove_parameter_server(added) if hasattr(m, "shard")]
+            assert [m.shard for m in back] == [taken[0].shard]
+            coord.join(timeout=180)
+            assert ds.wait_epoch(0, timeout=30)
+            assert sorted(i for d in done for i in d.fetch()) == list(range(EXAMPLES))
+        np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False),
+                                      np.ones((EXAMPLES, 1), np.float32))
+        assert all(t.shards[0].address != added for t in twins)
+        values = [t.read() for t in twins]
+        assert not np.array_equal(values[0], np.ones((16, 8), np.float32))
+        for t, value in zip(twins, values):
+            np.testing.assert_array_equal(value, values[0])
+            assert t.versions() == [steps]
