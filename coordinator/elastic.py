@@ -24,11 +24,11 @@ step closures carry) is brought to each layout as the move is made, so
 closures scheduled from then on route there at once; closures sent before
 learn it from the first refusal.
 
-What an add does not move: variables stay where they were created
-(variables and tables created from then on are placed over every server,
-the new one included; a drain moves a server's variable shards whole:
-coordinator/variable_moves.py); a table's admission counters of keys not admitted yet stay at
-the source (such a key counts again from zero at the new server).
+Variable shards move whole, after the tables (coordinator/variable_moves.py:
+an added server takes about an even share, a drained one gives its shards
+away). What an add does not move: a table's admission counters of keys not
+admitted yet stay at the source (such a key counts again from zero at the
+new server).
 
 Refused (ValueError, nothing changed): with ``replication=True`` (a moved
 shard would need its backup moved too), in sync mode (every shard counts

@@ -91,6 +91,17 @@ TABLE_MOVE_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0), registry=REGISTRY)
 for _o in ("done", "failed"):
     TABLE_MOVES.labels(_o)
+VARIABLE_MOVES = Counter(
+    "pstrain_coordinator_variable_moves_total",
+    "Variable shards moved whole between parameter servers (an add's even share, a "
+    "drain's shards), by outcome: done|failed.",
+    ["outcome"], registry=REGISTRY)
+VARIABLE_BYTES_MOVED = Counter(
+    "pstrain_coordinator_variable_moved_bytes_total",
+    "Bytes (values and optimizer slots) of variable shards moved between servers.",
+    registry=REGISTRY)
+for _o in ("done", "failed"):
+    VARIABLE_MOVES.labels(_o)
 TABLE_MOVE_LEFT = Gauge(
     "pstrain_coordinator_table_move_buckets_left",
     "Buckets a table's move under way has still to move (0: none under way); each "

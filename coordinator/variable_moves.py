@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from coordinator import metrics as _metrics
 from coordinator import placement, ps_pool
 from psserver.contract import (
     DEMOTE,
@@ -214,8 +215,11 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
         moved.version = after.version
     finally:
         if not promoted:
+            _metrics.VARIABLE_MOVES.labels("failed").inc()
             _keep_at_source(src, dst, s.name, e)
     placement.record(s.made_at, s.name, destination)
+    _metrics.VARIABLE_MOVES.labels("done").inc()
+    _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
     try:
         src.delete_variable(s.name)
     except PSError as exc:   # (a backup copy left there refuses every call)

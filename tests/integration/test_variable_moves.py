@@ -390,7 +390,13 @@ def test_a_server_added_takes_variable_shards_and_gives_them_back_when_drained()
     holds about an even share (here one of four equal Adam variables); the
     drain at half the steps moves it back; workers train throughout: no
     step fails, every example counted once, the four variables equal bit for
-    bit (value, slots, version) at the end."""
+    bit (value, slots, version) at the end; /metrics counts both moves."""
+    from coordinator import metrics
+
+    def sample(name, labels=None):
+        return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+    done0 = sample("pstrain_coordinator_variable_moves_total", {"outcome": "done"})
+    bytes0 = sample("pstrain_coordinator_variable_moved_bytes_total")
     with LocalCluster(num_ps=2, num_workers=2) as cluster:
         strategy = ParameterServerStrategy(cluster.spec)
         counter = strategy.create_embedding_table("counter", 1, initializer="zeros",
@@ -420,6 +426,10 @@ def test_a_server_added_takes_variable_shards_and_gives_them_back_when_drained()
         np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False),
                                       np.ones((EXAMPLES, 1), np.float32))
         assert all(t.shards[0].address != added for t in twins)
+        assert sample("pstrain_coordinator_variable_moves_total", {"outcome": "done"}) == \
+            done0 + 2
+        assert sample("pstrain_coordinator_variable_moved_bytes_total") == \
+            bytes0 + taken[0].bytes + back[0].bytes > bytes0
         values = [t.read() for t in twins]
         assert not np.array_equal(values[0], np.ones((16, 8), np.float32))
         for t, value in zip(twins, values):
