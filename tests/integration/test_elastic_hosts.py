@@ -1,13 +1,21 @@
 """Elastic parameter servers across test hosts (bench/hosts.py): a server on
 a host of its own added to a running job and drained again, the rows
 moving server to server over the network with TLS and the token, while
-workers on two other hosts train; every example counted exactly once."""
+workers on two other hosts train; every example counted exactly once. Then
+the server holding a variable is drained: it moves whole, host to host."""
 from __future__ import annotations
 
 import host_gate
+import numpy as np
 
 from bench import hosts
-from coordinator import ClusterCoordinator, LocalCluster, ps_pool
+from coordinator import (
+    ClusterCoordinator,
+    LocalCluster,
+    ps_pool,
+    push_gradients,
+    read_variables,
+)
 from tests.integration.test_elastic import (
     EXAMPLES,
     _each_example_once,
@@ -17,6 +25,11 @@ from tests.integration.test_elastic import (
 )
 
 pytestmark = host_gate.marks(240)
+
+
+def _push_one(w):
+    push_gradients([(w, np.ones(2, np.float32))])
+    return read_variables([w])[0]
 
 
 def test_a_server_on_another_host_is_added_and_drained_while_workers_train():
@@ -47,3 +60,15 @@ def test_a_server_on_another_host_is_added_and_drained_while_workers_train():
             # (each host has its own network: the moves went server to server
             # over it, and the coordinator's calls over the data ports)
             assert {ps_pool.client_for(a).route.socket for a in emb.addresses} == {"tcp"}
+            # the server holding w (a variable) drained too: w moves whole, host to host
+            first = w.shards[0].address
+            want, counts = w.read(), counter.lookup(np.arange(EXAMPLES), admit=False)
+            moved = [m for m in coord.remove_parameter_server(first) if hasattr(m, "shard")]
+            assert [(m.shard, m.source) for m in moved] == [("w", first)]
+            assert w.shards[0].address == moved[0].destination != first
+            assert not ps_pool.client_for(first).list_variables()
+            np.testing.assert_array_equal(w.read(), want)
+            np.testing.assert_array_equal(counter.lookup(np.arange(EXAMPLES), admit=False),
+                                          counts)
+            done = coord.schedule(_push_one, args=(w,))   # (a worker, on its host)
+            np.testing.assert_array_equal(done.fetch(), want - 1)
