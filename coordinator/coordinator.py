@@ -290,8 +290,9 @@ class ClusterCoordinator:
         a shard move that fails is logged and ends that, the add stands),
         and variables and tables created from then on are placed over every
         server. Returns what moved: a TableMove per table, then a
-        VariableMove per variable shard. ValueError, nothing changed, with
-        replication or in sync mode (not supported yet), for an address
+        VariableMove per variable shard (with replication: backup copies
+        move). ValueError, nothing changed, with replication in a job with
+        dynamic tables or in sync mode (not supported yet), for an address
         the job has (unless an add or drain of it failed part way: then its
         shards are filled to their share), or for a server of the job named
         another way (the same process); coordinator/elastic.py says what
@@ -315,8 +316,11 @@ class ClusterCoordinator:
         stay, refusing every key, so that an older description of a table
         learns the layout there); its variable shards move whole to the others
         (coordinator/variable_moves.py). Returns what moved: a VariableMove
-        per variable shard, then a TableMove per table. ValueError, nothing
-        changed, with replication or in sync mode, or for the last server."""
+        per variable shard copy, then a TableMove per table (with replication
+        each shard keeps two copies on two servers: the primary role is
+        handed over first). ValueError, nothing changed, with replication in
+        a job with dynamic tables or in sync mode, for the last server, or
+        with replication where a copy would have no server left."""
         elastic.check_remove(self.strategy, address)
         with self._cluster.between_steps(timeout):
             self._check_open()
@@ -393,7 +397,8 @@ class ClusterCoordinator:
         runs a replica and takes a batch of a sharded dataset), which follow
         the workers lost and joining (one the spec gained since the last
         step, or one left out that connected again, counted: the next step
-        admits it); before the first step, the cluster spec's. Other modes: the strategy's ``num_replicas_in_sync``."""
+        admits it); before the first step, the cluster spec's. Other modes:
+        the strategy's ``num_replicas_in_sync``."""
         if self.strategy.mode != "allreduce":
             return self.strategy.num_replicas_in_sync
         gangs, spec = self._cluster.gangs, tuple(self.strategy.cluster_spec.worker)

@@ -30,8 +30,9 @@ away). What an add does not move: a table's admission counters of keys not
 admitted yet stay at the source (such a key counts again from zero at the
 new server).
 
-Refused (ValueError, nothing changed): with ``replication=True`` (a moved
-shard would need its backup moved too), in sync mode (every shard counts
+Refused (ValueError, nothing changed): with ``replication=True`` in a job
+with dynamic tables (a moved table shard would need its backup moved too;
+variables' copies move: coordinator/variable_moves.py), in sync mode (every shard counts
 every replica of a step), an address the job has already, or a server that
 does not answer. A move that fails part-way (the new server or a source
 lost) keeps the buckets moved so far where they went and the others where
@@ -169,10 +170,11 @@ def check_add(strategy, address: str, probe: float | None = None) -> None:
 
 
 def _check_mode(strategy, what: str) -> None:
-    if strategy.replication:
-        raise ValueError(f"{what} a parameter server with replication=True is not supported "
-                         "yet (each moved shard's backup would have to move too); checkpoint "
-                         "and restore into the other cluster instead")
+    if strategy.replication and strategy.tables:
+        raise ValueError(f"{what} a parameter server with replication=True in a job with "
+                         "dynamic tables is not supported yet (a moved table shard's backup "
+                         "would have to move too; variables' copies move); checkpoint and "
+                         "restore into the other cluster instead")
     if strategy.mode == "sync":
         raise ValueError(f"{what} a parameter server in sync mode is not supported yet (every "
                          "shard of a table counts every replica of a step); use async, "
@@ -182,7 +184,7 @@ def _check_mode(strategy, what: str) -> None:
 
 def check_remove(strategy, address: str) -> None:
     """ValueError (nothing changed) where a server cannot be removed: not
-    one of the job's, the last one, with replication or in sync mode."""
+    one of the job's, the last one, with replication and tables, or in sync mode."""
     if address not in strategy.parameter_servers:
         raise ValueError(f"{address} is not a parameter server of this job")
     if len(strategy.parameter_servers) < 2:

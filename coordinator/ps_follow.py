@@ -30,7 +30,7 @@ What is not done, and said once in the log:
 * A server the spec now names another way (the same process: its
   server_id) is neither added under the new name nor drained: name each
   server one way everywhere.
-* A refusal (ValueError: replication, sync mode, the last server, a
+* A refusal (ValueError: replicated tables, sync mode, the last server, a
   server that holds a variable of the name a drained shard has) or a move whose outcome a source cannot tell
   (elastic.MoveUndetermined: it needs a person) is not tried again until the
   spec changes for that address. Other failures are tried again, each time

@@ -45,8 +45,9 @@ DEFAULT = Route()
 def key(shard) -> tuple[str, str]:
     """A shard's key in the table: the created copy's (address, name) (a
     variable's shard names are unique; a dynamic table's shards share one
-    name on different servers)."""
-    return shard.address, shard.name
+    name on different servers); for a variable's, the address it was made
+    on (``made_at``: a drain may have moved it since, coordinator/placement.py)."""
+    return getattr(shard, "made_at", shard.address), shard.name
 
 
 def decide(created, other) -> Route | None:

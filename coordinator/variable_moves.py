@@ -19,7 +19,18 @@ shard's:
 4. the source's copy is deleted.
 
 Then the process records the shard's new place (coordinator/placement.py),
-which ``Shard.address`` reads and closures carry to workers.
+which ``Shard.address`` reads and closures carry to workers. An added
+server takes shards the same way, until it holds about an even share of
+the variable bytes (``plan_spread``).
+
+With replication (``rehome``), each shard keeps two copies on two servers:
+a copy on the drained server that leads hands the primary role to the
+other copy first (DEMOTE, PROMOTE: the planned hand-over of a fail-back);
+then the primary copies its whole state to a copy of the same name on a
+server holding neither copy (SET_BACKUP) and forwards to it from then on,
+and the old copy is deleted. An added server takes backup copies. Every
+process learns the new primaries as after a failover (coordinator/routes.py:
+a refusal, then both copies asked; ``routes.key`` is the copy's ``made_at``).
 
 A move that fails part way leaves the shard whole on one server: before
 step 3, on the source (its link to the destination dropped, made primary
@@ -75,17 +86,35 @@ def shard_bytes(v, s) -> int:
     return s.rows * int(np.prod(v.shape[1:], dtype=np.int64)) * np.dtype(v.dtype).itemsize
 
 
+def copies(v) -> list:
+    """Every copy of ``v``'s shards: each shard, and with replication its backup."""
+    return list(v.shards) + list(v.backups)
+
+
+def other_copy(v, s):
+    """The other copy of the shard ``s`` is a copy of (None: not replicated)."""
+    for c, b in zip(v.shards, v.backups):
+        if s == c:
+            return b
+        if s == b:
+            return c
+    return None
+
+
 def plan_drain(variables, servers, address: str) -> list[tuple]:
-    """(variable, shard, destination) for each shard on ``address``: largest
-    first, each to the server of ``servers`` (not ``address``) holding the
-    fewest variable bytes then (ties: the first in ``servers``)."""
+    """(variable, copy, destination) for each shard copy on ``address`` (with
+    replication, primaries and backups alike): largest first, each to the
+    server of ``servers`` holding the fewest variable bytes then (ties: the
+    first in ``servers``), never ``address`` nor the server of its other
+    copy. ValueError where no server is left for a copy (replication: each
+    shard keeps its two copies on two servers)."""
     others = [a for a in servers if a != address]
     if not others:
-        return []
+        return []   # (the last server: check_remove refuses it)
     load = dict.fromkeys(others, 0)
     leaving = []
     for v in variables:
-        for s in v.shards:
+        for s in copies(v):
             where = s.address
             if where == address:
                 leaving.append((v, s))
@@ -93,27 +122,37 @@ def plan_drain(variables, servers, address: str) -> list[tuple]:
                 load[where] += shard_bytes(v, s)
     plan = []
     for v, s in sorted(leaving, key=lambda vs: -shard_bytes(*vs)):
-        dest = min(others, key=lambda a: load[a])
+        other = other_copy(v, s)
+        allowed = [a for a in others if other is None or a != other.address]
+        if not allowed:
+            raise ValueError(f"no server is left for {s.name!r} (its other copy is on "
+                             f"{other.address}): with replication a drain needs a server "
+                             "that holds neither copy of each shard; add one first")
+        dest = min(allowed, key=lambda a: load[a])
         load[dest] += shard_bytes(v, s)
         plan.append((v, s, dest))
     return plan
 
 
-def plan_spread(variables, servers, address: str) -> list[tuple]:
-    """(variable, shard, ``address``) for the shards an added server takes so
-    that the variable bytes even out: while it holds less than an even share
-    (the total over ``servers``, itself included), the most loaded server
-    gives it its largest shard that fits in what it lacks and leaves that
-    server holding at least what the new one will; none where no shard fits
-    (a shard is never split: the partitioner's shards stay as made)."""
+def plan_spread(variables, servers, address: str, movable=None) -> list[tuple]:
+    """(variable, copy, ``address``) for the shard copies an added server
+    takes so that the variable bytes even out: while it holds less than an
+    even share (the total over ``servers``, itself included), the most
+    loaded server gives it its largest copy that fits in what it lacks and
+    leaves that server holding at least what the new one will; none where no
+    copy fits (a shard is never split: the partitioner's shards stay as
+    made). ``movable``: the copies that may move, as Shards (default: every
+    shard; with replication the caller gives the backup copies, one per
+    shard); every copy counts in the loads."""
     load = dict.fromkeys(servers, 0)
     on: dict[str, list] = {a: [] for a in servers}
     for v in variables:
-        for s in v.shards:
+        for s in copies(v):
             where = s.address
             if where in load:
                 load[where] += shard_bytes(v, s)
-                on[where].append((v, s))
+                if s in (movable if movable is not None else v.shards):
+                    on[where].append((v, s))
     if address not in load:
         return []
     share = sum(load.values()) / len(load)
@@ -141,10 +180,17 @@ def spread_to(strategy, address: str) -> list[VariableMove]:
     """After ``address`` was added: move variable shards to it (``plan_spread``)
     between the same two steps. A move that fails is logged and ends the
     spread (the add stands: the shard stays whole where it was)."""
-    moves = []
+    moves, movable = [], None
     try:
-        for v, s, dest in plan_spread(strategy.variables, strategy.parameter_servers, address):
-            moves.append(move_shard(v, s, dest, strategy.server_ids))
+        if strategy.replication:   # (the backup copies move: the primaries keep serving)
+            pool = ps_pool.servers()
+            pairs = [(v, k) for v in strategy.variables for k in range(len(v.backups))]
+            pool.refresh(pairs)
+            movable = {v.shards[k] if pool.routes.route(v, k).flipped else v.backups[k]
+                       for v, k in pairs}
+        for v, s, dest in plan_spread(strategy.variables, strategy.parameter_servers, address,
+                                      movable):
+            moves.append(_move(v, s, dest, strategy.server_ids))
     except (PSError, ValueError) as exc:
         log.warning("adding %s: moving variable shards there stopped after %d (%s); the "
                     "others stay where they are", address, len(moves), exc)
@@ -162,18 +208,89 @@ def drain_variables(strategy, address: str) -> list[VariableMove]:
     that has not declared it yet, or another job's; the drain would leave it
     on a server that may stop."""
     plan = plan_drain(strategy.variables, strategy.parameter_servers, address)
-    ours = {s.name for v in strategy.variables for s in v.shards if s.address == address}
+    ours = {s.name for v in strategy.variables for s in copies(v) if s.address == address}
     stray = sorted(m.name for m in ps_pool.client_for(address).list_variables()
-                   if m.role == ROLE_PRIMARY and m.name not in ours)
+                   if (m.role == ROLE_PRIMARY or strategy.replication) and m.name not in ours)
     if stray:
         raise ValueError(f"{address} holds variables this coordinator does not know "
                          f"({', '.join(stray[:5])}{'...' if len(stray) > 5 else ''}); nothing "
                          "moved. Declare them first (create_variable, with reuse_existing=True "
                          "for a coordinator made again) or delete them")
     try:
-        return [move_shard(v, s, dest, strategy.server_ids) for v, s, dest in plan]
+        return [_move(v, s, dest, strategy.server_ids) for v, s, dest in plan]
     finally:
         strategy.__dict__.pop("_held_by_name", None)   # (places() asks the servers again)
+
+
+def _move(v, s, destination: str, known: dict | None) -> VariableMove:
+    other = other_copy(v, s)
+    if other is None:
+        return move_shard(v, s, destination, known)
+    return rehome(v, s, other, destination, known)
+
+
+def rehome(v, s, other, destination: str, known: dict | None = None) -> VariableMove:
+    """With replication: move the copy ``s`` (on the server being drained, or
+    a backup given to an added one) to ``destination``, the shard keeping
+    two copies: if ``s`` leads, the primary role is handed to ``other``
+    first (DEMOTE ``s``, PROMOTE ``other``: the planned hand-over a
+    fail-back makes); then ``other`` copies its whole state to a copy named
+    as ``s`` on ``destination`` and forwards to it from then on (SET_BACKUP);
+    then ``s``'s old copy is deleted. Each change fenced by an epoch above
+    both copies'. A failure puts the shard back as it was where it can (the
+    role handed back, the backup link back to ``s``'s copy) and goes up."""
+    source = s.address
+    src, oth, dst = (ps_pool.client_for(a) for a in (source, other.address, destination))
+    _check_known(known, ((source, src), (other.address, oth), (destination, dst)))
+    _clear_way(dst, destination, s.name, source)
+    sm, om = src.get_meta(s.name), oth.get_meta(other.name)
+    e, start = max(sm.epoch, om.epoch), time.monotonic()
+    moved = VariableMove(v.name, s.name, source, destination,
+                         sm.nbytes + sm.slot_nbytes, max(sm.version, om.version))
+    log.info("moving the copy %s of a replicated variable shard (%.1f MiB with its slots) "
+             "from %s to %s", s.name, moved.bytes / 2**20, source, destination)
+    seconds = COPY_SECONDS + moved.bytes / 2**20 * COPY_SECONDS_PER_MIB
+    led = sm.role == ROLE_PRIMARY and (om.role != ROLE_PRIMARY or sm.epoch > om.epoch)
+    if led:   # (hand the primary role to the other copy, which holds every version)
+        src.reconfigure([(s.name, DEMOTE, e + 1, None)], timeout=seconds)
+        try:
+            oth.reconfigure([(other.name, PROMOTE, e + 2, None)], timeout=seconds)
+        except BaseException:
+            _metrics.VARIABLE_MOVES.labels("failed").inc()
+            _settle_role(src, s.name, e + 3, Peer(other.address, other.name))
+            raise
+        e += 2
+    try:
+        oth.reconfigure([(other.name, SET_BACKUP, e + 1, Peer(destination, s.name))],
+                        timeout=seconds)
+    except BaseException:
+        _metrics.VARIABLE_MOVES.labels("failed").inc()
+        _settle_role(oth, other.name, e + 2, Peer(source, s.name), set_backup=True)
+        try:
+            dst.delete_variable(s.name)
+        except PSError:
+            pass
+        raise
+    placement.record(s.made_at, s.name, destination)
+    _metrics.VARIABLE_MOVES.labels("done").inc()
+    _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
+    _delete_left(src, s.name, source, destination)
+    ps_pool.servers().refresh([(v, k) for k in range(len(v.backups))])
+    moved.seconds = time.monotonic() - start
+    log.info("moved the copy %s to %s (its shard led by %s): %.1f MiB in %.2fs", s.name,
+             destination, other.address, moved.bytes / 2**20, moved.seconds)
+    return moved
+
+
+def _settle_role(client, name: str, epoch: int, peer: Peer, set_backup: bool = False) -> None:
+    """A hand-over or a re-homing that failed: make the copy ``name`` lead
+    again with ``peer`` (the copy it had) as its backup, copied again."""
+    try:
+        action = SET_BACKUP if set_backup else PROMOTE
+        client.reconfigure([(name, action, epoch, peer)], timeout=COPY_SECONDS)
+    except PSError as exc:
+        log.warning("a failed move of %s left it unsettled (%s); the job's recovery settles "
+                    "it when it next looks at that server", name, exc)
 
 
 def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMove:
@@ -184,22 +301,8 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
     last checkpoint)."""
     source = s.address
     src, dst = ps_pool.client_for(source), ps_pool.client_for(destination)
-    for address, client in ((source, src), (destination, dst)):
-        if known and address in known and client.server_info().server_id != known[address]:
-            raise FailedPrecondition(f"{address} restarted since the job knew it; nothing "
-                                     "moved. Wait for its recovery, then remove the server "
-                                     "again")
-    try:
-        there = dst.get_meta(s.name)
-    except NotFound:
-        there = None
-    if there is not None and there.role == ROLE_PRIMARY:
-        raise ValueError(f"{destination} holds a variable named {s.name!r} already; nothing "
-                         f"moved. Delete it there, or remove {source} after the job that "
-                         "made it is done with it")
-    if there is not None:   # (a backup copy an earlier move of it left there: stale)
-        log.info("deleting the copy of %s an earlier move left on %s", s.name, destination)
-        dst.delete_variable(s.name)
+    _check_known(known, ((source, src), (destination, dst)))
+    _clear_way(dst, destination, s.name, source)
     meta = src.get_meta(s.name)
     e, peer, start = meta.epoch, Peer(destination, s.name), time.monotonic()
     moved = VariableMove(v.name, s.name, source, destination,
@@ -220,16 +323,46 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
     placement.record(s.made_at, s.name, destination)
     _metrics.VARIABLE_MOVES.labels("done").inc()
     _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
-    try:
-        src.delete_variable(s.name)
-    except PSError as exc:   # (a backup copy left there refuses every call)
-        log.warning("moved variable shard %s to %s, but deleting its copy on %s failed (%s); "
-                    "that copy refuses calls and goes with its server", s.name, destination,
-                    source, exc)
+    _delete_left(src, s.name, source, destination)
     moved.seconds = time.monotonic() - start
     log.info("moved variable shard %s to %s: version %d, %.1f MiB in %.2fs", s.name,
              destination, moved.version, moved.bytes / 2**20, moved.seconds)
     return moved
+
+
+def _check_known(known: dict | None, servers) -> None:
+    """FailedPrecondition where one of ``servers`` ((address, client) each)
+    restarted since the job knew it (``known``: address -> server_id): its
+    recovery is due, and would restore a shard moved there from the last
+    checkpoint."""
+    for address, client in servers:
+        if known and address in known and client.server_info().server_id != known[address]:
+            raise FailedPrecondition(f"{address} restarted since the job knew it; nothing "
+                                     "moved. Wait for its recovery, then try again")
+
+
+def _clear_way(dst, destination: str, name: str, source: str) -> None:
+    """Refuse (ValueError) a destination that holds a primary copy named
+    ``name``; delete a backup copy of that name an earlier move left there."""
+    try:
+        there = dst.get_meta(name)
+    except NotFound:
+        return
+    if there.role == ROLE_PRIMARY:
+        raise ValueError(f"{destination} holds a variable named {name!r} already; nothing "
+                         f"moved. Delete it there, or move {source}'s after the job that made "
+                         "it is done with it")
+    log.info("deleting the copy of %s an earlier move left on %s", name, destination)
+    dst.delete_variable(name)
+
+
+def _delete_left(src, name: str, source: str, destination: str) -> None:
+    try:
+        src.delete_variable(name)
+    except PSError as exc:   # (a backup copy left there refuses every call)
+        log.warning("moved variable shard %s to %s, but deleting its copy on %s failed (%s); "
+                    "that copy refuses calls and goes with its server", name, destination,
+                    source, exc)
 
 
 def _keep_at_source(src, dst, name: str, e: int) -> None:

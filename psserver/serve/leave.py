@@ -5,15 +5,15 @@ a server that holds variable shards or table shards holding buckets of their
 tables: it says it is leaving (``ServerInfo.leaving``), serves on, and stops
 once the job has drained it, that is once every table shard on it was left
 no bucket by a drain's last move (``MoveBucketsRequest.source_leaves``) and
-every variable shard moved away (coordinator/variable_moves.py: a copy left
-behind is a backup, which refuses every call): a coordinator that follows
+every variable shard copy moved away (coordinator/variable_moves.py; a
+copy a failed delete left behind keeps it waiting): a coordinator that follows
 its servers drains a leaving one at once (coordinator/ps_follow.py),
 or after S seconds, or once no coordinator that drains its servers has
 asked for its ServerInfo (``ServerInfoRequest.drains``) for
 ``ASKED_SECONDS`` (nothing would drain it), or at a second signal. It
 stops at once, as without the option, where it holds none of these, or
-where its shards are replicated (a job with replication does not drain its
-servers: their backups take over). So ``docker
+where its table shards are replicated (replicated tables are not drained:
+their backups take over). So ``docker
 compose up --scale ps=N`` down, or a StatefulSet scaled down, drains the
 server it stops (its stop grace period must cover S).
 """
@@ -22,8 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-
-from psserver.contract import ROLE_PRIMARY
 
 log = logging.getLogger("psserver")
 
@@ -62,15 +60,14 @@ class Leaving:
             self._asked = self._clock()
 
     def _held(self) -> list[str] | None:
-        """The tables whose shards here still hold buckets, and the variables
-        (shards) held here as their primary copy (a drain moves them whole;
-        a backup copy left by a move refuses every call); None where a copy
-        here replicates to a backup (a job with replication: its servers are
-        not drained)."""
-        if any(c.link is not None for c in self.registry.copies()):
+        """The tables whose shards here still hold buckets, and the variable
+        shard copies here (a drain moves them whole: primaries, and with
+        replication backups too); None where a table shard here replicates to
+        a backup (replicated tables are not drained: their backups take over)."""
+        if any(c.link is not None for c in self.registry.tables()):
             return None
         return [c.table_name for c in self.registry.tables() if not c.drained] + \
-            [v.name for v in self.registry.variables() if v.role == ROLE_PRIMARY]
+            [v.name for v in self.registry.variables()]
 
     def wait(self, again=lambda: False) -> None:
         """Return when the server may stop: at once, or once drained (see the
@@ -79,8 +76,8 @@ class Leaving:
             return
         held = self._held()
         if held is None:
-            log.warning("stopping: this server's shards are replicated, and a job with "
-                        "replication does not drain its servers (their backups take over)")
+            log.warning("stopping: this server's table shards are replicated, and replicated "
+                        "tables are not drained (their backups take over)")
             return
         if not held:
             return

@@ -85,3 +85,32 @@ def test_the_table_of_moved_shards_is_followed_taken_whole_and_checked():
                 ("a:1", "v", "x" * 1025), ("a:1", 7, "b:2"), ("a", "b", "c", "d")]:
         with pytest.raises(ValueError, match="made on, name, address now"):
             placement.parse([bad])
+
+
+def test_with_replication_no_copy_goes_where_its_other_copy_is():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        servers = [f"s{i}" for i in range(int(rng.integers(3, 6)))]
+        vs = []
+        for j in range(int(rng.integers(1, 12))):
+            p, b = rng.choice(len(servers), 2, replace=False)
+            rows = int(rng.integers(1, 100))
+            vs.append(ShardedVariable(f"v{j}", (rows, 2), "float32",
+                                      (Shard(servers[p], f"v{j}", 0, rows),), "sgd",
+                                      (Shard(servers[b], f"_backup/v{j}", 0, rows),)))
+        leaving = servers[int(rng.integers(len(servers)))]
+        plan = plan_drain(vs, servers, leaving)
+        on = {(v.name, s.name) for v in vs for s in v.shards + v.backups if s.address == leaving}
+        assert {(v.name, s.name) for v, s, _ in plan} == on, trial
+        for v, s, dest in plan:
+            other = v.backups[0] if s == v.shards[0] else v.shards[0]
+            assert dest not in (leaving, other.address), trial
+    two = [ShardedVariable("v", (4, 2), "float32", (Shard("a", "v", 0, 4),), "sgd",
+                           (Shard("b", "_backup/v", 0, 4),))]
+    with pytest.raises(ValueError, match="no server is left"):
+        plan_drain(two, ("a", "b"), "a")
+    three = [ShardedVariable(f"v{i}", (4, 2), "float32", (Shard("a", f"v{i}", 0, 4),), "sgd",
+                             (Shard("b", f"_backup/v{i}", 0, 4),)) for i in range(3)]
+    movable = {v.backups[0] for v in three}   # (an add: backup copies move, primaries stay)
+    plan = plan_spread(three, ("a", "b", "c"), "c", movable)
+    assert [(s.name, d) for _, s, d in plan] == [("_backup/v2", "c")]

@@ -248,16 +248,16 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     now = threading.Event()
     text = left(30, now.set, now)
     assert "drained" not in text and "no coordinator" not in text
-    # a variable's primary copy is held too (a drain moves it); a backup copy is not
+    # a variable's copy is held too (a drain moves it)
     shard.drained = True
-    var = types.SimpleNamespace(name="v", role=L.ROLE_PRIMARY, link=None)
+    var = types.SimpleNamespace(name="v", link=None)
     registry.variables = lambda: [var]
     assert "not drained within" in left(0.2) and "['v']" in caplog.text
-    assert "drained" in left(30, lambda: setattr(var, "role", 1 - L.ROLE_PRIMARY))
+    assert "drained" in left(30, lambda: setattr(registry, "variables", lambda: []))
     leave = L.Leaving(registry, 30)
     leave.wait()   # (nothing held: at once)
     assert not leave.leaving
-    var.role, var.link = L.ROLE_PRIMARY, object()   # (replicated: not drained, at once)
+    shard.link = object()   # (a replicated table shard: not drained, at once)
     caplog.clear()
     leave = L.Leaving(registry, 30)
     leave.wait()

@@ -435,3 +435,100 @@ def test_a_server_added_takes_variable_shards_and_gives_them_back_when_drained()
         for t, value in zip(twins, values):
             np.testing.assert_array_equal(value, values[0])
             assert t.versions() == [steps]
+
+
+def test_with_replication_an_add_and_a_drain_keep_every_shard_on_two_servers():
+    """replication=True (variables only): the added server takes backup
+    copies (an even share), the drained one hands its primaries over and
+    gives its copies to servers holding neither copy of their shard; two
+    workers train throughout: every example once (the counter a variable
+    here: an exactly-once sparse push), the Adam twins equal, every shard's
+    two copies on two servers (neither the drained one), bit-identical at
+    the same version."""
+    from psserver.client import PSClient
+    with LocalCluster(num_ps=3, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        counter = strategy.create_variable("counter", shape=(EXAMPLES, 1), initializer="zeros",
+                                           optimizer="sgd", optimizer_params=SGD1,
+                                           partitioner=FixedShardsPartitioner(3))
+        twins = [strategy.create_variable(f"t{i}", shape=(16, 8), initializer="ones",
+                                          optimizer="adam", optimizer_params=ADAM,
+                                          partitioner=None) for i in range(3)]
+        with ClusterCoordinator(strategy) as coord:
+            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+            it, steps = iter(ds), EXAMPLES // BATCH
+            done = [coord.schedule(replicated_step, args=(counter, twins, it))
+                    for _ in range(steps)]
+            done[steps // 4].fetch()
+            added = cluster.add_ps()
+            taken = [m for m in coord.add_parameter_server(added) if hasattr(m, "shard")]
+            assert taken and all(m.shard.startswith("_backup/") for m in taken)
+            done[steps // 2].fetch()
+            leaving = strategy.parameter_servers[0]
+            gone = [m for m in coord.remove_parameter_server(leaving) if hasattr(m, "shard")]
+            assert gone and all(m.source == leaving for m in gone)
+            coord.join(timeout=180)
+            assert ds.wait_epoch(0, timeout=30)
+            assert sorted(i for d in done for i in d.fetch()) == list(range(EXAMPLES))
+        np.testing.assert_array_equal(counter.read(), np.ones((EXAMPLES, 1), np.float32))
+        values = [t.read() for t in twins]
+        for value in values:
+            np.testing.assert_array_equal(value, values[0])
+        for v in [counter, *twins]:
+            for s, b in zip(v.shards, v.backups):
+                assert s.address != b.address and leaving not in (s.address, b.address)
+                with PSClient(s.address, token=cluster.token, tls=cluster.tls) as cs, \
+                        PSClient(b.address, token=cluster.token, tls=cluster.tls) as cb:
+                    vs, ver_s = cs.read(s.name, with_version=True)
+                    vb, ver_b = cb.read(b.name, with_version=True)
+                assert ver_s == ver_b and vs.tobytes() == vb.tobytes(), s.name
+        assert not ps_pool.client_for(leaving).list_variables()
+
+
+def replicated_step(counter, twins, it):
+    """Each example's row of a variable +1 (exactly once: the batch's update
+    key), every twin a constant gradient."""
+    ids = np.asarray(next(it), np.int64)
+    read_variables(twins)
+    push_gradients([(counter, IndexedSlices(-np.ones((ids.size, 1), np.float32), ids)),
+                    *[(t, np.full(t.shape, 0.5, np.float32)) for t in twins]])
+    return ids.tolist()
+
+
+def test_with_replication_a_drain_refused_or_failed_keeps_two_copies(monkeypatch):
+    """Two servers: no server is left for a copy (refused, nothing changed).
+    Three, the destination killed during the copy: the move fails after its
+    timeout, and the shard still has two copies (the backup link back to the
+    old copy, which holds every version), which train on."""
+    from coordinator import variable_moves
+    with LocalCluster(num_ps=2, num_workers=1, restart=()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        v = _single(strategy, "v")
+        with ClusterCoordinator(strategy) as coord:
+            with pytest.raises(ValueError, match="no server is left"):
+                coord.remove_parameter_server(strategy.parameter_servers[0])
+            assert len(strategy.parameter_servers) == 2
+            push_gradients([(v, np.ones((4, 2), np.float32))])
+            np.testing.assert_array_equal(v.read(), -np.ones((4, 2), np.float32))
+    with LocalCluster(num_ps=3, num_workers=1, restart=()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        v = _single(strategy, "v")   # (primary on ps0, backup on ps1)
+        ps = list(strategy.parameter_servers)
+        assert (v.shards[0].address, v.backups[0].address) == (ps[0], ps[1])
+        with ClusterCoordinator(strategy) as coord:
+            push_gradients([(v, np.ones((4, 2), np.float32))])
+            monkeypatch.setattr(variable_moves, "COPY_SECONDS", 2.0)
+            cluster.ps[2].kill()   # (the only server holding neither copy)
+            with pytest.raises(Exception):
+                coord.remove_parameter_server(ps[0])
+            metas = [ps_pool.client_for(ps[i]).get_meta(n)
+                     for i, n in ((0, v.shards[0].name), (1, v.backups[0].name))]
+            assert sorted(m.role for m in metas) == [0, 1]   # (one primary, one backup)
+            primary = next(m for m in metas if m.role == 0)
+            assert primary.backup is not None and primary.version == 1
+            push_gradients([(v, np.ones((4, 2), np.float32))])
+            np.testing.assert_array_equal(v.read(), -2 * np.ones((4, 2), np.float32))
+            versions = [ps_pool.client_for(ps[i]).get_meta(n).version
+                        for i, n in ((0, v.shards[0].name), (1, v.backups[0].name))]
+            assert versions == [2, 2]
