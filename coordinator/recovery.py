@@ -361,6 +361,13 @@ class _PSRecovery:
         """A restarted server's shards, from the latest checkpoint or (when the
         user asked) as first created. Raises ParameterServerLost otherwise."""
         cluster, strategy = self.cluster, self.cluster.strategy
+        names = [s.name for _, s in strategy.shards_on(address)] + [
+            f"dynamic table {t!r}" for t in strategy.tables_on(address)]
+        if not names and not any(address in t.addresses for t in strategy.tables):
+            # (e.g. a server whose add failed, restarted: it held nothing)
+            log.warning("parameter server %s restarted; it held none of the job's shards: "
+                        "nothing to restore", address)
+            return "unchanged"
         ckpt = cluster.checkpoint_manager
         if ckpt is not None and ckpt.latest():
             log.warning("parameter server %s restarted; restoring its shards from %s",
@@ -368,8 +375,6 @@ class _PSRecovery:
             strategy.recreate_tables(address)   # empty: the restore fills them
             ckpt.restore(address=address)
             return "restored"
-        names = [s.name for _, s in strategy.shards_on(address)] + [
-            f"dynamic table {t!r}" for t in strategy.tables_on(address)]
         if cluster.recreate_lost_shards:
             log.warning("parameter server %s restarted and no checkpoint holds its shards; "
                         "creating %s again as first created (recreate_lost_shards=True): "

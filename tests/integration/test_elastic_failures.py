@@ -173,3 +173,28 @@ def test_a_source_that_restarts_between_two_steps_of_an_add_moves_nothing(tmp_pa
             assert emb.num_shards == 3 and emb.addresses[2] == added
             np.testing.assert_array_equal(emb.lookup(keys, admit=False)[:, 0], -1.0)
             assert sum(_rows(emb.addresses, "emb")) == keys.size
+
+
+def test_a_server_that_held_nothing_of_the_job_restarting_loses_nothing():
+    """A server of the job that holds none of its shards (a failed add rolled
+    back, a drained one, a variable-only job with more servers than shards)
+    restarts: nothing to restore, training goes on (before, the recovery
+    said it "restarted empty" and stopped the job; CI caught this as a race
+    in test_the_new_server_killed_while_it_takes_the_rows)."""
+    from coordinator import ParameterServerStrategy, push_gradients
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:   # (a killed server restarts)
+        strategy = ParameterServerStrategy(cluster.spec)
+        w = strategy.create_variable("w", shape=(2,), optimizer="sgd",
+                                     optimizer_params={"learning_rate": 1.0},
+                                     partitioner=None)
+        x = strategy.create_variable("x", shape=(2,), partitioner=None)
+        empty = x.shards[0].address
+        assert empty != w.shards[0].address
+        strategy.delete_variable(x)   # (its server stays one of the job's, holding nothing)
+        with ClusterCoordinator(strategy, ps_check_interval=0.1) as coord:
+            cluster.kill_ps(cluster.spec.cluster_spec().ps.index(empty))
+            assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
+            coord.join(timeout=60)
+            done = coord.schedule(push_gradients, args=([(w, np.ones(2, np.float32))],))
+            done.fetch()
+            np.testing.assert_array_equal(w.read(), [-1.0, -1.0])
