@@ -16,6 +16,8 @@ data: once with the add, once without. Reported, medians of the rounds:
 * the move's seconds and bytes/s, and bytes/s of the same bytes over one
   bare TCP connection to a process on the new server's host (bench.common
   TCPReference): what the wire allows;
+* the variable shards the new server took (an even share of the DLRM's
+  dense variables, each whole), their bytes and seconds, and the whole add;
 * the AUC of both runs after the same steps (an add changes no update).
 
 ``--hosts``: every task on a test host of its own (bench/hosts.py; root).
@@ -61,8 +63,10 @@ def one_run(rows: int, steps: int, add: bool, placement=None) -> dict:
                 done[steps // 3].fetch()
                 address = cluster.add_ps()   # (--hosts: on a host of its own)
                 t0 = time.time()
-                move = coord.add_parameter_server(address)[0]
+                moves = coord.add_parameter_server(address)
                 move_end = time.time()
+                move = moves[0]   # (the table's; then the variable shards it took)
+                shards = [m for m in moves if hasattr(m, "shard")]
             ends = np.sort([d.fetch() for d in done])
             out = {"auc": w.auc(), "rows": w.table.stats().rows}
     gaps = np.diff(ends)
@@ -76,7 +80,11 @@ def one_run(rows: int, steps: int, add: bool, placement=None) -> dict:
                steps_per_s_before=(before.size - 1) / (before[-1] - before[0]),
                steps_per_s_after=(after.size - 1) / (after[-1] - after[0]),
                move_seconds=move.seconds, move_bytes=move.bytes, move_rows=move.rows,
-               moved_fraction=move.rows / (move.rows + move.kept))
+               moved_fraction=move.rows / (move.rows + move.kept),
+               variable_shards_moved=len(shards),
+               variable_bytes_moved=sum(m.bytes for m in shards),
+               variable_move_seconds=sum(m.seconds for m in shards),
+               add_seconds=move_end - t0)
     return out
 
 
@@ -136,6 +144,10 @@ def main(argv=None) -> int:
          f"{med['move_bytes'] / med['move_seconds'] / 2**20:.1f} MiB/s "
          f"({med['move_seconds'] / res['tcp_seconds']:.0f}x bare TCP's "
          f"{res['tcp_seconds']:.3f} s)", ""],
+        ["variable shards moved: count, MiB, seconds",
+         f"{med['variable_shards_moved']:.0f}, {med['variable_bytes_moved'] / 2**20:.2f}, "
+         f"{med['variable_move_seconds']:.3f} s", ""],
+        ["the whole add (tables, then variables)", f"{med['add_seconds']:.3f} s", ""],
         ["AUC after the same steps", f"{med['auc']:.4f}", f"{base['auc']:.4f}"]],
         title=f"bench_elastic: {rows:,} rows, {steps} steps, medians of {rounds}")
     if args.json:
