@@ -397,7 +397,7 @@ class ParameterServerStrategy:
                               allow_nonfinite=allow_nonfinite, **kw)
                 backup = None
                 if self.replication:   # its backup on the next server, made by the primary
-                    baddr = self._ps[(self._ps.index(addr) + 1) % len(self._ps)]
+                    baddr = variable_moves.backup_place(self, sname, addr)
                     backup = V.Shard(baddr, f"{BACKUP_PREFIX}{sname}", lo, hi - lo)
                     self._note_server(baddr)
                 shard = V.Shard(addr, sname, lo, hi - lo)

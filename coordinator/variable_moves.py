@@ -53,6 +53,7 @@ import numpy as np
 from coordinator import metrics as _metrics
 from coordinator import placement, ps_pool
 from psserver.contract import (
+    BACKUP_PREFIX,
     DEMOTE,
     DROP_BACKUP,
     PROMOTE,
@@ -181,6 +182,10 @@ def spread_to(strategy, address: str) -> list[VariableMove]:
     between the same two steps. A move that fails is logged and ends the
     spread (the add stands: the shard stays whole where it was)."""
     moves, movable = [], None
+    if strategy.mode == "hybrid":
+        log.info("adding %s: variable shards do not move in hybrid mode (see "
+                 "drain_variables); variables created from now on are placed there too", address)
+        return moves
     try:
         if strategy.replication:   # (the backup copies move: the primaries keep serving)
             pool = ps_pool.servers()
@@ -206,8 +211,15 @@ def drain_variables(strategy, address: str) -> list[VariableMove]:
     nothing moved, where the server holds a variable (a primary copy) that
     is not one of this strategy's shards there: a coordinator made again
     that has not declared it yet, or another job's; the drain would leave it
-    on a server that may stop."""
+    on a server that may stop; or in hybrid mode (a step's dense gradients
+    gather on a shard across its closures, which a move would split)."""
     plan = plan_drain(strategy.variables, strategy.parameter_servers, address)
+    if plan and strategy.mode == "hybrid":
+        raise ValueError(f"{address} holds variable shards, which do not move in hybrid mode "
+                         "(a step's dense gradients gather on a shard across the step's "
+                         "closures: a move between two of them would drop one); nothing "
+                         "moved. Use async mode, or checkpoint and restore into the smaller "
+                         "cluster")
     ours = {s.name for v in strategy.variables for s in copies(v) if s.address == address}
     stray = sorted(m.name for m in ps_pool.client_for(address).list_variables()
                    if (m.role == ROLE_PRIMARY or strategy.replication) and m.name not in ours)
@@ -245,16 +257,27 @@ def rehome(v, s, other, destination: str, known: dict | None = None) -> Variable
     _clear_way(dst, destination, s.name, source)
     sm, om = src.get_meta(s.name), oth.get_meta(other.name)
     e, start = max(sm.epoch, om.epoch), time.monotonic()
+    led = sm.role == ROLE_PRIMARY and (om.role != ROLE_PRIMARY or sm.epoch > om.epoch)
+    lead, lm, follow, fm = (s, sm, other, om) if led else (other, om, s, sm)
+    if lm.role != ROLE_PRIMARY or fm.role == ROLE_PRIMARY or \
+            lm.backup != Peer(follow.address, follow.name):
+        raise FailedPrecondition(
+            f"{s.name!r} and {other.name!r} are not a primary and its backup now (a failover "
+            "not rebuilt yet: the copy that leads has no backup, or another); nothing moved. "
+            "Wait for the job's recovery to rebuild the backup, then try again")
     moved = VariableMove(v.name, s.name, source, destination,
-                         sm.nbytes + sm.slot_nbytes, max(sm.version, om.version))
+                         sm.nbytes + sm.slot_nbytes, lm.version)
     log.info("moving the copy %s of a replicated variable shard (%.1f MiB with its slots) "
              "from %s to %s", s.name, moved.bytes / 2**20, source, destination)
     seconds = COPY_SECONDS + moved.bytes / 2**20 * COPY_SECONDS_PER_MIB
-    led = sm.role == ROLE_PRIMARY and (om.role != ROLE_PRIMARY or sm.epoch > om.epoch)
-    if led:   # (hand the primary role to the other copy, which holds every version)
-        src.reconfigure([(s.name, DEMOTE, e + 1, None)], timeout=seconds)
+    if led:   # (hand the primary role to its backup: DEMOTE waits until it has every version)
+        demoted = src.reconfigure([(s.name, DEMOTE, e + 1, None)], timeout=seconds)[0]
         try:
-            oth.reconfigure([(other.name, PROMOTE, e + 2, None)], timeout=seconds)
+            promoted = oth.reconfigure([(other.name, PROMOTE, e + 2, None)], timeout=seconds)[0]
+            if promoted.version != demoted.version:
+                raise FailedPrecondition(
+                    f"{other.name!r} was promoted at version {promoted.version}, its primary "
+                    f"was demoted at {demoted.version}: handed back; nothing moved")
         except BaseException:
             _metrics.VARIABLE_MOVES.labels("failed").inc()
             _settle_role(src, s.name, e + 3, Peer(other.address, other.name))
@@ -320,6 +343,18 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
         if not promoted:
             _metrics.VARIABLE_MOVES.labels("failed").inc()
             _keep_at_source(src, dst, s.name, e)
+    try:   # (the destination, as promoted, before the source's copy goes: it restarted?)
+        held = dst.get_meta(s.name)
+        if known and destination in known and \
+                dst.server_info().server_id != known[destination]:
+            raise FailedPrecondition(f"{destination} restarted during the move")
+    except PSError:
+        _metrics.VARIABLE_MOVES.labels("failed").inc()
+        _keep_at_source(src, dst, s.name, e)   # (the demoted source holds every version)
+        raise
+    if held.version != moved.version:
+        log.warning("moved variable shard %s: version %d there, %d here", s.name,
+                    held.version, moved.version)
     placement.record(s.made_at, s.name, destination)
     _metrics.VARIABLE_MOVES.labels("done").inc()
     _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
@@ -388,28 +423,48 @@ def _keep_at_source(src, dst, name: str, e: int) -> None:
 def places(strategy, name: str, n: int, placed: list[str]) -> list[str]:
     """The servers of variable ``name``'s ``n`` shards, about to be created
     or adopted: ``placed`` (round-robin), but for a coordinator made again
-    (``reuse_existing``, no replication) each shard's server is the one of
-    the job's servers whose copy of it leads (primary; the newest epoch),
-    wherever a drain moved it or however the job's servers changed since it
-    was made. ValueError where copies exist and none leads (a move cut off
-    at its hand-over). This process's record of a move of a shard of that
-    name made on one of these servers is dropped (the shard is there now:
-    a new job that reuses a name is not sent to an old job's copy)."""
+    (``reuse_existing``) each shard's server is the one of the job's servers
+    whose copy of it leads (primary; the newest epoch), wherever a drain or
+    an add moved it or however the job's servers changed since it was made
+    (with replication: the copy of that name, whatever its role, newest
+    epoch first; the routes then learn which copy leads). ValueError where
+    copies exist and none leads (a move cut off at its hand-over). This
+    process's record of a move of a shard of that name made on one of these
+    servers is dropped (the shard is there now: a new job that reuses a
+    name is not sent to an old job's copy)."""
     out = list(placed)
-    if strategy.reuse_existing and not strategy.replication:
+    if strategy.reuse_existing:
         held = _held_by_name(strategy)
         for i, addr in enumerate(placed):
             sname = name if n == 1 else f"{name}/part_{i}"
-            copies = held.get(sname, [])
-            leads = [(m.epoch, a) for a, m in copies if m.role == ROLE_PRIMARY]
-            if copies and not leads:
+            found = held.get(sname, [])
+            if strategy.replication:
+                out[i] = max((m.epoch, a) for a, m in found)[1] if found else addr
+                continue
+            leads = [(m.epoch, a) for a, m in found if m.role == ROLE_PRIMARY]
+            if found and not leads:
                 raise ValueError(
-                    f"variable shard {sname!r} has copies on {[a for a, _ in copies]} but "
+                    f"variable shard {sname!r} has copies on {[a for a, _ in found]} but "
                     "none leads (a drain's move of it was cut off at its hand-over); "
                     "restore the job from a checkpoint")
             out[i] = max(leads)[1] if leads else addr
     for i, addr in enumerate(out):
         placement.settled(addr, name if n == 1 else f"{name}/part_{i}")
+    return out
+
+
+def backup_place(strategy, sname: str, addr: str) -> str:
+    """With replication: the server of shard ``sname``'s backup copy, its
+    primary copy going on ``addr``: the next server after it, but for a
+    coordinator made again the one holding the copy named BACKUP_PREFIX +
+    ``sname`` (newest epoch), wherever a drain or an add re-homed it."""
+    servers = strategy.parameter_servers
+    out = servers[(servers.index(addr) + 1) % len(servers)]
+    if strategy.reuse_existing:
+        found = [(m.epoch, a) for a, m in _held_by_name(strategy).get(BACKUP_PREFIX + sname, ())
+                 if a != addr]
+        out = max(found)[1] if found else out
+    placement.settled(out, BACKUP_PREFIX + sname)
     return out
 
 

@@ -23,6 +23,8 @@ import logging
 import os
 import time
 
+from psserver.contract import ROLE_PRIMARY
+
 log = logging.getLogger("psserver")
 
 
@@ -64,8 +66,8 @@ class Leaving:
         shard copies here (a drain moves them whole: primaries, and with
         replication backups too); None where a table shard here replicates to
         a backup (replicated tables are not drained: their backups take over)."""
-        if any(c.link is not None for c in self.registry.tables()):
-            return None
+        if any(c.link is not None or c.role != ROLE_PRIMARY for c in self.registry.tables()):
+            return None   # (a replicated table's primary, or its backup)
         return [c.table_name for c in self.registry.tables() if not c.drained] + \
             [v.name for v in self.registry.variables()]
 

@@ -225,7 +225,7 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     import types
 
     from psserver.serve import leave as L
-    shard = types.SimpleNamespace(table_name="t", drained=False, link=None)
+    shard = types.SimpleNamespace(table_name="t", drained=False, link=None, role=L.ROLE_PRIMARY)
     registry = types.SimpleNamespace(variables=lambda: [], tables=lambda: [shard])
     registry.copies = lambda: registry.variables() + registry.tables()
     monkeypatch.setattr(L, "ASKED_SECONDS", 0.3)
@@ -257,8 +257,9 @@ def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(
     leave = L.Leaving(registry, 30)
     leave.wait()   # (nothing held: at once)
     assert not leave.leaving
-    shard.link = object()   # (a replicated table shard: not drained, at once)
-    caplog.clear()
-    leave = L.Leaving(registry, 30)
-    leave.wait()
-    assert not leave.leaving and "replicated" in caplog.text
+    for link, role in ((object(), L.ROLE_PRIMARY), (None, 1 - L.ROLE_PRIMARY)):
+        shard.link, shard.role = link, role   # (a replicated table's primary, or backup)
+        caplog.clear()
+        leave = L.Leaving(registry, 30)
+        leave.wait()   # (not drained: at once)
+        assert not leave.leaving and "replicated" in caplog.text

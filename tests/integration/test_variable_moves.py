@@ -532,3 +532,112 @@ def test_with_replication_a_drain_refused_or_failed_keeps_two_copies(monkeypatch
             versions = [ps_pool.client_for(ps[i]).get_meta(n).version
                         for i, n in ((0, v.shards[0].name), (1, v.backups[0].name))]
             assert versions == [2, 2]
+
+
+def test_with_replication_a_drain_waits_for_a_failed_over_shard_to_be_rebuilt():
+    """Review 22: the backup's server cut off (SIGSTOP) and failed over, the
+    primary acknowledging alone, then back before the rebuild: a drain of the
+    primary's server would hand the role to the stale backup (acknowledged
+    updates lost): refused, nothing moved, every update kept."""
+    import os
+    import signal
+
+    from psserver.errors import FailedPrecondition
+    with LocalCluster(num_ps=3, num_workers=1, restart=()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        v = _single(strategy, "v")
+        ps = list(strategy.parameter_servers)
+        assert v.backups[0].address == ps[1]
+        ones = np.ones((4, 2), np.float32)
+        with ClusterCoordinator(strategy, ps_failover_after=1.0, ps_check_interval=60) as coord:
+            push_gradients([(v, ones)])
+            task = cluster.ps[1]
+            os.kill(task.task_pid, signal.SIGSTOP)
+            try:
+                coord.cluster.recovery.report(ps[1])   # (as the watch or a failed step does)
+                assert coord.cluster.recovery.wait_failed_over(ps[1], timeout=30)
+                for _ in range(3):   # (acknowledged by the primary alone)
+                    push_gradients([(v, ones)])
+            finally:
+                os.kill(task.task_pid, signal.SIGCONT)
+            with pytest.raises(FailedPrecondition, match="not a primary and its backup now"):
+                coord.remove_parameter_server(ps[0])
+            np.testing.assert_array_equal(v.read(), -4 * ones)
+            assert v.shards[0].address == ps[0] and ps[0] in strategy.parameter_servers
+
+
+def test_in_hybrid_mode_variables_do_not_move_and_a_drain_of_them_is_refused():
+    """Review 22: a hybrid step's dense gradients gather on a shard across
+    the step's closures; a move between two would drop one. An add takes
+    no variable shard; a drain of a server holding one is refused."""
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, mode="hybrid", num_replicas=2)
+        v = _single(strategy, "v")
+        _single(strategy, "x")
+        with ClusterCoordinator(strategy) as coord:
+            moves = coord.add_parameter_server(cluster.add_ps())
+            assert not [m for m in moves if hasattr(m, "shard")]
+            with pytest.raises(ValueError, match="do not move in hybrid mode"):
+                coord.remove_parameter_server(v.shards[0].address)
+            assert v.shards[0].address == v.shards[0].made_at
+
+
+def test_with_replication_a_coordinator_made_again_adopts_copies_where_they_moved():
+    """Review 22: after a drain re-homed a shard's copies, a coordinator made
+    again (reuse_existing, replication) finds both copies where they are now
+    and reads the trained value (before: a fresh pair from the initializer)."""
+    from coordinator.cluster_spec import ClusterSpec
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, replication=True)
+        v = _single(strategy, "v")
+        ps = list(strategy.parameter_servers)
+        with ClusterCoordinator(strategy) as coord:
+            coord.remove_parameter_server(ps[0])
+            v.assign(np.full((4, 2), 5, np.float32))
+        full = cluster.spec.cluster_spec()
+        left = ClusterSpec(ps=ps[1:], worker=full.worker, token=full.token, tls=full.tls)
+        placement.forget()   # (a new coordinator process knows no moves)
+        again = ParameterServerStrategy(left, reuse_existing=True, replication=True)
+        w = _single(again, "v")
+        assert {w.shards[0].address, w.backups[0].address} == set(ps[1:])
+        np.testing.assert_array_equal(w.read(), np.full((4, 2), 5, np.float32))
+        assert sorted(m.name for a in ps[1:] for m in ps_pool.client_for(a).list_variables()) \
+            == ["_backup/v", "v"]
+
+
+def test_a_destination_lost_right_after_it_was_promoted_leaves_the_shard_at_its_source():
+    """The destination dies after PROMOTE answered, before the source's copy
+    is deleted: the move is rolled back (the demoted source, which holds
+    every version, promoted again), nothing lost, training goes on there."""
+    from psserver.contract import PROMOTE
+    with LocalCluster(num_ps=3, num_workers=1, restart=()) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        v = _single(strategy, "v")
+        source = v.shards[0].address
+        ones = np.ones((4, 2), np.float32)
+        with ClusterCoordinator(strategy) as coord:
+            push_gradients([(v, ones)])
+            dests = [a for a in strategy.parameter_servers if a != source]
+            clients = [ps_pool.client_for(a) for a in dests]
+            tasks = [cluster.ps[cluster.spec.cluster_spec().ps.index(a)] for a in dests]
+
+            def dying(client, task, real):
+                def reconfigure(changes, timeout=120.0):
+                    out = real(changes, timeout=timeout)
+                    if any(action == PROMOTE for _, action, _, _ in changes):
+                        task.kill()
+                        task.proc.wait(timeout=30)
+                    return out
+                return reconfigure
+            for c, t in zip(clients, tasks):
+                c.reconfigure = dying(c, t, c.reconfigure)
+            try:
+                with pytest.raises(Exception):
+                    coord.remove_parameter_server(source)
+            finally:
+                for c in clients:
+                    del c.reconfigure
+            meta = ps_pool.client_for(source).get_meta("v")
+            assert v.shards[0].address == source and meta.role == 0 and meta.version == 1
+            push_gradients([(v, ones)])
+            np.testing.assert_array_equal(v.read(), -2 * ones)
