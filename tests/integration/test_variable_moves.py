@@ -329,6 +329,7 @@ def test_a_drain_refuses_a_restarted_destination_and_variables_it_does_not_know(
             with pytest.raises(FailedPrecondition, match="restarted since the job knew it"):
                 coord.remove_parameter_server(ps[0])
             assert [v.shards[0].address for v in vs] == ps + ps[:1]
+            coord.cluster.recovery.report(ps[1])   # (as the watch's next look would)
             assert coord.cluster.recovery.wait_for_recoveries(1, timeout=60)
             coord.join(timeout=60)
             vs[0].assign(np.full((4, 2), 5, np.float32))
