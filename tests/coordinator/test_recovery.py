@@ -35,7 +35,9 @@ def make(fail_first: int):
         probes.append(server.id)
         return types.SimpleNamespace(server_id=server.id)
     strategy = types.SimpleNamespace(server_ids={"ps:1": "incarnation-0"}, replication=False,
-                                     recreate_tables=lambda address: None)
+                                     recreate_tables=lambda address: None, tables=[],
+                                     shards_on=lambda address: [(None, types.SimpleNamespace(
+                                         name="w"))], tables_on=lambda address: [])
     failed = []
     cluster = types.SimpleNamespace(
         strategy=strategy, ps_recovery_timeout=30.0, closed=False,
