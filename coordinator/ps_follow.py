@@ -31,10 +31,11 @@ What is not done, and said once in the log:
   server_id) is neither added under the new name nor drained: name each
   server one way everywhere.
 * A refusal (ValueError: replicated tables, sync mode, the last server, a
-  server that holds a variable of the name a drained shard has) or a move whose outcome a source cannot tell
-  (elastic.MoveUndetermined: it needs a person) is not tried again until the
-  spec changes for that address. Other failures are tried again, each time
-  after twice as long (up to a minute), said every tenth try.
+  server that holds a variable of the name a drained shard has) or a move
+  whose outcome a source cannot tell (elastic.MoveUndetermined: it needs a
+  person) is not tried again until the spec changes for that address.
+  Other failures are tried again, each time after twice as long (up to a
+  minute), said every tenth try.
 """
 from __future__ import annotations
 
@@ -307,11 +308,15 @@ class ServerFollower:
             return
         self._finish(address, drained=what == "remove")
         self.done.append((what, address))
-        log.warning("parameter server %s %s (%s): %d table(s), %d rows moved in %.2fs%s",
+        tables = [m for m in moves if hasattr(m, "rows")]   # (elastic.TableMove)
+        shards = [m for m in moves if hasattr(m, "shard")]   # (variable_moves.VariableMove)
+        log.warning("parameter server %s %s (%s): %d table(s), %d rows moved, %d variable "
+                    "shard(s) (%.2f MiB) moved in %.2fs%s",
                     address, "added" if what == "add" else "drained",
                     "the cluster spec lists it" if what == "add" else "it is leaving"
                     if address in listed else "the cluster spec no longer lists it",
-                    len(moves), sum(m.rows for m in moves), sum(m.seconds for m in moves),
+                    len(tables), sum(m.rows for m in tables), len(shards),
+                    sum(m.bytes for m in shards) / 2**20, sum(m.seconds for m in moves),
                     "" if what == "add" else "; it may stop")
 
     def _failed(self, address: str, what: str, exc: Exception) -> None:

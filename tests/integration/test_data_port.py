@@ -570,8 +570,13 @@ def test_a_steps_read_and_gather_and_its_pushes_are_sent_at_once_over_the_data_p
                                           [("t", np.array([1, 1]), np.ones((2, 4), np.float32), 6)])
         assert {t.ident for t in threading.enumerate()} <= before   # no thread for them
         snaps, rows = h.result()
-        np.testing.assert_array_equal(snaps[0].value, init)
-        np.testing.assert_array_equal(rows[0][0], table[[[1, 7], [1, 0]]])
+        # (the two calls are in flight together: the server may apply the push
+        # before it reads; CI saw that once under load)
+        assert snaps[0].version in (0, 1)
+        np.testing.assert_array_equal(snaps[0].value, init - 0.5 * snaps[0].version)
+        pushed = table.copy()
+        pushed[1] -= 2
+        assert any(np.array_equal(rows[0][0], t[[[1, 7], [1, 0]]]) for t in (table, pushed))
         np.testing.assert_array_equal(rows[1][0], table[[9]])
         assert p.result() == [1, 1]
         np.testing.assert_allclose(ref.read("w"), init - 0.5, atol=1e-6)

@@ -438,9 +438,10 @@ def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scale
     """docker-compose.elastic.yml: examples/ctr.py on a `ps` service of 2
     replicas found by DNS (`coordinator run --ps-dns ps:2222`); once its first
     epoch is done, `up --scale ps=3`: the coordinator finds the third server
-    and adds it (rows of the table move there); then `--scale ps=2`: Compose
-    stops that server, which waits to be drained (--leave-timeout), the
-    coordinator drains it (its rows move back) and it exits; the job trains on
+    and adds it (rows of the table move there, and an even share of the
+    DLRM's variable shards); then `--scale ps=2`: Compose stops that server,
+    which waits to be drained (--leave-timeout), the coordinator drains it
+    (its rows and variable shards move back) and it exits; the job trains on
     to the end, exit 0, with no step failed. PSTRAIN_REQUIRE_DOCKER=1: fail,
     not skip."""
     project, env, compose = _compose_project(ELASTIC, "pstrain-elastic-test")
@@ -469,14 +470,16 @@ def test_compose_adds_a_parameter_server_to_a_running_job_when_its_service_scale
         out = "".join(lines)
         assert run.wait(timeout=600) == 0, out[-5000:]
         added = re.findall(r"parameter server (\S+) added \(the cluster spec lists it\): "
-                           r"1 table\(s\), (\d+) rows moved", out)
+                           r"1 table\(s\), (\d+) rows moved, (\d+) variable shard", out)
         assert len(added) == 1 and int(added[0][1]) > 0, out[-5000:]
+        assert int(added[0][2]) >= 1, out[-5000:]   # (an even share of the DLRM's variables)
         servers = re.findall(r"parameter servers now \[([^]]*)\]", out)
         assert [x.count(":2222") for x in servers] == [2, 3, 2], out[-5000:]
         assert added[0][0] in servers[1] and added[0][0] not in servers[2]
         drained = re.findall(r"parameter server (\S+) drained \(it is leaving\): "
-                             r"1 table\(s\), (\d+) rows moved", out)
-        assert drained == [(added[0][0], drained[0][1])] and int(drained[0][1]) > 0, out[-5000:]
+                             r"1 table\(s\), (\d+) rows moved, (\d+) variable shard", out)
+        assert drained == [(added[0][0], drained[0][1], added[0][2])], out[-5000:]
+        assert int(drained[0][1]) > 0, out[-5000:]
         assert "epoch 5/5" in out and "Traceback" not in out, out[-5000:]
         auc = re.findall(r"test AUC: ([0-9.]+)", out)
         assert auc and float(auc[-1]) >= 0.70, out[-3000:]
