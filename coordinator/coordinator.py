@@ -319,8 +319,11 @@ class ClusterCoordinator:
         per variable shard copy, then a TableMove per table (with replication
         each shard keeps two copies on two servers: the primary role is
         handed over first). ValueError, nothing changed, with replication in
-        a job with dynamic tables or in sync mode, for the last server, or
-        with replication where a copy would have no server left."""
+        a job with dynamic tables or in sync mode, for the last server, with
+        replication where a copy would have no server left, in hybrid mode
+        for a server holding variable shards, for one holding variables this
+        coordinator has not declared, or where a destination holds another
+        variable of a moving shard's name."""
         elastic.check_remove(self.strategy, address)
         with self._cluster.between_steps(timeout):
             self._check_open()

@@ -26,7 +26,9 @@ learn it from the first refusal.
 
 Variable shards move whole, after the tables (coordinator/variable_moves.py:
 an added server takes about an even share, a drained one gives its shards
-away). What an add does not move: a table's admission counters of keys not
+away; not in hybrid mode, where a step's dense gradients gather across its
+closures: an add takes none, a drain of a server holding one is refused).
+What an add does not move: a table's admission counters of keys not
 admitted yet stay at the source (such a key counts again from zero at the
 new server).
 
@@ -177,9 +179,9 @@ def _check_mode(strategy, what: str) -> None:
                          "restore into the other cluster instead")
     if strategy.mode == "sync":
         raise ValueError(f"{what} a parameter server in sync mode is not supported yet (every "
-                         "shard of a table counts every replica of a step); use async, "
-                         "hybrid or allreduce mode, or checkpoint and restore into the other "
-                         "cluster")
+                         "shard counts every replica of a step, across the step's closures); "
+                         "use async mode (hybrid and allreduce move tables' rows, not "
+                         "variables), or checkpoint and restore into the other cluster")
 
 
 def check_remove(strategy, address: str) -> None:

@@ -26,6 +26,10 @@ import threading
 #: lock (a dict read); replaced whole, never changed in place.
 MOVED: dict[tuple[str, str], str] = {}
 
+#: Changes each time MOVED does: a call planned before a change is planned
+#: again (coordinator/ps_pool.py: a shard's copy refused or gone meanwhile).
+GENERATION = 0
+
 _lock = threading.Lock()
 _known: list[tuple[str, str, str]] = []   # MOVED as closures carry it
 
@@ -37,21 +41,23 @@ def where(made_at: str, name: str) -> str:
 
 def record(made_at: str, name: str, address: str) -> None:
     """The shard ``name`` made on ``made_at`` is on ``address`` from now on."""
-    global MOVED, _known
+    global MOVED, _known, GENERATION
     with _lock:
         moved = dict(MOVED)
         moved[(made_at, name)] = address
         MOVED, _known = moved, [(m, n, a) for (m, n), a in moved.items()]
+        GENERATION += 1
 
 
 def settled(made_at: str, name: str) -> None:
     """The shard ``name`` is made on (or adopted at) ``made_at``: a move
     recorded before for that pair no longer applies."""
-    global MOVED, _known
+    global MOVED, _known, GENERATION
     if (made_at, name) in MOVED:
         with _lock:
             moved = {k: a for k, a in MOVED.items() if k != (made_at, name)}
             MOVED, _known = moved, [(m, n, a) for (m, n), a in moved.items()]
+            GENERATION += 1
 
 
 def known() -> list[tuple[str, str, str]]:
@@ -76,9 +82,11 @@ def parse(entries) -> dict[tuple[str, str], str]:
 
 def take(table: dict[tuple[str, str], str]) -> None:
     """Make ``table`` (``parse``'s) this process's own, replacing what it had."""
-    global MOVED, _known
+    global MOVED, _known, GENERATION
     if table or MOVED:
         with _lock:
+            if table != MOVED:
+                GENERATION += 1
             MOVED, _known = dict(table), [(m, n, a) for (m, n), a in table.items()]
 
 

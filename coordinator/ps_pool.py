@@ -33,6 +33,10 @@ its update keys fixed before the first send):
 * one whose dynamic table keys the server refused as handed to another
   server (NotPrimary) reads the table's layout there
   (coordinator/layouts.py) and, if newer, every call is planned again on it;
+* one that fails while this process records a variable shard's move
+  (coordinator/placement.py: a copy demoted, NotPrimary, or deleted) is
+  resent with backoff, and every call is planned again once the move is
+  recorded (``placement.GENERATION`` changed since the plan);
 * every reply is read before an error goes up (each holds a connection or
   a shared-memory segment until it is).
 """
@@ -45,7 +49,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from coordinator import layouts
+from coordinator import layouts, placement
 from coordinator.routes import Routes
 from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV
@@ -58,6 +62,11 @@ RETRY_SECONDS = float(os.environ.get("PSTRAIN_RETRY_SECONDS", "120"))
 _RETRYABLE = (Unavailable, NotFound, DeadlineExceeded, NotPrimary)
 #: Seconds to wait for each copy's metadata when asking who is primary.
 ASK_SECONDS = 2.0
+#: Seconds a call to an unreplicated shard refused as not primary is resent
+#: before the refusal goes up: a variable shard's move (coordinator/
+#: variable_moves.py) refuses calls from its hand-over until this process
+#: records it, a few milliseconds; nothing else makes it go away.
+MOVE_WAIT_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,18 +176,20 @@ class ParameterServers:
 
     def start(self, plan: Callable[[], Sequence[Op]]) -> Pending:
         """settle, its calls sent now: ``result()`` collects (and resends)."""
+        placed = placement.GENERATION
         ops = plan()
         pending = [self._send(op) for op in ops]
         return Pending(functools.partial(self._finish, plan, ops, pending,
-                                         time.monotonic() + RETRY_SECONDS))
+                                         time.monotonic() + RETRY_SECONDS, placed))
 
-    def _finish(self, plan, ops, pending, deadline: float) -> list:
+    def _finish(self, plan, ops, pending, deadline: float, placed: int = 0) -> list:
         while True:
             if ops is None:
+                placed = placement.GENERATION
                 ops = plan()
                 pending = [self._send(op) for op in ops]
             try:
-                return self._collect(ops, pending, deadline)
+                return self._collect(ops, pending, deadline, placed)
             except _Rerouted:
                 if time.monotonic() > deadline:
                     raise Unavailable(
@@ -192,21 +203,29 @@ class ParameterServers:
         except _RETRYABLE as exc:   # failed while sending: reported by its result
             return Pending.failed(exc)
 
-    def _collect(self, ops: Sequence[Op], pending: list, deadline: float) -> list:
+    def _collect(self, ops: Sequence[Op], pending: list, deadline: float,
+                 placed: int) -> list:
         out = []
         for k, (op, p) in enumerate(zip(ops, pending)):
-            backoff = 0.05
+            backoff, refused_until = 0.05, None
             while True:
                 try:
                     out.append(p.result())
                     break
                 except _RETRYABLE as exc:
-                    if (op.routes and self._moved(op)) or (
+                    if (op.routes and self._moved(op)) or placement.GENERATION != placed or (
                             isinstance(exc, NotPrimary) and op.tables and self._relaid(op)):
-                        _drain(pending[k + 1:])
+                        _drain(pending[k + 1:])   # (a variable shard moved since: plan again)
                         raise _Rerouted() from None
-                    if time.monotonic() > deadline or (isinstance(exc, NotPrimary)
-                                                       and not op.routes):
+                    now = time.monotonic()
+                    if isinstance(exc, NotPrimary) and not op.routes:   # (unreplicated)
+                        # a variable shard's copy handed over in a move refuses until
+                        # the move is recorded here: wait that long, no longer
+                        refused_until = refused_until or now + MOVE_WAIT_SECONDS
+                        if op.tables or now > refused_until:
+                            _drain(pending[k + 1:])
+                            raise
+                    if now > deadline:
                         _drain(pending[k + 1:])
                         raise
                     time.sleep(backoff)   # the server is restarting: wait before resending

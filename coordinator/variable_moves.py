@@ -228,6 +228,15 @@ def drain_variables(strategy, address: str) -> list[VariableMove]:
                          f"({', '.join(stray[:5])}{'...' if len(stray) > 5 else ''}); nothing "
                          "moved. Declare them first (create_variable, with reuse_existing=True "
                          "for a coordinator made again) or delete them")
+    taken: dict[str, set] = {}   # (every destination asked before anything moves)
+    for v, s, dest in plan:
+        if dest not in taken:
+            taken[dest] = {m.name for m in ps_pool.client_for(dest).list_variables()
+                           if m.role == ROLE_PRIMARY}
+        if s.name in taken[dest]:
+            raise ValueError(f"{dest} holds a variable named {s.name!r} already; nothing "
+                             f"moved. Delete it there, or drain {address} once the job that "
+                             "made it is done with it")
     try:
         return [_move(v, s, dest, strategy.server_ids) for v, s, dest in plan]
     finally:
@@ -372,8 +381,9 @@ def _check_known(known: dict | None, servers) -> None:
     checkpoint."""
     for address, client in servers:
         if known and address in known and client.server_info().server_id != known[address]:
-            raise FailedPrecondition(f"{address} restarted since the job knew it; nothing "
-                                     "moved. Wait for its recovery, then try again")
+            raise FailedPrecondition(f"{address} restarted since the job knew it; this shard "
+                                     "did not move (shards moved before it stay moved). Wait "
+                                     "for its recovery, then try again")
 
 
 def _clear_way(dst, destination: str, name: str, source: str) -> None:
@@ -384,9 +394,9 @@ def _clear_way(dst, destination: str, name: str, source: str) -> None:
     except NotFound:
         return
     if there.role == ROLE_PRIMARY:
-        raise ValueError(f"{destination} holds a variable named {name!r} already; nothing "
-                         f"moved. Delete it there, or move {source}'s after the job that made "
-                         "it is done with it")
+        raise ValueError(f"{destination} holds a variable named {name!r} already; {name!r} "
+                         "did not move (shards moved before it stay moved). Delete it there, "
+                         f"or move {source}'s once the job that made it is done with it")
     log.info("deleting the copy of %s an earlier move left on %s", name, destination)
     dst.delete_variable(name)
 
@@ -445,8 +455,10 @@ def places(strategy, name: str, n: int, placed: list[str]) -> list[str]:
             if found and not leads:
                 raise ValueError(
                     f"variable shard {sname!r} has copies on {[a for a, _ in found]} but "
-                    "none leads (a drain's move of it was cut off at its hand-over); "
-                    "restore the job from a checkpoint")
+                    "none leads (a drain's move of it was cut off at its hand-over: each "
+                    "holds every acknowledged version); promote one (PSClient(address)."
+                    f"reconfigure([({sname!r}, PROMOTE, epoch + 1, None)]), then delete the "
+                    "other) or restore the job from a checkpoint")
             out[i] = max(leads)[1] if leads else addr
     for i, addr in enumerate(out):
         placement.settled(addr, name if n == 1 else f"{name}/part_{i}")

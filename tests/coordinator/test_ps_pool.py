@@ -76,11 +76,49 @@ def test_resending_stops_at_the_deadline(pool, monkeypatch):
     assert 2 <= len(a.requests) < 1000
 
 
-def test_not_primary_without_replicas_to_ask_about_goes_up_at_once(pool):
-    a = FakeServer(NotPrimary("a backup"))
+def test_not_primary_without_replicas_to_ask_about_goes_up_when_no_move_explains_it(
+        pool, monkeypatch):
+    """Resent for MOVE_WAIT_SECONDS (a variable shard's move refuses calls
+    for a moment), then it goes up (a table's refusal goes up at once:
+    tests/integration/test_elastic.py)."""
+    monkeypatch.setattr(ps_pool, "MOVE_WAIT_SECONDS", 0.2)
+    a = FakeServer(*[NotPrimary("a backup")] * 1000)
     with pytest.raises(NotPrimary):
         pool.settle(lambda: [a.op("r")])
-    assert len(a.requests) == 1
+    assert 2 <= len(a.requests) < 1000
+
+
+def test_a_call_refused_during_a_variable_shards_move_is_planned_again_once_recorded(pool):
+    """Review 23: the coordinator process's own call meets the shard's copy
+    handed over (NotPrimary) or deleted (NotFound) while the move runs; once
+    the move is recorded (placement), the call is planned again on the new
+    server, with the same request."""
+    from coordinator import placement
+    placement.forget()
+    shard = Shard("fake:1", "w", 0, 4)
+    moved = FakeServer("at-the-new-server")
+    pool._clients["new:1"] = object()
+    old = FakeServer(NotPrimary("a backup copy"), *[NotFound("deleted")] * 1000)
+
+    def plan():
+        server = old if shard.address == "fake:1" else moved
+        op = server.op(("w", 7))
+        return [Op(shard.address, op.send)]
+
+    def record_after_two():
+        for _ in range(500):   # (at most 5 s)
+            if len(old.requests) >= 2:
+                break
+            threading.Event().wait(0.01)
+        placement.record("fake:1", "w", "new:1")
+    mover = threading.Thread(target=record_after_two)
+    mover.start()
+    try:
+        assert pool.settle(plan) == ["at-the-new-server"]
+    finally:
+        mover.join()
+        placement.forget()
+    assert moved.requests == [("w", 7)] and old.requests[:2] == [("w", 7)] * 2
 
 
 def _replicated() -> ShardedVariable:

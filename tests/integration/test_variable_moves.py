@@ -642,3 +642,20 @@ def test_a_destination_lost_right_after_it_was_promoted_leaves_the_shard_at_its_
             assert v.shards[0].address == source and meta.role == 0 and meta.version == 1
             push_gradients([(v, ones)])
             np.testing.assert_array_equal(v.read(), -2 * ones)
+
+
+def test_a_drain_whose_later_shard_is_refused_moves_nothing():
+    """Review 23: every destination is asked before any shard moves, so a
+    clash at the second shard's destination leaves the first where it was
+    too ("nothing moved" is true)."""
+    with LocalCluster(num_ps=3, num_workers=1) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec)
+        a, b, c, d = (_single(strategy, n) for n in "abcd")   # (ps0, ps1, ps2, ps0)
+        ps = list(strategy.parameter_servers)
+        assert [v.shards[0].address for v in (a, d)] == [ps[0]] * 2
+        ps_pool.client_for(ps[2]).create_variable("d", shape=(1,))   # (d would go there)
+        with ClusterCoordinator(strategy) as coord:
+            with pytest.raises(ValueError, match="holds a variable named 'd' already; nothing"):
+                coord.remove_parameter_server(ps[0])
+        assert a.shards[0].address == d.shards[0].address == ps[0]
+        assert sorted(m.name for m in ps_pool.client_for(ps[0]).list_variables()) == ["a", "d"]
