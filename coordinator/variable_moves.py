@@ -146,14 +146,14 @@ def plan_spread(variables, servers, address: str, movable=None) -> list[tuple]:
     shard; with replication the caller gives the backup copies, one per
     shard); every copy counts in the loads."""
     load = dict.fromkeys(servers, 0)
-    on: dict[str, list] = {a: [] for a in servers}
+    on: dict[str, list] = {a: [] for a in servers}   # (nbytes, v, copy) that may move
     for v in variables:
         for s in copies(v):
             where = s.address
             if where in load:
                 load[where] += shard_bytes(v, s)
                 if s in (movable if movable is not None else v.shards):
-                    on[where].append((v, s))
+                    on[where].append((shard_bytes(v, s), v, s))
     if address not in load:
         return []
     share = sum(load.values()) / len(load)
@@ -162,18 +162,17 @@ def plan_spread(variables, servers, address: str, movable=None) -> list[tuple]:
         lack = share - load[address]
         best = None
         for source in sorted((a for a in load if a != address), key=lambda a: -load[a]):
-            fits = [(shard_bytes(v, s), i) for i, (v, s) in enumerate(on[source])
-                    if 0 < shard_bytes(v, s) <= lack
-                    and load[source] - shard_bytes(v, s) >= load[address] + shard_bytes(v, s)]
+            fits = [(n, i) for i, (n, _, _) in enumerate(on[source])
+                    if 0 < n <= lack and load[source] - n >= load[address] + n]
             if fits:
                 best = (source, max(fits)[1])
                 break
         if best is None:
             return plan
         source, i = best
-        v, s = on[source].pop(i)
-        load[source] -= shard_bytes(v, s)
-        load[address] += shard_bytes(v, s)
+        n, v, s = on[source].pop(i)
+        load[source] -= n
+        load[address] += n
         plan.append((v, s, address))
 
 
@@ -303,12 +302,8 @@ def rehome(v, s, other, destination: str, known: dict | None = None) -> Variable
         except PSError:
             pass
         raise
-    placement.record(s.made_at, s.name, destination)
-    _metrics.VARIABLE_MOVES.labels("done").inc()
-    _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
-    _delete_left(src, s.name, source, destination)
+    _done(s, moved, src, start)
     ps_pool.servers().refresh([(v, k) for k in range(len(v.backups))])
-    moved.seconds = time.monotonic() - start
     log.info("moved the copy %s to %s (its shard led by %s): %.1f MiB in %.2fs", s.name,
              destination, other.address, moved.bytes / 2**20, moved.seconds)
     return moved
@@ -354,9 +349,7 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
             _keep_at_source(src, dst, s.name, e)
     try:   # (the destination, as promoted, before the source's copy goes: it restarted?)
         held = dst.get_meta(s.name)
-        if known and destination in known and \
-                dst.server_info().server_id != known[destination]:
-            raise FailedPrecondition(f"{destination} restarted during the move")
+        _check_known(known, ((destination, dst),))
     except PSError:
         _metrics.VARIABLE_MOVES.labels("failed").inc()
         _keep_at_source(src, dst, s.name, e)   # (the demoted source holds every version)
@@ -364,11 +357,7 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
     if held.version != moved.version:
         log.warning("moved variable shard %s: version %d there, %d here", s.name,
                     held.version, moved.version)
-    placement.record(s.made_at, s.name, destination)
-    _metrics.VARIABLE_MOVES.labels("done").inc()
-    _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
-    _delete_left(src, s.name, source, destination)
-    moved.seconds = time.monotonic() - start
+    _done(s, moved, src, start)
     log.info("moved variable shard %s to %s: version %d, %.1f MiB in %.2fs", s.name,
              destination, moved.version, moved.bytes / 2**20, moved.seconds)
     return moved
@@ -401,13 +390,19 @@ def _clear_way(dst, destination: str, name: str, source: str) -> None:
     dst.delete_variable(name)
 
 
-def _delete_left(src, name: str, source: str, destination: str) -> None:
+def _done(s, moved: VariableMove, src, start: float) -> None:
+    """A move that went through: recorded here (``Shard.address`` follows
+    it), counted, the source's copy deleted, its seconds noted."""
+    placement.record(s.made_at, s.name, moved.destination)
+    _metrics.VARIABLE_MOVES.labels("done").inc()
+    _metrics.VARIABLE_BYTES_MOVED.inc(moved.bytes)
     try:
-        src.delete_variable(name)
+        src.delete_variable(s.name)
     except PSError as exc:   # (a backup copy left there refuses every call)
         log.warning("moved variable shard %s to %s, but deleting its copy on %s failed (%s); "
-                    "that copy refuses calls and goes with its server", name, destination,
-                    source, exc)
+                    "that copy refuses calls and goes with its server", s.name,
+                    moved.destination, moved.source, exc)
+    moved.seconds = time.monotonic() - start
 
 
 def _keep_at_source(src, dst, name: str, e: int) -> None:
