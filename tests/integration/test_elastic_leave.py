@@ -8,6 +8,7 @@ This is what ``docker compose up --scale ps=N`` down or a StatefulSet scaled
 down does to a server."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -190,18 +191,26 @@ def test_steps_scheduled_before_a_drain_reach_no_server_that_stopped_after_it():
             assert [v.fetch() for v in values] == [want] * len(values)
 
 
+@contextlib.contextmanager
+def a_worker(token: str):
+    """A real psworker with ``token``: (its stub, the call metadata, a
+    ClosureRequest adding 2 and 3); killed after."""
+    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": token})
+    try:
+        req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
+                                        args=serialization.dumps(((2, 3), {})))
+        yield (worker_pb2_grpc.WorkerStub(make_channel(w.address, [], None)),
+               (("authorization", f"Bearer {token}"),), req)
+    finally:
+        w.kill()
+
+
 def test_a_worker_refuses_closures_whose_layouts_are_not_layouts():
     """ClosureRequest.layouts: a real worker takes a table's layout as the
     servers serve it and refuses anything else before it runs anything."""
     from psserver.contract.keys import BucketMap, layout_json
-    token = "layout-token"
-    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": token})
-    try:
-        stub = worker_pb2_grpc.WorkerStub(make_channel(w.address, [], None))
-        md = (("authorization", f"Bearer {token}"),)
+    with a_worker("layout-token") as (stub, md, req):
         good = layout_json(3, ("a:1", "b:2"), BucketMap.even(2))
-        req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
-                                        args=serialization.dumps(((2, 3), {})))
         req.layouts.add(name="t", table_id="x", layout=good)
         assert serialization.loads(stub.RunClosure(req, metadata=md, timeout=10).result,
                                    True) == 5
@@ -214,8 +223,6 @@ def test_a_worker_refuses_closures_whose_layouts_are_not_layouts():
             assert "not one" in info.value.details()
         info = stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), metadata=md, timeout=10)
         assert info.closures_run == 1
-    finally:
-        w.kill()
 
 
 def test_the_leave_ends_at_the_drain_its_timeout_no_follower_or_a_second_signal(

@@ -39,6 +39,15 @@ def _no_moves_left():
     placement.forget()   # (this process's table: the next test's job moved nothing)
 
 
+def _epoch(coord, step, *args):
+    """``step(*args, it)`` for every batch of an epoch of an exactly-once
+    sharded dataset of EXAMPLES ids, scheduled: (dataset, steps, values)."""
+    ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
+        np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
+    it, steps = iter(ds), EXAMPLES // BATCH
+    return ds, steps, [coord.schedule(step, args=(*args, it)) for _ in range(steps)]
+
+
 def counting_step(counter, twins, w, it):
     """Each example's counter row +1 (exactly once), each of two identical
     Adam variables a constant gradient, w (sharded) -1 per step."""
@@ -76,11 +85,7 @@ def test_a_server_holding_variable_shards_is_drained_while_workers_train():
         assert len(stays) == 2 and any(s.address == leaving for s in w.shards)
         before = pickle.dumps(twins[0])
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
-                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
-            it, steps = iter(ds), EXAMPLES // BATCH
-            done = [coord.schedule(counting_step, args=(counter, twins, w, it))
-                    for _ in range(steps)]
+            ds, steps, done = _epoch(coord, counting_step, counter, twins, w)
             done[steps // 2].fetch()
             moves = coord.remove_parameter_server(leaving)
             queued, _ = coord.pending()
@@ -262,16 +267,9 @@ def test_a_worker_refuses_closures_whose_moved_shards_are_malformed():
     import grpc
 
     from coordinator import serialization
-    from protos.pstrain.v1 import worker_pb2, worker_pb2_grpc
-    from psserver.process import start_task
-    from psserver.tls import make_channel
-    token = "moved-token"
-    w = start_task("psworker", ["--port", "0"], env={"PSTRAIN_AUTH_TOKEN": token})
-    try:
-        stub = worker_pb2_grpc.WorkerStub(make_channel(w.address, [], None))
-        md = (("authorization", f"Bearer {token}"),)
-        req = worker_pb2.ClosureRequest(fn=worker_pb2.FunctionRef(qualified_name="operator:add"),
-                                        args=serialization.dumps(((2, 3), {})))
+    from protos.pstrain.v1 import worker_pb2
+    from tests.integration.test_elastic_leave import a_worker
+    with a_worker("moved-token") as (stub, md, req):
         req.moved.add(made_at="a:1", name="v/part_0", address="b:2")
         assert serialization.loads(stub.RunClosure(req, metadata=md, timeout=10).result,
                                    True) == 5
@@ -289,8 +287,6 @@ def test_a_worker_refuses_closures_whose_moved_shards_are_malformed():
         with pytest.raises(grpc.RpcError) as info:   # (the token, as for every call)
             stub.RunClosure(req, timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        w.kill()
 
 
 def test_a_drain_refuses_a_restarted_destination_and_variables_it_does_not_know(tmp_path):
@@ -406,10 +402,7 @@ def test_a_server_added_takes_variable_shards_and_gives_them_back_when_drained()
                                           optimizer="adam", optimizer_params=ADAM,
                                           partitioner=None) for i in range(4)]
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
-                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
-            it, steps = iter(ds), EXAMPLES // BATCH
-            done = [coord.schedule(twins_step, args=(counter, twins, it)) for _ in range(steps)]
+            ds, steps, done = _epoch(coord, twins_step, counter, twins)
             done[steps // 4].fetch()
             added = cluster.add_ps()
             moves = coord.add_parameter_server(added)
@@ -456,11 +449,7 @@ def test_with_replication_an_add_and_a_drain_keep_every_shard_on_two_servers():
                                           optimizer="adam", optimizer_params=ADAM,
                                           partitioner=None) for i in range(3)]
         with ClusterCoordinator(strategy) as coord:
-            ds = coord.create_sharded_dataset(ShardedSource.from_arrays(
-                np.arange(EXAMPLES), shard_sizes=[EXAMPLES // 2] * 2), batch_size=BATCH)
-            it, steps = iter(ds), EXAMPLES // BATCH
-            done = [coord.schedule(replicated_step, args=(counter, twins, it))
-                    for _ in range(steps)]
+            ds, steps, done = _epoch(coord, replicated_step, counter, twins)
             done[steps // 4].fetch()
             added = cluster.add_ps()
             taken = [m for m in coord.add_parameter_server(added) if hasattr(m, "shard")]
