@@ -39,25 +39,27 @@ def where(made_at: str, name: str) -> str:
     return MOVED.get((made_at, name), made_at)
 
 
+def _set(table: dict[tuple[str, str], str]) -> None:
+    """MOVED replaced by ``table`` (a new dict), with ``known()``'s list; the
+    generation moves if it changed (``_lock`` held)."""
+    global MOVED, _known, GENERATION
+    if table != MOVED:
+        GENERATION += 1
+    MOVED, _known = table, [(m, n, a) for (m, n), a in table.items()]
+
+
 def record(made_at: str, name: str, address: str) -> None:
     """The shard ``name`` made on ``made_at`` is on ``address`` from now on."""
-    global MOVED, _known, GENERATION
     with _lock:
-        moved = dict(MOVED)
-        moved[(made_at, name)] = address
-        MOVED, _known = moved, [(m, n, a) for (m, n), a in moved.items()]
-        GENERATION += 1
+        _set({**MOVED, (made_at, name): address})
 
 
 def settled(made_at: str, name: str) -> None:
     """The shard ``name`` is made on (or adopted at) ``made_at``: a move
     recorded before for that pair no longer applies."""
-    global MOVED, _known, GENERATION
     if (made_at, name) in MOVED:
         with _lock:
-            moved = {k: a for k, a in MOVED.items() if k != (made_at, name)}
-            MOVED, _known = moved, [(m, n, a) for (m, n), a in moved.items()]
-            GENERATION += 1
+            _set({k: a for k, a in MOVED.items() if k != (made_at, name)})
 
 
 def known() -> list[tuple[str, str, str]]:
@@ -82,12 +84,9 @@ def parse(entries) -> dict[tuple[str, str], str]:
 
 def take(table: dict[tuple[str, str], str]) -> None:
     """Make ``table`` (``parse``'s) this process's own, replacing what it had."""
-    global MOVED, _known, GENERATION
     if table or MOVED:
         with _lock:
-            if table != MOVED:
-                GENERATION += 1
-            MOVED, _known = dict(table), [(m, n, a) for (m, n), a in table.items()]
+            _set(dict(table))
 
 
 def learn_known(entries) -> None:
