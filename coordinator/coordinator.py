@@ -55,6 +55,7 @@ Guarantees:
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Callable
 
@@ -299,14 +300,11 @@ class ClusterCoordinator:
         moves and what a failure part-way leaves."""
         # (asked before the steps wait: one that does not answer holds nothing up)
         elastic.check_add(self.strategy, address, probe=self.strategy.connect_timeout)
-        with self._cluster.between_steps(timeout):
-            self._check_open()
-            elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
+        with self._copied_ahead(address, True, timeout) as ahead:
             moves = self.strategy.add_parameter_server(address)
             with elastic.LAYOUT_LOCK:   # (and variable shards, whole: variable_moves.py)
                 moves += variable_moves.spread_to(self.strategy, address)
-            self._cluster.forget_function_refs()   # closures carry the new layout from now on
-        return moves
+        return _with_ahead(moves, ahead)
 
     def remove_parameter_server(self, address: str, timeout: float | None = 300.0) -> list:
         """Drain the parameter server at ``address`` from the running job:
@@ -325,12 +323,31 @@ class ClusterCoordinator:
         coordinator has not declared, or where a destination holds another
         variable of a moving shard's name."""
         elastic.check_remove(self.strategy, address)
-        with self._cluster.between_steps(timeout):
-            self._check_open()
-            elastic.settle(self.strategy.tables)
+        with self._copied_ahead(address, False, timeout) as ahead:
             moves = self.strategy.remove_parameter_server(address)
-            self._cluster.forget_function_refs()
-        return moves
+        return _with_ahead(moves, ahead)
+
+    @contextlib.contextmanager
+    def _copied_ahead(self, address: str, adding: bool, timeout: float | None):
+        """An add's or drain's moves (the body) between two steps, the tables'
+        rows copied ahead first while training goes on (elastic.copy_ahead:
+        the moves then send only the rows changed since). Saves wait for
+        each (LAYOUT_LOCK), not for the steps to end in between (a recovery
+        may need to restore meanwhile); a save in between writes no copied
+        row (psserver/core/table_moves.py unstaged). Yields the copies."""
+        with elastic.LAYOUT_LOCK:
+            self._check_open()
+            elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
+            ahead = elastic.copy_ahead(self.strategy, address, adding)
+        try:
+            with self._cluster.between_steps(timeout):
+                self._check_open()
+                yield ahead
+                self._cluster.forget_function_refs()   # closures carry the new layout now
+        except BaseException:
+            if ahead:   # (the moves did not run, or failed: the copies go)
+                elastic.drop_ahead(self.strategy, address, adding)
+            raise
 
     def _check_open(self) -> None:
         if self._cluster.closed:   # (a move waiting for steps when the job shut down)
@@ -438,3 +455,11 @@ class ClusterCoordinator:
         exception that is not an error of the job (SystemExit...) cuts the
         closures in flight instead of waiting for them."""
         self.shutdown(abort=exc_type is not None and not issubclass(exc_type, Exception))
+
+
+def _with_ahead(moves: list, ahead: dict) -> list:
+    """``moves`` with each TableMove's copy ahead (elastic.Ahead) attached."""
+    for m in moves:
+        if isinstance(m, elastic.TableMove):
+            m.ahead = ahead.get(m.table)
+    return moves

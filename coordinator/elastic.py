@@ -143,6 +143,8 @@ class TableMove:
     bytes: int = 0      # bytes moved (values and per-row slots)
     seconds: float = 0.0
     started: float = 0.0   # time.time() when its first move began
+    sent: int = 0       # rows sent between two steps (those changed since the copy ahead)
+    ahead: "Ahead | None" = None   # what was copied ahead, while training went on
 
 
 def check_add(strategy, address: str, probe: float | None = None) -> None:
@@ -206,17 +208,11 @@ def creation_now(table, address: str, creation: dict) -> dict:
     return dict(creation, capacity=parts[now.addresses.index(address)])
 
 
-def move_table(table, address: str, creation: dict, known=None) -> TableMove:
-    """Give the server at ``address`` its share of ``table`` (see the module):
-    its shard made there (``creation``: create_table's keywords, updated in
-    place with the capacity part it gets and, for a server drained before,
-    whose shard is taken back, that shard's seed), then each source's
-    buckets moved in turn, the table's description brought to each layout
-    as it is made. ``known``: address -> the server_id each source had when
-    the job last knew it (the strategy's ``server_ids``: a source that
-    restarted since refuses its move, and its recovery refills it first)."""
+def _add_steps(table, address: str, creation: dict) -> tuple[list, bool, BucketMap]:
+    """An add's moves of ``table`` to ``address`` (see _run), whether it
+    resumes one that failed part way, and the map before; ``creation``
+    gets the capacity part the new shard takes."""
     old = table.buckets
-    client = ps_pool.client_for(address)
     resumed = address in table.addresses   # (an add that failed part way: completed)
     if resumed:
         n = table.addresses.index(address)
@@ -229,12 +225,6 @@ def move_table(table, address: str, creation: dict, known=None) -> TableMove:
     parts = split_capacity(table.capacity, final.counts()) if table.capacity else \
         [0] * final.num_shards
     creation["capacity"] = parts[n]
-    if not resumed:
-        try:
-            creation["seed"] = int(client.table_info(table.name).spec.seed)
-        except NotFound:
-            pass
-        client.create_table(table.name, table.dim, exist_ok=True, **creation)
     owner = old.owner.astype(np.int64)
     steps = []
     for k in (k for k in range(final.num_shards) if k != n):   # (each source)
@@ -243,17 +233,44 @@ def move_table(table, address: str, creation: dict, known=None) -> TableMove:
             owner = np.where(mask, n, owner)
             steps.append((addresses[k], address, mask, parts[k] or None, parts[n] or None,
                           addresses, BucketMap(owner, final.num_shards), False))
-    return _run(table, steps, address, cleanup=lambda: not resumed and
-                table.num_shards == old.num_shards and client.delete_table(table.name),
+    return steps, resumed, old
+
+
+def _make_shard(table, address: str, creation: dict) -> None:
+    """``table``'s shard on an added server (``creation``: create_table's
+    keywords; a server drained before takes its shard back, with its seed)."""
+    client = ps_pool.client_for(address)
+    try:
+        creation["seed"] = int(client.table_info(table.name).spec.seed)
+    except NotFound:
+        pass
+    client.create_table(table.name, table.dim, exist_ok=True, **creation)
+
+
+def move_table(table, address: str, creation: dict, known=None) -> TableMove:
+    """Give the server at ``address`` its share of ``table`` (see the module):
+    its shard made there (``creation``: create_table's keywords, updated in
+    place with the capacity part it gets and, for a server drained before,
+    whose shard is taken back, that shard's seed), then each source's
+    buckets moved in turn, the table's description brought to each layout
+    as it is made. ``known``: address -> the server_id each source had when
+    the job last knew it (the strategy's ``server_ids``: a source that
+    restarted since refuses its move, and its recovery refills it first)."""
+    steps, resumed, old = _add_steps(table, address, creation)
+    if not resumed:
+        _make_shard(table, address, creation)
+    return _run(table, steps, address, cleanup=lambda: _forget_added(table, address, old),
                 known=known)
 
 
-def drain_table(table, address: str, known=None) -> TableMove:
-    """Move every bucket of ``table``'s shard on ``address`` to its other
-    shards (plan_remove), one destination at a time; the last move's layout
-    leaves that server out (its shard stays, refusing every key, so that a
-    description older than the drain learns the layout there); ``known``:
-    as move_table's."""
+def _forget_added(table, address: str, old: BucketMap) -> None:
+    """After an add of ``address`` failed with nothing moved: its shard there goes."""
+    if address not in table.addresses and table.num_shards == old.num_shards:
+        ps_pool.client_for(address).delete_table(table.name)
+
+
+def _drain_steps(table, address: str) -> list:
+    """A drain's moves of ``table``'s buckets on ``address`` (see _run)."""
     j = table.addresses.index(address)
     old = table.buckets
     final = plan_remove(old, j)   # (numbered without j)
@@ -273,7 +290,85 @@ def drain_table(table, address: str, known=None) -> TableMove:
         steps.append((address, table.addresses[d], mask, None, parts[renumbered[d]] or None,
                       tuple(rest) if last else tuple(table.addresses),
                       final if last else BucketMap(owner, old.num_shards), last))
-    return _run(table, steps, address, cleanup=lambda: None, known=known)
+    return steps
+
+
+def drain_table(table, address: str, known=None) -> TableMove:
+    """Move every bucket of ``table``'s shard on ``address`` to its other
+    shards (plan_remove), one destination at a time; the last move's layout
+    leaves that server out (its shard stays, refusing every key, so that a
+    description older than the drain learns the layout there); ``known``:
+    as move_table's."""
+    return _run(table, _drain_steps(table, address), address, cleanup=lambda: None, known=known)
+
+
+@dataclasses.dataclass
+class Ahead:
+    """What an add or a drain copied of one table ahead of its moves."""
+    rows: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def copy_ahead(strategy, address: str, adding: bool) -> dict[str, Ahead]:
+    """Before an add of ``address`` (``adding``) or a drain of it, while
+    training goes on: each move it will make of a table's buckets (the same
+    plan: nothing changes layouts meanwhile, LAYOUT_LOCK held) has its
+    source copy the rows to the destination ahead of it (tables.proto
+    MoveBucketsRequest.precopy), so that the move, between two steps, sends
+    only the rows changed since. A copy that fails is logged (its move
+    sends the rows whole). Returns, by table, what was copied."""
+    out = {}
+    for table in list(strategy.tables):
+        try:
+            if adding:
+                if not lacks_share(table, address):
+                    continue
+                kw = dict(strategy.creation_at(table, address)[0])
+                steps, resumed, _ = _add_steps(table, address, kw)
+                if not resumed:
+                    _make_shard(table, address, kw)
+            elif address in table.addresses:
+                steps = _drain_steps(table, address)
+            else:
+                continue
+            out[table.name] = _copy_steps(table, steps, strategy.server_ids)
+        except PSError as exc:
+            log.warning("table %r: copying rows ahead of the move failed (%s: %s); the move "
+                        "sends them whole", table.name, type(exc).__name__, exc)
+    return out
+
+
+def _copy_steps(table, steps: list, known: dict) -> Ahead:
+    start, ahead = time.monotonic(), Ahead()
+    for i, (source_address, dest, mask, _, theirs, _, _, _) in enumerate(steps):
+        source = ps_pool.client_for(source_address)
+        reply = source.move_table_buckets(
+            table.name, bitmap_of_buckets(mask), dest, destination_capacity=theirs,
+            layout_epoch=table.layout_epoch + 1 + i, precopy=True,
+            source_server_id=known.get(source_address, ""), timeout=MOVE_SECONDS)
+        ahead.rows += reply.rows
+        ahead.bytes += reply.bytes
+    ahead.seconds = time.monotonic() - start
+    _metrics.TABLE_ROWS_AHEAD.inc(ahead.rows)
+    log.info("table %r: %d rows (%.1f MiB) copied ahead of the move in %.2fs", table.name,
+             ahead.rows, ahead.bytes / 2**20, ahead.seconds)
+    return ahead
+
+
+def drop_ahead(strategy, address: str, adding: bool) -> None:
+    """After copy_ahead, where the moves did not follow (the steps did not
+    end in time): the copies go (each shard told its layout; an added
+    server's shard deleted where it holds no bucket). Failures are logged."""
+    for table in list(strategy.tables):
+        try:
+            if address in table.addresses:
+                serve_layout(table)
+            elif adding:
+                ps_pool.client_for(address).delete_table(table.name)
+        except PSError as exc:
+            log.warning("table %r: dropping the rows copied ahead of a move that did not "
+                        "happen failed (%s: %s)", table.name, type(exc).__name__, exc)
 
 
 def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
@@ -321,6 +416,7 @@ def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
             kept[source_address] = reply.held
             report.kept = sum(kept.values())
             report.bytes += reply.bytes
+            report.sent += reply.sent
             remaining -= int(mask.sum())
             left.set(remaining)
             _progress(report, remaining, start)
@@ -337,8 +433,9 @@ def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:
     _metrics.TABLE_ROWS_MOVED.inc(report.rows)
     _metrics.TABLE_BYTES_MOVED.inc(report.bytes)
     _metrics.TABLE_MOVE_SECONDS.observe(report.seconds)
-    log.info("table %r: %d buckets, %d rows (%.1f MiB) moved (server %s) in %.2fs", table.name,
-             report.buckets, report.rows, report.bytes / 2**20, address, report.seconds)
+    log.info("table %r: %d buckets, %d rows (%.1f MiB) moved (server %s) in %.2fs, %d rows "
+             "sent then (the others copied ahead)", table.name, report.buckets, report.rows,
+             report.bytes / 2**20, address, report.seconds, report.sent)
     return report
 
 

@@ -81,6 +81,11 @@ TABLE_ROWS_MOVED = Counter(
     "pstrain_coordinator_table_rows_moved_total",
     "Rows of dynamic tables moved between parameter servers (adds and drains).",
     registry=REGISTRY)
+TABLE_ROWS_AHEAD = Counter(
+    "pstrain_coordinator_table_rows_copied_ahead_total",
+    "Rows of dynamic tables copied to their destination ahead of a move, while "
+    "training went on (the move then sends only those changed since).",
+    registry=REGISTRY)
 TABLE_BYTES_MOVED = Counter(
     "pstrain_coordinator_table_moved_bytes_total",
     "Bytes (values and per-row slots) of dynamic tables moved between servers.",

@@ -47,6 +47,7 @@ import functools
 import os
 import threading
 import time
+from concurrent import futures
 from typing import Callable, Sequence
 
 from coordinator import layouts, placement
@@ -54,6 +55,7 @@ from coordinator.routes import Routes
 from psserver.client import PSClient
 from psserver.contract import TOKEN_ENV
 from psserver.errors import DeadlineExceeded, NotFound, NotPrimary, PSError, Unavailable
+from psserver.link.diagnose import not_answering
 from psserver.link.pending import Pending
 from psserver.tls import TLSConfig
 
@@ -341,3 +343,24 @@ def delete_copies(v, delete) -> None:
                 delete(copy)
             except (Unavailable, DeadlineExceeded):
                 pass
+
+
+def check_answer(addresses: Sequence[str], timeout: float, tls) -> None:
+    """Every server at ``addresses`` answers within ``timeout`` (all asked at
+    once), else Unavailable naming each that does not and what to check. A
+    server that answers with an error (a wrong token: UNAUTHENTICATED)
+    raises that error, which says what to do."""
+    def silent(i_addr: tuple[int, str]) -> str | None:
+        i, addr = i_addr
+        try:
+            client_for(addr).server_info(timeout=timeout)
+        except (DeadlineExceeded, Unavailable):   # the client waits for a server that is down
+            return not_answering(f"ps {i}", addr, timeout, tls)
+        return None
+    with futures.ThreadPoolExecutor(min(16, len(addresses)),
+                                    thread_name_prefix="ps-connect") as pool:
+        problems = [p for p in pool.map(silent, enumerate(addresses)) if p]
+    if problems:
+        raise Unavailable("\n".join(problems) + f". To wait longer than {timeout:g}s: "
+                          "ParameterServerStrategy(connect_timeout=...) or "
+                          "$PSTRAIN_CONNECT_SECONDS")

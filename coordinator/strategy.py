@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from concurrent import futures
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -35,7 +34,6 @@ from psserver.contract import (
 from psserver.contract.initializers import one_seed, resolve_initializer
 from psserver.contract.keys import BucketMap, split_capacity
 from psserver.errors import AlreadyExists, DeadlineExceeded, PSError, Unavailable
-from psserver.link.diagnose import not_answering
 from psserver.tls import TLSConfig
 
 MODES = ("async", "sync", "hybrid", "bounded", "allreduce")
@@ -497,28 +495,10 @@ class ParameterServerStrategy:
         return table
 
     def _check_servers(self) -> None:
-        """Once: every parameter server answers within connect_timeout (all
-        asked at once), else Unavailable naming each that does not and what
-        to check. A server that answers with an error (a wrong token:
-        UNAUTHENTICATED) raises that error, which says what to do."""
-        if self._answered:
-            return
-
-        def silent(i_addr: tuple[int, str]) -> str | None:
-            i, addr = i_addr
-            try:
-                ps_pool.client_for(addr).server_info(timeout=self.connect_timeout)
-            except (DeadlineExceeded, Unavailable):   # the client waits for a server that is down
-                return not_answering(f"ps {i}", addr, self.connect_timeout, self.tls)
-            return None
-        with futures.ThreadPoolExecutor(min(16, len(self._ps)),
-                                        thread_name_prefix="ps-connect") as pool:
-            problems = [p for p in pool.map(silent, enumerate(self._ps)) if p]
-        if problems:
-            raise Unavailable("\n".join(problems) + f". To wait longer than "
-                              f"{self.connect_timeout:g}s: ParameterServerStrategy("
-                              "connect_timeout=...) or $PSTRAIN_CONNECT_SECONDS")
-        self._answered = True
+        """Once: every parameter server answers (ps_pool.check_answer)."""
+        if not self._answered:
+            ps_pool.check_answer(self._ps, self.connect_timeout, self.tls)
+            self._answered = True
 
     def _note_server(self, addr: str) -> None:   # (watched from now on: coordinator.recovery)
         if addr not in self._ps:   # (added, or one a table's layout names: reached as the others)
@@ -577,6 +557,14 @@ class ParameterServerStrategy:
                 self._table_creation[name] = (dim, [c for c in creations if c[0] != address])
         return moves
 
+    def creation_at(self, table, address: str) -> tuple[dict, bool]:
+        """create_table's keywords for ``table``'s shard on ``address``, and
+        whether it was made there (an add that failed part way); else the
+        last shard's with the next seed."""
+        made = dict(self._table_creation[table.name][1]).get(address)
+        last = self._table_creation[table.name][1][-1][1]
+        return (made, True) if made else (dict(last, seed=last["seed"] + 1), False)
+
     def add_parameter_server(self, address: str) -> list:   # (ClusterCoordinator's: elastic.py)
         elastic.check_add(self, address, probe=self.connect_timeout)
         with elastic.LAYOUT_LOCK:
@@ -584,13 +572,12 @@ class ParameterServerStrategy:
             try:
                 self._note_server(address)   # (one of its servers from now on)
                 for table in [t for t in self._tables.values() if elastic.lacks_share(t, address)]:
-                    dim, creations = self._table_creation[table.name]
-                    made = dict(creations).get(address)   # (an add that failed part way)
-                    kw = made or dict(creations[-1][1], seed=creations[-1][1]["seed"] + 1)
+                    kw, made = self.creation_at(table, address)
                     try:
                         moves.append(elastic.move_table(table, address, kw, self.server_ids))
                     finally:   # (one that failed part-way has a shard there too)
-                        if address in table.addresses and made is None:
+                        if address in table.addresses and not made:
+                            dim, creations = self._table_creation[table.name]
                             self._table_creation[table.name] = (dim, creations + [(address, kw)])
             except BaseException:
                 if added and not any(address in t.addresses for t in self._tables.values()):

@@ -358,7 +358,8 @@ class PSAdmin:
                      reset: bool = True, replica: Mapping | None = None,
                      capacity: int | None = None, applied: Sequence[tuple] = (),
                      timeout: float | None = None, deadline: float | None = None,
-                     incoming: tuple | None = None) -> int:
+                     incoming: tuple | None = None, staged: bool = False,
+                     dropped: np.ndarray | None = None) -> int:
         """Put rows (psserver.core.dynamic_table.DynamicTable.export's arrays) into
         this server's shard of ``name``, emptied first with ``reset``; sent in
         pieces that fit a message. Returns the rows the shard holds.
@@ -370,7 +371,11 @@ class PSAdmin:
         shard applied to keys of those buckets (a move of buckets), sent
         after the rows (at most APPLIED_GROUPS_PER_CALL groups a call: each
         holds one key at least); ``incoming``: (bool per bucket, layout
-        epoch) of a move, on every piece (tables.proto ImportTableRequest)."""
+        epoch) of a move, on every piece (tables.proto ImportTableRequest);
+        ``staged``: the rows are a move's copy ahead (its first piece
+        replaces what the shard held of those buckets); ``dropped`` (not
+        None): the rows are a move's changes since its copy ahead, and these
+        keys went since (sent with the first piece)."""
         keys = np.asarray(state["keys"], np.int64)
         per_row = sum(a.nbytes // max(1, keys.size) for a in state.values()
                       if np.ndim(a) and keys.size)
@@ -378,7 +383,11 @@ class PSAdmin:
         rows = 0
         for i, lo in enumerate(range(0, max(1, keys.size), per_call)):
             hi = lo + per_call
-            req = tables_pb2.ImportTableRequest(name=name, reset=reset and i == 0, step=step)
+            req = tables_pb2.ImportTableRequest(name=name, reset=(reset or staged) and i == 0,
+                                                step=step, staged=staged,
+                                                delta=dropped is not None)
+            if dropped is not None and i == 0:
+                TP.fill(req.dropped, np.ascontiguousarray(dropped, np.int64))
             if capacity is not None and i == 0:
                 req.capacity = capacity
             if replica is not None:
@@ -388,7 +397,7 @@ class PSAdmin:
                 timeout = max(0.001, deadline - time.monotonic())
             rows = self._call(methods.TABLE_IMPORT, req, timeout).rows
         for lo in range(0, len(applied), APPLIED_GROUPS_PER_CALL):   # (no rows: calls of their own)
-            req = tables_pb2.ImportTableRequest(name=name, step=step)
+            req = tables_pb2.ImportTableRequest(name=name, step=step, delta=dropped is not None)
             _fill_rows(req, state, 0, 0, incoming)
             for buckets, ids in applied[lo:lo + APPLIED_GROUPS_PER_CALL]:
                 req.applied.add(buckets=bitmap_of_buckets(buckets), ids=ids)
@@ -402,6 +411,7 @@ class PSAdmin:
                            layout: str = "", layout_only: bool = False, shard: int = 0,
                            fence: bool = False, destination_capacity: int | None = None,
                            source_server_id: str = "", source_leaves: bool = False,
+                           precopy: bool = False,
                            timeout: float | None = None) -> tables_pb2.MoveBucketsReply:
         """This server's shard of ``name`` hands the rows of ``buckets`` (a
         bitmap: psserver.core.table_moves.bitmap_of_buckets) to the shard on
@@ -414,12 +424,15 @@ class PSAdmin:
         refuse one from now on; ``source_server_id``: this server's id as the
         caller knows it (one that restarted since refuses the move);
         ``source_leaves``: the shard holds no bucket after this move (a
-        drain's last: a leaving server waits for it)."""
+        drain's last: a leaving server waits for it); ``precopy``: move
+        nothing yet, copy the rows to ``destination`` ahead of the move of
+        ``layout_epoch`` (no layout, capacity or drain), so that the move
+        sends only what changed since."""
         req = tables_pb2.MoveBucketsRequest(name=name, buckets=buckets, destination=destination,
                                             layout_epoch=layout_epoch, layout=layout,
                                             layout_only=layout_only, shard=shard,
                                             fence=fence, source_server_id=source_server_id,
-                                            source_leaves=source_leaves)
+                                            source_leaves=source_leaves, precopy=precopy)
         if capacity is not None:
             req.capacity = capacity
         if destination_capacity is not None:

@@ -101,6 +101,8 @@ class DynamicTable:
         self.slots = dict(self._slot_init)
         for n in self._row_slots:
             self.slots[n] = mapped((cap, config.dim), self.dtype)
+        #: Bytes a row's values and per-row slots take (what a move reports).
+        self.moved_row_bytes = config.dim * self.dtype.itemsize * (1 + len(self._row_slots))
         #: Bytes a row takes in the arrays above and below (nbytes).
         self._array_row_bytes = config.dim * self.dtype.itemsize * (1 + len(self._row_slots)) \
             + 5 * 8
@@ -542,20 +544,25 @@ class DynamicTable:
         if evict and capacity and self.index.size > capacity:
             self._evict_for(self.index.size - capacity)
 
-    def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool) -> int:
+    def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool,
+                    replace: np.ndarray | None = None) -> int:
         """Put rows ``state`` (export()'s arrays, any subset of keys) into this
-        shard; ``reset`` empties it first. Checked whole before anything
-        changes (InvalidArgument). Over capacity afterwards, the policy's
-        victims are evicted. Returns the rows held."""
+        shard; ``reset`` empties it first; ``replace``: keys whose rows go
+        first (a superset of the keys held already: a move's,
+        psserver/core/table_moves.py). Checked whole before anything changes
+        (InvalidArgument). Over capacity afterwards, the policy's victims are
+        evicted. Returns the rows held."""
         c = self.config
         keys, values, age_steps, age_seconds, freq, slots = check_rows(
             state, step, c.dim, self.dtype, self._slot_init, self._row_slots)
         n = keys.size
-        if not reset and (self.index.find(keys) >= 0).any():
+        if not reset and replace is None and (self.index.find(keys) >= 0).any():
             raise InvalidArgument("dynamic table import: keys this shard holds already "
                                   "(import into an emptied shard: reset)")
         # Checked: from here on nothing fails.
         self.tracker = None   # a restore: its next incremental save is whole
+        if replace is not None and replace.size:
+            self.drop(replace)
         if reset:
             _, live = self.index.items()
             self._evict_rows(live)

@@ -88,6 +88,15 @@ class TableShardCopy(CopyState):
         # few) and the highest epoch fenced (a move of it or before refused).
         self.move_epochs: collections.deque = collections.deque(maxlen=64)
         self.fenced_epoch, self.move_in_epoch = 0, 0
+        # Moves' rows copied ahead (table_moves.precopy). As their destination:
+        # epoch -> bool per bucket of each copy held here, not yet this shard's
+        # (their keys refused, not saved; ``staged_mask``: their union, or None).
+        # As a source: (epoch, buckets, destination, the change point it was
+        # taken at) of the last copy that arrived whole.
+        self.staged: dict[int, np.ndarray] = {}
+        self.staged_mask: np.ndarray | None = None
+        self.precopied: tuple | None = None
+        self.move_points = 0   # (the change points moves take: -1, -2, ...)
 
     @property
     def tracker(self):
@@ -136,6 +145,8 @@ class TableShardCopy(CopyState):
         self.moved, self.layout, self.receives, self.received_at = None, "", 0, None
         self.drained = False
         self.move_in_epoch = 0
+        self.unstage(None)
+        self.precopied = None
         self.moved_in.clear()
         self.own.clear()
         self.move_epochs.clear()
@@ -156,6 +167,8 @@ class TableShardCopy(CopyState):
             return
         if incoming is not None:
             mask, epoch = incoming
+            self.unstage([e for e, m in self.staged.items() if (m & mask).any()])   # (held now,
+            # or replaced: psserver/core/table_moves.py receive)
             self.drained = False   # (buckets came back: it holds some again)
             if self.received_at is None:
                 self.received_at = np.zeros(mask.size, np.int64)
@@ -167,6 +180,14 @@ class TableShardCopy(CopyState):
                 self.moved = self.moved & ~mask
                 if not self.moved.any():
                     self.moved = None
+
+    def unstage(self, epochs) -> None:
+        """Forget the copies ahead of the moves of ``epochs`` (None: every one;
+        lock held): their rows went, or are this shard's now."""
+        for e in list(self.staged) if epochs is None else epochs:
+            self.staged.pop(e, None)
+        self.staged_mask = None if not self.staged else \
+            np.logical_or.reduce(list(self.staged.values()))
 
     def take_moved_in(self, groups) -> None:
         """Remember update keys applied where rows of these buckets came from:
@@ -217,7 +238,7 @@ class TableShardCopy(CopyState):
         refusal first, then keys of buckets whose earlier shard applied
         this update before they moved here are left out (lock held)."""
         b = bucket_of(keys) if self.moved is not None or self.received_at is not None \
-            or self.moved_in else None   # (only a shard that moves touched)
+            or self.moved_in or self.staged else None   # (only if moves touched it)
         self.check_here(keys, buckets=b)
         if not update_id:
             return keys, grads
@@ -243,13 +264,15 @@ class TableShardCopy(CopyState):
                    but: np.ndarray | None = None) -> None:
         """NotPrimary (lock held; nothing changed) if one of ``keys``
         is of a bucket this shard handed to another server, or another holds
-        (``but`` those: an import that brings them): the caller's
-        description of the table is older than the move, and a row served or
-        made here would be a wrong one. ``buckets``: the keys' (bucket_of),
-        if the caller has them."""
-        if self.moved is not None and keys.size:
+        (``but`` those: an import that brings them), or a copy of which is
+        here ahead of its move (``staged_mask``): the caller's description of the
+        table is older than the move, and a row served or made here would be
+        a wrong one. ``buckets``: the keys' (bucket_of), if the caller has them."""
+        refused = self.moved if self.staged_mask is None else self.staged_mask if \
+            self.moved is None else self.moved | self.staged_mask
+        if refused is not None and keys.size:
             b = bucket_of(keys.reshape(-1)) if buckets is None else buckets
-            gone = self.moved[b] if but is None else self.moved[b] & ~but[b]
+            gone = refused[b] if but is None else refused[b] & ~but[b]
             if gone.any():
                 raise NotPrimary(
                     f"table {self.table_name!r}: {int(gone.sum())} of these keys are of "

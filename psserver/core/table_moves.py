@@ -31,10 +31,11 @@ from psserver.contract import keys as K
 from psserver.contract.keys import MAX_LAYOUT_BYTES, bucket_of
 from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
-#: Testing switch: "source:FILE" or "destination:FILE": the server dies
-#: (exit 3) in the middle of a move, as its source (the rows sent, before it
-#: commits) or as its destination (a piece of them received), once: only
-#: while FILE does not exist (made first, so a restarted server moves on).
+#: Testing switch: "source:FILE", "destination:FILE" or "ahead:FILE": the
+#: server dies (exit 3) in the middle of a move, as its source (the rows
+#: sent, before it commits), as its destination (a piece of them received)
+#: or as the destination of its copy ahead (a piece of it received), once:
+#: only while FILE does not exist (made first, so a restarted server moves on).
 FAULT_CRASH_IN_MOVE_ENV = "PSTRAIN_FAULT_CRASH_IN_MOVE"
 
 
@@ -74,6 +75,7 @@ def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
         others = owner != shard
         copy.moved = others if others.any() else None
         copy.moved_epoch, copy.layout = epoch, layout
+        copy.unstage(None)   # (copies ahead are of buckets others hold: dropped below)
         t = copy.table
         keys, _ = t.index.items()
         stray = keys[others[bucket_of(keys)]]
@@ -97,61 +99,145 @@ def fence(copy, epoch: int) -> bool:
 
 
 def check_move(capacity: int | None, epoch: int, layout: str,
-               destination_capacity: int | None = None) -> None:
-    """A move's capacities and layout, checked (InvalidArgument)."""
+               destination_capacity: int | None = None, layout_needed: bool = True) -> None:
+    """A move's capacities and layout (``layout_needed``: a copy ahead names
+    none, only its epoch), checked (InvalidArgument)."""
     for c in (capacity, destination_capacity):
         if c is not None and not 0 <= c < 1 << 40:
             raise InvalidArgument(f"a move's capacities are integers in [0, 2**40), got {c}")
-    parse_layout(epoch, layout)
+    if layout_needed:
+        parse_layout(epoch, layout)
+    elif not 0 < epoch < 1 << 62:
+        raise InvalidArgument(f"a move's layout epoch is in [1, 2**62), got {epoch}")
 
 
-def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None],
+def _check_source(copy, mask: np.ndarray, epoch: int) -> None:
+    """A move's (or its copy ahead's) checks on its source (lock held)."""
+    copy.check_primary()
+    if copy.link is not None:
+        raise FailedPrecondition(
+            f"table {copy.table_name!r}: this shard is replicated (it has a backup copy); "
+            "moving its buckets to another server is not supported with replication yet. "
+            "Nothing was moved")
+    if copy.acc is not None:
+        raise FailedPrecondition(
+            f"table {copy.table_name!r}: a sync step is being gathered on this shard; move "
+            "its buckets between steps (nothing was moved)")
+    if epoch <= max(copy.moved_epoch, copy.fenced_epoch):
+        raise InvalidArgument(f"table {copy.table_name!r}: layout epoch {epoch} is not newer "
+                              f"than this shard's ({max(copy.moved_epoch, copy.fenced_epoch)})"
+                              "; nothing was moved")
+    if copy.moved is not None and (copy.moved & mask).any():
+        raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets were "
+                              "handed to another server already; nothing was moved")
+
+
+def _rows_in(t, mask: np.ndarray) -> np.ndarray:
+    """The keys of ``t``'s rows in the buckets of ``mask``, sorted."""
+    keys, _ = t.index.items()
+    return np.sort(keys[mask[bucket_of(keys)]])
+
+
+def _row_bytes(state: dict) -> int:
+    return sum(a.nbytes for k, a in state.items()
+               if k == "values" or (k.startswith("slot/") and np.ndim(a)))
+
+
+def precopy(copy, mask: np.ndarray, destination: str, send: Callable[[dict, int], None],
+            epoch: int) -> tuple[int, int]:
+    """Copy the rows of the buckets in ``mask`` to ``destination`` ahead of
+    their move of ``epoch`` (``send(state, step)``: its staged import),
+    while this shard goes on serving them: the rows are taken under the
+    lock with a change point (psserver.core.tracking, stream MOVE_STREAM),
+    sent without it. The move then sends only the rows changed since
+    (move_buckets); a failed send changes nothing here (the move sends the
+    rows whole). Returns (rows, bytes) copied."""
+    with copy.lock:
+        _check_source(copy, mask, epoch)
+        copy.precopied = None
+        t = copy.table
+        copy.move_points -= 1
+        point = copy.move_points
+        t.take_changes(point, MOVE_STREAM, 0)
+        state = t.export(_rows_in(t, mask))
+        state.pop("evicted", None)
+        step = t.step
+    send(state, step)
+    with copy.lock:   # (a move or restore meanwhile: the copy is not the one to build on)
+        if copy.move_points == point and copy.table is t:
+            copy.precopied = (epoch, mask.copy(), destination, point)
+    return int(state["keys"].size), _row_bytes(state)
+
+
+#: The change-tracking stream of moves' copies ahead (saves name theirs).
+MOVE_STREAM = "~move"
+
+
+def _changes_since(copy, mask: np.ndarray, destination: str, epoch: int):
+    """The keys of ``mask``'s buckets changed (made, updated, looked up,
+    evicted) since this move's copy ahead reached ``destination``, sorted;
+    None where there was none or what changed is not known (lock held)."""
+    pre, copy.precopied = copy.precopied, None
+    if pre is None or pre[0] != epoch or pre[2] != destination or \
+            not np.array_equal(pre[1], mask):
+        return None
+    t = copy.table
+    copy.move_points -= 1
+    changes = t.take_changes(copy.move_points, MOVE_STREAM, pre[3])
+    if changes is None or changes.whole:
+        return None
+    t.tracker.log.commit(copy.move_points, MOVE_STREAM)   # (older move points forgotten)
+    keys = changes.keys if changes.keys is not None else np.zeros(0, np.int64)
+    return keys[mask[bucket_of(keys)]]
+
+
+def move_buckets(copy, mask: np.ndarray, send: Callable[..., None],
                  capacity: int | None, epoch: int, layout: str,
-                 deadline: float | None = None, leaves: bool = False) -> tuple[int, int, int]:
+                 deadline: float | None = None, leaves: bool = False,
+                 destination: str = "") -> tuple[int, int, int]:
     """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
-    step, applied)`` puts them there with the update keys applied to them
-    (TableShardCopy.export_applied), raising if it could not (nothing
-    changes here then). ``capacity``: this shard's part of the table's capacity
+    step, applied, dropped)`` puts them there with the update keys applied
+    to them (TableShardCopy.export_applied), raising if it could not
+    (nothing changes here then). Where their copy reached ``destination``
+    ahead of the move (precopy), only the rows changed since are sent, and
+    ``dropped`` are the keys gone since (else None: the rows whole; also
+    where the destination refuses the changes: FailedPrecondition, it lost
+    the copy). ``capacity``: this shard's part of the table's capacity
     afterwards (None: unchanged); ``epoch``: the table's layout epoch
     after the move, named in refusals, and ``layout`` that layout (JSON,
     served by Info from then on: the caller of a refused key reads it);
     ``leaves``: the shard holds no bucket afterwards (a drain's last move:
     ``copy.drained``, what a leaving server waits for). Past ``deadline``
     (time.monotonic()) once the rows are sent, nothing changes here
-    (DeadlineExceeded: the caller gave up). Returns (rows, bytes, rows held)."""
+    (DeadlineExceeded: the caller gave up). Returns (rows, bytes, rows held,
+    rows sent): the rows the destination holds of those buckets now, their
+    bytes, the rows left here, and the rows this call sent."""
     check_move(capacity, epoch, layout)
     with copy.lock:
-        copy.check_primary()
-        if copy.link is not None:
-            raise FailedPrecondition(
-                f"table {copy.table_name!r}: this shard is replicated (it has a backup copy); "
-                "moving its buckets to another server is not supported with replication yet. "
-                "Nothing was moved")
-        if copy.acc is not None:
-            raise FailedPrecondition(
-                f"table {copy.table_name!r}: a sync step is being gathered on this shard; move "
-                "its buckets between steps (nothing was moved)")
-        if epoch <= max(copy.moved_epoch, copy.fenced_epoch):
-            raise InvalidArgument(f"table {copy.table_name!r}: layout epoch {epoch} is not newer "
-                                  f"than this shard's ({max(copy.moved_epoch, copy.fenced_epoch)})"
-                                  "; nothing was moved")
-        if copy.moved is not None and (copy.moved & mask).any():
-            raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets were "
-                                  "handed to another server already; nothing was moved")
+        _check_source(copy, mask, epoch)
         t = copy.table
-        keys, _ = t.index.items()
-        keys = np.sort(keys[mask[bucket_of(keys)]])
-        state = t.export(keys)
-        state.pop("evicted", None)
-        send(state, t.step, copy.export_applied(mask))
+        keys = _rows_in(t, mask)
+        changed = _changes_since(copy, mask, destination, epoch)
+        applied, sent = copy.export_applied(mask), False
+        if changed is not None:
+            state = t.export(changed)
+            dropped = state.pop("evicted")
+            try:
+                send(state, t.step, applied, dropped)
+                sent = True
+            except FailedPrecondition:   # (the destination lost the copy: send them whole)
+                pass
+        if not sent:
+            state = t.export(keys)
+            state.pop("evicted", None)
+            send(state, t.step, applied, None)
         crash_point("source")
         if deadline is not None and time.monotonic() > deadline:
             raise DeadlineExceeded(
                 f"table {copy.table_name!r}: the move's rows reached the destination after "
                 "the caller's deadline; nothing moved here (the destination drops its copy "
                 "when told the table's layout)")
-        nbytes = sum(a.nbytes for k, a in state.items()
-                     if k == "values" or (k.startswith("slot/") and np.ndim(a)))
+        nbytes = keys.size * t.moved_row_bytes
         t.drop(keys)
         copy.moved = mask.copy() if copy.moved is None else copy.moved | mask
         copy.moved_epoch, copy.layout = epoch, layout
@@ -161,4 +247,61 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[[dict, int, list], None]
             t.set_capacity(capacity, evict=True)
             copy.spec = copy.spec.with_capacity(capacity)
         copy.version += 1
-        return int(keys.size), int(nbytes), len(t)
+        return int(keys.size), int(nbytes), len(t), int(state["keys"].size)
+
+
+def receive(copy, state: dict, incoming: tuple, first: bool, staged: bool,
+            dropped: np.ndarray | None) -> np.ndarray | None:
+    """Before a move's piece goes into this shard (lock held; checked, nothing
+    changed yet where it raises): ``staged``, a piece of its copy ahead
+    (precopy: the rows go in beside the shard's own, their buckets not its
+    own yet); ``dropped`` (not None), a piece of the rows changed since the
+    copy (each replaces the copy's row; ``dropped``: keys gone since);
+    else a piece of the rows whole. The first piece of a copy ahead or of
+    the rows whole first drops what the shard holds of those buckets
+    (rows a failed or earlier move left: never its own), as a first piece
+    of changes drops the keys gone; FailedPrecondition for changes with no
+    copy ahead here to apply them to. Returns the keys whose rows the piece
+    replaces (DynamicTable.import_rows' ``replace``); nothing changes here."""
+    mask, epoch = incoming
+    keys = state["keys"].reshape(-1)
+    if keys.size and not mask[bucket_of(keys)].all():
+        raise InvalidArgument(f"table {copy.table_name!r}: a move's rows are of the buckets "
+                              "it brings only; nothing was imported")
+    if dropped is not None and (staged or not first and dropped.size):
+        raise InvalidArgument("a move's dropped keys come with the first piece of its changes")
+    if dropped is not None and dropped.size and not mask[bucket_of(dropped)].all():
+        raise InvalidArgument(f"table {copy.table_name!r}: a move's dropped keys are of the "
+                              "buckets it brings only; nothing was imported")
+    if dropped is not None and first and not (
+            epoch in copy.staged and np.array_equal(copy.staged[epoch], mask)):
+        raise FailedPrecondition(
+            f"table {copy.table_name!r}: no copy of this move's rows (epoch {epoch}) is here "
+            "to apply its changes to (this server restarted, or was told the layout since); "
+            "nothing changed. Send the rows whole")
+    if dropped is not None and not first and copy.move_in_epoch != epoch:
+        raise InvalidArgument(f"table {copy.table_name!r}: a piece of a move's changes that "
+                              "was not started; nothing changed")
+    if staged and not first and epoch not in copy.staged:
+        raise InvalidArgument(f"table {copy.table_name!r}: a piece of a copy ahead of a move "
+                              "that was not started (the first piece has reset); nothing changed")
+    if first and dropped is None:   # (and what earlier copies ahead of these buckets left)
+        for e, m in copy.staged.items():
+            if (m & mask).any():
+                mask = mask | m
+        replace = _rows_in(copy.table, mask)
+    elif dropped is not None:   # (the rows it replaces, and those gone)
+        replace = np.union1d(keys, dropped.reshape(-1)) if first else keys
+    else:
+        replace = None
+    return replace
+
+
+def unstaged(copy, state: dict) -> dict:
+    """``state`` (an export of this shard, lock held) without the rows of a
+    move's copy ahead held here (not the shard's rows yet: never saved)."""
+    if copy.staged_mask is None or not state["keys"].size:
+        return state
+    keep = ~copy.staged_mask[bucket_of(state["keys"])]
+    return {k: (a[keep] if np.ndim(a) and k != "evicted" and a.shape[:1] == keep.shape else a)
+            for k, a in state.items()}

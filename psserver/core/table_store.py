@@ -50,6 +50,7 @@ from psserver.contract.checkpoint_format import slot_layout, table_file
 from psserver.contract.keys import check_keys
 from psserver.core import replication as R
 from psserver.core import sync as S
+from psserver.core import table_moves as M
 from psserver.core.bags import check_bags
 from psserver.core.dynamic_table import DynamicTable
 from psserver.core.save_files import write_tensors
@@ -454,7 +455,8 @@ class TableStore:
             if changes is not None and changes.whole:
                 changes = None   # (too many evictions kept since: written whole)
             now = t.clock()
-            state = t.export(None if changes is None else changes.keys, now, spec.weights_only)
+            state = M.unstaged(copy, t.export(None if changes is None else changes.keys, now,
+                                              spec.weights_only))
             step, table_spec = t.step, copy.spec
         kind = FULL if changes is None else DELTA
         meta = {"name": name, "kind": "dynamic_table", "step": str(step),
@@ -469,14 +471,18 @@ class TableStore:
 
     def import_rows(self, name: str, state: dict, step: int, reset: bool,
                     capacity: int | None = None, applied: Sequence[tuple] = (),
-                    incoming: tuple | None = None) -> int:
+                    incoming: tuple | None = None, staged: bool = False,
+                    dropped: np.ndarray | None = None) -> int:
         """Put rows (DynamicTable.export's arrays) into the shard, emptied
         first with ``reset`` (a primary only: a backup takes its primary's
         state only, NotPrimary); ``capacity``: the
         shard's capacity from now on (a first piece's), set before the rows go in;
         ``applied``: [(buckets, update keys)] the rows' earlier shard applied
         (a move: TableShardCopy.take_moved_in); ``incoming``: the buckets a
-        move brings and its epoch (TableShardCopy.take_in). Returns the rows
+        move brings and its epoch (TableShardCopy.take_in); ``staged``, a
+        piece of a move's copy ahead (``reset``: its first), ``dropped``, the
+        keys gone since it (a piece of the move's changes on top of it):
+        psserver/core/table_moves.py receive. Returns the rows
         held. The backup, if any, copies the new state whole."""
         if capacity is not None and not 0 <= capacity < 1 << 40:
             raise InvalidArgument("an import's capacity is an integer in [0, 2**40)")
@@ -485,16 +491,35 @@ class TableStore:
             copy.check_primary()
             t = copy.table
             self._check_room(name, state["keys"].size, t.row_bytes)
+            replace = None
+            if (staged or dropped is not None) and (incoming is None or reset and not staged):
+                raise InvalidArgument("a move's copy ahead or changes come with its buckets "
+                                      "and epoch, and never empty the shard")
+            if staged:   # (reset: the copy's first piece, not the shard emptied)
+                first, reset = reset, False
+            else:
+                first = incoming is not None and copy.move_in_epoch != incoming[1]
             if not reset:   # (no key another shard holds, but for a move's)
                 copy.take_in(check_keys(state["keys"]).reshape(-1), incoming, True)
+                if incoming is not None:
+                    replace = M.receive(copy, state, incoming, first, staged, dropped)
             before = t.config.capacity
             if capacity is not None:
                 t.set_capacity(capacity)
             try:
-                rows = t.import_rows(state, step, reset=reset)
+                rows = t.import_rows(state, step, reset=reset, replace=replace)
             except BaseException:   # refused whole: the capacity as it was
                 t.set_capacity(before)
                 raise
+            if staged:   # (its buckets not held here yet)
+                if first:   # (earlier copies of these buckets went: receive)
+                    copy.unstage([e for e, m in copy.staged.items() if (m & incoming[0]).any()])
+                copy.staged[incoming[1]] = incoming[0].copy()
+                copy.unstage(())
+                if capacity is not None:
+                    copy.spec = copy.spec.with_capacity(capacity)
+                copy.version += 1
+                return rows
             if capacity is not None:
                 copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1

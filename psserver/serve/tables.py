@@ -15,12 +15,13 @@ import re
 import time
 from typing import Callable
 
+import numpy as np
 from google.protobuf import json_format
 
 from protos.pstrain.v1 import ps_pb2, tables_pb2
 from psserver.contract import MAX_COUNT, TABLE_PREFIX, Initializer
 from psserver.contract import tensor as T
-from psserver.contract.keys import buckets_of_bitmap
+from psserver.contract.keys import buckets_of_bitmap, check_keys
 from psserver.core import table_moves as M
 from psserver.core.shards import CopyState
 from psserver.core.table_config import TableConfig
@@ -171,14 +172,19 @@ class TableServicer:
                 spec_of(r.spec), r.epoch, r.version, r.complete, list(r.applied_ids),
                 r.sync_steps))
         else:
-            if request.buckets:   # (a move's piece)
-                M.crash_point("destination")
+            if request.buckets:   # (a move's piece, or of its copy ahead)
+                M.crash_point("ahead" if request.staged else "destination")
+            if request.HasField("dropped") and not request.delta:
+                raise InvalidArgument("an import names dropped keys only with delta")
+            dropped = None if not request.delta else check_keys(TP.decode(
+                request.dropped, T.ID_DTYPES, "import dropped")).reshape(-1) \
+                if request.HasField("dropped") else np.zeros(0, np.int64)
             rows = self.store.import_rows(
                 request.name, state, step, request.reset,
                 request.capacity if request.HasField("capacity") else None,
                 _applied_of(request.applied),
                 (buckets_of_bitmap(request.buckets), int(request.layout_epoch))
-                if request.buckets else None)
+                if request.buckets else None, staged=request.staged, dropped=dropped)
         return tables_pb2.ImportTableReply(rows=rows)
 
     def MoveBuckets(self, request, context):
@@ -200,11 +206,16 @@ class TableServicer:
                                    int(request.layout_epoch), request.layout, int(request.shard))
             return tables_pb2.MoveBucketsReply(rows=dropped,
                                                held=self.store.info(request.name).rows)
+        if request.precopy and (request.HasField("capacity") or request.layout or
+                                request.source_leaves):
+            raise InvalidArgument("a move's copy ahead (precopy) names no capacity of its own, "
+                                  "layout or drain: the move does")
         mask = buckets_of_bitmap(request.buckets)
         capacity = request.capacity if request.HasField("capacity") else None
         theirs = request.destination_capacity if request.HasField("destination_capacity") \
             else None
-        M.check_move(capacity, int(request.layout_epoch), request.layout, theirs)
+        M.check_move(capacity, int(request.layout_epoch), request.layout, theirs,
+                     layout_needed=not request.precopy)
         dest = request.destination
         if not _ADDRESS.fullmatch(dest):
             raise InvalidArgument(f"a move's destination is host:port, got {dest[:100]!r}")
@@ -224,12 +235,19 @@ class TableServicer:
             if client.server_info(timeout=max(0.001, end - time.monotonic())).server_id == \
                     self.server_id:
                 raise InvalidArgument(f"a move's destination {dest!r} is this server")
-            rows, nbytes, held = M.move_buckets(
-                copy, mask, lambda state, step, applied: client.import_table(
+            incoming = (mask, int(request.layout_epoch))
+            if request.precopy:
+                rows, nbytes = M.precopy(copy, mask, dest, lambda state, step: client.import_table(
+                    request.name, state, step, reset=True, staged=True, deadline=end,
+                    capacity=theirs, incoming=incoming), int(request.layout_epoch))
+                return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes,
+                                                   held=self.store.info(request.name).rows)
+            rows, nbytes, held, sent = M.move_buckets(
+                copy, mask, lambda state, step, applied, dropped: client.import_table(
                     request.name, state, step, reset=False, applied=applied, deadline=end,
-                    capacity=theirs, incoming=(mask, int(request.layout_epoch))),
+                    capacity=theirs, incoming=incoming, dropped=dropped),
                 capacity, int(request.layout_epoch), request.layout, end,
-                leaves=request.source_leaves)
+                leaves=request.source_leaves, destination=dest)
         finally:
             client.close()
-        return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes, held=held)
+        return tables_pb2.MoveBucketsReply(rows=rows, bytes=nbytes, held=held, sent=sent)

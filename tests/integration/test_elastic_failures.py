@@ -64,6 +64,31 @@ def test_the_new_server_killed_while_it_takes_the_rows(tmp_path):
             assert sum(_rows(counter.addresses, "counter")) == EXAMPLES
 
 
+def test_the_new_server_killed_while_it_takes_the_rows_copied_ahead(tmp_path):
+    """The rows copied ahead of the move (training going on) die with it: the
+    moves send them whole to the server back at that address, or the add
+    fails with nothing moved and is made again; no example counted twice."""
+    flag = tmp_path / "crashed"
+    with LocalCluster(num_ps=2, num_workers=2,
+                      env={FAULT_CRASH_IN_MOVE_ENV: f"ahead:{flag}"}) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        first = strategy.parameter_servers
+        with ClusterCoordinator(strategy) as coord:
+            ds, steps, done = _schedule_epoch(coord, counter, emb, w)
+            done[steps // 4].fetch()
+            added = cluster.add_ps()
+            try:
+                moves = coord.add_parameter_server(added)
+            except PSError:   # (back too late for the moves: the job as it was)
+                assert strategy.parameter_servers == first
+                assert counter.addresses == emb.addresses == first
+                moves = _add_when_it_answers(coord, added)
+            assert flag.exists()   # (it died, taking the copy ahead)
+            assert [m.table for m in moves] == ["counter", "emb"] and emb.num_shards == 3
+            _each_example_once(coord, ds, done, counter, w, steps)
+            assert sum(_rows(counter.addresses, "counter")) == EXAMPLES
+
+
 def test_a_source_killed_after_it_sent_the_rows_and_before_it_committed(tmp_path):
     flag = tmp_path / "crashed"
     with LocalCluster(num_ps=2, num_workers=2,

@@ -188,7 +188,7 @@ class SaveTableReply(_message.Message):
     def __init__(self, file: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[_ps_pb2.SaveKind, str]] = ..., evicted: _Optional[int] = ..., incarnation: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ImportTableRequest(_message.Message):
-    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica", "capacity", "applied", "buckets", "layout_epoch")
+    __slots__ = ("name", "reset", "keys", "values", "slots", "age_steps", "age_seconds", "freq", "step", "replica", "capacity", "applied", "buckets", "layout_epoch", "staged", "delta", "dropped")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,9 @@ class ImportTableRequest(_message.Message):
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     name: str
     reset: bool
     keys: _ps_pb2.Tensor
@@ -217,7 +220,10 @@ class ImportTableRequest(_message.Message):
     applied: _containers.RepeatedCompositeFieldContainer[AppliedKeys]
     buckets: bytes
     layout_epoch: int
-    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ..., capacity: _Optional[int] = ..., applied: _Optional[_Iterable[_Union[AppliedKeys, _Mapping]]] = ..., buckets: _Optional[bytes] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    staged: bool
+    delta: bool
+    dropped: _ps_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., reset: _Optional[bool] = ..., keys: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., slots: _Optional[_Iterable[_Union[_ps_pb2.SlotValue, _Mapping]]] = ..., age_steps: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., age_seconds: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., freq: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., replica: _Optional[_Union[ReplicaCopy, _Mapping]] = ..., capacity: _Optional[int] = ..., applied: _Optional[_Iterable[_Union[AppliedKeys, _Mapping]]] = ..., buckets: _Optional[bytes] = ..., layout_epoch: _Optional[int] = ..., staged: _Optional[bool] = ..., delta: _Optional[bool] = ..., dropped: _Optional[_Union[_ps_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class AppliedKeys(_message.Message):
     __slots__ = ("buckets", "ids")
@@ -250,7 +256,7 @@ class ImportTableReply(_message.Message):
     def __init__(self, rows: _Optional[int] = ...) -> None: ...
 
 class MoveBucketsRequest(_message.Message):
-    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence", "destination_capacity", "source_server_id", "source_leaves")
+    __slots__ = ("name", "buckets", "destination", "capacity", "layout_epoch", "layout", "layout_only", "shard", "fence", "destination_capacity", "source_server_id", "source_leaves", "precopy")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +269,7 @@ class MoveBucketsRequest(_message.Message):
     DESTINATION_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LEAVES_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_FIELD_NUMBER: _ClassVar[int]
     name: str
     buckets: bytes
     destination: str
@@ -275,16 +282,19 @@ class MoveBucketsRequest(_message.Message):
     destination_capacity: int
     source_server_id: str
     source_leaves: bool
-    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ..., destination_capacity: _Optional[int] = ..., source_server_id: _Optional[str] = ..., source_leaves: _Optional[bool] = ...) -> None: ...
+    precopy: bool
+    def __init__(self, name: _Optional[str] = ..., buckets: _Optional[bytes] = ..., destination: _Optional[str] = ..., capacity: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., layout: _Optional[str] = ..., layout_only: _Optional[bool] = ..., shard: _Optional[int] = ..., fence: _Optional[bool] = ..., destination_capacity: _Optional[int] = ..., source_server_id: _Optional[str] = ..., source_leaves: _Optional[bool] = ..., precopy: _Optional[bool] = ...) -> None: ...
 
 class MoveBucketsReply(_message.Message):
-    __slots__ = ("rows", "bytes", "held", "moved")
+    __slots__ = ("rows", "bytes", "held", "moved", "sent")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
     rows: int
     bytes: int
     held: int
     moved: bool
-    def __init__(self, rows: _Optional[int] = ..., bytes: _Optional[int] = ..., held: _Optional[int] = ..., moved: _Optional[bool] = ...) -> None: ...
+    sent: int
+    def __init__(self, rows: _Optional[int] = ..., bytes: _Optional[int] = ..., held: _Optional[int] = ..., moved: _Optional[bool] = ..., sent: _Optional[int] = ...) -> None: ...
