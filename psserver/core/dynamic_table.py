@@ -545,11 +545,13 @@ class DynamicTable:
             self._evict_for(self.index.size - capacity)
 
     def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool,
-                    replace: np.ndarray | None = None) -> int:
+                    replace: np.ndarray | None = None, staged: bool = False) -> int:
         """Put rows ``state`` (export()'s arrays, any subset of keys) into this
         shard; ``reset`` empties it first; ``replace``: keys whose rows go
         first (a superset of the keys held already: a move's,
-        psserver/core/table_moves.py). Checked whole before anything changes
+        psserver/core/table_moves.py); ``staged``: a move's copy ahead, which
+        leaves the shard's step and scalar slots as they are (the move
+        brings them). Checked whole before anything changes
         (InvalidArgument). Over capacity afterwards, the policy's victims are
         evicted. Returns the rows held."""
         c = self.config
@@ -567,17 +569,18 @@ class DynamicTable:
             _, live = self.index.items()
             self._evict_rows(live)
             self.pending.clear()
-        self.step = step if reset else max(self.step, step)
-        for name in self.slots:
-            if name not in self._row_slots:   # scalar (Adam's count): the largest
-                self.slots[name][...] = slots[name] if reset else \
-                    np.maximum(self.slots[name], slots[name])
+        if not staged:
+            self.step = step if reset else max(self.step, step)
+            for name in self.slots:
+                if name not in self._row_slots:   # scalar (Adam's count): the largest
+                    self.slots[name][...] = slots[name] if reset else \
+                        np.maximum(self.slots[name], slots[name])
         rows = self._take_rows(n)
         self.value[rows] = values
         for name in self._row_slots:
             self.slots[name][rows] = slots[name]
         self.row_key[rows] = keys
-        self.updated_step[rows] = self.step - age_steps
+        self.updated_step[rows] = max(self.step, step) - age_steps
         self.updated_time[rows] = self.clock() - age_seconds
         self.used_step[rows] = self._tick
         self.freq[rows] = np.minimum(freq, MAX_FREQ)

@@ -64,8 +64,9 @@ def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
     """This shard is shard ``shard`` of ``layout`` (of ``epoch``) from now on,
     moving nothing: it serves the layout, refuses keys of the buckets it
     gives other shards, and drops rows of such keys (a copy a failed move
-    left on its destination). A layout older than the shard's is ignored.
-    Returns the rows dropped."""
+    left on its destination) and every copy ahead of a move held here (a
+    move that took it in unstaged it). A layout older than the shard's is
+    ignored. Returns the rows dropped."""
     owner = parse_layout(epoch, layout)
     if not 0 <= shard < int(owner.max()) + 1:
         raise InvalidArgument(f"shard {shard} is not one of the layout's")
@@ -75,7 +76,9 @@ def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
         others = owner != shard
         copy.moved = others if others.any() else None
         copy.moved_epoch, copy.layout = epoch, layout
-        copy.unstage(None)   # (copies ahead are of buckets others hold: dropped below)
+        if copy.staged_mask is not None:   # (copies ahead no move took in: they go too)
+            others = others | copy.staged_mask
+            copy.unstage(None)
         t = copy.table
         keys, _ = t.index.items()
         stray = keys[others[bucket_of(keys)]]

@@ -507,7 +507,7 @@ class TableStore:
             if capacity is not None:
                 t.set_capacity(capacity)
             try:
-                rows = t.import_rows(state, step, reset=reset, replace=replace)
+                rows = t.import_rows(state, step, reset=reset, replace=replace, staged=staged)
             except BaseException:   # refused whole: the capacity as it was
                 t.set_capacity(before)
                 raise
