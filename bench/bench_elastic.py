@@ -13,9 +13,12 @@ data: once with the add, once without. Reported, medians of the rounds:
 * the longest gap between two completed steps around the add, and the
   longest anywhere in the run without it (what the add costs a job);
 * steps/s before and after the add (and in the run without it);
-* the move's seconds and bytes/s, and bytes/s of the same bytes over one
-  bare TCP connection to a process on the new server's host (bench.common
-  TCPReference): what the wire allows;
+* the rows copied ahead of the move while training goes on (seconds,
+  bytes/s, and steps/s meanwhile), then the move between two steps (its
+  seconds, and the rows it sent: those changed since the copy); the
+  copy's bytes/s against the same bytes over one bare TCP connection to a
+  process on the new server's host (bench.common TCPReference): what the
+  wire allows;
 * the variable shards the new server took (an even share of the DLRM's
   dense variables, each whole), their bytes and seconds, and the whole add;
 * the AUC of both runs after the same steps (an add changes no update).
@@ -76,9 +79,15 @@ def one_run(rows: int, steps: int, add: bool, placement=None) -> dict:
         return out
     before, after = ends[ends <= t0], ends[ends >= move_end]
     across = [b - a for a, b in zip(ends[:-1], ends[1:]) if a <= move_end and b >= t0]
+    ahead = move.ahead
+    ahead_s = ahead.seconds if ahead is not None else 0.0
+    during = ends[(ends >= t0) & (ends <= t0 + ahead_s)]
     out.update(longest_gap=float(max(across, default=0.0)),
-               steps_per_s_before=(before.size - 1) / (before[-1] - before[0]),
-               steps_per_s_after=(after.size - 1) / (after[-1] - after[0]),
+               ahead_rows=ahead.rows if ahead is not None else 0,
+               ahead_bytes=ahead.bytes if ahead is not None else 0, ahead_seconds=ahead_s,
+               steps_per_s_during=during.size / ahead_s if ahead_s else 0.0,
+               sent_rows=move.sent,
+               steps_per_s_before=_rate(before), steps_per_s_after=_rate(after),
                move_seconds=move.seconds, move_bytes=move.bytes, move_rows=move.rows,
                moved_fraction=move.rows / (move.rows + move.kept),
                variable_shards_moved=len(shards),
@@ -86,6 +95,11 @@ def one_run(rows: int, steps: int, add: bool, placement=None) -> dict:
                variable_move_seconds=sum(m.seconds for m in shards),
                add_seconds=move_end - t0)
     return out
+
+
+def _rate(ends: np.ndarray) -> float:
+    """Steps/s of steps that ended at ``ends`` (sorted); nan for fewer than 2."""
+    return (ends.size - 1) / (ends[-1] - ends[0]) if ends.size > 1 else float("nan")
 
 
 def tcp_reference(nbytes: int, prefix=(), host: str = "127.0.0.1") -> float:
@@ -109,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = args.rows or (200_000 if args.quick else 1_000_000)
-    steps, rounds = (120, 1) if args.quick else (300, 3)
+    steps, rounds = (240, 1) if args.quick else (400, 3)
     from bench.suite import BLAS_ENV
     os.environ.update(BLAS_ENV)
     res = {"machine": machine_info(), "rows": rows, "steps": steps, "rounds": rounds,
@@ -125,7 +139,8 @@ def main(argv=None) -> int:
         for _ in range(rounds):
             res["runs"].append({"resized": one_run(rows, steps, True, placement),
                                 "unresized": one_run(rows, steps, False, placement)})
-        moved = statistics.median(r["resized"]["move_bytes"] for r in res["runs"])
+        moved = statistics.median(r["resized"]["ahead_bytes"] or r["resized"]["move_bytes"]
+                                  for r in res["runs"])
         res["tcp_seconds"] = tcp_reference(int(moved), *tcp_at)
     med = {k: statistics.median(r["resized"][k] for r in res["runs"])
            for k in res["runs"][0]["resized"]}
@@ -138,12 +153,16 @@ def main(argv=None) -> int:
          f"({med['moved_fraction']:.1%})", f"{base['rows']:,.0f}"],
         ["longest gap between two steps", f"{med['longest_gap']:.3f} s (around the add)",
          f"{base['longest_gap']:.3f} s (anywhere)"],
-        ["steps/s before / after the add", f"{med['steps_per_s_before']:.1f} / "
-         f"{med['steps_per_s_after']:.1f}", f"{base['steps_per_s']:.1f}"],
-        ["the move: seconds, bytes/s", f"{med['move_seconds']:.3f} s, "
-         f"{med['move_bytes'] / med['move_seconds'] / 2**20:.1f} MiB/s "
-         f"({med['move_seconds'] / res['tcp_seconds']:.0f}x bare TCP's "
+        ["steps/s before / during the copy ahead / after", f"{med['steps_per_s_before']:.1f} / "
+         f"{med['steps_per_s_during']:.1f} / {med['steps_per_s_after']:.1f}",
+         f"{base['steps_per_s']:.1f}"],
+        ["copied ahead, training going on: rows, seconds, bytes/s",
+         f"{med['ahead_rows']:,.0f}, {med['ahead_seconds']:.3f} s, "
+         f"{med['ahead_bytes'] / max(med['ahead_seconds'], 1e-9) / 2**20:.1f} MiB/s "
+         f"({med['ahead_seconds'] / res['tcp_seconds']:.0f}x bare TCP's "
          f"{res['tcp_seconds']:.3f} s)", ""],
+        ["the move between two steps: seconds, rows sent (changed since)",
+         f"{med['move_seconds']:.3f} s, {med['sent_rows']:,.0f}", ""],
         ["variable shards moved: count, MiB, seconds",
          f"{med['variable_shards_moved']:.0f}, {med['variable_bytes_moved'] / 2**20:.2f}, "
          f"{med['variable_move_seconds']:.3f} s", ""],

@@ -19,6 +19,14 @@ older layout are refused there and planned again on the newer one
 shard that no longer holds it. Each move's layout is numbered one higher
 (``layout_epoch``), and names only the buckets moved so far.
 
+Before the steps wait, training going on, each of those moves has its
+source copy the rows to the destination ahead of it (``copy_ahead``:
+tables.proto MoveBucketsRequest.precopy; the destination holds them aside,
+refusing their keys and saving none), so that the move between two steps
+sends only the rows changed since and the keys gone (or the rows whole
+where the destination lost its copy): the pause is about what a second of
+training touches, not the table's size.
+
 The coordinator's own description of each table (the strategy's, which
 step closures carry) is brought to each layout as the move is made, so
 closures scheduled from then on route there at once; closures sent before

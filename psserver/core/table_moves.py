@@ -135,10 +135,11 @@ def _check_source(copy, mask: np.ndarray, epoch: int) -> None:
                               "handed to another server already; nothing was moved")
 
 
-def _rows_in(t, mask: np.ndarray) -> np.ndarray:
-    """The keys of ``t``'s rows in the buckets of ``mask``, sorted."""
+def _rows_in(t, mask: np.ndarray, ordered: bool = True) -> np.ndarray:
+    """The keys of ``t``'s rows in the buckets of ``mask`` (sorted: ``ordered``)."""
     keys, _ = t.index.items()
-    return np.sort(keys[mask[bucket_of(keys)]])
+    keys = keys[mask[bucket_of(keys)]]
+    return np.sort(keys) if ordered else keys
 
 
 def _row_bytes(state: dict) -> int:
@@ -219,7 +220,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[..., None],
     with copy.lock:
         _check_source(copy, mask, epoch)
         t = copy.table
-        keys = _rows_in(t, mask)
+        keys = _rows_in(t, mask, ordered=False)
         changed = _changes_since(copy, mask, destination, epoch)
         applied, sent = copy.export_applied(mask), False
         if changed is not None:
@@ -231,6 +232,7 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[..., None],
             except FailedPrecondition:   # (the destination lost the copy: send them whole)
                 pass
         if not sent:
+            keys = np.sort(keys)
             state = t.export(keys)
             state.pop("evicted", None)
             send(state, t.step, applied, None)

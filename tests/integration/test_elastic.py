@@ -106,6 +106,9 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
                 assert abs(m.buckets - 4096 // 3) <= 1
                 assert abs(m.rows / (m.rows + m.kept) - 1 / 3) < 0.1 / 3, m
                 assert m.rows + m.kept >= rows_before[t.name]
+                # copied ahead while the steps ran; between two steps, what changed since
+                assert m.ahead.rows > 0 and m.sent <= m.rows, m
+                assert f"table '{m.table}': {m.ahead.rows} rows" in caplog.text
             assert strategy.parameter_servers[-1] == added
             from prometheus_client import generate_latest
 
@@ -114,6 +117,9 @@ def test_a_server_added_while_workers_train_takes_a_third_and_nothing_is_lost(tm
             assert 'pstrain_coordinator_table_moves_total{outcome="done"}' in text
             assert metrics.REGISTRY.get_sample_value(
                 "pstrain_coordinator_table_rows_moved_total") >= sum(m.rows for m in moves) > 0
+            assert metrics.REGISTRY.get_sample_value(
+                "pstrain_coordinator_table_rows_copied_ahead_total") >= \
+                sum(m.ahead.rows for m in moves)
             assert metrics.REGISTRY.get_sample_value(   # (none under way now)
                 "pstrain_coordinator_table_move_buckets_left", {"table": "emb"}) == 0
             # progress in the log, a source at a time: part of the buckets, then all
