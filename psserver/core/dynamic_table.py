@@ -54,6 +54,7 @@ from typing import Callable
 
 import numpy as np
 
+from psserver.contract import keys as K
 from psserver.contract.checkpoint_format import check_rows, slot_layout
 from psserver.contract.keys import check_keys, initial_rows
 from psserver.contract.memory import give_back_memory, grow_rows, mapped
@@ -131,6 +132,11 @@ class DynamicTable:
         # Incremental saves (psserver.core.tracking): rows made, updated or looked
         # up and keys evicted since a save point; None until a save names one.
         self.tracker: TableTracker | None = None
+        # Moves' copies ahead held here (psserver/core/table_moves.py): their
+        # buckets (bool per bucket, or None), and which lost a row since (by
+        # capacity or age, not a move's drop: its move sends the rows whole).
+        self.guard: np.ndarray | None = None
+        self.guard_hit = np.zeros(K.BUCKETS, bool)
 
     # -- sizes -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -314,8 +320,12 @@ class DynamicTable:
         give_back_memory()
 
     # -- eviction ----------------------------------------------------------------------------
-    def _evict_rows(self, rows: np.ndarray) -> None:
+    def _evict_rows(self, rows: np.ndarray, own: bool = False) -> None:
+        """Evict ``rows``; ``own``: a move's drop (not a loss to a copy ahead)."""
         self._evictions += 1   # rows looked up before may belong to other keys now
+        if self.guard is not None and not own and rows.size:
+            b = K.bucket_of(self.row_key[rows])
+            self.guard_hit[b[self.guard[b]]] = True
         if self._journal is not None and rows.size:
             self._journal[0].append(self.row_key[rows])
         if self.tracker is not None and rows.size:
@@ -522,7 +532,7 @@ class DynamicTable:
         rows = self.index.find(keys)
         rows = rows[rows >= 0]
         if rows.size:
-            self._evict_rows(rows)
+            self._evict_rows(rows, own=True)
 
     def take_changes(self, save_id: int, stream: str, since: int):
         """Save point ``save_id`` of this shard (see psserver.core.tracking): the

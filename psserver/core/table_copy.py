@@ -90,12 +90,14 @@ class TableShardCopy(CopyState):
         self.fenced_epoch, self.move_in_epoch = 0, 0
         # Moves' rows copied ahead (table_moves.precopy). As their destination:
         # epoch -> bool per bucket of each copy held here, not yet this shard's
-        # (their keys refused, not saved; ``staged_mask``: their union, or None).
-        # As a source: (epoch, buckets, destination, the change point it was
-        # taken at) of the last copy that arrived whole.
+        # (their keys refused, not saved; ``staged_mask``: their union, or None;
+        # the table's ``guard``/``guard_hit`` say which lost a row since). As a
+        # source: epoch -> (buckets, destination, the change point it was taken
+        # at, its stream) of each copy that arrived whole.
         self.staged: dict[int, np.ndarray] = {}
+        self.staged_base: dict[int, int] = {}
         self.staged_mask: np.ndarray | None = None
-        self.precopied: tuple | None = None
+        self.precopied: dict[int, tuple] = {}
         self.move_points = 0   # (the change points moves take: -1, -2, ...)
 
     @property
@@ -146,7 +148,7 @@ class TableShardCopy(CopyState):
         self.drained = False
         self.move_in_epoch = 0
         self.unstage(None)
-        self.precopied = None
+        self.precopied = {}
         self.moved_in.clear()
         self.own.clear()
         self.move_epochs.clear()
@@ -181,13 +183,25 @@ class TableShardCopy(CopyState):
                 if not self.moved.any():
                     self.moved = None
 
+    def stage(self, epoch: int, mask: np.ndarray, base: int) -> None:
+        """A copy ahead of the move of ``epoch`` of the buckets in ``mask`` is
+        held here (lock held), its rows' steps counted from ``base`` minus
+        the source's step (table_moves.rebase)."""
+        self.staged[epoch] = mask.copy()
+        self.staged_base[epoch] = base
+        self.unstage(())
+
     def unstage(self, epochs) -> None:
         """Forget the copies ahead of the moves of ``epochs`` (None: every one;
         lock held): their rows went, or are this shard's now."""
         for e in list(self.staged) if epochs is None else epochs:
             self.staged.pop(e, None)
+            self.staged_base.pop(e, None)
         self.staged_mask = None if not self.staged else \
             np.logical_or.reduce(list(self.staged.values()))
+        t = self.table
+        t.guard = self.staged_mask
+        t.guard_hit &= self.staged_mask if self.staged_mask is not None else False
 
     def take_moved_in(self, groups) -> None:
         """Remember update keys applied where rows of these buckets came from:

@@ -29,7 +29,7 @@ import numpy as np
 
 from psserver.contract import keys as K
 from psserver.contract.keys import MAX_LAYOUT_BYTES, bucket_of
-from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from psserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotPrimary
 
 #: Testing switch: "source:FILE", "destination:FILE" or "ahead:FILE": the
 #: server dies (exit 3) in the middle of a move, as its source (the rows
@@ -147,50 +147,68 @@ def _row_bytes(state: dict) -> int:
                if k == "values" or (k.startswith("slot/") and np.ndim(a)))
 
 
+#: The change-tracking streams of moves' copies ahead (saves name theirs).
+MOVE_STREAM = "~move"
+
+
 def precopy(copy, mask: np.ndarray, destination: str, send: Callable[[dict, int], None],
             epoch: int) -> tuple[int, int]:
     """Copy the rows of the buckets in ``mask`` to ``destination`` ahead of
     their move of ``epoch`` (``send(state, step)``: its staged import),
     while this shard goes on serving them: the rows are taken under the
-    lock with a change point (psserver.core.tracking, stream MOVE_STREAM),
-    sent without it. The move then sends only the rows changed since
-    (move_buckets); a failed send changes nothing here (the move sends the
-    rows whole). Returns (rows, bytes) copied."""
+    lock with a change point (psserver.core.tracking: stream
+    ``MOVE_STREAM/<epoch>``, anchored until the move takes what changed
+    since, so no save's commit drops it), sent without it. The move then
+    sends only the rows changed since (move_buckets); a failed send leaves
+    no copy to build on (the move sends the rows whole). Returns (rows,
+    bytes) copied."""
+    stream = f"{MOVE_STREAM}/{epoch}"
     with copy.lock:
         _check_source(copy, mask, epoch)
-        copy.precopied = None
+        _release(copy, copy.precopied.pop(epoch, None))
         t = copy.table
         copy.move_points -= 1
         point = copy.move_points
-        t.take_changes(point, MOVE_STREAM, 0)
+        t.take_changes(point, stream, 0)
+        t.tracker.log.commit(point, stream)
         state = t.export(_rows_in(t, mask))
         state.pop("evicted", None)
         step = t.step
-    send(state, step)
-    with copy.lock:   # (a move or restore meanwhile: the copy is not the one to build on)
-        if copy.move_points == point and copy.table is t:
-            copy.precopied = (epoch, mask.copy(), destination, point)
+    try:
+        send(state, step)
+    except BaseException:
+        with copy.lock:
+            if copy.table is t and t.tracker is not None:
+                t.tracker.log.release(stream)
+        raise
+    with copy.lock:   # (a restore meanwhile: not the table to build on)
+        if copy.table is t and t.tracker is not None:
+            _release(copy, copy.precopied.pop(epoch, None))
+            copy.precopied[epoch] = (mask.copy(), destination, point, stream)
     return int(state["keys"].size), _row_bytes(state)
 
 
-#: The change-tracking stream of moves' copies ahead (saves name theirs).
-MOVE_STREAM = "~move"
+def _release(copy, pre: tuple | None) -> None:
+    """A copy ahead's change point is asked for no more (lock held)."""
+    if pre is not None and copy.table.tracker is not None:
+        copy.table.tracker.log.release(pre[3])
 
 
 def _changes_since(copy, mask: np.ndarray, destination: str, epoch: int):
     """The keys of ``mask``'s buckets changed (made, updated, looked up,
     evicted) since this move's copy ahead reached ``destination``, sorted;
     None where there was none or what changed is not known (lock held)."""
-    pre, copy.precopied = copy.precopied, None
-    if pre is None or pre[0] != epoch or pre[2] != destination or \
-            not np.array_equal(pre[1], mask):
-        return None
+    pre = copy.precopied.pop(epoch, None)
     t = copy.table
+    if pre is None or pre[1] != destination or not np.array_equal(pre[0], mask) or \
+            t.tracker is None:
+        _release(copy, pre)
+        return None
     copy.move_points -= 1
-    changes = t.take_changes(copy.move_points, MOVE_STREAM, pre[3])
+    changes = t.take_changes(copy.move_points, pre[3], pre[2])
+    _release(copy, pre)
     if changes is None or changes.whole:
         return None
-    t.tracker.log.commit(copy.move_points, MOVE_STREAM)   # (older move points forgotten)
     keys = changes.keys if changes.keys is not None else np.zeros(0, np.int64)
     return keys[mask[bucket_of(keys)]]
 
@@ -263,13 +281,27 @@ def receive(copy, state: dict, incoming: tuple, first: bool, staged: bool,
     own yet); ``dropped`` (not None), a piece of the rows changed since the
     copy (each replaces the copy's row; ``dropped``: keys gone since);
     else a piece of the rows whole. The first piece of a copy ahead or of
-    the rows whole first drops what the shard holds of those buckets
-    (rows a failed or earlier move left: never its own), as a first piece
-    of changes drops the keys gone; FailedPrecondition for changes with no
-    copy ahead here to apply them to. Returns the keys whose rows the piece
-    replaces (DynamicTable.import_rows' ``replace``); nothing changes here."""
+    the rows whole replaces what earlier copies ahead of those buckets left
+    here (and nothing else: a row the shard holds of them is refused), as
+    a first piece of changes drops the keys gone. FailedPrecondition for
+    changes with no whole copy ahead here to apply them to (none, or one
+    that lost a row since: evicted here). Returns the keys whose rows the
+    piece replaces (DynamicTable.import_rows' ``replace``)."""
     mask, epoch = incoming
     keys = state["keys"].reshape(-1)
+    if not 0 < epoch < 1 << 62:
+        raise InvalidArgument(f"a move's layout epoch is in [1, 2**62), got {epoch}")
+    if staged and copy.link is not None:   # (its backup would copy the rows as its own)
+        raise FailedPrecondition(f"table {copy.table_name!r}: this shard is replicated; a "
+                                 "move's copy ahead is not taken here (nothing changed)")
+    if staged and epoch <= max(copy.moved_epoch, copy.move_in_epoch):
+        raise NotPrimary(f"table {copy.table_name!r}: this shard knows the table's layout "
+                         f"epoch {max(copy.moved_epoch, copy.move_in_epoch)}; a copy ahead of a "
+                         f"move of epoch {epoch} came too late and was not taken")
+    if staged and copy.received_at is not None and (
+            mask & (copy.received_at > 0) & (True if copy.moved is None else ~copy.moved)).any():
+        raise InvalidArgument(f"table {copy.table_name!r}: a copy ahead of buckets this shard "
+                              "holds (moved here); nothing changed")
     if keys.size and not mask[bucket_of(keys)].all():
         raise InvalidArgument(f"table {copy.table_name!r}: a move's rows are of the buckets "
                               "it brings only; nothing was imported")
@@ -284,22 +316,41 @@ def receive(copy, state: dict, incoming: tuple, first: bool, staged: bool,
             f"table {copy.table_name!r}: no copy of this move's rows (epoch {epoch}) is here "
             "to apply its changes to (this server restarted, or was told the layout since); "
             "nothing changed. Send the rows whole")
+    if dropped is not None and first and copy.table.guard_hit[mask].any():
+        raise FailedPrecondition(
+            f"table {copy.table_name!r}: the copy of this move's rows (epoch {epoch}) lost "
+            "rows here since (evicted by capacity or age); nothing changed. Send the rows whole")
     if dropped is not None and not first and copy.move_in_epoch != epoch:
         raise InvalidArgument(f"table {copy.table_name!r}: a piece of a move's changes that "
                               "was not started; nothing changed")
     if staged and not first and epoch not in copy.staged:
         raise InvalidArgument(f"table {copy.table_name!r}: a piece of a copy ahead of a move "
                               "that was not started (the first piece has reset); nothing changed")
-    if first and dropped is None:   # (and what earlier copies ahead of these buckets left)
-        for e, m in copy.staged.items():
-            if (m & mask).any():
-                mask = mask | m
-        replace = _rows_in(copy.table, mask)
-    elif dropped is not None:   # (the rows it replaces, and those gone)
-        replace = np.union1d(keys, dropped.reshape(-1)) if first else keys
-    else:
-        replace = None
-    return replace
+    if first and dropped is None:   # (what earlier copies ahead of these buckets left)
+        earlier = [m for m in copy.staged.values() if (m & mask).any()]
+        return _rows_in(copy.table, np.logical_or.reduce(earlier)) if earlier else None
+    if dropped is not None:   # (the rows it replaces, and those gone)
+        return np.union1d(keys, dropped.reshape(-1)) if first else keys
+    return None
+
+
+def shift_of(copy, incoming: tuple, step: int, dropped) -> int:
+    """For the first piece of a move's changes (``dropped`` not None), at
+    ``step`` of its source: how far its copy ahead's other rows' update
+    steps are from where the rows sent whole would put them (the shard's
+    step counted from the later of its own and the source's, less the
+    source's: a copy ahead took both earlier); 0 otherwise (lock held)."""
+    if dropped is None or incoming[1] not in copy.staged_base:
+        return 0
+    t = copy.table
+    return max(t.step, step) - step - copy.staged_base[incoming[1]]
+
+
+def rebase(t, mask: np.ndarray, sent: np.ndarray, shift: int) -> None:
+    """Move the update steps of ``t``'s rows in ``mask``'s buckets but the
+    keys ``sent`` (just imported) by ``shift`` (lock held)."""
+    keys = np.setdiff1d(_rows_in(t, mask), sent, assume_unique=True)
+    t.updated_step[t.index.find(keys)] += shift
 
 
 def unstaged(copy, state: dict) -> dict:

@@ -504,22 +504,35 @@ class TableStore:
                 if incoming is not None:
                     replace = M.receive(copy, state, incoming, first, staged, dropped)
             before = t.config.capacity
+            if staged and capacity and (not before or capacity < before):
+                raise InvalidArgument("a move's copy ahead raises the shard's capacity, never "
+                                      f"lowers it ({before} to {capacity}); nothing changed")
+            if staged and first:   # (watched from now on: a row evicted damages the copy)
+                t.guard = incoming[0] if t.guard is None else t.guard | incoming[0]
+                t.guard_hit[incoming[0]] = False
             if capacity is not None:
                 t.set_capacity(capacity)
+            shift = M.shift_of(copy, incoming, step, dropped) if first else 0
             try:
                 rows = t.import_rows(state, step, reset=reset, replace=replace, staged=staged)
             except BaseException:   # refused whole: the capacity as it was
                 t.set_capacity(before)
+                if staged:   # (what copies of these buckets are here is no longer whole)
+                    t.guard_hit[incoming[0]] = True
+                    copy.unstage(())
                 raise
             if staged:   # (its buckets not held here yet)
+                lost = t.guard_hit & incoming[0]   # (rows its import evicted)
                 if first:   # (earlier copies of these buckets went: receive)
                     copy.unstage([e for e, m in copy.staged.items() if (m & incoming[0]).any()])
-                copy.staged[incoming[1]] = incoming[0].copy()
-                copy.unstage(())
+                copy.stage(incoming[1], incoming[0], max(t.step, step) - step)
+                t.guard_hit |= lost
                 if capacity is not None:
                     copy.spec = copy.spec.with_capacity(capacity)
                 copy.version += 1
                 return rows
+            if shift:   # (the copy's other rows' steps as the rows whole would have them)
+                M.rebase(t, incoming[0], state["keys"], shift)
             if capacity is not None:
                 copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1

@@ -134,6 +134,11 @@ class ChangeLog:
         self.anchors = {s: a for s, a in self.anchors.items() if a in ids}
         return True
 
+    def release(self, stream: str) -> None:
+        """``stream`` asks for nothing more: its anchor goes (its points are
+        dropped or merged as any uncommitted one's)."""
+        self.anchors.pop(stream, None)
+
     def _oldest_uncommitted(self) -> list:
         """The point to merge away when there are too many (never the newest)."""
         anchored = set(self.anchors.values())

@@ -236,7 +236,8 @@ class TableServicer:
                     self.server_id:
                 raise InvalidArgument(f"a move's destination {dest!r} is this server")
             incoming = (mask, int(request.layout_epoch))
-            if request.precopy:
+            if request.precopy:   # (a destination without the table: refused before anything)
+                client.table_info(request.name, timeout=max(0.001, end - time.monotonic()))
                 rows, nbytes = M.precopy(copy, mask, dest, lambda state, step: client.import_table(
                     request.name, state, step, reset=True, staged=True, deadline=end,
                     capacity=theirs, incoming=incoming), int(request.layout_epoch))
