@@ -369,6 +369,8 @@ class DynamicTable:
         return old & (rows >= 0)
 
     def _expire_rows(self, rows: np.ndarray) -> int:
+        if self.guard is not None and rows.size:   # (a copy ahead's: the source expires them)
+            rows = rows[~self.guard[K.bucket_of(self.row_key[rows])]]
         if rows.size:
             self._evict_rows(rows)
             self.stats.evicted_age += rows.size
@@ -557,13 +559,11 @@ class DynamicTable:
     def import_rows(self, state: dict[str, np.ndarray], step: int, *, reset: bool,
                     replace: np.ndarray | None = None, staged: bool = False) -> int:
         """Put rows ``state`` (export()'s arrays, any subset of keys) into this
-        shard; ``reset`` empties it first; ``replace``: keys whose rows go
-        first (a superset of the keys held already: a move's,
-        psserver/core/table_moves.py); ``staged``: a move's copy ahead, which
-        leaves the shard's step and scalar slots as they are (the move
-        brings them). Checked whole before anything changes
-        (InvalidArgument). Over capacity afterwards, the policy's victims are
-        evicted. Returns the rows held."""
+        shard; ``reset`` empties it first; ``replace``: keys whose rows go first
+        (those held already: a move's, core/table_moves.py); ``staged``: a copy
+        ahead (the step and scalar slots stay: its move brings them). Checked
+        whole first (InvalidArgument). Over capacity afterwards, the policy's
+        victims are evicted. Returns the rows held."""
         c = self.config
         keys, values, age_steps, age_seconds, freq, slots = check_rows(
             state, step, c.dim, self.dtype, self._slot_init, self._row_slots)

@@ -193,3 +193,22 @@ def test_a_copy_ahead_never_lowers_the_destinations_capacity(start_ps, tmp_path)
         assert (dst.table_info("emb").rows, dst.table_info("emb").spec.capacity) == (100, 5000)
         _ahead(src, dst, destination_capacity=6000)   # (raised: a drain's destination)
         assert dst.table_info("emb").spec.capacity == 6000
+
+
+def test_rows_copied_ahead_do_not_expire_by_the_destinations_steps(start_ps, tmp_path):
+    """The destination counts its own steps meanwhile: by them, a copy's rows
+    would pass max_age_steps there, where the source keeps them fresh; the
+    source expires its rows (the move drops those), not the destination."""
+    src, dst = _servers(start_ps, tmp_path, 2, max_age_steps=20)
+    own = OTHER[:100]
+    with src, dst:
+        src.lookup("emb", KEYS)
+        src.update_table("emb", KEYS, np.ones((KEYS.size, 4), np.float32))
+        want = src.lookup("emb", MOVING, admit=False)
+        _ahead(src, dst)
+        for _ in range(30):   # (each look-up sweeps the destination's rows for age)
+            dst.lookup("emb", own)
+            dst.update_table("emb", own, np.ones((own.size, 4), np.float32))
+        got = _move(src, dst)
+        assert got.rows == MOVING.size and got.sent == 0   # (the copy whole: nothing sent)
+        np.testing.assert_array_equal(dst.lookup("emb", MOVING, admit=False), want)
