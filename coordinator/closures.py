@@ -149,6 +149,21 @@ class StepRemoteValue(RemoteValue):
         return reduce_mean([v for v in values if v is not ABANDONED])
 
 
+#: What Cluster.may_start answers while an add or a drain waits for the
+#: steps to end in sync and hybrid modes: no closure starts but the
+#: replicas of a sync step another replica of which started (the step
+#: ends whole before the servers change: _ClosureQueue._first_for).
+FINISH_STEPS = "finish-steps"
+
+
+class SyncStep:
+    """The closures of one sync or hybrid step: whether one was taken."""
+    __slots__ = ("step", "started")
+
+    def __init__(self, step: int):
+        self.step, self.started = step, False
+
+
 class Closure:
     """``datasets``: the sharded datasets (coordinator/sharded.py) whose
     iterators the arguments hold. Each binds a batch to the closure when a
@@ -170,6 +185,7 @@ class Closure:
         self.target = None if collective is None else collective.members[collective.rank]
         self.quiet = False   # a failure is its caller's alone (ClusterCoordinator's tools)
         self.gang = None     # all-reduce mode: its step (coordinator/gang.py)
+        self.sync_step: SyncStep | None = None   # sync and hybrid modes: its step's closures
         self.remote_value = RemoteValue(self.settle_batches if datasets else None)
         self.attempts = 0
         self.datasets = datasets
@@ -281,6 +297,8 @@ class _ClosureQueue:
                     del self._queue[at]
                     if closure.gang is not None:   # (its other members may run in a pause)
                         closure.gang.started = True
+                    if closure.sync_step is not None:   # (its other replicas: FINISH_STEPS)
+                        closure.sync_step.started = True
                     self._inflight += 1
                     self._free_slot.notify()
                     return closure
@@ -292,10 +310,14 @@ class _ClosureQueue:
     def _first_for(self, taker: str | None, may: bool) -> int | None:
         """The first closure ``taker`` may take: any of its own while it may
         start closures; while it may not (a pause), a tool's, or one of an
-        all-reduce step whose other members started (they wait for it)."""
+        all-reduce step whose other members started (they wait for it), or
+        with ``may`` FINISH_STEPS one of a sync step another replica of which
+        started."""
+        finishing, may = may == FINISH_STEPS, may is True
         for i, c in enumerate(self._queue):
             if (c.target is None or c.target == taker) and (
-                    may or c.quiet or (c.gang is not None and c.gang.started)):
+                    may or c.quiet or (c.gang is not None and c.gang.started) or
+                    (finishing and c.sync_step is not None and c.sync_step.started)):
                 return i
         return None
 
@@ -413,11 +435,15 @@ class _ClosureQueue:
             self._raise_error_locked()
             return ok
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
+    def wait_idle(self, timeout: float | None = None, steps: bool = False) -> bool:
         """Block until no closure is in flight (queued ones may wait: while
-        none may start); whether that happened within ``timeout``."""
+        none may start; ``steps``: and none of a sync step that started is
+        queued); whether that happened within ``timeout``."""
+        def idle() -> bool:
+            return self._inflight == 0 and not (steps and any(
+                c.sync_step is not None and c.sync_step.started for c in self._queue))
         with self._lock:
-            return self._stop_waiting.wait_for(lambda: self._inflight == 0, timeout)
+            return self._stop_waiting.wait_for(idle, timeout)
 
     def done(self) -> bool:
         with self._lock:

@@ -42,7 +42,14 @@ import weakref
 from typing import Callable
 
 from coordinator import serialization, sharded
-from coordinator.closures import Closure, RemoteValue, StepRemoteValue, _ClosureQueue
+from coordinator.closures import (
+    FINISH_STEPS,
+    Closure,
+    RemoteValue,
+    StepRemoteValue,
+    SyncStep,
+    _ClosureQueue,
+)
 from coordinator.datasets import PerWorkerDataset
 from coordinator.errors import WorkerCallError
 from coordinator.gang import Gangs
@@ -191,7 +198,9 @@ class Cluster:
             closures = [Closure(ref, payload, f"{_name(fn)}[step {step} replica {i}]",
                                 self.strategy.sync_spec(step, i))
                         for i in range(self.strategy.num_replicas)]
+            together = SyncStep(step)   # (an add or a drain lets a started step end)
             for c in closures:
+                c.sync_step = together
                 self.queue.put(c)
             return StepRemoteValue([c.remote_value for c in closures])
         closure = Closure(ref, payload, _name(fn))
@@ -347,13 +356,16 @@ class Cluster:
         clocks = [w.clock for w in self.live_workers() if w is not exclude]
         return min(clocks) if clocks else 0
 
-    def may_start(self, worker) -> bool:
+    def may_start(self, worker) -> bool | str:
         """Whether ``worker`` may start a closure now: no parameter server is
-        being recovered, and in bounded mode (staleness s) its clock is at
-        most s ahead of the slowest live worker's. Reads no lock (the queue
-        calls it under its own)."""
-        if self._paused.is_set() or self.gangs.paused or self._held:   # (a recovery, a move)
+        being recovered, no server added or drained (in sync and hybrid
+        modes FINISH_STEPS then: only replicas of a step that started), and
+        in bounded mode (staleness s) its clock is at most s ahead of the
+        slowest live worker's. Reads no lock (the queue calls it under its own)."""
+        if self._paused.is_set() or self.gangs.paused:   # (a recovery)
             return False
+        if self._held:   # (a move: in sync modes, replicas of a step that started go on)
+            return FINISH_STEPS if self.strategy.mode in SYNC_MODES else False
         s = self.strategy.staleness
         return s is None or worker.clock - self.min_clock() <= s
 
@@ -396,12 +408,14 @@ class Cluster:
     @contextlib.contextmanager
     def between_steps(self, timeout: float | None):
         """Run the body while no closure runs: none starts, and those in
-        flight end first (TimeoutError, nothing done, if they do not within
-        ``timeout``). A recovery's pause and resume go on meanwhile."""
+        flight end first (in sync and hybrid modes, every step that started:
+        its other replicas run first, so no step is half gathered on the
+        servers), TimeoutError, nothing done, if they do not within
+        ``timeout``. A recovery's pause and resume go on meanwhile."""
         with self._steps_lock:
             self._held += 1
         try:
-            if not self.queue.wait_idle(timeout):
+            if not self.queue.wait_idle(timeout, steps=self.strategy.mode in SYNC_MODES):
                 raise TimeoutError(f"closures were still running after {timeout}s")
             yield
         finally:

@@ -318,10 +318,10 @@ class ClusterCoordinator:
         each shard keeps two copies on two servers: the primary role is
         handed over first). ValueError, nothing changed, with replication in
         a job with dynamic tables or in sync mode, for the last server, with
-        replication where a copy would have no server left, in hybrid mode
-        for a server holding variable shards, for one holding variables this
-        coordinator has not declared, or where a destination holds another
-        variable of a moving shard's name."""
+        replication where a copy would have no server left, for one holding
+        variables this coordinator has not declared, or where a destination
+        holds another variable of a moving shard's name. In hybrid mode the
+        pause comes between two whole steps (a step that started ends first)."""
         elastic.check_remove(self.strategy, address)
         with self._copied_ahead(address, False, timeout) as ahead:
             moves = self.strategy.remove_parameter_server(address)

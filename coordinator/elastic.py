@@ -34,8 +34,8 @@ learn it from the first refusal.
 
 Variable shards move whole, after the tables (coordinator/variable_moves.py:
 an added server takes about an even share, a drained one gives its shards
-away; not in hybrid mode, where a step's dense gradients gather across its
-closures: an add takes none, a drain of a server holding one is refused).
+away; in hybrid mode, where a step's dense gradients gather across its
+closures, the pause comes between two whole steps: Cluster.between_steps).
 What an add does not move: a table's admission counters of keys not
 admitted yet stay at the source (such a key counts again from zero at the
 new server).
@@ -190,8 +190,9 @@ def _check_mode(strategy, what: str) -> None:
     if strategy.mode == "sync":
         raise ValueError(f"{what} a parameter server in sync mode is not supported yet (every "
                          "shard counts every replica of a step, across the step's closures); "
-                         "use async mode (hybrid and allreduce move tables' rows, not "
-                         "variables), or checkpoint and restore into the other cluster")
+                         "use async or hybrid mode (allreduce moves tables' rows: its "
+                         "variables are on the workers), or checkpoint and restore into the "
+                         "other cluster")
 
 
 def check_remove(strategy, address: str) -> None:

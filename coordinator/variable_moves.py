@@ -181,10 +181,6 @@ def spread_to(strategy, address: str) -> list[VariableMove]:
     between the same two steps. A move that fails is logged and ends the
     spread (the add stands: the shard stays whole where it was)."""
     moves, movable = [], None
-    if strategy.mode == "hybrid":
-        log.info("adding %s: variable shards do not move in hybrid mode (see "
-                 "drain_variables); variables created from now on are placed there too", address)
-        return moves
     try:
         if strategy.replication:   # (the backup copies move: the primaries keep serving)
             pool = ps_pool.servers()
@@ -210,15 +206,11 @@ def drain_variables(strategy, address: str) -> list[VariableMove]:
     nothing moved, where the server holds a variable (a primary copy) that
     is not one of this strategy's shards there: a coordinator made again
     that has not declared it yet, or another job's; the drain would leave it
-    on a server that may stop; or in hybrid mode (a step's dense gradients
-    gather on a shard across its closures, which a move would split)."""
+    on a server that may stop. In hybrid mode the moves come between two
+    whole steps (Cluster.between_steps lets a started step's replicas end:
+    a step's dense gradients gather on a shard across them); a copy still
+    gathering one is refused (FailedPrecondition, nothing moved)."""
     plan = plan_drain(strategy.variables, strategy.parameter_servers, address)
-    if plan and strategy.mode == "hybrid":
-        raise ValueError(f"{address} holds variable shards, which do not move in hybrid mode "
-                         "(a step's dense gradients gather on a shard across the step's "
-                         "closures: a move between two of them would drop one); nothing "
-                         "moved. Use async mode, or checkpoint and restore into the smaller "
-                         "cluster")
     ours = {s.name for v in strategy.variables for s in copies(v) if s.address == address}
     stray = sorted(m.name for m in ps_pool.client_for(address).list_variables()
                    if (m.role == ROLE_PRIMARY or strategy.replication) and m.name not in ours)
@@ -263,7 +255,7 @@ def rehome(v, s, other, destination: str, known: dict | None = None) -> Variable
     src, oth, dst = (ps_pool.client_for(a) for a in (source, other.address, destination))
     _check_known(known, ((source, src), (other.address, oth), (destination, dst)))
     _clear_way(dst, destination, s.name, source)
-    sm, om = src.get_meta(s.name), oth.get_meta(other.name)
+    sm, om = _not_gathering(src.get_meta(s.name)), _not_gathering(oth.get_meta(other.name))
     e, start = max(sm.epoch, om.epoch), time.monotonic()
     led = sm.role == ROLE_PRIMARY and (om.role != ROLE_PRIMARY or sm.epoch > om.epoch)
     lead, lm, follow, fm = (s, sm, other, om) if led else (other, om, s, sm)
@@ -320,6 +312,18 @@ def _settle_role(client, name: str, epoch: int, peer: Peer, set_backup: bool = F
                     "it when it next looks at that server", name, exc)
 
 
+def _not_gathering(meta):
+    """``meta``; FailedPrecondition, nothing moved, for a copy gathering a
+    sync step (hybrid mode between two whole steps gathers none: a replica
+    whose abandonment has not reached it yet)."""
+    if meta.gathering:
+        raise FailedPrecondition(
+            f"{meta.name!r} is gathering sync step {meta.gathering - 1} (a replica of it has "
+            "not pushed or been abandoned); nothing moved. Move it between two steps: call "
+            "again")
+    return meta
+
+
 def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMove:
     """Move shard ``s`` of ``v`` whole to ``destination`` (see the module);
     ``known``: server address -> the server_id the job knows it by (a
@@ -330,7 +334,7 @@ def move_shard(v, s, destination: str, known: dict | None = None) -> VariableMov
     src, dst = ps_pool.client_for(source), ps_pool.client_for(destination)
     _check_known(known, ((source, src), (destination, dst)))
     _clear_way(dst, destination, s.name, source)
-    meta = src.get_meta(s.name)
+    meta = _not_gathering(src.get_meta(s.name))
     e, peer, start = meta.epoch, Peer(destination, s.name), time.monotonic()
     moved = VariableMove(v.name, s.name, source, destination,
                          meta.nbytes + meta.slot_nbytes, meta.version)

@@ -90,7 +90,8 @@ def meta_from_proto(m: ps_pb2.VariableMeta) -> VariableMeta:
     backup = Peer(m.backup.address, m.backup.name) if m.HasField("backup") else None
     return VariableMeta(m.name, m.dtype, tuple(m.shape), m.version, m.optimizer.name,
                         dict(m.optimizer.params), m.nbytes, m.slot_nbytes, m.allow_nonfinite,
-                        m.sync_steps, m.dropped_gradients, int(m.role), m.epoch, backup)
+                        m.sync_steps, m.dropped_gradients, int(m.role), m.epoch, backup,
+                        m.gathering)
 
 
 def sync_info(sync: SyncSpec) -> ps_pb2.SyncInfo:

@@ -122,6 +122,7 @@ class VariableMeta:
     role: int = ROLE_PRIMARY
     epoch: int = 0
     backup: Peer | None = None
+    gathering: int = 0   # a sync step being gathered here: its number + 1 (0: none)
 
 
 @dataclasses.dataclass(frozen=True)

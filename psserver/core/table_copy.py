@@ -119,7 +119,8 @@ class TableShardCopy(CopyState):
         return VariableMeta(self.name, t.dtype.name, (len(t), t.config.dim), self.version,
                             t.optimizer.name, t.optimizer.config(), t.value.nbytes, slots,
                             False, self.sync_steps, self.dropped, self.role, self.epoch,
-                            self.link.peer if self.link is not None else None)
+                            self.link.peer if self.link is not None else None,
+                            0 if self.acc is None else self.acc.step + 1)
 
     def forget_changes(self) -> None:
         self.table.tracker = None

@@ -277,4 +277,5 @@ class Variable(CopyState):
                             self.optimizer.config(), self.value.nbytes,
                             self.slot_nbytes, self.allow_nonfinite,
                             self.sync_steps, self.dropped, self.role, self.epoch,
-                            self.link.peer if self.link is not None else None)
+                            self.link.peer if self.link is not None else None,
+                            0 if self.acc is None else self.acc.step + 1)

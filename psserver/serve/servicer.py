@@ -53,7 +53,7 @@ def meta_to_proto(m: VariableMeta) -> ps_pb2.VariableMeta:
         optimizer=ps_pb2.OptimizerSpec(name=m.optimizer, params=m.optimizer_params),
         nbytes=m.nbytes, slot_nbytes=m.slot_nbytes, allow_nonfinite=m.allow_nonfinite,
         sync_steps=m.sync_steps, dropped_gradients=m.dropped_gradients, role=m.role,
-        epoch=m.epoch, backup=_peer_to_proto(m.backup))
+        epoch=m.epoch, backup=_peer_to_proto(m.backup), gathering=m.gathering)
 
 
 def _peer_to_proto(peer: Peer | None) -> ps_pb2.ReplicaPeer | None:

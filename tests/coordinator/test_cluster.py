@@ -18,9 +18,11 @@ import pytest
 from coordinator import cluster as cluster_mod
 from coordinator.closures import (
     ABANDONED,
+    FINISH_STEPS,
     Closure,
     RemoteValueStatus,
     StepRemoteValue,
+    SyncStep,
     _ClosureQueue,
 )
 from coordinator.cluster import Cluster
@@ -492,3 +494,27 @@ def test_a_server_recovery_pauses_dispatching_and_puts_the_closure_back():
     assert paused_while_asking == [True]
     assert not c.paused and not c.recovery.active("ps0:1")
     assert c.queue.counts() == (1, 0) and c.queue.get() is failed   # to be run again
+
+
+def test_while_an_add_waits_only_the_replicas_of_a_started_step_start():
+    """FINISH_STEPS (Cluster.may_start while an add or a drain waits in sync
+    and hybrid modes): the other replicas of a step one replica of which was
+    taken may start, a new step's may not; the wait ends only once none of a
+    started step is queued or in flight."""
+    q = _ClosureQueue()
+    steps = [SyncStep(0), SyncStep(1)]
+    cs = [closure(f"s{t}r{r}") for t in (0, 1) for r in (0, 1)]
+    for c, t in zip(cs, (0, 0, 1, 1)):
+        c.sync_step = steps[t]
+        q.put(c)
+    first = q.get()   # (replica 0 of step 0, before the hold)
+    assert first is cs[0] and steps[0].started and not steps[1].started
+    q.finish(first, 1)
+    assert not q.wait_idle(0.05, steps=True)   # (step 0's replica 1 is still queued)
+    assert q.wait_idle(0.05)                   # (what the wait was: nothing in flight)
+    assert q.get(lambda: FINISH_STEPS) is cs[1]
+    assert q._first_for(None, FINISH_STEPS) is None   # (step 1: not started)
+    q.finish(cs[1], 2)
+    assert q.wait_idle(0.05, steps=True) and q.counts() == (2, 0)
+    assert q._first_for(None, False) is None   # (a recovery's pause: none at all)
+    assert q.get(lambda: True) is cs[2]

@@ -7,6 +7,7 @@ coordinator made again find the shards where they are now."""
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from coordinator import (
     push_gradients,
     read_variables,
 )
+from coordinator.variable_moves import VariableMove
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -556,20 +558,55 @@ def test_with_replication_a_drain_waits_for_a_failed_over_shard_to_be_rebuilt():
             assert v.shards[0].address == ps[0] and ps[0] in strategy.parameter_servers
 
 
-def test_in_hybrid_mode_variables_do_not_move_and_a_drain_of_them_is_refused():
-    """Review 22: a hybrid step's dense gradients gather on a shard across
-    the step's closures; a move between two would drop one. An add takes
-    no variable shard; a drain of a server holding one is refused."""
-    with LocalCluster(num_ps=2, num_workers=1) as cluster:
-        strategy = ParameterServerStrategy(cluster.spec, mode="hybrid", num_replicas=2)
-        v = _single(strategy, "v")
-        _single(strategy, "x")
+def _slow_second_replica(step):
+    """``step`` with its replica 1 slower (the workload: a straggler), so that
+    replica 0 of the next step has run when an add or a drain begins."""
+    def run(x_global, y_global):
+        from coordinator.replica import get_replica_context
+        if get_replica_context().replica_id_in_sync_group == 1:
+            time.sleep(0.05)
+        return step(x_global, y_global)
+    return run
+
+
+def test_in_hybrid_mode_variables_move_between_whole_steps_and_train_as_one_process():
+    """A hybrid step's dense gradients gather on a shard across the step's
+    closures: the add and the drain wait for the other replicas of a step
+    that started (before: variables did not move in hybrid mode). Every
+    step's replicas read one version, and the dense variables end as one
+    process training on the global batches."""
+    from tests.integration.test_sync import STEPS, make_data, make_step, reference_training
+    x, y = make_data(2)
+    sgd = {"learning_rate": 0.05}
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, mode="hybrid")
+        w_var = strategy.create_variable("w", initial_value=np.zeros((5, 1), np.float32),
+                                         optimizer="sgd", optimizer_params=sgd)
+        b_var = strategy.create_variable("b", initial_value=np.zeros((1,), np.float32),
+                                         optimizer="sgd", optimizer_params=sgd)
+        for i in range(3):   # (more shards for the added server's share)
+            _single(strategy, f"pad{i}")
         with ClusterCoordinator(strategy) as coord:
-            moves = coord.add_parameter_server(cluster.add_ps())
-            assert not [m for m in moves if hasattr(m, "shard")]
-            with pytest.raises(ValueError, match="do not move in hybrid mode"):
-                coord.remove_parameter_server(v.shards[0].address)
-            assert v.shards[0].address == v.shards[0].made_at
+            step = _slow_second_replica(make_step(w_var, b_var))
+            results = [coord.schedule(step, args=(x[t], y[t])) for t in range(STEPS)]
+            results[4].fetch()
+            added = coord.add_parameter_server(cluster.add_ps())
+            results[9].fetch()
+            drained = coord.remove_parameter_server(w_var.shards[0].address)
+            coord.join()
+            per_replica = [[r.fetch() for r in rv.replicas] for rv in results]
+            w, b = read_variables([w_var, b_var])
+            metas = w_var.meta() + b_var.meta()
+    assert [m for m in added if isinstance(m, VariableMove)]
+    assert w_var.shards[0].name in [m.shard for m in drained if isinstance(m, VariableMove)]
+    w_ref, b_ref = reference_training("sgd", sgd, x, y)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(b, b_ref, rtol=1e-5, atol=1e-7)
+    for t, replicas in enumerate(per_replica):   # (no step split by a move)
+        assert [r["step"] for r in replicas] == [t, t]
+        assert all(r["versions"] == [[t], [t]] for r in replicas)
+    assert all(m.version == STEPS and m.sync_steps == STEPS and not m.gathering
+               for m in metas)
 
 
 def test_with_replication_a_coordinator_made_again_adopts_copies_where_they_moved():

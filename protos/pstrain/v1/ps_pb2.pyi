@@ -145,7 +145,7 @@ class SyncRead(_message.Message):
     def __init__(self, step: _Optional[int] = ..., step_timeout: _Optional[float] = ...) -> None: ...
 
 class VariableMeta(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite", "sync_steps", "dropped_gradients", "role", "epoch", "backup")
+    __slots__ = ("name", "dtype", "shape", "version", "optimizer", "nbytes", "slot_nbytes", "allow_nonfinite", "sync_steps", "dropped_gradients", "role", "epoch", "backup", "gathering")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class VariableMeta(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
+    GATHERING_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -172,7 +173,8 @@ class VariableMeta(_message.Message):
     role: ReplicaRole
     epoch: int
     backup: ReplicaPeer
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., epoch: _Optional[int] = ..., backup: _Optional[_Union[ReplicaPeer, _Mapping]] = ...) -> None: ...
+    gathering: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., epoch: _Optional[int] = ..., backup: _Optional[_Union[ReplicaPeer, _Mapping]] = ..., gathering: _Optional[int] = ...) -> None: ...
 
 class VariableRef(_message.Message):
     __slots__ = ("name",)
