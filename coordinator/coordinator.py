@@ -293,7 +293,7 @@ class ClusterCoordinator:
         server. Returns what moved: a TableMove per table, then a
         VariableMove per variable shard (with replication: backup copies
         move). ValueError, nothing changed, with replication in a job with
-        dynamic tables or in sync mode (not supported yet), for an address
+        dynamic tables (not supported yet), for an address
         the job has (unless an add or drain of it failed part way: then its
         shards are filled to their share), or for a server of the job named
         another way (the same process); coordinator/elastic.py says what
@@ -317,11 +317,12 @@ class ClusterCoordinator:
         per variable shard copy, then a TableMove per table (with replication
         each shard keeps two copies on two servers: the primary role is
         handed over first). ValueError, nothing changed, with replication in
-        a job with dynamic tables or in sync mode, for the last server, with
+        a job with dynamic tables, for the last server, with
         replication where a copy would have no server left, for one holding
         variables this coordinator has not declared, or where a destination
-        holds another variable of a moving shard's name. In hybrid mode the
-        pause comes between two whole steps (a step that started ends first)."""
+        holds another variable of a moving shard's name. In sync and hybrid
+        modes the pause comes between two whole steps (a step that started
+        ends first)."""
         elastic.check_remove(self.strategy, address)
         with self._copied_ahead(address, False, timeout) as ahead:
             moves = self.strategy.remove_parameter_server(address)
@@ -338,15 +339,18 @@ class ClusterCoordinator:
         with elastic.LAYOUT_LOCK:
             self._check_open()
             elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
-            ahead = elastic.copy_ahead(self.strategy, address, adding)
+            try:
+                ahead = elastic.copy_ahead(self.strategy, address, adding)
+            except BaseException:
+                elastic.drop_ahead(self.strategy, address, adding)
+                raise
         try:
             with self._cluster.between_steps(timeout):
                 self._check_open()
                 yield ahead
                 self._cluster.forget_function_refs()   # closures carry the new layout now
-        except BaseException:
-            if ahead:   # (the moves did not run, or failed: the copies go)
-                elastic.drop_ahead(self.strategy, address, adding)
+        except BaseException:   # (the moves did not run, or failed: the copies go)
+            elastic.drop_ahead(self.strategy, address, adding)
             raise
 
     def _check_open(self) -> None:

@@ -42,9 +42,11 @@ new server).
 
 Refused (ValueError, nothing changed): with ``replication=True`` in a job
 with dynamic tables (a moved table shard would need its backup moved too;
-variables' copies move: coordinator/variable_moves.py), in sync mode (every shard counts
-every replica of a step), an address the job has already, or a server that
-does not answer. A move that fails part-way (the new server or a source
+variables' copies move: coordinator/variable_moves.py), an address the job
+has already, or a server that does not answer. In sync and hybrid modes the
+pause comes between two whole steps (Cluster.between_steps: a step that
+started ends first), so every shard, a new one too, counts every replica of
+each step after it. A move that fails part-way (the new server or a source
 lost) keeps the buckets moved so far where they went and the others where
 they were (a fence on the failed move's source says which), every shard is
 told that layout, and the error goes up: calling again resumes (an add:
@@ -187,17 +189,11 @@ def _check_mode(strategy, what: str) -> None:
                          "dynamic tables is not supported yet (a moved table shard's backup "
                          "would have to move too; variables' copies move); checkpoint and "
                          "restore into the other cluster instead")
-    if strategy.mode == "sync":
-        raise ValueError(f"{what} a parameter server in sync mode is not supported yet (every "
-                         "shard counts every replica of a step, across the step's closures); "
-                         "use async or hybrid mode (allreduce moves tables' rows: its "
-                         "variables are on the workers), or checkpoint and restore into the "
-                         "other cluster")
 
 
 def check_remove(strategy, address: str) -> None:
     """ValueError (nothing changed) where a server cannot be removed: not
-    one of the job's, the last one, with replication and tables, or in sync mode."""
+    one of the job's, the last one, or with replication and tables."""
     if address not in strategy.parameter_servers:
         raise ValueError(f"{address} is not a parameter server of this job")
     if len(strategy.parameter_servers) < 2:
@@ -367,17 +363,19 @@ def _copy_steps(table, steps: list, known: dict) -> Ahead:
 
 def drop_ahead(strategy, address: str, adding: bool) -> None:
     """After copy_ahead, where the moves did not follow (the steps did not
-    end in time): the copies go (each shard told its layout; an added
+    end in time): the copies go (each shard told its layout: a destination
+    drops its copies, a source releases their change points; an added
     server's shard deleted where it holds no bucket). Failures are logged."""
     for table in list(strategy.tables):
-        try:
-            if address in table.addresses:
-                serve_layout(table)
-            elif adding:
-                ps_pool.client_for(address).delete_table(table.name)
-        except PSError as exc:
-            log.warning("table %r: dropping the rows copied ahead of a move that did not "
-                        "happen failed (%s: %s)", table.name, type(exc).__name__, exc)
+        steps = [lambda t=table: serve_layout(t)]
+        if adding and address not in table.addresses:
+            steps.insert(0, lambda t=table: ps_pool.client_for(address).delete_table(t.name))
+        for step in steps:   # (each tried: a source lost meanwhile fails its own)
+            try:
+                step()
+            except PSError as exc:
+                log.warning("table %r: dropping the rows copied ahead of a move that did not "
+                            "happen failed (%s: %s)", table.name, type(exc).__name__, exc)
 
 
 def _run(table, steps: list, address: str, cleanup, known=None) -> TableMove:

@@ -95,7 +95,7 @@ class TableShardCopy(CopyState):
         # source: epoch -> (buckets, destination, the change point it was taken
         # at, its stream) of each copy that arrived whole.
         self.staged: dict[int, np.ndarray] = {}
-        self.staged_base: dict[int, int] = {}
+        self.staged_base: dict[int, tuple[int, int]] = {}
         self.staged_mask: np.ndarray | None = None
         self.precopied: dict[int, tuple] = {}
         self.move_points = 0   # (the change points moves take: -1, -2, ...)
@@ -184,10 +184,10 @@ class TableShardCopy(CopyState):
                 if not self.moved.any():
                     self.moved = None
 
-    def stage(self, epoch: int, mask: np.ndarray, base: int) -> None:
+    def stage(self, epoch: int, mask: np.ndarray, base: tuple[int, int]) -> None:
         """A copy ahead of the move of ``epoch`` of the buckets in ``mask`` is
-        held here (lock held), its rows' steps counted from ``base`` minus
-        the source's step (table_moves.rebase)."""
+        held here (lock held); ``base``: (how far this shard's step was past
+        its source's, the source's step), at the copy (table_moves.rebase)."""
         self.staged[epoch] = mask.copy()
         self.staged_base[epoch] = base
         self.unstage(())

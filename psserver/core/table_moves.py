@@ -79,6 +79,7 @@ def set_layout(copy, epoch: int, layout: str, shard: int) -> int:
         if copy.staged_mask is not None:   # (copies ahead no move took in: they go too)
             others = others | copy.staged_mask
             copy.unstage(None)
+        _release_upto(copy, None)   # (and, as a source, its copies' change points)
         t = copy.table
         keys, _ = t.index.items()
         stray = keys[others[bucket_of(keys)]]
@@ -95,6 +96,7 @@ def fence(copy, epoch: int) -> bool:
     if not 0 < epoch < 1 << 62:
         raise InvalidArgument(f"a fence's layout epoch is in [1, 2**62), got {epoch}")
     with copy.lock:
+        _release_upto(copy, epoch)
         if epoch in copy.move_epochs:
             return True
         copy.fenced_epoch = max(copy.fenced_epoch, epoch)
@@ -114,15 +116,17 @@ def check_move(capacity: int | None, epoch: int, layout: str,
         raise InvalidArgument(f"a move's layout epoch is in [1, 2**62), got {epoch}")
 
 
-def _check_source(copy, mask: np.ndarray, epoch: int) -> None:
-    """A move's (or its copy ahead's) checks on its source (lock held)."""
+def _check_source(copy, mask: np.ndarray, epoch: int, moving: bool = True) -> None:
+    """A move's (or, not ``moving``, its copy ahead's: a sync step may be
+    gathered meanwhile, its rows then sent as changed) checks on its
+    source (lock held)."""
     copy.check_primary()
     if copy.link is not None:
         raise FailedPrecondition(
             f"table {copy.table_name!r}: this shard is replicated (it has a backup copy); "
             "moving its buckets to another server is not supported with replication yet. "
             "Nothing was moved")
-    if copy.acc is not None:
+    if moving and copy.acc is not None:
         raise FailedPrecondition(
             f"table {copy.table_name!r}: a sync step is being gathered on this shard; move "
             "its buckets between steps (nothing was moved)")
@@ -133,6 +137,9 @@ def _check_source(copy, mask: np.ndarray, epoch: int) -> None:
     if copy.moved is not None and (copy.moved & mask).any():
         raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets were "
                               "handed to another server already; nothing was moved")
+    if copy.staged_mask is not None and (copy.staged_mask & mask).any():
+        raise InvalidArgument(f"table {copy.table_name!r}: some of these buckets are held here "
+                              "only as a copy ahead of another server's move; nothing was moved")
 
 
 def _rows_in(t, mask: np.ndarray, ordered: bool = True) -> np.ndarray:
@@ -164,7 +171,7 @@ def precopy(copy, mask: np.ndarray, destination: str, send: Callable[[dict, int]
     bytes) copied."""
     stream = f"{MOVE_STREAM}/{epoch}"
     with copy.lock:
-        _check_source(copy, mask, epoch)
+        _check_source(copy, mask, epoch, moving=False)
         _release(copy, copy.precopied.pop(epoch, None))
         t = copy.table
         copy.move_points -= 1
@@ -181,11 +188,44 @@ def precopy(copy, mask: np.ndarray, destination: str, send: Callable[[dict, int]
             if copy.table is t and t.tracker is not None:
                 t.tracker.log.release(stream)
         raise
-    with copy.lock:   # (a restore meanwhile: not the table to build on)
-        if copy.table is t and t.tracker is not None:
+    with copy.lock:   # (a restore, a fence or the move meanwhile: nothing to build on)
+        if copy.table is t and t.tracker is not None and \
+                epoch > max(copy.moved_epoch, copy.fenced_epoch):
             _release(copy, copy.precopied.pop(epoch, None))
-            copy.precopied[epoch] = (mask.copy(), destination, point, stream)
+            copy.precopied[epoch] = (mask.copy(), destination, point, stream,
+                                     time.monotonic())
+            while len(copy.precopied) > MAX_PRECOPIED:   # (the oldest plan's go first)
+                _release(copy, copy.precopied.pop(min(copy.precopied)))
+        elif t.tracker is not None:
+            t.tracker.log.release(stream)
     return int(state["keys"].size), _row_bytes(state)
+
+
+#: Copies ahead a source shard keeps the change points of (one per move
+#: planned from it: a drain to several servers).
+MAX_PRECOPIED = 16
+
+
+#: Seconds a copy ahead's change point is kept for its move (the moves come
+#: once the steps end: the coordinator waits 300 s by default); past them a
+#: save releases it (a coordinator that died or gave up: changes pile up).
+PRECOPY_KEEP_SECONDS = 900.0
+
+
+def expire_copies(copy) -> None:
+    """Release the change points of copies ahead older than
+    PRECOPY_KEEP_SECONDS (lock held; a save calls it: their move then
+    sends the rows whole)."""
+    old = time.monotonic() - PRECOPY_KEEP_SECONDS
+    for e in [e for e, pre in copy.precopied.items() if pre[4] < old]:
+        _release(copy, copy.precopied.pop(e))
+
+
+def _release_upto(copy, epoch: int | None) -> None:
+    """Copies ahead of moves of ``epoch`` or earlier (None: every one) are
+    built on no more: their change points released (lock held)."""
+    for e in [e for e in copy.precopied if epoch is None or e <= epoch]:
+        _release(copy, copy.precopied.pop(e))
 
 
 def _release(copy, pre: tuple | None) -> None:
@@ -274,7 +314,8 @@ def move_buckets(copy, mask: np.ndarray, send: Callable[..., None],
 
 
 def receive(copy, state: dict, incoming: tuple, first: bool, staged: bool,
-            dropped: np.ndarray | None) -> np.ndarray | None:
+            dropped: np.ndarray | None, step: int = 0,
+            capacity: int | None = None) -> np.ndarray | None:
     """Before a move's piece goes into this shard (lock held; checked, nothing
     changed yet where it raises): ``staged``, a piece of its copy ahead
     (precopy: the rows go in beside the shard's own, their buckets not its
@@ -285,8 +326,11 @@ def receive(copy, state: dict, incoming: tuple, first: bool, staged: bool,
     here (and nothing else: a row the shard holds of them is refused), as
     a first piece of changes drops the keys gone. FailedPrecondition for
     changes with no whole copy ahead here to apply them to (none, or one
-    that lost a row since: evicted here). Returns the keys whose rows the
-    piece replaces (DynamicTable.import_rows' ``replace``)."""
+    that lost a row since: evicted here). A copy ahead's pieces come at one
+    ``step`` of its source, its changes at that step or later; it never
+    lowers the shard's ``capacity``, nor takes buckets the shard holds rows
+    of. Returns the keys whose rows the piece replaces
+    (DynamicTable.import_rows' ``replace``)."""
     mask, epoch = incoming
     keys = state["keys"].reshape(-1)
     if not 0 < epoch < 1 << 62:
@@ -326,6 +370,20 @@ def receive(copy, state: dict, incoming: tuple, first: bool, staged: bool,
     if staged and not first and epoch not in copy.staged:
         raise InvalidArgument(f"table {copy.table_name!r}: a piece of a copy ahead of a move "
                               "that was not started (the first piece has reset); nothing changed")
+    at = copy.staged_base.get(epoch, (0, 0))[1]
+    if (staged and not first and step != at) or (dropped is not None and first and step < at):
+        raise InvalidArgument(f"table {copy.table_name!r}: a copy ahead's pieces come at one "
+                              f"step of its source ({at}) and its changes at that step or later, "
+                              f"got {step}; nothing changed")
+    before = copy.table.config.capacity
+    if staged and capacity and (not before or capacity < before):
+        raise InvalidArgument("a move's copy ahead raises the shard's capacity, never "
+                              f"lowers it ({before} to {capacity}); nothing changed")
+    if staged and first:   # (rows of those buckets outside earlier copies: its own)
+        mine = mask if copy.staged_mask is None else mask & ~copy.staged_mask
+        if _rows_in(copy.table, mine, ordered=False).size:
+            raise InvalidArgument(f"table {copy.table_name!r}: a copy ahead of buckets this "
+                                  "shard holds rows of; nothing changed")
     if first and dropped is None:   # (what earlier copies ahead of these buckets left)
         earlier = [m for m in copy.staged.values() if (m & mask).any()]
         return _rows_in(copy.table, np.logical_or.reduce(earlier)) if earlier else None
@@ -343,14 +401,49 @@ def shift_of(copy, incoming: tuple, step: int, dropped) -> int:
     if dropped is None or incoming[1] not in copy.staged_base:
         return 0
     t = copy.table
-    return max(t.step, step) - step - copy.staged_base[incoming[1]]
+    return max(t.step, step) - step - copy.staged_base[incoming[1]][0]
 
 
-def rebase(t, mask: np.ndarray, sent: np.ndarray, shift: int) -> None:
-    """Move the update steps of ``t``'s rows in ``mask``'s buckets but the
-    keys ``sent`` (just imported) by ``shift`` (lock held)."""
-    keys = np.setdiff1d(_rows_in(t, mask), sent, assume_unique=True)
-    t.updated_step[t.index.find(keys)] += shift
+def rebase(copy, mask: np.ndarray, sent: np.ndarray, shift: int) -> None:
+    """After the first piece of a move's changes (lock held): its copy
+    ahead's other rows (``mask``'s but the keys ``sent``) as the rows sent
+    whole would be: update steps moved by ``shift``, and, where a capacity
+    evicts by recency, used now (a whole move's rows are the newest)."""
+    t = copy.table
+    if not shift and not t.config.capacity:
+        return
+    rows = t.index.find(np.setdiff1d(_rows_in(t, mask), sent, assume_unique=True))
+    t.updated_step[rows] += shift
+    t.used_step[rows] = t._tick   # (as DynamicTable.import_rows gives the rows it takes)
+
+
+def watch(copy, mask: np.ndarray) -> np.ndarray:
+    """Before a copy ahead's first piece goes in (lock held): its buckets
+    watched (a row evicted from then on marks the copy not whole), their
+    marks cleared; returns the marks as they were (unwatch)."""
+    t = copy.table
+    was = t.guard_hit.copy()
+    t.guard = mask if t.guard is None else t.guard | mask
+    t.guard_hit[mask] = False
+    return was
+
+
+def unwatch(copy, was: np.ndarray) -> None:
+    """The first piece was refused (nothing imported): the marks as they were."""
+    copy.table.guard_hit[:] = was
+    copy.unstage(())
+
+
+def staged_in(copy, incoming: tuple, first: bool, step: int) -> None:
+    """After a copy ahead's piece went in (lock held): the copy held here
+    (the first replaced earlier copies of its buckets: receive), what its
+    import evicted still marked."""
+    t, (mask, epoch) = copy.table, incoming
+    lost = t.guard_hit & mask
+    if first:
+        copy.unstage([e for e, m in copy.staged.items() if (m & mask).any()])
+        copy.stage(epoch, mask, (max(t.step, step) - step, step))
+    t.guard_hit |= lost
 
 
 def unstaged(copy, state: dict) -> dict:

@@ -450,6 +450,7 @@ class TableStore:
     def _write(self, copy, name: str, spec, target) -> SavedTable:
         with copy.lock:
             t = copy.table
+            M.expire_copies(copy)   # (a copy ahead's change point no move came for)
             changes = t.take_changes(spec.save_id, spec.stream, spec.since) \
                 if spec.save_id else None
             if changes is not None and changes.whole:
@@ -502,14 +503,10 @@ class TableStore:
             if not reset:   # (no key another shard holds, but for a move's)
                 copy.take_in(check_keys(state["keys"]).reshape(-1), incoming, True)
                 if incoming is not None:
-                    replace = M.receive(copy, state, incoming, first, staged, dropped)
+                    replace = M.receive(copy, state, incoming, first, staged, dropped, step,
+                                        capacity)
             before = t.config.capacity
-            if staged and capacity and (not before or capacity < before):
-                raise InvalidArgument("a move's copy ahead raises the shard's capacity, never "
-                                      f"lowers it ({before} to {capacity}); nothing changed")
-            if staged and first:   # (watched from now on: a row evicted damages the copy)
-                t.guard = incoming[0] if t.guard is None else t.guard | incoming[0]
-                t.guard_hit[incoming[0]] = False
+            watched = M.watch(copy, incoming[0]) if staged and first else None
             if capacity is not None:
                 t.set_capacity(capacity)
             shift = M.shift_of(copy, incoming, step, dropped) if first else 0
@@ -517,22 +514,17 @@ class TableStore:
                 rows = t.import_rows(state, step, reset=reset, replace=replace, staged=staged)
             except BaseException:   # refused whole: the capacity as it was
                 t.set_capacity(before)
-                if staged:   # (what copies of these buckets are here is no longer whole)
-                    t.guard_hit[incoming[0]] = True
-                    copy.unstage(())
+                if watched is not None:
+                    M.unwatch(copy, watched)
                 raise
             if staged:   # (its buckets not held here yet)
-                lost = t.guard_hit & incoming[0]   # (rows its import evicted)
-                if first:   # (earlier copies of these buckets went: receive)
-                    copy.unstage([e for e, m in copy.staged.items() if (m & incoming[0]).any()])
-                copy.stage(incoming[1], incoming[0], max(t.step, step) - step)
-                t.guard_hit |= lost
+                M.staged_in(copy, incoming, first, step)
                 if capacity is not None:
                     copy.spec = copy.spec.with_capacity(capacity)
                 copy.version += 1
                 return rows
-            if shift:   # (the copy's other rows' steps as the rows whole would have them)
-                M.rebase(t, incoming[0], state["keys"], shift)
+            if first and dropped is not None:   # (the copy's other rows as the rows whole)
+                M.rebase(copy, incoming[0], state["keys"], shift)
             if capacity is not None:
                 copy.spec = copy.spec.with_capacity(capacity)
             copy.version += 1

@@ -198,7 +198,6 @@ def test_the_move_waits_for_the_steps_in_flight():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(replication=True), "replication"),
-    (dict(mode="sync"), "sync mode"),
 ])
 def test_what_is_not_supported_yet_is_refused_with_nothing_changed(kw, match):
     with LocalCluster(num_ps=2, num_workers=2) as cluster:

@@ -212,3 +212,87 @@ def test_rows_copied_ahead_do_not_expire_by_the_destinations_steps(start_ps, tmp
         got = _move(src, dst)
         assert got.rows == MOVING.size and got.sent == 0   # (the copy whole: nothing sent)
         np.testing.assert_array_equal(dst.lookup("emb", MOVING, admit=False), want)
+
+
+def _churn_saves(src: PSClient, rounds: int, since: int, incarnation: str) -> list[int]:
+    """Every row replaced between two incremental saves, each committed: the
+    source's bytes after each (its change tracking included)."""
+    sizes, k = [], 10**9
+    for i in range(since + 1, since + 1 + rounds):
+        fresh = np.arange(k, k + KEYS.size, dtype=np.int64) * 31 + 1
+        k += KEYS.size
+        src.lookup("emb", fresh[~MASK[bucket_of(fresh)]])
+        src.save_table("emb", str(src.dir / "c"), save_id=i, since=i - 1,
+                       incarnation=incarnation, stream="ck")
+        src.commit_save(i, "ck", incarnation)
+        sizes.append(src.table_info("emb").bytes)
+    return sizes
+
+
+@pytest.mark.parametrize("ends", ["fenced", "told-a-layout"])
+def test_a_copy_whose_move_never_comes_keeps_no_change_point(start_ps, tmp_path, ends):
+    """Review 25: a copy ahead anchored its change point until its move; a move
+    that never came (the add failed, the steps did not end) kept it, and
+    every save after kept what changed since. A fence or a layout told (what
+    the coordinator does after a failed move or add) releases it."""
+    src, dst = _servers(start_ps, tmp_path, 2, capacity=KEYS.size, policy="lru")
+    with src, dst:
+        src.lookup("emb", KEYS)
+        (src.dir / "c").mkdir()
+        s = src.save_table("emb", str(src.dir / "c"), save_id=1, stream="ck")
+        src.commit_save(1, "ck", s.incarnation)
+        _ahead(src, dst)
+        if ends == "fenced":
+            assert not src.move_table_buckets("emb", b"", "", layout_epoch=1, fence=True).moved
+        else:
+            src.move_table_buckets("emb", b"", "", layout_epoch=0, layout=_layout(0, MASK),
+                                   layout_only=True, shard=0)
+        sizes = _churn_saves(src, 30, 1, s.incarnation)
+        assert max(sizes[10:]) <= sizes[5], sizes
+
+
+def test_a_copy_ahead_of_buckets_the_destination_holds_rows_of_is_refused(start_ps, tmp_path):
+    src, dst = _servers(start_ps, tmp_path, 2)
+    own = KEYS[MASK[bucket_of(KEYS)]][:50]   # (rows of those buckets the destination has)
+    with src, dst:
+        src.lookup("emb", KEYS)
+        dst.lookup("emb", own)
+        with pytest.raises(InvalidArgument, match="holds rows of"):
+            _ahead(src, dst)
+        assert dst.table_info("emb").rows == own.size
+        np.testing.assert_array_equal(dst.lookup("emb", own, admit=False).shape, (own.size, 4))
+
+
+def test_a_copy_ahead_keeps_one_source_step_and_its_changes_come_at_it_or_later(start_ps,
+                                                                                 tmp_path):
+    src, dst = _servers(start_ps, tmp_path, 2)
+    with src, dst:
+        src.lookup("emb", KEYS)
+        state = {k: v for k, v in _saved(src, "a").items() if k != "evicted"}
+        keep = MASK[bucket_of(state["keys"])]
+        part = {k: (v[keep] if np.ndim(v) and v.shape[:1] == keep.shape else v)
+                for k, v in state.items()}
+        dst.import_table("emb", part, 1000, staged=True, incoming=(MASK, 1))
+        for step, kw, match in [(999, dict(staged=True), "one step of its source"),
+                                (1, dict(dropped=np.zeros(0, np.int64)), "or later")]:
+            one = {k: (v[:1] if np.ndim(v) and v.shape[:1] == part["keys"].shape else v)
+                   for k, v in part.items()}   # (a later staged piece, then changes)
+            with pytest.raises(InvalidArgument, match=match):
+                _later_piece(dst, one, step, **kw)
+        with pytest.raises(InvalidArgument, match="copy ahead of another server's move"):
+            dst.move_table_buckets("emb", bitmap_of_buckets(MASK), src.address, layout_epoch=3,
+                                   layout=_layout(3, ~MASK))
+
+
+def _later_piece(c: PSClient, state: dict, step: int, staged: bool = False, dropped=None):
+    """One ImportTable piece of a move of epoch 1 (not its first)."""
+    from protos.pstrain.v1 import tables_pb2
+    from psserver.client.admin import _fill_rows
+    from psserver.link import methods
+    from psserver.link import tensor_proto as TP
+    req = tables_pb2.ImportTableRequest(name="emb", step=step, staged=staged,
+                                        delta=dropped is not None)
+    _fill_rows(req, state, 0, state["keys"].size, (MASK, 1))
+    if dropped is not None:
+        TP.fill(req.dropped, dropped)
+    return c._call(methods.TABLE_IMPORT, req)

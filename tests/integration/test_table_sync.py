@@ -297,3 +297,46 @@ def test_a_sync_look_up_sent_to_a_backup_copy_is_refused_at_once():
                 b.lookup(backup.table, keys, sync_step=1)
             with pytest.raises(NotPrimary):
                 b.lookup(backup.table, keys)
+
+
+def test_in_sync_mode_a_server_added_and_drained_mid_run_trains_as_one_process():
+    """Adds and drains in sync mode (refused before): the pause comes between
+    two whole steps (the other replicas of a step that started run first),
+    so every shard, the new one too, counts every replica of each step after
+    it: the table ends as one process's, bit for bit, and each replica of
+    step t read the rows after step t - 1."""
+    import time
+    keys_global = step_keys()
+    inner = make_step(None)
+
+    def slow_second(table):   # (replica 1 a straggler: a step is half run at the add)
+        step = make_step(table)
+
+        def run(keys):
+            if get_replica_context().replica_id_in_sync_group == 1:
+                time.sleep(0.05)
+            return step(keys)
+        return run
+    assert inner is not None
+    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+        strategy = ParameterServerStrategy(cluster.spec, mode="sync")
+        table = strategy.create_embedding_table("emb", DIM, **SPEC)
+        with ClusterCoordinator(strategy) as coord:
+            results = [coord.schedule(slow_second(table), args=(keys_global[t],))
+                       for t in range(STEPS)]
+            results[1].fetch()
+            added = coord.add_parameter_server(cluster.add_ps())
+            results[3].fetch()
+            drained = coord.remove_parameter_server(strategy.parameter_servers[0])
+            coord.join()
+            per_step = [[r.fetch() for r in rv.replicas] for rv in results]
+        all_keys = np.unique(keys_global)
+        got = table.lookup(all_keys, admit=False)
+        assert table.num_shards == 2 and table.stats().late == 0
+    assert [m.rows for m in added] and [m.rows for m in drained if hasattr(m, "table")]
+    ref, seen = reference_run(keys_global)
+    np.testing.assert_array_equal(got, ref.lookup(all_keys, admit=False))
+    for t, replicas in enumerate(per_step):
+        for r, out in enumerate(replicas):
+            assert out["step"] == t
+            np.testing.assert_array_equal(out["rows"], seen[t][r])
