@@ -272,6 +272,18 @@ class _ClosureQueue:
             self._queued_locked()
         _metrics.CLOSURES_SCHEDULED.inc()
 
+    def put_together(self, closures: list[Closure]) -> None:
+        """Queue a sync step's closures at once, waiting while the queue has
+        no room for all (a step's replicas are never part queued: an add's
+        pause between whole steps counts on it, Cluster.between_steps)."""
+        with self._lock:
+            room = max(self._max_size - len(closures), 0)
+            self._free_slot.wait_for(lambda: len(self._queue) <= room)
+            self._queue.extend(closures)
+            for _ in closures:
+                self._queued_locked()
+        _metrics.CLOSURES_SCHEDULED.inc(len(closures))
+
     def _queued_locked(self) -> None:
         if self._wake_all:
             self._closures_queued.notify_all()

@@ -201,7 +201,7 @@ class Cluster:
             together = SyncStep(step)   # (an add or a drain lets a started step end)
             for c in closures:
                 c.sync_step = together
-                self.queue.put(c)
+            self.queue.put_together(closures)
             return StepRemoteValue([c.remote_value for c in closures])
         closure = Closure(ref, payload, _name(fn))
         self.queue.put(closure)

@@ -339,18 +339,21 @@ class ClusterCoordinator:
         with elastic.LAYOUT_LOCK:
             self._check_open()
             elastic.settle(self.strategy.tables)   # (what an earlier, failed call left)
+            epochs = {t.name: t.layout_epoch for t in self.strategy.tables}
             try:
                 ahead = elastic.copy_ahead(self.strategy, address, adding)
             except BaseException:
-                elastic.drop_ahead(self.strategy, address, adding)
+                elastic.drop_ahead(self.strategy, address, adding, epochs)
                 raise
         try:
             with self._cluster.between_steps(timeout):
                 self._check_open()
                 yield ahead
                 self._cluster.forget_function_refs()   # closures carry the new layout now
+        except elastic.MoveUndetermined:   # (nothing is cleaned up: a person decides)
+            raise
         except BaseException:   # (the moves did not run, or failed: the copies go)
-            elastic.drop_ahead(self.strategy, address, adding)
+            elastic.drop_ahead(self.strategy, address, adding, epochs)
             raise
 
     def _check_open(self) -> None:

@@ -361,12 +361,14 @@ def _copy_steps(table, steps: list, known: dict) -> Ahead:
     return ahead
 
 
-def drop_ahead(strategy, address: str, adding: bool) -> None:
+def drop_ahead(strategy, address: str, adding: bool, epochs: dict) -> None:
     """After copy_ahead, where the moves did not follow (the steps did not
     end in time): the copies go (each shard told its layout: a destination
     drops its copies, a source releases their change points; an added
-    server's shard deleted where it holds no bucket). Failures are logged."""
-    for table in list(strategy.tables):
+    server's shard deleted where it holds no bucket). Not for a table a
+    move changed since (its layout at copy_ahead's start: ``epochs``): the
+    move's own failure handling told its shards (_run). Failures are logged."""
+    for table in [t for t in strategy.tables if t.layout_epoch == epochs.get(t.name)]:
         steps = [lambda t=table: serve_layout(t)]
         if adding and address not in table.addresses:
             steps.insert(0, lambda t=table: ps_pool.client_for(address).delete_table(t.name))
@@ -464,12 +466,18 @@ def serve_layout(table, client_for=None) -> None:
     ``client_for``: address -> client (default: this process's, with its
     token and TLS)."""
     client_for = client_for or ps_pool.client_for
+    failed = None
     with LAYOUT_LOCK:   # (never a layout an add in progress is changing)
         text = layouts.to_json(layouts.of(table))
         for i, address in enumerate(table.addresses):
-            client_for(address).move_table_buckets(
-                table.name, b"", "", layout_epoch=table.layout_epoch, layout=text,
-                layout_only=True, shard=i, timeout=MOVE_SECONDS)
+            try:   # (every shard told, one that fails or not: the first error goes up)
+                client_for(address).move_table_buckets(
+                    table.name, b"", "", layout_epoch=table.layout_epoch, layout=text,
+                    layout_only=True, shard=i, timeout=MOVE_SECONDS)
+            except PSError as exc:
+                failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 class MoveUndetermined(RuntimeError):

@@ -518,3 +518,20 @@ def test_while_an_add_waits_only_the_replicas_of_a_started_step_start():
     assert q.wait_idle(0.05, steps=True) and q.counts() == (2, 0)
     assert q._first_for(None, False) is None   # (a recovery's pause: none at all)
     assert q.get(lambda: True) is cs[2]
+
+
+def test_a_sync_steps_replicas_are_queued_together_or_not_at_all():
+    """Review 26: replicas queued one at a time on a full queue could leave a
+    step part queued, replica 0 run and replica 1 not queued yet: an add's
+    wait then ended mid-step. put_together waits for room for all."""
+    q = _ClosureQueue(max_size=2)
+    tool, r0, r1 = closure("tool"), closure("r0"), closure("r1")
+    q.put(tool)
+    putter = threading.Thread(target=q.put_together, args=([r0, r1],), daemon=True)
+    putter.start()
+    putter.join(0.2)
+    assert putter.is_alive() and q.counts() == (1, 0)   # (room for one only: none put)
+    assert q.get() is tool
+    putter.join(WAIT)
+    assert not putter.is_alive() and q.counts() == (2, 1)
+    assert [q.get(), q.get()] == [r0, r1]

@@ -90,3 +90,35 @@ def test_steps_that_do_not_end_in_time_for_the_move_leave_no_copy_behind():
             assert [m.table for m in moves] == ["counter", "emb"] and emb.num_shards == 3
             assert sum(_rows(emb.addresses, "emb")) == keys.size
             np.testing.assert_array_equal(emb.lookup(keys, admit=False), want)
+
+
+def test_an_add_that_cannot_say_whether_a_move_happened_cleans_nothing_up(monkeypatch):
+    """Review 26: an add ending in MoveUndetermined (a source's move made, its
+    answer lost, and the source not saying) promises that nothing is
+    cleaned up; the copies' clean-up deleted the new server's shard, and the
+    rows that had moved there were lost with it."""
+    from psserver.client import admin
+    from psserver.errors import DeadlineExceeded
+    real, calls = admin.PSAdmin.move_table_buckets, []
+
+    def move(self, *a, **kw):   # (the second source's move is made, its answer lost)
+        if kw.get("layout_only") or kw.get("precopy") or kw.get("fence"):
+            return real(self, *a, **kw)
+        calls.append(self)
+        out = real(self, *a, **kw)
+        if len(calls) == 2:
+            raise DeadlineExceeded("the answer was lost")
+        return out
+    with LocalCluster(num_ps=2, num_workers=1) as cluster:
+        strategy, counter, emb, w = _job(cluster.spec)
+        keys = np.arange(20000, dtype=np.int64)
+        with ClusterCoordinator(strategy) as coord:
+            counter.lookup(keys)
+            added = cluster.add_ps()
+            monkeypatch.setattr(admin.PSAdmin, "move_table_buckets", move)
+            monkeypatch.setattr(elastic, "_fence", lambda *a, **kw: None)   # (cannot say)
+            with pytest.raises(elastic.MoveUndetermined):
+                coord.add_parameter_server(added)
+            monkeypatch.undo()
+            held = sum(_rows(list(strategy.parameter_servers[:2]) + [added], "counter"))
+            assert held == keys.size   # (every row on some server: none dropped)
