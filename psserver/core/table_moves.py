@@ -149,11 +149,6 @@ def _rows_in(t, mask: np.ndarray, ordered: bool = True) -> np.ndarray:
     return np.sort(keys) if ordered else keys
 
 
-def _row_bytes(state: dict) -> int:
-    return sum(a.nbytes for k, a in state.items()
-               if k == "values" or (k.startswith("slot/") and np.ndim(a)))
-
-
 #: The change-tracking streams of moves' copies ahead (saves name theirs).
 MOVE_STREAM = "~move"
 
@@ -198,7 +193,7 @@ def precopy(copy, mask: np.ndarray, destination: str, send: Callable[[dict, int]
                 _release(copy, copy.precopied.pop(min(copy.precopied)))
         elif t.tracker is not None:
             t.tracker.log.release(stream)
-    return int(state["keys"].size), _row_bytes(state)
+    return int(state["keys"].size), int(state["keys"].size) * t.moved_row_bytes
 
 
 #: Copies ahead a source shard keeps the change points of (one per move
@@ -256,7 +251,7 @@ def _changes_since(copy, mask: np.ndarray, destination: str, epoch: int):
 def move_buckets(copy, mask: np.ndarray, send: Callable[..., None],
                  capacity: int | None, epoch: int, layout: str,
                  deadline: float | None = None, leaves: bool = False,
-                 destination: str = "") -> tuple[int, int, int]:
+                 destination: str = "") -> tuple[int, int, int, int]:
     """Hand the rows of the buckets in ``mask`` to another server: ``send(state,
     step, applied, dropped)`` puts them there with the update keys applied
     to them (TableShardCopy.export_applied), raising if it could not

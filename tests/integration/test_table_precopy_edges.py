@@ -108,19 +108,42 @@ def test_a_drain_to_two_destinations_sends_each_only_what_changed(start_ps, tmp_
         assert first.sent <= 10 and second.sent <= 10
 
 
+def _committed_save(src: PSClient) -> str:
+    """A first save (id 1, stream "ck") of the source, committed: its incarnation."""
+    (src.dir / "c").mkdir()
+    s = src.save_table("emb", str(src.dir / "c"), save_id=1, stream="ck")
+    src.commit_save(1, "ck", s.incarnation)
+    return s.incarnation
+
+
+def _churn_saves(src: PSClient, rounds: int, since: int, incarnation: str,
+                 mask=MASK) -> list[int]:
+    """Every row (of buckets outside ``mask``) replaced between two
+    incremental saves, each committed: the source's bytes after each (its
+    change tracking included)."""
+    sizes, k = [], 10**9
+    for i in range(since + 1, since + 1 + rounds):
+        fresh = np.arange(k, k + KEYS.size, dtype=np.int64) * 31 + 1
+        k += KEYS.size
+        src.lookup("emb", fresh[~mask[bucket_of(fresh)]])
+        src.save_table("emb", str(src.dir / "c"), save_id=i, since=i - 1,
+                       incarnation=incarnation, stream="ck")
+        src.commit_save(i, "ck", incarnation)
+        sizes.append(src.table_info("emb").bytes)
+    return sizes
+
+
 def test_a_checkpoint_committed_between_the_copy_and_the_move_keeps_its_change_point(
         start_ps, tmp_path):
     src, dst = _servers(start_ps, tmp_path, 2)
     with src, dst:
         src.lookup("emb", KEYS)
-        (src.dir / "c").mkdir()
-        s = src.save_table("emb", str(src.dir / "c"), save_id=1, stream="ck")
-        src.commit_save(1, "ck", s.incarnation)
+        incarnation = _committed_save(src)
         _ahead(src, dst)
         src.lookup("emb", KEYS[:5])
-        src.save_table("emb", str(src.dir / "c"), save_id=2, since=1, incarnation=s.incarnation,
+        src.save_table("emb", str(src.dir / "c"), save_id=2, since=1, incarnation=incarnation,
                        stream="ck")
-        src.commit_save(2, "ck", s.incarnation)
+        src.commit_save(2, "ck", incarnation)
         got = _move(src, dst)
         assert got.rows == MOVING.size and got.sent <= 5
 
@@ -131,20 +154,10 @@ def test_change_tracking_does_not_grow_after_a_move_made_from_a_copy(start_ps, t
     eighth[: BUCKETS // 8] = True
     with src, dst:
         src.lookup("emb", KEYS)
-        (src.dir / "c").mkdir()
-        s = src.save_table("emb", str(src.dir / "c"), save_id=1, stream="ck")
-        src.commit_save(1, "ck", s.incarnation)
+        incarnation = _committed_save(src)
         _ahead(src, dst, eighth)
         _move(src, dst, eighth)
-        sizes, k = [], 10**9
-        for i in range(2, 32):   # churn: every row replaced between two saves
-            fresh = np.arange(k, k + KEYS.size, dtype=np.int64) * 31 + 1
-            k += KEYS.size
-            src.lookup("emb", fresh[~eighth[bucket_of(fresh)]])
-            src.save_table("emb", str(src.dir / "c"), save_id=i, since=i - 1,
-                           incarnation=s.incarnation, stream="ck")
-            src.commit_save(i, "ck", s.incarnation)
-            sizes.append(src.table_info("emb").bytes)
+        sizes = _churn_saves(src, 30, 1, incarnation, eighth)
         assert max(sizes[10:]) <= sizes[5], sizes   # (no interval kept past its commit)
 
 
@@ -214,21 +227,6 @@ def test_rows_copied_ahead_do_not_expire_by_the_destinations_steps(start_ps, tmp
         np.testing.assert_array_equal(dst.lookup("emb", MOVING, admit=False), want)
 
 
-def _churn_saves(src: PSClient, rounds: int, since: int, incarnation: str) -> list[int]:
-    """Every row replaced between two incremental saves, each committed: the
-    source's bytes after each (its change tracking included)."""
-    sizes, k = [], 10**9
-    for i in range(since + 1, since + 1 + rounds):
-        fresh = np.arange(k, k + KEYS.size, dtype=np.int64) * 31 + 1
-        k += KEYS.size
-        src.lookup("emb", fresh[~MASK[bucket_of(fresh)]])
-        src.save_table("emb", str(src.dir / "c"), save_id=i, since=i - 1,
-                       incarnation=incarnation, stream="ck")
-        src.commit_save(i, "ck", incarnation)
-        sizes.append(src.table_info("emb").bytes)
-    return sizes
-
-
 @pytest.mark.parametrize("ends", ["fenced", "told-a-layout"])
 def test_a_copy_whose_move_never_comes_keeps_no_change_point(start_ps, tmp_path, ends):
     """Review 25: a copy ahead anchored its change point until its move; a move
@@ -238,16 +236,14 @@ def test_a_copy_whose_move_never_comes_keeps_no_change_point(start_ps, tmp_path,
     src, dst = _servers(start_ps, tmp_path, 2, capacity=KEYS.size, policy="lru")
     with src, dst:
         src.lookup("emb", KEYS)
-        (src.dir / "c").mkdir()
-        s = src.save_table("emb", str(src.dir / "c"), save_id=1, stream="ck")
-        src.commit_save(1, "ck", s.incarnation)
+        incarnation = _committed_save(src)
         _ahead(src, dst)
         if ends == "fenced":
             assert not src.move_table_buckets("emb", b"", "", layout_epoch=1, fence=True).moved
         else:
             src.move_table_buckets("emb", b"", "", layout_epoch=0, layout=_layout(0, MASK),
                                    layout_only=True, shard=0)
-        sizes = _churn_saves(src, 30, 1, s.incarnation)
+        sizes = _churn_saves(src, 30, 1, incarnation)
         assert max(sizes[10:]) <= sizes[5], sizes
 
 

@@ -222,6 +222,17 @@ def reference_run(keys_global: np.ndarray, dead: tuple[int, int] | None = None):
     return ref, seen
 
 
+def _as_one_process(keys_global, got: np.ndarray, per_step: list) -> None:
+    """The table (``got``: every key's row) ends as reference_run's, bit for
+    bit, and every replica of step t looked up the rows after step t - 1."""
+    ref, seen = reference_run(keys_global)
+    np.testing.assert_array_equal(got, ref.lookup(np.unique(keys_global), admit=False))
+    for t, replicas in enumerate(per_step):
+        for r, out in enumerate(replicas):
+            assert out["step"] == t
+            np.testing.assert_array_equal(out["rows"], seen[t][r])
+
+
 def _train(strategy, step_fn, keys_global):
     with ClusterCoordinator(strategy) as coord:
         results = [coord.schedule(step_fn, args=(keys_global[t],)) for t in range(STEPS)]
@@ -240,13 +251,7 @@ def test_sync_mode_trains_a_dynamic_table_as_one_process_would_and_replicates_it
         got = table.lookup(all_keys, admit=False)
         stats = table.stats()
         copies = _copies(cluster, table, tmp_path)
-    ref, seen = reference_run(keys_global)
-    np.testing.assert_array_equal(got, ref.lookup(all_keys, admit=False))
-    # Every replica of step t looked up the rows after step t - 1, bit for bit.
-    for t, replicas in enumerate(per_step):
-        for r, out in enumerate(replicas):
-            assert out["step"] == t
-            np.testing.assert_array_equal(out["rows"], seen[t][r])
+    _as_one_process(keys_global, got, per_step)
     assert stats.late == 0
     # Each shard applied one table step per sync step, and its backup holds the same.
     for p_version, b_version, p_rows, b_rows in copies:
@@ -334,9 +339,4 @@ def test_in_sync_mode_a_server_added_and_drained_mid_run_trains_as_one_process()
         got = table.lookup(all_keys, admit=False)
         assert table.num_shards == 2 and table.stats().late == 0
     assert [m.rows for m in added] and [m.rows for m in drained if hasattr(m, "table")]
-    ref, seen = reference_run(keys_global)
-    np.testing.assert_array_equal(got, ref.lookup(all_keys, admit=False))
-    for t, replicas in enumerate(per_step):
-        for r, out in enumerate(replicas):
-            assert out["step"] == t
-            np.testing.assert_array_equal(out["rows"], seen[t][r])
+    _as_one_process(keys_global, got, per_step)
